@@ -1,0 +1,708 @@
+//! The collective calls of [`Communicator`]: argument checks, the tuner's choice, and dispatch to
+//! the algorithms. Out-of-place forms copy into the output (or a scratch buffer) and run the
+//! in-place algorithm there; the caller's input is never modified.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use oxccl_kernels::{finish_avg_bytes, DType, Element, ReduceOp};
+
+use crate::algorithm::{chain, dissemination, halving_doubling, linear, pairwise, ring, tree};
+use crate::communicator::Communicator;
+use crate::engine::{ExecState, Shared, Work};
+use crate::error::{Error, Result};
+use crate::op::{Collective, OpDesc};
+use crate::prims::{Ctx, RecvMode};
+use crate::tuning::{self, Algorithm, Choice};
+
+fn bytes<T: Element>(s: &[T]) -> &[u8] {
+    bytemuck::cast_slice(s)
+}
+
+fn bytes_mut<T: Element>(s: &mut [T]) -> &mut [u8] {
+    bytemuck::cast_slice_mut(s)
+}
+
+fn no_algo(ctx: &Ctx<'_>, algo: Algorithm) -> Error {
+    Error::InvalidArgument {
+        rank: ctx.rank,
+        op: ctx.op.into(),
+        msg: format!("algorithm {algo} does not implement {}", ctx.op),
+    }
+}
+
+/// Runs one collective on the execution state: sequence number, tuner, algorithm, flush.
+fn exec<R>(
+    shared: &Shared,
+    st: &mut ExecState,
+    desc: OpDesc,
+    body: impl FnOnce(&mut Ctx<'_>, Choice) -> Result<R>,
+) -> Result<R> {
+    let seq = st.coll_seq;
+    st.coll_seq += 1;
+    let n = shared.size;
+    let full = match desc.coll {
+        Collective::ReduceScatter
+        | Collective::AllGather
+        | Collective::Gather
+        | Collective::Scatter => desc.count * n,
+        _ => desc.count,
+    } * desc.dtype.size();
+    let choice = tuning::choose(desc.coll, full, n, &shared.algo);
+    tracing::info!(rank = shared.rank, seq, op = %desc, algo = %choice.algo, bytes = full, "collective");
+    let mut ctx = Ctx::new(
+        shared.rank,
+        n,
+        &mut st.links,
+        desc.tag(seq),
+        desc.coll.name(),
+        shared.timeout,
+        &shared.abort,
+    );
+    let r = body(&mut ctx, choice)?;
+    ctx.flush()?;
+    Ok(r)
+}
+
+fn all_reduce_body(
+    ctx: &mut Ctx<'_>,
+    ch: Choice,
+    buf: &mut [u8],
+    dt: DType,
+    op: ReduceOp,
+) -> Result<()> {
+    match ch.algo {
+        Algorithm::Ring => ring::all_reduce(ctx, buf, dt, op, ch.chunk_bytes)?,
+        Algorithm::Tree => tree::all_reduce(ctx, buf, dt, op, ch.chunk_bytes)?,
+        Algorithm::HalvingDoubling => halving_doubling::all_reduce(ctx, buf, dt, op)?,
+        a => return Err(no_algo(ctx, a)),
+    }
+    finish(ctx, buf, dt, op)
+}
+
+fn finish(ctx: &Ctx<'_>, buf: &mut [u8], dt: DType, op: ReduceOp) -> Result<()> {
+    if op == ReduceOp::Avg {
+        finish_avg_bytes(dt, buf, ctx.size).map_err(|e| Error::InvalidArgument {
+            rank: ctx.rank,
+            op: ctx.op.into(),
+            msg: e.to_string(),
+        })?;
+    }
+    Ok(())
+}
+
+fn broadcast_body(
+    ctx: &mut Ctx<'_>,
+    ch: Choice,
+    buf: &mut [u8],
+    es: usize,
+    root: usize,
+) -> Result<()> {
+    match ch.algo {
+        Algorithm::Tree => tree::broadcast(ctx, buf, es, root, ch.chunk_bytes),
+        Algorithm::Chain => chain::broadcast(ctx, buf, root),
+        a => Err(no_algo(ctx, a)),
+    }
+}
+
+/// Reduce into `buf` at the root; `buf` is a scratch copy on other ranks.
+fn reduce_body(
+    ctx: &mut Ctx<'_>,
+    ch: Choice,
+    buf: &mut [u8],
+    dt: DType,
+    op: ReduceOp,
+    root: usize,
+) -> Result<()> {
+    if ctx.size > 1 && !buf.is_empty() {
+        match ch.algo {
+            Algorithm::Tree => tree::reduce(ctx, buf, dt, op, root, ch.chunk_bytes)?,
+            Algorithm::Chain => chain::reduce(ctx, buf, dt, op, root)?,
+            a => return Err(no_algo(ctx, a)),
+        }
+    }
+    if ctx.rank == root {
+        finish(ctx, buf, dt, op)?;
+    }
+    Ok(())
+}
+
+impl Communicator {
+    fn invalid(&self, op: &str, msg: String) -> Error {
+        Error::InvalidArgument {
+            rank: self.rank,
+            op: op.into(),
+            msg,
+        }
+    }
+
+    fn check_root(&self, op: &str, root: usize) -> Result<()> {
+        if root >= self.size {
+            return Err(self.invalid(
+                op,
+                format!(
+                    "root {root} is not a rank of this communicator (size {})",
+                    self.size
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn desc<T: Element>(
+        &self,
+        coll: Collective,
+        count: usize,
+        op: ReduceOp,
+        root: usize,
+    ) -> OpDesc {
+        OpDesc {
+            coll,
+            dtype: T::DTYPE,
+            op,
+            root,
+            count,
+        }
+    }
+
+    /// Runs a blocking collective on the caller's thread when its turn comes.
+    fn run<R>(
+        &self,
+        desc: OpDesc,
+        body: impl FnOnce(&mut Ctx<'_>, Choice) -> Result<R>,
+    ) -> Result<R> {
+        let (ticket, ahead) = self.shared.take_ticket();
+        let shared = &self.shared;
+        shared.run_turn(ticket, ahead, |st| exec(shared, st, desc, body))
+    }
+
+    /// Queues a collective on the progress thread; the job owns `buf` until `wait()`.
+    fn run_async<B: Send + 'static>(
+        &self,
+        desc: OpDesc,
+        buf: B,
+        body: impl FnOnce(&mut Ctx<'_>, Choice, &mut B) -> Result<()> + Send + 'static,
+    ) -> Work<B> {
+        let (ticket, ahead) = self.shared.take_ticket();
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        let shared = Arc::clone(&self.shared);
+        let deadline =
+            Instant::now() + self.shared.timeout * (ahead as u32 + 2) + Duration::from_secs(1);
+        let job = move || {
+            let mut buf = buf;
+            let r = shared.run_turn(ticket, ahead, |st| {
+                exec(&shared, st, desc, |ctx, ch| body(ctx, ch, &mut buf))
+            });
+            let _ = tx.send(r.map(|()| buf));
+        };
+        self.shared.submit(Box::new(job));
+        Work::new(rx, deadline, self.rank, desc.coll.name())
+    }
+
+    /// Fails an async call before anything is queued.
+    fn failed_work<B>(&self, e: Error, op: &'static str) -> Work<B> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        let _ = tx.send(Err(e));
+        Work::new(rx, Instant::now(), self.rank, op)
+    }
+
+    /// All-reduce in place: every rank ends with the reduction of every rank's `buf`.
+    ///
+    /// # Errors
+    /// `Mismatch`, `PeerLost`, `Timeout`, `Aborted` (see [`Error`]).
+    pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        let desc = self.desc::<T>(Collective::AllReduce, buf.len(), op, 0);
+        self.run(desc, |ctx, ch| {
+            all_reduce_body(ctx, ch, bytes_mut(buf), T::DTYPE, op)
+        })
+    }
+
+    /// All-reduce out of place: `output` = reduction of every rank's `input`.
+    ///
+    /// # Errors
+    /// `InvalidArgument` when the lengths differ; otherwise as [`Communicator::all_reduce`].
+    pub fn all_reduce_into<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        if input.len() != output.len() {
+            return Err(self.invalid(
+                "all_reduce",
+                format!(
+                    "input has {} elements, output {}",
+                    input.len(),
+                    output.len()
+                ),
+            ));
+        }
+        output.copy_from_slice(input);
+        self.all_reduce(output, op)
+    }
+
+    /// Asynchronous in-place all-reduce; `wait()` gives the buffer back reduced.
+    pub fn all_reduce_async<T: Element, B: AsMut<[T]> + Send + 'static>(
+        &self,
+        mut buf: B,
+        op: ReduceOp,
+    ) -> Work<B> {
+        let desc = self.desc::<T>(Collective::AllReduce, buf.as_mut().len(), op, 0);
+        self.run_async(desc, buf, move |ctx, ch, b| {
+            all_reduce_body(ctx, ch, bytes_mut(b.as_mut()), T::DTYPE, op)
+        })
+    }
+
+    /// Reduce-scatter out of place: `input` holds `size()` shards of `output.len()` elements;
+    /// rank r's `output` = reduction of every rank's shard r.
+    ///
+    /// # Errors
+    /// `InvalidArgument` unless `input.len() == output.len() * size()`.
+    pub fn reduce_scatter<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        if input.len() != output.len() * self.size {
+            return Err(self.invalid(
+                "reduce_scatter",
+                format!(
+                    "input has {} elements; it must be output length {} x world size {}",
+                    input.len(),
+                    output.len(),
+                    self.size
+                ),
+            ));
+        }
+        let mut work = input.to_vec();
+        self.reduce_scatter_in_place(&mut work, op)?;
+        let r = self.rank * output.len();
+        output.copy_from_slice(&work[r..r + output.len()]);
+        Ok(())
+    }
+
+    /// Reduce-scatter in place: `buf` holds `size()` shards; shard `rank()` ends reduced (the
+    /// other shards hold partial results).
+    ///
+    /// # Errors
+    /// `InvalidArgument` unless `buf.len()` is a multiple of `size()`.
+    pub fn reduce_scatter_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        if !buf.len().is_multiple_of(self.size) {
+            return Err(self.invalid(
+                "reduce_scatter",
+                format!(
+                    "buffer of {} elements is not divisible by the world size {}",
+                    buf.len(),
+                    self.size
+                ),
+            ));
+        }
+        let desc = self.desc::<T>(Collective::ReduceScatter, buf.len() / self.size, op, 0);
+        let rank = self.rank;
+        self.run(desc, |ctx, ch| {
+            let b = bytes_mut(buf);
+            ring::reduce_scatter(ctx, b, T::DTYPE, op, ch.chunk_bytes)?;
+            let sb = b.len() / ctx.size;
+            finish(ctx, &mut b[rank * sb..(rank + 1) * sb], T::DTYPE, op)
+        })
+    }
+
+    /// Asynchronous in-place reduce-scatter (see [`Communicator::reduce_scatter_in_place`]).
+    pub fn reduce_scatter_async<T: Element, B: AsMut<[T]> + Send + 'static>(
+        &self,
+        mut buf: B,
+        op: ReduceOp,
+    ) -> Work<B> {
+        let len = buf.as_mut().len();
+        if len % self.size != 0 {
+            let e = self.invalid(
+                "reduce_scatter",
+                format!(
+                    "buffer of {len} elements is not divisible by the world size {}",
+                    self.size
+                ),
+            );
+            return self.failed_work(e, "reduce-scatter");
+        }
+        let desc = self.desc::<T>(Collective::ReduceScatter, len / self.size, op, 0);
+        let rank = self.rank;
+        self.run_async(desc, buf, move |ctx, ch, b| {
+            let b = bytes_mut(b.as_mut());
+            ring::reduce_scatter(ctx, b, T::DTYPE, op, ch.chunk_bytes)?;
+            let sb = b.len() / ctx.size;
+            finish(ctx, &mut b[rank * sb..(rank + 1) * sb], T::DTYPE, op)
+        })
+    }
+
+    /// All-gather out of place: `output` = every rank's `input`, in rank order.
+    ///
+    /// # Errors
+    /// `InvalidArgument` unless `output.len() == input.len() * size()`.
+    pub fn all_gather<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
+        if output.len() != input.len() * self.size {
+            return Err(self.invalid(
+                "all_gather",
+                format!(
+                    "output has {} elements; it must be input length {} x world size {}",
+                    output.len(),
+                    input.len(),
+                    self.size
+                ),
+            ));
+        }
+        let r = self.rank * input.len();
+        output[r..r + input.len()].copy_from_slice(input);
+        self.all_gather_in_place(output)
+    }
+
+    /// All-gather in place: `buf` holds `size()` shards, this rank's shard at `rank()`.
+    ///
+    /// # Errors
+    /// `InvalidArgument` unless `buf.len()` is a multiple of `size()`.
+    pub fn all_gather_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
+        if !buf.len().is_multiple_of(self.size) {
+            return Err(self.invalid(
+                "all_gather",
+                format!(
+                    "buffer of {} elements is not divisible by the world size {}",
+                    buf.len(),
+                    self.size
+                ),
+            ));
+        }
+        let desc = self.desc::<T>(
+            Collective::AllGather,
+            buf.len() / self.size,
+            ReduceOp::Sum,
+            0,
+        );
+        self.run(desc, |ctx, ch| {
+            ring::all_gather(ctx, bytes_mut(buf), T::DTYPE.size(), ch.chunk_bytes)
+        })
+    }
+
+    /// Asynchronous in-place all-gather (see [`Communicator::all_gather_in_place`]).
+    pub fn all_gather_async<T: Element, B: AsMut<[T]> + Send + 'static>(
+        &self,
+        mut buf: B,
+    ) -> Work<B> {
+        let len = buf.as_mut().len();
+        if len % self.size != 0 {
+            let e = self.invalid(
+                "all_gather",
+                format!(
+                    "buffer of {len} elements is not divisible by the world size {}",
+                    self.size
+                ),
+            );
+            return self.failed_work(e, "all-gather");
+        }
+        let desc = self.desc::<T>(Collective::AllGather, len / self.size, ReduceOp::Sum, 0);
+        self.run_async(desc, buf, move |ctx, ch, b| {
+            ring::all_gather(ctx, bytes_mut(b.as_mut()), T::DTYPE.size(), ch.chunk_bytes)
+        })
+    }
+
+    /// Broadcast in place: every rank's `buf` ends equal to the root's.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a root outside the communicator.
+    pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        self.check_root("broadcast", root)?;
+        let desc = self.desc::<T>(Collective::Broadcast, buf.len(), ReduceOp::Sum, root);
+        self.run(desc, |ctx, ch| {
+            broadcast_body(ctx, ch, bytes_mut(buf), T::DTYPE.size(), root)
+        })
+    }
+
+    /// Broadcast out of place: `output` = the root's `input` (`input` is read only on the root).
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a bad root, or on the root when the lengths differ.
+    pub fn broadcast_into<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        root: usize,
+    ) -> Result<()> {
+        if self.rank == root {
+            if input.len() != output.len() {
+                return Err(self.invalid(
+                    "broadcast",
+                    format!(
+                        "input has {} elements, output {}",
+                        input.len(),
+                        output.len()
+                    ),
+                ));
+            }
+            output.copy_from_slice(input);
+        }
+        self.broadcast(output, root)
+    }
+
+    /// Asynchronous in-place broadcast.
+    pub fn broadcast_async<T: Element, B: AsMut<[T]> + Send + 'static>(
+        &self,
+        mut buf: B,
+        root: usize,
+    ) -> Work<B> {
+        if let Err(e) = self.check_root("broadcast", root) {
+            return self.failed_work(e, "broadcast");
+        }
+        let desc = self.desc::<T>(
+            Collective::Broadcast,
+            buf.as_mut().len(),
+            ReduceOp::Sum,
+            root,
+        );
+        self.run_async(desc, buf, move |ctx, ch, b| {
+            broadcast_body(ctx, ch, bytes_mut(b.as_mut()), T::DTYPE.size(), root)
+        })
+    }
+
+    /// Reduce out of place: the root's `output` = reduction of every rank's `input`; `output` is
+    /// not touched on other ranks (it may be empty there).
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a bad root, or on the root when the lengths differ.
+    pub fn reduce<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        self.check_root("reduce", root)?;
+        let desc = self.desc::<T>(Collective::Reduce, input.len(), op, root);
+        if self.rank == root {
+            if input.len() != output.len() {
+                return Err(self.invalid(
+                    "reduce",
+                    format!(
+                        "input has {} elements, output {}",
+                        input.len(),
+                        output.len()
+                    ),
+                ));
+            }
+            output.copy_from_slice(input);
+            self.run(desc, |ctx, ch| {
+                reduce_body(ctx, ch, bytes_mut(output), T::DTYPE, op, root)
+            })
+        } else {
+            let mut scratch = input.to_vec();
+            self.run(desc, |ctx, ch| {
+                reduce_body(ctx, ch, bytes_mut(&mut scratch), T::DTYPE, op, root)
+            })
+        }
+    }
+
+    /// Reduce in place: the root's `buf` ends with the reduction; other ranks' `buf` is unchanged.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a bad root.
+    pub fn reduce_in_place<T: Element>(
+        &self,
+        buf: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        if self.rank == root {
+            self.check_root("reduce", root)?;
+            let desc = self.desc::<T>(Collective::Reduce, buf.len(), op, root);
+            self.run(desc, |ctx, ch| {
+                reduce_body(ctx, ch, bytes_mut(buf), T::DTYPE, op, root)
+            })
+        } else {
+            self.reduce(buf, &mut [], op, root)
+        }
+    }
+
+    /// Gather: the root's `output` = every rank's `input` in rank order (`size() * input.len()`
+    /// elements); `output` is not touched on other ranks (it may be empty there).
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a bad root or, on the root, a wrong output length.
+    pub fn gather<T: Element>(&self, input: &[T], output: &mut [T], root: usize) -> Result<()> {
+        self.check_root("gather", root)?;
+        let n = input.len();
+        if self.rank == root {
+            if output.len() != n * self.size {
+                return Err(self.invalid(
+                    "gather",
+                    format!(
+                        "output has {} elements; it must be input length {n} x world size {}",
+                        output.len(),
+                        self.size
+                    ),
+                ));
+            }
+            output[root * n..(root + 1) * n].copy_from_slice(input);
+        }
+        let desc = self.desc::<T>(Collective::Gather, n, ReduceOp::Sum, root);
+        self.run(desc, |ctx, _| {
+            linear::gather(ctx, bytes(input), bytes_mut(output), root)
+        })
+    }
+
+    /// Scatter: rank r's `output` = block r of the root's `input` (`size() * output.len()`
+    /// elements, read only on the root).
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a bad root or, on the root, a wrong input length.
+    pub fn scatter<T: Element>(&self, input: &[T], output: &mut [T], root: usize) -> Result<()> {
+        self.check_root("scatter", root)?;
+        let n = output.len();
+        if self.rank == root {
+            if input.len() != n * self.size {
+                return Err(self.invalid(
+                    "scatter",
+                    format!(
+                        "input has {} elements; it must be output length {n} x world size {}",
+                        input.len(),
+                        self.size
+                    ),
+                ));
+            }
+            output.copy_from_slice(&input[root * n..(root + 1) * n]);
+        }
+        let desc = self.desc::<T>(Collective::Scatter, n, ReduceOp::Sum, root);
+        self.run(desc, |ctx, _| {
+            linear::scatter(ctx, bytes(input), bytes_mut(output), root)
+        })
+    }
+
+    /// All-to-all: block j of rank r's `input` becomes block r of rank j's `output` (both
+    /// `size()` blocks of equal length).
+    ///
+    /// # Errors
+    /// `InvalidArgument` unless both lengths are equal and divisible by `size()`.
+    pub fn all_to_all<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
+        if input.len() != output.len() || !input.len().is_multiple_of(self.size) {
+            return Err(self.invalid(
+                "all_to_all",
+                format!(
+                    "input ({}) and output ({}) must have the same length, divisible by the world size {}",
+                    input.len(),
+                    output.len(),
+                    self.size
+                ),
+            ));
+        }
+        let desc = self.desc::<T>(
+            Collective::AllToAll,
+            input.len() / self.size,
+            ReduceOp::Sum,
+            0,
+        );
+        self.run(desc, |ctx, _| {
+            pairwise::all_to_all(ctx, bytes(input), bytes_mut(output))
+        })
+    }
+
+    /// Barrier: returns once every rank has entered it.
+    ///
+    /// # Errors
+    /// `PeerLost`, `Timeout`, `Aborted`.
+    pub fn barrier(&self) -> Result<()> {
+        let desc = OpDesc {
+            coll: Collective::Barrier,
+            dtype: DType::U8,
+            op: ReduceOp::Sum,
+            root: 0,
+            count: 0,
+        };
+        self.run(desc, |ctx, _| dissemination::barrier(ctx))
+    }
+
+    fn check_peer(&self, op: &str, peer: usize) -> Result<()> {
+        if peer >= self.size || peer == self.rank {
+            return Err(self.invalid(
+                op,
+                format!(
+                    "peer {peer} must be another rank of this communicator (size {})",
+                    self.size
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Runs a point-to-point operation: per-pair sequence numbers, no collective sequence.
+    fn p2p(
+        &self,
+        send: Option<(usize, &[u8])>,
+        recv: Option<(usize, &mut [u8])>,
+        dtype: DType,
+        es: usize,
+    ) -> Result<()> {
+        let (ticket, ahead) = self.shared.take_ticket();
+        let shared = &self.shared;
+        shared.run_turn(ticket, ahead, |st| {
+            let tag_for = |count: usize, seq: u64| {
+                OpDesc { coll: Collective::SendRecv, dtype, op: ReduceOp::Sum, root: 0, count }.tag(seq)
+            };
+            let send = send.map(|(p, d)| {
+                st.p2p_sent[p] += 1;
+                (p, d, tag_for(d.len() / es, st.p2p_sent[p]))
+            });
+            let recv = recv.map(|(p, b)| {
+                st.p2p_recvd[p] += 1;
+                let tag = tag_for(b.len() / es, st.p2p_recvd[p]);
+                (p, b, RecvMode::Copy, tag)
+            });
+            tracing::debug!(rank = shared.rank, send_to = ?send.as_ref().map(|s| s.0), recv_from = ?recv.as_ref().map(|r| r.0), "send-recv");
+            let mut ctx = Ctx::new(shared.rank, shared.size, &mut st.links, Default::default(), "send-recv", shared.timeout, &shared.abort);
+            ctx.exchange_tagged(send, recv)?;
+            ctx.flush()
+        })
+    }
+
+    /// Sends `buf` to `peer`, which must post a matching [`Communicator::recv`] (same length and
+    /// type). Returns once the data has left this rank.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a bad peer; `Mismatch` if the receive does not match.
+    pub fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<()> {
+        self.check_peer("send", peer)?;
+        self.p2p(Some((peer, bytes(buf))), None, T::DTYPE, T::DTYPE.size())
+    }
+
+    /// Receives into `buf` from `peer`.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a bad peer; `Mismatch` if the send does not match.
+    pub fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<()> {
+        self.check_peer("recv", peer)?;
+        self.p2p(
+            None,
+            Some((peer, bytes_mut(buf))),
+            T::DTYPE,
+            T::DTYPE.size(),
+        )
+    }
+
+    /// Sends `send` to `to` while receiving `recv` from `from`, both at once (no deadlock when two
+    /// ranks exchange large buffers with each other).
+    ///
+    /// # Errors
+    /// `InvalidArgument` for bad peers; `Mismatch` if either side does not match.
+    pub fn send_recv<T: Element>(
+        &self,
+        send: &[T],
+        to: usize,
+        recv: &mut [T],
+        from: usize,
+    ) -> Result<()> {
+        self.check_peer("send_recv", to)?;
+        self.check_peer("send_recv", from)?;
+        self.p2p(
+            Some((to, bytes(send))),
+            Some((from, bytes_mut(recv))),
+            T::DTYPE,
+            T::DTYPE.size(),
+        )
+    }
+}

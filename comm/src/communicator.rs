@@ -1,0 +1,336 @@
+//! The communicator: a group of ranks that run collectives together.
+//!
+//! Created from launcher variables ([`Communicator::from_env`]), explicitly
+//! ([`Communicator::init`]) or by splitting another one ([`Communicator::split`]). Creating one is
+//! collective: every rank publishes its address in the store, reads everyone else's, and opens its
+//! connections. The collectives themselves are in `collectives.rs`.
+
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{Hash, Hasher};
+use std::net::{IpAddr, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::bootstrap::{self, FileStore, Store, StoreAddr, TcpStore, TcpStoreServer};
+use crate::config::Config;
+use crate::engine::Shared;
+use crate::error::{Error, Result};
+use crate::prims::Links;
+use crate::transport::tcp::TcpTransport;
+use crate::transport::{PeerInfo, Reach, Transport};
+
+/// A group of ranks that run collectives together. `Send + Sync`: share it by reference (or in an
+/// `Arc`) between threads; operations are run in the order they are issued.
+pub struct Communicator {
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) rank: usize,
+    pub(crate) size: usize,
+    local_rank: usize,
+    local_size: usize,
+    node_id: String,
+    node_index: usize,
+    peers: Vec<PeerInfo>,
+    id: String,
+    store: Arc<dyn Store>,
+    store_host: Option<IpAddr>,
+    pub(crate) cfg: Config,
+    splits: AtomicU64,
+    /// The store server, when this rank hosts it (rank 0 without a launcher-hosted store).
+    _server: Option<TcpStoreServer>,
+}
+
+static WORLD_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+fn hash_id(id: &str) -> u64 {
+    let mut h = DefaultHasher::new();
+    id.hash(&mut h);
+    h.finish()
+}
+
+fn resolve_ip(host: &str) -> Option<IpAddr> {
+    let h = host.trim_start_matches('[').trim_end_matches(']');
+    if let Ok(ip) = h.parse() {
+        return Some(ip);
+    }
+    (h, 0).to_socket_addrs().ok()?.next().map(|a| a.ip())
+}
+
+impl Communicator {
+    /// Creates the world communicator from launcher variables: `oxccl launch`, torchrun, Slurm or
+    /// OpenMPI (see docs/ENV.md for the order and the variables).
+    ///
+    /// # Errors
+    /// `Error::Config` when no launcher variables are found or they are inconsistent; store and
+    /// transport errors while connecting.
+    pub fn from_env() -> Result<Communicator> {
+        crate::logging::init();
+        let info = bootstrap::detect_from_env()?;
+        let cfg = Config::from_env()?;
+        let (store, server, store_host): (Arc<dyn Store>, Option<TcpStoreServer>, Option<IpAddr>) =
+            match &info.store {
+                StoreAddr::Tcp { host, port } => {
+                    let (client, server) =
+                        TcpStore::host_or_connect(host, *port, info.host_store, cfg.timeout)?;
+                    (Arc::new(client), server, resolve_ip(host))
+                }
+                StoreAddr::File(path) => (Arc::new(FileStore::new(path.clone())?), None, None),
+            };
+        let n = WORLD_COUNTER.fetch_add(1, Ordering::Relaxed);
+        let id = format!("{}/world{n}", info.job_id);
+        let mut c = Self::init_inner(info.rank, info.world_size, store, cfg, id, store_host)?;
+        c._server = server;
+        if c.local_rank != info.local_rank || c.local_size != info.local_world_size {
+            tracing::warn!(
+                rank = c.rank,
+                "launcher says local rank {}/{}, node ids say {}/{} (node id {:?}); using the node ids",
+                info.local_rank,
+                info.local_world_size,
+                c.local_rank,
+                c.local_size,
+                c.node_id
+            );
+        }
+        Ok(c)
+    }
+
+    /// Creates a communicator of `size` ranks with this process as `rank`, meeting the others
+    /// through `store`, with configuration from the environment.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a rank outside `0..size`; store and transport errors.
+    pub fn init(rank: usize, size: usize, store: Arc<dyn Store>) -> Result<Communicator> {
+        Self::init_with_config(rank, size, store, Config::from_env()?)
+    }
+
+    /// [`Communicator::init`] with an explicit configuration.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a rank outside `0..size`; store and transport errors.
+    pub fn init_with_config(
+        rank: usize,
+        size: usize,
+        store: Arc<dyn Store>,
+        cfg: Config,
+    ) -> Result<Communicator> {
+        crate::logging::init();
+        Self::init_inner(rank, size, store, cfg, "oxccl/world".into(), None)
+    }
+
+    fn init_inner(
+        rank: usize,
+        size: usize,
+        store: Arc<dyn Store>,
+        cfg: Config,
+        id: String,
+        store_host: Option<IpAddr>,
+    ) -> Result<Communicator> {
+        if size == 0 || rank >= size {
+            return Err(Error::InvalidArgument {
+                rank,
+                op: "init".into(),
+                msg: format!("rank {rank} is not in 0..{size}"),
+            });
+        }
+        let deadline = Instant::now() + cfg.timeout;
+        let node_id = match &cfg.node_id {
+            Some(n) => n.clone(),
+            None => gethostname::gethostname().to_string_lossy().into_owned(),
+        };
+        let mut tcp = TcpTransport::bind(rank, hash_id(&id), &cfg, store_host)?;
+        let me = PeerInfo {
+            rank,
+            node_id: node_id.clone(),
+            pid: std::process::id(),
+            tcp_addr: tcp.addr(),
+        };
+        store.set(&format!("{id}/peer/{rank}"), &me.encode())?;
+        let mut peers = Vec::with_capacity(size);
+        for r in 0..size {
+            let left = deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1));
+            let rec = store
+                .get(&format!("{id}/peer/{r}"), left)
+                .map_err(|e| match e {
+                    Error::Store(msg) => Error::Timeout {
+                        rank,
+                        op: "init".into(),
+                        timeout: cfg.timeout,
+                        detail: format!("rank {r} never published its address ({msg})"),
+                    },
+                    other => other,
+                })?;
+            let p = PeerInfo::decode(&rec)?;
+            if p.rank != r {
+                return Err(Error::Store(format!(
+                    "peer record {r} names rank {}",
+                    p.rank
+                )));
+            }
+            peers.push(p);
+        }
+        let same_node: Vec<usize> = (0..size).filter(|&r| peers[r].node_id == node_id).collect();
+        let local_rank = same_node.iter().position(|&r| r == rank).unwrap_or(0);
+        let mut nodes: Vec<&str> = Vec::new();
+        for p in &peers {
+            if !nodes.contains(&p.node_id.as_str()) {
+                nodes.push(&p.node_id);
+            }
+        }
+        let node_index = nodes.iter().position(|n| *n == node_id).unwrap_or(0);
+
+        // Full mesh: every rank opens its send halves first (the listener's backlog completes the
+        // handshakes), then accepts its receive halves in any order.
+        let mut links = Links::default();
+        links.send.resize_with(size, || None);
+        links.recv.resize_with(size, || None);
+        let others: Vec<usize> = (0..size).filter(|&r| r != rank).collect();
+        for &p in &others {
+            match tcp.can_connect(&me, &peers[p]) {
+                Reach::Yes => {}
+                Reach::No(why) => {
+                    return Err(Error::Transport {
+                        rank,
+                        peer: p,
+                        transport: "tcp",
+                        msg: why,
+                    })
+                }
+                Reach::Unsupported(feat) => {
+                    return Err(Error::Transport {
+                        rank,
+                        peer: p,
+                        transport: "tcp",
+                        msg: format!("needs feature {feat}"),
+                    })
+                }
+            }
+            links.send[p] = Some(Box::new(tcp.connect_send(&peers[p], deadline)?));
+        }
+        for (p, conn) in tcp.accept_recvs(&others, deadline)? {
+            links.recv[p] = Some(Box::new(conn));
+            tracing::info!(rank, peer = p, transport = tcp.name(), addr = %peers[p].tcp_addr, nsocks = cfg.nsocks, "connected");
+        }
+        tracing::debug!(rank, size, local_rank, node = %node_id, comm = %id, "communicator ready");
+        let shared = Arc::new(Shared::new(rank, size, &cfg, links, store.clone(), &id));
+        Ok(Communicator {
+            shared,
+            rank,
+            size,
+            local_rank,
+            local_size: same_node.len(),
+            node_id,
+            node_index,
+            peers,
+            id,
+            store,
+            store_host,
+            cfg,
+            splits: AtomicU64::new(0),
+            _server: None,
+        })
+    }
+
+    /// This rank, in `0..size()`.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Rank among the ranks on this node (same node id), in rank order.
+    pub fn local_rank(&self) -> usize {
+        self.local_rank
+    }
+
+    /// Ranks on this node.
+    pub fn local_size(&self) -> usize {
+        self.local_size
+    }
+
+    /// This node's id: the hostname, or `OXCCL_NODE_ID`.
+    pub fn node_id(&self) -> &str {
+        &self.node_id
+    }
+
+    /// Index of this node among the communicator's nodes, in order of first appearance by rank.
+    pub fn node_index(&self) -> usize {
+        self.node_index
+    }
+
+    /// Node id of every rank.
+    pub fn node_ids(&self) -> Vec<&str> {
+        self.peers.iter().map(|p| p.node_id.as_str()).collect()
+    }
+
+    /// The configuration this communicator runs with.
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// Splits this communicator like `ncclCommSplit`: ranks passing the same `color` form a new
+    /// communicator, ordered by `key` (ties by rank); `None` leaves this rank out (returns
+    /// `Ok(None)`). Collective: every rank must call it.
+    ///
+    /// # Errors
+    /// Errors of the all-gather that exchanges colors, and of creating the new communicator.
+    pub fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Communicator>> {
+        let mine = [color.map_or(-1, i64::from), key];
+        let mut all = vec![0i64; 2 * self.size];
+        self.all_gather(&mine, &mut all)?;
+        let k = self.splits.fetch_add(1, Ordering::Relaxed);
+        let Some(c) = color else { return Ok(None) };
+        let mut members: Vec<(i64, usize)> = (0..self.size)
+            .filter(|&r| all[2 * r] == i64::from(c))
+            .map(|r| (all[2 * r + 1], r))
+            .collect();
+        members.sort();
+        let new_rank = members
+            .iter()
+            .position(|&(_, r)| r == self.rank)
+            .unwrap_or(0);
+        let id = format!("{}/split{k}/c{c}", self.id);
+        let mut cfg = self.cfg.clone();
+        cfg.node_id = Some(self.node_id.clone());
+        Self::init_inner(
+            new_rank,
+            members.len(),
+            self.store.clone(),
+            cfg,
+            id,
+            self.store_host,
+        )
+        .map(Some)
+    }
+
+    /// Fails the operation in progress and every later one with `Aborted`, and tells the peers
+    /// (they fail with the same cause). Safe to call from any thread, e.g. a watchdog.
+    pub fn abort(&self) {
+        self.shared.abort();
+    }
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        self.shared.stop_worker();
+        let mut st = self.shared.exec.lock().unwrap_or_else(|p| p.into_inner());
+        st.links.close(Instant::now() + Duration::from_secs(5));
+    }
+}
+
+impl std::fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Communicator")
+            .field("id", &self.id)
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .field("local_rank", &self.local_rank)
+            .field("local_size", &self.local_size)
+            .field("node_id", &self.node_id)
+            .finish()
+    }
+}

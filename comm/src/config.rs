@@ -1,0 +1,175 @@
+//! One typed configuration, read from the environment once per communicator.
+//!
+//! Every variable is documented in `docs/ENV.md`; this module is the only place that reads them.
+
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::tuning::AlgoOverride;
+
+/// Address family for TCP sockets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SocketFamily {
+    /// IPv4 (`AF_INET`).
+    V4,
+    /// IPv6 (`AF_INET6`).
+    V6,
+}
+
+/// Communicator configuration. `Config::from_env()` reads the `OXCCL_*` variables; tests build one
+/// by hand (`Config::default()` plus field updates).
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Deadline of every wait (`OXCCL_TIMEOUT`, seconds; default 600).
+    pub timeout: Duration,
+    /// Algorithm override (`OXCCL_ALGO`).
+    pub algo: AlgoOverride,
+    /// TCP sockets per direction per peer pair (`OXCCL_NSOCKS`, default 2, 1..=16).
+    pub nsocks: usize,
+    /// Interface selection in NCCL_SOCKET_IFNAME syntax (`OXCCL_SOCKET_IFNAME`).
+    pub socket_ifname: Option<String>,
+    /// Address family restriction (`OXCCL_SOCKET_FAMILY` = `AF_INET`/`4` or `AF_INET6`/`6`).
+    pub socket_family: Option<SocketFamily>,
+    /// Kernel socket buffer size in bytes, 0 = kernel default (`OXCCL_SOCKET_BUFFER`, default 4 MiB).
+    pub socket_buffer: usize,
+    /// Bytes per transport slot (`OXCCL_SLOT_BYTES`, default 512 KiB, multiple of 64).
+    pub slot_bytes: usize,
+    /// Slots per connection direction (`OXCCL_NSLOTS`, default 4, like NCCL_STEPS).
+    pub nslots: usize,
+    /// Node id override (`OXCCL_NODE_ID`); default: the hostname.
+    pub node_id: Option<String>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            timeout: Duration::from_secs(600),
+            algo: AlgoOverride::default(),
+            nsocks: 2,
+            socket_ifname: None,
+            socket_family: None,
+            socket_buffer: 4 << 20,
+            slot_bytes: 512 << 10,
+            nslots: 4,
+            node_id: None,
+        }
+    }
+}
+
+fn parse_num<T: std::str::FromStr>(name: &str, v: &str) -> Result<T> {
+    v.trim()
+        .parse()
+        .map_err(|_| Error::Config(format!("{name}={v:?} is not a valid number")))
+}
+
+impl Config {
+    /// Reads every `OXCCL_*` variable this crate knows; unset ones keep their defaults.
+    ///
+    /// # Errors
+    /// `Error::Config` naming the variable when a value does not parse or is out of range.
+    pub fn from_env() -> Result<Config> {
+        Self::from_lookup(&|k| std::env::var(k).ok())
+    }
+
+    /// Like [`Config::from_env`] over any variable lookup (used by tests).
+    ///
+    /// # Errors
+    /// `Error::Config` naming the variable when a value does not parse or is out of range.
+    pub fn from_lookup(get: &dyn Fn(&str) -> Option<String>) -> Result<Config> {
+        let mut c = Config::default();
+        if let Some(v) = get("OXCCL_TIMEOUT") {
+            let secs: f64 = parse_num("OXCCL_TIMEOUT", &v)?;
+            if !(secs > 0.0 && secs.is_finite()) {
+                return Err(Error::Config(format!(
+                    "OXCCL_TIMEOUT={v:?} must be > 0 seconds"
+                )));
+            }
+            c.timeout = Duration::from_secs_f64(secs);
+        }
+        if let Some(v) = get("OXCCL_ALGO") {
+            c.algo = AlgoOverride::parse(&v)?;
+        }
+        if let Some(v) = get("OXCCL_NSOCKS") {
+            c.nsocks = parse_num("OXCCL_NSOCKS", &v)?;
+            if !(1..=16).contains(&c.nsocks) {
+                return Err(Error::Config(format!("OXCCL_NSOCKS={v} must be in 1..=16")));
+            }
+        }
+        c.socket_ifname = get("OXCCL_SOCKET_IFNAME").filter(|s| !s.trim().is_empty());
+        if let Some(v) = get("OXCCL_SOCKET_FAMILY") {
+            c.socket_family = match v.trim().to_ascii_uppercase().as_str() {
+                "AF_INET" | "4" | "IPV4" => Some(SocketFamily::V4),
+                "AF_INET6" | "6" | "IPV6" => Some(SocketFamily::V6),
+                "" => None,
+                _ => {
+                    return Err(Error::Config(format!(
+                        "OXCCL_SOCKET_FAMILY={v:?}: expected AF_INET or AF_INET6"
+                    )))
+                }
+            };
+        }
+        if let Some(v) = get("OXCCL_SOCKET_BUFFER") {
+            c.socket_buffer = parse_num("OXCCL_SOCKET_BUFFER", &v)?;
+        }
+        if let Some(v) = get("OXCCL_SLOT_BYTES") {
+            c.slot_bytes = parse_num("OXCCL_SLOT_BYTES", &v)?;
+            if c.slot_bytes < 64 || c.slot_bytes % 64 != 0 || c.slot_bytes > (64 << 20) {
+                return Err(Error::Config(format!(
+                    "OXCCL_SLOT_BYTES={v} must be a multiple of 64 between 64 and 64 MiB"
+                )));
+            }
+        }
+        if let Some(v) = get("OXCCL_NSLOTS") {
+            c.nslots = parse_num("OXCCL_NSLOTS", &v)?;
+            if !(1..=64).contains(&c.nslots) {
+                return Err(Error::Config(format!("OXCCL_NSLOTS={v} must be in 1..=64")));
+            }
+        }
+        c.node_id = get("OXCCL_NODE_ID").filter(|s| !s.is_empty());
+        Ok(c)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn cfg(pairs: &[(&str, &str)]) -> Result<Config> {
+        let m: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Config::from_lookup(&|k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn defaults_and_overrides() {
+        let c = cfg(&[]).unwrap();
+        assert_eq!(c.timeout, Duration::from_secs(600));
+        let c = cfg(&[
+            ("OXCCL_TIMEOUT", "2.5"),
+            ("OXCCL_NSOCKS", "3"),
+            ("OXCCL_SOCKET_FAMILY", "AF_INET6"),
+        ])
+        .unwrap();
+        assert_eq!(c.timeout, Duration::from_millis(2500));
+        assert_eq!(c.nsocks, 3);
+        assert_eq!(c.socket_family, Some(SocketFamily::V6));
+    }
+
+    #[test]
+    fn bad_values_name_the_variable() {
+        for (k, v) in [
+            ("OXCCL_TIMEOUT", "soon"),
+            ("OXCCL_TIMEOUT", "-1"),
+            ("OXCCL_NSOCKS", "0"),
+            ("OXCCL_SLOT_BYTES", "100"),
+            ("OXCCL_SOCKET_FAMILY", "ipx"),
+            ("OXCCL_ALGO", "teleport"),
+        ] {
+            let e = cfg(&[(k, v)]).unwrap_err().to_string();
+            assert!(e.contains(k) || k == "OXCCL_ALGO", "{e}");
+        }
+    }
+}

@@ -1,0 +1,418 @@
+//! The engine: runs a communicator's operations one at a time, in the order they were issued.
+//!
+//! Every operation takes a ticket when it is issued. Blocking calls wait for their turn and run on
+//! the caller's thread (so they can borrow the caller's slices); `*_async` calls send a job to the
+//! communicator's progress thread, which runs it when its turn comes. Async jobs own their
+//! buffers (any `AsMut<[T]> + Send + 'static`) and hand them back through [`Work::wait`], so no
+//! borrow ever crosses threads.
+//!
+//! Failure handling lives here too: when an operation fails (other than bad arguments, which are
+//! rejected before a ticket is taken), the communicator is marked broken, the error is published
+//! in the store under `<comm>/error` (the first one wins) and every connection is dropped. Peers
+//! then see their sockets close, read the published error and report the same cause: a mismatch
+//! detected by one rank becomes `Mismatch` on every rank, a killed rank becomes `PeerLost` naming
+//! it on every survivor.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+
+use crate::bootstrap::Store;
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::prims::Links;
+use crate::tuning::AlgoOverride;
+
+/// State that only the running operation touches.
+pub(crate) struct ExecState {
+    pub links: Links,
+    /// Sequence number of the next collective.
+    pub coll_seq: u64,
+    /// Per-peer sequence numbers of point-to-point messages sent / received.
+    pub p2p_sent: Vec<u64>,
+    pub p2p_recvd: Vec<u64>,
+    /// Set once an operation failed: every later operation fails with it.
+    pub broken: Option<Error>,
+}
+
+struct Turn {
+    next_ticket: u64,
+    serving: u64,
+}
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// What the operations of one communicator share.
+pub(crate) struct Shared {
+    pub rank: usize,
+    pub size: usize,
+    pub timeout: Duration,
+    pub algo: AlgoOverride,
+    pub abort: AtomicBool,
+    pub exec: Mutex<ExecState>,
+    store: Arc<dyn Store>,
+    error_key: String,
+    turn: Mutex<Turn>,
+    turn_cv: Condvar,
+    worker: Mutex<Option<(Sender<Job>, JoinHandle<()>)>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding one of these locks leaves plain data behind; keep going.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Shared {
+    pub(crate) fn new(
+        rank: usize,
+        size: usize,
+        cfg: &Config,
+        links: Links,
+        store: Arc<dyn Store>,
+        comm_id: &str,
+    ) -> Shared {
+        Shared {
+            rank,
+            size,
+            timeout: cfg.timeout,
+            algo: cfg.algo.clone(),
+            abort: AtomicBool::new(false),
+            exec: Mutex::new(ExecState {
+                links,
+                coll_seq: 0,
+                p2p_sent: vec![0; size],
+                p2p_recvd: vec![0; size],
+                broken: None,
+            }),
+            store,
+            error_key: format!("{comm_id}/error"),
+            turn: Mutex::new(Turn {
+                next_ticket: 0,
+                serving: 0,
+            }),
+            turn_cv: Condvar::new(),
+            worker: Mutex::new(None),
+        }
+    }
+
+    /// Takes the next place in line; returns it and how many operations are ahead.
+    pub(crate) fn take_ticket(&self) -> (u64, u64) {
+        let mut t = lock(&self.turn);
+        let ticket = t.next_ticket;
+        t.next_ticket += 1;
+        (ticket, ticket - t.serving)
+    }
+
+    /// Waits for `ticket`'s turn, runs `f` on the execution state, then lets the next one go.
+    pub(crate) fn run_turn<R>(
+        &self,
+        ticket: u64,
+        ahead: u64,
+        f: impl FnOnce(&mut ExecState) -> Result<R>,
+    ) -> Result<R> {
+        let deadline = Instant::now() + self.timeout * (ahead as u32 + 1) + Duration::from_secs(1);
+        {
+            let mut t = lock(&self.turn);
+            while t.serving != ticket {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    // Give up our place so the line keeps moving.
+                    drop(t);
+                    self.finish_turn(ticket);
+                    return Err(Error::Timeout {
+                        rank: self.rank,
+                        op: "waiting for earlier operations".into(),
+                        timeout: self.timeout,
+                        detail: format!("{ahead} operations were queued ahead"),
+                    });
+                }
+                t = self
+                    .turn_cv
+                    .wait_timeout(t, left)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
+            }
+        }
+        let result = {
+            let mut st = lock(&self.exec);
+            match st.broken.clone() {
+                Some(e) => Err(e),
+                None if self.abort.load(Ordering::Relaxed) => {
+                    let e = Error::Aborted {
+                        rank: self.rank,
+                        reason: "abort() was called on this rank".into(),
+                    };
+                    Err(self.fail(&mut st, e))
+                }
+                None => f(&mut st).map_err(|e| self.fail(&mut st, e)),
+            }
+        };
+        self.finish_turn(ticket);
+        result
+    }
+
+    fn finish_turn(&self, ticket: u64) {
+        let mut t = lock(&self.turn);
+        // Tickets that timed out waiting skip ahead; never move backwards.
+        if t.serving <= ticket {
+            t.serving = ticket + 1;
+        }
+        self.turn_cv.notify_all();
+    }
+
+    /// Marks the communicator broken after `e`, publishes the first cause, drops every connection,
+    /// and returns the error this rank reports.
+    pub(crate) fn fail(&self, st: &mut ExecState, e: Error) -> Error {
+        if matches!(e, Error::InvalidArgument { .. }) {
+            return e;
+        }
+        if let Some(b) = &st.broken {
+            return b.clone();
+        }
+        let mine = encode_error(&e);
+        // The first error published wins, so every rank reports the same cause.
+        let cause = match self.store.compare_set(&self.error_key, None, &mine) {
+            Ok(cur) if cur != mine => decode_error(&cur, self.rank).unwrap_or(e),
+            _ => e,
+        };
+        tracing::warn!(rank = self.rank, error = %cause, "communicator failed; closing its connections");
+        st.links = Links::default();
+        st.broken = Some(cause.clone());
+        cause
+    }
+
+    /// Sends a job to the progress thread (started on first use).
+    pub(crate) fn submit(self: &Arc<Self>, job: Job) {
+        let mut w = lock(&self.worker);
+        if w.is_none() {
+            let (tx, rx): (Sender<Job>, Receiver<Job>) = crossbeam_channel::unbounded();
+            let name = format!("oxccl-progress-r{}", self.rank);
+            match std::thread::Builder::new().name(name).spawn(move || {
+                for job in rx {
+                    job();
+                }
+            }) {
+                Ok(h) => *w = Some((tx, h)),
+                Err(e) => {
+                    tracing::error!(
+                        rank = self.rank,
+                        "could not start the progress thread: {e}; running inline"
+                    );
+                    drop(w);
+                    job();
+                    return;
+                }
+            }
+        }
+        if let Some((tx, _)) = w.as_ref() {
+            if let Err(e) = tx.send(job) {
+                (e.into_inner())();
+            }
+        }
+    }
+
+    /// Lets queued jobs finish and stops the progress thread.
+    pub(crate) fn stop_worker(&self) {
+        let w = lock(&self.worker).take();
+        if let Some((tx, h)) = w {
+            drop(tx);
+            let _ = h.join();
+        }
+    }
+
+    /// `abort()`: fails the running operation (it polls the flag) and every later one.
+    pub(crate) fn abort(&self) {
+        self.abort.store(true, Ordering::Relaxed);
+        if let Ok(mut st) = self.exec.try_lock() {
+            let e = Error::Aborted {
+                rank: self.rank,
+                reason: "abort() was called on this rank".into(),
+            };
+            self.fail(&mut st, e);
+        }
+    }
+}
+
+/// Encodes an error for the store: `kind \n rank \n peer \n seq \n local \n remote \n message`.
+fn encode_error(e: &Error) -> Vec<u8> {
+    let (rank, peer, seq, local, remote) = match e {
+        Error::Mismatch {
+            rank,
+            peer,
+            seq,
+            local,
+            remote,
+        } => (*rank, *peer, *seq, local.clone(), remote.clone()),
+        Error::PeerLost {
+            rank, peer, detail, ..
+        } => (*rank, *peer, 0, String::new(), detail.clone()),
+        _ => (0, 0, 0, String::new(), String::new()),
+    };
+    let clean = |s: String| s.replace('\n', " ");
+    format!(
+        "{}\n{rank}\n{peer}\n{seq}\n{}\n{}\n{}",
+        e.kind(),
+        clean(local),
+        clean(remote),
+        clean(e.to_string())
+    )
+    .into_bytes()
+}
+
+/// Rebuilds a published error as seen from `me`.
+fn decode_error(b: &[u8], me: usize) -> Option<Error> {
+    let s = std::str::from_utf8(b).ok()?;
+    let f: Vec<&str> = s.splitn(7, '\n').collect();
+    if f.len() != 7 {
+        return None;
+    }
+    let (rank, peer, seq) = (f[1].parse().ok()?, f[2].parse().ok()?, f[3].parse().ok()?);
+    Some(match f[0] {
+        "mismatch" => Error::Mismatch {
+            rank,
+            peer,
+            seq,
+            local: f[4].into(),
+            remote: f[5].into(),
+        },
+        "peer-lost" => Error::PeerLost {
+            rank: me,
+            peer,
+            op: "collective".into(),
+            detail: format!("reported by rank {rank}: {}", f[5]),
+        },
+        _ => Error::Aborted {
+            rank: me,
+            reason: format!("another rank failed first: {}", f[6]),
+        },
+    })
+}
+
+/// A handle on an operation running in the background; owns the operation's buffers until
+/// [`Work::wait`] gives them back.
+#[must_use = "an async operation's buffer comes back only through wait()"]
+pub struct Work<B> {
+    rx: Receiver<Result<B>>,
+    deadline: Instant,
+    rank: usize,
+    op: &'static str,
+}
+
+impl<B> Work<B> {
+    pub(crate) fn new(
+        rx: Receiver<Result<B>>,
+        deadline: Instant,
+        rank: usize,
+        op: &'static str,
+    ) -> Work<B> {
+        Work {
+            rx,
+            deadline,
+            rank,
+            op,
+        }
+    }
+
+    /// Waits for the operation and returns its buffers. The wait is bounded: every operation ahead
+    /// of this one and this one have their own deadlines (`OXCCL_TIMEOUT`).
+    ///
+    /// # Errors
+    /// The operation's error, or `Timeout` if it did not finish in time.
+    pub fn wait(self) -> Result<B> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        self.recv(left)
+    }
+
+    /// Waits at most `timeout`; on time-out the handle is given back (`Err(self)`) so the caller
+    /// can wait again.
+    ///
+    /// # Errors
+    /// `Ok(Err(self))` when the operation has not finished within `timeout`.
+    pub fn wait_timeout(self, timeout: Duration) -> std::result::Result<Result<B>, Work<B>> {
+        match self.rx.recv_timeout(timeout) {
+            Ok(r) => Ok(r),
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => Err(self),
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => Ok(Err(self.lost())),
+        }
+    }
+
+    /// True once the operation has finished (successfully or not).
+    pub fn is_done(&self) -> bool {
+        !self.rx.is_empty()
+    }
+
+    fn recv(self, left: Duration) -> Result<B> {
+        match self.rx.recv_timeout(left) {
+            Ok(r) => r,
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => Err(Error::Timeout {
+                rank: self.rank,
+                op: self.op.to_string(),
+                timeout: left,
+                detail: "async operation did not complete".into(),
+            }),
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => Err(self.lost()),
+        }
+    }
+
+    fn lost(&self) -> Error {
+        Error::Aborted {
+            rank: self.rank,
+            reason: format!("{}: the progress thread dropped the operation", self.op),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_survive_the_store() {
+        let e = Error::Mismatch {
+            rank: 1,
+            peer: 2,
+            seq: 9,
+            local: "a\nb".into(),
+            remote: "c".into(),
+        };
+        match decode_error(&encode_error(&e), 5).unwrap() {
+            Error::Mismatch {
+                rank,
+                peer,
+                seq,
+                local,
+                remote,
+            } => {
+                assert_eq!(
+                    (rank, peer, seq, local.as_str(), remote.as_str()),
+                    (1, 2, 9, "a b", "c")
+                )
+            }
+            other => panic!("{other:?}"),
+        }
+        let e = Error::PeerLost {
+            rank: 3,
+            peer: 2,
+            op: "x".into(),
+            detail: "eof".into(),
+        };
+        assert_eq!(
+            decode_error(&encode_error(&e), 0).unwrap().lost_peer(),
+            Some(2)
+        );
+        let e = Error::Timeout {
+            rank: 3,
+            op: "x".into(),
+            timeout: Duration::from_secs(1),
+            detail: "d".into(),
+        };
+        assert!(matches!(
+            decode_error(&encode_error(&e), 0).unwrap(),
+            Error::Aborted { rank: 0, .. }
+        ));
+        assert!(decode_error(b"junk", 0).is_none());
+    }
+}

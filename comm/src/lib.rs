@@ -1,0 +1,49 @@
+//! oxccl-comm: communicators, rendezvous, transports, collective algorithms and the progress engine.
+//!
+//! # Quick start
+//!
+//! Under `oxccl launch -n 4 -- my-trainer` (or torchrun, srun, mpirun) every process does:
+//!
+//! ```no_run
+//! use oxccl_comm::Communicator;
+//! use oxccl_kernels::ReduceOp;
+//!
+//! let comm = Communicator::from_env()?;
+//! let mut grads = vec![1.0f32; 1 << 20];
+//! comm.all_reduce(&mut grads, ReduceOp::Avg)?;          // blocking, in place
+//! let work = comm.all_reduce_async(grads, ReduceOp::Sum); // owns the buffer while in flight
+//! let grads = work.wait()?;                              // gives it back
+//! let half = comm.split(Some((comm.rank() % 2) as u32), comm.rank() as i64)?;
+//! # let _ = (grads, half);
+//! # Ok::<(), oxccl_comm::Error>(())
+//! ```
+//!
+//! Every rank must issue the same collectives in the same order (as with NCCL); a rank that does
+//! not gets [`Error::Mismatch`] on every rank involved, a rank that dies gets
+//! [`Error::PeerLost`] on every survivor, and every wait has a deadline (`OXCCL_TIMEOUT`).
+//!
+//! Layout: `bootstrap` (stores, launcher variables), `transport` (the slot-based transport trait
+//! and its TCP backend), `algorithm` (one file per algorithm, written against the trait only),
+//! `tuning` (pure algorithm choice), `engine` (ordering, progress thread, failure propagation).
+
+pub mod algorithm;
+pub mod bootstrap;
+mod collectives;
+mod communicator;
+pub mod config;
+pub mod engine;
+pub mod error;
+pub mod harness;
+pub mod logging;
+pub mod op;
+mod prims;
+pub mod transport;
+pub mod tuning;
+
+pub use communicator::Communicator;
+pub use config::Config;
+pub use engine::Work;
+pub use error::{Error, Result};
+pub use op::Collective;
+pub use oxccl_kernels::{DType, Element, ReduceOp};
+pub use tuning::Algorithm;

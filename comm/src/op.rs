@@ -1,0 +1,195 @@
+//! Operation descriptors: what a collective is, and how it is packed into a slot's [`Tag`].
+
+use std::fmt;
+
+use oxccl_kernels::{DType, ReduceOp};
+
+use crate::error::{Error, Result};
+use crate::transport::Tag;
+
+/// The collectives (and point-to-point) oxccl runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Collective {
+    /// Every rank ends with the reduction of all inputs.
+    AllReduce,
+    /// Rank r ends with shard r of the reduction.
+    ReduceScatter,
+    /// Every rank ends with every rank's shard.
+    AllGather,
+    /// Every rank ends with the root's buffer.
+    Broadcast,
+    /// The root ends with the reduction of all inputs.
+    Reduce,
+    /// The root ends with every rank's buffer.
+    Gather,
+    /// Rank r ends with shard r of the root's buffer.
+    Scatter,
+    /// Rank r's block j goes to rank j's block r.
+    AllToAll,
+    /// No rank leaves before every rank has entered.
+    Barrier,
+    /// Point-to-point send/recv.
+    SendRecv,
+}
+
+impl Collective {
+    /// Every collective, in a fixed order.
+    pub const ALL: [Collective; 10] = [
+        Collective::AllReduce,
+        Collective::ReduceScatter,
+        Collective::AllGather,
+        Collective::Broadcast,
+        Collective::Reduce,
+        Collective::Gather,
+        Collective::Scatter,
+        Collective::AllToAll,
+        Collective::Barrier,
+        Collective::SendRecv,
+    ];
+
+    /// The name used in logs, `OXCCL_ALGO` and `oxccl perf` (`all-reduce`, ...).
+    pub const fn name(self) -> &'static str {
+        match self {
+            Collective::AllReduce => "all-reduce",
+            Collective::ReduceScatter => "reduce-scatter",
+            Collective::AllGather => "all-gather",
+            Collective::Broadcast => "broadcast",
+            Collective::Reduce => "reduce",
+            Collective::Gather => "gather",
+            Collective::Scatter => "scatter",
+            Collective::AllToAll => "all-to-all",
+            Collective::Barrier => "barrier",
+            Collective::SendRecv => "send-recv",
+        }
+    }
+
+    fn to_u8(self) -> u8 {
+        Collective::ALL.iter().position(|c| *c == self).unwrap_or(0) as u8
+    }
+
+    fn from_u8(v: u8) -> Option<Collective> {
+        Collective::ALL.get(v as usize).copied()
+    }
+
+    /// Parses a name; `_` and `-` are interchangeable and may be left out (`allreduce`).
+    ///
+    /// # Errors
+    /// `Error::Config` listing the valid names.
+    pub fn parse(s: &str) -> Result<Collective> {
+        let norm = |x: &str| x.to_ascii_lowercase().replace(['-', '_'], "");
+        Collective::ALL
+            .iter()
+            .copied()
+            .find(|c| norm(c.name()) == norm(s))
+            .ok_or_else(|| {
+                let names: Vec<&str> = Collective::ALL.iter().map(|c| c.name()).collect();
+                Error::Config(format!(
+                    "unknown collective {s:?}; expected one of {}",
+                    names.join(", ")
+                ))
+            })
+    }
+}
+
+impl fmt::Display for Collective {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One operation as the caller issued it; every rank must issue matching descriptors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OpDesc {
+    /// Which collective.
+    pub coll: Collective,
+    /// Element type.
+    pub dtype: DType,
+    /// Reduction (Sum where none applies).
+    pub op: ReduceOp,
+    /// Root rank (0 where none applies).
+    pub root: usize,
+    /// Element count as called (per-rank count for gather/scatter/all-gather/reduce-scatter output).
+    pub count: usize,
+}
+
+impl OpDesc {
+    /// The tag every slot of this operation carries.
+    pub fn tag(&self, seq: u64) -> Tag {
+        let desc = self.coll.to_u8() as u64
+            | (self.dtype.to_u8() as u64) << 8
+            | (self.op.to_u8() as u64) << 16
+            | (self.root as u64 & 0xffff_ffff) << 32;
+        Tag {
+            seq,
+            desc,
+            count: self.count as u64,
+        }
+    }
+
+    /// Decodes a tag back into a descriptor (None if the tag is not one oxccl made).
+    pub fn from_tag(tag: &Tag) -> Option<OpDesc> {
+        Some(OpDesc {
+            coll: Collective::from_u8((tag.desc & 0xff) as u8)?,
+            dtype: DType::from_u8((tag.desc >> 8 & 0xff) as u8)?,
+            op: ReduceOp::from_u8((tag.desc >> 16 & 0xff) as u8)?,
+            root: (tag.desc >> 32) as usize,
+            count: tag.count as usize,
+        })
+    }
+
+    /// Human description used in `Mismatch` errors: `all-reduce(count=1000, dtype=float, op=sum) #5`.
+    pub fn describe_tag(tag: &Tag) -> String {
+        match OpDesc::from_tag(tag) {
+            Some(d) => format!("{d} #{}", tag.seq),
+            None => format!(
+                "unknown op {:#x} count {} #{}",
+                tag.desc, tag.count, tag.seq
+            ),
+        }
+    }
+}
+
+impl fmt::Display for OpDesc {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}(count={}, dtype={}",
+            self.coll, self.count, self.dtype
+        )?;
+        match self.coll {
+            Collective::AllReduce | Collective::ReduceScatter => write!(f, ", op={})", self.op),
+            Collective::Reduce => write!(f, ", op={}, root={})", self.op, self.root),
+            Collective::Broadcast | Collective::Gather | Collective::Scatter => {
+                write!(f, ", root={})", self.root)
+            }
+            _ => write!(f, ")"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tag_round_trip() {
+        for coll in Collective::ALL {
+            let d = OpDesc {
+                coll,
+                dtype: DType::BF16,
+                op: ReduceOp::Max,
+                root: 7,
+                count: 1 << 40,
+            };
+            let t = d.tag(99);
+            assert_eq!(OpDesc::from_tag(&t), Some(d));
+            assert!(OpDesc::describe_tag(&t).ends_with("#99"));
+            assert_eq!(Collective::parse(coll.name()).unwrap(), coll);
+        }
+        assert_eq!(
+            Collective::parse("allreduce").unwrap(),
+            Collective::AllReduce
+        );
+        assert!(Collective::parse("all-shuffle").is_err());
+    }
+}

@@ -1,0 +1,389 @@
+//! Primitives every algorithm is written with: stream bytes to a peer and from a peer through the
+//! transport's slots, reducing or copying straight out of each slot, with one waiting policy.
+//!
+//! [`Ctx`] holds the connections of one communicator while one operation runs. Its calls block
+//! until done, but inside they never block on one peer alone: while waiting they keep every
+//! connection moving (so a rank that waits to receive still drains what it sent), check the
+//! abort flag, and give up at the operation's deadline. Waiting spins briefly, then yields, then
+//! sleeps in `poll(2)` on the connections' sockets, so oversubscribed ranks do not starve each
+//! other.
+
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use oxccl_kernels::{DType, ReduceOp};
+
+use crate::error::{Error, Result};
+use crate::op::OpDesc;
+use crate::transport::{PollDir, RecvConn, SendConn, Tag};
+
+/// The connections of one communicator, indexed by peer rank.
+#[derive(Default)]
+pub(crate) struct Links {
+    pub send: Vec<Option<Box<dyn SendConn>>>,
+    pub recv: Vec<Option<Box<dyn RecvConn>>>,
+}
+
+impl Links {
+    /// Progresses every connection; returns whether anything moved.
+    fn progress_all(&mut self) -> Result<bool> {
+        let mut moved = false;
+        for c in self.send.iter_mut().flatten() {
+            moved |= c.progress()?;
+        }
+        for c in self.recv.iter_mut().flatten() {
+            moved |= c.progress()?;
+        }
+        Ok(moved)
+    }
+
+    fn all_flushed(&self) -> bool {
+        self.send.iter().flatten().all(|c| c.flushed())
+    }
+
+    fn poll_fds(&self, out: &mut Vec<(RawFd, PollDir)>) {
+        out.clear();
+        for c in self.send.iter().flatten() {
+            c.poll_fds(out);
+        }
+        for c in self.recv.iter().flatten() {
+            c.poll_fds(out);
+        }
+    }
+
+    /// Says goodbye on every send half and drops everything.
+    pub fn close(&mut self, deadline: Instant) {
+        for c in self.send.iter_mut().flatten() {
+            c.close(deadline);
+        }
+        self.send.clear();
+        self.recv.clear();
+    }
+}
+
+/// How received bytes land in the destination.
+#[derive(Clone, Copy)]
+pub(crate) enum RecvMode {
+    /// `dst = slot`.
+    Copy,
+    /// `dst = dst (op) slot`.
+    Reduce(DType, ReduceOp),
+}
+
+/// Everything an algorithm needs while one operation runs.
+pub(crate) struct Ctx<'a> {
+    /// This rank.
+    pub rank: usize,
+    /// Ranks in the communicator.
+    pub size: usize,
+    links: &'a mut Links,
+    /// Tag of the operation's slots.
+    pub tag: Tag,
+    /// Name of the operation, for errors.
+    pub op: &'static str,
+    deadline: Instant,
+    timeout: Duration,
+    abort: &'a AtomicBool,
+    idle_rounds: u32,
+    fds: Vec<(RawFd, PollDir)>,
+}
+
+fn proto_err(rank: usize, peer: usize, msg: String) -> Error {
+    Error::Transport {
+        rank,
+        peer,
+        transport: "protocol",
+        msg,
+    }
+}
+
+fn missing(rank: usize, op: &str, peer: usize, what: &str) -> Error {
+    proto_err(
+        rank,
+        peer,
+        format!("{op}: no {what} connection to rank {peer}"),
+    )
+}
+
+/// Names the operation in errors coming from the transport.
+fn retag(op: &str, e: Error) -> Error {
+    match e {
+        Error::PeerLost {
+            rank, peer, detail, ..
+        } => Error::PeerLost {
+            rank,
+            peer,
+            op: op.to_string(),
+            detail,
+        },
+        other => other,
+    }
+}
+
+impl<'a> Ctx<'a> {
+    pub(crate) fn new(
+        rank: usize,
+        size: usize,
+        links: &'a mut Links,
+        tag: Tag,
+        op: &'static str,
+        timeout: Duration,
+        abort: &'a AtomicBool,
+    ) -> Ctx<'a> {
+        Ctx {
+            rank,
+            size,
+            links,
+            tag,
+            op,
+            deadline: Instant::now() + timeout,
+            timeout,
+            abort,
+            idle_rounds: 0,
+            fds: Vec::new(),
+        }
+    }
+
+    /// Nothing moved: keep every connection going, then wait a little.
+    fn idle(&mut self, waiting: &dyn Fn() -> String) -> Result<()> {
+        if self.abort.load(Ordering::Relaxed) {
+            return Err(Error::Aborted {
+                rank: self.rank,
+                reason: format!("abort() called during {}", self.op),
+            });
+        }
+        if self.links.progress_all().map_err(|e| retag(self.op, e))? {
+            self.idle_rounds = 0;
+            return Ok(());
+        }
+        if Instant::now() >= self.deadline {
+            return Err(Error::Timeout {
+                rank: self.rank,
+                op: self.op.to_string(),
+                timeout: self.timeout,
+                detail: waiting(),
+            });
+        }
+        self.idle_rounds += 1;
+        if self.idle_rounds < 32 {
+            std::hint::spin_loop();
+        } else if self.idle_rounds < 64 {
+            std::thread::yield_now();
+        } else {
+            self.links.poll_fds(&mut self.fds);
+            poll_fds(&self.fds, 1);
+        }
+        Ok(())
+    }
+
+    /// Sends `send` to one peer while receiving into another buffer from a (possibly different)
+    /// peer, slot by slot, both directions interleaved so neither can block the other.
+    pub(crate) fn exchange(
+        &mut self,
+        send: Option<(usize, &[u8])>,
+        recv: Option<(usize, &mut [u8], RecvMode)>,
+    ) -> Result<()> {
+        let tag = self.tag;
+        self.exchange_tagged(
+            send.map(|(p, d)| (p, d, tag)),
+            recv.map(|(p, b, m)| (p, b, m, tag)),
+        )
+    }
+
+    /// [`Ctx::exchange`] with explicit tags (point-to-point uses per-pair sequence numbers).
+    pub(crate) fn exchange_tagged(
+        &mut self,
+        send: Option<(usize, &[u8], Tag)>,
+        mut recv: Option<(usize, &mut [u8], RecvMode, Tag)>,
+    ) -> Result<()> {
+        let (mut sent, mut send_frames) = (0usize, 0usize);
+        let (mut got, mut recv_frames) = (0usize, 0usize);
+        let mut send_done = send.is_none();
+        let mut recv_done = recv.is_none();
+        while !(send_done && recv_done) {
+            let mut moved = false;
+            if let (false, Some((peer, data, tag))) = (send_done, send.as_ref()) {
+                let conn = self
+                    .links
+                    .send
+                    .get_mut(*peer)
+                    .and_then(|c| c.as_mut())
+                    .ok_or_else(|| missing(self.rank, self.op, *peer, "send"))?;
+                if let Some(slot) = conn.try_slot().map_err(|e| retag(self.op, e))? {
+                    let n = slot.len().min(data.len() - sent);
+                    slot[..n].copy_from_slice(&data[sent..sent + n]);
+                    conn.post(n, *tag).map_err(|e| retag(self.op, e))?;
+                    sent += n;
+                    send_frames += 1;
+                    send_done = sent == data.len();
+                    moved = true;
+                }
+            }
+            if let (false, Some((peer, buf, mode, tag))) = (recv_done, recv.as_mut()) {
+                if self.recv_one(*peer, buf, &mut got, *mode, tag)? {
+                    recv_frames += 1;
+                    recv_done = got == buf.len();
+                    moved = true;
+                }
+            }
+            if !moved {
+                let desc = |s: usize, r: usize| {
+                    let mut parts = Vec::new();
+                    if let Some((p, d, _)) = send.as_ref() {
+                        parts.push(format!("sending to rank {p}: {s}/{} bytes", d.len()));
+                    }
+                    if let Some((p, b, _, _)) = recv.as_ref() {
+                        parts.push(format!("receiving from rank {p}: {r}/{} bytes", b.len()));
+                    }
+                    parts.join(", ")
+                };
+                self.idle(&|| desc(sent, got))?;
+            }
+        }
+        debug_assert!(send_frames >= 1 || send.is_none());
+        debug_assert!(recv_frames >= 1 || recv.is_none());
+        Ok(())
+    }
+
+    /// Consumes one slot from `peer` into `buf[*got..]`; false if none has arrived.
+    fn recv_one(
+        &mut self,
+        peer: usize,
+        buf: &mut [u8],
+        got: &mut usize,
+        mode: RecvMode,
+        want: &Tag,
+    ) -> Result<bool> {
+        let rank = self.rank;
+        let op = self.op;
+        let conn = self
+            .links
+            .recv
+            .get_mut(peer)
+            .and_then(|c| c.as_mut())
+            .ok_or_else(|| missing(rank, op, peer, "recv"))?;
+        let Some((tag, data)) = conn.try_recv().map_err(|e| retag(op, e))? else {
+            return Ok(false);
+        };
+        if tag != *want {
+            let local = OpDesc::describe_tag(want);
+            let remote = OpDesc::describe_tag(&tag);
+            return Err(Error::Mismatch {
+                rank,
+                peer,
+                seq: want.seq,
+                local,
+                remote,
+            });
+        }
+        let n = data.len();
+        if n > buf.len() - *got {
+            return Err(proto_err(
+                rank,
+                peer,
+                format!("{op}: {n} bytes arrived, {} expected", buf.len() - *got),
+            ));
+        }
+        let dst = &mut buf[*got..*got + n];
+        let kerr = |e: oxccl_kernels::KernelError| proto_err(rank, peer, format!("{op}: {e}"));
+        match mode {
+            RecvMode::Copy => dst.copy_from_slice(data),
+            RecvMode::Reduce(dt, rop) => {
+                oxccl_kernels::reduce_bytes(dt, rop, dst, data).map_err(kerr)?
+            }
+        }
+        *got += n;
+        conn.release()?;
+        Ok(true)
+    }
+
+    /// Sends `data` to `peer`.
+    pub(crate) fn send(&mut self, peer: usize, data: &[u8]) -> Result<()> {
+        self.exchange(Some((peer, data)), None)
+    }
+
+    /// Receives into `buf` from `peer`.
+    pub(crate) fn recv(&mut self, peer: usize, buf: &mut [u8], mode: RecvMode) -> Result<()> {
+        self.exchange(None, Some((peer, buf, mode)))
+    }
+
+    /// Receives `buf` from `from` slot by slot and forwards each received piece (after applying
+    /// `mode`, i.e. the reduced value) to `to`: the pipelined step of chains and trees.
+    pub(crate) fn recv_forward(
+        &mut self,
+        from: usize,
+        to: usize,
+        buf: &mut [u8],
+        mode: RecvMode,
+    ) -> Result<()> {
+        let tag = self.tag;
+        let (mut got, mut fwd) = (0usize, 0usize);
+        let (mut recv_frames, mut send_frames) = (0usize, 0usize);
+        loop {
+            let recv_done = got == buf.len() && recv_frames > 0;
+            let send_done = fwd == buf.len() && send_frames > 0;
+            if recv_done && send_done {
+                return Ok(());
+            }
+            let mut moved = false;
+            if !recv_done && self.recv_one(from, buf, &mut got, mode, &tag)? {
+                recv_frames += 1;
+                moved = true;
+            }
+            if !send_done && (fwd < got || (recv_frames > 0 && got == buf.len())) {
+                let conn = self
+                    .links
+                    .send
+                    .get_mut(to)
+                    .and_then(|c| c.as_mut())
+                    .ok_or_else(|| missing(self.rank, self.op, to, "send"))?;
+                if let Some(slot) = conn.try_slot().map_err(|e| retag(self.op, e))? {
+                    let n = slot.len().min(got - fwd);
+                    slot[..n].copy_from_slice(&buf[fwd..fwd + n]);
+                    conn.post(n, tag).map_err(|e| retag(self.op, e))?;
+                    fwd += n;
+                    send_frames += 1;
+                    moved = true;
+                }
+            }
+            if !moved {
+                let total = buf.len();
+                self.idle(&|| format!("forwarding from rank {from} to rank {to}: received {got}/{total}, forwarded {fwd}/{total} bytes"))?;
+            }
+        }
+    }
+
+    /// Waits until everything posted has left this rank, so no data is stranded in a staging slot
+    /// when the operation returns.
+    pub(crate) fn flush(&mut self) -> Result<()> {
+        while !self.links.all_flushed() {
+            self.idle(&|| "flushing sends".to_string())?;
+        }
+        Ok(())
+    }
+}
+
+/// Sleeps in `poll(2)` until one of `fds` is ready or `ms` milliseconds pass.
+fn poll_fds(fds: &[(RawFd, PollDir)], ms: i32) {
+    if fds.is_empty() {
+        std::thread::sleep(Duration::from_micros(200));
+        return;
+    }
+    let mut pfds: Vec<libc::pollfd> = fds
+        .iter()
+        .map(|(fd, dir)| libc::pollfd {
+            fd: *fd,
+            events: match dir {
+                PollDir::Read => libc::POLLIN,
+                PollDir::Write => libc::POLLOUT,
+            },
+            revents: 0,
+        })
+        .collect();
+    // SAFETY: `pfds` is a valid, initialised array of `pfds.len()` pollfd structs that outlives
+    // the call; poll only writes their `revents` fields. Errors (EINTR) just end the sleep early.
+    unsafe {
+        libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, ms);
+    }
+}

@@ -1,0 +1,185 @@
+//! The transport trait: how bytes move between two ranks, whatever the medium.
+//!
+//! A transport connects a *send half* on one rank to a *receive half* on another, like NCCL's
+//! connectors. Each half owns a fixed number of **slots** (NCCL's FIFO steps) of `slot_size()`
+//! bytes:
+//!
+//! - the sender asks for the next free slot ([`SendConn::try_slot`]), fills it (copy or reduce
+//!   straight into it) and posts it with a [`Tag`] ([`SendConn::post`]);
+//! - the receiver asks for the next filled slot ([`RecvConn::try_recv`]), consumes it (copy or
+//!   reduce straight out of it into the user's buffer) and releases it ([`RecvConn::release`]).
+//!
+//! Nothing blocks: `try_*` return `None` when no slot is ready and [`SendConn::progress`] /
+//! [`RecvConn::progress`] move bytes without waiting. The waiting (spin, yield, poll, deadlines)
+//! lives in one place, the primitives in `crate::prims`, so every backend gets the same deadlines
+//! and abort behaviour. The model fits every medium oxccl targets: TCP (slots are staging
+//! buffers, progress is non-blocking socket I/O), shared memory (slots live in a mapped ring, post
+//! is a release-store of the head counter), CUDA IPC (slots in device memory) and RDMA (slots are
+//! registered memory, post is an RDMA write with immediate).
+//!
+//! Every slot carries a [`Tag`]: the sequence number and description of the operation it belongs
+//! to. The receiver compares it with what it expects, which is how ranks that call different
+//! collectives get [`crate::Error::Mismatch`] instead of garbage.
+
+pub mod tcp;
+
+use std::os::fd::RawFd;
+
+use bytemuck::{Pod, Zeroable};
+
+use crate::error::Result;
+
+/// What each slot carries besides its payload: which operation it belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Pod, Zeroable)]
+#[repr(C)]
+pub struct Tag {
+    /// Sequence number of the operation (collective counter, or per-pair counter for send/recv).
+    pub seq: u64,
+    /// Packed operation description (collective, dtype, reduce op, root); see `crate::op`.
+    pub desc: u64,
+    /// Element count of the operation as the caller gave it.
+    pub count: u64,
+}
+
+/// Which way a backend wants to be polled when the waiter sleeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PollDir {
+    /// Wake when readable.
+    Read,
+    /// Wake when writable.
+    Write,
+}
+
+/// The send half of a connection to one peer.
+pub trait SendConn: Send {
+    /// Bytes a slot holds.
+    fn slot_size(&self) -> usize;
+    /// The next free slot, or `None` if every slot is still in flight.
+    ///
+    /// # Errors
+    /// The connection failed (peer lost, I/O error).
+    fn try_slot(&mut self) -> Result<Option<&mut [u8]>>;
+    /// Publishes the slot handed out by the last `try_slot` with its first `len` bytes filled.
+    ///
+    /// # Errors
+    /// The connection failed, or no slot was handed out.
+    fn post(&mut self, len: usize, tag: Tag) -> Result<()>;
+    /// Moves bytes without blocking; `Ok(true)` if anything moved.
+    ///
+    /// # Errors
+    /// The connection failed.
+    fn progress(&mut self) -> Result<bool>;
+    /// True when every posted slot has left this side.
+    fn flushed(&self) -> bool;
+    /// File descriptors to poll while idle (empty for backends without fds).
+    fn poll_fds(&self, out: &mut Vec<(RawFd, PollDir)>);
+    /// Says goodbye to the peer (all data posted so far is delivered first, within `deadline`),
+    /// so that the peer can tell a finished rank from a dead one.
+    fn close(&mut self, deadline: std::time::Instant);
+}
+
+/// The receive half of a connection from one peer.
+pub trait RecvConn: Send {
+    /// The next filled slot in order, with its tag, or `None` if none has arrived yet.
+    ///
+    /// # Errors
+    /// The connection failed, or the peer closed it while this rank expects data.
+    fn try_recv(&mut self) -> Result<Option<(Tag, &[u8])>>;
+    /// Gives the slot returned by the last `try_recv` back to the sender.
+    ///
+    /// # Errors
+    /// The connection failed, or nothing was received.
+    fn release(&mut self) -> Result<()>;
+    /// Moves bytes without blocking; `Ok(true)` if anything moved.
+    ///
+    /// # Errors
+    /// The connection failed (including the peer dying: `PeerLost`).
+    fn progress(&mut self) -> Result<bool>;
+    /// File descriptors to poll while idle (empty for backends without fds).
+    fn poll_fds(&self, out: &mut Vec<(RawFd, PollDir)>);
+}
+
+/// Whether a backend can connect a pair of ranks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reach {
+    /// Yes.
+    Yes,
+    /// Not for this pair (e.g. shared memory across nodes), with the reason.
+    No(String),
+    /// The backend is compiled out; names the cargo feature that enables it.
+    Unsupported(&'static str),
+}
+
+/// What a backend knows about a rank when deciding whether it can connect to it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerInfo {
+    /// Rank in the communicator.
+    pub rank: usize,
+    /// Node id (hostname or `OXCCL_NODE_ID`).
+    pub node_id: String,
+    /// Process id.
+    pub pid: u32,
+    /// Address of the rank's TCP listener (`ip:port`, IPv6 in brackets).
+    pub tcp_addr: String,
+}
+
+impl PeerInfo {
+    /// One-line encoding for the store.
+    pub fn encode(&self) -> Vec<u8> {
+        format!(
+            "{}\n{}\n{}\n{}",
+            self.rank, self.node_id, self.pid, self.tcp_addr
+        )
+        .into_bytes()
+    }
+
+    /// Inverse of [`PeerInfo::encode`].
+    ///
+    /// # Errors
+    /// `Error::Store` if the bytes are not a peer record.
+    pub fn decode(b: &[u8]) -> Result<PeerInfo> {
+        let bad = || {
+            crate::Error::Store(format!(
+                "malformed peer record {:?}",
+                String::from_utf8_lossy(b)
+            ))
+        };
+        let s = std::str::from_utf8(b).map_err(|_| bad())?;
+        let mut it = s.split('\n');
+        let rank = it.next().and_then(|v| v.parse().ok()).ok_or_else(bad)?;
+        let node_id = it.next().ok_or_else(bad)?.to_string();
+        let pid = it.next().and_then(|v| v.parse().ok()).ok_or_else(bad)?;
+        let tcp_addr = it.next().ok_or_else(bad)?.to_string();
+        Ok(PeerInfo {
+            rank,
+            node_id,
+            pid,
+            tcp_addr,
+        })
+    }
+}
+
+/// A connection backend. One instance per communicator and rank.
+pub trait Transport: Send {
+    /// Short name used in logs (`tcp`, `shm`, ...).
+    fn name(&self) -> &'static str;
+    /// Whether this backend can connect `me` to `peer`.
+    fn can_connect(&self, me: &PeerInfo, peer: &PeerInfo) -> Reach;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peer_info_round_trip() {
+        let p = PeerInfo {
+            rank: 3,
+            node_id: "node-7".into(),
+            pid: 42,
+            tcp_addr: "[::1]:5000".into(),
+        };
+        assert_eq!(PeerInfo::decode(&p.encode()).unwrap(), p);
+        assert!(PeerInfo::decode(b"garbage").is_err());
+    }
+}

@@ -1,0 +1,476 @@
+//! The two halves of a TCP connection: slots as staging buffers, non-blocking socket I/O.
+//!
+//! Wire format, per socket: a stream of frames, each a header `[len u32][kind u32][seq u64]
+//! [desc u64][count u64]` followed by `len` payload bytes (little endian). Frame number `k` of a direction travels on socket
+//! `k % nsocks` and lands in slot `k % nslots`, so several sockets carry one direction in parallel
+//! and the receiver restores the order without sequence numbers on the wire. A `BYE` frame on
+//! each socket says the sender closed its communicator on purpose; an end of stream without it
+//! means the peer died (`PeerLost`).
+
+use std::collections::VecDeque;
+use std::io::{ErrorKind, IoSlice, Read, Write};
+use std::net::TcpStream;
+use std::os::fd::{AsRawFd, RawFd};
+use std::time::Instant;
+
+use crate::error::{Error, Result};
+use crate::transport::{PollDir, RecvConn, SendConn, Tag};
+
+pub(crate) const HDR: usize = 32;
+const KIND_DATA: u32 = 1;
+const KIND_BYE: u32 = 2;
+
+fn encode_hdr(len: usize, kind: u32, tag: &Tag) -> [u8; HDR] {
+    let mut h = [0u8; HDR];
+    h[0..4].copy_from_slice(&(len as u32).to_le_bytes());
+    h[4..8].copy_from_slice(&kind.to_le_bytes());
+    h[8..16].copy_from_slice(&tag.seq.to_le_bytes());
+    h[16..24].copy_from_slice(&tag.desc.to_le_bytes());
+    h[24..32].copy_from_slice(&tag.count.to_le_bytes());
+    h
+}
+
+fn decode_hdr(h: &[u8; HDR]) -> (usize, u32, Tag) {
+    let u32_at = |i: usize| u32::from_le_bytes(h[i..i + 4].try_into().unwrap_or_default());
+    let u64_at = |i: usize| u64::from_le_bytes(h[i..i + 8].try_into().unwrap_or_default());
+    (
+        u32_at(0) as usize,
+        u32_at(4),
+        Tag {
+            seq: u64_at(8),
+            desc: u64_at(16),
+            count: u64_at(24),
+        },
+    )
+}
+
+/// A slot buffer aligned for every element type (8 bytes).
+struct SlotBuf(Vec<u64>);
+
+impl SlotBuf {
+    fn new(bytes: usize) -> SlotBuf {
+        SlotBuf(vec![0u64; bytes.div_ceil(8)])
+    }
+    fn bytes(&self, len: usize) -> &[u8] {
+        &bytemuck::cast_slice(&self.0)[..len]
+    }
+    fn bytes_mut(&mut self, len: usize) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut(&mut self.0)[..len]
+    }
+}
+
+fn lost(rank: usize, peer: usize, detail: String) -> Error {
+    Error::PeerLost {
+        rank,
+        peer,
+        op: "tcp transfer".into(),
+        detail,
+    }
+}
+
+fn io_err(rank: usize, peer: usize, e: std::io::Error) -> Error {
+    match e.kind() {
+        ErrorKind::BrokenPipe
+        | ErrorKind::ConnectionReset
+        | ErrorKind::ConnectionAborted
+        | ErrorKind::UnexpectedEof => lost(rank, peer, format!("connection closed ({e})")),
+        _ => Error::Transport {
+            rank,
+            peer,
+            transport: "tcp",
+            msg: e.to_string(),
+        },
+    }
+}
+
+struct TxSock {
+    stream: TcpStream,
+    /// Frame numbers queued on this socket, oldest first.
+    queue: VecDeque<u64>,
+    /// Bytes of the front frame (header included) already written.
+    off: usize,
+}
+
+/// Send half of a TCP connection.
+pub struct TcpSend {
+    rank: usize,
+    peer: usize,
+    socks: Vec<TxSock>,
+    slots: Vec<SlotBuf>,
+    hdrs: Vec<[u8; HDR]>,
+    lens: Vec<usize>,
+    busy: Vec<bool>,
+    slot_size: usize,
+    next: u64,
+    handed_out: bool,
+    inflight: usize,
+}
+
+impl TcpSend {
+    pub(crate) fn new(
+        rank: usize,
+        peer: usize,
+        streams: Vec<TcpStream>,
+        slot_size: usize,
+        nslots: usize,
+    ) -> TcpSend {
+        TcpSend {
+            rank,
+            peer,
+            socks: streams
+                .into_iter()
+                .map(|stream| TxSock {
+                    stream,
+                    queue: VecDeque::new(),
+                    off: 0,
+                })
+                .collect(),
+            slots: (0..nslots).map(|_| SlotBuf::new(slot_size)).collect(),
+            hdrs: vec![[0u8; HDR]; nslots],
+            lens: vec![0; nslots],
+            busy: vec![false; nslots],
+            slot_size,
+            next: 0,
+            handed_out: false,
+            inflight: 0,
+        }
+    }
+
+    fn write_socket(&mut self, si: usize) -> Result<bool> {
+        let nslots = self.slots.len() as u64;
+        let mut moved = false;
+        loop {
+            let sock = &mut self.socks[si];
+            let Some(&k) = sock.queue.front() else {
+                return Ok(moved);
+            };
+            let s = (k % nslots) as usize;
+            let len = self.lens[s];
+            let total = HDR + len;
+            let r = if sock.off < HDR {
+                let bufs = [
+                    IoSlice::new(&self.hdrs[s][sock.off..]),
+                    IoSlice::new(self.slots[s].bytes(len)),
+                ];
+                sock.stream.write_vectored(&bufs)
+            } else {
+                sock.stream
+                    .write(&self.slots[s].bytes(len)[sock.off - HDR..])
+            };
+            match r {
+                Ok(0) => {
+                    return Err(lost(
+                        self.rank,
+                        self.peer,
+                        "socket accepted no bytes".into(),
+                    ))
+                }
+                Ok(n) => {
+                    moved = true;
+                    sock.off += n;
+                    if sock.off == total {
+                        sock.off = 0;
+                        sock.queue.pop_front();
+                        self.busy[s] = false;
+                        self.inflight -= 1;
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(moved),
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => return Err(io_err(self.rank, self.peer, e)),
+            }
+        }
+    }
+}
+
+impl SendConn for TcpSend {
+    fn slot_size(&self) -> usize {
+        self.slot_size
+    }
+
+    fn try_slot(&mut self) -> Result<Option<&mut [u8]>> {
+        let s = (self.next % self.slots.len() as u64) as usize;
+        if self.busy[s] {
+            self.progress()?;
+            if self.busy[s] {
+                return Ok(None);
+            }
+        }
+        self.handed_out = true;
+        let size = self.slot_size;
+        Ok(Some(self.slots[s].bytes_mut(size)))
+    }
+
+    fn post(&mut self, len: usize, tag: Tag) -> Result<()> {
+        if !self.handed_out || len > self.slot_size {
+            return Err(Error::Transport {
+                rank: self.rank,
+                peer: self.peer,
+                transport: "tcp",
+                msg: format!(
+                    "post of {len} bytes without a free slot (slot size {})",
+                    self.slot_size
+                ),
+            });
+        }
+        self.handed_out = false;
+        let k = self.next;
+        let s = (k % self.slots.len() as u64) as usize;
+        self.hdrs[s] = encode_hdr(len, KIND_DATA, &tag);
+        self.lens[s] = len;
+        self.busy[s] = true;
+        self.inflight += 1;
+        let si = (k % self.socks.len() as u64) as usize;
+        self.socks[si].queue.push_back(k);
+        self.next += 1;
+        // Write at once: the common small message leaves in this call.
+        if self.socks[si].queue.len() == 1 {
+            self.write_socket(si)?;
+        }
+        Ok(())
+    }
+
+    fn progress(&mut self) -> Result<bool> {
+        let mut moved = false;
+        for si in 0..self.socks.len() {
+            if !self.socks[si].queue.is_empty() {
+                moved |= self.write_socket(si)?;
+            }
+        }
+        Ok(moved)
+    }
+
+    fn flushed(&self) -> bool {
+        self.inflight == 0
+    }
+
+    fn poll_fds(&self, out: &mut Vec<(RawFd, PollDir)>) {
+        for s in &self.socks {
+            if !s.queue.is_empty() {
+                out.push((s.stream.as_raw_fd(), PollDir::Write));
+            }
+        }
+    }
+
+    fn close(&mut self, deadline: Instant) {
+        while !self.flushed() && Instant::now() < deadline {
+            match self.progress() {
+                Ok(true) => {}
+                Ok(false) => std::thread::sleep(std::time::Duration::from_micros(200)),
+                Err(_) => return,
+            }
+        }
+        if !self.flushed() {
+            return; // the peer sees an end of stream without BYE: data was lost
+        }
+        let bye = encode_hdr(0, KIND_BYE, &Tag::default());
+        for s in &mut self.socks {
+            let mut off = 0;
+            while off < HDR && Instant::now() < deadline {
+                match s.stream.write(&bye[off..]) {
+                    Ok(n) => off += n,
+                    Err(e)
+                        if e.kind() == ErrorKind::WouldBlock
+                            || e.kind() == ErrorKind::Interrupted =>
+                    {
+                        std::thread::sleep(std::time::Duration::from_micros(200))
+                    }
+                    Err(_) => break,
+                }
+            }
+            let _ = s.stream.shutdown(std::net::Shutdown::Write);
+        }
+    }
+}
+
+struct RxSock {
+    stream: TcpStream,
+    /// Frame number this socket is reading next.
+    frame: u64,
+    hdr: [u8; HDR],
+    /// Bytes of the current frame (header included) read so far.
+    off: usize,
+    len: usize,
+    /// A BYE arrived: the peer closed on purpose.
+    bye: bool,
+}
+
+/// Receive half of a TCP connection.
+pub struct TcpRecv {
+    rank: usize,
+    peer: usize,
+    socks: Vec<RxSock>,
+    slots: Vec<SlotBuf>,
+    meta: Vec<Option<(usize, Tag)>>,
+    slot_size: usize,
+    next: u64,
+    handed_out: bool,
+}
+
+impl TcpRecv {
+    pub(crate) fn new(
+        rank: usize,
+        peer: usize,
+        streams: Vec<TcpStream>,
+        slot_size: usize,
+        nslots: usize,
+    ) -> TcpRecv {
+        TcpRecv {
+            rank,
+            peer,
+            socks: streams
+                .into_iter()
+                .enumerate()
+                .map(|(i, stream)| RxSock {
+                    stream,
+                    frame: i as u64,
+                    hdr: [0; HDR],
+                    off: 0,
+                    len: 0,
+                    bye: false,
+                })
+                .collect(),
+            slots: (0..nslots).map(|_| SlotBuf::new(slot_size)).collect(),
+            meta: vec![None; nslots],
+            slot_size,
+            next: 0,
+            handed_out: false,
+        }
+    }
+
+    fn read_socket(&mut self, si: usize) -> Result<bool> {
+        let nslots = self.slots.len() as u64;
+        let nsocks = self.socks.len() as u64;
+        let mut moved = false;
+        loop {
+            let sock = &mut self.socks[si];
+            if sock.bye {
+                return Ok(moved);
+            }
+            // Slot k % nslots is free once frame k - nslots has been consumed.
+            if sock.frame >= self.next + nslots {
+                return Ok(moved);
+            }
+            let s = (sock.frame % nslots) as usize;
+            let r = if sock.off < HDR {
+                sock.stream.read(&mut sock.hdr[sock.off..])
+            } else {
+                let end = sock.len;
+                sock.stream
+                    .read(&mut self.slots[s].bytes_mut(end)[sock.off - HDR..])
+            };
+            match r {
+                Ok(0) => {
+                    return Err(lost(
+                        self.rank,
+                        self.peer,
+                        "connection closed without goodbye (process died or was killed)".into(),
+                    ))
+                }
+                Ok(n) => {
+                    moved = true;
+                    sock.off += n;
+                    if sock.off == HDR {
+                        let (len, kind, tag) = decode_hdr(&sock.hdr);
+                        if kind == KIND_BYE {
+                            sock.bye = true;
+                            sock.off = 0;
+                            return Ok(moved);
+                        }
+                        if kind != KIND_DATA || len > self.slot_size {
+                            return Err(Error::Transport {
+                                rank: self.rank,
+                                peer: self.peer,
+                                transport: "tcp",
+                                msg: format!(
+                                    "corrupt frame header (kind {kind}, len {len}, slot {})",
+                                    self.slot_size
+                                ),
+                            });
+                        }
+                        sock.len = len;
+                        self.meta[s] = Some((len, tag));
+                    }
+                    if sock.off >= HDR && sock.off == HDR + sock.len {
+                        // meta[s] was set when the header completed; mark the frame as complete by
+                        // advancing this socket to its next frame.
+                        sock.off = 0;
+                        sock.frame += nsocks;
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(moved),
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => return Err(io_err(self.rank, self.peer, e)),
+            }
+        }
+    }
+
+    fn frame_complete(&self, k: u64) -> bool {
+        let si = (k % self.socks.len() as u64) as usize;
+        self.socks[si].frame > k
+    }
+}
+
+impl RecvConn for TcpRecv {
+    fn try_recv(&mut self) -> Result<Option<(Tag, &[u8])>> {
+        let k = self.next;
+        if !self.frame_complete(k) {
+            self.progress()?;
+            if !self.frame_complete(k) {
+                let si = (k % self.socks.len() as u64) as usize;
+                if self.socks[si].bye {
+                    return Err(lost(
+                        self.rank,
+                        self.peer,
+                        "peer closed its communicator while this rank still expects data".into(),
+                    ));
+                }
+                return Ok(None);
+            }
+        }
+        let s = (k % self.slots.len() as u64) as usize;
+        let Some((len, tag)) = self.meta[s] else {
+            return Err(Error::Transport {
+                rank: self.rank,
+                peer: self.peer,
+                transport: "tcp",
+                msg: "slot without header".into(),
+            });
+        };
+        self.handed_out = true;
+        Ok(Some((tag, self.slots[s].bytes(len))))
+    }
+
+    fn release(&mut self) -> Result<()> {
+        if !self.handed_out {
+            return Err(Error::Transport {
+                rank: self.rank,
+                peer: self.peer,
+                transport: "tcp",
+                msg: "release without a received slot".into(),
+            });
+        }
+        self.handed_out = false;
+        let s = (self.next % self.slots.len() as u64) as usize;
+        self.meta[s] = None;
+        self.next += 1;
+        Ok(())
+    }
+
+    fn progress(&mut self) -> Result<bool> {
+        let mut moved = false;
+        for si in 0..self.socks.len() {
+            moved |= self.read_socket(si)?;
+        }
+        Ok(moved)
+    }
+
+    fn poll_fds(&self, out: &mut Vec<(RawFd, PollDir)>) {
+        let nslots = self.slots.len() as u64;
+        for s in &self.socks {
+            if !s.bye && s.frame < self.next + nslots {
+                out.push((s.stream.as_raw_fd(), PollDir::Read));
+            }
+        }
+    }
+}

@@ -1,0 +1,328 @@
+//! Every collective x every dtype x every op x world sizes 1..=8 x counts {0, 1, 7, 1000,
+//! 2^20+3} x every algorithm, threaded ranks over real TCP sockets on loopback, against a serial
+//! reference.
+//!
+//! Inputs are chosen so that every reduction is exact in every type whatever the order (small
+//! non-negative integers; powers of two for `prod`), so results are compared bit for bit, floats
+//! included. `float_tolerance` checks random floats against the bound of recursive summation.
+//!
+//! The largest count runs for every dtype with `sum` and for f32/i32 with every op, to keep the
+//! suite inside CI's time; the smaller counts run the full matrix.
+
+use std::time::Duration;
+
+use half::{bf16, f16};
+use oxccl_comm::{harness::spawn_world, Communicator, Config, Element, ReduceOp, Result};
+use oxccl_kernels::reference_reduce;
+
+const COUNTS: [usize; 5] = [0, 1, 7, 1000, (1 << 20) + 3];
+const BIG: usize = (1 << 20) + 3;
+
+fn val<T: Element>(rank: usize, i: usize, op: ReduceOp) -> T {
+    let v = match op {
+        ReduceOp::Prod => 1 + (rank + i) % 2,
+        _ => (rank * 31 + i * 17) % 11,
+    };
+    T::from_f64(v as f64)
+}
+
+fn input<T: Element>(rank: usize, len: usize, op: ReduceOp) -> Vec<T> {
+    (0..len).map(|i| val(rank, i, op)).collect()
+}
+
+/// Reduction over ranks of element `i` of every rank's input.
+fn expect<T: Element>(n: usize, i: usize, op: ReduceOp) -> T {
+    let vals: Vec<T> = (0..n).map(|r| val(r, i, op)).collect();
+    reference_reduce(&vals, op)
+}
+
+fn check<T: Element>(what: &str, rank: usize, got: &[T], want: impl Fn(usize) -> T) {
+    for (i, g) in got.iter().enumerate() {
+        let w = want(i);
+        assert!(
+            bytemuck::bytes_of(g) == bytemuck::bytes_of(&w),
+            "{what}: rank {rank}, element {i} of {}: got {g:?}, want {w:?}",
+            got.len()
+        );
+    }
+}
+
+/// Runs every collective for dtype `T` on one communicator.
+fn all_collectives<T: Element>(
+    comm: &Communicator,
+    counts: &[usize],
+    ops: &[ReduceOp],
+    reduce_algos_only: bool,
+) -> Result<()> {
+    let (n, me) = (comm.size(), comm.rank());
+    let dt = T::DTYPE;
+    for &count in counts {
+        for &op in ops {
+            let tag = format!("{dt} {op} count {count} n {n}");
+            // all-reduce, in place and out of place
+            let mut buf = input::<T>(me, count, op);
+            comm.all_reduce(&mut buf, op)?;
+            check(&format!("all_reduce {tag}"), me, &buf, |i| {
+                expect::<T>(n, i, op)
+            });
+            let inp = input::<T>(me, count, op);
+            let mut out = vec![T::from_f64(99.0); count];
+            comm.all_reduce_into(&inp, &mut out, op)?;
+            check(&format!("all_reduce_into {tag}"), me, &out, |i| {
+                expect::<T>(n, i, op)
+            });
+            // reduce to a root that moves with the count
+            let root = count % n;
+            let mut out = vec![T::from_f64(99.0); if me == root { count } else { 0 }];
+            comm.reduce(&inp, &mut out, op, root)?;
+            check(&format!("reduce {tag}"), me, &out, |i| {
+                expect::<T>(n, i, op)
+            });
+            let mut buf = input::<T>(me, count, op);
+            comm.reduce_in_place(&mut buf, op, root)?;
+            if me == root {
+                check(&format!("reduce_in_place {tag}"), me, &buf, |i| {
+                    expect::<T>(n, i, op)
+                });
+            } else {
+                check(
+                    &format!("reduce_in_place leaves non-roots {tag}"),
+                    me,
+                    &buf,
+                    |i| val::<T>(me, i, op),
+                );
+            }
+            if reduce_algos_only {
+                continue;
+            }
+            // reduce-scatter: every rank's input has n shards of `count`
+            let inp = input::<T>(me, count * n, op);
+            let mut out = vec![T::from_f64(99.0); count];
+            comm.reduce_scatter(&inp, &mut out, op)?;
+            check(&format!("reduce_scatter {tag}"), me, &out, |j| {
+                expect::<T>(n, me * count + j, op)
+            });
+            let mut buf = inp.clone();
+            comm.reduce_scatter_in_place(&mut buf, op)?;
+            check(
+                &format!("reduce_scatter_in_place {tag}"),
+                me,
+                &buf[me * count..(me + 1) * count],
+                |j| expect::<T>(n, me * count + j, op),
+            );
+        }
+        if reduce_algos_only {
+            continue;
+        }
+        let tag = format!("{dt} count {count} n {n}");
+        let op = ReduceOp::Sum;
+        // all-gather
+        let inp = input::<T>(me, count, op);
+        let mut out = vec![T::from_f64(99.0); count * n];
+        comm.all_gather(&inp, &mut out)?;
+        check(&format!("all_gather {tag}"), me, &out, |k| {
+            val::<T>(k / count.max(1), k % count.max(1), op)
+        });
+        let mut buf = vec![T::from_f64(99.0); count * n];
+        buf[me * count..(me + 1) * count].copy_from_slice(&inp);
+        comm.all_gather_in_place(&mut buf)?;
+        check(&format!("all_gather_in_place {tag}"), me, &buf, |k| {
+            val::<T>(k / count.max(1), k % count.max(1), op)
+        });
+        // broadcast
+        let root = (count + 1) % n;
+        let mut buf = input::<T>(me, count, op);
+        comm.broadcast(&mut buf, root)?;
+        check(&format!("broadcast {tag}"), me, &buf, |i| {
+            val::<T>(root, i, op)
+        });
+        let mut out = vec![T::from_f64(99.0); count];
+        comm.broadcast_into(&inp, &mut out, root)?;
+        check(&format!("broadcast_into {tag}"), me, &out, |i| {
+            val::<T>(root, i, op)
+        });
+        // gather / scatter
+        let mut out = vec![T::from_f64(99.0); if me == root { count * n } else { 0 }];
+        comm.gather(&inp, &mut out, root)?;
+        check(&format!("gather {tag}"), me, &out, |k| {
+            val::<T>(k / count.max(1), k % count.max(1), op)
+        });
+        let sin = if me == root {
+            input::<T>(me, count * n, op)
+        } else {
+            Vec::new()
+        };
+        let mut out = vec![T::from_f64(99.0); count];
+        comm.scatter(&sin, &mut out, root)?;
+        check(&format!("scatter {tag}"), me, &out, |j| {
+            val::<T>(root, me * count + j, op)
+        });
+        // all-to-all: block j of rank r goes to block r of rank j
+        let ain = input::<T>(me, count * n, op);
+        let mut out = vec![T::from_f64(99.0); count * n];
+        comm.all_to_all(&ain, &mut out)?;
+        check(&format!("all_to_all {tag}"), me, &out, |k| {
+            let (r, j) = (k / count.max(1), k % count.max(1));
+            val::<T>(r, me * count + j, op)
+        });
+        // point to point: a ring exchange, then even ranks send to the next odd rank
+        if n > 1 {
+            let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+            let mut out = vec![T::from_f64(99.0); count];
+            comm.send_recv(&inp, next, &mut out, prev)?;
+            check(&format!("send_recv {tag}"), me, &out, |i| {
+                val::<T>(prev, i, op)
+            });
+            if me % 2 == 0 && me + 1 < n {
+                comm.send(&inp, me + 1)?;
+            } else if me % 2 == 1 {
+                let mut out = vec![T::from_f64(99.0); count];
+                comm.recv(&mut out, me - 1)?;
+                check(&format!("recv {tag}"), me, &out, |i| {
+                    val::<T>(me - 1, i, op)
+                });
+            }
+        }
+        comm.barrier()?;
+    }
+    Ok(())
+}
+
+fn every_dtype(comm: &Communicator, reduce_algos_only: bool) -> Result<()> {
+    let small = &COUNTS[..4];
+    macro_rules! each {
+        ($($t:ty),*) => {$(
+            all_collectives::<$t>(comm, small, &ReduceOp::ALL, reduce_algos_only)?;
+            all_collectives::<$t>(comm, &[BIG], &[ReduceOp::Sum], reduce_algos_only)?;
+        )*};
+    }
+    each!(f32, f64, f16, bf16, i8, u8, i32, u32, i64, u64);
+    all_collectives::<f32>(
+        comm,
+        &[BIG],
+        &[ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg],
+        true,
+    )?;
+    all_collectives::<i32>(
+        comm,
+        &[BIG],
+        &[ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg],
+        true,
+    )?;
+    Ok(())
+}
+
+fn config(algo: &str) -> Config {
+    let mut cfg = Config::from_lookup(&|k| (k == "OXCCL_ALGO").then(|| algo.to_string())).unwrap();
+    cfg.timeout = Duration::from_secs(120);
+    // Small slots so that multi-slot pipelining runs even at moderate counts.
+    cfg.slot_bytes = 64 << 10;
+    cfg
+}
+
+fn world(n: usize) {
+    // Ring and chains, plus every single-algorithm collective.
+    for r in spawn_world(
+        n,
+        config("all-reduce=ring,broadcast=chain,reduce=chain"),
+        |c| every_dtype(&c, false),
+    ) {
+        r.unwrap();
+    }
+    // Trees for all-reduce, broadcast and reduce.
+    for r in spawn_world(n, config("tree"), |c| every_dtype(&c, true)) {
+        r.unwrap();
+    }
+    // Halving-doubling all-reduce.
+    for r in spawn_world(n, config("all-reduce=hd"), |c| every_dtype(&c, true)) {
+        r.unwrap();
+    }
+    // Tree broadcast runs in every_dtype(.., true) only through reduce/all-reduce; cover it.
+    for r in spawn_world(n, config("broadcast=tree"), |c| {
+        for &count in &COUNTS {
+            let root = count % c.size();
+            let mut v = input::<u32>(c.rank(), count, ReduceOp::Sum);
+            c.broadcast(&mut v, root)?;
+            check("tree broadcast", c.rank(), &v, |i| {
+                val::<u32>(root, i, ReduceOp::Sum)
+            });
+        }
+        Ok(())
+    }) {
+        r.unwrap();
+    }
+}
+
+#[test]
+fn world_1() {
+    world(1);
+}
+#[test]
+fn world_2() {
+    world(2);
+}
+#[test]
+fn world_3() {
+    world(3);
+}
+#[test]
+fn world_4() {
+    world(4);
+}
+#[test]
+fn world_5() {
+    world(5);
+}
+#[test]
+fn world_6() {
+    world(6);
+}
+#[test]
+fn world_7() {
+    world(7);
+}
+#[test]
+fn world_8() {
+    world(8);
+}
+
+/// Random floats: the result must be within the error bound of recursive summation,
+/// `|got - exact| <= (n + 1) * eps * sum |x_i|`, for every all-reduce algorithm.
+#[test]
+fn float_tolerance() {
+    fn rnd(seed: u64) -> f64 {
+        let x = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((x >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
+    }
+    fn run<T: Element>(c: &Communicator, eps: f64) -> Result<()> {
+        let (n, me) = (c.size(), c.rank());
+        let len = 4099;
+        let x = |r: usize, i: usize| T::from_f64(rnd((r * 100_003 + i) as u64) * 100.0).to_f64();
+        let mut v: Vec<T> = (0..len).map(|i| T::from_f64(x(me, i))).collect();
+        c.all_reduce(&mut v, ReduceOp::Sum)?;
+        for (i, g) in v.iter().enumerate() {
+            let exact: f64 = (0..n).map(|r| x(r, i)).sum();
+            let mag: f64 = (0..n).map(|r| x(r, i).abs()).sum();
+            let err = (g.to_f64() - exact).abs();
+            assert!(
+                err <= (n as f64 + 1.0) * eps * mag,
+                "{} rank {me} element {i}: {} vs {exact}",
+                T::DTYPE,
+                g.to_f64()
+            );
+        }
+        Ok(())
+    }
+    for algo in ["ring", "tree", "hd"] {
+        for r in spawn_world(5, config(&format!("all-reduce={algo}")), |c| {
+            run::<f32>(&c, f32::EPSILON as f64 / 2.0)?;
+            run::<f64>(&c, f64::EPSILON / 2.0)?;
+            run::<f16>(&c, 2f64.powi(-11))?;
+            run::<bf16>(&c, 2f64.powi(-8))
+        }) {
+            r.unwrap();
+        }
+    }
+}

@@ -1,0 +1,206 @@
+//! Data types ([`DType`]) and reduction operations ([`ReduceOp`]): sizes, names, wire codes and
+//! parsing.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::KernelError;
+
+/// Element types understood by every kernel.
+///
+/// The wire code of each variant ([`DType::to_u8`]) is its position in [`DType::ALL`] and never
+/// changes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// IEEE 754 binary32 (`f32`), named `float`.
+    F32,
+    /// IEEE 754 binary64 (`f64`), named `double`.
+    F64,
+    /// IEEE 754 binary16 ([`half::f16`]), named `half`.
+    F16,
+    /// bfloat16 ([`half::bf16`]), named `bfloat16`.
+    BF16,
+    /// Signed 8-bit integer, named `int8`.
+    I8,
+    /// Unsigned 8-bit integer, named `uint8`.
+    U8,
+    /// Signed 32-bit integer, named `int32`.
+    I32,
+    /// Unsigned 32-bit integer, named `uint32`.
+    U32,
+    /// Signed 64-bit integer, named `int64`.
+    I64,
+    /// Unsigned 64-bit integer, named `uint64`.
+    U64,
+}
+
+impl DType {
+    /// Every data type, in wire-code order.
+    pub const ALL: [DType; 10] = [
+        DType::F32,
+        DType::F64,
+        DType::F16,
+        DType::BF16,
+        DType::I8,
+        DType::U8,
+        DType::I32,
+        DType::U32,
+        DType::I64,
+        DType::U64,
+    ];
+
+    /// Size of one element in bytes.
+    pub const fn size(self) -> usize {
+        match self {
+            DType::I8 | DType::U8 => 1,
+            DType::F16 | DType::BF16 => 2,
+            DType::F32 | DType::I32 | DType::U32 => 4,
+            DType::F64 | DType::I64 | DType::U64 => 8,
+        }
+    }
+
+    /// The nccl-tests style name: `float`, `double`, `half`, `bfloat16`, `int8`, `uint8`,
+    /// `int32`, `uint32`, `int64`, `uint64`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "float",
+            DType::F64 => "double",
+            DType::F16 => "half",
+            DType::BF16 => "bfloat16",
+            DType::I8 => "int8",
+            DType::U8 => "uint8",
+            DType::I32 => "int32",
+            DType::U32 => "uint32",
+            DType::I64 => "int64",
+            DType::U64 => "uint64",
+        }
+    }
+
+    /// The short Rust-style name: `f32`, `f64`, `f16`, `bf16`, `i8`, `u8`, `i32`, `u32`,
+    /// `i64`, `u64`.
+    pub const fn short_name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F64 => "f64",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::I8 => "i8",
+            DType::U8 => "u8",
+            DType::I32 => "i32",
+            DType::U32 => "u32",
+            DType::I64 => "i64",
+            DType::U64 => "u64",
+        }
+    }
+
+    /// Whether this is a floating-point type (`F32`, `F64`, `F16`, `BF16`).
+    pub fn is_float(self) -> bool {
+        matches!(self, DType::F32 | DType::F64 | DType::F16 | DType::BF16)
+    }
+
+    /// Stable wire code, `0..=9` (the position in [`DType::ALL`]).
+    pub fn to_u8(self) -> u8 {
+        self as u8
+    }
+
+    /// Inverse of [`DType::to_u8`]; `None` for codes above 9.
+    pub fn from_u8(v: u8) -> Option<DType> {
+        DType::ALL.get(usize::from(v)).copied()
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for DType {
+    type Err = KernelError;
+
+    /// Accepts [`DType::name`], [`DType::short_name`] and the aliases `float16`, `float32`,
+    /// `float64`, `fp16`, `fp32`, `fp64`, ignoring ASCII case and surrounding whitespace.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let lower = s.trim().to_ascii_lowercase();
+        let found = DType::ALL
+            .into_iter()
+            .find(|d| d.name() == lower || d.short_name() == lower);
+        found
+            .or(match lower.as_str() {
+                "float16" | "fp16" => Some(DType::F16),
+                "float32" | "fp32" => Some(DType::F32),
+                "float64" | "fp64" => Some(DType::F64),
+                _ => None,
+            })
+            .ok_or_else(|| KernelError::UnknownDType(s.to_owned()))
+    }
+}
+
+/// Reduction operations.
+///
+/// The wire code of each variant ([`ReduceOp::to_u8`]) is its position in [`ReduceOp::ALL`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    /// Sum (wrapping for integers).
+    Sum,
+    /// Product (wrapping for integers).
+    Prod,
+    /// Minimum (NaN propagates for floats).
+    Min,
+    /// Maximum (NaN propagates for floats).
+    Max,
+    /// Average: reduced as [`ReduceOp::Sum`], then divided by the contributor count with
+    /// [`finish_avg`](crate::finish_avg).
+    Avg,
+}
+
+impl ReduceOp {
+    /// Every operation, in wire-code order.
+    pub const ALL: [ReduceOp; 5] = [
+        ReduceOp::Sum,
+        ReduceOp::Prod,
+        ReduceOp::Min,
+        ReduceOp::Max,
+        ReduceOp::Avg,
+    ];
+
+    /// Lower-case name: `sum`, `prod`, `min`, `max`, `avg`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Prod => "prod",
+            ReduceOp::Min => "min",
+            ReduceOp::Max => "max",
+            ReduceOp::Avg => "avg",
+        }
+    }
+
+    /// Stable wire code, `0..=4` (the position in [`ReduceOp::ALL`]).
+    pub fn to_u8(self) -> u8 {
+        self as u8
+    }
+
+    /// Inverse of [`ReduceOp::to_u8`]; `None` for codes above 4.
+    pub fn from_u8(v: u8) -> Option<ReduceOp> {
+        ReduceOp::ALL.get(usize::from(v)).copied()
+    }
+}
+
+impl fmt::Display for ReduceOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for ReduceOp {
+    type Err = KernelError;
+
+    /// Accepts [`ReduceOp::name`], ignoring ASCII case and surrounding whitespace.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let lower = s.trim().to_ascii_lowercase();
+        ReduceOp::ALL
+            .into_iter()
+            .find(|o| o.name() == lower)
+            .ok_or_else(|| KernelError::UnknownOp(s.to_owned()))
+    }
+}

@@ -1,0 +1,36 @@
+//! Error type shared by every kernel entry point.
+
+/// Errors reported by the kernels and by dtype / op parsing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum KernelError {
+    /// Destination and source lengths differ (elements for the typed kernels, bytes for the
+    /// `*_bytes` kernels).
+    #[error("length mismatch: destination has length {dst} but source has length {src}")]
+    LengthMismatch {
+        /// Length of the destination.
+        dst: usize,
+        /// Length of the offending source.
+        src: usize,
+    },
+    /// A byte buffer's length is not a whole number of elements.
+    #[error("byte length {bytes} is not a multiple of the element size {elem}")]
+    NotMultiple {
+        /// Length of the byte buffer.
+        bytes: usize,
+        /// Element size in bytes.
+        elem: usize,
+    },
+    /// A string did not name a known data type.
+    #[error(
+        "unknown data type {0:?} (expected one of float, double, half, bfloat16, int8, uint8, \
+         int32, uint32, int64, uint64 or f32, f64, f16, bf16, i8, u8, i32, u32, i64, u64)"
+    )]
+    UnknownDType(String),
+    /// A string did not name a known reduction operation.
+    #[error("unknown reduction op {0:?} (expected one of sum, prod, min, max, avg)")]
+    UnknownOp(String),
+    /// `finish_avg_bytes` was asked to divide by zero contributors.
+    #[error("cannot average over zero contributors")]
+    ZeroCount,
+}

@@ -1,0 +1,336 @@
+//! Typed host kernels: element-wise reduce, out-of-place reduce, average finishing and the
+//! scalar reference.
+//!
+//! Every kernel dispatches on the [`ReduceOp`] once, then runs a branch-free zip loop over the
+//! slices that LLVM auto-vectorizes. `f16`/`bf16` are widened to `f32` in stack blocks of
+//! [`HALF_BLOCK`] elements with `half`'s slice converters, reduced in `f32`, and rounded back
+//! (round to nearest, ties to even).
+
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+
+use crate::element::sealed::Sealed;
+use crate::{Element, KernelError, ReduceOp};
+
+/// Elements per stack block when widening `f16`/`bf16` to `f32`.
+const HALF_BLOCK: usize = 256;
+
+/// `dst[i] = f(dst[i], src[i])` over the common length.
+#[inline(always)]
+fn binary<T: Copy>(dst: &mut [T], src: &[T], f: impl Fn(T, T) -> T) {
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d = f(*d, s);
+    }
+}
+
+/// `dst[i] = f(a[i], b[i])` over the common length.
+#[inline(always)]
+fn ternary<T: Copy>(dst: &mut [T], a: &[T], b: &[T], f: impl Fn(T, T) -> T) {
+    for (d, (&x, &y)) in dst.iter_mut().zip(a.iter().zip(b)) {
+        *d = f(x, y);
+    }
+}
+
+/// `dst[i] = f(dst[i])`.
+#[inline(always)]
+fn unary<T: Copy>(dst: &mut [T], f: impl Fn(T) -> T) {
+    for d in dst {
+        *d = f(*d);
+    }
+}
+
+/// The four binary operations of a "native" arithmetic type (`f32`, `f64`, integers).
+trait Arith: Copy {
+    fn add(self, o: Self) -> Self;
+    fn mul(self, o: Self) -> Self;
+    fn min(self, o: Self) -> Self;
+    fn max(self, o: Self) -> Self;
+}
+
+macro_rules! float_arith {
+    ($($t:ty),*) => {$(
+        impl Arith for $t {
+            #[inline(always)]
+            fn add(self, o: Self) -> Self {
+                self + o
+            }
+            #[inline(always)]
+            fn mul(self, o: Self) -> Self {
+                self * o
+            }
+            /// NaN-propagating minimum written as two selects so that it vectorizes:
+            /// `self` NaN -> `self`; `o` NaN -> `self < o` is false -> `o`.
+            #[inline(always)]
+            fn min(self, o: Self) -> Self {
+                let m = if self < o { self } else { o };
+                if self.is_nan() { self } else { m }
+            }
+            /// NaN-propagating maximum, mirror of `min`.
+            #[inline(always)]
+            fn max(self, o: Self) -> Self {
+                let m = if self > o { self } else { o };
+                if self.is_nan() { self } else { m }
+            }
+        }
+    )*};
+}
+
+float_arith!(f32, f64);
+
+macro_rules! int_arith {
+    ($($t:ty),*) => {$(
+        impl Arith for $t {
+            #[inline(always)]
+            fn add(self, o: Self) -> Self {
+                self.wrapping_add(o)
+            }
+            #[inline(always)]
+            fn mul(self, o: Self) -> Self {
+                self.wrapping_mul(o)
+            }
+            #[inline(always)]
+            fn min(self, o: Self) -> Self {
+                Ord::min(self, o)
+            }
+            #[inline(always)]
+            fn max(self, o: Self) -> Self {
+                Ord::max(self, o)
+            }
+        }
+    )*};
+}
+
+int_arith!(i8, u8, i32, u32, i64, u64);
+
+/// Dispatch on `op` once: binds `$f` to the op's scalar function on `$t` and evaluates `$body`
+/// (which is monomorphised per op, so the inner loop has no branch on the op).
+macro_rules! with_op {
+    ($t:ty, $op:expr, |$f:ident| $body:expr) => {
+        match $op {
+            ReduceOp::Sum | ReduceOp::Avg => {
+                let $f = <$t as Arith>::add;
+                $body
+            }
+            ReduceOp::Prod => {
+                let $f = <$t as Arith>::mul;
+                $body
+            }
+            ReduceOp::Min => {
+                let $f = <$t as Arith>::min;
+                $body
+            }
+            ReduceOp::Max => {
+                let $f = <$t as Arith>::max;
+                $body
+            }
+        }
+    };
+}
+
+macro_rules! native_common {
+    ($t:ty) => {
+        #[inline]
+        fn reduce_slice(dst: &mut [$t], src: &[$t], op: ReduceOp) {
+            with_op!($t, op, |f| binary(dst, src, f))
+        }
+        #[inline]
+        fn reduce_into_slice(dst: &mut [$t], a: &[$t], b: &[$t], op: ReduceOp) {
+            with_op!($t, op, |f| ternary(dst, a, b, f))
+        }
+        #[inline]
+        fn scalar_op(a: $t, b: $t, op: ReduceOp) -> $t {
+            with_op!($t, op, |f| f(a, b))
+        }
+    };
+}
+
+macro_rules! float_sealed {
+    ($($t:ty),*) => {$(
+        impl Sealed for $t {
+            native_common!($t);
+            #[inline]
+            fn div_slice(dst: &mut [$t], n: usize) {
+                let d = n as $t;
+                unary(dst, |x| x / d);
+            }
+            #[inline]
+            fn scalar_div(a: $t, n: usize) -> $t {
+                a / n as $t
+            }
+        }
+    )*};
+}
+
+float_sealed!(f32, f64);
+
+macro_rules! int_sealed {
+    ($($t:ty),*) => {$(
+        impl Sealed for $t {
+            native_common!($t);
+            #[inline]
+            fn div_slice(dst: &mut [$t], n: usize) {
+                match <$t>::try_from(n) {
+                    // n >= 1, so neither division by zero nor MIN / -1 can occur.
+                    Ok(d) => unary(dst, |x| x / d),
+                    Err(_) => unary(dst, |x| Self::scalar_div(x, n)),
+                }
+            }
+            #[inline]
+            fn scalar_div(a: $t, n: usize) -> $t {
+                // Exact truncating division in i128; |a / n| <= |a| always fits back.
+                (a as i128 / n as i128) as $t
+            }
+        }
+    )*};
+}
+
+int_sealed!(i8, u8, i32, u32, i64, u64);
+
+/// Widen `dst` and `src` block by block to `f32`, apply `f`, and round the result back into
+/// `dst`.
+#[inline(always)]
+fn half_binary<H>(dst: &mut [H], src: &[H], f: impl Fn(&mut [f32], &[f32]))
+where
+    [H]: HalfFloatSliceExt,
+{
+    let mut fa = [0f32; HALF_BLOCK];
+    let mut fb = [0f32; HALF_BLOCK];
+    for (dc, sc) in dst.chunks_mut(HALF_BLOCK).zip(src.chunks(HALF_BLOCK)) {
+        let (fa, fb) = (&mut fa[..dc.len()], &mut fb[..dc.len()]);
+        dc.convert_to_f32_slice(fa);
+        sc.convert_to_f32_slice(fb);
+        f(fa, fb);
+        dc.convert_from_f32_slice(fa);
+    }
+}
+
+/// Out-of-place form of [`half_binary`]: `dst = round(f(widen(a), widen(b)))`.
+#[inline(always)]
+fn half_ternary<H>(dst: &mut [H], a: &[H], b: &[H], f: impl Fn(&mut [f32], &[f32]))
+where
+    [H]: HalfFloatSliceExt,
+{
+    let mut fa = [0f32; HALF_BLOCK];
+    let mut fb = [0f32; HALF_BLOCK];
+    let blocks = dst
+        .chunks_mut(HALF_BLOCK)
+        .zip(a.chunks(HALF_BLOCK).zip(b.chunks(HALF_BLOCK)));
+    for (dc, (ac, bc)) in blocks {
+        let (fa, fb) = (&mut fa[..dc.len()], &mut fb[..dc.len()]);
+        ac.convert_to_f32_slice(fa);
+        bc.convert_to_f32_slice(fb);
+        f(fa, fb);
+        dc.convert_from_f32_slice(fa);
+    }
+}
+
+macro_rules! half_sealed {
+    ($($t:ty),*) => {$(
+        impl Sealed for $t {
+            #[inline]
+            fn reduce_slice(dst: &mut [$t], src: &[$t], op: ReduceOp) {
+                with_op!(f32, op, |f| half_binary(dst, src, |x, y| binary(x, y, f)))
+            }
+            #[inline]
+            fn reduce_into_slice(dst: &mut [$t], a: &[$t], b: &[$t], op: ReduceOp) {
+                with_op!(f32, op, |f| half_ternary(dst, a, b, |x, y| binary(x, y, f)))
+            }
+            #[inline]
+            fn div_slice(dst: &mut [$t], n: usize) {
+                let d = n as f32;
+                let mut buf = [0f32; HALF_BLOCK];
+                for dc in dst.chunks_mut(HALF_BLOCK) {
+                    let buf = &mut buf[..dc.len()];
+                    dc.convert_to_f32_slice(buf);
+                    unary(buf, |x| x / d);
+                    dc.convert_from_f32_slice(buf);
+                }
+            }
+            #[inline]
+            fn scalar_op(a: $t, b: $t, op: ReduceOp) -> $t {
+                <$t>::from_f32(with_op!(f32, op, |f| f(a.to_f32(), b.to_f32())))
+            }
+            #[inline]
+            fn scalar_div(a: $t, n: usize) -> $t {
+                <$t>::from_f32(a.to_f32() / n as f32)
+            }
+        }
+    )*};
+}
+
+half_sealed!(f16, bf16);
+
+/// In place: `dst[i] = dst[i] (op) src[i]`.
+///
+/// [`ReduceOp::Avg`] behaves as [`ReduceOp::Sum`] here; divide afterwards with [`finish_avg`].
+/// Integer `Sum`/`Prod` wrap on overflow; float `Min`/`Max` propagate NaN.
+///
+/// # Errors
+///
+/// [`KernelError::LengthMismatch`] (in elements) if `dst.len() != src.len()`.
+pub fn reduce<T: Element>(dst: &mut [T], src: &[T], op: ReduceOp) -> Result<(), KernelError> {
+    check_len(dst.len(), src.len())?;
+    T::reduce_slice(dst, src, op);
+    Ok(())
+}
+
+/// Out of place: `dst[i] = a[i] (op) b[i]`, so an algorithm can combine two inputs without
+/// copying one of them into `dst` first. `Avg` behaves as `Sum`, as in [`reduce`].
+///
+/// # Errors
+///
+/// [`KernelError::LengthMismatch`] (in elements) if `a` or `b` is not as long as `dst`.
+pub fn reduce_into<T: Element>(
+    dst: &mut [T],
+    a: &[T],
+    b: &[T],
+    op: ReduceOp,
+) -> Result<(), KernelError> {
+    check_len(dst.len(), a.len())?;
+    check_len(dst.len(), b.len())?;
+    T::reduce_into_slice(dst, a, b, op);
+    Ok(())
+}
+
+/// Divide every element by `n`: the last step of [`ReduceOp::Avg`].
+///
+/// Floats compute `x / n` in `f64` for `f64` and in `f32` for `f32`, `f16` and `bf16` (the
+/// half types are rounded back to nearest even). Integers use truncating division (towards
+/// zero).
+///
+/// # Panics
+///
+/// If `n == 0`.
+pub fn finish_avg<T: Element>(dst: &mut [T], n: usize) {
+    assert!(n > 0, "finish_avg: cannot average over zero contributors");
+    T::div_slice(dst, n);
+}
+
+/// Scalar reference: the reduction of `vals`, left to right, under `op`, rounded exactly as the
+/// kernels round (`f16`/`bf16` go through `f32` and are rounded after every step; integers wrap).
+///
+/// For [`ReduceOp::Avg`] this is the full average: the sum of `vals` followed by the
+/// [`finish_avg`] division by `vals.len()`.
+///
+/// # Panics
+///
+/// If `vals` is empty.
+pub fn reference_reduce<T: Element>(vals: &[T], op: ReduceOp) -> T {
+    let (&first, rest) = vals
+        .split_first()
+        .expect("reference_reduce: at least one value is required");
+    let acc = rest.iter().fold(first, |acc, &v| T::scalar_op(acc, v, op));
+    match op {
+        ReduceOp::Avg => T::scalar_div(acc, vals.len()),
+        _ => acc,
+    }
+}
+
+#[inline]
+pub(crate) fn check_len(dst: usize, src: usize) -> Result<(), KernelError> {
+    if dst == src {
+        Ok(())
+    } else {
+        Err(KernelError::LengthMismatch { dst, src })
+    }
+}

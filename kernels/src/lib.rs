@@ -1,0 +1,95 @@
+//! Element-wise reduction kernels for oxccl, on the host.
+//!
+//! Every collective in oxccl ends up combining buffers element by element; this crate holds
+//! those kernels for every ([`DType`], [`ReduceOp`]) pair, in a typed form ([`reduce`],
+//! [`reduce_into`], [`finish_avg`]) and in a byte form for transports that move untyped buffers
+//! ([`reduce_bytes`], [`reduce_into_bytes`], [`finish_avg_bytes`]).
+//!
+//! # Quick start
+//!
+//! ```
+//! use oxccl_kernels::{finish_avg, reduce, reduce_bytes, DType, ReduceOp};
+//!
+//! // Typed: dst = dst + src.
+//! let mut dst = [1.0f32, 2.0, 3.0];
+//! reduce(&mut dst, &[10.0, 20.0, 30.0], ReduceOp::Sum)?;
+//! assert_eq!(dst, [11.0, 22.0, 33.0]);
+//!
+//! // Avg is Sum followed by one division by the number of contributors.
+//! let mut acc = [2.0f64, 4.0];
+//! reduce(&mut acc, &[4.0, 8.0], ReduceOp::Avg)?;
+//! finish_avg(&mut acc, 2);
+//! assert_eq!(acc, [3.0, 6.0]);
+//!
+//! // Bytes: the dtype is chosen at run time; the slices may be unaligned.
+//! let dtype: DType = "int32".parse()?;
+//! let mut d: Vec<u8> = [5i32, -7].iter().flat_map(|v| v.to_ne_bytes()).collect();
+//! let s: Vec<u8> = [3i32, 2].iter().flat_map(|v| v.to_ne_bytes()).collect();
+//! reduce_bytes(dtype, "max".parse()?, &mut d, &s)?;
+//! assert_eq!(d[..4], 5i32.to_ne_bytes());
+//! assert_eq!(d[4..], 2i32.to_ne_bytes());
+//! # Ok::<(), oxccl_kernels::KernelError>(())
+//! ```
+//!
+//! # Data types and operations
+//!
+//! | [`DType`] | host type | name | size |
+//! |---|---|---|---|
+//! | `F32` | `f32` | `float` | 4 |
+//! | `F64` | `f64` | `double` | 8 |
+//! | `F16` | [`half::f16`] | `half` | 2 |
+//! | `BF16` | [`half::bf16`] | `bfloat16` | 2 |
+//! | `I8` / `U8` | `i8` / `u8` | `int8` / `uint8` | 1 |
+//! | `I32` / `U32` | `i32` / `u32` | `int32` / `uint32` | 4 |
+//! | `I64` / `U64` | `i64` / `u64` | `int64` / `uint64` | 8 |
+//!
+//! Operations: [`ReduceOp::Sum`], [`ReduceOp::Prod`], [`ReduceOp::Min`], [`ReduceOp::Max`],
+//! [`ReduceOp::Avg`]. Both enums parse from their names (case-insensitive; dtypes also accept
+//! `f32`, `bf16`, `i64`, ...) and have stable one-byte wire codes.
+//!
+//! # Integer semantics
+//!
+//! Integer `Sum` and `Prod` use wrapping (two's complement, modulo 2^bits) arithmetic, like
+//! [`i32::wrapping_add`] and [`i32::wrapping_mul`]: overflow never panics and the result does not
+//! depend on the reduction order. `Min`/`Max` are the ordinary integer minimum and maximum.
+//!
+//! # Floating-point semantics
+//!
+//! `f32` and `f64` use plain IEEE `+` and `*` in their own precision. `f16` and `bf16` are
+//! widened to `f32`, combined in `f32` and rounded back to nearest, ties to even, after each
+//! step (each call of [`reduce`] is one step). Floating-point sums and products therefore depend
+//! on the reduction order, exactly as in NCCL.
+//!
+//! ## NaN behaviour of min/max
+//!
+//! Float `Min` and `Max` propagate NaN: if either input is NaN, the result is NaN (like
+//! `torch.minimum` / `torch.maximum`, unlike [`f32::min`] which ignores NaN). A NaN anywhere in
+//! the inputs therefore gives NaN whatever the reduction order. For two equal operands (such as
+//! `-0.0` and `+0.0`) the second operand is returned.
+//!
+//! # Average
+//!
+//! [`ReduceOp::Avg`] is computed as a `Sum` reduction (every kernel treats `Avg` as `Sum`)
+//! followed by one [`finish_avg`] call that divides by the number of contributors: in `f64` for
+//! `f64`, in `f32` for `f32`/`f16`/`bf16`, and by truncating division for integers (after a
+//! wrapping sum).
+//!
+//! # Alignment
+//!
+//! The byte kernels reinterpret aligned buffers in place (the fast path). Buffers that are not
+//! aligned for the element type are processed through aligned stack blocks instead, with
+//! bit-identical results.
+
+#![forbid(unsafe_code)]
+
+mod bytes;
+mod dtype;
+mod element;
+mod error;
+mod host;
+
+pub use bytes::{finish_avg_bytes, reduce_bytes, reduce_into_bytes};
+pub use dtype::{DType, ReduceOp};
+pub use element::Element;
+pub use error::KernelError;
+pub use host::{finish_avg, reduce, reduce_into, reference_reduce};

@@ -1,0 +1,9 @@
+//! Integration tests for `oxccl-kernels`: every (dtype, op) against an independent scalar
+//! reference, NaN propagation, unaligned byte slices, errors, parsing and a property test.
+
+#[macro_use]
+mod common;
+mod bytes;
+mod parse;
+mod prop;
+mod reduce;

@@ -1,0 +1,153 @@
+//! `oxccl`: the oxccl command-line tool.
+//!
+//! ```text
+//! oxccl launch -n 4 -- python train.py --lr 3e-4
+//! oxccl launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 -n 8 -- ./train
+//! ```
+//!
+//! See [`oxccl::launch`] for the environment every rank gets and the exit-code contract.
+
+use std::ffi::OsString;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use oxccl::launch::{launch, JobEnd, LaunchConfig};
+
+/// oxccl: collective communication for Rust trainers.
+#[derive(Debug, Parser)]
+#[command(name = "oxccl", version, about, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Start the ranks of a job on this node and supervise them (like torchrun).
+    ///
+    /// Every rank gets OXCCL_RANK, OXCCL_WORLD_SIZE, OXCCL_LOCAL_RANK, OXCCL_LOCAL_WORLD_SIZE,
+    /// OXCCL_STORE, OXCCL_JOB_ID, ... (and torchrun's RANK, WORLD_SIZE, MASTER_ADDR, ...).
+    /// If a rank fails, all ranks are stopped and the launcher exits non-zero.
+    #[command(arg_required_else_help = true)]
+    Launch(LaunchArgs),
+}
+
+#[derive(Debug, Args)]
+struct LaunchArgs {
+    /// Ranks (processes) to start on this node.
+    #[arg(
+        short = 'n',
+        long = "nproc-per-node",
+        visible_alias = "np",
+        value_name = "N"
+    )]
+    nproc_per_node: usize,
+
+    /// Number of nodes in the job.
+    #[arg(long, value_name = "M", default_value_t = 1)]
+    nnodes: usize,
+
+    /// Index of this node (0..M); node 0 hosts the rendezvous store.
+    #[arg(long, value_name = "K", default_value_t = 0)]
+    node_rank: usize,
+
+    /// Address of node 0 (host name, IPv4 or IPv6 literal).
+    #[arg(long, value_name = "A", default_value = "127.0.0.1")]
+    master_addr: String,
+
+    /// Port of the store on node 0 [default: 0 = any free port, only with --nnodes 1].
+    #[arg(long, value_name = "P")]
+    master_port: Option<u16>,
+
+    /// Restart all local ranks up to R times when one fails (--nnodes 1 only).
+    #[arg(long, value_name = "R", default_value_t = 0)]
+    max_restarts: u32,
+
+    /// Do not prefix the ranks' output lines with "[RANK] ".
+    #[arg(long)]
+    no_prefix: bool,
+
+    /// Kill the job (exit code 124) if it runs longer than this many seconds.
+    #[arg(long, value_name = "SECONDS", value_parser = parse_seconds)]
+    timeout: Option<Duration>,
+
+    /// Base of OXCCL_JOB_ID (each attempt appends "-r<attempt>") [default: $OXCCL_JOB_ID, else
+    /// "<pid>-<unix time>" on one node, "mn-<master port>" on several].
+    #[arg(long, value_name = "ID")]
+    job_id: Option<String>,
+
+    /// The command to run on every rank, and its arguments.
+    #[arg(value_name = "CMD", required = true, trailing_var_arg = true, num_args = 1..)]
+    command: Vec<OsString>,
+}
+
+/// Like `eprintln!("oxccl launch: ...")`, without panicking on a closed stderr.
+macro_rules! note {
+    ($($arg:tt)*) => {{
+        use ::std::io::Write as _;
+        let _ = ::std::writeln!(
+            ::std::io::stderr().lock(),
+            "oxccl launch: {}",
+            ::std::format_args!($($arg)*)
+        );
+    }};
+}
+
+fn parse_seconds(s: &str) -> Result<Duration, String> {
+    let secs: f64 = s
+        .parse()
+        .map_err(|e| format!("not a number of seconds: {e}"))?;
+    if !secs.is_finite() || secs <= 0.0 {
+        return Err("must be a positive number of seconds".into());
+    }
+    Duration::try_from_secs_f64(secs).map_err(|e| e.to_string())
+}
+
+fn run_launch(args: LaunchArgs) -> u8 {
+    let mut command = args.command.into_iter();
+    let program = command.next().unwrap_or_default();
+    let mut cfg = LaunchConfig::new(args.nproc_per_node, program, command);
+    cfg.nnodes = args.nnodes;
+    cfg.node_rank = args.node_rank;
+    cfg.master_addr = args.master_addr;
+    cfg.master_port = args.master_port.unwrap_or(0);
+    cfg.max_restarts = args.max_restarts;
+    cfg.prefix_output = !args.no_prefix;
+    cfg.timeout = args.timeout;
+    cfg.job_id = args.job_id;
+    cfg.forward_signals = true;
+
+    let code = match launch(&cfg) {
+        Ok(outcome) => {
+            let code = outcome.exit_code();
+            match &outcome.end {
+                JobEnd::Success => {}
+                JobEnd::RankFailed(f) => note!(
+                    "job failed after {} attempt(s): {f}; exiting with code {code}",
+                    outcome.attempts
+                ),
+                JobEnd::Interrupted { .. } => {
+                    note!("job interrupted; exiting with code {code}")
+                }
+                JobEnd::TimedOut { after } => note!(
+                    "job timed out after {}s; exiting with code {code}",
+                    after.as_secs_f64()
+                ),
+            }
+            code
+        }
+        Err(e) => {
+            note!("error: {e}");
+            e.exit_code()
+        }
+    };
+    u8::try_from(code).unwrap_or(1)
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    ExitCode::from(match cli.command {
+        Cmd::Launch(args) => run_launch(args),
+    })
+}

@@ -1,0 +1,774 @@
+//! `oxccl launch`: start the ranks of a job on this node and supervise them (oxccl's torchrun).
+//!
+//! [`launch`] starts [`LaunchConfig::nproc_per_node`] copies of a command, one per local rank,
+//! hands each one its place in the job through environment variables, hosts the rendezvous store
+//! on node 0, forwards the ranks' output, and tears the whole job down as soon as one rank fails.
+//!
+//! # Environment of every rank
+//!
+//! Each rank inherits the launcher's environment, plus [`LaunchConfig::env`], plus:
+//!
+//! | variable | value |
+//! |---|---|
+//! | `OXCCL_RANK` | global rank: `node_rank * nproc_per_node + local_rank` |
+//! | `OXCCL_WORLD_SIZE` | `nnodes * nproc_per_node` |
+//! | `OXCCL_LOCAL_RANK` | rank on this node, `0..nproc_per_node` |
+//! | `OXCCL_LOCAL_WORLD_SIZE` | `nproc_per_node` |
+//! | `OXCCL_NNODES`, `OXCCL_NODE_RANK` | the node count and this node's index |
+//! | `OXCCL_STORE` | `host:port` of the rendezvous store (the port actually bound; IPv6 literals in brackets) |
+//! | `OXCCL_STORE_HOSTED` | `1`: the launcher hosts the store, so rank 0 must not start one itself |
+//! | `OXCCL_JOB_ID` | `<base>-r<attempt>`, see below; distinct per attempt, so stale store keys are never reused |
+//! | `OXCCL_RESTART_COUNT` | the attempt number, `0` for the first start, `1` after the first restart, ... |
+//! | `OXCCL_MAX_RESTARTS` | [`LaunchConfig::max_restarts`] |
+//! | `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` | the torchrun equivalents, for programs that read those |
+//!
+//! The job id base is [`LaunchConfig::job_id`] if set, else `OXCCL_JOB_ID` from the launcher's
+//! environment, else `<launcher pid>-<unix time>` on a single node, or `mn-<master port>` on
+//! several nodes (every node's launcher must compute the same id; the store is fresh per launch).
+//!
+//! The ranks' stdin is `/dev/null`. Their stdout and stderr are piped; every line is written to
+//! the launcher's own stdout or stderr respectively as one whole line (lines from different ranks
+//! never interleave mid-line), prefixed with `[R] ` where `R` is the global rank unless
+//! [`LaunchConfig::prefix_output`] is off. A final line without a newline gets one; a line longer
+//! than 1 MiB is cut into 1 MiB pieces.
+//!
+//! # Exit-code contract ([`LaunchOutcome::exit_code`], [`LaunchError::exit_code`])
+//!
+//! | code | meaning |
+//! |---|---|
+//! | `0` | every rank exited with status 0 |
+//! | `c` (1..=255) | the first rank seen failing exited with code `c` (after `max_restarts` restarts) |
+//! | `128 + s` | the first rank seen failing was killed by signal `s` (e.g. 137 for SIGKILL) |
+//! | `128 + s` | the launcher itself received signal `s` (130 SIGINT, 143 SIGTERM, 129 SIGHUP) and forwarded it |
+//! | `124` | [`LaunchConfig::timeout`] expired |
+//! | `127` / `126` | the command could not be started: not found / not executable |
+//! | `2` | invalid configuration (also clap's code for bad command lines) |
+//! | `1` | any other launcher error (store could not be bound, pipes, fork...) |
+//!
+//! A failing rank is reported on stderr as
+//! `oxccl launch: rank 2 (pid 1234) failed: exited with code 3` or
+//! `... failed: killed by signal 9 (SIGKILL)`.
+//!
+//! # Process hygiene
+//!
+//! * Every rank runs in its own process group, and all signals go to the whole group, so
+//!   processes a rank starts (a shell's children, data-loader workers) are signalled with it.
+//! * On failure, time-out or a forwarded signal the launcher sends SIGTERM (or the forwarded
+//!   signal) to every group, waits [`LaunchConfig::failure_grace`] (or
+//!   [`LaunchConfig::signal_grace`]), then SIGKILLs what is left. A second signal to the launcher
+//!   skips the grace period. Leftover processes of ranks that exited 0 are terminated likewise.
+//! * On Linux every rank gets `PR_SET_PDEATHSIG = SIGKILL`, and a small watchdog process forked
+//!   by the launcher SIGKILLs every rank's process group if the launcher itself dies (even by
+//!   SIGKILL), so grandchildren do not survive either.
+//! * With [`LaunchConfig::child_subreaper`] (Linux), orphaned grandchildren are re-parented to the
+//!   launcher, which reaps them: no zombies are left behind.
+//! * Processes that leave their rank's process group on purpose (`setsid`, `setpgid`) are out of
+//!   reach, as they are for any launcher without cgroups.
+//!
+//! Note that `PR_SET_PDEATHSIG` fires when the *thread* that spawned the ranks exits: call
+//! [`launch`] from a thread that outlives the call (it always does, since [`launch`] blocks
+//! until every rank is gone).
+
+/// Writes one user-facing `oxccl launch: ...` line to stderr. Unlike `eprintln!` it never
+/// panics (a closed stderr must not take the launcher down with ranks still running).
+macro_rules! note {
+    ($($arg:tt)*) => {{
+        use ::std::io::Write as _;
+        let _ = ::std::writeln!(
+            ::std::io::stderr().lock(),
+            "oxccl launch: {}",
+            ::std::format_args!($($arg)*)
+        );
+    }};
+}
+
+mod output;
+mod proc;
+mod watchdog;
+
+use std::ffi::OsString;
+use std::fmt;
+use std::io;
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use oxccl_comm::bootstrap::TcpStoreServer;
+
+use self::proc::{AttemptEnd, Job, RankSpec, Subreaper, SupervisorCtx};
+use self::watchdog::Watchdog;
+
+/// Everything [`launch`] needs to start a job on this node.
+///
+/// Build it with [`LaunchConfig::new`] and adjust the public fields.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct LaunchConfig {
+    /// Ranks started on this node (`-n`, `--nproc-per-node`, `--np`).
+    pub nproc_per_node: usize,
+    /// Nodes in the job (`--nnodes`, default 1).
+    pub nnodes: usize,
+    /// Index of this node, `0..nnodes` (`--node-rank`, default 0). Node 0 hosts the store.
+    pub node_rank: usize,
+    /// Address of node 0, where the store listens (`--master-addr`, default `127.0.0.1`).
+    /// A host name, an IPv4 or an IPv6 literal (brackets optional).
+    pub master_addr: String,
+    /// Store port (`--master-port`); 0 picks a free port, which is only allowed with one node.
+    pub master_port: u16,
+    /// How many times the whole local job is restarted after a rank fails (`--max-restarts`,
+    /// default 0). Only supported with `nnodes == 1` for now.
+    pub max_restarts: u32,
+    /// Prefix every forwarded output line with `[R] ` (default on; `--no-prefix` turns it off).
+    pub prefix_output: bool,
+    /// Kill the job if it runs longer than this, restarts included (`--timeout`).
+    pub timeout: Option<Duration>,
+    /// Base of `OXCCL_JOB_ID` (`--job-id`); see the [module docs](self).
+    pub job_id: Option<String>,
+    /// The command to run for every rank.
+    pub program: OsString,
+    /// Its arguments.
+    pub args: Vec<OsString>,
+    /// Extra environment for every rank, applied before the launcher's own variables.
+    pub env: Vec<(OsString, OsString)>,
+    /// Catch SIGINT, SIGTERM and SIGHUP while the job runs and forward them to the ranks
+    /// (default off for library use; the `oxccl` binary turns it on). The handlers stay
+    /// installed (as no-ops) after [`launch`] returns.
+    pub forward_signals: bool,
+    /// Make the launcher a child subreaper while the job runs (Linux; default on), so orphaned
+    /// grandchildren of the ranks are re-parented to it and reaped.
+    pub child_subreaper: bool,
+    /// How long ranks get between SIGTERM and SIGKILL after a failure or time-out (default 3 s).
+    pub failure_grace: Duration,
+    /// How long ranks get after a forwarded signal before SIGKILL (default 5 s).
+    pub signal_grace: Duration,
+}
+
+impl LaunchConfig {
+    /// A single-node configuration running `program args...` on `nproc_per_node` ranks with every
+    /// other setting at its default.
+    pub fn new<P, I, A>(nproc_per_node: usize, program: P, args: I) -> Self
+    where
+        P: Into<OsString>,
+        I: IntoIterator<Item = A>,
+        A: Into<OsString>,
+    {
+        LaunchConfig {
+            nproc_per_node,
+            nnodes: 1,
+            node_rank: 0,
+            master_addr: "127.0.0.1".to_owned(),
+            master_port: 0,
+            max_restarts: 0,
+            prefix_output: true,
+            timeout: None,
+            job_id: None,
+            program: program.into(),
+            args: args.into_iter().map(Into::into).collect(),
+            env: Vec::new(),
+            forward_signals: false,
+            child_subreaper: true,
+            failure_grace: Duration::from_secs(3),
+            signal_grace: Duration::from_secs(5),
+        }
+    }
+
+    /// Total number of ranks, `nnodes * nproc_per_node`.
+    pub fn world_size(&self) -> usize {
+        self.nnodes.saturating_mul(self.nproc_per_node)
+    }
+
+    /// Checks the configuration without starting anything.
+    pub fn validate(&self) -> Result<(), LaunchError> {
+        let bad = |m: String| Err(LaunchError::InvalidConfig(m));
+        if self.nproc_per_node == 0 {
+            return bad("--nproc-per-node must be at least 1".into());
+        }
+        if self.nnodes == 0 {
+            return bad("--nnodes must be at least 1".into());
+        }
+        if self.nnodes.checked_mul(self.nproc_per_node).is_none() {
+            return bad("--nnodes * --nproc-per-node overflows".into());
+        }
+        if self.node_rank >= self.nnodes {
+            return bad(format!(
+                "--node-rank {} is out of range for --nnodes {} (must be 0..{})",
+                self.node_rank, self.nnodes, self.nnodes
+            ));
+        }
+        if self.nnodes > 1 && self.master_port == 0 {
+            return bad(format!(
+                "--master-port is required when --nnodes is {} (> 1): every node must be told the \
+                 same store port; a free port (0) can only be picked with --nnodes 1",
+                self.nnodes
+            ));
+        }
+        if self.max_restarts > 0 && self.nnodes > 1 {
+            return bad(
+                "--max-restarts is only supported with --nnodes 1 for now (restarting needs \
+                 every node's launcher to agree on a new attempt)"
+                    .into(),
+            );
+        }
+        if strip_brackets(&self.master_addr).is_empty() {
+            return bad("--master-addr must not be empty".into());
+        }
+        if self.timeout == Some(Duration::ZERO) {
+            return bad("--timeout must be greater than 0".into());
+        }
+        if self.program.is_empty() {
+            return bad("no command given (usage: oxccl launch -n N -- CMD [ARGS...])".into());
+        }
+        if let Some(id) = &self.job_id {
+            if id.is_empty() {
+                return bad("--job-id must not be empty".into());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// How a rank's process ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Termination {
+    /// It exited with this status code.
+    Exited(i32),
+    /// It was killed by this signal.
+    Signaled {
+        /// Signal number.
+        signal: i32,
+        /// Whether it dumped core.
+        core_dumped: bool,
+    },
+}
+
+impl Termination {
+    /// The shell-style exit code for this termination: the code itself, or `128 + signal`.
+    pub fn exit_code(&self) -> i32 {
+        match *self {
+            Termination::Exited(c) => c,
+            Termination::Signaled { signal, .. } => 128 + signal,
+        }
+    }
+
+    /// Whether this is a clean exit with status 0.
+    pub fn success(&self) -> bool {
+        *self == Termination::Exited(0)
+    }
+
+    fn from_status(st: std::process::ExitStatus) -> Self {
+        use std::os::unix::process::ExitStatusExt;
+        match (st.code(), st.signal()) {
+            (Some(c), _) => Termination::Exited(c),
+            (None, Some(signal)) => Termination::Signaled {
+                signal,
+                core_dumped: st.core_dumped(),
+            },
+            // Stopped/continued statuses are never returned by a plain waitpid.
+            (None, None) => Termination::Exited(1),
+        }
+    }
+}
+
+impl fmt::Display for Termination {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            Termination::Exited(c) => write!(f, "exited with code {c}"),
+            Termination::Signaled {
+                signal,
+                core_dumped,
+            } => {
+                write!(f, "killed by signal {signal}")?;
+                match (signal_name(signal), core_dumped) {
+                    (Some(n), false) => write!(f, " ({n})"),
+                    (Some(n), true) => write!(f, " ({n}, core dumped)"),
+                    (None, true) => write!(f, " (core dumped)"),
+                    (None, false) => Ok(()),
+                }
+            }
+        }
+    }
+}
+
+/// The rank whose failure ended an attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankFailure {
+    /// Global rank.
+    pub rank: usize,
+    /// Rank on this node.
+    pub local_rank: usize,
+    /// Its process id.
+    pub pid: u32,
+    /// How it ended.
+    pub termination: Termination,
+}
+
+impl fmt::Display for RankFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "rank {} (pid {}) failed: {}",
+            self.rank, self.pid, self.termination
+        )
+    }
+}
+
+/// How a job ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum JobEnd {
+    /// Every rank exited with status 0.
+    Success,
+    /// A rank failed and no restart was left.
+    RankFailed(RankFailure),
+    /// The launcher received this signal and forwarded it to the ranks.
+    Interrupted {
+        /// Signal number (SIGINT, SIGTERM or SIGHUP).
+        signal: i32,
+    },
+    /// [`LaunchConfig::timeout`] expired.
+    TimedOut {
+        /// The configured limit.
+        after: Duration,
+    },
+}
+
+/// What [`launch`] returns once every rank is gone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaunchOutcome {
+    /// How many times the ranks were started (1 + restarts).
+    pub attempts: u32,
+    /// How the last attempt ended.
+    pub end: JobEnd,
+}
+
+impl LaunchOutcome {
+    /// Whether every rank of the last attempt exited with status 0.
+    pub fn success(&self) -> bool {
+        self.end == JobEnd::Success
+    }
+
+    /// The launcher's exit code, per the contract in the [module docs](self).
+    pub fn exit_code(&self) -> i32 {
+        match &self.end {
+            JobEnd::Success => 0,
+            JobEnd::RankFailed(f) => match f.termination.exit_code() {
+                c @ 1..=255 => c,
+                _ => 1,
+            },
+            JobEnd::Interrupted { signal } => 128 + signal,
+            JobEnd::TimedOut { .. } => 124,
+        }
+    }
+}
+
+/// Why [`launch`] could not run the job at all.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum LaunchError {
+    /// The configuration is inconsistent (nothing was started).
+    InvalidConfig(String),
+    /// The rendezvous store could not be hosted.
+    Store {
+        /// The address it was to listen on.
+        addr: String,
+        /// What went wrong.
+        message: String,
+    },
+    /// A rank's command could not be started; ranks already started were killed and reaped.
+    Spawn {
+        /// Global rank being started.
+        rank: usize,
+        /// The command.
+        program: OsString,
+        /// The OS error.
+        source: io::Error,
+    },
+    /// Any other OS-level failure of the launcher (signal handlers, watchdog, threads).
+    Io {
+        /// What the launcher was doing.
+        context: &'static str,
+        /// The OS error.
+        source: io::Error,
+    },
+}
+
+impl LaunchError {
+    /// The launcher's exit code for this error, per the contract in the [module docs](self).
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            LaunchError::InvalidConfig(_) => 2,
+            LaunchError::Spawn { source, .. } => match source.kind() {
+                io::ErrorKind::NotFound => 127,
+                io::ErrorKind::PermissionDenied => 126,
+                _ => 1,
+            },
+            LaunchError::Store { .. } | LaunchError::Io { .. } => 1,
+        }
+    }
+}
+
+impl fmt::Display for LaunchError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            LaunchError::InvalidConfig(m) => write!(f, "invalid arguments: {m}"),
+            LaunchError::Store { addr, message } if message.contains(addr.as_str()) => {
+                write!(f, "{message}")
+            }
+            LaunchError::Store { addr, message } => {
+                write!(f, "cannot host the rendezvous store on {addr}: {message}")
+            }
+            LaunchError::Spawn {
+                rank,
+                program,
+                source,
+            } => {
+                let program = program.to_string_lossy();
+                match source.kind() {
+                    io::ErrorKind::NotFound => write!(
+                        f,
+                        "cannot start rank {rank}: command not found: '{program}' ({source})"
+                    ),
+                    io::ErrorKind::PermissionDenied => write!(
+                        f,
+                        "cannot start rank {rank}: '{program}' is not executable ({source})"
+                    ),
+                    _ => write!(f, "cannot start rank {rank}: '{program}': {source}"),
+                }
+            }
+            LaunchError::Io { context, source } => write!(f, "{context}: {source}"),
+        }
+    }
+}
+
+impl std::error::Error for LaunchError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            LaunchError::Spawn { source, .. } | LaunchError::Io { source, .. } => Some(source),
+            _ => None,
+        }
+    }
+}
+
+/// Runs the job described by `cfg` on this node and returns once every rank (and every process
+/// they left behind) is gone.
+///
+/// Failures of ranks are not errors: they come back as [`JobEnd::RankFailed`] (after
+/// `max_restarts` restarts). Errors are reserved for jobs that could not run at all.
+pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
+    cfg.validate()?;
+
+    let signals = if cfg.forward_signals {
+        Some(Signals::register()?)
+    } else {
+        None
+    };
+    let deadline = cfg.timeout.map(|t| Instant::now() + t);
+
+    let store = host_store(cfg)?;
+    let job_base = job_id_base(cfg, store.port);
+    tracing::debug!(store = %store.rank_addr, job = %job_base, "oxccl launch: store ready");
+
+    let _subreaper = cfg.child_subreaper.then(Subreaper::acquire);
+    let mut watchdog = match Watchdog::start() {
+        Ok(w) => Some(w),
+        Err(e) => {
+            tracing::warn!("oxccl launch: cannot start the orphan watchdog: {e}");
+            None
+        }
+    };
+
+    let ctx = SupervisorCtx {
+        signals: signals.as_ref(),
+        deadline,
+        failure_grace: cfg.failure_grace,
+        signal_grace: cfg.signal_grace,
+    };
+
+    let mut attempt: u32 = 0;
+    loop {
+        let job_id = format!("{job_base}-r{attempt}");
+        let specs = rank_specs(cfg, &store, &job_id, attempt);
+        let mut job = Job::spawn(cfg, specs, watchdog.as_mut(), &ctx)?;
+        let end = job.supervise(&ctx);
+        job.finish();
+        drop(job);
+
+        let end = match end {
+            AttemptEnd::Success => JobEnd::Success,
+            AttemptEnd::Interrupted(signal) => JobEnd::Interrupted { signal },
+            AttemptEnd::TimedOut => JobEnd::TimedOut {
+                after: cfg.timeout.unwrap_or_default(),
+            },
+            AttemptEnd::Failed(f) if attempt < cfg.max_restarts => {
+                if let Some(sig) = signals.as_ref().and_then(Signals::take) {
+                    break Ok(LaunchOutcome {
+                        attempts: attempt + 1,
+                        end: JobEnd::Interrupted { signal: sig },
+                    });
+                }
+                attempt += 1;
+                note!(
+                    "restarting all {} local ranks (restart {attempt} of {}) after {f}",
+                    cfg.nproc_per_node,
+                    cfg.max_restarts
+                );
+                continue;
+            }
+            AttemptEnd::Failed(f) => JobEnd::RankFailed(f),
+        };
+        break Ok(LaunchOutcome {
+            attempts: attempt + 1,
+            end,
+        });
+    }
+}
+
+/// The store as the ranks see it; keeps the server (node 0) alive.
+pub(crate) struct HostedStore {
+    _server: Option<TcpStoreServer>,
+    /// `host:port` given to the ranks as `OXCCL_STORE`.
+    rank_addr: String,
+    /// The store's port (`MASTER_PORT`).
+    port: u16,
+}
+
+fn strip_brackets(addr: &str) -> &str {
+    addr.strip_prefix('[')
+        .and_then(|a| a.strip_suffix(']'))
+        .unwrap_or(addr)
+}
+
+/// `host:port`, with IPv6 literals in brackets.
+fn join_host_port(host: &str, port: u16) -> String {
+    match host.parse::<IpAddr>() {
+        Ok(IpAddr::V6(_)) => format!("[{host}]:{port}"),
+        _ => format!("{host}:{port}"),
+    }
+}
+
+fn host_store(cfg: &LaunchConfig) -> Result<HostedStore, LaunchError> {
+    let host = strip_brackets(&cfg.master_addr);
+    if cfg.node_rank != 0 {
+        return Ok(HostedStore {
+            _server: None,
+            rank_addr: join_host_port(host, cfg.master_port),
+            port: cfg.master_port,
+        });
+    }
+    let shown = join_host_port(host, cfg.master_port);
+    let store_err = |message: String| LaunchError::Store {
+        addr: shown.clone(),
+        message,
+    };
+    let addrs: Vec<SocketAddr> = (host, cfg.master_port)
+        .to_socket_addrs()
+        .map_err(|e| store_err(format!("cannot resolve --master-addr '{host}': {e}")))?
+        .collect();
+    let addr = addrs
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or(addrs.first())
+        .copied()
+        .ok_or_else(|| store_err(format!("--master-addr '{host}' resolves to no address")))?;
+    let server = TcpStoreServer::bind(addr).map_err(|e| store_err(e.to_string()))?;
+    let mut bound = server.local_addr();
+    if bound.ip().is_unspecified() {
+        let loopback: IpAddr = if bound.is_ipv4() {
+            std::net::Ipv4Addr::LOCALHOST.into()
+        } else {
+            std::net::Ipv6Addr::LOCALHOST.into()
+        };
+        bound.set_ip(loopback);
+    }
+    Ok(HostedStore {
+        _server: Some(server),
+        rank_addr: bound.to_string(),
+        port: bound.port(),
+    })
+}
+
+fn job_id_base(cfg: &LaunchConfig, port: u16) -> String {
+    if let Some(id) = &cfg.job_id {
+        return id.clone();
+    }
+    if let Some(id) = std::env::var_os("OXCCL_JOB_ID").filter(|v| !v.is_empty()) {
+        return id.to_string_lossy().into_owned();
+    }
+    if cfg.nnodes > 1 {
+        return format!("mn-{port}");
+    }
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    format!("{}-{secs}", std::process::id())
+}
+
+fn rank_specs(
+    cfg: &LaunchConfig,
+    store: &HostedStore,
+    job_id: &str,
+    attempt: u32,
+) -> Vec<RankSpec> {
+    let n = cfg.nproc_per_node;
+    let world = cfg.world_size();
+    (0..n)
+        .map(|local| {
+            let rank = cfg.node_rank * n + local;
+            let env: Vec<(&str, String)> = vec![
+                ("OXCCL_RANK", rank.to_string()),
+                ("OXCCL_WORLD_SIZE", world.to_string()),
+                ("OXCCL_LOCAL_RANK", local.to_string()),
+                ("OXCCL_LOCAL_WORLD_SIZE", n.to_string()),
+                ("OXCCL_NNODES", cfg.nnodes.to_string()),
+                ("OXCCL_NODE_RANK", cfg.node_rank.to_string()),
+                ("OXCCL_STORE", store.rank_addr.clone()),
+                ("OXCCL_STORE_HOSTED", "1".to_owned()),
+                ("OXCCL_JOB_ID", job_id.to_owned()),
+                ("OXCCL_RESTART_COUNT", attempt.to_string()),
+                ("OXCCL_MAX_RESTARTS", cfg.max_restarts.to_string()),
+                ("RANK", rank.to_string()),
+                ("WORLD_SIZE", world.to_string()),
+                ("LOCAL_RANK", local.to_string()),
+                ("LOCAL_WORLD_SIZE", n.to_string()),
+                ("MASTER_ADDR", strip_brackets(&cfg.master_addr).to_owned()),
+                ("MASTER_PORT", store.port.to_string()),
+            ];
+            RankSpec {
+                rank,
+                local_rank: local,
+                env,
+            }
+        })
+        .collect()
+}
+
+/// SIGINT, SIGTERM and SIGHUP caught while a job runs.
+pub(crate) struct Signals {
+    flags: Vec<(libc::c_int, Arc<AtomicBool>)>,
+    ids: Vec<signal_hook::SigId>,
+}
+
+impl Signals {
+    fn register() -> Result<Self, LaunchError> {
+        let mut s = Signals {
+            flags: Vec::new(),
+            ids: Vec::new(),
+        };
+        for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+            let flag = Arc::new(AtomicBool::new(false));
+            let id = signal_hook::flag::register(sig, Arc::clone(&flag)).map_err(|source| {
+                LaunchError::Io {
+                    context: "installing signal handlers",
+                    source,
+                }
+            })?;
+            s.flags.push((sig, flag));
+            s.ids.push(id);
+        }
+        Ok(s)
+    }
+
+    /// The first pending signal, cleared.
+    pub(crate) fn take(&self) -> Option<libc::c_int> {
+        self.flags
+            .iter()
+            .find(|(_, f)| f.swap(false, Ordering::SeqCst))
+            .map(|(s, _)| *s)
+    }
+}
+
+impl Drop for Signals {
+    fn drop(&mut self) {
+        for id in self.ids.drain(..) {
+            signal_hook::low_level::unregister(id);
+        }
+    }
+}
+
+/// The conventional name of a signal number, if it is a common one.
+pub fn signal_name(sig: i32) -> Option<&'static str> {
+    Some(match sig {
+        libc::SIGHUP => "SIGHUP",
+        libc::SIGINT => "SIGINT",
+        libc::SIGQUIT => "SIGQUIT",
+        libc::SIGILL => "SIGILL",
+        libc::SIGTRAP => "SIGTRAP",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGFPE => "SIGFPE",
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGUSR1 => "SIGUSR1",
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGUSR2 => "SIGUSR2",
+        libc::SIGPIPE => "SIGPIPE",
+        libc::SIGALRM => "SIGALRM",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGXCPU => "SIGXCPU",
+        libc::SIGXFSZ => "SIGXFSZ",
+        libc::SIGSYS => "SIGSYS",
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn store_addresses_bracket_ipv6() {
+        assert_eq!(join_host_port(strip_brackets("[::1]"), 5), "[::1]:5");
+        assert_eq!(join_host_port(strip_brackets("fe80::1"), 5), "[fe80::1]:5");
+        assert_eq!(join_host_port("10.0.0.1", 5), "10.0.0.1:5");
+        assert_eq!(join_host_port("node-3", 5), "node-3:5");
+    }
+
+    #[test]
+    fn terminations_read_like_shell_statuses() {
+        let killed = Termination::Signaled {
+            signal: libc::SIGKILL,
+            core_dumped: false,
+        };
+        assert_eq!(killed.to_string(), "killed by signal 9 (SIGKILL)");
+        assert_eq!(killed.exit_code(), 137);
+        assert_eq!(Termination::Exited(3).to_string(), "exited with code 3");
+        let f = RankFailure {
+            rank: 2,
+            local_rank: 2,
+            pid: 77,
+            termination: killed,
+        };
+        let out = LaunchOutcome {
+            attempts: 1,
+            end: JobEnd::RankFailed(f),
+        };
+        assert_eq!(out.exit_code(), 137);
+    }
+
+    #[test]
+    fn validation_names_the_offending_option() {
+        let mut cfg = LaunchConfig::new(2, "true", Vec::<String>::new());
+        assert!(cfg.validate().is_ok());
+        cfg.node_rank = 1;
+        assert!(cfg
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("--node-rank"));
+        cfg.node_rank = 0;
+        cfg.nnodes = 2;
+        assert!(cfg
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("--master-port"));
+        cfg.master_port = 29500;
+        assert!(cfg.validate().is_ok());
+        cfg.max_restarts = 1;
+        assert!(cfg
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("--max-restarts"));
+    }
+}

@@ -1,0 +1,468 @@
+//! Starting, watching, signalling and reaping the ranks of one attempt.
+
+use std::io;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::process::{Command, ExitStatus, Stdio};
+use std::sync::Mutex;
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use super::output::{self, Sink};
+use super::watchdog::Watchdog;
+use super::{signal_name, LaunchConfig, LaunchError, RankFailure, Signals, Termination};
+
+/// How often children are polled.
+const POLL: Duration = Duration::from_millis(10);
+/// How long SIGKILLed processes get to disappear before the launcher gives up on them.
+const KILL_WAIT: Duration = Duration::from_secs(5);
+/// How long output threads get to see end-of-file once every process is gone.
+const DRAIN_WAIT: Duration = Duration::from_secs(2);
+
+/// One rank to start.
+pub(super) struct RankSpec {
+    pub(super) rank: usize,
+    pub(super) local_rank: usize,
+    pub(super) env: Vec<(&'static str, String)>,
+}
+
+/// What the supervision loop needs besides the ranks.
+pub(super) struct SupervisorCtx<'a> {
+    pub(super) signals: Option<&'a Signals>,
+    pub(super) deadline: Option<Instant>,
+    pub(super) failure_grace: Duration,
+    pub(super) signal_grace: Duration,
+}
+
+impl SupervisorCtx<'_> {
+    fn take_signal(&self) -> Option<libc::c_int> {
+        self.signals.and_then(Signals::take)
+    }
+}
+
+/// How one attempt ended.
+pub(super) enum AttemptEnd {
+    Success,
+    Failed(RankFailure),
+    Interrupted(libc::c_int),
+    TimedOut,
+}
+
+struct RankProc {
+    rank: usize,
+    local_rank: usize,
+    /// Process id of the rank, also the id of its process group.
+    pid: u32,
+    /// Set once the rank's own process was reaped.
+    status: Option<ExitStatus>,
+    /// Whether its exit was already looked at by the supervision loop.
+    seen: bool,
+    /// Set once the process group has no member left (only checked after `status` is set).
+    group_gone: bool,
+}
+
+impl RankProc {
+    fn gone(&self) -> bool {
+        self.status.is_some() && self.group_gone
+    }
+}
+
+/// The running ranks of one attempt.
+pub(super) struct Job<'w> {
+    ranks: Vec<RankProc>,
+    readers: Vec<JoinHandle<()>>,
+    watchdog: Option<&'w mut Watchdog>,
+    cleaned: bool,
+}
+
+fn kill(pid: i32, sig: libc::c_int) -> io::Result<()> {
+    // SAFETY: kill(2) takes plain integers; callers only pass ids of processes or groups they
+    // started and have not seen disappear (see `RankProc`).
+    if unsafe { libc::kill(pid, sig) } == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+impl<'w> Job<'w> {
+    /// Starts every rank. If one cannot be started, the ranks already running are terminated
+    /// and reaped before the error is returned.
+    pub(super) fn spawn(
+        cfg: &LaunchConfig,
+        specs: Vec<RankSpec>,
+        watchdog: Option<&'w mut Watchdog>,
+        ctx: &SupervisorCtx<'_>,
+    ) -> Result<Self, LaunchError> {
+        let mut job = Job {
+            ranks: Vec::with_capacity(specs.len()),
+            readers: Vec::new(),
+            watchdog,
+            cleaned: false,
+        };
+        for spec in specs {
+            if let Err(e) = job.spawn_one(cfg, spec) {
+                job.shutdown(libc::SIGTERM, ctx.failure_grace, ctx);
+                job.finish();
+                return Err(e);
+            }
+        }
+        Ok(job)
+    }
+
+    fn spawn_one(&mut self, cfg: &LaunchConfig, spec: RankSpec) -> Result<(), LaunchError> {
+        let mut cmd = Command::new(&cfg.program);
+        cmd.args(&cfg.args)
+            .envs(cfg.env.iter().map(|(k, v)| (k, v)))
+            .envs(spec.env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0);
+        #[cfg(target_os = "linux")]
+        {
+            let parent = std::process::id() as libc::pid_t;
+            let hook = move || -> io::Result<()> {
+                // SAFETY: prctl(PR_SET_PDEATHSIG) with integer arguments only.
+                if unsafe {
+                    libc::prctl(
+                        libc::PR_SET_PDEATHSIG,
+                        libc::SIGKILL as libc::c_ulong,
+                        0,
+                        0,
+                        0,
+                    )
+                } != 0
+                {
+                    return Err(io::Error::last_os_error());
+                }
+                // The launcher may have died before the prctl took effect.
+                // SAFETY: getppid has no preconditions.
+                if unsafe { libc::getppid() } != parent {
+                    return Err(io::Error::from_raw_os_error(libc::ESRCH));
+                }
+                Ok(())
+            };
+            // SAFETY: the hook runs in the forked child before exec and only makes the
+            // async-signal-safe prctl/getppid system calls; it allocates nothing (the error
+            // values are raw OS errors).
+            unsafe { cmd.pre_exec(hook) };
+        }
+
+        let mut child = cmd.spawn().map_err(|source| LaunchError::Spawn {
+            rank: spec.rank,
+            program: cfg.program.clone(),
+            source,
+        })?;
+        let pid = child.id();
+        tracing::debug!(rank = spec.rank, pid, "oxccl launch: rank started");
+        if let Some(w) = self.watchdog.as_deref_mut() {
+            w.watch(pid);
+        }
+        self.ranks.push(RankProc {
+            rank: spec.rank,
+            local_rank: spec.local_rank,
+            pid,
+            status: None,
+            seen: false,
+            group_gone: false,
+        });
+
+        let prefix = if cfg.prefix_output {
+            format!("[{}] ", spec.rank).into_bytes()
+        } else {
+            Vec::new()
+        };
+        let pipes = [
+            child
+                .stdout
+                .take()
+                .map(|p| (Box::new(p) as Box<dyn io::Read + Send>, Sink::Stdout, "out")),
+            child
+                .stderr
+                .take()
+                .map(|p| (Box::new(p) as Box<dyn io::Read + Send>, Sink::Stderr, "err")),
+        ];
+        for (pipe, sink, tag) in pipes.into_iter().flatten() {
+            let name = format!("oxccl-r{}-{tag}", spec.rank);
+            let h = output::forward(pipe, prefix.clone(), sink, name).map_err(|source| {
+                LaunchError::Io {
+                    context: "starting an output thread",
+                    source,
+                }
+            })?;
+            self.readers.push(h);
+        }
+        Ok(())
+    }
+
+    /// Reaps whatever exited: the ranks' own processes and, when the launcher is a subreaper,
+    /// orphans re-parented from their groups; then notes which groups are empty.
+    fn reap(&mut self) {
+        for r in &mut self.ranks {
+            let pid = r.pid as libc::pid_t;
+            if r.status.is_none() {
+                let mut st = 0;
+                // SAFETY: waitpid on our own child with a valid out-pointer.
+                if unsafe { libc::waitpid(pid, &mut st, libc::WNOHANG) } == pid {
+                    r.status = Some(ExitStatus::from_raw(st));
+                }
+            }
+            loop {
+                let mut st = 0;
+                // SAFETY: waitpid on a process group we created, with a valid out-pointer.
+                let got = unsafe { libc::waitpid(-pid, &mut st, libc::WNOHANG) };
+                if got <= 0 {
+                    break;
+                }
+                if got == pid {
+                    r.status = Some(ExitStatus::from_raw(st));
+                } else {
+                    tracing::debug!(rank = r.rank, pid = got, "oxccl launch: reaped an orphan");
+                }
+            }
+            if r.status.is_some() && !r.group_gone {
+                // Only after the rank itself was reaped: its zombie is a group member too.
+                if matches!(kill(-pid, 0), Err(e) if e.raw_os_error() == Some(libc::ESRCH)) {
+                    r.group_gone = true;
+                    if let Some(w) = self.watchdog.as_deref_mut() {
+                        w.forget(r.pid);
+                    }
+                }
+            }
+        }
+    }
+
+    fn all_gone(&self) -> bool {
+        self.ranks.iter().all(RankProc::gone)
+    }
+
+    /// Sends `sig` to every group with members left, and to ranks that left their group.
+    fn signal_all(&self, sig: libc::c_int) {
+        for r in &self.ranks {
+            if r.gone() {
+                continue;
+            }
+            let pid = r.pid as libc::pid_t;
+            if let Err(e) = kill(-pid, sig) {
+                tracing::debug!(rank = r.rank, "oxccl launch: kill(-{pid}, {sig}): {e}");
+            }
+            if r.status.is_none() {
+                // SAFETY: getpgid takes a plain pid of our unreaped child.
+                if unsafe { libc::getpgid(pid) } != pid {
+                    let _ = kill(pid, sig);
+                }
+            }
+        }
+    }
+
+    /// Terminates the attempt: `sig` to every group, up to `grace` for them to go, then SIGKILL,
+    /// then waits for everything to be reaped. Returns a launcher signal received meanwhile
+    /// (which cuts the grace period short).
+    fn shutdown(
+        &mut self,
+        sig: libc::c_int,
+        grace: Duration,
+        ctx: &SupervisorCtx<'_>,
+    ) -> Option<libc::c_int> {
+        let mut interrupted = None;
+        self.reap();
+        if !self.all_gone() {
+            self.signal_all(sig);
+            let deadline = Instant::now() + grace;
+            loop {
+                self.reap();
+                if self.all_gone() {
+                    break;
+                }
+                if let Some(s) = ctx.take_signal() {
+                    note!(
+                        "received {} while stopping the ranks; killing them now",
+                        signal_name(s).unwrap_or("a signal")
+                    );
+                    interrupted = Some(s);
+                    break;
+                }
+                if Instant::now() >= deadline {
+                    tracing::debug!("oxccl launch: grace period over; sending SIGKILL");
+                    break;
+                }
+                thread::sleep(POLL);
+            }
+        }
+        let deadline = Instant::now() + KILL_WAIT;
+        while !self.all_gone() {
+            self.signal_all(libc::SIGKILL);
+            thread::sleep(Duration::from_millis(2));
+            self.reap();
+            if Instant::now() >= deadline {
+                let left: Vec<_> = self
+                    .ranks
+                    .iter()
+                    .filter(|r| !r.gone())
+                    .map(|r| r.rank)
+                    .collect();
+                note!("processes of ranks {left:?} did not die after SIGKILL");
+                break;
+            }
+        }
+        self.cleaned = self.ranks.iter().all(|r| r.status.is_some());
+        interrupted
+    }
+
+    /// Watches the ranks until the attempt ends; on any failure, every rank is terminated and
+    /// reaped before this returns.
+    pub(super) fn supervise(&mut self, ctx: &SupervisorCtx<'_>) -> AttemptEnd {
+        loop {
+            if let Some(sig) = ctx.take_signal() {
+                note!(
+                    "received {}; forwarding it to all {} local ranks",
+                    signal_name(sig).unwrap_or("a signal"),
+                    self.ranks.len()
+                );
+                self.shutdown(sig, ctx.signal_grace, ctx);
+                return AttemptEnd::Interrupted(sig);
+            }
+            if ctx.deadline.is_some_and(|d| Instant::now() >= d) {
+                note!("time-out reached; terminating all ranks");
+                if let Some(sig) = self.shutdown(libc::SIGTERM, ctx.failure_grace, ctx) {
+                    return AttemptEnd::Interrupted(sig);
+                }
+                return AttemptEnd::TimedOut;
+            }
+
+            self.reap();
+            let mut first_failure = None;
+            for r in &mut self.ranks {
+                let (Some(st), false) = (r.status, r.seen) else {
+                    continue;
+                };
+                r.seen = true;
+                let termination = Termination::from_status(st);
+                if termination.success() {
+                    tracing::debug!(rank = r.rank, "oxccl launch: rank exited cleanly");
+                    continue;
+                }
+                let f = RankFailure {
+                    rank: r.rank,
+                    local_rank: r.local_rank,
+                    pid: r.pid,
+                    termination,
+                };
+                note!("{f}");
+                first_failure.get_or_insert(f);
+            }
+            if let Some(f) = first_failure {
+                if let Some(sig) = self.shutdown(libc::SIGTERM, ctx.failure_grace, ctx) {
+                    return AttemptEnd::Interrupted(sig);
+                }
+                return AttemptEnd::Failed(f);
+            }
+            if self.ranks.iter().all(|r| r.status.is_some()) {
+                if !self.all_gone() {
+                    tracing::warn!(
+                        "oxccl launch: ranks exited but left processes behind; terminating them"
+                    );
+                    if let Some(sig) = self.shutdown(libc::SIGTERM, ctx.failure_grace, ctx) {
+                        return AttemptEnd::Interrupted(sig);
+                    }
+                }
+                self.cleaned = true;
+                return AttemptEnd::Success;
+            }
+            thread::sleep(POLL);
+        }
+    }
+
+    /// Waits for the output threads (after the processes are gone).
+    pub(super) fn finish(&mut self) {
+        output::drain(std::mem::take(&mut self.readers), DRAIN_WAIT);
+    }
+}
+
+impl Drop for Job<'_> {
+    fn drop(&mut self) {
+        if !self.cleaned {
+            // Only on unwinding out of the supervision loop: leave nothing behind.
+            self.reap();
+            self.signal_all(libc::SIGKILL);
+            let deadline = Instant::now() + KILL_WAIT;
+            while !self.ranks.iter().all(|r| r.status.is_some()) && Instant::now() < deadline {
+                thread::sleep(Duration::from_millis(2));
+                self.reap();
+            }
+        }
+    }
+}
+
+/// Makes the launcher a child subreaper (Linux) while at least one job runs in this process,
+/// restoring the previous setting afterwards.
+pub(super) struct Subreaper(());
+
+/// (active jobs, setting before the first one)
+static SUBREAPER: Mutex<(usize, bool)> = Mutex::new((0, false));
+
+impl Subreaper {
+    pub(super) fn acquire() -> Self {
+        let mut s = SUBREAPER.lock().unwrap_or_else(|p| p.into_inner());
+        if s.0 == 0 {
+            s.1 = get_subreaper();
+            set_subreaper(true);
+        }
+        s.0 += 1;
+        Subreaper(())
+    }
+}
+
+impl Drop for Subreaper {
+    fn drop(&mut self) {
+        let mut s = SUBREAPER.lock().unwrap_or_else(|p| p.into_inner());
+        s.0 -= 1;
+        if s.0 == 0 {
+            set_subreaper(s.1);
+        }
+    }
+}
+
+#[cfg(target_os = "linux")]
+fn get_subreaper() -> bool {
+    let mut v: libc::c_int = 0;
+    // SAFETY: PR_GET_CHILD_SUBREAPER writes one int through the given valid pointer.
+    let r = unsafe {
+        libc::prctl(
+            libc::PR_GET_CHILD_SUBREAPER,
+            &mut v as *mut libc::c_int,
+            0,
+            0,
+            0,
+        )
+    };
+    r == 0 && v != 0
+}
+
+#[cfg(target_os = "linux")]
+fn set_subreaper(on: bool) {
+    // SAFETY: prctl(PR_SET_CHILD_SUBREAPER) with integer arguments only.
+    let r = unsafe {
+        libc::prctl(
+            libc::PR_SET_CHILD_SUBREAPER,
+            libc::c_ulong::from(on),
+            0,
+            0,
+            0,
+        )
+    };
+    if r != 0 {
+        tracing::debug!(
+            "oxccl launch: PR_SET_CHILD_SUBREAPER: {}",
+            io::Error::last_os_error()
+        );
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn get_subreaper() -> bool {
+    false
+}
+
+#[cfg(not(target_os = "linux"))]
+fn set_subreaper(_on: bool) {}

@@ -1,0 +1,388 @@
+//! End-to-end tests of `oxccl launch` (the binary) and of `oxccl::launch::launch`.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use oxccl::launch::{launch, JobEnd, LaunchConfig, Termination};
+
+const MARKER_VAR: &str = "OXCCL_LAUNCH_TEST_MARKER";
+
+/// A marker unique to one test, inherited by every process of the job it launches.
+fn marker(test: &str) -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
+    format!("{test}-{}-{nanos}", std::process::id())
+}
+
+fn oxccl(marker: &str) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_oxccl"));
+    c.env(MARKER_VAR, marker).env_remove("OXCCL_JOB_ID");
+    c
+}
+
+fn run(cmd: &mut Command) -> (Output, String, String, Duration) {
+    let t = Instant::now();
+    let out = cmd.output().expect("run oxccl");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    (out, stdout, stderr, t.elapsed())
+}
+
+/// Pids of live processes whose environment carries `marker`.
+fn processes_with(marker: &str) -> Vec<(u32, String)> {
+    let needle = format!("{MARKER_VAR}={marker}");
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(env) = std::fs::read(entry.path().join("environ")) else {
+            continue;
+        };
+        if env.split(|&b| b == 0).any(|kv| kv == needle.as_bytes()) {
+            let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+            let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+            found.push((pid, cmdline));
+        }
+    }
+    found
+}
+
+/// Asserts that no process of the job is left (allowing a moment for the kernel to finish
+/// tearing down processes SIGKILLed by a watchdog).
+fn assert_no_survivors(marker: &str) {
+    let deadline = Instant::now() + Duration::from_secs(3);
+    loop {
+        let left = processes_with(marker);
+        if left.is_empty() {
+            return;
+        }
+        if Instant::now() >= deadline {
+            for (pid, _) in &left {
+                // SAFETY: kill(2) on pids we just found carrying this test's marker.
+                unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
+            }
+            panic!("processes of the job survived: {left:?}");
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn wait_timeout(child: &mut Child, limit: Duration) -> ExitStatus {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            return st;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            panic!("launcher did not exit within {limit:?}");
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Starts a launcher whose `n` ranks each print `ready` and then sleep; returns once all are up.
+fn start_sleeping_job(marker: &str, n: usize) -> (Child, mpsc::Receiver<String>) {
+    let mut child = oxccl(marker)
+        .args(["launch", "-n", &n.to_string(), "--", "sh", "-c"])
+        .arg("sleep 30 & echo ready; sleep 31; echo never")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = mpsc::channel();
+    let stdout = child.stdout.take().unwrap();
+    thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let _ = tx.send(line.unwrap_or_default());
+        }
+    });
+    let mut ready = 0;
+    while ready < n {
+        let line = rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("ranks did not start");
+        if line.ends_with("ready") {
+            ready += 1;
+        }
+    }
+    (child, rx)
+}
+
+#[test]
+fn four_ranks_get_their_env_and_prefixed_output() {
+    let m = marker("env");
+    let (out, stdout, stderr, _) =
+        run(oxccl(&m).args(["launch", "-n", "4", "--", "sh", "-c"]).arg(
+            "echo rank=$OXCCL_RANK world=$OXCCL_WORLD_SIZE local=$OXCCL_LOCAL_RANK \
+         store=$OXCCL_STORE hosted=$OXCCL_STORE_HOSTED port=$MASTER_PORT torch=$RANK/$WORLD_SIZE \
+         job=$OXCCL_JOB_ID; echo to-stderr >&2",
+        ));
+    assert!(
+        out.status.success(),
+        "status {:?}\nstdout:\n{stdout}\nstderr:\n{stderr}",
+        out.status
+    );
+    let mut job_ids = Vec::new();
+    for r in 0..4 {
+        let prefix = format!("[{r}] rank={r} world=4 local={r} store=127.0.0.1:");
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with(&prefix))
+            .unwrap_or_else(|| panic!("no line for rank {r} in:\n{stdout}"));
+        let store_port = line
+            .split("store=127.0.0.1:")
+            .nth(1)
+            .unwrap()
+            .split(' ')
+            .next()
+            .unwrap();
+        assert!(store_port.parse::<u16>().unwrap() > 0, "{line}");
+        assert!(line.contains(&format!(" port={store_port} ")), "{line}");
+        assert!(line.contains(" hosted=1 "), "{line}");
+        assert!(line.contains(&format!(" torch={r}/4 ")), "{line}");
+        job_ids.push(line.split("job=").nth(1).unwrap().to_owned());
+        assert!(
+            stderr.lines().any(|l| l == format!("[{r}] to-stderr")),
+            "stderr:\n{stderr}"
+        );
+    }
+    assert!(
+        job_ids
+            .iter()
+            .all(|j| j == &job_ids[0] && j.ends_with("-r0")),
+        "{job_ids:?}"
+    );
+    assert_eq!(stdout.lines().count(), 4, "{stdout}");
+    assert_no_survivors(&m);
+}
+
+#[test]
+fn no_prefix_leaves_lines_bare() {
+    let m = marker("noprefix");
+    let (out, stdout, _, _) = run(oxccl(&m).args([
+        "launch",
+        "--np",
+        "2",
+        "--no-prefix",
+        "--",
+        "echo",
+        "hello",
+        "-x",
+    ]));
+    assert!(out.status.success());
+    assert_eq!(stdout, "hello -x\nhello -x\n");
+}
+
+#[test]
+fn a_killed_rank_takes_the_job_down() {
+    let m = marker("kill9");
+    let (out, _, stderr, took) = run(oxccl(&m).args(["launch", "-n", "4", "--", "sh", "-c"]).arg(
+        "if [ \"$OXCCL_RANK\" = 2 ]; then kill -9 $$; fi; sleep 30 & sleep 31; echo survived",
+    ));
+    assert!(!out.status.success());
+    assert_eq!(out.status.code(), Some(128 + 9));
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+    assert!(
+        stderr.contains("rank 2 (pid ") && stderr.contains("killed by signal 9 (SIGKILL)"),
+        "stderr:\n{stderr}"
+    );
+    assert_no_survivors(&m);
+}
+
+#[test]
+fn a_failing_rank_is_named_with_its_code() {
+    let m = marker("code3");
+    let (out, _, stderr, took) = run(oxccl(&m)
+        .args(["launch", "-n", "3", "--", "sh", "-c"])
+        .arg("if [ \"$OXCCL_RANK\" = 1 ]; then exit 3; fi; sleep 30"));
+    assert_eq!(out.status.code(), Some(3), "stderr:\n{stderr}");
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+    assert!(
+        stderr.contains("rank 1 (pid ") && stderr.contains("failed: exited with code 3"),
+        "{stderr}"
+    );
+    assert_no_survivors(&m);
+}
+
+#[test]
+fn sigterm_is_forwarded_and_nothing_survives() {
+    let m = marker("sigterm");
+    let (mut child, _rx) = start_sleeping_job(&m, 3);
+    // Launcher, watchdog, and 3 x (sh + 2 sleeps); the second sleep may start just after `ready`.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while processes_with(&m).len() < 1 + 1 + 3 * 3 {
+        assert!(
+            Instant::now() < deadline,
+            "job not fully up: {:?}",
+            processes_with(&m)
+        );
+        thread::sleep(Duration::from_millis(10));
+    }
+    // SAFETY: kill(2) on the launcher we spawned and have not reaped.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let st = wait_timeout(&mut child, Duration::from_secs(10));
+    assert_eq!(st.code(), Some(128 + libc::SIGTERM));
+    assert_no_survivors(&m);
+}
+
+#[test]
+fn sigkill_of_the_launcher_leaves_no_orphans() {
+    let m = marker("sigkill");
+    let (mut child, _rx) = start_sleeping_job(&m, 2);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert_no_survivors(&m);
+}
+
+#[test]
+fn max_restarts_restarts_every_rank() {
+    let m = marker("restart");
+    let (out, stdout, stderr, _) = run(oxccl(&m)
+        .args(["launch", "-n", "2", "--max-restarts", "2", "--", "sh", "-c"])
+        .arg(
+            "echo attempt=$OXCCL_RESTART_COUNT job=$OXCCL_JOB_ID; \
+             if [ \"$OXCCL_RANK\" = 1 ] && [ \"$OXCCL_RESTART_COUNT\" -lt 2 ]; then exit 5; fi",
+        ));
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    // Rank 1 runs on every attempt; rank 0 may be stopped before it prints on a failed attempt,
+    // but must have run on the last one.
+    for (attempt, rank) in [(0, 1), (1, 1), (2, 0), (2, 1)] {
+        let want = format!("[{rank}] attempt={attempt} job=");
+        let line = stdout.lines().find(|l| l.starts_with(&want));
+        let line = line.unwrap_or_else(|| panic!("missing {want:?} in:\n{stdout}"));
+        assert!(line.ends_with(&format!("-r{attempt}")), "{line}");
+    }
+    assert!(!stdout.contains("attempt=3"), "{stdout}");
+    let failures = stderr
+        .lines()
+        .filter(|l| l.starts_with("oxccl launch: rank 1 (pid "))
+        .count();
+    assert_eq!(failures, 2, "{stderr}");
+    assert_eq!(
+        stderr.matches("restarting all 2 local ranks").count(),
+        2,
+        "{stderr}"
+    );
+    assert_no_survivors(&m);
+}
+
+#[test]
+fn restarts_exhausted_report_the_failure() {
+    let m = marker("restart-fail");
+    let (out, _, stderr, _) = run(oxccl(&m).args([
+        "launch",
+        "-n",
+        "2",
+        "--max-restarts",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        "exit 4",
+    ]));
+    assert_eq!(out.status.code(), Some(4), "{stderr}");
+    assert!(stderr.contains("restart 1 of 1"), "{stderr}");
+}
+
+#[test]
+fn missing_command_is_a_clear_error() {
+    let m = marker("missing");
+    let (out, _, stderr, _) = run(oxccl(&m).args([
+        "launch",
+        "-n",
+        "2",
+        "--",
+        "/nonexistent/oxccl-no-such-cmd",
+        "x",
+    ]));
+    assert_eq!(out.status.code(), Some(127), "{stderr}");
+    assert!(
+        stderr.contains("command not found") && stderr.contains("/nonexistent/oxccl-no-such-cmd"),
+        "{stderr}"
+    );
+    assert_no_survivors(&m);
+}
+
+#[test]
+fn bad_arguments_are_rejected() {
+    let m = marker("badargs");
+    let (out, _, stderr, _) =
+        run(oxccl(&m).args(["launch", "-n", "2", "--nnodes", "2", "--", "true"]));
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--master-port is required"), "{stderr}");
+
+    let (out, _, stderr, _) = run(oxccl(&m).args([
+        "launch",
+        "-n",
+        "2",
+        "--nnodes",
+        "2",
+        "--master-port",
+        "29999",
+        "--max-restarts",
+        "1",
+        "--",
+        "true",
+    ]));
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--max-restarts is only supported with --nnodes 1"),
+        "{stderr}"
+    );
+
+    let (out, _, stderr, _) = run(oxccl(&m).args(["launch", "--", "true"]));
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--nproc-per-node"), "{stderr}");
+
+    let (out, _, _, _) = run(oxccl(&m).args(["--version"]));
+    assert!(out.status.success());
+}
+
+#[test]
+fn timeout_kills_the_job() {
+    let m = marker("timeout");
+    let (out, _, stderr, took) = run(oxccl(&m).args([
+        "launch",
+        "-n",
+        "2",
+        "--timeout",
+        "0.3",
+        "--",
+        "sh",
+        "-c",
+        "sleep 30; true",
+    ]));
+    assert_eq!(out.status.code(), Some(124), "{stderr}");
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+    assert_no_survivors(&m);
+}
+
+#[test]
+fn library_api_reports_outcomes() {
+    let mut cfg = LaunchConfig::new(2, "sh", ["-c", "test \"$OXCCL_WORLD_SIZE\" = 2"]);
+    let ok = launch(&cfg).unwrap();
+    assert!(ok.success());
+    assert_eq!((ok.attempts, ok.exit_code()), (1, 0));
+
+    cfg.args = vec!["-c".into(), "exit $((OXCCL_LOCAL_RANK + 6))".into()];
+    let failed = launch(&cfg).unwrap();
+    let JobEnd::RankFailed(f) = &failed.end else {
+        panic!("{failed:?}")
+    };
+    assert!(matches!(f.termination, Termination::Exited(6 | 7)), "{f:?}");
+    assert_eq!(failed.exit_code(), f.termination.exit_code());
+
+    cfg.nnodes = 2;
+    assert_eq!(launch(&cfg).unwrap_err().exit_code(), 2);
+}
