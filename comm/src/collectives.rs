@@ -12,7 +12,7 @@ use crate::communicator::Communicator;
 use crate::engine::{ExecState, Shared, Work};
 use crate::error::{Error, Result};
 use crate::op::{Collective, OpDesc};
-use crate::prims::{Ctx, RecvMode};
+use crate::prims::Ctx;
 use crate::tuning::{self, Algorithm, Choice};
 
 fn bytes<T: Element>(s: &[T]) -> &[u8] {
@@ -128,7 +128,7 @@ fn reduce_body(
 }
 
 impl Communicator {
-    fn invalid(&self, op: &str, msg: String) -> Error {
+    pub(crate) fn invalid(&self, op: &str, msg: String) -> Error {
         Error::InvalidArgument {
             rank: self.rank,
             op: op.into(),
@@ -615,94 +615,5 @@ impl Communicator {
             count: 0,
         };
         self.run(desc, |ctx, _| dissemination::barrier(ctx))
-    }
-
-    fn check_peer(&self, op: &str, peer: usize) -> Result<()> {
-        if peer >= self.size || peer == self.rank {
-            return Err(self.invalid(
-                op,
-                format!(
-                    "peer {peer} must be another rank of this communicator (size {})",
-                    self.size
-                ),
-            ));
-        }
-        Ok(())
-    }
-
-    /// Runs a point-to-point operation: per-pair sequence numbers, no collective sequence.
-    fn p2p(
-        &self,
-        send: Option<(usize, &[u8])>,
-        recv: Option<(usize, &mut [u8])>,
-        dtype: DType,
-        es: usize,
-    ) -> Result<()> {
-        let (ticket, ahead) = self.shared.take_ticket();
-        let shared = &self.shared;
-        shared.run_turn(ticket, ahead, |st| {
-            let tag_for = |count: usize, seq: u64| {
-                OpDesc { coll: Collective::SendRecv, dtype, op: ReduceOp::Sum, root: 0, count }.tag(seq)
-            };
-            let send = send.map(|(p, d)| {
-                st.p2p_sent[p] += 1;
-                (p, d, tag_for(d.len() / es, st.p2p_sent[p]))
-            });
-            let recv = recv.map(|(p, b)| {
-                st.p2p_recvd[p] += 1;
-                let tag = tag_for(b.len() / es, st.p2p_recvd[p]);
-                (p, b, RecvMode::Copy, tag)
-            });
-            tracing::debug!(rank = shared.rank, send_to = ?send.as_ref().map(|s| s.0), recv_from = ?recv.as_ref().map(|r| r.0), "send-recv");
-            let mut ctx = Ctx::new(shared.rank, shared.size, &mut st.links, Default::default(), "send-recv", shared.timeout, &shared.abort);
-            ctx.exchange_tagged(send, recv)?;
-            ctx.flush()
-        })
-    }
-
-    /// Sends `buf` to `peer`, which must post a matching [`Communicator::recv`] (same length and
-    /// type). Returns once the data has left this rank.
-    ///
-    /// # Errors
-    /// `InvalidArgument` for a bad peer; `Mismatch` if the receive does not match.
-    pub fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<()> {
-        self.check_peer("send", peer)?;
-        self.p2p(Some((peer, bytes(buf))), None, T::DTYPE, T::DTYPE.size())
-    }
-
-    /// Receives into `buf` from `peer`.
-    ///
-    /// # Errors
-    /// `InvalidArgument` for a bad peer; `Mismatch` if the send does not match.
-    pub fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<()> {
-        self.check_peer("recv", peer)?;
-        self.p2p(
-            None,
-            Some((peer, bytes_mut(buf))),
-            T::DTYPE,
-            T::DTYPE.size(),
-        )
-    }
-
-    /// Sends `send` to `to` while receiving `recv` from `from`, both at once (no deadlock when two
-    /// ranks exchange large buffers with each other).
-    ///
-    /// # Errors
-    /// `InvalidArgument` for bad peers; `Mismatch` if either side does not match.
-    pub fn send_recv<T: Element>(
-        &self,
-        send: &[T],
-        to: usize,
-        recv: &mut [T],
-        from: usize,
-    ) -> Result<()> {
-        self.check_peer("send_recv", to)?;
-        self.check_peer("send_recv", from)?;
-        self.p2p(
-            Some((to, bytes(send))),
-            Some((from, bytes_mut(recv))),
-            T::DTYPE,
-            T::DTYPE.size(),
-        )
     }
 }

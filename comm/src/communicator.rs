@@ -206,10 +206,10 @@ impl Communicator {
                     })
                 }
             }
-            links.send[p] = Some(Box::new(tcp.connect_send(&peers[p], deadline)?));
+            links.send[p] = Some(tcp.connect_send(&peers[p], deadline)?);
         }
         for (p, conn) in tcp.accept_recvs(&others, deadline)? {
-            links.recv[p] = Some(Box::new(conn));
+            links.recv[p] = Some(conn);
             tracing::info!(rank, peer = p, transport = tcp.name(), addr = %peers[p].tcp_addr, nsocks = cfg.nsocks, "connected");
         }
         tracing::debug!(rank, size, local_rank, node = %node_id, comm = %id, "communicator ready");

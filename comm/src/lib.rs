@@ -36,6 +36,7 @@ pub mod error;
 pub mod harness;
 pub mod logging;
 pub mod op;
+mod p2p;
 mod prims;
 pub mod transport;
 pub mod tuning;

@@ -18,6 +18,11 @@ use crate::error::{Error, Result};
 use crate::op::OpDesc;
 use crate::transport::{PollDir, RecvConn, SendConn, Tag};
 
+/// How long a waiting rank busy-polls before it yields the core.
+const SPIN: Duration = Duration::from_micros(20);
+/// How long it then yields between polls before it sleeps in `poll(2)`.
+const YIELD: Duration = Duration::from_micros(200);
+
 /// The connections of one communicator, indexed by peer rank.
 #[derive(Default)]
 pub(crate) struct Links {
@@ -85,7 +90,8 @@ pub(crate) struct Ctx<'a> {
     deadline: Instant,
     timeout: Duration,
     abort: &'a AtomicBool,
-    idle_rounds: u32,
+    /// When this rank started waiting without progress (None while progressing).
+    idle_since: Option<Instant>,
     fds: Vec<(RawFd, PollDir)>,
 }
 
@@ -140,7 +146,7 @@ impl<'a> Ctx<'a> {
             deadline: Instant::now() + timeout,
             timeout,
             abort,
-            idle_rounds: 0,
+            idle_since: None,
             fds: Vec::new(),
         }
     }
@@ -154,7 +160,7 @@ impl<'a> Ctx<'a> {
             });
         }
         if self.links.progress_all().map_err(|e| retag(self.op, e))? {
-            self.idle_rounds = 0;
+            self.idle_since = None;
             return Ok(());
         }
         if Instant::now() >= self.deadline {
@@ -165,10 +171,14 @@ impl<'a> Ctx<'a> {
                 detail: waiting(),
             });
         }
-        self.idle_rounds += 1;
-        if self.idle_rounds < 32 {
+        // Busy-poll briefly (a peer's reply usually lands within microseconds), then yield the
+        // core to other ranks, then sleep in poll(2) until a socket is ready.
+        let now = Instant::now();
+        let since = *self.idle_since.get_or_insert(now);
+        let waited = now - since;
+        if waited < SPIN {
             std::hint::spin_loop();
-        } else if self.idle_rounds < 64 {
+        } else if waited < SPIN + YIELD {
             std::thread::yield_now();
         } else {
             self.links.poll_fds(&mut self.fds);

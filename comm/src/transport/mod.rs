@@ -165,6 +165,24 @@ pub trait Transport: Send {
     fn name(&self) -> &'static str;
     /// Whether this backend can connect `me` to `peer`.
     fn can_connect(&self, me: &PeerInfo, peer: &PeerInfo) -> Reach;
+    /// Opens the send half to `peer` (does not wait for the peer to accept).
+    ///
+    /// # Errors
+    /// The peer cannot be reached before `deadline`.
+    fn connect_send(
+        &mut self,
+        peer: &PeerInfo,
+        deadline: std::time::Instant,
+    ) -> Result<Box<dyn SendConn>>;
+    /// Accepts the receive halves from every rank in `from`, in any arrival order.
+    ///
+    /// # Errors
+    /// Some rank did not connect before `deadline`.
+    fn accept_recvs(
+        &mut self,
+        from: &[usize],
+        deadline: std::time::Instant,
+    ) -> Result<Vec<(usize, Box<dyn RecvConn>)>>;
 }
 
 #[cfg(test)]

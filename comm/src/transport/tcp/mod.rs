@@ -21,7 +21,7 @@ pub use conn::{TcpRecv, TcpSend};
 
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::transport::{PeerInfo, Reach, Transport};
+use crate::transport::{PeerInfo, Reach, RecvConn, SendConn, Transport};
 
 const MAGIC: u64 = 0x4f58_4343_4c01_7463; // "OXCCL\x01tc"
 const HELLO: usize = 32;
@@ -107,7 +107,7 @@ impl TcpTransport {
     ///
     /// # Errors
     /// `Error::Transport` naming the peer and address when connecting fails before `deadline`.
-    pub fn connect_send(&self, peer: &PeerInfo, deadline: Instant) -> Result<TcpSend> {
+    pub fn connect_tcp_send(&self, peer: &PeerInfo, deadline: Instant) -> Result<TcpSend> {
         let terr = |msg: String| Error::Transport {
             rank: self.rank,
             peer: peer.rank,
@@ -170,7 +170,7 @@ impl TcpTransport {
     ///
     /// # Errors
     /// `Error::Timeout` naming the ranks still missing at `deadline`.
-    pub fn accept_recvs(
+    pub fn accept_tcp_recvs(
         &mut self,
         from: &[usize],
         deadline: Instant,
@@ -275,5 +275,21 @@ impl Transport for TcpTransport {
         } else {
             Reach::No(format!("no TCP address for rank {}", peer.rank))
         }
+    }
+
+    fn connect_send(&mut self, peer: &PeerInfo, deadline: Instant) -> Result<Box<dyn SendConn>> {
+        Ok(Box::new(self.connect_tcp_send(peer, deadline)?))
+    }
+
+    fn accept_recvs(
+        &mut self,
+        from: &[usize],
+        deadline: Instant,
+    ) -> Result<Vec<(usize, Box<dyn RecvConn>)>> {
+        let conns = self.accept_tcp_recvs(from, deadline)?;
+        Ok(conns
+            .into_iter()
+            .map(|(r, c)| (r, Box::new(c) as Box<dyn RecvConn>))
+            .collect())
     }
 }
