@@ -114,7 +114,17 @@ impl Communicator {
         cfg: Config,
     ) -> Result<Communicator> {
         crate::logging::init();
-        Self::init_inner(rank, size, store, cfg, "oxccl/world".into(), None)
+        // Each rank counts its own inits on this store, so the k-th init of every rank meets the
+        // k-th init of the others under a fresh id (no stale peer records).
+        let generation = store.add(&format!("oxccl/inits/{rank}"), 1)?;
+        Self::init_inner(
+            rank,
+            size,
+            store,
+            cfg,
+            format!("oxccl/world{generation}"),
+            None,
+        )
     }
 
     fn init_inner(

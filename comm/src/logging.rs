@@ -2,6 +2,7 @@
 //! installed its own). Levels: `error`, `warn` (default), `info` (transport per peer, algorithm per
 //! collective), `debug`, `trace`. Every event carries the rank as a field.
 
+use std::io::IsTerminal;
 use std::sync::Once;
 
 static INIT: Once = Once::new();
@@ -24,6 +25,7 @@ pub fn init() {
             .with_env_filter(filter)
             .with_writer(std::io::stderr)
             .with_target(false)
+            .with_ansi(std::io::stderr().is_terminal())
             .try_init();
     });
 }

@@ -3,8 +3,13 @@
 //! It compares alpha-beta costs (`steps * alpha + bytes_on_the_busiest_link * beta`) of the
 //! algorithms that implement a collective and picks the cheapest; `OXCCL_ALGO` overrides it.
 //! The constants are for TCP between processes: `alpha` = 15 us per message round, `beta` =
-//! 1 / (1.5 GB/s). They are first estimates; the shared-memory issue measures and replaces them
-//! (docs/PERF.md records the measurements behind each constant).
+//! 1 / (1.5 GB/s), first estimates of the order of what loopback TCP gives on the development
+//! machine (about 33 us for an 8-byte all-reduce of 2 ranks, about 1.1 GB/s bus bandwidth at
+//! 64 MiB); they will be measured per transport once `oxccl perf` exists.
+//!
+//! With this model halving-doubling all-reduce never costs more than the binomial-tree one (same
+//! number of steps, fewer bytes), so the tree all-reduce is reachable only through
+//! `OXCCL_ALGO=all-reduce=tree`; trees are the tuner's choice for small broadcasts and reduces.
 
 use crate::error::{Error, Result};
 use crate::op::Collective;

@@ -334,3 +334,26 @@ fn world_of_one_and_empty_buffers() {
     });
     res.into_iter().for_each(|r| r.unwrap());
 }
+
+#[test]
+fn a_second_init_on_the_same_store_gets_a_fresh_communicator() {
+    let store: Arc<dyn Store> = Arc::new(MemStore::new());
+    for round in 0..3u32 {
+        std::thread::scope(|s| {
+            let hs: Vec<_> = (0..3)
+                .map(|r| {
+                    let store = store.clone();
+                    s.spawn(move || -> Result<u32> {
+                        let c = Communicator::init_with_config(r, 3, store, cfg(30))?;
+                        let mut v = [round + r as u32];
+                        c.all_reduce(&mut v, ReduceOp::Sum)?;
+                        Ok(v[0])
+                    })
+                })
+                .collect();
+            for h in hs {
+                assert_eq!(h.join().unwrap().unwrap(), 3 * round + 3);
+            }
+        });
+    }
+}

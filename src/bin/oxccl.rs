@@ -147,6 +147,7 @@ fn run_launch(args: LaunchArgs) -> u8 {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    oxccl::comm::logging::init();
     ExitCode::from(match cli.command {
         Cmd::Launch(args) => run_launch(args),
     })

@@ -9,7 +9,9 @@
 //! through the whole tree, so subtrees overlap their work through the slots.
 //!
 //! Latency `ceil(log2 n)` steps each way; bytes through the root `ceil(log2 n) * B`. The tuner
-//! picks tree all-reduce for small messages, where latency dominates.
+//! picks tree broadcast and reduce for small messages, where latency dominates; for all-reduce
+//! halving-doubling has as few steps and moves fewer bytes, so tree all-reduce runs only when
+//! `OXCCL_ALGO` asks for it.
 
 use oxccl_kernels::{DType, ReduceOp};
 

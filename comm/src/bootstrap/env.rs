@@ -16,8 +16,10 @@
 //! | Open MPI | `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE` | `OMPI_COMM_WORLD_LOCAL_RANK` (default: rank), `OMPI_COMM_WORLD_LOCAL_SIZE` (default: world) | `OXCCL_STORE`, else `MASTER_ADDR`/`MASTER_PORT` |
 //!
 //! `OXCCL_STORE` is `host:port`, `[ipv6]:port` or `file:///absolute/dir`; when set it also
-//! overrides the store of torchrun and Slurm jobs. A single-process job (world size 1) without
-//! any store variable gets `127.0.0.1` port 0, hosted by itself.
+//! overrides the store of torchrun and Slurm jobs. Under oxccl's and Open MPI's variables, a
+//! single-process job (world size 1) without any store variable gets `127.0.0.1` port 0, hosted
+//! by itself (torchrun's always need `MASTER_ADDR`/`MASTER_PORT`; Slurm's fall back to the node
+//! list).
 //!
 //! `host_store` is true for rank 0 of a TCP store unless `OXCCL_STORE_HOSTED=1` (set by
 //! `oxccl launch` and by anything else that hosts the server itself); it is always false for a
@@ -418,10 +420,17 @@ fn detect_slurm(get: Get<'_>, r: &str, w: &str) -> Result<LaunchInfo> {
                 .to_owned(),
         }
     };
+    // The job number only matters for the default port; a non-numeric id is an error only then.
     let job_num = match var(get, "SLURM_JOB_ID") {
-        Some(v) => Some(v.parse::<u64>().map_err(|_| {
-            Error::Config(format!("SLURM_JOB_ID='{v}' is not a non-negative integer"))
-        })?),
+        Some(v) => match v.parse::<u64>() {
+            Ok(n) => Some(n),
+            Err(_) if var(get, "MASTER_PORT").is_some() => None,
+            Err(_) => {
+                return Err(Error::Config(format!(
+                    "SLURM_JOB_ID='{v}' is not a non-negative integer (needed for the default store port; set MASTER_PORT)"
+                )))
+            }
+        },
         None => None,
     };
     let (store, host) = match store_override(get, rank.value)? {
