@@ -16,6 +16,17 @@ pub enum SocketFamily {
     V6,
 }
 
+/// Which transport carries peers on the same node (`OXCCL_TRANSPORT`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransportChoice {
+    /// Shared memory between ranks of one node, TCP across nodes (default).
+    Auto,
+    /// TCP for every peer.
+    Tcp,
+    /// Shared memory for every peer (an error if a peer is on another node).
+    Shm,
+}
+
 /// Communicator configuration. `Config::from_env()` reads the `OXCCL_*` variables; tests build one
 /// by hand (`Config::default()` plus field updates).
 #[derive(Debug, Clone)]
@@ -38,6 +49,8 @@ pub struct Config {
     pub nslots: usize,
     /// Node id override (`OXCCL_NODE_ID`); default: the hostname.
     pub node_id: Option<String>,
+    /// Transport policy (`OXCCL_TRANSPORT` = `auto`, `tcp` or `shm`).
+    pub transport: TransportChoice,
 }
 
 impl Default for Config {
@@ -52,6 +65,7 @@ impl Default for Config {
             slot_bytes: 512 << 10,
             nslots: 4,
             node_id: None,
+            transport: TransportChoice::Auto,
         }
     }
 }
@@ -126,6 +140,18 @@ impl Config {
             }
         }
         c.node_id = get("OXCCL_NODE_ID").filter(|s| !s.is_empty());
+        if let Some(v) = get("OXCCL_TRANSPORT") {
+            c.transport = match v.trim().to_ascii_lowercase().as_str() {
+                "" | "auto" => TransportChoice::Auto,
+                "tcp" | "socket" => TransportChoice::Tcp,
+                "shm" => TransportChoice::Shm,
+                _ => {
+                    return Err(Error::Config(format!(
+                        "OXCCL_TRANSPORT={v:?}: expected auto, tcp or shm"
+                    )))
+                }
+            };
+        }
         Ok(c)
     }
 }

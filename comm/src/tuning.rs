@@ -245,12 +245,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn small_all_reduce_uses_tree_large_uses_a_bandwidth_algorithm() {
+    fn small_all_reduce_uses_a_latency_algorithm_large_a_bandwidth_one() {
         let none = AlgoOverride::default();
-        assert_eq!(
-            choose(Collective::AllReduce, 8, 8, &none).algo,
-            Algorithm::Tree
-        );
+        for n in [8, 16, 32] {
+            let small = choose(Collective::AllReduce, 8, n, &none).algo;
+            assert!(
+                matches!(small, Algorithm::Tree | Algorithm::HalvingDoubling),
+                "{small}"
+            );
+        }
         let big = choose(Collective::AllReduce, 256 << 20, 8, &none).algo;
         assert!(
             matches!(big, Algorithm::Ring | Algorithm::HalvingDoubling),
