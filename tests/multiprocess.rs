@@ -168,14 +168,46 @@ fn rank_cmd() -> Vec<String> {
     ]
 }
 
-fn launch(scenario: &str, n: usize) -> Output {
+fn launch(scenario: &str, n: usize, transport: &str) -> Output {
+    launch_job(
+        scenario,
+        n,
+        transport,
+        &format!("mp-{}-{scenario}-{transport}", std::process::id()),
+    )
+}
+
+fn launch_job(scenario: &str, n: usize, transport: &str, job: &str) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_oxccl"));
-    cmd.args(["launch", "-n", &n.to_string(), "--timeout", "120", "--"])
-        .args(rank_cmd());
+    cmd.args([
+        "launch",
+        "-n",
+        &n.to_string(),
+        "--timeout",
+        "120",
+        "--job-id",
+        job,
+        "--",
+    ])
+    .args(rank_cmd());
     cmd.env(SCENARIO, scenario)
         .env("OXCCL_TIMEOUT", "60")
+        .env("OXCCL_TRANSPORT", transport)
         .env_remove("OXCCL_DEBUG");
     cmd.output().expect("running oxccl launch")
+}
+
+/// Segments of `job` still in /dev/shm.
+fn leftover_segments(job: &str) -> Vec<String> {
+    let prefix = oxccl::comm::transport::shm::job_prefix(job);
+    std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with(&prefix))
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// `RESULT` lines by rank.
@@ -203,7 +235,13 @@ fn show(out: &Output) -> String {
 
 #[test]
 fn launch_four_processes_all_collectives() {
-    let out = launch("all", 4);
+    for transport in ["tcp", "shm"] {
+        launch_all(transport);
+    }
+}
+
+fn launch_all(transport: &str) {
+    let out = launch("all", 4, transport);
     let res = results(&out);
     assert!(out.status.success(), "{}", show(&out));
     for r in 0..4 {
@@ -217,7 +255,19 @@ fn launch_four_processes_all_collectives() {
 
 #[test]
 fn killed_rank_gives_peer_lost_everywhere_and_the_launcher_names_it() {
-    let out = launch("kill", 4);
+    for transport in ["tcp", "shm"] {
+        killed_rank(transport);
+    }
+}
+
+fn killed_rank(transport: &str) {
+    let job = format!("mp-kill-{}-{transport}", std::process::id());
+    let out = launch_job("kill", 4, transport, &job);
+    assert!(
+        leftover_segments(&job).is_empty(),
+        "{transport}: segments left: {:?}",
+        leftover_segments(&job)
+    );
     assert!(!out.status.success(), "{}", show(&out));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -230,7 +280,10 @@ fn killed_rank_gives_peer_lost_everywhere_and_the_launcher_names_it() {
         let line = res
             .get(&r)
             .unwrap_or_else(|| panic!("rank {r} reported nothing: {}", show(&out)));
-        assert!(line.contains("err=peer-lost peer=2"), "rank {r}: {line}");
+        assert!(
+            line.contains("err=peer-lost peer=2"),
+            "{transport} rank {r}: {line}"
+        );
         let ms: u64 = line
             .split("ms=")
             .nth(1)
@@ -246,7 +299,13 @@ fn killed_rank_gives_peer_lost_everywhere_and_the_launcher_names_it() {
 
 #[test]
 fn mismatched_collectives_give_mismatch_on_all_ranks() {
-    let out = launch("mismatch", 4);
+    for transport in ["tcp", "shm"] {
+        mismatch(transport);
+    }
+}
+
+fn mismatch(transport: &str) {
+    let out = launch("mismatch", 4, transport);
     let res = results(&out);
     for r in 0..4 {
         let line = res

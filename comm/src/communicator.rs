@@ -13,10 +13,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::bootstrap::{self, FileStore, Store, StoreAddr, TcpStore, TcpStoreServer};
-use crate::config::Config;
+use crate::config::{Config, TransportChoice};
 use crate::engine::Shared;
 use crate::error::{Error, Result};
 use crate::prims::Links;
+use crate::transport::shm::{self, Segment, ShmRecv, ShmSend};
 use crate::transport::tcp::TcpTransport;
 use crate::transport::{PeerInfo, Reach, Transport};
 
@@ -54,6 +55,98 @@ fn resolve_ip(host: &str) -> Option<IpAddr> {
         return Some(ip);
     }
     (h, 0).to_socket_addrs().ok()?.next().map(|a| a.ip())
+}
+
+/// Creates this rank's shared-memory segment, maps every same-node peer's, builds the shm
+/// connections, and unlinks the segment once every peer has mapped it. Returns the own segment
+/// (whose doorbell this rank sleeps on).
+#[allow(clippy::too_many_arguments)]
+fn connect_shm(
+    rank: usize,
+    peers: &[PeerInfo],
+    shm_peers: &[usize],
+    shm_ok: &dyn Fn(usize, usize) -> bool,
+    store: &dyn Store,
+    id: &str,
+    cfg: &Config,
+    deadline: Instant,
+    links: &mut Links,
+) -> Result<Arc<Segment>> {
+    let job = id.split('/').next().unwrap_or("oxccl");
+    // Unique even for ranks that are threads of one process in several tests at once.
+    static SEGMENTS: AtomicU64 = AtomicU64::new(0);
+    let n = SEGMENTS.fetch_add(1, Ordering::Relaxed);
+    let name = format!(
+        "{}{:016x}-r{rank}-p{}-{n}",
+        shm::job_prefix(job),
+        hash_id(id),
+        std::process::id()
+    );
+    let (seg, path) = Segment::create(rank, &name, shm_peers.len(), cfg.slot_bytes, cfg.nslots)?;
+    let own = Arc::new(seg);
+    let result = (|| {
+        store.set(
+            &format!("{id}/shm/{rank}"),
+            path.to_string_lossy().as_bytes(),
+        )?;
+        for (ring, &p) in shm_peers.iter().enumerate() {
+            let left = deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1));
+            let peer_path =
+                String::from_utf8_lossy(&store.get(&format!("{id}/shm/{p}"), left)?).into_owned();
+            let peer_seg = Arc::new(Segment::open(rank, p, &peer_path)?);
+            // Our ring in p's segment: our position among p's shared-memory peers.
+            let ring_at_p = (0..peers.len())
+                .filter(|&q| q != p && shm_ok(p, q))
+                .position(|q| q == rank)
+                .unwrap_or(0);
+            if ring_at_p >= peer_seg.nrings() {
+                return Err(Error::Transport {
+                    rank,
+                    peer: p,
+                    transport: "shm",
+                    msg: format!("{peer_path} has no ring for this rank"),
+                });
+            }
+            let pid = peers[p].pid;
+            links.send[p] = Some(Box::new(ShmSend::new(
+                rank,
+                p,
+                pid,
+                peer_seg.clone(),
+                ring_at_p,
+                own.clone(),
+            )));
+            links.recv[p] = Some(Box::new(ShmRecv::new(
+                rank,
+                p,
+                pid,
+                own.clone(),
+                ring,
+                peer_seg,
+            )));
+            store.add(&format!("{id}/shm_mapped/{p}"), 1)?;
+            tracing::info!(rank, peer = p, transport = "shm", segment = %peer_path, "connected");
+        }
+        // Unlink once every peer has mapped it: the mappings stay, the name goes.
+        let mut backoff = Duration::from_micros(100);
+        while store.add(&format!("{id}/shm_mapped/{rank}"), 0)? < shm_peers.len() as i64 {
+            if Instant::now() >= deadline {
+                return Err(Error::Timeout {
+                    rank,
+                    op: "init".into(),
+                    timeout: cfg.timeout,
+                    detail: "shared-memory peers did not map this rank's segment".into(),
+                });
+            }
+            std::thread::sleep(backoff);
+            backoff = (backoff * 2).min(Duration::from_millis(10));
+        }
+        Ok(())
+    })();
+    let _ = std::fs::remove_file(&path);
+    result.map(|()| own)
 }
 
 impl Communicator {
@@ -190,12 +283,39 @@ impl Communicator {
         }
         let node_index = nodes.iter().position(|n| *n == node_id).unwrap_or(0);
 
-        // Full mesh: every rank opens its send halves first (the listener's backlog completes the
-        // handshakes), then accepts its receive halves in any order.
+        // Same-node peers talk through shared memory (unless OXCCL_TRANSPORT says otherwise),
+        // everyone else over TCP.
         let mut links = Links::default();
         links.send.resize_with(size, || None);
         links.recv.resize_with(size, || None);
-        let others: Vec<usize> = (0..size).filter(|&r| r != rank).collect();
+        let shm_ok = |a: usize, b: usize| match cfg.transport {
+            TransportChoice::Tcp => false,
+            TransportChoice::Auto => peers[a].node_id == peers[b].node_id,
+            TransportChoice::Shm => true,
+        };
+        if cfg.transport == TransportChoice::Shm {
+            if let Some(p) = (0..size).find(|&p| peers[p].node_id != node_id) {
+                return Err(Error::Config(format!(
+                    "rank {rank}: OXCCL_TRANSPORT=shm, but rank {p} is on node {:?} and this rank on {node_id:?}; \
+                     shared memory only connects ranks of one node (use auto or tcp)",
+                    peers[p].node_id
+                )));
+            }
+        }
+        let shm_peers: Vec<usize> = (0..size)
+            .filter(|&p| p != rank && shm_ok(rank, p))
+            .collect();
+        if !shm_peers.is_empty() {
+            links.bell = Some(connect_shm(
+                rank, &peers, &shm_peers, &shm_ok, &*store, &id, &cfg, deadline, &mut links,
+            )?);
+        }
+        // Full mesh over TCP for the rest: every rank opens its send halves first (the
+        // listener's backlog completes the handshakes), then accepts its receive halves in any
+        // order.
+        let others: Vec<usize> = (0..size)
+            .filter(|&r| r != rank && !shm_peers.contains(&r))
+            .collect();
         for &p in &others {
             match tcp.can_connect(&me, &peers[p]) {
                 Reach::Yes => {}

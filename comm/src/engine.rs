@@ -179,7 +179,9 @@ impl Shared {
             _ => e,
         };
         tracing::warn!(rank = self.rank, error = %cause, "communicator failed; closing its connections");
-        st.links = Links::default();
+        // Peers blocked on this rank learn at once: sockets close, shared-memory rings are
+        // flagged closed and their doorbells rung.
+        st.links.close(Instant::now());
         st.broken = Some(cause.clone());
         cause
     }

@@ -16,7 +16,9 @@ use oxccl_kernels::{DType, ReduceOp};
 
 use crate::error::{Error, Result};
 use crate::op::OpDesc;
+use crate::transport::shm::Segment;
 use crate::transport::{PollDir, RecvConn, SendConn, Tag};
+use std::sync::Arc;
 
 /// How long a waiting rank busy-polls before it yields the core.
 const SPIN: Duration = Duration::from_micros(20);
@@ -28,6 +30,8 @@ const YIELD: Duration = Duration::from_micros(200);
 pub(crate) struct Links {
     pub send: Vec<Option<Box<dyn SendConn>>>,
     pub recv: Vec<Option<Box<dyn RecvConn>>>,
+    /// This rank's shared-memory segment, whose doorbell peers ring; `None` without shm peers.
+    pub bell: Option<Arc<Segment>>,
 }
 
 impl Links {
@@ -62,8 +66,12 @@ impl Links {
         for c in self.send.iter_mut().flatten() {
             c.close(deadline);
         }
+        for c in self.recv.iter_mut().flatten() {
+            c.close();
+        }
         self.send.clear();
         self.recv.clear();
+        self.bell = None;
     }
 }
 
@@ -92,6 +100,8 @@ pub(crate) struct Ctx<'a> {
     abort: &'a AtomicBool,
     /// When this rank started waiting without progress (None while progressing).
     idle_since: Option<Instant>,
+    /// Doorbell counter read at the start of the current round of checks.
+    bell_seen: u32,
     fds: Vec<(RawFd, PollDir)>,
 }
 
@@ -147,7 +157,16 @@ impl<'a> Ctx<'a> {
             timeout,
             abort,
             idle_since: None,
+            bell_seen: 0,
             fds: Vec::new(),
+        }
+    }
+
+    /// Starts a round of checks: remembers the doorbell counter so a post that lands during the
+    /// round ends the next sleep at once.
+    fn arm(&mut self) {
+        if let Some(b) = &self.links.bell {
+            self.bell_seen = b.bell_seq();
         }
     }
 
@@ -182,7 +201,22 @@ impl<'a> Ctx<'a> {
             std::thread::yield_now();
         } else {
             self.links.poll_fds(&mut self.fds);
-            poll_fds(&self.fds, 1);
+            match self.links.bell.as_ref() {
+                // Shared-memory peers ring our doorbell; sleep on it (briefly, if sockets must be
+                // watched too) unless it rang since this round of checks began.
+                Some(bell) => {
+                    let nap = if self.fds.is_empty() {
+                        Duration::from_millis(1)
+                    } else {
+                        Duration::from_micros(50)
+                    };
+                    bell.sleep_since(self.bell_seen, nap);
+                    if !self.fds.is_empty() {
+                        poll_fds(&self.fds, 0);
+                    }
+                }
+                None => poll_fds(&self.fds, 1),
+            }
         }
         Ok(())
     }
@@ -212,6 +246,7 @@ impl<'a> Ctx<'a> {
         let mut send_done = send.is_none();
         let mut recv_done = recv.is_none();
         while !(send_done && recv_done) {
+            self.arm();
             let mut moved = false;
             if let (false, Some((peer, data, tag))) = (send_done, send.as_ref()) {
                 let conn = self
@@ -336,6 +371,7 @@ impl<'a> Ctx<'a> {
             if recv_done && send_done {
                 return Ok(());
             }
+            self.arm();
             let mut moved = false;
             if !recv_done && self.recv_one(from, buf, &mut got, mode, &tag)? {
                 recv_frames += 1;
@@ -368,6 +404,7 @@ impl<'a> Ctx<'a> {
     /// when the operation returns.
     pub(crate) fn flush(&mut self) -> Result<()> {
         while !self.links.all_flushed() {
+            self.arm();
             self.idle(&|| "flushing sends".to_string())?;
         }
         Ok(())

@@ -1,6 +1,6 @@
 //! Every collective x every dtype x every op x world sizes 1..=8 x counts {0, 1, 7, 1000,
-//! 2^20+3} x every algorithm, threaded ranks over real TCP sockets on loopback, against a serial
-//! reference.
+//! 2^20+3} x every algorithm x both transports (TCP on loopback and shared memory), threaded
+//! ranks, against a serial reference.
 //!
 //! Inputs are chosen so that every reduction is exact in every type whatever the order (small
 //! non-negative integers; powers of two for `prod`), so results are compared bit for bit, floats
@@ -12,6 +12,7 @@
 use std::time::Duration;
 
 use half::{bf16, f16};
+use oxccl_comm::config::TransportChoice;
 use oxccl_comm::{harness::spawn_world, Communicator, Config, Element, ReduceOp, Result};
 use oxccl_kernels::reference_reduce;
 
@@ -212,33 +213,35 @@ fn every_dtype(comm: &Communicator, reduce_algos_only: bool) -> Result<()> {
     Ok(())
 }
 
-fn config(algo: &str) -> Config {
+fn config(algo: &str, transport: TransportChoice) -> Config {
     let mut cfg = Config::from_lookup(&|k| (k == "OXCCL_ALGO").then(|| algo.to_string())).unwrap();
     cfg.timeout = Duration::from_secs(120);
+    cfg.transport = transport;
     // Small slots so that multi-slot pipelining runs even at moderate counts.
     cfg.slot_bytes = 64 << 10;
     cfg
 }
 
-fn world(n: usize) {
+/// Every algorithm over `transport`.
+fn world_on(n: usize, t: TransportChoice) {
     // Ring and chains, plus every single-algorithm collective.
     for r in spawn_world(
         n,
-        config("all-reduce=ring,broadcast=chain,reduce=chain"),
+        config("all-reduce=ring,broadcast=chain,reduce=chain", t),
         |c| every_dtype(&c, false),
     ) {
         r.unwrap();
     }
     // Trees for all-reduce, broadcast and reduce.
-    for r in spawn_world(n, config("tree"), |c| every_dtype(&c, true)) {
+    for r in spawn_world(n, config("tree", t), |c| every_dtype(&c, true)) {
         r.unwrap();
     }
     // Halving-doubling all-reduce.
-    for r in spawn_world(n, config("all-reduce=hd"), |c| every_dtype(&c, true)) {
+    for r in spawn_world(n, config("all-reduce=hd", t), |c| every_dtype(&c, true)) {
         r.unwrap();
     }
     // Tree broadcast runs in every_dtype(.., true) only through reduce/all-reduce; cover it.
-    for r in spawn_world(n, config("broadcast=tree"), |c| {
+    for r in spawn_world(n, config("broadcast=tree", t), |c| {
         for &count in &COUNTS {
             let root = count % c.size();
             let mut v = input::<u32>(c.rank(), count, ReduceOp::Sum);
@@ -251,6 +254,11 @@ fn world(n: usize) {
     }) {
         r.unwrap();
     }
+}
+
+fn world(n: usize) {
+    world_on(n, TransportChoice::Tcp);
+    world_on(n, TransportChoice::Shm);
 }
 
 #[test]
@@ -316,12 +324,16 @@ fn float_tolerance() {
         Ok(())
     }
     for algo in ["ring", "tree", "hd"] {
-        for r in spawn_world(5, config(&format!("all-reduce={algo}")), |c| {
-            run::<f32>(&c, f32::EPSILON as f64 / 2.0)?;
-            run::<f64>(&c, f64::EPSILON / 2.0)?;
-            run::<f16>(&c, 2f64.powi(-11))?;
-            run::<bf16>(&c, 2f64.powi(-8))
-        }) {
+        for r in spawn_world(
+            5,
+            config(&format!("all-reduce={algo}"), TransportChoice::Auto),
+            |c| {
+                run::<f32>(&c, f32::EPSILON as f64 / 2.0)?;
+                run::<f64>(&c, f64::EPSILON / 2.0)?;
+                run::<f16>(&c, 2f64.powi(-11))?;
+                run::<bf16>(&c, 2f64.powi(-8))
+            },
+        ) {
             r.unwrap();
         }
     }

@@ -5,13 +5,23 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use oxccl_comm::bootstrap::{MemStore, Store};
-use oxccl_comm::config::SocketFamily;
+use oxccl_comm::config::{SocketFamily, TransportChoice};
 use oxccl_comm::{harness::spawn_world, Communicator, Config, Error, ReduceOp, Result};
 
 fn cfg(timeout_s: u64) -> Config {
     Config {
         timeout: Duration::from_secs(timeout_s),
         ..Config::default()
+    }
+}
+
+/// Fault behaviour must not depend on the medium.
+const TRANSPORTS: [TransportChoice; 2] = [TransportChoice::Tcp, TransportChoice::Shm];
+
+fn tcfg(t: TransportChoice, timeout_s: u64) -> Config {
+    Config {
+        transport: t,
+        ..cfg(timeout_s)
     }
 }
 
@@ -38,7 +48,13 @@ fn spawn_cfgs<R: Send>(
 
 #[test]
 fn count_mismatch_is_reported_on_every_rank() {
-    let res = spawn_world(4, cfg(30), |c| {
+    for t in TRANSPORTS {
+        count_mismatch_is_reported_on_every_rank_on(t);
+    }
+}
+
+fn count_mismatch_is_reported_on_every_rank_on(t: TransportChoice) {
+    let res = spawn_world(4, tcfg(t, 30), |c| {
         let n = if c.rank() == 2 { 10 } else { 20 };
         let mut v = vec![1.0f32; n];
         let first = c.all_reduce(&mut v, ReduceOp::Sum);
@@ -59,10 +75,16 @@ fn count_mismatch_is_reported_on_every_rank() {
 
 #[test]
 fn different_collectives_and_roots_are_mismatches() {
+    for t in TRANSPORTS {
+        different_collectives_and_roots_are_mismatches_on(t);
+    }
+}
+
+fn different_collectives_and_roots_are_mismatches_on(t: TransportChoice) {
     // Rank 1 broadcasts while the others all-reduce; then roots differ. A rank whose part was
     // only sending may finish its call and get the mismatch from its next one.
     for case in 0..3 {
-        let res = spawn_world(4, cfg(30), |c| {
+        let res = spawn_world(4, tcfg(t, 30), |c| {
             let mut v = vec![c.rank() as i32; 100];
             let first = match (case, c.rank()) {
                 (0, 1) => c.broadcast(&mut v, 0),
@@ -86,8 +108,14 @@ fn different_collectives_and_roots_are_mismatches() {
 
 #[test]
 fn abort_unblocks_a_pending_collective_and_tells_the_peers() {
+    for t in TRANSPORTS {
+        abort_unblocks_a_pending_collective_and_tells_the_peers_on(t);
+    }
+}
+
+fn abort_unblocks_a_pending_collective_and_tells_the_peers_on(t: TransportChoice) {
     let t0 = Instant::now();
-    let res = spawn_world(3, cfg(60), |c| {
+    let res = spawn_world(3, tcfg(t, 60), |c| {
         if c.rank() == 0 {
             // Nobody else calls this all-reduce; a watchdog aborts it.
             std::thread::scope(|s| {
@@ -117,8 +145,14 @@ fn abort_unblocks_a_pending_collective_and_tells_the_peers() {
 
 #[test]
 fn a_missing_peer_times_out_with_a_deadline() {
+    for t in TRANSPORTS {
+        a_missing_peer_times_out_with_a_deadline_on(t);
+    }
+}
+
+fn a_missing_peer_times_out_with_a_deadline_on(t: TransportChoice) {
     let t0 = Instant::now();
-    let res = spawn_world(2, cfg(1), |c| {
+    let res = spawn_world(2, tcfg(t, 1), |c| {
         if c.rank() == 0 {
             let e = c.barrier().expect_err("rank 1 never comes");
             assert!(matches!(e, Error::Timeout { .. }), "{e}");
@@ -133,7 +167,13 @@ fn a_missing_peer_times_out_with_a_deadline() {
 
 #[test]
 fn a_peer_that_leaves_early_is_lost() {
-    let res = spawn_world(3, cfg(30), |c| {
+    for t in TRANSPORTS {
+        a_peer_that_leaves_early_is_lost_on(t);
+    }
+}
+
+fn a_peer_that_leaves_early_is_lost_on(t: TransportChoice) {
+    let res = spawn_world(3, tcfg(t, 30), |c| {
         if c.rank() == 2 {
             return Ok(None); // drops its communicator: a goodbye, then closed sockets
         }
@@ -176,7 +216,13 @@ fn bad_arguments_are_rejected_before_anything_is_sent() {
 
 #[test]
 fn async_work_runs_in_issue_order_and_gives_buffers_back() {
-    let res = spawn_world(3, cfg(30), |c| {
+    for t in TRANSPORTS {
+        async_work_runs_in_issue_order_and_gives_buffers_back_on(t);
+    }
+}
+
+fn async_work_runs_in_issue_order_and_gives_buffers_back_on(t: TransportChoice) {
+    let res = spawn_world(3, tcfg(t, 30), |c| {
         let w1 = c.all_reduce_async(vec![1.0f32; 100_000], ReduceOp::Sum);
         let w2 = c.broadcast_async(vec![c.rank() as u32; 33], 2);
         // A blocking call issued after the async ones runs after them.
@@ -210,7 +256,13 @@ fn async_work_runs_in_issue_order_and_gives_buffers_back() {
 
 #[test]
 fn split_like_nccl_comm_split() {
-    let res = spawn_world(6, cfg(30), |c| {
+    for t in TRANSPORTS {
+        split_like_nccl_comm_split_on(t);
+    }
+}
+
+fn split_like_nccl_comm_split_on(t: TransportChoice) {
+    let res = spawn_world(6, tcfg(t, 30), |c| {
         let r = c.rank();
         // Ranks 0..5 by parity, reverse order by key; rank 5 stays out.
         let color = if r == 5 { None } else { Some((r % 2) as u32) };
@@ -241,8 +293,9 @@ fn split_like_nccl_comm_split() {
     res.into_iter().for_each(|r| r.unwrap());
 }
 
+/// Two "nodes" in one process: shared memory inside each, TCP across, in one communicator.
 #[test]
-fn node_ids_give_local_ranks() {
+fn node_ids_give_local_ranks_and_mixed_transports() {
     let cfgs: Vec<Config> = (0..5)
         .map(|r| Config {
             node_id: Some(format!("node{}", r % 2)),
@@ -266,7 +319,7 @@ fn node_ids_give_local_ranks() {
 }
 
 #[test]
-fn ipv6_and_several_sockets_and_slot_sizes() {
+fn ipv6_sockets_slots_and_shared_memory_variants() {
     let have_v6 = std::net::TcpListener::bind("[::1]:0").is_ok();
     let mut variants = vec![
         Config {

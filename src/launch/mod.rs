@@ -492,6 +492,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
         let end = job.supervise(&ctx);
         job.finish();
         drop(job);
+        remove_shm_segments(&job_id);
 
         let end = match end {
             AttemptEnd::Success => JobEnd::Success,
@@ -520,6 +521,29 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
             attempts: attempt + 1,
             end,
         });
+    }
+}
+
+/// Removes whatever shared-memory segments of this job are left in `/dev/shm` (a rank killed
+/// between creating its segment and its peers mapping it). Every rank is gone when this runs.
+fn remove_shm_segments(job_id: &str) {
+    let prefix = oxccl_comm::transport::shm::job_prefix(job_id);
+    let Ok(dir) = std::fs::read_dir(oxccl_comm::transport::shm::SHM_DIR) else {
+        return;
+    };
+    for entry in dir.flatten() {
+        if entry.file_name().to_string_lossy().starts_with(&prefix) {
+            match std::fs::remove_file(entry.path()) {
+                Ok(()) => tracing::debug!(
+                    "oxccl launch: removed stale segment {}",
+                    entry.path().display()
+                ),
+                Err(e) => tracing::warn!(
+                    "oxccl launch: could not remove {}: {e}",
+                    entry.path().display()
+                ),
+            }
+        }
     }
 }
 

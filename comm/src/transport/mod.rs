@@ -21,6 +21,7 @@
 //! to. The receiver compares it with what it expects, which is how ranks that call different
 //! collectives get [`crate::Error::Mismatch`] instead of garbage.
 
+pub mod shm;
 pub mod tcp;
 
 use std::os::fd::RawFd;
@@ -97,6 +98,9 @@ pub trait RecvConn: Send {
     fn progress(&mut self) -> Result<bool>;
     /// File descriptors to poll while idle (empty for backends without fds).
     fn poll_fds(&self, out: &mut Vec<(RawFd, PollDir)>);
+    /// Tells the sender this rank will read no more (it fails at its next post instead of
+    /// waiting for a slot that will never be released). Dropping does this for sockets.
+    fn close(&mut self) {}
 }
 
 /// Whether a backend can connect a pair of ranks.

@@ -1,0 +1,678 @@
+//! Shared-memory backend: ranks on one node exchange slots through `/dev/shm`.
+//!
+//! Each rank creates **one segment** per communicator, `/dev/shm/oxccl-<job>-<comm>-r<rank>`,
+//! holding its doorbell and one receive ring per same-node peer. A ring is a single-producer,
+//! single-consumer queue of `nslots` fixed slots:
+//!
+//! ```text
+//! segment: [header 128 B][bell 128 B][ring 0][ring 1]...
+//! ring:    [head 128 B][tail 128 B][closed flags 128 B][meta: nslots x 32 B, padded][slot 0][slot 1]...
+//! ```
+//!
+//! `head` (written by the sender only) counts posted slots, `tail` (written by the receiver only)
+//! counts released ones; each sits alone in its own 128-byte block so the two sides never share
+//! a cache line (nor its adjacent-line prefetch partner). The sender fills slot `head % nslots`
+//! and its meta (length and [`Tag`]), then publishes with a release-store of `head + 1`; the
+//! receiver acquire-loads `head`, reduces or copies straight out of the slot, then release-stores
+//! `tail + 1`. No locks, no copies beyond the one into the slot.
+//!
+//! **Waiting.** Every rank has one doorbell: a sequence counter and a sleeper count. A post rings
+//! the receiver's bell, a release rings the sender's; ringing bumps the counter and calls
+//! `futex(FUTEX_WAKE)` only when someone sleeps. A waiting rank spins, yields, then sleeps in
+//! `futex(FUTEX_WAIT)` on its own bell (see `crate::prims`), so oversubscribed ranks sleep instead
+//! of spinning. The waiter reads the counter *before* it checks its rings and sleeps only while
+//! the counter still has that value (an eventcount): a post that lands after the check changes
+//! the counter, so the wait returns at once; the sleeper count only saves wake-up syscalls.
+//!
+//! **Liveness.** A dead peer closes no socket, so each connection holds a `pidfd` of its peer
+//! and checks it every few milliseconds while waiting: a killed rank is `PeerLost` at once.
+//! `closed` flags tell a finished or failed peer from a dead one: the sender sets its bit when it
+//! closes (the receiver then fails instead of waiting), the receiver sets its bit when it stops
+//! reading (the sender then fails instead of waiting for a slot).
+//!
+//! **Hygiene.** Segments are unlinked as soon as every peer has mapped them (the mappings stay
+//! valid), so a rank killed after start-up leaves nothing in `/dev/shm`; `oxccl launch` also
+//! removes `/dev/shm/oxccl-<job>-*` when a job ends. Space is reserved with `posix_fallocate`, so a
+//! `/dev/shm` that is too small is a clear error naming the bytes needed, not a `SIGBUS` later.
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use memmap2::MmapMut;
+
+use crate::error::{Error, Result};
+use crate::transport::{PollDir, RecvConn, SendConn, Tag};
+
+const MAGIC: u64 = 0x4f58_4343_4c01_7368; // "OXCCL\x01sh"
+const BLOCK: usize = 128;
+const META: usize = 32;
+const HEADER: usize = BLOCK;
+const BELL: usize = BLOCK;
+/// `closed` bits: the sender said goodbye; the receiver will read no more.
+const SENDER_CLOSED: u64 = 1;
+const RECEIVER_CLOSED: u64 = 2;
+/// How often a waiting connection checks that its peer process is alive.
+const LIVENESS_EVERY: Duration = Duration::from_millis(5);
+
+/// Directory of the segments (tmpfs).
+pub const SHM_DIR: &str = "/dev/shm";
+
+/// Bytes of one ring.
+fn ring_bytes(slot_size: usize, nslots: usize) -> usize {
+    3 * BLOCK + (nslots * META).next_multiple_of(BLOCK) + nslots * slot_size
+}
+
+/// Bytes of a segment with `nrings` rings.
+pub fn segment_bytes(nrings: usize, slot_size: usize, nslots: usize) -> usize {
+    HEADER + BELL + nrings * ring_bytes(slot_size, nslots)
+}
+
+/// The `/dev/shm` prefix of every segment of a job (what `oxccl launch` removes at the end).
+pub fn job_prefix(job: &str) -> String {
+    let clean: String = job
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    format!("oxccl-{clean}-")
+}
+
+/// A mapped segment (this rank's own, or a peer's).
+pub struct Segment {
+    map: MmapMut,
+    base: *mut u8,
+    slot_size: usize,
+    nslots: usize,
+    nrings: usize,
+}
+
+// SAFETY: the mapping is plain shared memory; every access to it goes through atomics (head,
+// tail, closed, bell) or through slot regions whose ownership the head/tail protocol hands over
+// between exactly one writer and one reader. The raw base pointer stays valid as long as `map`.
+unsafe impl Send for Segment {}
+// SAFETY: as above; shared references only read the geometry or use atomics.
+unsafe impl Sync for Segment {}
+
+impl Segment {
+    fn atomic_u64(&self, off: usize) -> &AtomicU64 {
+        debug_assert!(off % 8 == 0 && off + 8 <= self.map.len());
+        // SAFETY: `off` is 8-aligned inside the page-aligned mapping (asserted in debug), the
+        // memory lives as long as `self`, and it is only ever accessed atomically.
+        unsafe { &*(self.base.add(off) as *const AtomicU64) }
+    }
+
+    fn atomic_u32(&self, off: usize) -> &AtomicU32 {
+        debug_assert!(off % 4 == 0 && off + 4 <= self.map.len());
+        // SAFETY: as for `atomic_u64`.
+        unsafe { &*(self.base.add(off) as *const AtomicU32) }
+    }
+
+    fn ring_off(&self, ring: usize) -> usize {
+        HEADER + BELL + ring * ring_bytes(self.slot_size, self.nslots)
+    }
+
+    fn head(&self, ring: usize) -> &AtomicU64 {
+        self.atomic_u64(self.ring_off(ring))
+    }
+
+    fn tail(&self, ring: usize) -> &AtomicU64 {
+        self.atomic_u64(self.ring_off(ring) + BLOCK)
+    }
+
+    fn closed(&self, ring: usize) -> &AtomicU64 {
+        self.atomic_u64(self.ring_off(ring) + 2 * BLOCK)
+    }
+
+    fn meta_off(&self, ring: usize, slot: usize) -> usize {
+        self.ring_off(ring) + 3 * BLOCK + slot * META
+    }
+
+    fn slot_off(&self, ring: usize, slot: usize) -> usize {
+        self.ring_off(ring)
+            + 3 * BLOCK
+            + (self.nslots * META).next_multiple_of(BLOCK)
+            + slot * self.slot_size
+    }
+
+    /// Rings this segment's doorbell (its owner sleeps on it).
+    pub fn ring_bell(&self) {
+        let seq = self.atomic_u32(HEADER);
+        seq.fetch_add(1, Ordering::SeqCst);
+        if self.atomic_u32(HEADER + 64).load(Ordering::SeqCst) > 0 {
+            futex_wake(seq);
+        }
+    }
+
+    /// The doorbell's counter. A waiter reads it *before* checking its rings, then sleeps with
+    /// [`Segment::sleep_since`]: any ring after the read ends the sleep at once (an eventcount).
+    pub fn bell_seq(&self) -> u32 {
+        self.atomic_u32(HEADER).load(Ordering::SeqCst)
+    }
+
+    /// Sleeps on this segment's doorbell for at most `timeout`, unless it rang since `seen`.
+    pub fn sleep_since(&self, seen: u32, timeout: Duration) {
+        let seq = self.atomic_u32(HEADER);
+        let sleepers = self.atomic_u32(HEADER + 64);
+        sleepers.fetch_add(1, Ordering::SeqCst);
+        futex_wait(seq, seen, timeout);
+        sleepers.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Creates this rank's segment with `nrings` receive rings.
+    ///
+    /// # Errors
+    /// `Error::Config` when `/dev/shm` lacks the space (naming the bytes needed and free);
+    /// `Error::Transport` for other failures.
+    pub fn create(
+        rank: usize,
+        name: &str,
+        nrings: usize,
+        slot_size: usize,
+        nslots: usize,
+    ) -> Result<(Segment, PathBuf)> {
+        let path = PathBuf::from(SHM_DIR).join(name);
+        let terr = |msg: String| Error::Transport {
+            rank,
+            peer: rank,
+            transport: "shm",
+            msg,
+        };
+        let _ = std::fs::remove_file(&path); // a stale segment of a crashed attempt
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .map_err(|e| terr(format!("creating {}: {e}", path.display())))?;
+        let bytes = segment_bytes(nrings, slot_size, nslots);
+        // SAFETY: posix_fallocate on a valid, owned file descriptor; no memory is passed.
+        let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, bytes as libc::off_t) };
+        if rc != 0 {
+            let _ = std::fs::remove_file(&path);
+            let free = shm_free_bytes();
+            return Err(if rc == libc::ENOSPC || rc == libc::EFBIG {
+                Error::Config(format!(
+                    "rank {rank}: {SHM_DIR} is too small: the shared-memory transport needs {bytes} bytes for this rank \
+                     ({nrings} peers x {nslots} slots x {slot_size} B) and {free} bytes are free; enlarge it \
+                     (e.g. docker --shm-size), lower OXCCL_SLOT_BYTES/OXCCL_NSLOTS, or set OXCCL_TRANSPORT=tcp"
+                ))
+            } else {
+                terr(format!(
+                    "reserving {bytes} bytes in {}: {}",
+                    path.display(),
+                    std::io::Error::from_raw_os_error(rc)
+                ))
+            });
+        }
+        let seg = Self::map(rank, &file, &path)?;
+        let seg = Segment {
+            slot_size,
+            nslots,
+            nrings,
+            ..seg
+        };
+        seg.atomic_u64(8).store(nrings as u64, Ordering::Relaxed);
+        seg.atomic_u64(16)
+            .store(slot_size as u64, Ordering::Relaxed);
+        seg.atomic_u64(24).store(nslots as u64, Ordering::Relaxed);
+        seg.atomic_u64(0).store(MAGIC, Ordering::Release);
+        Ok((seg, path))
+    }
+
+    /// Maps a peer's segment and reads its geometry.
+    ///
+    /// # Errors
+    /// `Error::Transport` when the file cannot be opened or is not an oxccl segment.
+    pub fn open(rank: usize, peer: usize, path: &str) -> Result<Segment> {
+        let terr = |msg: String| Error::Transport {
+            rank,
+            peer,
+            transport: "shm",
+            msg,
+        };
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|e| terr(format!("opening {path}: {e}")))?;
+        let seg = Self::map(rank, &file, &PathBuf::from(path))?;
+        if seg.map.len() < HEADER + BELL || seg.atomic_u64(0).load(Ordering::Acquire) != MAGIC {
+            return Err(terr(format!("{path} is not an oxccl segment")));
+        }
+        let (nrings, slot_size, nslots) = (
+            seg.atomic_u64(8).load(Ordering::Relaxed) as usize,
+            seg.atomic_u64(16).load(Ordering::Relaxed) as usize,
+            seg.atomic_u64(24).load(Ordering::Relaxed) as usize,
+        );
+        if slot_size == 0 || nslots == 0 || seg.map.len() < segment_bytes(nrings, slot_size, nslots)
+        {
+            return Err(terr(format!("{path} has an inconsistent header")));
+        }
+        Ok(Segment {
+            slot_size,
+            nslots,
+            nrings,
+            ..seg
+        })
+    }
+
+    fn map(rank: usize, file: &File, path: &std::path::Path) -> Result<Segment> {
+        // SAFETY: the file is a tmpfs segment that only oxccl ranks of this communicator map;
+        // its size is fixed (fallocated before publication) so the mapping never outlives the
+        // file's extent, and concurrent access follows the ring protocol described above.
+        let mut map = unsafe { MmapMut::map_mut(file) }.map_err(|e| Error::Transport {
+            rank,
+            peer: rank,
+            transport: "shm",
+            msg: format!("mapping {}: {e}", path.display()),
+        })?;
+        let base = map.as_mut_ptr();
+        Ok(Segment {
+            map,
+            base,
+            slot_size: 0,
+            nslots: 0,
+            nrings: 0,
+        })
+    }
+
+    /// Number of rings in this segment.
+    pub fn nrings(&self) -> usize {
+        self.nrings
+    }
+}
+
+fn shm_free_bytes() -> u64 {
+    let Ok(c) = std::ffi::CString::new(SHM_DIR) else {
+        return 0;
+    };
+    // SAFETY: statvfs writes into the zeroed struct we own; `c` is a valid C string.
+    unsafe {
+        let mut st: libc::statvfs = std::mem::zeroed();
+        if libc::statvfs(c.as_ptr(), &mut st) == 0 {
+            st.f_bavail as u64 * st.f_frsize as u64
+        } else {
+            0
+        }
+    }
+}
+
+fn futex_wake(word: &AtomicU32) {
+    // SAFETY: FUTEX_WAKE on the address of a live AtomicU32 in a shared mapping (not PRIVATE,
+    // because other processes wait on it); no other memory is touched.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            std::ptr::null::<libc::timespec>(),
+        );
+    }
+}
+
+fn futex_wait(word: &AtomicU32, seen: u32, timeout: Duration) {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: FUTEX_WAIT on the address of a live AtomicU32 with a valid relative timeout; the
+    // kernel returns at once if the value is no longer `seen`. EINTR/ETIMEDOUT just end the wait.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            seen,
+            &ts as *const libc::timespec,
+        );
+    }
+}
+
+/// Watches a peer process: readable pidfd = the process is gone.
+struct Liveness {
+    pidfd: Option<OwnedFd>,
+    last: Instant,
+}
+
+impl Liveness {
+    fn new(pid: u32) -> Liveness {
+        // Ranks that are threads of this process share its pid: nothing to watch.
+        let pidfd = if pid == std::process::id() {
+            None
+        } else {
+            // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
+            let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+            // SAFETY: a non-negative return is a fresh fd that we now own.
+            (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+        };
+        Liveness {
+            pidfd,
+            last: Instant::now(),
+        }
+    }
+
+    /// True when the peer process has exited (checked at most every `LIVENESS_EVERY`).
+    fn dead(&mut self) -> bool {
+        let Some(fd) = &self.pidfd else { return false };
+        if self.last.elapsed() < LIVENESS_EVERY {
+            return false;
+        }
+        self.last = Instant::now();
+        let mut p = libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, zero timeout.
+        let n = unsafe { libc::poll(&mut p, 1, 0) };
+        n > 0 && p.revents & libc::POLLIN != 0
+    }
+}
+
+fn lost(rank: usize, peer: usize, detail: &str) -> Error {
+    Error::PeerLost {
+        rank,
+        peer,
+        op: "shm transfer".into(),
+        detail: detail.into(),
+    }
+}
+
+/// Send half: writes into ring `ring` of the peer's segment.
+pub struct ShmSend {
+    rank: usize,
+    peer: usize,
+    dst: Arc<Segment>,
+    ring: usize,
+    own: Arc<Segment>,
+    head: u64,
+    handed_out: bool,
+    live: Liveness,
+}
+
+impl ShmSend {
+    pub(crate) fn new(
+        rank: usize,
+        peer: usize,
+        peer_pid: u32,
+        dst: Arc<Segment>,
+        ring: usize,
+        own: Arc<Segment>,
+    ) -> ShmSend {
+        let head = dst.head(ring).load(Ordering::Acquire);
+        ShmSend {
+            rank,
+            peer,
+            dst,
+            ring,
+            own,
+            head,
+            handed_out: false,
+            live: Liveness::new(peer_pid),
+        }
+    }
+}
+
+impl SendConn for ShmSend {
+    fn slot_size(&self) -> usize {
+        self.dst.slot_size
+    }
+
+    fn try_slot(&mut self) -> Result<Option<&mut [u8]>> {
+        if self.dst.closed(self.ring).load(Ordering::Acquire) & RECEIVER_CLOSED != 0 {
+            return Err(lost(
+                self.rank,
+                self.peer,
+                "peer closed its communicator (or failed) and reads no more",
+            ));
+        }
+        let tail = self.dst.tail(self.ring).load(Ordering::Acquire);
+        if self.head - tail >= self.dst.nslots as u64 {
+            if self.live.dead() {
+                return Err(lost(
+                    self.rank,
+                    self.peer,
+                    "process exited (seen through its pidfd)",
+                ));
+            }
+            return Ok(None);
+        }
+        self.handed_out = true;
+        let off = self
+            .dst
+            .slot_off(self.ring, (self.head % self.dst.nslots as u64) as usize);
+        // SAFETY: slot `head % nslots` is owned by this sender until it publishes `head + 1`:
+        // the receiver has released it (tail > head - nslots, acquire-loaded above) and reads
+        // it again only after the release-store in `post`. The region lies inside the mapping.
+        Ok(Some(unsafe {
+            std::slice::from_raw_parts_mut(self.dst.base.add(off), self.dst.slot_size)
+        }))
+    }
+
+    fn post(&mut self, len: usize, tag: Tag) -> Result<()> {
+        if !self.handed_out || len > self.dst.slot_size {
+            return Err(Error::Transport {
+                rank: self.rank,
+                peer: self.peer,
+                transport: "shm",
+                msg: format!("post of {len} bytes without a free slot"),
+            });
+        }
+        self.handed_out = false;
+        let slot = (self.head % self.dst.nslots as u64) as usize;
+        let m = self.dst.meta_off(self.ring, slot);
+        self.dst.atomic_u64(m).store(len as u64, Ordering::Relaxed);
+        self.dst.atomic_u64(m + 8).store(tag.seq, Ordering::Relaxed);
+        self.dst
+            .atomic_u64(m + 16)
+            .store(tag.desc, Ordering::Relaxed);
+        self.dst
+            .atomic_u64(m + 24)
+            .store(tag.count, Ordering::Relaxed);
+        self.head += 1;
+        self.dst.head(self.ring).store(self.head, Ordering::Release);
+        self.dst.ring_bell();
+        Ok(())
+    }
+
+    fn progress(&mut self) -> Result<bool> {
+        Ok(false)
+    }
+
+    fn flushed(&self) -> bool {
+        true
+    }
+
+    fn poll_fds(&self, _out: &mut Vec<(RawFd, PollDir)>) {}
+
+    fn close(&mut self, _deadline: Instant) {
+        self.dst
+            .closed(self.ring)
+            .fetch_or(SENDER_CLOSED, Ordering::AcqRel);
+        self.dst.ring_bell();
+        let _ = &self.own;
+    }
+}
+
+/// Receive half: reads ring `ring` of this rank's own segment.
+pub struct ShmRecv {
+    rank: usize,
+    peer: usize,
+    own: Arc<Segment>,
+    ring: usize,
+    /// The peer's segment, whose bell a release rings.
+    peer_seg: Arc<Segment>,
+    tail: u64,
+    handed_out: bool,
+    live: Liveness,
+}
+
+impl ShmRecv {
+    pub(crate) fn new(
+        rank: usize,
+        peer: usize,
+        peer_pid: u32,
+        own: Arc<Segment>,
+        ring: usize,
+        peer_seg: Arc<Segment>,
+    ) -> ShmRecv {
+        let tail = own.tail(ring).load(Ordering::Acquire);
+        ShmRecv {
+            rank,
+            peer,
+            own,
+            ring,
+            peer_seg,
+            tail,
+            handed_out: false,
+            live: Liveness::new(peer_pid),
+        }
+    }
+}
+
+impl RecvConn for ShmRecv {
+    fn try_recv(&mut self) -> Result<Option<(Tag, &[u8])>> {
+        let head = self.own.head(self.ring).load(Ordering::Acquire);
+        if head == self.tail {
+            if self.own.closed(self.ring).load(Ordering::Acquire) & SENDER_CLOSED != 0 {
+                return Err(lost(
+                    self.rank,
+                    self.peer,
+                    "peer closed its communicator while this rank still expects data",
+                ));
+            }
+            if self.live.dead() {
+                return Err(lost(
+                    self.rank,
+                    self.peer,
+                    "process exited (seen through its pidfd)",
+                ));
+            }
+            return Ok(None);
+        }
+        let slot = (self.tail % self.own.nslots as u64) as usize;
+        let m = self.own.meta_off(self.ring, slot);
+        let len = self.own.atomic_u64(m).load(Ordering::Relaxed) as usize;
+        let tag = Tag {
+            seq: self.own.atomic_u64(m + 8).load(Ordering::Relaxed),
+            desc: self.own.atomic_u64(m + 16).load(Ordering::Relaxed),
+            count: self.own.atomic_u64(m + 24).load(Ordering::Relaxed),
+        };
+        if len > self.own.slot_size {
+            return Err(Error::Transport {
+                rank: self.rank,
+                peer: self.peer,
+                transport: "shm",
+                msg: format!("corrupt slot length {len}"),
+            });
+        }
+        self.handed_out = true;
+        let off = self.own.slot_off(self.ring, slot);
+        // SAFETY: the sender published this slot with a release-store of head (acquire-loaded
+        // above) and does not touch it again until we release it; the region is in the mapping.
+        Ok(Some((tag, unsafe {
+            std::slice::from_raw_parts(self.own.base.add(off), len)
+        })))
+    }
+
+    fn release(&mut self) -> Result<()> {
+        if !self.handed_out {
+            return Err(Error::Transport {
+                rank: self.rank,
+                peer: self.peer,
+                transport: "shm",
+                msg: "release without a received slot".into(),
+            });
+        }
+        self.handed_out = false;
+        self.tail += 1;
+        self.own.tail(self.ring).store(self.tail, Ordering::Release);
+        self.peer_seg.ring_bell();
+        Ok(())
+    }
+
+    fn progress(&mut self) -> Result<bool> {
+        Ok(false)
+    }
+
+    fn poll_fds(&self, _out: &mut Vec<(RawFd, PollDir)>) {}
+
+    fn close(&mut self) {
+        self.own
+            .closed(self.ring)
+            .fetch_or(RECEIVER_CLOSED, Ordering::AcqRel);
+        self.peer_seg.ring_bell();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ring_round_trip_in_one_process() {
+        let name = format!("oxccl-unittest-{}-r0", std::process::id());
+        let (seg, path) = Segment::create(0, &name, 1, 64, 2).unwrap();
+        let own = Arc::new(seg);
+        let peer = Arc::new(Segment::open(1, 0, path.to_str().unwrap()).unwrap());
+        std::fs::remove_file(&path).unwrap();
+        let mut tx = ShmSend::new(1, 0, std::process::id(), own.clone(), 0, peer.clone());
+        let mut rx = ShmRecv::new(0, 1, std::process::id(), own.clone(), 0, peer);
+        for round in 0..5u8 {
+            for k in 0..2u8 {
+                let s = tx.try_slot().unwrap().expect("free slot");
+                s[..3].copy_from_slice(&[round, k, 7]);
+                tx.post(
+                    3,
+                    Tag {
+                        seq: round as u64,
+                        desc: k as u64,
+                        count: 3,
+                    },
+                )
+                .unwrap();
+            }
+            assert!(tx.try_slot().unwrap().is_none(), "both slots in flight");
+            for k in 0..2u8 {
+                let (tag, data) = rx.try_recv().unwrap().expect("posted");
+                assert_eq!(
+                    (tag.seq, tag.desc, data),
+                    (round as u64, k as u64, &[round, k, 7][..])
+                );
+                rx.release().unwrap();
+            }
+            assert!(rx.try_recv().unwrap().is_none());
+        }
+        tx.close(Instant::now());
+        assert!(matches!(rx.try_recv(), Err(Error::PeerLost { .. })));
+    }
+
+    #[test]
+    fn too_small_is_named() {
+        // 64 GiB: more than any test machine's /dev/shm.
+        let e = Segment::create(
+            3,
+            &format!("oxccl-unittest-{}-huge", std::process::id()),
+            1,
+            1 << 30,
+            64,
+        );
+        match e {
+            Err(Error::Config(msg)) => {
+                assert!(msg.contains("too small") && msg.contains("bytes"), "{msg}")
+            }
+            Err(other) => panic!("{other}"),
+            Ok(_) => panic!("2^46 bytes fit in /dev/shm?"),
+        }
+    }
+}
