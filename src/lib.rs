@@ -7,3 +7,4 @@ pub use oxccl_comm as comm;
 pub use oxccl_kernels as kernels;
 
 pub mod launch;
+pub mod perf;

@@ -31,6 +31,12 @@ enum Cmd {
     /// If a rank fails, all ranks are stopped and the launcher exits non-zero.
     #[command(arg_required_else_help = true)]
     Launch(LaunchArgs),
+
+    /// Measure a collective like nccl-tests: time, algbw, busbw and #wrong for a sweep of sizes.
+    ///
+    /// Starts --np local ranks itself, or runs as one rank under oxccl launch, torchrun, srun or
+    /// mpirun. Example: oxccl perf all-reduce --np 4 -b 8 -e 64M -d all -o all.
+    Perf(oxccl::perf::PerfArgs),
 }
 
 #[derive(Debug, Args)]
@@ -150,5 +156,6 @@ fn main() -> ExitCode {
     oxccl::comm::logging::init();
     ExitCode::from(match cli.command {
         Cmd::Launch(args) => run_launch(args),
+        Cmd::Perf(args) => oxccl::perf::run(args),
     })
 }

@@ -104,14 +104,14 @@ unsafe impl Sync for Segment {}
 
 impl Segment {
     fn atomic_u64(&self, off: usize) -> &AtomicU64 {
-        debug_assert!(off % 8 == 0 && off + 8 <= self.map.len());
+        debug_assert!(off.is_multiple_of(8) && off + 8 <= self.map.len());
         // SAFETY: `off` is 8-aligned inside the page-aligned mapping (asserted in debug), the
         // memory lives as long as `self`, and it is only ever accessed atomically.
         unsafe { &*(self.base.add(off) as *const AtomicU64) }
     }
 
     fn atomic_u32(&self, off: usize) -> &AtomicU32 {
-        debug_assert!(off % 4 == 0 && off + 4 <= self.map.len());
+        debug_assert!(off.is_multiple_of(4) && off + 4 <= self.map.len());
         // SAFETY: as for `atomic_u64`.
         unsafe { &*(self.base.add(off) as *const AtomicU32) }
     }

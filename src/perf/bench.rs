@@ -1,0 +1,341 @@
+//! The rank side of one (dtype, op) sweep: buffers, the call of each collective (blocking or
+//! async), timing, and the checked call.
+
+use std::time::Instant;
+
+use oxccl_comm::{Collective, Communicator, Element, ReduceOp, Result};
+
+use super::data::{fill, mismatches, Pattern};
+use super::sweep::{geometry, has_in_place, Geometry};
+
+/// Buffer sets cycled through per size fill at least this many bytes (input + output)...
+pub const ROTATE_BYTES: usize = 64 << 20;
+/// ... with at least 2 and at most this many sets.
+pub const MAX_SETS: usize = 64;
+
+/// How per-rank times are combined (`-a`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Average {
+    /// Rank 0's time (`-a 0`).
+    Rank0,
+    /// Mean over ranks (`-a 1`).
+    Mean,
+    /// Minimum (`-a 2`).
+    Min,
+    /// Maximum (`-a 3`).
+    Max,
+}
+
+/// What every (dtype, op) sweep shares.
+#[derive(Debug, Clone)]
+pub struct Spec {
+    /// The collective measured.
+    pub coll: Collective,
+    /// Root rank for rooted collectives.
+    pub root: usize,
+    /// `-z 1`: blocking calls only.
+    pub blocking: bool,
+    /// Timed iterations per measurement.
+    pub iters: u32,
+    /// Untimed iterations before each measurement.
+    pub warmup: u32,
+    /// Run a checked call per measurement.
+    pub check: bool,
+    /// How times are combined over ranks.
+    pub average: Average,
+}
+
+/// Buffer sets used for a buffer of `full_bytes` (input and output each that large).
+pub fn sets_for(full_bytes: usize) -> usize {
+    ROTATE_BYTES
+        .div_ceil((2 * full_bytes).max(1))
+        .clamp(2, MAX_SETS)
+}
+
+/// An owned window into an arena, so an async call can own the arena while it runs.
+struct Window<T> {
+    v: Vec<T>,
+    off: usize,
+    len: usize,
+}
+
+impl<T> AsMut<[T]> for Window<T> {
+    fn as_mut(&mut self) -> &mut [T] {
+        &mut self.v[self.off..self.off + self.len]
+    }
+}
+
+/// Whether oxccl has an async form of the collective.
+pub fn has_async(c: Collective) -> bool {
+    matches!(
+        c,
+        Collective::AllReduce
+            | Collective::ReduceScatter
+            | Collective::AllGather
+            | Collective::Broadcast
+    )
+}
+
+/// The buffers of one dtype: input arena `a`, output (and in-place) arena `b`, both holding
+/// `sets` consecutive full-size buffers, and the reduce-scatter scratch for async calls.
+pub struct Bench<'c, T> {
+    comm: &'c Communicator,
+    spec: Spec,
+    a: Vec<T>,
+    b: Vec<T>,
+    scratch: Vec<T>,
+}
+
+/// One measurement: the combined time per call in seconds and the wrong-element count.
+pub type Outcome = (f64, Option<u64>);
+
+impl<'c, T: Element> Bench<'c, T> {
+    /// Allocates (and touches) arenas large enough for every size of `sizes`.
+    pub fn new(comm: &'c Communicator, spec: Spec, sizes: &[u64]) -> Bench<'c, T> {
+        let ts = T::DTYPE.size();
+        let mut arena = 0usize;
+        let mut max_full = 0usize;
+        for &s in sizes {
+            let g = geometry(spec.coll, s, ts, comm.size());
+            arena = arena.max(g.full * sets_for(g.bytes));
+            max_full = max_full.max(g.full);
+        }
+        let zero = T::from_f64(0.0);
+        let mut a = vec![zero; arena];
+        let mut b = vec![zero; arena];
+        // First touch outside any timing (vec! of zeros may hand out untouched pages).
+        a.fill(T::from_f64(1.0));
+        b.fill(zero);
+        let scratch = if spec.coll == Collective::ReduceScatter && !spec.blocking {
+            vec![zero; max_full]
+        } else {
+            Vec::new()
+        };
+        Bench {
+            comm,
+            spec,
+            a,
+            b,
+            scratch,
+        }
+    }
+
+    /// Fills every input buffer with this rank's pattern (realistic data for the timed calls).
+    pub fn fill_inputs(&mut self, pat: &Pattern<T>) {
+        fill(&mut self.a, pat.rank(self.comm.rank()), 0);
+    }
+
+    /// Times and (with `-c`) checks one placement of one size.
+    ///
+    /// # Errors
+    /// Any error of the collective calls.
+    pub fn measure(
+        &mut self,
+        g: &Geometry,
+        in_place: bool,
+        op: ReduceOp,
+        pat: &Pattern<T>,
+    ) -> Result<Outcome> {
+        let sets = sets_for(g.bytes);
+        let (warmup, iters) = (self.spec.warmup as usize, self.spec.iters.max(1) as usize);
+        for it in 0..warmup {
+            self.call(g, it % sets, in_place, op)?;
+        }
+        self.comm.barrier()?;
+        let t0 = Instant::now();
+        for it in 0..iters {
+            self.call(g, (warmup + it) % sets, in_place, op)?;
+        }
+        let local = t0.elapsed().as_secs_f64() / iters as f64;
+        let time = self.combine(local)?;
+        let wrong = if self.spec.check {
+            self.prepare(g, in_place, pat);
+            self.call(g, 0, in_place, op)?;
+            let mut w = [self.verify(g, in_place, pat)];
+            self.comm.all_reduce(&mut w, ReduceOp::Sum)?;
+            Some(w[0])
+        } else {
+            None
+        };
+        Ok((time, wrong))
+    }
+
+    fn combine(&self, local: f64) -> Result<f64> {
+        let mut t = [local];
+        match self.spec.average {
+            Average::Rank0 => self.comm.broadcast(&mut t, 0)?,
+            Average::Mean => {
+                self.comm.all_reduce(&mut t, ReduceOp::Sum)?;
+                t[0] /= self.comm.size() as f64;
+            }
+            Average::Min => self.comm.all_reduce(&mut t, ReduceOp::Min)?,
+            Average::Max => self.comm.all_reduce(&mut t, ReduceOp::Max)?,
+        }
+        Ok(t[0])
+    }
+
+    /// One call of the collective on buffer set `set`.
+    fn call(&mut self, g: &Geometry, set: usize, in_place: bool, op: ReduceOp) -> Result<()> {
+        let coll = self.spec.coll;
+        if !self.spec.blocking && has_async(coll) {
+            return self.call_async(g, set, in_place, op);
+        }
+        let comm = self.comm;
+        let (rank, n, root) = (comm.rank(), comm.size(), self.spec.root);
+        let base = set * g.full;
+        if in_place {
+            debug_assert!(has_in_place(coll));
+            let buf = &mut self.b[base..base + g.full];
+            return match coll {
+                Collective::AllReduce => comm.all_reduce(buf, op),
+                Collective::ReduceScatter => comm.reduce_scatter_in_place(buf, op),
+                Collective::AllGather => comm.all_gather_in_place(buf),
+                Collective::Broadcast => comm.broadcast(buf, root),
+                Collective::Reduce => comm.reduce_in_place(buf, op, root),
+                _ => Ok(()),
+            };
+        }
+        let inp = &self.a[base..base + g.input];
+        let out = &mut self.b[base..base + g.output];
+        let at_root = rank == root;
+        match coll {
+            Collective::AllReduce => comm.all_reduce_into(inp, out, op),
+            Collective::ReduceScatter => comm.reduce_scatter(inp, out, op),
+            Collective::AllGather => comm.all_gather(inp, out),
+            Collective::Broadcast => comm.broadcast_into(inp, out, root),
+            Collective::Reduce => comm.reduce(inp, if at_root { out } else { &mut [] }, op, root),
+            Collective::Gather => comm.gather(inp, if at_root { out } else { &mut [] }, root),
+            Collective::Scatter => comm.scatter(if at_root { inp } else { &[] }, out, root),
+            Collective::AllToAll => comm.all_to_all(inp, out),
+            Collective::SendRecv => comm.send_recv(inp, (rank + 1) % n, out, (rank + n - 1) % n),
+            Collective::Barrier => comm.barrier(),
+        }
+    }
+
+    /// The async form: issue, then wait (the buffer travels into the call and back).
+    /// Out of place, the input is first copied into the output (as the blocking forms do).
+    fn call_async(&mut self, g: &Geometry, set: usize, in_place: bool, op: ReduceOp) -> Result<()> {
+        let comm = self.comm;
+        let (rank, root, coll) = (comm.rank(), self.spec.root, self.spec.coll);
+        let base = set * g.full;
+        let per = g.count;
+        let rs_out = coll == Collective::ReduceScatter && !in_place;
+        if !in_place {
+            let (a, b) = (&self.a, &mut self.b);
+            match coll {
+                Collective::AllReduce => {
+                    b[base..base + g.full].copy_from_slice(&a[base..base + g.full]);
+                }
+                Collective::AllGather => {
+                    let at = base + rank * per;
+                    b[at..at + per].copy_from_slice(&a[base..base + per]);
+                }
+                Collective::Broadcast if rank == root => {
+                    b[base..base + g.full].copy_from_slice(&a[base..base + g.full]);
+                }
+                Collective::ReduceScatter => {
+                    self.scratch[..g.full].copy_from_slice(&a[base..base + g.full]);
+                }
+                _ => {}
+            }
+        }
+        let (v, off) = if rs_out {
+            (std::mem::take(&mut self.scratch), 0)
+        } else {
+            (std::mem::take(&mut self.b), base)
+        };
+        let w = Window {
+            v,
+            off,
+            len: g.full,
+        };
+        let w = match coll {
+            Collective::AllReduce => comm.all_reduce_async::<T, _>(w, op).wait()?,
+            Collective::ReduceScatter => comm.reduce_scatter_async::<T, _>(w, op).wait()?,
+            Collective::AllGather => comm.all_gather_async::<T, _>(w).wait()?,
+            _ => comm.broadcast_async::<T, _>(w, root).wait()?,
+        };
+        if rs_out {
+            self.scratch = w.v;
+            let s = rank * per;
+            self.b[base..base + per].copy_from_slice(&self.scratch[s..s + per]);
+        } else {
+            self.b = w.v;
+        }
+        Ok(())
+    }
+
+    /// Sets up buffer set 0 for the checked call: inputs from the pattern, outputs zeroed
+    /// (every pattern value is at least 1, so an untouched output is always wrong).
+    fn prepare(&mut self, g: &Geometry, in_place: bool, pat: &Pattern<T>) {
+        let (rank, root, coll) = (self.comm.rank(), self.spec.root, self.spec.coll);
+        let per = g.count;
+        let zero = T::from_f64(0.0);
+        let mine = pat.rank(rank);
+        if in_place {
+            let buf = &mut self.b[..g.full];
+            match coll {
+                Collective::AllGather => {
+                    buf.fill(zero);
+                    fill(&mut buf[rank * per..(rank + 1) * per], mine, rank * per);
+                }
+                Collective::Broadcast if rank != root => buf.fill(zero),
+                _ => fill(buf, mine, 0),
+            }
+            return;
+        }
+        match coll {
+            Collective::AllGather | Collective::Gather => {
+                fill(&mut self.a[..g.input], mine, rank * per)
+            }
+            _ => fill(&mut self.a[..g.input], mine, 0),
+        }
+        self.b[..g.output].fill(zero);
+    }
+
+    /// Wrong elements of set 0 on this rank after the checked call.
+    fn verify(&self, g: &Geometry, in_place: bool, pat: &Pattern<T>) -> u64 {
+        let comm = self.comm;
+        let (rank, n, root, coll) = (comm.rank(), comm.size(), self.spec.root, self.spec.coll);
+        let per = g.count;
+        let b = &self.b;
+        // Block r of a gathered buffer holds rank r's values at global indices r*per...
+        let gathered = || -> u64 {
+            (0..n)
+                .map(|r| mismatches(&b[r * per..(r + 1) * per], pat.rank(r), r * per))
+                .sum()
+        };
+        match coll {
+            Collective::AllReduce => mismatches(&b[..g.count], pat.reduced(), 0),
+            Collective::ReduceScatter => {
+                let at = if in_place { rank * per } else { 0 };
+                mismatches(&b[at..at + per], pat.reduced(), rank * per)
+            }
+            Collective::AllGather => gathered(),
+            Collective::Gather if rank == root => gathered(),
+            Collective::Broadcast => mismatches(&b[..g.count], pat.rank(root), 0),
+            Collective::Reduce if rank == root => mismatches(&b[..g.count], pat.reduced(), 0),
+            Collective::Scatter => mismatches(&b[..per], pat.rank(root), rank * per),
+            Collective::AllToAll => (0..n)
+                .map(|r| mismatches(&b[r * per..(r + 1) * per], pat.rank(r), rank * per))
+                .sum(),
+            Collective::SendRecv => mismatches(&b[..g.count], pat.rank((rank + n - 1) % n), 0),
+            _ => 0,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rotation_covers_64_mib_with_2_to_64_sets() {
+        assert_eq!(sets_for(8), MAX_SETS);
+        assert_eq!(sets_for(0), MAX_SETS);
+        assert_eq!(sets_for(1 << 20), 32);
+        assert_eq!(sets_for(32 << 20), 2);
+        assert_eq!(sets_for(64 << 20), 2);
+        assert_eq!(sets_for(3 << 20), 11);
+    }
+}

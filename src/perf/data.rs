@@ -1,0 +1,168 @@
+//! Deterministic buffer contents and their expected results, exact for every dtype and op.
+//!
+//! Rank `r`'s value at buffer index `i` is `table[r][i % PERIOD]`, a small positive integer
+//! (1..=m) chosen by a hash of `(r, i % PERIOD)`. `m` keeps every partial sum exactly
+//! representable (`n * m <= 256` for bfloat16, `<= 2048` for half), so the result does not depend
+//! on the order in which an algorithm combines ranks; integer sums and products wrap, which is
+//! order-independent as well. For `prod` the values are 1 or 2, so products are exact powers of
+//! two (or overflow to infinity the same way in any order). The expected reduction of index `i`
+//! is the kernels' own scalar reference (`reference_reduce`) over the ranks' values, which also
+//! rounds `avg` exactly as the kernels do (integers truncate).
+
+use oxccl_comm::{Element, ReduceOp};
+use oxccl_kernels::{reference_reduce, DType};
+
+/// Period of the value pattern along a buffer (a prime, so shifted data is caught).
+pub const PERIOD: usize = 1021;
+
+/// The value tables of one (dtype, op) run on `n` ranks.
+pub struct Pattern<T> {
+    /// `tables[r][j]`: rank r's value at indices `j (mod PERIOD)`.
+    tables: Vec<Vec<T>>,
+    /// The expected reduction over all ranks at indices `j (mod PERIOD)`.
+    reduced: Vec<T>,
+}
+
+fn mix(r: usize, j: usize) -> u32 {
+    let mut h = (j as u32)
+        .wrapping_mul(0x9E37_79B1)
+        .wrapping_add((r as u32).wrapping_mul(0x85EB_CA77));
+    h ^= h >> 15;
+    h = h.wrapping_mul(0x2C1B_3C6D);
+    h ^ (h >> 13)
+}
+
+/// The largest value used so that `n` values sum exactly in `dtype`.
+fn value_range(dtype: DType, op: Option<ReduceOp>, n: usize) -> u32 {
+    let exact: usize = match (dtype, op) {
+        (DType::BF16, Some(ReduceOp::Sum | ReduceOp::Avg)) => 256,
+        (DType::F16, Some(ReduceOp::Sum | ReduceOp::Avg)) => 2048,
+        _ => usize::MAX,
+    };
+    (exact / n.max(1)).clamp(1, 100) as u32
+}
+
+impl<T: Element> Pattern<T> {
+    /// Tables for `n` ranks; `op` is the reduction (None for data-movement collectives).
+    pub fn new(n: usize, op: Option<ReduceOp>) -> Pattern<T> {
+        let m = value_range(T::DTYPE, op, n);
+        let value = |r: usize, j: usize| -> f64 {
+            let h = mix(r, j);
+            if op == Some(ReduceOp::Prod) {
+                if h.is_multiple_of(5) {
+                    2.0
+                } else {
+                    1.0
+                }
+            } else {
+                f64::from(1 + h % m)
+            }
+        };
+        let tables: Vec<Vec<T>> = (0..n)
+            .map(|r| (0..PERIOD).map(|j| T::from_f64(value(r, j))).collect())
+            .collect();
+        let reduced = match op {
+            Some(op) => {
+                let mut vals = Vec::with_capacity(n);
+                (0..PERIOD)
+                    .map(|j| {
+                        vals.clear();
+                        vals.extend(tables.iter().map(|t| t[j]));
+                        reference_reduce(&vals, op)
+                    })
+                    .collect()
+            }
+            None => Vec::new(),
+        };
+        Pattern { tables, reduced }
+    }
+
+    /// Rank `r`'s values.
+    pub fn rank(&self, r: usize) -> &[T] {
+        &self.tables[r]
+    }
+
+    /// The expected reduction.
+    pub fn reduced(&self) -> &[T] {
+        &self.reduced
+    }
+}
+
+/// `dst[k] = table[(start + k) % PERIOD]`.
+pub fn fill<T: Copy>(dst: &mut [T], table: &[T], start: usize) {
+    let mut pos = start % table.len();
+    let mut done = 0;
+    while done < dst.len() {
+        let take = (table.len() - pos).min(dst.len() - done);
+        dst[done..done + take].copy_from_slice(&table[pos..pos + take]);
+        done += take;
+        pos = 0;
+    }
+}
+
+/// How many `got[k]` differ from `table[(start + k) % PERIOD]`.
+pub fn mismatches<T: Copy + PartialEq>(got: &[T], table: &[T], start: usize) -> u64 {
+    let mut pos = start % table.len();
+    let mut done = 0;
+    let mut wrong = 0u64;
+    while done < got.len() {
+        let take = (table.len() - pos).min(got.len() - done);
+        wrong += got[done..done + take]
+            .iter()
+            .zip(&table[pos..pos + take])
+            .filter(|(a, b)| a != b)
+            .count() as u64;
+        done += take;
+        pos = 0;
+    }
+    wrong
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::{bf16, f16};
+
+    fn sums_exact<T: Element>(n: usize, op: ReduceOp) {
+        let p = Pattern::<T>::new(n, Some(op));
+        for j in 0..PERIOD {
+            // Every order gives the same result: compare forward and reverse folds.
+            let vals: Vec<T> = (0..n).map(|r| p.rank(r)[j]).collect();
+            let mut rev = vals.clone();
+            rev.reverse();
+            assert_eq!(
+                reference_reduce(&rev, op),
+                p.reduced()[j],
+                "{:?} {op}",
+                T::DTYPE
+            );
+        }
+    }
+
+    #[test]
+    fn reductions_are_order_independent() {
+        for op in ReduceOp::ALL {
+            for n in [2, 3, 8] {
+                sums_exact::<f32>(n, op);
+                sums_exact::<f16>(n, op);
+                sums_exact::<bf16>(n, op);
+                sums_exact::<i8>(n, op);
+                sums_exact::<u64>(n, op);
+            }
+        }
+    }
+
+    #[test]
+    fn fill_and_compare_wrap_around_the_period() {
+        let table: Vec<u32> = (0..PERIOD as u32).collect();
+        let mut buf = vec![0u32; 3000];
+        fill(&mut buf, &table, 1000);
+        assert_eq!(buf[0], 1000);
+        assert_eq!(buf[21], 0);
+        assert_eq!(buf[2999], ((1000 + 2999) % PERIOD) as u32);
+        assert_eq!(mismatches(&buf, &table, 1000), 0);
+        buf[5] = 7;
+        assert_eq!(mismatches(&buf, &table, 1000), 1);
+        assert_eq!(mismatches(&buf[..0], &table, 3), 0);
+    }
+}

@@ -1,0 +1,319 @@
+//! End-to-end tests of `oxccl perf` (the binary): table format, exact checks for every
+//! collective, dtype and op, JSON and SVG output, running under `oxccl launch`, bad flags.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+const LAUNCHER_VARS: [&str; 5] = [
+    "OXCCL_RANK",
+    "RANK",
+    "SLURM_PROCID",
+    "OMPI_COMM_WORLD_RANK",
+    "OXCCL_JOB_ID",
+];
+
+/// `oxccl` with no launcher in its environment and a bounded wait on every rank.
+fn oxccl() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_oxccl"));
+    for v in LAUNCHER_VARS {
+        c.env_remove(v);
+    }
+    c.env("OXCCL_TIMEOUT", "60");
+    c
+}
+
+fn run(args: &[&str]) -> (Output, String, String) {
+    let out = oxccl().args(args).output().expect("run oxccl");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    (out, stdout, stderr)
+}
+
+/// The table rows (non-comment, non-empty lines), split into columns.
+fn rows(stdout: &str) -> Vec<Vec<String>> {
+    stdout
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| l.split_whitespace().map(str::to_owned).collect())
+        .collect()
+}
+
+/// Asserts a successful run whose every row has 0 wrong out of place, and 0 (or N/A where
+/// oxccl has no in-place form) in place.
+fn assert_all_correct(what: &str, out: &Output, stdout: &str, stderr: &str) -> Vec<Vec<String>> {
+    assert!(
+        out.status.success(),
+        "{what}: {:?}\n{stdout}\n{stderr}",
+        out.status
+    );
+    let rows = rows(stdout);
+    assert!(!rows.is_empty(), "{what}: no rows\n{stdout}");
+    for r in &rows {
+        assert_eq!(r.len(), 13, "{what}: malformed row {r:?}");
+        assert_eq!(r[8], "0", "{what}: out-of-place wrong in {r:?}");
+        assert!(
+            r[12] == "0" || r[12] == "N/A",
+            "{what}: in-place wrong in {r:?}"
+        );
+    }
+    assert!(
+        stdout.contains("# Out of bounds values : 0 OK"),
+        "{what}\n{stdout}"
+    );
+    rows
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("oxccl-perf-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+#[test]
+fn all_reduce_table_has_nccl_tests_shape() {
+    let (out, stdout, stderr) = run(&[
+        "perf",
+        "all-reduce",
+        "--np",
+        "2",
+        "-b",
+        "8",
+        "-e",
+        "64K",
+        "-f",
+        "4",
+        "-n",
+        "2",
+        "-w",
+        "1",
+    ]);
+    let rows = assert_all_correct("all-reduce", &out, &stdout, &stderr);
+    assert!(stdout.starts_with("# nThread 1 nGpus 1 minBytes 8 maxBytes 65536 step: 4(factor)"));
+    assert!(stdout.contains("#  Rank  0 Group  0 Pid"), "{stdout}");
+    assert!(stdout.contains("#  Rank  1 Group  0 Pid"), "{stdout}");
+    assert!(stdout.contains("# Buffers rotate over"), "{stdout}");
+    assert!(stdout.contains(
+        "#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw   busbw #wrong"
+    ));
+    assert!(stdout.contains(
+        "#        (B)    (elements)                               (us)  (GB/s)  (GB/s)            (us)  (GB/s)  (GB/s)"
+    ));
+    // nccl-tests' sweep: 8 x 4^k up to 64 KiB (65536 itself is not a step of it).
+    let sizes: Vec<&str> = rows.iter().map(|r| r[0].as_str()).collect();
+    assert_eq!(sizes, ["8", "32", "128", "512", "2048", "8192", "32768"]);
+    for r in &rows {
+        let size: usize = r[0].parse().unwrap();
+        assert_eq!(r[1], (size / 4).to_string(), "{r:?}");
+        assert_eq!(&r[2..5], ["float", "sum", "-1"], "{r:?}");
+        let t: f64 = r[5].parse().unwrap();
+        assert!(t > 0.0, "{r:?}");
+    }
+    assert!(stdout.contains("# Avg bus bandwidth    : "), "{stdout}");
+}
+
+#[test]
+fn every_collective_dtype_and_op_checks_exactly() {
+    // The CI requirement: `-c 1 -d all -o all` for every collective at small sizes reports
+    // 0 wrong. 3 ranks, so sizes do not divide evenly and rounding down is exercised.
+    let colls = [
+        "all-reduce",
+        "reduce-scatter",
+        "all-gather",
+        "broadcast",
+        "reduce",
+        "gather",
+        "scatter",
+        "all-to-all",
+        "send-recv",
+    ];
+    for coll in colls {
+        let (out, stdout, stderr) = run(&[
+            "perf", coll, "--np", "3", "-b", "8", "-e", "4K", "-f", "8", "-n", "1", "-w", "0",
+            "-c", "1", "-d", "all", "-o", "all",
+        ]);
+        let rows = assert_all_correct(coll, &out, &stdout, &stderr);
+        let with_op = matches!(coll, "all-reduce" | "reduce-scatter" | "reduce");
+        // 4 sizes x 10 dtypes (x 5 ops where there is an op).
+        assert_eq!(
+            rows.len(),
+            4 * 10 * if with_op { 5 } else { 1 },
+            "{coll}\n{stdout}"
+        );
+        let in_place = matches!(
+            coll,
+            "all-reduce" | "reduce-scatter" | "all-gather" | "broadcast" | "reduce"
+        );
+        for r in &rows {
+            assert_eq!(r[12] == "N/A", !in_place, "{coll}: {r:?}");
+            assert_eq!(r[3] == "none", !with_op, "{coll}: {r:?}");
+        }
+    }
+}
+
+#[test]
+fn blocking_calls_and_other_roots_check_exactly() {
+    // -z 1 takes the blocking path of the collectives that have an async form, and a root
+    // other than 0 exercises the rooted ones.
+    for coll in ["all-reduce", "reduce-scatter", "all-gather", "broadcast"] {
+        let (out, stdout, stderr) = run(&[
+            "perf",
+            coll,
+            "--np",
+            "3",
+            "-b",
+            "8",
+            "-e",
+            "4K",
+            "-f",
+            "8",
+            "-n",
+            "2",
+            "-w",
+            "1",
+            "-z",
+            "1",
+            "-d",
+            "float,half,int8,uint64",
+            "-o",
+            "all",
+            "-a",
+            "3",
+        ]);
+        assert_all_correct(coll, &out, &stdout, &stderr);
+    }
+    for coll in ["broadcast", "reduce", "gather", "scatter"] {
+        let (out, stdout, stderr) = run(&[
+            "perf",
+            coll,
+            "--np",
+            "3",
+            "-b",
+            "1K",
+            "-e",
+            "8K",
+            "-r",
+            "2",
+            "-n",
+            "1",
+            "-w",
+            "0",
+            "-d",
+            "bfloat16,int32",
+            "-o",
+            "avg",
+        ]);
+        let rows = assert_all_correct(coll, &out, &stdout, &stderr);
+        assert!(rows.iter().all(|r| r[4] == "2"), "{coll}\n{stdout}");
+    }
+}
+
+#[test]
+fn json_and_plot_are_written() {
+    let json = tmp("rows.json");
+    let svg = tmp("busbw.svg");
+    let (out, stdout, stderr) = run(&[
+        "perf",
+        "all_gather",
+        "--np",
+        "2",
+        "-b",
+        "64",
+        "-e",
+        "16K",
+        "-n",
+        "2",
+        "-w",
+        "1",
+        "-d",
+        "float,double",
+        "-N",
+        "2",
+        "--json",
+        json.to_str().unwrap(),
+        "--plot",
+        svg.to_str().unwrap(),
+    ]);
+    let rows = assert_all_correct("json", &out, &stdout, &stderr);
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).expect("valid JSON");
+    let jrows = v["rows"].as_array().unwrap();
+    assert_eq!(jrows.len(), rows.len());
+    assert_eq!(jrows.len(), 2 * 2 * 9);
+    assert_eq!(v["meta"]["collective"], "all-gather");
+    assert_eq!(v["meta"]["nranks"], 2);
+    assert_eq!(v["meta"]["ranks"].as_array().unwrap().len(), 2);
+    assert_eq!(v["out_of_bounds"], 0);
+    let r0 = &jrows[0];
+    assert_eq!(r0["size"], 64);
+    assert_eq!(r0["count"], 8);
+    assert_eq!(r0["dtype"], "float");
+    assert_eq!(r0["out_of_place"]["wrong"], 0);
+    assert!(r0["out_of_place"]["busbw"].as_f64().unwrap() >= 0.0);
+    assert_eq!(jrows.last().unwrap()["cycle"], 1);
+    let text = std::fs::read_to_string(&svg).unwrap();
+    assert!(text.starts_with("<svg"), "{}", &text[..text.len().min(200)]);
+    assert!(text.contains("float"), "legend names the runs");
+    let _ = std::fs::remove_dir_all(json.parent().unwrap());
+}
+
+#[test]
+fn runs_as_ranks_under_oxccl_launch() {
+    let exe = env!("CARGO_BIN_EXE_oxccl");
+    let (out, stdout, stderr) = run(&[
+        "launch",
+        "-n",
+        "2",
+        "--no-prefix",
+        "--",
+        exe,
+        "perf",
+        "broadcast",
+        "-b",
+        "8",
+        "-e",
+        "1K",
+    ]);
+    let rows = assert_all_correct("launch", &out, &stdout, &stderr);
+    assert_eq!(rows.len(), 8, "{stdout}");
+    // Only rank 0 prints: one header.
+    assert_eq!(
+        stdout.matches("# Out of bounds values").count(),
+        1,
+        "{stdout}"
+    );
+    assert_eq!(stdout.matches("#  Rank ").count(), 2, "{stdout}");
+    assert!(
+        rows.iter().all(|r| r[3] == "none" && r[4] == "0"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn bad_flags_fail_clearly() {
+    let cases: [(&[&str], &str); 7] = [
+        (&["perf", "all-shuffle"], "unknown collective"),
+        (
+            &["perf", "all-reduce", "-b", "1M", "-e", "1K"],
+            "larger than",
+        ),
+        (
+            &["perf", "all-reduce", "-d", "float128"],
+            "unknown datatype",
+        ),
+        (&["perf", "all-reduce", "-o", "xor"], "unknown op"),
+        (&["perf", "all-reduce", "-e", "12Q"], "maxbytes"),
+        (&["perf", "broadcast", "--np", "2", "-r", "5"], "root"),
+        (
+            &["perf", "all-reduce", "--transport", "carrier-pigeon"],
+            "--transport",
+        ),
+    ];
+    for (args, needle) in cases {
+        let (out, stdout, stderr) = run(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stdout}{stderr}");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+        assert!(stdout.is_empty(), "{args:?}: nothing measured: {stdout}");
+    }
+    let (out, _, stderr) = run(&["perf", "all-reduce", "-z", "2"]);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+}
