@@ -9,8 +9,7 @@
 #![allow(missing_docs)]
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use half::{bf16, f16};
-use oxccl::kernels::{reduce, Element, ReduceOp};
+use oxccl::kernels::{bf16, f16, reduce, Element, ReduceOp};
 
 fn bench_type<T: Element>(c: &mut Criterion, bytes: usize, ops: &[ReduceOp]) {
     let n = bytes / std::mem::size_of::<T>();

@@ -6,31 +6,11 @@
 //! stack buffers of [`UNALIGNED_BLOCK`] elements, reduced there, and copied back. Both paths
 //! perform the same element operations, so their results are bit-identical.
 
-use half::{bf16, f16};
-
 use crate::host::check_len;
 use crate::{DType, Element, KernelError, ReduceOp};
 
 /// Elements per aligned stack block on the unaligned path.
 const UNALIGNED_BLOCK: usize = 256;
-
-/// Call `$f::<T>($args)` with `T` the host type of `$dtype`.
-macro_rules! dispatch_dtype {
-    ($dtype:expr, $f:ident($($arg:expr),*)) => {
-        match $dtype {
-            DType::F32 => $f::<f32>($($arg),*),
-            DType::F64 => $f::<f64>($($arg),*),
-            DType::F16 => $f::<f16>($($arg),*),
-            DType::BF16 => $f::<bf16>($($arg),*),
-            DType::I8 => $f::<i8>($($arg),*),
-            DType::U8 => $f::<u8>($($arg),*),
-            DType::I32 => $f::<i32>($($arg),*),
-            DType::U32 => $f::<u32>($($arg),*),
-            DType::I64 => $f::<i64>($($arg),*),
-            DType::U64 => $f::<u64>($($arg),*),
-        }
-    };
-}
 
 /// Checks that `bytes` is a whole number of `dtype` elements.
 fn check_multiple(dtype: DType, bytes: usize) -> Result<(), KernelError> {
@@ -57,7 +37,7 @@ pub fn reduce_bytes(
 ) -> Result<(), KernelError> {
     check_len(dst.len(), src.len())?;
     check_multiple(dtype, dst.len())?;
-    dispatch_dtype!(dtype, reduce_typed(dst, src, op));
+    crate::with_dtype!(dtype, reduce_typed(dst, src, op));
     Ok(())
 }
 
@@ -78,7 +58,7 @@ pub fn reduce_into_bytes(
     check_len(dst.len(), a.len())?;
     check_len(dst.len(), b.len())?;
     check_multiple(dtype, dst.len())?;
-    dispatch_dtype!(dtype, reduce_into_typed(dst, a, b, op));
+    crate::with_dtype!(dtype, reduce_into_typed(dst, a, b, op));
     Ok(())
 }
 
@@ -94,7 +74,7 @@ pub fn finish_avg_bytes(dtype: DType, dst: &mut [u8], n: usize) -> Result<(), Ke
         return Err(KernelError::ZeroCount);
     }
     check_multiple(dtype, dst.len())?;
-    dispatch_dtype!(dtype, finish_avg_typed(dst, n));
+    crate::with_dtype!(dtype, finish_avg_typed(dst, n));
     Ok(())
 }
 

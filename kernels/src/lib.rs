@@ -89,6 +89,34 @@ mod error;
 mod host;
 
 pub use bytes::{finish_avg_bytes, reduce_bytes, reduce_into_bytes};
+/// The 16-bit float types of [`DType::F16`] and [`DType::BF16`] (from the `half` crate).
+pub use half::{bf16, f16};
+
+/// Calls `$f::<T>(args)` with `T` the host type of a run-time [`DType`]: the one place that maps
+/// dtypes to Rust types, for byte-level dispatch here and in callers (`oxccl perf`, tests).
+///
+/// ```
+/// use oxccl_kernels::{with_dtype, DType, Element};
+/// fn size_of<T: Element>() -> usize { std::mem::size_of::<T>() }
+/// assert_eq!(with_dtype!(DType::BF16, size_of()), 2);
+/// ```
+#[macro_export]
+macro_rules! with_dtype {
+    ($dtype:expr, $f:ident($($arg:expr),*)) => {
+        match $dtype {
+            $crate::DType::F32 => $f::<f32>($($arg),*),
+            $crate::DType::F64 => $f::<f64>($($arg),*),
+            $crate::DType::F16 => $f::<$crate::f16>($($arg),*),
+            $crate::DType::BF16 => $f::<$crate::bf16>($($arg),*),
+            $crate::DType::I8 => $f::<i8>($($arg),*),
+            $crate::DType::U8 => $f::<u8>($($arg),*),
+            $crate::DType::I32 => $f::<i32>($($arg),*),
+            $crate::DType::U32 => $f::<u32>($($arg),*),
+            $crate::DType::I64 => $f::<i64>($($arg),*),
+            $crate::DType::U64 => $f::<u64>($($arg),*),
+        }
+    };
+}
 pub use dtype::{DType, ReduceOp};
 pub use element::Element;
 pub use error::KernelError;

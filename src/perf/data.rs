@@ -121,7 +121,7 @@ pub fn mismatches<T: Copy + PartialEq>(got: &[T], table: &[T], start: usize) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use half::{bf16, f16};
+    use crate::kernels::{bf16, f16};
 
     fn sums_exact<T: Element>(n: usize, op: ReduceOp) {
         let p = Pattern::<T>::new(n, Some(op));

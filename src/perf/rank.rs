@@ -3,7 +3,7 @@
 use std::io::Write;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use oxccl_comm::{Communicator, DType, Element, Error, ReduceOp};
+use oxccl_comm::{Communicator, Element, Error, ReduceOp};
 
 use super::bench::{has_async, sets_for, Average, Bench, Spec, ROTATE_BYTES};
 use super::data::Pattern;
@@ -100,23 +100,6 @@ pub fn rank_main(args: &PerfArgs, plan: &Plan) -> u8 {
     }
 }
 
-macro_rules! with_type {
-    ($dt:expr, $f:ident ( $($a:expr),* )) => {
-        match $dt {
-            DType::F32 => $f::<f32>($($a),*),
-            DType::F64 => $f::<f64>($($a),*),
-            DType::F16 => $f::<half::f16>($($a),*),
-            DType::BF16 => $f::<half::bf16>($($a),*),
-            DType::I8 => $f::<i8>($($a),*),
-            DType::U8 => $f::<u8>($($a),*),
-            DType::I32 => $f::<i32>($($a),*),
-            DType::U32 => $f::<u32>($($a),*),
-            DType::I64 => $f::<i64>($($a),*),
-            DType::U64 => $f::<u64>($($a),*),
-        }
-    };
-}
-
 /// Everything on every rank; returns the number of failed checks.
 fn run_all(comm: &Communicator, args: &PerfArgs, plan: &Plan) -> Result<u64, Error> {
     let (rank, n) = (comm.rank(), comm.size());
@@ -185,7 +168,7 @@ fn run_all(comm: &Communicator, args: &PerfArgs, plan: &Plan) -> Result<u64, Err
     let mut cycle = 0u32;
     while args.run_cycles == 0 || cycle < args.run_cycles {
         for &dt in &plan.dtypes {
-            with_type!(dt, run_dtype(comm, &spec, plan, cycle, &mut sink))?;
+            crate::kernels::with_dtype!(dt, run_dtype(comm, &spec, plan, cycle, &mut sink))?;
         }
         cycle = cycle.wrapping_add(1);
     }

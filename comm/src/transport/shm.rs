@@ -361,7 +361,14 @@ impl Liveness {
         }
     }
 
-    /// True when the peer process has exited (checked at most every `LIVENESS_EVERY`).
+    /// `PeerLost` once the peer process has exited (checked at most every `LIVENESS_EVERY`).
+    fn check(&mut self, rank: usize, peer: usize) -> Result<()> {
+        if self.dead() {
+            return Err(lost(rank, peer, "process exited (seen through its pidfd)"));
+        }
+        Ok(())
+    }
+
     fn dead(&mut self) -> bool {
         let Some(fd) = &self.pidfd else { return false };
         if self.last.elapsed() < LIVENESS_EVERY {
@@ -438,13 +445,7 @@ impl SendConn for ShmSend {
         }
         let tail = self.dst.tail(self.ring).load(Ordering::Acquire);
         if self.head - tail >= self.dst.nslots as u64 {
-            if self.live.dead() {
-                return Err(lost(
-                    self.rank,
-                    self.peer,
-                    "process exited (seen through its pidfd)",
-                ));
-            }
+            self.live.check(self.rank, self.peer)?;
             return Ok(None);
         }
         self.handed_out = true;
@@ -551,13 +552,7 @@ impl RecvConn for ShmRecv {
                     "peer closed its communicator while this rank still expects data",
                 ));
             }
-            if self.live.dead() {
-                return Err(lost(
-                    self.rank,
-                    self.peer,
-                    "process exited (seen through its pidfd)",
-                ));
-            }
+            self.live.check(self.rank, self.peer)?;
             return Ok(None);
         }
         let slot = (self.tail % self.own.nslots as u64) as usize;

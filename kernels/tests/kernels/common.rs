@@ -20,24 +20,6 @@ macro_rules! each_type {
     }};
 }
 
-/// Calls `$f::<T>($args)` with `T` the host type of a run-time [`DType`].
-macro_rules! with_dtype {
-    ($d:expr, $f:ident($($a:expr),*)) => {
-        match $d {
-            DType::F32 => $f::<f32>($($a),*),
-            DType::F64 => $f::<f64>($($a),*),
-            DType::F16 => $f::<half::f16>($($a),*),
-            DType::BF16 => $f::<half::bf16>($($a),*),
-            DType::I8 => $f::<i8>($($a),*),
-            DType::U8 => $f::<u8>($($a),*),
-            DType::I32 => $f::<i32>($($a),*),
-            DType::U32 => $f::<u32>($($a),*),
-            DType::I64 => $f::<i64>($($a),*),
-            DType::U64 => $f::<u64>($($a),*),
-        }
-    };
-}
-
 /// SplitMix64: small, deterministic, good enough for test data.
 pub struct Rng(u64);
 

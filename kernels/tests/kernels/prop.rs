@@ -54,6 +54,6 @@ proptest! {
         soff in 0usize..8,
     ) {
         let op = ReduceOp::from_u8(o).unwrap();
-        with_dtype!(DType::from_u8(d).unwrap(), check(op, n, seed, doff, soff));
+        oxccl_kernels::with_dtype!(DType::from_u8(d).unwrap(), check(op, n, seed, doff, soff));
     }
 }
