@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 
 use oxccl_kernels::{finish_avg_bytes, DType, Element, ReduceOp};
 
-use crate::algorithm::{chain, dissemination, halving_doubling, linear, pairwise, ring, tree};
+use crate::algorithm::{
+    chain, direct, dissemination, halving_doubling, linear, pairwise, ring, tree,
+};
 use crate::communicator::Communicator;
 use crate::engine::{ExecState, Shared, Work};
 use crate::error::{Error, Result};
@@ -48,7 +50,15 @@ fn exec<R>(
         | Collective::Scatter => desc.count * n,
         _ => desc.count,
     } * desc.dtype.size();
-    let choice = tuning::choose(desc.coll, full, n, &shared.algo);
+    let caps = st
+        .links
+        .window
+        .as_ref()
+        .map_or(tuning::Caps::default(), |w| tuning::Caps {
+            staging: w.capacity(),
+            single_copy: w.single_copy(),
+        });
+    let choice = tuning::choose(desc.coll, full, n, &shared.algo, caps);
     tracing::info!(rank = shared.rank, seq, op = %desc, algo = %choice.algo, bytes = full, "collective");
     let mut ctx = Ctx::new(
         shared.rank,
@@ -59,23 +69,38 @@ fn exec<R>(
         shared.timeout,
         &shared.abort,
     );
+    ctx.collective = true;
+    ctx.spin = shared.spin;
     let r = body(&mut ctx, choice)?;
     ctx.flush()?;
     Ok(r)
 }
 
+/// All-reduce of `buf` (in place, or `buf = reduce(src)`: the direct algorithms read `src`
+/// where it is, the others start from a copy).
 fn all_reduce_body(
     ctx: &mut Ctx<'_>,
     ch: Choice,
+    src: Option<&[u8]>,
     buf: &mut [u8],
     dt: DType,
     op: ReduceOp,
 ) -> Result<()> {
-    match ch.algo {
-        Algorithm::Ring => ring::all_reduce(ctx, buf, dt, op, ch.chunk_bytes)?,
-        Algorithm::Tree => tree::all_reduce(ctx, buf, dt, op, ch.chunk_bytes)?,
-        Algorithm::HalvingDoubling => halving_doubling::all_reduce(ctx, buf, dt, op)?,
-        a => return Err(no_algo(ctx, a)),
+    if let (Some(s), false) = (src, ch.algo.needs_window()) {
+        buf.copy_from_slice(s);
+    }
+    if ctx.size > 1 {
+        match ch.algo {
+            Algorithm::Ring => ring::all_reduce(ctx, buf, dt, op, ch.chunk_bytes)?,
+            Algorithm::Tree => tree::all_reduce(ctx, buf, dt, op, ch.chunk_bytes)?,
+            Algorithm::HalvingDoubling => halving_doubling::all_reduce(ctx, buf, dt, op)?,
+            Algorithm::OneShot => direct::one_shot(ctx, src, buf, dt, op)?,
+            Algorithm::TwoShot => direct::two_shot(ctx, src, buf, dt, op)?,
+            Algorithm::SingleCopy => direct::single_copy(ctx, src, buf, dt, op)?,
+            a => return Err(no_algo(ctx, a)),
+        }
+    } else if let Some(s) = src {
+        buf.copy_from_slice(s);
     }
     finish(ctx, buf, dt, op)
 }
@@ -213,7 +238,7 @@ impl Communicator {
     pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
         let desc = self.desc::<T>(Collective::AllReduce, buf.len(), op, 0);
         self.run(desc, |ctx, ch| {
-            all_reduce_body(ctx, ch, bytes_mut(buf), T::DTYPE, op)
+            all_reduce_body(ctx, ch, None, bytes_mut(buf), T::DTYPE, op)
         })
     }
 
@@ -237,8 +262,10 @@ impl Communicator {
                 ),
             ));
         }
-        output.copy_from_slice(input);
-        self.all_reduce(output, op)
+        let desc = self.desc::<T>(Collective::AllReduce, output.len(), op, 0);
+        self.run(desc, |ctx, ch| {
+            all_reduce_body(ctx, ch, Some(bytes(input)), bytes_mut(output), T::DTYPE, op)
+        })
     }
 
     /// Asynchronous in-place all-reduce; `wait()` gives the buffer back reduced.
@@ -249,7 +276,7 @@ impl Communicator {
     ) -> Work<B> {
         let desc = self.desc::<T>(Collective::AllReduce, buf.as_mut().len(), op, 0);
         self.run_async(desc, buf, move |ctx, ch, b| {
-            all_reduce_body(ctx, ch, bytes_mut(b.as_mut()), T::DTYPE, op)
+            all_reduce_body(ctx, ch, None, bytes_mut(b.as_mut()), T::DTYPE, op)
         })
     }
 

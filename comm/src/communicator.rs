@@ -17,9 +17,9 @@ use crate::config::{Config, TransportChoice};
 use crate::engine::Shared;
 use crate::error::{Error, Result};
 use crate::prims::Links;
-use crate::transport::shm::{self, Segment, ShmRecv, ShmSend};
+use crate::transport::shm::{self, Segment, ShmRecv, ShmSend, ShmWindow};
 use crate::transport::tcp::TcpTransport;
-use crate::transport::{PeerInfo, Reach, Transport};
+use crate::transport::{PeerInfo, Reach, Transport, Window};
 
 /// A group of ranks that run collectives together. `Send + Sync`: share it by reference (or in an
 /// `Arc`) between threads; operations are run in the order they are issued.
@@ -71,7 +71,7 @@ fn connect_shm(
     cfg: &Config,
     deadline: Instant,
     links: &mut Links,
-) -> Result<Arc<Segment>> {
+) -> Result<(Arc<Segment>, Option<ShmWindow>)> {
     let job = id.split('/').next().unwrap_or("oxccl");
     // Unique even for ranks that are threads of one process in several tests at once.
     static SEGMENTS: AtomicU64 = AtomicU64::new(0);
@@ -82,8 +82,21 @@ fn connect_shm(
         hash_id(id),
         std::process::id()
     );
-    let (seg, path) = Segment::create(rank, &name, shm_peers.len(), cfg.slot_bytes, cfg.nslots)?;
+    // Every rank shares memory with every other: the direct window (staging + step counters).
+    let all_shm = shm_peers.len() + 1 == peers.len();
+    let direct = if all_shm { cfg.direct_bytes } else { 0 };
+    let (seg, path) = Segment::create(
+        rank,
+        &name,
+        shm_peers.len(),
+        cfg.slot_bytes,
+        cfg.nslots,
+        direct,
+    )?;
     let own = Arc::new(seg);
+    let mut segs: Vec<Option<Arc<Segment>>> = vec![None; peers.len()];
+    segs[rank] = Some(own.clone());
+    let mut can_read_all = cfg.single_copy;
     let result = (|| {
         store.set(
             &format!("{id}/shm/{rank}"),
@@ -110,6 +123,15 @@ fn connect_shm(
                 });
             }
             let pid = peers[p].pid;
+            if all_shm && can_read_all && !shm::probe_single_copy(pid, &peer_seg) {
+                tracing::info!(
+                    rank,
+                    peer = p,
+                    "process_vm_readv cannot read this peer: no single-copy path"
+                );
+                can_read_all = false;
+            }
+            segs[p] = Some(peer_seg.clone());
             links.send[p] = Some(Box::new(ShmSend::new(
                 rank,
                 p,
@@ -143,10 +165,31 @@ fn connect_shm(
             std::thread::sleep(backoff);
             backoff = (backoff * 2).min(Duration::from_millis(10));
         }
-        Ok(())
+        if !all_shm {
+            return Ok(None);
+        }
+        // Single copy only if every rank can read every other (all ranks decide the same).
+        store.set(
+            &format!("{id}/single_copy/{rank}"),
+            if can_read_all { b"1" } else { b"0" },
+        )?;
+        let mut single_copy = true;
+        for p in 0..peers.len() {
+            let left = deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1));
+            single_copy &= store.get(&format!("{id}/single_copy/{p}"), left)? == b"1";
+        }
+        let segs: Vec<Arc<Segment>> =
+            segs.iter().cloned().collect::<Option<_>>().ok_or_else(|| {
+                Error::Config(format!("rank {rank}: a shared-memory peer has no segment"))
+            })?;
+        let pids = peers.iter().map(|p| p.pid).collect();
+        tracing::info!(rank, staging = direct, single_copy, "shared-memory window");
+        Ok(Some(ShmWindow::new(rank, segs, pids, single_copy)))
     })();
     let _ = std::fs::remove_file(&path);
-    result.map(|()| own)
+    result.map(|w| (own, w))
 }
 
 impl Communicator {
@@ -306,9 +349,11 @@ impl Communicator {
             .filter(|&p| p != rank && shm_ok(rank, p))
             .collect();
         if !shm_peers.is_empty() {
-            links.bell = Some(connect_shm(
+            let (bell, window) = connect_shm(
                 rank, &peers, &shm_peers, &shm_ok, &*store, &id, &cfg, deadline, &mut links,
-            )?);
+            )?;
+            links.bell = Some(bell);
+            links.window = window.map(|w| Box::new(w) as Box<dyn Window>);
         }
         // Full mesh over TCP for the rest: every rank opens its send halves first (the
         // listener's backlog completes the handshakes), then accepts its receive halves in any
@@ -343,7 +388,26 @@ impl Communicator {
             tracing::info!(rank, peer = p, transport = tcp.name(), addr = %peers[p].tcp_addr, nsocks = cfg.nsocks, "connected");
         }
         tracing::debug!(rank, size, local_rank, node = %node_id, comm = %id, "communicator ready");
-        let shared = Arc::new(Shared::new(rank, size, &cfg, links, store.clone(), &id));
+        // Oversubscribed (more ranks on this node than cores to run them): a spinning waiter
+        // only delays the rank it waits for, so waiters yield at once.
+        let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+        let spin = cfg.spin.unwrap_or(same_node.len() <= cores);
+        tracing::debug!(
+            rank,
+            local_ranks = same_node.len(),
+            cores,
+            spin,
+            "waiting policy"
+        );
+        let shared = Arc::new(Shared::new(
+            rank,
+            size,
+            spin,
+            &cfg,
+            links,
+            store.clone(),
+            &id,
+        ));
         Ok(Communicator {
             shared,
             rank,

@@ -51,6 +51,17 @@ pub struct Config {
     pub node_id: Option<String>,
     /// Transport policy (`OXCCL_TRANSPORT` = `auto`, `tcp` or `shm`).
     pub transport: TransportChoice,
+    /// Bytes of each of the two staging halves every rank keeps in shared memory for the direct
+    /// (one-shot / two-shot) algorithms (`OXCCL_SHM_DIRECT_BYTES`, default 1 MiB; 0 turns the
+    /// staging algorithms off).
+    pub direct_bytes: usize,
+    /// Whether ranks that share memory may read each other's buffers with `process_vm_readv`
+    /// (`OXCCL_SHM_SINGLE_COPY`, default on; used only when every rank can, checked at start-up).
+    pub single_copy: bool,
+    /// Whether a waiting rank busy-polls before it yields the core (`OXCCL_SPIN`: `auto`, the
+    /// default, spins unless this node runs more ranks than the process may use cores; `1`
+    /// always; `0` never).
+    pub spin: Option<bool>,
 }
 
 impl Default for Config {
@@ -66,6 +77,9 @@ impl Default for Config {
             nslots: 4,
             node_id: None,
             transport: TransportChoice::Auto,
+            direct_bytes: 1 << 20,
+            single_copy: true,
+            spin: None,
         }
     }
 }
@@ -152,6 +166,39 @@ impl Config {
                 }
             };
         }
+        if let Some(v) = get("OXCCL_SHM_DIRECT_BYTES") {
+            c.direct_bytes = parse_num("OXCCL_SHM_DIRECT_BYTES", &v)?;
+            if c.direct_bytes != 0
+                && (c.direct_bytes < 4096 || c.direct_bytes % 64 != 0 || c.direct_bytes > (1 << 30))
+            {
+                return Err(Error::Config(format!(
+                    "OXCCL_SHM_DIRECT_BYTES={v} must be 0 or a multiple of 64 between 4 KiB and 1 GiB"
+                )));
+            }
+        }
+        if let Some(v) = get("OXCCL_SHM_SINGLE_COPY") {
+            c.single_copy = match v.trim().to_ascii_lowercase().as_str() {
+                "1" | "on" | "yes" | "true" => true,
+                "0" | "off" | "no" | "false" => false,
+                _ => {
+                    return Err(Error::Config(format!(
+                        "OXCCL_SHM_SINGLE_COPY={v:?}: expected 0 or 1"
+                    )))
+                }
+            };
+        }
+        if let Some(v) = get("OXCCL_SPIN") {
+            c.spin = match v.trim().to_ascii_lowercase().as_str() {
+                "" | "auto" => None,
+                "1" | "on" | "yes" | "true" => Some(true),
+                "0" | "off" | "no" | "false" => Some(false),
+                _ => {
+                    return Err(Error::Config(format!(
+                        "OXCCL_SPIN={v:?}: expected auto, 0 or 1"
+                    )))
+                }
+            };
+        }
         Ok(c)
     }
 }
@@ -193,6 +240,8 @@ mod tests {
             ("OXCCL_SLOT_BYTES", "100"),
             ("OXCCL_SOCKET_FAMILY", "ipx"),
             ("OXCCL_ALGO", "teleport"),
+            ("OXCCL_SHM_DIRECT_BYTES", "100"),
+            ("OXCCL_SHM_SINGLE_COPY", "maybe"),
         ] {
             let e = cfg(&[(k, v)]).unwrap_err().to_string();
             assert!(e.contains(k) || k == "OXCCL_ALGO", "{e}");

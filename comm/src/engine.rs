@@ -41,6 +41,8 @@ pub(crate) struct ExecState {
 struct Turn {
     next_ticket: u64,
     serving: u64,
+    /// Threads waiting on `turn_cv` (a notification costs a syscall; skip it when nobody waits).
+    waiters: usize,
 }
 
 type Job = Box<dyn FnOnce() + Send>;
@@ -51,6 +53,8 @@ pub(crate) struct Shared {
     pub size: usize,
     pub timeout: Duration,
     pub algo: AlgoOverride,
+    /// Waiting ranks busy-poll before yielding (off when ranks outnumber cores).
+    pub spin: bool,
     pub abort: AtomicBool,
     pub exec: Mutex<ExecState>,
     store: Arc<dyn Store>,
@@ -69,6 +73,7 @@ impl Shared {
     pub(crate) fn new(
         rank: usize,
         size: usize,
+        spin: bool,
         cfg: &Config,
         links: Links,
         store: Arc<dyn Store>,
@@ -79,6 +84,7 @@ impl Shared {
             size,
             timeout: cfg.timeout,
             algo: cfg.algo.clone(),
+            spin,
             abort: AtomicBool::new(false),
             exec: Mutex::new(ExecState {
                 links,
@@ -92,6 +98,7 @@ impl Shared {
             turn: Mutex::new(Turn {
                 next_ticket: 0,
                 serving: 0,
+                waiters: 0,
             }),
             turn_cv: Condvar::new(),
             worker: Mutex::new(None),
@@ -113,10 +120,13 @@ impl Shared {
         ahead: u64,
         f: impl FnOnce(&mut ExecState) -> Result<R>,
     ) -> Result<R> {
-        let deadline = Instant::now() + self.timeout * (ahead as u32 + 1) + Duration::from_secs(1);
         {
             let mut t = lock(&self.turn);
+            let deadline = (t.serving != ticket).then(|| {
+                Instant::now() + self.timeout * (ahead as u32 + 1) + Duration::from_secs(1)
+            });
             while t.serving != ticket {
+                let deadline = deadline.unwrap_or_else(Instant::now);
                 let left = deadline.saturating_duration_since(Instant::now());
                 if left.is_zero() {
                     // Give up our place so the line keeps moving.
@@ -129,11 +139,13 @@ impl Shared {
                         detail: format!("{ahead} operations were queued ahead"),
                     });
                 }
+                t.waiters += 1;
                 t = self
                     .turn_cv
                     .wait_timeout(t, left)
                     .unwrap_or_else(|p| p.into_inner())
                     .0;
+                t.waiters -= 1;
             }
         }
         let result = {
@@ -160,7 +172,9 @@ impl Shared {
         if t.serving <= ticket {
             t.serving = ticket + 1;
         }
-        self.turn_cv.notify_all();
+        if t.waiters > 0 {
+            self.turn_cv.notify_all();
+        }
     }
 
     /// Marks the communicator broken after `e`, publishes the first cause, drops every connection,

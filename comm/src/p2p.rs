@@ -59,6 +59,7 @@ impl Communicator {
             });
             tracing::debug!(rank = shared.rank, send_to = ?send.as_ref().map(|s| s.0), recv_from = ?recv.as_ref().map(|r| r.0), "send-recv");
             let mut ctx = Ctx::new(shared.rank, shared.size, &mut st.links, Default::default(), "send-recv", shared.timeout, &shared.abort);
+            ctx.spin = shared.spin;
             ctx.exchange_tagged(send, recv)?;
             ctx.flush()
         })

@@ -17,11 +17,13 @@ use oxccl_kernels::{DType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::op::OpDesc;
 use crate::transport::shm::Segment;
-use crate::transport::{PollDir, RecvConn, SendConn, Tag};
+use crate::transport::{PollDir, RecvConn, SendConn, Tag, Window};
 use std::sync::Arc;
 
 /// How long a waiting rank busy-polls before it yields the core.
 const SPIN: Duration = Duration::from_micros(20);
+/// Polls of the window's step counters before a waiting rank starts reading the clock.
+const FAST_SPINS: u32 = 256;
 /// How long it then yields between polls before it sleeps in `poll(2)`.
 const YIELD: Duration = Duration::from_micros(200);
 
@@ -32,6 +34,10 @@ pub(crate) struct Links {
     pub recv: Vec<Option<Box<dyn RecvConn>>>,
     /// This rank's shared-memory segment, whose doorbell peers ring; `None` without shm peers.
     pub bell: Option<Arc<Segment>>,
+    /// The direct window, when every rank of the communicator shares memory with this one.
+    pub window: Option<Box<dyn Window>>,
+    /// Scratch memory of the direct algorithms (kept between operations).
+    pub scratch: Vec<u8>,
 }
 
 impl Links {
@@ -69,9 +75,13 @@ impl Links {
         for c in self.recv.iter_mut().flatten() {
             c.close();
         }
+        if let Some(w) = self.window.as_mut() {
+            w.close();
+        }
         self.send.clear();
         self.recv.clear();
         self.bell = None;
+        self.window = None;
     }
 }
 
@@ -95,7 +105,9 @@ pub(crate) struct Ctx<'a> {
     pub tag: Tag,
     /// Name of the operation, for errors.
     pub op: &'static str,
-    deadline: Instant,
+    /// Set when the operation first waits (reading the clock costs; most small operations never
+    /// wait long enough to need it).
+    deadline: Option<Instant>,
     timeout: Duration,
     abort: &'a AtomicBool,
     /// When this rank started waiting without progress (None while progressing).
@@ -103,6 +115,13 @@ pub(crate) struct Ctx<'a> {
     /// Doorbell counter read at the start of the current round of checks.
     bell_seen: u32,
     fds: Vec<(RawFd, PollDir)>,
+    /// The operation is a collective (its tag's sequence number is the collective counter), so
+    /// waits compare it with what peers publish through the other path (slots vs window).
+    pub collective: bool,
+    /// The operation runs a direct algorithm over the window.
+    direct: bool,
+    /// Busy-poll before yielding (false when ranks outnumber cores).
+    pub spin: bool,
 }
 
 fn proto_err(rank: usize, peer: usize, msg: String) -> Error {
@@ -153,13 +172,130 @@ impl<'a> Ctx<'a> {
             links,
             tag,
             op,
-            deadline: Instant::now() + timeout,
+            deadline: None,
             timeout,
             abort,
             idle_since: None,
             bell_seen: 0,
             fds: Vec::new(),
+            collective: false,
+            direct: false,
+            spin: true,
         }
+    }
+
+    /// The direct window and the scratch buffer, or an error if this communicator has no window.
+    pub(crate) fn window(&mut self) -> Result<(&mut dyn Window, &mut Vec<u8>)> {
+        self.direct = true;
+        let (rank, op) = (self.rank, self.op);
+        match self.links.window.as_deref_mut() {
+            Some(w) => Ok((w, &mut self.links.scratch)),
+            None => Err(Error::InvalidArgument {
+                rank,
+                op: op.into(),
+                msg: "direct algorithms need every rank on shared memory".into(),
+            }),
+        }
+    }
+
+    /// Waits until every other rank has published `step` (or a later one) in the window; with
+    /// `half`, also checks that each published this operation's tag (else `Mismatch`).
+    pub(crate) fn wait_step(&mut self, step: u64, half: Option<usize>) -> Result<()> {
+        self.direct = true;
+        let mut next = 0;
+        let mut spins = 0u32;
+        loop {
+            self.arm();
+            let before = next;
+            let (rank, size, tag) = (self.rank, self.size, self.tag);
+            let w = self
+                .links
+                .window
+                .as_deref_mut()
+                .ok_or_else(|| missing(rank, self.op, rank, "window"))?;
+            while next < size {
+                if next == rank {
+                    next += 1;
+                    continue;
+                }
+                if w.step(next) < step {
+                    break;
+                }
+                if let Some(h) = half {
+                    let theirs = w.peer_tag(next, h);
+                    if theirs != Some(tag) {
+                        return Err(Error::Mismatch {
+                            rank,
+                            peer: next,
+                            seq: tag.seq,
+                            local: OpDesc::describe_tag(&tag),
+                            remote: theirs.map_or("nothing".into(), |t| OpDesc::describe_tag(&t)),
+                        });
+                    }
+                }
+                next += 1;
+            }
+            if next == size {
+                self.idle_since = None;
+                return Ok(());
+            }
+            if next != before {
+                self.idle_since = None;
+            }
+            let p = next;
+            // A peer usually arrives within a microsecond or two: poll its counter without
+            // reading the clock first, then fall back to the full wait (liveness, deadline, sleep).
+            if self.spin && self.idle_since.is_none() && spins < FAST_SPINS {
+                spins += 1;
+                std::hint::spin_loop();
+                continue;
+            }
+            w.check(p).map_err(|e| retag(self.op, e))?;
+            self.idle(&|| format!("waiting for rank {p} to reach direct step {step}"))?;
+        }
+    }
+
+    /// A peer runs this collective (same sequence number) through the other path: through the
+    /// window while this rank uses slots, or the reverse. Both would wait forever; say so.
+    fn cross_check(&mut self) -> Result<()> {
+        if !self.collective {
+            return Ok(());
+        }
+        let (rank, size, tag, direct) = (self.rank, self.size, self.tag, self.direct);
+        let Some(w) = self.links.window.as_deref() else {
+            return Ok(());
+        };
+        let is_coll = |t: &Tag| {
+            OpDesc::from_tag(t).is_some_and(|d| d.coll != crate::op::Collective::SendRecv)
+        };
+        for p in (0..size).filter(|&p| p != rank) {
+            let other = if direct {
+                match self.links.recv.get_mut(p).and_then(|c| c.as_mut()) {
+                    Some(c) => match c.try_recv() {
+                        Ok(Some((t, _))) => Some(t),
+                        _ => None,
+                    },
+                    None => None,
+                }
+                .filter(|t| t.seq == tag.seq && is_coll(t))
+                .map(|t| (t, "runs a slot-based algorithm"))
+            } else {
+                (0..2)
+                    .filter_map(|h| w.peer_tag(p, h))
+                    .find(|t| t.seq == tag.seq)
+                    .map(|t| (t, "runs a direct shared-memory algorithm"))
+            };
+            if let Some((t, how)) = other {
+                return Err(Error::Mismatch {
+                    rank,
+                    peer: p,
+                    seq: tag.seq,
+                    local: OpDesc::describe_tag(&tag),
+                    remote: format!("{} (it {how})", OpDesc::describe_tag(&t)),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Starts a round of checks: remembers the doorbell counter so a post that lands during the
@@ -182,7 +318,8 @@ impl<'a> Ctx<'a> {
             self.idle_since = None;
             return Ok(());
         }
-        if Instant::now() >= self.deadline {
+        let now = Instant::now();
+        if now >= *self.deadline.get_or_insert(now + self.timeout) {
             return Err(Error::Timeout {
                 rank: self.rank,
                 op: self.op.to_string(),
@@ -192,12 +329,15 @@ impl<'a> Ctx<'a> {
         }
         // Busy-poll briefly (a peer's reply usually lands within microseconds), then yield the
         // core to other ranks, then sleep in poll(2) until a socket is ready.
-        let now = Instant::now();
         let since = *self.idle_since.get_or_insert(now);
         let waited = now - since;
-        if waited < SPIN {
+        let spin = if self.spin { SPIN } else { Duration::ZERO };
+        if waited < spin {
             std::hint::spin_loop();
-        } else if waited < SPIN + YIELD {
+            return Ok(());
+        }
+        self.cross_check()?;
+        if waited < spin + YIELD {
             std::thread::yield_now();
         } else {
             self.links.poll_fds(&mut self.fds);
@@ -284,6 +424,9 @@ impl<'a> Ctx<'a> {
                     parts.join(", ")
                 };
                 self.idle(&|| desc(sent, got))?;
+            } else {
+                // Progress: the next wait starts with a spin again.
+                self.idle_since = None;
             }
         }
         debug_assert!(send_frames >= 1 || send.is_none());
@@ -396,6 +539,8 @@ impl<'a> Ctx<'a> {
             if !moved {
                 let total = buf.len();
                 self.idle(&|| format!("forwarding from rank {from} to rank {to}: received {got}/{total}, forwarded {fwd}/{total} bytes"))?;
+            } else {
+                self.idle_since = None;
             }
         }
     }

@@ -256,9 +256,63 @@ fn world_on(n: usize, t: TransportChoice) {
     }
 }
 
+/// All-reduce (blocking in place, out of place, async) for every dtype, op and count.
+fn all_reduce_every_dtype(comm: &Communicator) -> Result<()> {
+    fn one<T: Element>(comm: &Communicator) -> Result<()> {
+        let (n, me) = (comm.size(), comm.rank());
+        for &count in &COUNTS {
+            for op in ReduceOp::ALL {
+                let tag = format!("{} {op} count {count} n {n}", T::DTYPE);
+                let mut buf = input::<T>(me, count, op);
+                comm.all_reduce(&mut buf, op)?;
+                check(&format!("all_reduce {tag}"), me, &buf, |i| {
+                    expect::<T>(n, i, op)
+                });
+                let inp = input::<T>(me, count, op);
+                let mut out = vec![T::from_f64(99.0); count];
+                comm.all_reduce_into(&inp, &mut out, op)?;
+                check(&format!("all_reduce_into {tag}"), me, &out, |i| {
+                    expect::<T>(n, i, op)
+                });
+                let got = comm.all_reduce_async(inp, op).wait()?;
+                check(&format!("all_reduce_async {tag}"), me, &got, |i| {
+                    expect::<T>(n, i, op)
+                });
+            }
+        }
+        Ok(())
+    }
+    one::<f32>(comm)?;
+    one::<f64>(comm)?;
+    one::<f16>(comm)?;
+    one::<bf16>(comm)?;
+    one::<i8>(comm)?;
+    one::<u8>(comm)?;
+    one::<i32>(comm)?;
+    one::<u32>(comm)?;
+    one::<i64>(comm)?;
+    one::<u64>(comm)
+}
+
+/// The direct all-reduces over the shared-memory window, with a small staging area so that
+/// messages run in several pieces.
+fn direct_algorithms(n: usize) {
+    if n < 2 {
+        return;
+    }
+    for algo in ["one-shot", "two-shot", "single-copy"] {
+        let mut cfg = config(&format!("all-reduce={algo}"), TransportChoice::Shm);
+        cfg.direct_bytes = 8 << 10;
+        for r in spawn_world(n, cfg, |c| all_reduce_every_dtype(&c)) {
+            r.unwrap();
+        }
+    }
+}
+
 fn world(n: usize) {
     world_on(n, TransportChoice::Tcp);
     world_on(n, TransportChoice::Shm);
+    direct_algorithms(n);
 }
 
 #[test]
@@ -310,6 +364,17 @@ fn float_tolerance() {
         let x = |r: usize, i: usize| T::from_f64(rnd((r * 100_003 + i) as u64) * 100.0).to_f64();
         let mut v: Vec<T> = (0..len).map(|i| T::from_f64(x(me, i))).collect();
         c.all_reduce(&mut v, ReduceOp::Sum)?;
+        // Every rank holds the same bits.
+        let mut all = vec![T::from_f64(0.0); len * n];
+        c.all_gather(&v, &mut all)?;
+        for r in 0..n {
+            assert!(
+                bytemuck::cast_slice::<T, u8>(&all[r * len..(r + 1) * len])
+                    == bytemuck::cast_slice::<T, u8>(&v),
+                "{} rank {me}: rank {r} got different bits",
+                T::DTYPE
+            );
+        }
         for (i, g) in v.iter().enumerate() {
             let exact: f64 = (0..n).map(|r| x(r, i)).sum();
             let mag: f64 = (0..n).map(|r| x(r, i).abs()).sum();
@@ -323,7 +388,7 @@ fn float_tolerance() {
         }
         Ok(())
     }
-    for algo in ["ring", "tree", "hd"] {
+    for algo in ["ring", "tree", "hd", "one-shot", "two-shot", "single-copy"] {
         for r in spawn_world(
             5,
             config(&format!("all-reduce={algo}"), TransportChoice::Auto),

@@ -410,3 +410,65 @@ fn a_second_init_on_the_same_store_gets_a_fresh_communicator() {
         });
     }
 }
+
+#[test]
+fn window_and_slots_disagreeing_is_a_mismatch_not_a_hang() {
+    // Rank 1's count makes the tuner pick the ring (slots) while rank 0 runs one-shot through
+    // the shared-memory window: each waits where the other never writes unless they notice.
+    let t0 = Instant::now();
+    let res = spawn_world(2, tcfg(TransportChoice::Shm, 30), |c| {
+        let n = if c.rank() == 0 { 4 } else { 1 << 20 };
+        let mut v = vec![1.0f32; n];
+        Ok(c.all_reduce(&mut v, ReduceOp::Sum))
+    });
+    for (rank, r) in res.into_iter().enumerate() {
+        let e = r.unwrap().expect_err("mismatched all-reduce must fail");
+        assert!(matches!(e, Error::Mismatch { .. }), "rank {rank}: {e}");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("count=4") && msg.contains("count=1048576"),
+            "rank {rank}: both sides described: {msg}"
+        );
+    }
+    assert!(
+        t0.elapsed() < Duration::from_secs(15),
+        "noticed, not timed out"
+    );
+    // Same call, but ranks forced onto different algorithms (OXCCL_ALGO differs per rank).
+    let algos = ["all-reduce=two-shot", "all-reduce=ring", "all-reduce=ring"];
+    let cfgs = algos
+        .iter()
+        .map(|a| {
+            let mut c = tcfg(TransportChoice::Shm, 30);
+            c.algo = oxccl_comm::tuning::AlgoOverride::parse(a).unwrap();
+            c
+        })
+        .collect();
+    let res = spawn_cfgs(cfgs, |c| {
+        let mut v = vec![1u32; 100_000];
+        Ok(c.all_reduce(&mut v, ReduceOp::Sum))
+    });
+    for (rank, r) in res.into_iter().enumerate() {
+        let e = r.unwrap().expect_err("different algorithms must fail");
+        assert!(matches!(e, Error::Mismatch { .. }), "rank {rank}: {e}");
+        assert!(e.to_string().contains("algorithm"), "rank {rank}: {e}");
+    }
+    assert!(
+        t0.elapsed() < Duration::from_secs(30),
+        "noticed, not timed out"
+    );
+}
+
+#[test]
+fn direct_algorithms_fail_cleanly_without_a_window() {
+    // Over TCP there is no shared-memory window: forcing a direct algorithm is a clear error.
+    let mut c = tcfg(TransportChoice::Tcp, 10);
+    c.algo = oxccl_comm::tuning::AlgoOverride::parse("all-reduce=one-shot").unwrap();
+    for r in spawn_world(2, c, |c| {
+        let mut v = vec![1u8; 10];
+        Ok(c.all_reduce(&mut v, ReduceOp::Sum))
+    }) {
+        let e = r.unwrap().expect_err("no window over TCP");
+        assert!(e.to_string().contains("shared memory"), "{e}");
+    }
+}

@@ -10,11 +10,13 @@
 //! | `linear.rs` | gather and scatter (root talks to every rank) |
 //! | `pairwise.rs` | all-to-all by pairwise exchange |
 //! | `dissemination.rs` | barrier |
+//! | `direct.rs` | one-shot, two-shot and single-copy all-reduce over the shared-memory window |
 //!
 //! All of them work in place on byte buffers; the communicator turns out-of-place calls into
 //! in-place ones (one copy) and checks arguments before anything is sent.
 
 pub(crate) mod chain;
+pub(crate) mod direct;
 pub(crate) mod dissemination;
 pub(crate) mod halving_doubling;
 pub(crate) mod linear;

@@ -103,6 +103,115 @@ pub trait RecvConn: Send {
     fn close(&mut self) {}
 }
 
+/// Memory that every rank of a communicator can read directly (ranks that share memory): each
+/// rank owns a **staging area** of two halves of [`Window::capacity`] bytes and a **step counter**
+/// that it publishes; peers wait for a rank's counter to reach a step, then read its staging (or,
+/// with [`Window::single_copy`], the user buffer whose address it published) without any message.
+///
+/// The direct algorithms (`algorithm/direct.rs`) are written against this trait. Operation `k`
+/// of a communicator's window traffic is its *epoch*; epoch `e` uses half `e % 2` and steps
+/// `4e + 1` (input ready), `4e + 2` (reduced part ready), `4e + 3` (done reading peers). A rank
+/// writes half `e % 2` only after every peer has published step `4(e - 1) + 1`, i.e. finished
+/// epoch `e - 2`, so two halves need no barrier at the end of an operation.
+pub trait Window: Send {
+    /// Bytes of one staging half.
+    fn capacity(&self) -> usize;
+    /// Whether [`Window::read_peer`] works between every pair of ranks (checked at start-up).
+    fn single_copy(&self) -> bool;
+    /// Starts the next epoch and returns its number (the same on every rank).
+    fn next_epoch(&mut self) -> u64;
+    /// This rank's and its peers' staging half `half`.
+    fn staging(&mut self, half: usize) -> Staging<'_>;
+    /// Publishes `step` with the operation's `tag` and the addresses of this rank's input and
+    /// output buffers (`[0, 0]` when unused) for epoch half `half`, and wakes sleeping peers.
+    fn publish(&mut self, step: u64, tag: Tag, half: usize, region: [usize; 2]);
+    /// The last step `peer` published.
+    fn step(&self, peer: usize) -> u64;
+    /// The tag `peer` published with half `half` (`None` before its first publication).
+    fn peer_tag(&self, peer: usize, half: usize) -> Option<Tag>;
+    /// The buffer addresses `peer` published with half `half`.
+    fn peer_region(&self, peer: usize, half: usize) -> [usize; 2];
+    /// `PeerLost` when `peer` closed its window (it failed or left) or its process died.
+    ///
+    /// # Errors
+    /// As above.
+    fn check(&mut self, peer: usize) -> Result<()>;
+    /// Copies `dst.len()` bytes at address `addr` of `peer`'s address space into `dst` (one copy,
+    /// `process_vm_readv`); only while `peer` guarantees, by the step protocol, that the bytes do
+    /// not change.
+    ///
+    /// # Errors
+    /// `Error::Transport` when the read fails (single copy unsupported, or a bad address).
+    fn read_peer(&self, peer: usize, addr: usize, dst: &mut [u8]) -> Result<()>;
+    /// Tells every peer this rank has left (they fail instead of waiting for its steps).
+    fn close(&mut self);
+}
+
+/// One staging half of every rank of a [`Window`], borrowed for one step of an algorithm.
+pub struct Staging<'a> {
+    rank: usize,
+    len: usize,
+    /// Base address of each rank's half (this rank's included).
+    bases: Vec<*mut u8>,
+    _window: std::marker::PhantomData<&'a mut ()>,
+}
+
+impl<'a> Staging<'a> {
+    /// A view of `bases` (one per rank, each `len` bytes long).
+    ///
+    /// # Safety
+    /// Every base must point to `len` bytes that stay mapped for `'a`; `bases[rank]` must be
+    /// written by nobody else while the view lives, and the other halves must not be written at
+    /// the byte ranges this rank reads until it publishes the step that says it is done.
+    pub(crate) unsafe fn new(rank: usize, len: usize, bases: Vec<*mut u8>) -> Staging<'a> {
+        Staging {
+            rank,
+            len,
+            bases,
+            _window: std::marker::PhantomData,
+        }
+    }
+
+    fn check(&self, peer: usize, r: &std::ops::Range<usize>) {
+        assert!(
+            peer < self.bases.len() && r.start <= r.end && r.end <= self.len,
+            "staging range {r:?} of rank {peer} out of bounds (capacity {})",
+            self.len
+        );
+    }
+
+    /// Bytes `r` of this rank's half, to write.
+    pub fn own(&mut self, r: std::ops::Range<usize>) -> &mut [u8] {
+        self.check(self.rank, &r);
+        // SAFETY: in bounds (checked); this rank's half is written only through `&mut self`, so
+        // no other slice of it from this view is alive (see `Staging::new`).
+        unsafe { std::slice::from_raw_parts_mut(self.bases[self.rank].add(r.start), r.len()) }
+    }
+
+    /// Bytes `r` of `peer`'s half (this rank's own half when `peer` is this rank).
+    pub fn peer(&self, peer: usize, r: std::ops::Range<usize>) -> &[u8] {
+        self.check(peer, &r);
+        // SAFETY: in bounds (checked); the protocol of `Staging::new` keeps these bytes unchanged
+        // while `&self` is borrowed (this rank's own half cannot be written through `&self`).
+        unsafe { std::slice::from_raw_parts(self.bases[peer].add(r.start), r.len()) }
+    }
+
+    /// Bytes `r` of this rank's half, to write, and the same bytes of another rank's half.
+    pub fn own_and_peer(&mut self, r: std::ops::Range<usize>, peer: usize) -> (&mut [u8], &[u8]) {
+        assert_ne!(peer, self.rank, "own_and_peer needs another rank");
+        self.check(peer, &r);
+        self.check(self.rank, &r);
+        // SAFETY: both in bounds; the halves belong to different ranks, so the slices do not
+        // overlap; exclusivity of the own half as in `own`, stability of the peer's as in `peer`.
+        unsafe {
+            (
+                std::slice::from_raw_parts_mut(self.bases[self.rank].add(r.start), r.len()),
+                std::slice::from_raw_parts(self.bases[peer].add(r.start), r.len()),
+            )
+        }
+    }
+}
+
 /// Whether a backend can connect a pair of ranks.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Reach {

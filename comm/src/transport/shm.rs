@@ -5,7 +5,7 @@
 //! single-consumer queue of `nslots` fixed slots:
 //!
 //! ```text
-//! segment: [header 128 B][bell 128 B][ring 0][ring 1]...
+//! segment: [header 128 B][bell 128 B][ring 0][ring 1]...[direct area]
 //! ring:    [head 128 B][tail 128 B][closed flags 128 B][meta: nslots x 32 B, padded][slot 0][slot 1]...
 //! ```
 //!
@@ -14,7 +14,13 @@
 //! a cache line (nor its adjacent-line prefetch partner). The sender fills slot `head % nslots`
 //! and its meta (length and [`Tag`]), then publishes with a release-store of `head + 1`; the
 //! receiver acquire-loads `head`, reduces or copies straight out of the slot, then release-stores
-//! `tail + 1`. No locks, no copies beyond the one into the slot.
+//! `tail + 1`. No locks, no copies beyond the one into the slot. `comm/tests/loom_ring.rs`
+//! model-checks this protocol (same orderings) with loom.
+//!
+//! **Direct window.** When every rank of the communicator shares memory, each segment also ends
+//! with a direct area: a step counter, the tag and buffer addresses published with each half, and
+//! two staging halves of `OXCCL_SHM_DIRECT_BYTES`; [`ShmWindow`] maps every rank's and implements
+//! [`Window`] for the one-shot / two-shot / single-copy all-reduce.
 //!
 //! **Waiting.** Every rank has one doorbell: a sequence counter and a sleeper count. A post rings
 //! the receiver's bell, a release rings the sender's; ringing bumps the counter and calls
@@ -45,7 +51,7 @@ use std::time::{Duration, Instant};
 use memmap2::MmapMut;
 
 use crate::error::{Error, Result};
-use crate::transport::{PollDir, RecvConn, SendConn, Tag};
+use crate::transport::{PollDir, RecvConn, SendConn, Staging, Tag, Window};
 
 const MAGIC: u64 = 0x4f58_4343_4c01_7368; // "OXCCL\x01sh"
 const BLOCK: usize = 128;
@@ -66,9 +72,14 @@ fn ring_bytes(slot_size: usize, nslots: usize) -> usize {
     3 * BLOCK + (nslots * META).next_multiple_of(BLOCK) + nslots * slot_size
 }
 
-/// Bytes of a segment with `nrings` rings.
-pub fn segment_bytes(nrings: usize, slot_size: usize, nslots: usize) -> usize {
-    HEADER + BELL + nrings * ring_bytes(slot_size, nslots)
+/// Bytes of the direct area (step block, tag block, two staging halves of `direct` bytes).
+fn direct_area_bytes(direct: usize) -> usize {
+    2 * BLOCK + 2 * direct.next_multiple_of(BLOCK)
+}
+
+/// Bytes of a segment with `nrings` rings and staging halves of `direct` bytes.
+pub fn segment_bytes(nrings: usize, slot_size: usize, nslots: usize, direct: usize) -> usize {
+    HEADER + BELL + nrings * ring_bytes(slot_size, nslots) + direct_area_bytes(direct)
 }
 
 /// The `/dev/shm` prefix of every segment of a job (what `oxccl launch` removes at the end).
@@ -93,6 +104,8 @@ pub struct Segment {
     slot_size: usize,
     nslots: usize,
     nrings: usize,
+    /// Bytes of one staging half of the direct area.
+    direct: usize,
 }
 
 // SAFETY: the mapping is plain shared memory; every access to it goes through atomics (head,
@@ -143,6 +156,35 @@ impl Segment {
             + slot * self.slot_size
     }
 
+    /// Offset of the direct area: step block, tag block, two staging halves.
+    fn direct_off(&self) -> usize {
+        HEADER + BELL + self.nrings * ring_bytes(self.slot_size, self.nslots)
+    }
+
+    /// The step counter of the direct area (written by the owner only).
+    fn step(&self) -> &AtomicU64 {
+        self.atomic_u64(self.direct_off())
+    }
+
+    /// Set when the owner closed its window.
+    fn window_closed(&self) -> &AtomicU64 {
+        self.atomic_u64(self.direct_off() + 64)
+    }
+
+    /// Word `i` of the published record of half `half`: `[seq + 1, desc, count, in, out]`.
+    fn record(&self, half: usize, i: usize) -> &AtomicU64 {
+        debug_assert!(half < 2 && i < 8);
+        self.atomic_u64(self.direct_off() + BLOCK + half * 64 + i * 8)
+    }
+
+    /// Address of staging half `half`.
+    fn staging_ptr(&self, half: usize) -> *mut u8 {
+        let off = self.direct_off() + 2 * BLOCK + half * self.direct.next_multiple_of(BLOCK);
+        debug_assert!(off + self.direct <= self.map.len());
+        // SAFETY: the offset lies inside the mapping (the segment size includes the direct area).
+        unsafe { self.base.add(off) }
+    }
+
     /// Rings this segment's doorbell (its owner sleeps on it).
     pub fn ring_bell(&self) {
         let seq = self.atomic_u32(HEADER);
@@ -178,6 +220,7 @@ impl Segment {
         nrings: usize,
         slot_size: usize,
         nslots: usize,
+        direct: usize,
     ) -> Result<(Segment, PathBuf)> {
         let path = PathBuf::from(SHM_DIR).join(name);
         let terr = |msg: String| Error::Transport {
@@ -193,7 +236,7 @@ impl Segment {
             .create_new(true)
             .open(&path)
             .map_err(|e| terr(format!("creating {}: {e}", path.display())))?;
-        let bytes = segment_bytes(nrings, slot_size, nslots);
+        let bytes = segment_bytes(nrings, slot_size, nslots, direct);
         // SAFETY: posix_fallocate on a valid, owned file descriptor; no memory is passed.
         let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, bytes as libc::off_t) };
         if rc != 0 {
@@ -202,8 +245,9 @@ impl Segment {
             return Err(if rc == libc::ENOSPC || rc == libc::EFBIG {
                 Error::Config(format!(
                     "rank {rank}: {SHM_DIR} is too small: the shared-memory transport needs {bytes} bytes for this rank \
-                     ({nrings} peers x {nslots} slots x {slot_size} B) and {free} bytes are free; enlarge it \
-                     (e.g. docker --shm-size), lower OXCCL_SLOT_BYTES/OXCCL_NSLOTS, or set OXCCL_TRANSPORT=tcp"
+                     ({nrings} peers x {nslots} slots x {slot_size} B, 2 x {direct} B staging) and {free} bytes are \
+                     free; enlarge it (e.g. docker --shm-size), lower OXCCL_SLOT_BYTES/OXCCL_NSLOTS/\
+                     OXCCL_SHM_DIRECT_BYTES, or set OXCCL_TRANSPORT=tcp"
                 ))
             } else {
                 terr(format!(
@@ -218,8 +262,12 @@ impl Segment {
             slot_size,
             nslots,
             nrings,
+            direct,
             ..seg
         };
+        seg.atomic_u64(32).store(direct as u64, Ordering::Relaxed);
+        seg.atomic_u64(40)
+            .store(seg.base as usize as u64, Ordering::Relaxed);
         seg.atomic_u64(8).store(nrings as u64, Ordering::Relaxed);
         seg.atomic_u64(16)
             .store(slot_size as u64, Ordering::Relaxed);
@@ -248,12 +296,15 @@ impl Segment {
         if seg.map.len() < HEADER + BELL || seg.atomic_u64(0).load(Ordering::Acquire) != MAGIC {
             return Err(terr(format!("{path} is not an oxccl segment")));
         }
-        let (nrings, slot_size, nslots) = (
+        let (nrings, slot_size, nslots, direct) = (
             seg.atomic_u64(8).load(Ordering::Relaxed) as usize,
             seg.atomic_u64(16).load(Ordering::Relaxed) as usize,
             seg.atomic_u64(24).load(Ordering::Relaxed) as usize,
+            seg.atomic_u64(32).load(Ordering::Relaxed) as usize,
         );
-        if slot_size == 0 || nslots == 0 || seg.map.len() < segment_bytes(nrings, slot_size, nslots)
+        if slot_size == 0
+            || nslots == 0
+            || seg.map.len() < segment_bytes(nrings, slot_size, nslots, direct)
         {
             return Err(terr(format!("{path} has an inconsistent header")));
         }
@@ -261,6 +312,7 @@ impl Segment {
             slot_size,
             nslots,
             nrings,
+            direct,
             ..seg
         })
     }
@@ -282,12 +334,23 @@ impl Segment {
             slot_size: 0,
             nslots: 0,
             nrings: 0,
+            direct: 0,
         })
     }
 
     /// Number of rings in this segment.
     pub fn nrings(&self) -> usize {
         self.nrings
+    }
+
+    /// Bytes of one staging half of the direct area.
+    pub fn direct_bytes(&self) -> usize {
+        self.direct
+    }
+
+    /// Where the owner mapped this segment in its own address space (for the single-copy probe).
+    pub fn owner_base(&self) -> usize {
+        self.atomic_u64(40).load(Ordering::Relaxed) as usize
     }
 }
 
@@ -610,6 +673,175 @@ impl RecvConn for ShmRecv {
     }
 }
 
+/// The direct [`Window`] of a communicator whose ranks all share memory: every rank's segment
+/// (this rank's included) mapped here, indexed by rank.
+pub struct ShmWindow {
+    rank: usize,
+    segs: Vec<Arc<Segment>>,
+    pids: Vec<u32>,
+    live: Vec<Liveness>,
+    epoch: u64,
+    single_copy: bool,
+}
+
+impl ShmWindow {
+    /// `segs[r]` is rank `r`'s segment, `pids[r]` its process id; `single_copy` says whether
+    /// every rank could read every other with `process_vm_readv` (see [`probe_single_copy`]).
+    pub(crate) fn new(
+        rank: usize,
+        segs: Vec<Arc<Segment>>,
+        pids: Vec<u32>,
+        single_copy: bool,
+    ) -> ShmWindow {
+        let live = pids.iter().map(|&p| Liveness::new(p)).collect();
+        ShmWindow {
+            rank,
+            segs,
+            pids,
+            live,
+            epoch: 0,
+            single_copy,
+        }
+    }
+}
+
+impl Window for ShmWindow {
+    fn capacity(&self) -> usize {
+        self.segs[self.rank].direct
+    }
+
+    fn single_copy(&self) -> bool {
+        self.single_copy
+    }
+
+    fn next_epoch(&mut self) -> u64 {
+        self.epoch += 1;
+        self.epoch - 1
+    }
+
+    fn staging(&mut self, half: usize) -> Staging<'_> {
+        let bases = self.segs.iter().map(|s| s.staging_ptr(half % 2)).collect();
+        // SAFETY: every half is `capacity` bytes inside a mapping that `self.segs` keeps alive for
+        // the borrow; the step protocol of `Window` (followed by `algorithm::direct`) keeps other
+        // ranks off this rank's half and this rank off the bytes of peers' halves it reads.
+        unsafe { Staging::new(self.rank, self.capacity(), bases) }
+    }
+
+    fn publish(&mut self, step: u64, tag: Tag, half: usize, region: [usize; 2]) {
+        let own = &self.segs[self.rank];
+        let words = [
+            tag.seq + 1,
+            tag.desc,
+            tag.count,
+            region[0] as u64,
+            region[1] as u64,
+        ];
+        for (i, w) in words.into_iter().enumerate() {
+            own.record(half % 2, i).store(w, Ordering::Relaxed);
+        }
+        own.step().store(step, Ordering::Release);
+        for (p, s) in self.segs.iter().enumerate() {
+            if p != self.rank {
+                s.ring_bell();
+            }
+        }
+    }
+
+    fn step(&self, peer: usize) -> u64 {
+        self.segs[peer].step().load(Ordering::Acquire)
+    }
+
+    fn peer_tag(&self, peer: usize, half: usize) -> Option<Tag> {
+        let s = &self.segs[peer];
+        let seq = s.record(half % 2, 0).load(Ordering::Relaxed);
+        (seq > 0).then(|| Tag {
+            seq: seq - 1,
+            desc: s.record(half % 2, 1).load(Ordering::Relaxed),
+            count: s.record(half % 2, 2).load(Ordering::Relaxed),
+        })
+    }
+
+    fn peer_region(&self, peer: usize, half: usize) -> [usize; 2] {
+        let s = &self.segs[peer];
+        [
+            s.record(half % 2, 3).load(Ordering::Relaxed) as usize,
+            s.record(half % 2, 4).load(Ordering::Relaxed) as usize,
+        ]
+    }
+
+    fn check(&mut self, peer: usize) -> Result<()> {
+        if self.segs[peer].window_closed().load(Ordering::Acquire) != 0 {
+            return Err(lost(
+                self.rank,
+                peer,
+                "peer closed its communicator (or failed) during a direct operation",
+            ));
+        }
+        self.live[peer].check(self.rank, peer)
+    }
+
+    fn read_peer(&self, peer: usize, addr: usize, dst: &mut [u8]) -> Result<()> {
+        read_remote(self.pids[peer], addr, dst).map_err(|e| Error::Transport {
+            rank: self.rank,
+            peer,
+            transport: "shm",
+            msg: format!("process_vm_readv of {} bytes at {addr:#x}: {e}", dst.len()),
+        })
+    }
+
+    fn close(&mut self) {
+        let own = &self.segs[self.rank];
+        own.window_closed().store(1, Ordering::Release);
+        for (p, s) in self.segs.iter().enumerate() {
+            if p != self.rank {
+                s.ring_bell();
+            }
+        }
+    }
+}
+
+/// Copies `dst.len()` bytes at `addr` in process `pid` into `dst` with `process_vm_readv`.
+fn read_remote(pid: u32, addr: usize, dst: &mut [u8]) -> std::io::Result<()> {
+    let mut done = 0;
+    while done < dst.len() {
+        let local = libc::iovec {
+            iov_base: dst[done..].as_mut_ptr().cast(),
+            iov_len: dst.len() - done,
+        };
+        let remote = libc::iovec {
+            iov_base: (addr + done) as *mut libc::c_void,
+            iov_len: dst.len() - done,
+        };
+        // SAFETY: `local` describes the writable bytes of `dst` that we own for the call; the
+        // remote iovec is only read by the kernel, which checks it against `pid`'s mappings.
+        let n = unsafe { libc::process_vm_readv(pid as libc::pid_t, &local, 1, &remote, 1, 0) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "the remote range ended early",
+            ));
+        }
+        done += n as usize;
+    }
+    Ok(())
+}
+
+/// Whether this process can read `peer`'s memory with `process_vm_readv` (containers without
+/// `CAP_SYS_PTRACE`, Yama's ptrace_scope >= 2 or a seccomp filter forbid it): reads the magic
+/// word of the peer's own segment at the address where the peer mapped it.
+pub(crate) fn probe_single_copy(peer_pid: u32, peer_seg: &Segment) -> bool {
+    let mut word = [0u8; 8];
+    read_remote(peer_pid, peer_seg.owner_base(), &mut word).is_ok()
+        && u64::from_ne_bytes(word) == MAGIC
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -617,7 +849,7 @@ mod tests {
     #[test]
     fn ring_round_trip_in_one_process() {
         let name = format!("oxccl-unittest-{}-r0", std::process::id());
-        let (seg, path) = Segment::create(0, &name, 1, 64, 2).unwrap();
+        let (seg, path) = Segment::create(0, &name, 1, 64, 2, 256).unwrap();
         let own = Arc::new(seg);
         let peer = Arc::new(Segment::open(1, 0, path.to_str().unwrap()).unwrap());
         std::fs::remove_file(&path).unwrap();
@@ -661,6 +893,7 @@ mod tests {
             1,
             1 << 30,
             64,
+            0,
         );
         match e {
             Err(Error::Config(msg)) => {

@@ -1,0 +1,216 @@
+//! Direct all-reduce for ranks that share memory: one-shot, two-shot and single-copy.
+//!
+//! These run over the communicator's [`Window`](crate::transport::Window) (every rank's staging
+//! halves and step counter, readable by every rank) instead of slots, so a step costs one
+//! release-store and the peers' acquire-loads, not a message. Epoch `e` uses staging half `e % 2`
+//! and steps `4e + 1..=4e + 3` (see the trait's documentation for why two halves need no closing
+//! barrier).
+//!
+//! - **One-shot** (small messages): every rank copies its input into its staging half and
+//!   publishes step `4e + 1`; once every peer has too, every rank reduces all `n` halves, in rank
+//!   order (so every rank computes the same bits), into its output. One step; each rank reads
+//!   `n x bytes`. Messages larger than the staging half run in pieces of it.
+//! - **Two-shot** (medium): inputs are staged as in one-shot; rank `i` then reduces piece `i` of
+//!   every half into piece `i` of its own half (only rank `i` reads that piece in this phase, so
+//!   it can be overwritten) and publishes `4e + 2`; every rank then copies piece `j` from rank `j`'s
+//!   half into its output. Two steps; each rank reads about `2 x bytes`. A single rank computes each
+//!   piece, so every rank gets the same bits.
+//! - **Single-copy** (large, when `process_vm_readv` works between every pair of ranks): no
+//!   staging at all. Every rank publishes the addresses of its input and output buffers; rank `i`
+//!   reads piece `i` of every peer's input straight out of the peer's memory (in blocks of
+//!   [`BLOCK`] bytes through a scratch buffer that stays in cache) and reduces it into piece `i` of
+//!   its output, publishes `4e + 2`, then reads every other piece from its owner's output straight
+//!   into its own, and publishes `4e + 3` so that no rank returns (and lets its caller reuse the
+//!   buffer) while a peer still reads it. Out-of-place costs nothing extra.
+//!
+//! The tuner picks them by size (thresholds measured on the development machine, in
+//! `crate::tuning`); `OXCCL_ALGO=all-reduce=one-shot|two-shot|single-copy` forces one.
+
+use std::ops::Range;
+
+use oxccl_kernels::{reduce_bytes, reduce_into_bytes, DType, KernelError, ReduceOp};
+
+use crate::algorithm::partition;
+use crate::error::{Error, Result};
+use crate::prims::Ctx;
+
+/// Bytes read from a peer per `process_vm_readv` before they are reduced (fits in L2).
+pub(crate) const BLOCK: usize = 256 << 10;
+
+fn kerr(rank: usize, op: &str, e: KernelError) -> Error {
+    Error::InvalidArgument {
+        rank,
+        op: op.into(),
+        msg: e.to_string(),
+    }
+}
+
+/// Largest multiple of the element size that fits in a staging half.
+fn piece_bytes(ctx: &mut Ctx<'_>, es: usize) -> Result<usize> {
+    let cap = ctx.window()?.0.capacity() / es * es;
+    if cap == 0 {
+        return Err(Error::InvalidArgument {
+            rank: ctx.rank,
+            op: ctx.op.into(),
+            msg: "the shared-memory staging area is off (OXCCL_SHM_DIRECT_BYTES=0)".into(),
+        });
+    }
+    Ok(cap)
+}
+
+/// Byte range of piece `i` of `n` of a buffer of `len` bytes of `es`-byte elements.
+fn piece(len: usize, es: usize, n: usize, i: usize) -> Range<usize> {
+    let r = partition(len / es, n, i);
+    r.start * es..r.end * es
+}
+
+/// One-shot all-reduce of `buf` (in place when `src` is `None`, else `buf = reduce(src)`).
+pub(crate) fn one_shot(
+    ctx: &mut Ctx<'_>,
+    src: Option<&[u8]>,
+    buf: &mut [u8],
+    dt: DType,
+    op: ReduceOp,
+) -> Result<()> {
+    let (n, tag, es) = (ctx.size, ctx.tag, dt.size());
+    let cap = piece_bytes(ctx, es)?;
+    let mut off = 0;
+    while off < buf.len() {
+        let len = cap.min(buf.len() - off);
+        let r = off..off + len;
+        let (w, _) = ctx.window()?;
+        let e = w.next_epoch();
+        let h = (e % 2) as usize;
+        w.staging(h)
+            .own(0..len)
+            .copy_from_slice(src.map_or(&buf[r.clone()], |s| &s[r.clone()]));
+        w.publish(4 * e + 1, tag, h, [0, 0]);
+        ctx.wait_step(4 * e + 1, Some(h))?;
+        let (w, _) = ctx.window()?;
+        let st = w.staging(h);
+        let out = &mut buf[r];
+        let res = reduce_into_bytes(dt, op, out, st.peer(0, 0..len), st.peer(1, 0..len))
+            .and_then(|()| (2..n).try_for_each(|p| reduce_bytes(dt, op, out, st.peer(p, 0..len))));
+        drop(st);
+        res.map_err(|e| kerr(ctx.rank, ctx.op, e))?;
+        off += len;
+    }
+    Ok(())
+}
+
+/// Two-shot all-reduce of `buf` (in place when `src` is `None`, else `buf = reduce(src)`).
+pub(crate) fn two_shot(
+    ctx: &mut Ctx<'_>,
+    src: Option<&[u8]>,
+    buf: &mut [u8],
+    dt: DType,
+    op: ReduceOp,
+) -> Result<()> {
+    let (n, me, tag, es) = (ctx.size, ctx.rank, ctx.tag, dt.size());
+    let cap = piece_bytes(ctx, es)?;
+    let mut off = 0;
+    while off < buf.len() {
+        let len = cap.min(buf.len() - off);
+        let r = off..off + len;
+        let (w, _) = ctx.window()?;
+        let e = w.next_epoch();
+        let h = (e % 2) as usize;
+        w.staging(h)
+            .own(0..len)
+            .copy_from_slice(src.map_or(&buf[r.clone()], |s| &s[r.clone()]));
+        w.publish(4 * e + 1, tag, h, [0, 0]);
+        ctx.wait_step(4 * e + 1, Some(h))?;
+        // Reduce piece `me` of every rank's half into this rank's half.
+        let mine = piece(len, es, n, me);
+        let (w, _) = ctx.window()?;
+        let mut st = w.staging(h);
+        let res = (0..n).filter(|&p| p != me).try_for_each(|p| {
+            let (acc, theirs) = st.own_and_peer(mine.clone(), p);
+            reduce_bytes(dt, op, acc, theirs)
+        });
+        drop(st);
+        res.map_err(|e| kerr(ctx.rank, ctx.op, e))?;
+        let (w, _) = ctx.window()?;
+        w.publish(4 * e + 2, tag, h, [0, 0]);
+        ctx.wait_step(4 * e + 2, None)?;
+        // Every piece from the rank that reduced it.
+        let (w, _) = ctx.window()?;
+        let st = w.staging(h);
+        for j in 0..n {
+            let pj = piece(len, es, n, j);
+            buf[off + pj.start..off + pj.end].copy_from_slice(st.peer(j, pj));
+        }
+        off += len;
+    }
+    Ok(())
+}
+
+/// Single-copy all-reduce of `buf` (in place when `src` is `None`, else `buf = reduce(src)`):
+/// peers' buffers are read with `process_vm_readv`, nothing is staged.
+pub(crate) fn single_copy(
+    ctx: &mut Ctx<'_>,
+    src: Option<&[u8]>,
+    buf: &mut [u8],
+    dt: DType,
+    op: ReduceOp,
+) -> Result<()> {
+    let (n, me, tag, es, name) = (ctx.size, ctx.rank, ctx.tag, dt.size(), ctx.op);
+    if buf.is_empty() {
+        return Ok(());
+    }
+    let (w, _) = ctx.window()?;
+    if !w.single_copy() {
+        return Err(Error::InvalidArgument {
+            rank: me,
+            op: name.into(),
+            msg: "single-copy needs process_vm_readv between every pair of ranks \
+                  (refused here, or OXCCL_SHM_SINGLE_COPY=0)"
+                .into(),
+        });
+    }
+    let e = w.next_epoch();
+    let h = (e % 2) as usize;
+    let mine = piece(buf.len(), es, n, me);
+    if let Some(s) = src {
+        buf[mine.clone()].copy_from_slice(&s[mine.clone()]);
+    }
+    let input = src.map_or(buf.as_ptr(), <[u8]>::as_ptr) as usize;
+    let output = buf.as_ptr() as usize;
+    w.publish(4 * e + 1, tag, h, [input, output]);
+    ctx.wait_step(4 * e + 1, Some(h))?;
+    // Reduce piece `me` of every peer's input into this rank's output, a block at a time.
+    let (w, scratch) = ctx.window()?;
+    scratch.resize(BLOCK.min(mine.len()), 0);
+    let mut res = Ok(());
+    'peers: for p in (0..n).filter(|&p| p != me) {
+        let their_input = w.peer_region(p, h)[0];
+        let mut at = mine.start;
+        while at < mine.end {
+            let len = BLOCK.min(mine.end - at);
+            let tmp = &mut scratch[..len];
+            if let Err(e) = w.read_peer(p, their_input + at, tmp) {
+                res = Err(e);
+                break 'peers;
+            }
+            if let Err(e) = reduce_bytes(dt, op, &mut buf[at..at + len], tmp) {
+                res = Err(kerr(me, name, e));
+                break 'peers;
+            }
+            at += len;
+        }
+    }
+    res?;
+    w.publish(4 * e + 2, tag, h, [input, output]);
+    ctx.wait_step(4 * e + 2, None)?;
+    // Every other piece straight from the output of the rank that reduced it.
+    let (w, _) = ctx.window()?;
+    for j in (0..n).filter(|&j| j != me) {
+        let pj = piece(buf.len(), es, n, j);
+        if !pj.is_empty() {
+            let their_output = w.peer_region(j, h)[1];
+            w.read_peer(j, their_output + pj.start, &mut buf[pj])?;
+        }
+    }
+    w.publish(4 * e + 3, tag, h, [input, output]);
+    ctx.wait_step(4 * e + 3, None)
+}
