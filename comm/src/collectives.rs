@@ -302,9 +302,23 @@ impl Communicator {
                 ),
             ));
         }
-        let mut work = input.to_vec();
-        self.reduce_scatter_in_place(&mut work, op)?;
         let r = self.rank * output.len();
+        // The communicator's reusable scratch; if another thread of this rank holds it (it may
+        // be queued behind this call), a fresh copy instead of waiting.
+        let Ok(mut words) = self.scratch.try_lock() else {
+            let mut work = input.to_vec();
+            self.reduce_scatter_in_place(&mut work, op)?;
+            output.copy_from_slice(&work[r..r + output.len()]);
+            return Ok(());
+        };
+        let nbytes = std::mem::size_of_val(input);
+        if words.len() < nbytes.div_ceil(8) {
+            words.resize(nbytes.div_ceil(8), 0);
+        }
+        let raw: &mut [u8] = bytemuck::cast_slice_mut(&mut words[..]);
+        let work: &mut [T] = bytemuck::cast_slice_mut(&mut raw[..nbytes]);
+        work.copy_from_slice(input);
+        self.reduce_scatter_in_place(work, op)?;
         output.copy_from_slice(&work[r..r + output.len()]);
         Ok(())
     }

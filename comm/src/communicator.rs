@@ -37,6 +37,9 @@ pub struct Communicator {
     store_host: Option<IpAddr>,
     pub(crate) cfg: Config,
     splits: AtomicU64,
+    /// Reused working copy of out-of-place reduce-scatter inputs (8-byte aligned words), so a
+    /// call does not allocate and fault in a fresh buffer every time.
+    pub(crate) scratch: std::sync::Mutex<Vec<u64>>,
     /// The store server, when this rank hosts it (rank 0 without a launcher-hosted store).
     _server: Option<TcpStoreServer>,
 }
@@ -422,6 +425,7 @@ impl Communicator {
             store_host,
             cfg,
             splits: AtomicU64::new(0),
+            scratch: std::sync::Mutex::new(Vec::new()),
             _server: None,
         })
     }

@@ -17,8 +17,7 @@
 //! | condition | algorithm |
 //! |---|---|
 //! | `bytes x (n - 1) <= ONE_SHOT_MAX` (64 KiB) | one-shot |
-//! | `n >= TWO_SHOT_MIN_RANKS` (3) | two-shot |
-//! | otherwise (2 ranks, larger messages) | ring (model) |
+//! | otherwise (`n >= TWO_SHOT_MIN_RANKS`, 2) | two-shot |
 //! | single-copy | only through `OXCCL_ALGO` |
 //!
 //! Measured 2026-11-23 on the development machine (2 cores) with
@@ -26,7 +25,8 @@
 //! 2 ranks, 8 B: one-shot 0.43 us, ring 0.61 us, two-shot 0.79 us; 32 KiB: one-shot 6.8 us, ring
 //! 7.1 us, two-shot 7.7 us; 256 KiB: ring 39 us, one-shot 61 us, two-shot 64 us; 2 MiB: ring
 //! 424 us, two-shot 476 us, one-shot 568 us; 64 MiB: ring 12.5 ms, two-shot 13.8 ms, single-copy
-//! 18.7 ms. 4 ranks on 2 cores: 2 MiB: two-shot 1.0 ms, ring 1.04 ms, one-shot 1.35 ms; 16 MiB:
+//! 18.7 ms; out of place (the ring copies the input first) two-shot led from 1 MiB to 64 MiB:
+//! 3.3-3.6 GB/s busbw against the ring's 2.4-2.7. 4 ranks on 2 cores: 2 MiB: two-shot 1.0 ms, ring 1.04 ms, one-shot 1.35 ms; 16 MiB:
 //! two-shot 8.8 ms, one-shot 12.2 ms, ring 14.4 ms. Single-copy (`process_vm_readv`) lost at every
 //! size: the kernel's copy (`_copy_to_iter`, 30 % of its profile) plus page pinning runs slower
 //! than a user-space copy through cache-resident staging on this VM.
@@ -233,9 +233,9 @@ const BETA_US_PER_BYTE: f64 = 1.0 / 1500.0;
 /// One-shot all-reduce while each rank reads at most this many bytes of peers' inputs
 /// (`bytes x (n - 1)`); measured, see the module documentation.
 pub const ONE_SHOT_MAX: usize = 64 << 10;
-/// Two-shot (staged) all-reduce beyond one-shot's range from this many ranks on; below it the
-/// ring (measured, see the module documentation).
-pub const TWO_SHOT_MIN_RANKS: usize = 3;
+/// Two-shot (staged) all-reduce beyond one-shot's range from this many ranks on (measured, see
+/// the module documentation: at 2 ranks it ties the ring in place and beats it out of place).
+pub const TWO_SHOT_MIN_RANKS: usize = 2;
 /// Single-copy all-reduce from this size on (when every rank can read every other); `None`:
 /// never by default, measured slower than two-shot and ring at every size on the development machine.
 pub const SINGLE_COPY_MIN: Option<usize> = None;
@@ -372,7 +372,7 @@ mod tests {
         let pick = |bytes, n, caps| choose(Collective::AllReduce, bytes, n, &none, caps).algo;
         assert_eq!(pick(8, 2, shm), Algorithm::OneShot);
         assert_eq!(pick(ONE_SHOT_MAX, 2, shm), Algorithm::OneShot);
-        assert_eq!(pick(ONE_SHOT_MAX + 4, 2, shm), Algorithm::Ring);
+        assert_eq!(pick(ONE_SHOT_MAX + 4, 2, shm), Algorithm::TwoShot);
         assert_eq!(pick(ONE_SHOT_MAX / 3, 4, shm), Algorithm::OneShot);
         assert_eq!(pick(ONE_SHOT_MAX, 4, shm), Algorithm::TwoShot);
         assert_eq!(pick(64 << 20, 4, shm), Algorithm::TwoShot);

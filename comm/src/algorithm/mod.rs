@@ -12,8 +12,10 @@
 //! | `dissemination.rs` | barrier |
 //! | `direct.rs` | one-shot, two-shot and single-copy all-reduce over the shared-memory window |
 //!
-//! All of them work in place on byte buffers; the communicator turns out-of-place calls into
-//! in-place ones (one copy) and checks arguments before anything is sent.
+//! All of them work in place on byte buffers (the direct all-reduces also read an out-of-place
+//! input where it is); the communicator turns other out-of-place calls into in-place ones (one
+//! copy) and checks arguments before anything is sent. The direct ones use the shared-memory
+//! window through `Ctx::window` / `Ctx::wait_step`, not the slots, but still know no backend.
 
 pub(crate) mod chain;
 pub(crate) mod direct;
