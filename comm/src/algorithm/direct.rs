@@ -64,6 +64,19 @@ fn piece(len: usize, es: usize, n: usize, i: usize) -> Range<usize> {
     r.start * es..r.end * es
 }
 
+/// Starts an epoch: copies `input` into this rank's staging half, publishes step `4e + 1` and
+/// waits until every peer has staged the same operation. Returns the epoch and its half.
+fn stage(ctx: &mut Ctx<'_>, input: &[u8]) -> Result<(u64, usize)> {
+    let tag = ctx.tag;
+    let (w, _) = ctx.window()?;
+    let e = w.next_epoch();
+    let h = (e % 2) as usize;
+    w.staging(h).own(0..input.len()).copy_from_slice(input);
+    w.publish(4 * e + 1, tag, h, [0, 0]);
+    ctx.wait_step(4 * e + 1, Some(h))?;
+    Ok((e, h))
+}
+
 /// One-shot all-reduce of `buf` (in place when `src` is `None`, else `buf = reduce(src)`).
 pub(crate) fn one_shot(
     ctx: &mut Ctx<'_>,
@@ -72,20 +85,13 @@ pub(crate) fn one_shot(
     dt: DType,
     op: ReduceOp,
 ) -> Result<()> {
-    let (n, tag, es) = (ctx.size, ctx.tag, dt.size());
+    let (n, es) = (ctx.size, dt.size());
     let cap = piece_bytes(ctx, es)?;
     let mut off = 0;
     while off < buf.len() {
         let len = cap.min(buf.len() - off);
         let r = off..off + len;
-        let (w, _) = ctx.window()?;
-        let e = w.next_epoch();
-        let h = (e % 2) as usize;
-        w.staging(h)
-            .own(0..len)
-            .copy_from_slice(src.map_or(&buf[r.clone()], |s| &s[r.clone()]));
-        w.publish(4 * e + 1, tag, h, [0, 0]);
-        ctx.wait_step(4 * e + 1, Some(h))?;
+        let (_, h) = stage(ctx, src.map_or(&buf[r.clone()], |s| &s[r.clone()]))?;
         let (w, _) = ctx.window()?;
         let st = w.staging(h);
         let out = &mut buf[r];
@@ -112,14 +118,7 @@ pub(crate) fn two_shot(
     while off < buf.len() {
         let len = cap.min(buf.len() - off);
         let r = off..off + len;
-        let (w, _) = ctx.window()?;
-        let e = w.next_epoch();
-        let h = (e % 2) as usize;
-        w.staging(h)
-            .own(0..len)
-            .copy_from_slice(src.map_or(&buf[r.clone()], |s| &s[r.clone()]));
-        w.publish(4 * e + 1, tag, h, [0, 0]);
-        ctx.wait_step(4 * e + 1, Some(h))?;
+        let (e, h) = stage(ctx, src.map_or(&buf[r.clone()], |s| &s[r.clone()]))?;
         // Reduce piece `me` of every rank's half into this rank's half.
         let mine = piece(len, es, n, me);
         let (w, _) = ctx.window()?;
