@@ -71,13 +71,14 @@ fn exec<R>(
     );
     ctx.collective = true;
     ctx.spin = shared.spin;
+    ctx.stream = full >= tuning::STREAM_MIN;
     let r = body(&mut ctx, choice)?;
     ctx.flush()?;
     Ok(r)
 }
 
-/// All-reduce of `buf` (in place, or `buf = reduce(src)`: the direct algorithms read `src`
-/// where it is, the others start from a copy).
+/// All-reduce of `buf` (in place, or `buf = reduce(src)`: the ring and the direct algorithms
+/// read `src` where it is, the others start from a copy).
 fn all_reduce_body(
     ctx: &mut Ctx<'_>,
     ch: Choice,
@@ -86,12 +87,12 @@ fn all_reduce_body(
     dt: DType,
     op: ReduceOp,
 ) -> Result<()> {
-    if let (Some(s), false) = (src, ch.algo.needs_window()) {
+    if let (Some(s), false) = (src, ch.algo.needs_window() || ch.algo == Algorithm::Ring) {
         buf.copy_from_slice(s);
     }
     if ctx.size > 1 {
         match ch.algo {
-            Algorithm::Ring => ring::all_reduce(ctx, buf, dt, op, ch.chunk_bytes)?,
+            Algorithm::Ring => ring::all_reduce(ctx, src, buf, dt, op, ch.chunk_bytes)?,
             Algorithm::Tree => tree::all_reduce(ctx, buf, dt, op, ch.chunk_bytes)?,
             Algorithm::HalvingDoubling => halving_doubling::all_reduce(ctx, buf, dt, op)?,
             Algorithm::OneShot => direct::one_shot(ctx, src, buf, dt, op)?,
@@ -116,16 +117,23 @@ fn finish(ctx: &Ctx<'_>, buf: &mut [u8], dt: DType, op: ReduceOp) -> Result<()> 
     Ok(())
 }
 
+/// Broadcast into `buf`; `src` (root only, out of place) is the root's input.
 fn broadcast_body(
     ctx: &mut Ctx<'_>,
     ch: Choice,
+    src: Option<&[u8]>,
     buf: &mut [u8],
     es: usize,
     root: usize,
 ) -> Result<()> {
     match ch.algo {
-        Algorithm::Tree => tree::broadcast(ctx, buf, es, root, ch.chunk_bytes),
-        Algorithm::Chain => chain::broadcast(ctx, buf, root),
+        Algorithm::Tree => {
+            if let Some(s) = src {
+                buf.copy_from_slice(s);
+            }
+            tree::broadcast(ctx, buf, es, root, ch.chunk_bytes)
+        }
+        Algorithm::Chain => chain::broadcast(ctx, buf, root, src),
         a => Err(no_algo(ctx, a)),
     }
 }
@@ -302,25 +310,23 @@ impl Communicator {
                 ),
             ));
         }
-        let r = self.rank * output.len();
-        // The communicator's reusable scratch; if another thread of this rank holds it (it may
-        // be queued behind this call), a fresh copy instead of waiting.
-        let Ok(mut words) = self.scratch.try_lock() else {
-            let mut work = input.to_vec();
-            self.reduce_scatter_in_place(&mut work, op)?;
-            output.copy_from_slice(&work[r..r + output.len()]);
-            return Ok(());
-        };
+        // Intermediate chunks go to the communicator's reusable scratch (the input is read
+        // where it is, never copied); if another thread of this rank holds the scratch (it may be
+        // queued behind this call), a fresh zeroed buffer instead of waiting.
+        let mut fresh = Vec::new();
+        let mut guard = self.scratch.try_lock().ok();
+        let words: &mut Vec<u64> = guard.as_deref_mut().unwrap_or(&mut fresh);
         let nbytes = std::mem::size_of_val(input);
         if words.len() < nbytes.div_ceil(8) {
             words.resize(nbytes.div_ceil(8), 0);
         }
         let raw: &mut [u8] = bytemuck::cast_slice_mut(&mut words[..]);
-        let work: &mut [T] = bytemuck::cast_slice_mut(&mut raw[..nbytes]);
-        work.copy_from_slice(input);
-        self.reduce_scatter_in_place(work, op)?;
-        output.copy_from_slice(&work[r..r + output.len()]);
-        Ok(())
+        self.reduce_scatter_run::<T>(
+            Some(bytes(input)),
+            &mut raw[..nbytes],
+            Some(bytes_mut(output)),
+            op,
+        )
     }
 
     /// Reduce-scatter in place: `buf` holds `size()` shards; shard `rank()` ends reduced (the
@@ -339,13 +345,31 @@ impl Communicator {
                 ),
             ));
         }
-        let desc = self.desc::<T>(Collective::ReduceScatter, buf.len() / self.size, op, 0);
+        self.reduce_scatter_run::<T>(None, bytes_mut(buf), None, op)
+    }
+
+    /// Runs a reduce-scatter of `T` elements over `buf` (`size()` shards): the input is `src`
+    /// (out of place) or `buf` itself; shard `rank()` of `buf` ends reduced and is copied to
+    /// `out` when given.
+    fn reduce_scatter_run<T: Element>(
+        &self,
+        src: Option<&[u8]>,
+        buf: &mut [u8],
+        out: Option<&mut [u8]>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let count = buf.len() / T::DTYPE.size() / self.size;
+        let desc = self.desc::<T>(Collective::ReduceScatter, count, op, 0);
         let rank = self.rank;
         self.run(desc, |ctx, ch| {
-            let b = bytes_mut(buf);
-            ring::reduce_scatter(ctx, b, T::DTYPE, op, ch.chunk_bytes)?;
-            let sb = b.len() / ctx.size;
-            finish(ctx, &mut b[rank * sb..(rank + 1) * sb], T::DTYPE, op)
+            ring::reduce_scatter(ctx, src, buf, T::DTYPE, op, ch.chunk_bytes)?;
+            let sb = buf.len() / ctx.size;
+            let mine = &mut buf[rank * sb..(rank + 1) * sb];
+            finish(ctx, mine, T::DTYPE, op)?;
+            if let Some(o) = out {
+                crate::prims::copy(ctx.stream, o, mine);
+            }
+            Ok(())
         })
     }
 
@@ -370,7 +394,7 @@ impl Communicator {
         let rank = self.rank;
         self.run_async(desc, buf, move |ctx, ch, b| {
             let b = bytes_mut(b.as_mut());
-            ring::reduce_scatter(ctx, b, T::DTYPE, op, ch.chunk_bytes)?;
+            ring::reduce_scatter(ctx, None, b, T::DTYPE, op, ch.chunk_bytes)?;
             let sb = b.len() / ctx.size;
             finish(ctx, &mut b[rank * sb..(rank + 1) * sb], T::DTYPE, op)
         })
@@ -392,9 +416,17 @@ impl Communicator {
                 ),
             ));
         }
-        let r = self.rank * input.len();
-        output[r..r + input.len()].copy_from_slice(input);
-        self.all_gather_in_place(output)
+        let desc = self.desc::<T>(Collective::AllGather, input.len(), ReduceOp::Sum, 0);
+        self.run(desc, |ctx, ch| {
+            let es = T::DTYPE.size();
+            ring::all_gather(
+                ctx,
+                bytes_mut(output),
+                es,
+                ch.chunk_bytes,
+                Some(bytes(input)),
+            )
+        })
     }
 
     /// All-gather in place: `buf` holds `size()` shards, this rank's shard at `rank()`.
@@ -419,7 +451,7 @@ impl Communicator {
             0,
         );
         self.run(desc, |ctx, ch| {
-            ring::all_gather(ctx, bytes_mut(buf), T::DTYPE.size(), ch.chunk_bytes)
+            ring::all_gather(ctx, bytes_mut(buf), T::DTYPE.size(), ch.chunk_bytes, None)
         })
     }
 
@@ -441,7 +473,13 @@ impl Communicator {
         }
         let desc = self.desc::<T>(Collective::AllGather, len / self.size, ReduceOp::Sum, 0);
         self.run_async(desc, buf, move |ctx, ch, b| {
-            ring::all_gather(ctx, bytes_mut(b.as_mut()), T::DTYPE.size(), ch.chunk_bytes)
+            ring::all_gather(
+                ctx,
+                bytes_mut(b.as_mut()),
+                T::DTYPE.size(),
+                ch.chunk_bytes,
+                None,
+            )
         })
     }
 
@@ -453,7 +491,7 @@ impl Communicator {
         self.check_root("broadcast", root)?;
         let desc = self.desc::<T>(Collective::Broadcast, buf.len(), ReduceOp::Sum, root);
         self.run(desc, |ctx, ch| {
-            broadcast_body(ctx, ch, bytes_mut(buf), T::DTYPE.size(), root)
+            broadcast_body(ctx, ch, None, bytes_mut(buf), T::DTYPE.size(), root)
         })
     }
 
@@ -467,20 +505,22 @@ impl Communicator {
         output: &mut [T],
         root: usize,
     ) -> Result<()> {
-        if self.rank == root {
-            if input.len() != output.len() {
-                return Err(self.invalid(
-                    "broadcast",
-                    format!(
-                        "input has {} elements, output {}",
-                        input.len(),
-                        output.len()
-                    ),
-                ));
-            }
-            output.copy_from_slice(input);
+        self.check_root("broadcast", root)?;
+        if self.rank == root && input.len() != output.len() {
+            return Err(self.invalid(
+                "broadcast",
+                format!(
+                    "input has {} elements, output {}",
+                    input.len(),
+                    output.len()
+                ),
+            ));
         }
-        self.broadcast(output, root)
+        let desc = self.desc::<T>(Collective::Broadcast, output.len(), ReduceOp::Sum, root);
+        let src = (self.rank == root).then(|| bytes(input));
+        self.run(desc, |ctx, ch| {
+            broadcast_body(ctx, ch, src, bytes_mut(output), T::DTYPE.size(), root)
+        })
     }
 
     /// Asynchronous in-place broadcast.
@@ -499,7 +539,7 @@ impl Communicator {
             root,
         );
         self.run_async(desc, buf, move |ctx, ch, b| {
-            broadcast_body(ctx, ch, bytes_mut(b.as_mut()), T::DTYPE.size(), root)
+            broadcast_body(ctx, ch, None, bytes_mut(b.as_mut()), T::DTYPE.size(), root)
         })
     }
 

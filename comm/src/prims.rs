@@ -87,11 +87,14 @@ impl Links {
 
 /// How received bytes land in the destination.
 #[derive(Clone, Copy)]
-pub(crate) enum RecvMode {
+pub(crate) enum RecvMode<'s> {
     /// `dst = slot`.
     Copy,
     /// `dst = dst (op) slot`.
     Reduce(DType, ReduceOp),
+    /// `dst = src (op) slot`, `src` as long as the destination (out-of-place input read where
+    /// it is, instead of a copy into the destination first).
+    ReduceFrom(DType, ReduceOp, &'s [u8]),
 }
 
 /// Everything an algorithm needs while one operation runs.
@@ -122,6 +125,18 @@ pub(crate) struct Ctx<'a> {
     direct: bool,
     /// Busy-poll before yielding (false when ranks outnumber cores).
     pub spin: bool,
+    /// Copies into the user's buffer use streaming stores (set for buffers beyond the caches,
+    /// see `tuning::STREAM_MIN`).
+    pub stream: bool,
+}
+
+/// Copies `src` into `dst` (a user buffer), with streaming stores when `stream`.
+pub(crate) fn copy(stream: bool, dst: &mut [u8], src: &[u8]) {
+    if stream {
+        oxccl_kernels::copy_streaming(dst, src);
+    } else {
+        dst.copy_from_slice(src);
+    }
 }
 
 fn proto_err(rank: usize, peer: usize, msg: String) -> Error {
@@ -181,6 +196,7 @@ impl<'a> Ctx<'a> {
             collective: false,
             direct: false,
             spin: true,
+            stream: false,
         }
     }
 
@@ -366,7 +382,7 @@ impl<'a> Ctx<'a> {
     pub(crate) fn exchange(
         &mut self,
         send: Option<(usize, &[u8])>,
-        recv: Option<(usize, &mut [u8], RecvMode)>,
+        recv: Option<(usize, &mut [u8], RecvMode<'_>)>,
     ) -> Result<()> {
         let tag = self.tag;
         self.exchange_tagged(
@@ -379,8 +395,24 @@ impl<'a> Ctx<'a> {
     pub(crate) fn exchange_tagged(
         &mut self,
         send: Option<(usize, &[u8], Tag)>,
-        mut recv: Option<(usize, &mut [u8], RecvMode, Tag)>,
+        recv: Option<(usize, &mut [u8], RecvMode<'_>, Tag)>,
     ) -> Result<()> {
+        self.exchange_mirrored(send, None, recv)
+    }
+
+    /// [`Ctx::exchange`] whose sent bytes are also copied into `mirror` (same length as the sent
+    /// data) piece by piece, right after each piece goes into a slot while it is still in cache:
+    /// out-of-place collectives put their own input in place this way instead of with one big
+    /// copy before the first send.
+    pub(crate) fn exchange_mirrored(
+        &mut self,
+        send: Option<(usize, &[u8], Tag)>,
+        mut mirror: Option<&mut [u8]>,
+        mut recv: Option<(usize, &mut [u8], RecvMode<'_>, Tag)>,
+    ) -> Result<()> {
+        debug_assert!(mirror
+            .as_ref()
+            .is_none_or(|m| send.as_ref().is_some_and(|s| s.1.len() == m.len())));
         let (mut sent, mut send_frames) = (0usize, 0usize);
         let (mut got, mut recv_frames) = (0usize, 0usize);
         let mut send_done = send.is_none();
@@ -399,6 +431,9 @@ impl<'a> Ctx<'a> {
                     let n = slot.len().min(data.len() - sent);
                     slot[..n].copy_from_slice(&data[sent..sent + n]);
                     conn.post(n, *tag).map_err(|e| retag(self.op, e))?;
+                    if let Some(m) = mirror.as_mut() {
+                        copy(self.stream, &mut m[sent..sent + n], &data[sent..sent + n]);
+                    }
                     sent += n;
                     send_frames += 1;
                     send_done = sent == data.len();
@@ -440,7 +475,7 @@ impl<'a> Ctx<'a> {
         peer: usize,
         buf: &mut [u8],
         got: &mut usize,
-        mode: RecvMode,
+        mode: RecvMode<'_>,
         want: &Tag,
     ) -> Result<bool> {
         let rank = self.rank;
@@ -476,9 +511,13 @@ impl<'a> Ctx<'a> {
         let dst = &mut buf[*got..*got + n];
         let kerr = |e: oxccl_kernels::KernelError| proto_err(rank, peer, format!("{op}: {e}"));
         match mode {
-            RecvMode::Copy => dst.copy_from_slice(data),
+            RecvMode::Copy => copy(self.stream, dst, data),
             RecvMode::Reduce(dt, rop) => {
                 oxccl_kernels::reduce_bytes(dt, rop, dst, data).map_err(kerr)?
+            }
+            RecvMode::ReduceFrom(dt, rop, src) => {
+                let own = &src[*got..*got + n];
+                oxccl_kernels::reduce_into_bytes(dt, rop, dst, own, data).map_err(kerr)?
             }
         }
         *got += n;
@@ -492,7 +531,7 @@ impl<'a> Ctx<'a> {
     }
 
     /// Receives into `buf` from `peer`.
-    pub(crate) fn recv(&mut self, peer: usize, buf: &mut [u8], mode: RecvMode) -> Result<()> {
+    pub(crate) fn recv(&mut self, peer: usize, buf: &mut [u8], mode: RecvMode<'_>) -> Result<()> {
         self.exchange(None, Some((peer, buf, mode)))
     }
 
@@ -503,7 +542,7 @@ impl<'a> Ctx<'a> {
         from: usize,
         to: usize,
         buf: &mut [u8],
-        mode: RecvMode,
+        mode: RecvMode<'_>,
     ) -> Result<()> {
         let tag = self.tag;
         let (mut got, mut fwd) = (0usize, 0usize);

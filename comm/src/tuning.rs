@@ -17,19 +17,27 @@
 //! | condition | algorithm |
 //! |---|---|
 //! | `bytes x (n - 1) <= ONE_SHOT_MAX` (64 KiB) | one-shot |
-//! | otherwise (`n >= TWO_SHOT_MIN_RANKS`, 2) | two-shot |
+//! | otherwise, `n >= TWO_SHOT_MIN_RANKS` (3) | two-shot |
+//! | otherwise (2 ranks) | ring through the slots (the model's choice) |
 //! | single-copy | only through `OXCCL_ALGO` |
 //!
-//! Measured 2026-11-23 on the development machine (2 cores) with
-//! `oxccl perf all-reduce --np N -b 8 -e 64M -f 8 -z 1 --algo A`, in-place times:
-//! 2 ranks, 8 B: one-shot 0.43 us, ring 0.61 us, two-shot 0.79 us; 32 KiB: one-shot 6.8 us, ring
-//! 7.1 us, two-shot 7.7 us; 256 KiB: ring 39 us, one-shot 61 us, two-shot 64 us; 2 MiB: ring
-//! 424 us, two-shot 476 us, one-shot 568 us; 64 MiB: ring 12.5 ms, two-shot 13.8 ms, single-copy
-//! 18.7 ms; out of place (the ring copies the input first) two-shot led from 1 MiB to 64 MiB:
-//! 3.3-3.6 GB/s busbw against the ring's 2.4-2.7. 4 ranks on 2 cores: 2 MiB: two-shot 1.0 ms, ring 1.04 ms, one-shot 1.35 ms; 16 MiB:
-//! two-shot 8.8 ms, one-shot 12.2 ms, ring 14.4 ms. Single-copy (`process_vm_readv`) lost at every
-//! size: the kernel's copy (`_copy_to_iter`, 30 % of its profile) plus page pinning runs slower
-//! than a user-space copy through cache-resident staging on this VM.
+//! Measured 2026-11-23 on the development machine (2 cores), medians of 5 interleaved runs of
+//! `OXCCL_ALGO=all-reduce=A oxccl perf all-reduce --np N -b S -e S -z 1 -n 100 -w 10`, out-of-place /
+//! in-place times, after the ring learnt to read an out-of-place input where it is and copies
+//! into large user buffers became streaming stores:
+//! - 2 ranks: 32 KiB: ring 7.0/5.4 us, one-shot 7.0/5.5, two-shot 7.3/5.6; 256 KiB: ring
+//!   52/34 us, one-shot 54/50, two-shot 60/43; 1 MiB: ring 227/162 us, one-shot 218/189,
+//!   two-shot 244/181; 4 MiB: ring 795/657 us, two-shot 805/794, one-shot 822/792; 16 MiB:
+//!   ring 3.60/2.98 ms, two-shot 3.23/3.22, one-shot 3.42/3.14; 64 MiB: ring 14.5/11.9 ms,
+//!   two-shot 14.6/14.5, one-shot 21.5/21.7. The ring leads or ties from 256 KiB on.
+//! - 4 ranks on 2 cores (3 rounds): 64 KiB: two-shot 72/66 us, ring 82/76, one-shot 85/77;
+//!   1 MiB: two-shot 770/720 us, ring 850/662, one-shot 1064/980; 16 MiB: two-shot 8.3/8.4 ms,
+//!   one-shot 11.4/10.0, ring 13.3/11.5; 64 MiB: two-shot 32.0/30.3 ms, one-shot 44.8/38.6,
+//!   ring 45.7/38.6. With ranks waiting for cores, the ring's `2 (n - 1)` hand-offs cost more
+//!   than two-shot's two. Whether the ring would win at 4 ranks with a core each is unmeasured.
+//! - Single-copy (`process_vm_readv`) lost at every size in the earlier round (64 MiB, 2 ranks:
+//!   18.7 ms against the ring's 12.5): the kernel's copy (`_copy_to_iter`, 30 % of its profile)
+//!   plus page pinning is slower than a user-space copy through cache-resident staging here.
 
 use crate::error::{Error, Result};
 use crate::op::Collective;
@@ -234,11 +242,17 @@ const BETA_US_PER_BYTE: f64 = 1.0 / 1500.0;
 /// (`bytes x (n - 1)`); measured, see the module documentation.
 pub const ONE_SHOT_MAX: usize = 64 << 10;
 /// Two-shot (staged) all-reduce beyond one-shot's range from this many ranks on (measured, see
-/// the module documentation: at 2 ranks it ties the ring in place and beats it out of place).
-pub const TWO_SHOT_MIN_RANKS: usize = 2;
+/// the module documentation: at 2 ranks the ring wins or ties from 256 KiB on).
+pub const TWO_SHOT_MIN_RANKS: usize = 3;
 /// Single-copy all-reduce from this size on (when every rank can read every other); `None`:
 /// never by default, measured slower than two-shot and ring at every size on the development machine.
 pub const SINGLE_COPY_MIN: Option<usize> = None;
+/// Collectives on at least this many bytes copy into the user's buffer with streaming
+/// (non-temporal) stores (`oxccl_kernels::copy_streaming`): such a buffer does not stay in cache
+/// anyway, and skipping the read-for-ownership of every line saves a third of the copy's memory
+/// traffic. Measured with `oxccl perf broadcast|all-gather --np 2` (see docs/PERF.md).
+pub const STREAM_MIN: usize = 4 << 20;
+
 /// Ring block per rank and tree piece.
 const CHUNK_BYTES: usize = 4 << 20;
 
@@ -372,7 +386,9 @@ mod tests {
         let pick = |bytes, n, caps| choose(Collective::AllReduce, bytes, n, &none, caps).algo;
         assert_eq!(pick(8, 2, shm), Algorithm::OneShot);
         assert_eq!(pick(ONE_SHOT_MAX, 2, shm), Algorithm::OneShot);
-        assert_eq!(pick(ONE_SHOT_MAX + 4, 2, shm), Algorithm::TwoShot);
+        assert_eq!(pick(ONE_SHOT_MAX + 4, 2, shm), Algorithm::Ring);
+        assert_eq!(pick(64 << 20, 2, shm), Algorithm::Ring);
+        assert_eq!(pick(ONE_SHOT_MAX / 2 + 4, 3, shm), Algorithm::TwoShot);
         assert_eq!(pick(ONE_SHOT_MAX / 3, 4, shm), Algorithm::OneShot);
         assert_eq!(pick(ONE_SHOT_MAX, 4, shm), Algorithm::TwoShot);
         assert_eq!(pick(64 << 20, 4, shm), Algorithm::TwoShot);

@@ -33,4 +33,21 @@ pub enum KernelError {
     /// `finish_avg_bytes` was asked to divide by zero contributors.
     #[error("cannot average over zero contributors")]
     ZeroCount,
+    /// A multi-input kernel got no inputs or more than it takes.
+    #[error("{0} inputs: a reduce kernel takes 1 to 8")]
+    Inputs(usize),
+    /// The operation does not exist for this data type.
+    #[error("{what} is not defined for {dtype}")]
+    Unsupported {
+        /// The data type.
+        dtype: crate::DType,
+        /// The operation asked for.
+        what: &'static str,
+    },
+    /// A CUDA library (driver or NVRTC) or device is missing: CUDA paths cannot run here.
+    #[error("CUDA unavailable: {0}")]
+    CudaUnavailable(String),
+    /// A CUDA call failed (compile log or driver error).
+    #[error("CUDA error: {0}")]
+    Cuda(String),
 }

@@ -3,7 +3,8 @@
 //! Every collective in oxccl ends up combining buffers element by element; this crate holds
 //! those kernels for every ([`DType`], [`ReduceOp`]) pair, in a typed form ([`reduce`],
 //! [`reduce_into`], [`finish_avg`]) and in a byte form for transports that move untyped buffers
-//! ([`reduce_bytes`], [`reduce_into_bytes`], [`finish_avg_bytes`]).
+//! ([`reduce_bytes`], [`reduce_into_bytes`], [`finish_avg_bytes`]), plus [`copy_streaming`], a
+//! copy with non-temporal stores for destinations larger than the caches.
 //!
 //! # Quick start
 //!
@@ -80,15 +81,21 @@
 //! aligned for the element type are processed through aligned stack blocks instead, with
 //! bit-identical results.
 
-#![forbid(unsafe_code)]
+// Only `copy.rs` (streaming-store intrinsics) opts in, with a SAFETY comment per block.
+#![deny(unsafe_code)]
 
 mod bytes;
+mod copy;
+#[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
+pub mod cuda;
 mod dtype;
 mod element;
 mod error;
 mod host;
 
 pub use bytes::{finish_avg_bytes, reduce_bytes, reduce_into_bytes};
+pub use copy::copy_streaming;
 /// The 16-bit float types of [`DType::F16`] and [`DType::BF16`] (from the `half` crate).
 pub use half::{bf16, f16};
 

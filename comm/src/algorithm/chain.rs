@@ -3,7 +3,8 @@
 //! Ranks are renumbered relative to the root (`v = (r - root) mod n`) and form a chain
 //! `0 -> 1 -> ... -> n-1`. Broadcast: the root streams its buffer to `v=1` slot by slot; every
 //! middle rank copies each slot into its buffer and forwards it to the next rank at once, so all
-//! links carry data at the same time. Reduce runs the chain backwards: `v=n-1` streams its buffer
+//! links carry data at the same time. Out of place, the root sends from its input and copies each
+//! piece into its output right after the piece enters a slot. Reduce runs the chain backwards: `v=n-1` streams its buffer
 //! to `v=n-2`, every middle rank reduces each arriving slot into its buffer and forwards the
 //! result, the root reduces the last hop into its buffer.
 //!
@@ -15,16 +16,31 @@ use oxccl_kernels::{DType, ReduceOp};
 use crate::error::Result;
 use crate::prims::{Ctx, RecvMode};
 
-/// In-place chain broadcast from `root`.
-pub(crate) fn broadcast(ctx: &mut Ctx<'_>, buf: &mut [u8], root: usize) -> Result<()> {
+/// Chain broadcast from `root`, in place, or out of place on the root (`src`: the root sends from
+/// `src` and mirrors each piece into `buf` as it goes out).
+pub(crate) fn broadcast(
+    ctx: &mut Ctx<'_>,
+    buf: &mut [u8],
+    root: usize,
+    src: Option<&[u8]>,
+) -> Result<()> {
     let n = ctx.size;
     if n == 1 || buf.is_empty() {
+        if let Some(s) = src {
+            buf.copy_from_slice(s);
+        }
         return Ok(());
     }
     let real = |v: usize| (v + root) % n;
     let v = (ctx.rank + n - root) % n;
     if v == 0 {
-        ctx.send(real(1), buf)
+        match src {
+            Some(s) => {
+                let tag = ctx.tag;
+                ctx.exchange_mirrored(Some((real(1), s, tag)), Some(buf), None)
+            }
+            None => ctx.send(real(1), buf),
+        }
     } else if v == n - 1 {
         ctx.recv(real(v - 1), buf, RecvMode::Copy)
     } else {

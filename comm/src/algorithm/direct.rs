@@ -32,7 +32,7 @@ use oxccl_kernels::{reduce_bytes, reduce_into_bytes, DType, KernelError, ReduceO
 
 use crate::algorithm::partition;
 use crate::error::{Error, Result};
-use crate::prims::Ctx;
+use crate::prims::{copy, Ctx};
 
 /// Bytes read from a peer per `process_vm_readv` before they are reduced (fits in L2).
 pub(crate) const BLOCK: usize = 256 << 10;
@@ -112,7 +112,7 @@ pub(crate) fn two_shot(
     dt: DType,
     op: ReduceOp,
 ) -> Result<()> {
-    let (n, me, tag, es) = (ctx.size, ctx.rank, ctx.tag, dt.size());
+    let (n, me, tag, es, stream) = (ctx.size, ctx.rank, ctx.tag, dt.size(), ctx.stream);
     let cap = piece_bytes(ctx, es)?;
     let mut off = 0;
     while off < buf.len() {
@@ -137,7 +137,11 @@ pub(crate) fn two_shot(
         let st = w.staging(h);
         for j in 0..n {
             let pj = piece(len, es, n, j);
-            buf[off + pj.start..off + pj.end].copy_from_slice(st.peer(j, pj));
+            copy(
+                stream,
+                &mut buf[off + pj.start..off + pj.end],
+                st.peer(j, pj),
+            );
         }
         off += len;
     }

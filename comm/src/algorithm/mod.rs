@@ -12,9 +12,10 @@
 //! | `dissemination.rs` | barrier |
 //! | `direct.rs` | one-shot, two-shot and single-copy all-reduce over the shared-memory window |
 //!
-//! All of them work in place on byte buffers (the direct all-reduces also read an out-of-place
-//! input where it is); the communicator turns other out-of-place calls into in-place ones (one
-//! copy) and checks arguments before anything is sent. The direct ones use the shared-memory
+//! All of them work on byte buffers in place; the ring (all-reduce, reduce-scatter, all-gather),
+//! the chain broadcast and the direct all-reduces also read an out-of-place input where it is.
+//! The communicator turns the other out-of-place calls into in-place ones (one copy) and checks
+//! arguments before anything is sent. The direct ones use the shared-memory
 //! window through `Ctx::window` / `Ctx::wait_step`, not the slots, but still know no backend.
 
 pub(crate) mod chain;
@@ -41,16 +42,26 @@ pub fn partition(count: usize, parts: usize, i: usize) -> Range<usize> {
 
 /// Two disjoint byte ranges of one buffer: the first shared, the second mutable.
 pub(crate) fn split_pair(buf: &mut [u8], a: Range<usize>, b: Range<usize>) -> (&[u8], &mut [u8]) {
+    let (a, b) = split_pair_mut(buf, a, b);
+    (a, b)
+}
+
+/// Two disjoint byte ranges of one buffer, both mutable.
+pub(crate) fn split_pair_mut(
+    buf: &mut [u8],
+    a: Range<usize>,
+    b: Range<usize>,
+) -> (&mut [u8], &mut [u8]) {
     assert!(
         a.end <= b.start || b.end <= a.start,
         "ranges overlap: {a:?} {b:?}"
     );
     if a.end <= b.start {
         let (lo, hi) = buf.split_at_mut(b.start);
-        (&lo[a], &mut hi[..b.end - b.start])
+        (&mut lo[a], &mut hi[..b.end - b.start])
     } else {
         let (lo, hi) = buf.split_at_mut(a.start);
-        (&hi[..a.end - a.start], &mut lo[b])
+        (&mut hi[..a.end - a.start], &mut lo[b])
     }
 }
 

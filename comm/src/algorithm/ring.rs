@@ -20,13 +20,17 @@ use std::ops::Range;
 
 use oxccl_kernels::{DType, ReduceOp};
 
-use super::{partition, ring_sub, split_pair};
+use super::{partition, ring_sub, split_pair, split_pair_mut};
 use crate::error::Result;
 use crate::prims::{Ctx, RecvMode};
 
+/// Reduce-scatter steps of one block. With `src` (the out-of-place input, indexed like `buf`),
+/// the first send reads `src` and every received chunk is combined with `src` into `buf`, so the
+/// input is never copied into `buf` first.
 fn rs_steps(
     ctx: &mut Ctx<'_>,
     buf: &mut [u8],
+    src: Option<&[u8]>,
     chunk: &dyn Fn(usize) -> Range<usize>,
     dt: DType,
     op: ReduceOp,
@@ -34,36 +38,51 @@ fn rs_steps(
     let (n, r) = (ctx.size, ctx.rank);
     let (next, prev) = ((r + 1) % n, ring_sub(r, 1, n));
     for s in 0..n - 1 {
-        let (src, dst) = split_pair(
-            buf,
-            chunk(ring_sub(r, s + 1, n)),
-            chunk(ring_sub(r, s + 2, n)),
-        );
-        ctx.exchange(
-            Some((next, src)),
-            Some((prev, dst, RecvMode::Reduce(dt, op))),
-        )?;
+        let (out, inc) = (chunk(ring_sub(r, s + 1, n)), chunk(ring_sub(r, s + 2, n)));
+        let mode = src.map_or(RecvMode::Reduce(dt, op), |x| {
+            RecvMode::ReduceFrom(dt, op, &x[inc.clone()])
+        });
+        let (from_buf, dst) = split_pair(buf, out.clone(), inc);
+        let data = match src {
+            Some(x) if s == 0 => &x[out],
+            _ => from_buf,
+        };
+        ctx.exchange(Some((next, data)), Some((prev, dst, mode)))?;
     }
     Ok(())
 }
 
+/// All-gather steps of one block. With `own` (this rank's input for the block, out of place), the
+/// first step sends from `own` and mirrors it into the buffer piece by piece as it goes out.
 fn ag_steps(
     ctx: &mut Ctx<'_>,
     buf: &mut [u8],
     chunk: &dyn Fn(usize) -> Range<usize>,
+    own: Option<&[u8]>,
 ) -> Result<()> {
     let (n, r) = (ctx.size, ctx.rank);
     let (next, prev) = ((r + 1) % n, ring_sub(r, 1, n));
     for s in 0..n - 1 {
-        let (src, dst) = split_pair(buf, chunk(ring_sub(r, s, n)), chunk(ring_sub(r, s + 1, n)));
-        ctx.exchange(Some((next, src)), Some((prev, dst, RecvMode::Copy)))?;
+        let (src, dst) =
+            split_pair_mut(buf, chunk(ring_sub(r, s, n)), chunk(ring_sub(r, s + 1, n)));
+        let tag = ctx.tag;
+        match own {
+            Some(own) if s == 0 => ctx.exchange_mirrored(
+                Some((next, own, tag)),
+                Some(src),
+                Some((prev, dst, RecvMode::Copy, tag)),
+            )?,
+            _ => ctx.exchange(Some((next, src)), Some((prev, dst, RecvMode::Copy)))?,
+        }
     }
     Ok(())
 }
 
-/// In-place ring all-reduce of `buf` (elements of `dt`).
+/// Ring all-reduce of `buf` (elements of `dt`): in place, or `buf = reduce(src)` reading `src`
+/// where it is.
 pub(crate) fn all_reduce(
     ctx: &mut Ctx<'_>,
+    src: Option<&[u8]>,
     buf: &mut [u8],
     dt: DType,
     op: ReduceOp,
@@ -73,6 +92,9 @@ pub(crate) fn all_reduce(
     let es = dt.size();
     let count = buf.len() / es;
     if n == 1 || count == 0 {
+        if let Some(s) = src {
+            buf.copy_from_slice(s);
+        }
         return Ok(());
     }
     let block = (chunk_bytes / es).max(1) * n;
@@ -83,8 +105,8 @@ pub(crate) fn all_reduce(
             let p = partition(len, n, i);
             (start + p.start) * es..(start + p.end) * es
         };
-        rs_steps(ctx, buf, &chunk, dt, op)?;
-        ag_steps(ctx, buf, &chunk)?;
+        rs_steps(ctx, buf, src, &chunk, dt, op)?;
+        ag_steps(ctx, buf, &chunk, None)?;
         start += len;
     }
     Ok(())
@@ -109,9 +131,12 @@ fn for_shard_blocks(
     Ok(())
 }
 
-/// In-place ring reduce-scatter: `buf` holds `n` shards; afterwards shard `rank` is reduced.
+/// Ring reduce-scatter: `buf` holds `n` shards; afterwards shard `rank` is reduced. In place
+/// `buf` starts as the input; out of place `src` is the input and `buf` is only written (chunks
+/// other than shard `rank` end holding partial results).
 pub(crate) fn reduce_scatter(
     ctx: &mut Ctx<'_>,
+    src: Option<&[u8]>,
     buf: &mut [u8],
     dt: DType,
     op: ReduceOp,
@@ -120,24 +145,39 @@ pub(crate) fn reduce_scatter(
     let n = ctx.size;
     let shard = buf.len() / dt.size() / n;
     if n == 1 || shard == 0 {
+        if let Some(s) = src {
+            buf.copy_from_slice(s);
+        }
         return Ok(());
     }
     for_shard_blocks(shard, dt.size(), chunk_bytes, |chunk| {
-        rs_steps(ctx, buf, chunk, dt, op)
+        rs_steps(ctx, buf, src, chunk, dt, op)
     })
 }
 
-/// In-place ring all-gather: `buf` holds `n` shards of `es`-byte elements, shard `rank` valid.
+/// Ring all-gather: `buf` holds `n` shards of `es`-byte elements. In place (`own` = None) shard
+/// `rank` is already valid; out of place `own` is this rank's shard, put in place block by block
+/// as it is sent (one pass over it instead of a copy before the first send).
 pub(crate) fn all_gather(
     ctx: &mut Ctx<'_>,
     buf: &mut [u8],
     es: usize,
     chunk_bytes: usize,
+    own: Option<&[u8]>,
 ) -> Result<()> {
     let n = ctx.size;
     let shard = buf.len() / es / n;
     if n == 1 || shard == 0 {
+        if let Some(own) = own {
+            let at = ctx.rank * own.len();
+            buf[at..at + own.len()].copy_from_slice(own);
+        }
         return Ok(());
     }
-    for_shard_blocks(shard, es, chunk_bytes, |chunk| ag_steps(ctx, buf, chunk))
+    let base = ctx.rank * shard * es;
+    for_shard_blocks(shard, es, chunk_bytes, |chunk| {
+        let mine = chunk(ctx.rank);
+        let own = own.map(|o| &o[mine.start - base..mine.end - base]);
+        ag_steps(ctx, buf, chunk, own)
+    })
 }

@@ -1,0 +1,235 @@
+// oxccl device kernels: reductions, copies and scaling for every (dtype, op).
+//
+// Compiled at run time by NVRTC (oxccl-kernels' `cuda` feature). This file holds the generic
+// code only; the `extern "C"` entry points are generated from the Rust table
+// `oxccl_kernels::cuda::TABLE` and appended to this source, so the Rust dispatch and the kernel
+// instantiations come from one list and cannot drift apart.
+//
+// No CUDA headers are needed: f16 / bf16 conversions are written out here (PTX `cvt` for f16,
+// bit operations for bf16) with the same rounding as the host kernels (round to nearest even
+// after every step).
+//
+// Semantics follow the host kernels exactly: integer sum/prod wrap (computed in unsigned
+// arithmetic: signed overflow is undefined in C++), float min/max propagate NaN
+// (`a` NaN -> a, else `a < b ? a : b`), f16/bf16 are widened to f32, combined and rounded back.
+
+typedef unsigned char u8;
+typedef signed char i8;
+typedef unsigned int u32;
+typedef int i32;
+typedef unsigned long long u64;
+typedef long long i64;
+typedef unsigned long long usize;
+
+struct f16 { unsigned short bits; };
+struct bf16 { unsigned short bits; };
+
+// ---- conversions to and from the type computations run in ------------------------------------
+
+__device__ __forceinline__ float f16_to_f32(unsigned short h) {
+    float f;
+    asm("{ cvt.f32.f16 %0, %1; }" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ unsigned short f32_to_f16(float f) {
+    unsigned short h;
+    asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(f));
+    return h;
+}
+__device__ __forceinline__ float bf16_to_f32(unsigned short h) {
+    return __uint_as_float(((u32)h) << 16);
+}
+// Round to nearest even; NaN stays NaN (quiet bit set), as the `half` crate does on the host.
+__device__ __forceinline__ unsigned short f32_to_bf16(float f) {
+    u32 x = __float_as_uint(f);
+    if ((x & 0x7FFFFFFFu) > 0x7F800000u) {
+        return (unsigned short)((x >> 16) | 0x0040u);
+    }
+    u32 round_bit = 0x8000u;
+    if ((x & round_bit) != 0 && (x & (3u * round_bit - 1u)) != 0) {
+        return (unsigned short)((x >> 16) + 1u);
+    }
+    return (unsigned short)(x >> 16);
+}
+
+// Traits: the compute type C of each storage type T, and the conversions.
+template <typename T> struct Num {
+    typedef T C;
+    static __device__ __forceinline__ C load(T v) { return v; }
+    static __device__ __forceinline__ T store(C v) { return v; }
+};
+template <> struct Num<f16> {
+    typedef float C;
+    static __device__ __forceinline__ float load(f16 v) { return f16_to_f32(v.bits); }
+    static __device__ __forceinline__ f16 store(float v) { f16 r; r.bits = f32_to_f16(v); return r; }
+};
+template <> struct Num<bf16> {
+    typedef float C;
+    static __device__ __forceinline__ float load(bf16 v) { return bf16_to_f32(v.bits); }
+    static __device__ __forceinline__ bf16 store(float v) { bf16 r; r.bits = f32_to_bf16(v); return r; }
+};
+
+// ---- operations ------------------------------------------------------------------------------
+
+template <typename C> struct Unsigned { typedef C U; };
+template <> struct Unsigned<i8> { typedef u8 U; };
+template <> struct Unsigned<i32> { typedef u32 U; };
+template <> struct Unsigned<i64> { typedef u64 U; };
+
+template <typename C> __device__ __forceinline__ bool is_nan(C) { return false; }
+template <> __device__ __forceinline__ bool is_nan<float>(float v) { return v != v; }
+template <> __device__ __forceinline__ bool is_nan<double>(double v) { return v != v; }
+
+template <typename C> __device__ __forceinline__ C wrap_add(C a, C b) {
+    typedef typename Unsigned<C>::U U;
+    return (C)(U)((U)a + (U)b);
+}
+template <> __device__ __forceinline__ float wrap_add<float>(float a, float b) { return a + b; }
+template <> __device__ __forceinline__ double wrap_add<double>(double a, double b) { return a + b; }
+
+template <typename C> __device__ __forceinline__ C wrap_mul(C a, C b) {
+    typedef typename Unsigned<C>::U U;
+    return (C)(U)((U)a * (U)b);
+}
+template <> __device__ __forceinline__ float wrap_mul<float>(float a, float b) { return a * b; }
+template <> __device__ __forceinline__ double wrap_mul<double>(double a, double b) { return a * b; }
+
+struct OpSum { template <typename C> static __device__ __forceinline__ C apply(C a, C b) { return wrap_add(a, b); } };
+struct OpProd { template <typename C> static __device__ __forceinline__ C apply(C a, C b) { return wrap_mul(a, b); } };
+struct OpMin {
+    template <typename C> static __device__ __forceinline__ C apply(C a, C b) {
+        C m = a < b ? a : b;
+        return is_nan(a) ? a : m;
+    }
+};
+struct OpMax {
+    template <typename C> static __device__ __forceinline__ C apply(C a, C b) {
+        C m = a > b ? a : b;
+        return is_nan(a) ? a : m;
+    }
+};
+
+template <typename T, typename Op> __device__ __forceinline__ T combine(T a, T b) {
+    return Num<T>::store(Op::apply(Num<T>::load(a), Num<T>::load(b)));
+}
+
+// ---- vectorised element loops ----------------------------------------------------------------
+//
+// Every kernel is a grid-stride loop. When all its pointers sit at the same offset modulo 16
+// bytes, the elements before the first 16-byte boundary (the head) and after the last one (the
+// tail) go one by one and the body moves 16-byte vectors (uint4); otherwise every element goes
+// one by one.
+
+#define OXCCL_MAX_INPUTS 8
+
+struct Inputs { const void* p[OXCCL_MAX_INPUTS]; };
+
+template <typename T> union Vec16 {
+    uint4 raw;
+    T v[16 / sizeof(T)];
+};
+
+__device__ __forceinline__ usize grid_threads() { return (usize)blockDim.x * gridDim.x; }
+__device__ __forceinline__ usize thread_index() { return (usize)blockIdx.x * blockDim.x + threadIdx.x; }
+
+// Head length (elements) so that `p + head` is 16-byte aligned, or `n + 1` when the pointers do
+// not share an offset modulo 16 (no vector body possible).
+template <typename T> __device__ __forceinline__ usize vector_head(usize mis, usize first, usize n) {
+    if (mis & 15) return n + 1;
+    usize off = first & 15;
+    usize head = off == 0 ? 0 : (16 - off) / sizeof(T);
+    if ((16 - off) % sizeof(T) != 0 && off != 0) return n + 1;
+    return head < n ? head : n;
+}
+
+// dst[i] = in0[i] op in1[i] op ... op in{K-1}[i], combined left to right. K is a template
+// parameter so the input loop unrolls and the pointers stay in registers.
+template <typename T, typename Op, int K>
+__device__ void reduce_k(T* __restrict__ dst, const Inputs& in, usize n) {
+    const T* src[K];
+    usize mis = 0;
+#pragma unroll
+    for (int j = 0; j < K; j++) {
+        src[j] = (const T*)in.p[j];
+        mis |= ((usize)src[j] ^ (usize)dst);
+    }
+    usize head = vector_head<T>(mis, (usize)dst, n);
+    usize tid = thread_index(), stride = grid_threads();
+    usize nvec = 0, tail = 0;
+    const usize V = 16 / sizeof(T);
+    if (head > n) {
+        head = n;  // no vector body: everything goes element by element below
+        tail = n;
+    } else {
+        nvec = (n - head) / V;
+        tail = head + nvec * V;
+    }
+    for (usize i = tid; i < head; i += stride) {
+        T acc = src[0][i];
+#pragma unroll
+        for (int j = 1; j < K; j++) acc = combine<T, Op>(acc, src[j][i]);
+        dst[i] = acc;
+    }
+    for (usize i = tail + tid; i < n; i += stride) {
+        T acc = src[0][i];
+#pragma unroll
+        for (int j = 1; j < K; j++) acc = combine<T, Op>(acc, src[j][i]);
+        dst[i] = acc;
+    }
+    uint4* d4 = (uint4*)(dst + head);
+    for (usize i = tid; i < nvec; i += stride) {
+        Vec16<T> acc;
+        acc.raw = ((const uint4*)(src[0] + head))[i];
+#pragma unroll
+        for (int j = 1; j < K; j++) {
+            Vec16<T> x;
+            x.raw = ((const uint4*)(src[j] + head))[i];
+#pragma unroll
+            for (int e = 0; e < (int)V; e++) acc.v[e] = combine<T, Op>(acc.v[e], x.v[e]);
+        }
+        d4[i] = acc.raw;
+    }
+}
+
+// Run-time input count -> compile-time K.
+template <typename T, typename Op>
+__device__ void reduce_any(T* dst, const Inputs& in, int k, usize n) {
+    switch (k) {
+        case 1: reduce_k<T, Op, 1>(dst, in, n); break;
+        case 2: reduce_k<T, Op, 2>(dst, in, n); break;
+        case 3: reduce_k<T, Op, 3>(dst, in, n); break;
+        case 4: reduce_k<T, Op, 4>(dst, in, n); break;
+        case 5: reduce_k<T, Op, 5>(dst, in, n); break;
+        case 6: reduce_k<T, Op, 6>(dst, in, n); break;
+        case 7: reduce_k<T, Op, 7>(dst, in, n); break;
+        case 8: reduce_k<T, Op, 8>(dst, in, n); break;
+        default: break;
+    }
+}
+
+// Byte copy, 16-byte vectors where source and destination share an offset modulo 16.
+__device__ void copy_bytes(u8* dst, const u8* src, usize n) {
+    Inputs in;
+    in.p[0] = src;
+    reduce_k<u8, OpSum, 1>(dst, in, n);
+}
+
+// dst[i] = src[i] / d (Avg's last step; truncating for integers, in f32 for f16/bf16).
+template <typename T> __device__ void div_elems(T* dst, const T* src, u64 d, usize n) {
+    typedef typename Num<T>::C C;
+    C dc = (C)d;
+    for (usize i = thread_index(); i < n; i += grid_threads()) {
+        dst[i] = Num<T>::store(Num<T>::load(src[i]) / dc);
+    }
+}
+
+// dst[i] = src[i] * f (pre-multiplied sum; floats only, in f32 for f16/bf16, f64 for f64).
+template <typename T> __device__ void scale_elems(T* dst, const T* src, double f, usize n) {
+    typedef typename Num<T>::C C;
+    C fc = (C)f;
+    for (usize i = thread_index(); i < n; i += grid_threads()) {
+        dst[i] = Num<T>::store(Num<T>::load(src[i]) * fc);
+    }
+}
+
+// ---- generated entry points follow -----------------------------------------------------------

@@ -1,0 +1,591 @@
+//! CUDA kernels (feature `cuda`): every reduction, copy and scaling of the host kernels, on
+//! device buffers, compiled at run time by NVRTC for the device's architecture.
+//!
+//! The CUDA C lives in `kernels/cuda/oxccl_kernels.cu` (generic templates, no CUDA headers
+//! needed). The `extern "C"` entry points are generated from [`table`] by [`source`], and the
+//! Rust dispatch looks kernels up by the same names ([`reduce_kernel_name`], ...), so the two
+//! cannot drift apart.
+//!
+//! | kernel | computes |
+//! |---|---|
+//! | `oxccl_reduce_<dtype>_<op>` | `dst = in[0] op in[1] op ... op in[k-1]`, `1 <= k <= 8`, left to right |
+//! | `oxccl_div_<dtype>` | `dst = src / n` (the last step of `Avg`) |
+//! | `oxccl_scale_<dtype>` (floats) | `dst = src * factor` (pre-multiplied sum) |
+//! | `oxccl_copy` | byte copy |
+//!
+//! Results are bit-identical to the host kernels for every integer type and for `f32`/`f64`
+//! sums, products, minima and maxima of two inputs (the same IEEE operations in the same order);
+//! `f16`/`bf16` are widened to `f32` and rounded back to nearest even after every step, as on the
+//! host. Only NaN payloads may differ. Every kernel is a grid-stride loop that moves 16-byte
+//! vectors when all its pointers share an offset modulo 16, with the unaligned head and tail done
+//! element by element (and every element one by one when the offsets differ).
+//!
+//! Without a driver, [`CudaKernels::new`] returns [`KernelError::CudaUnavailable`]; without
+//! NVRTC, so do [`compile_ptx`] and [`CudaKernels::new`]. Nothing here panics for a missing
+//! library (cudarc's dynamic loader would: presence is checked first).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::{
+    sys::CUdevice_attribute, CudaContext, CudaFunction, CudaStream, CudaView, CudaViewMut,
+    DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
+
+use crate::{DType, Element, KernelError, ReduceOp};
+
+/// The generic CUDA C source (templates); [`source`] appends the generated entry points.
+pub const BASE_SOURCE: &str = include_str!("../cuda/oxccl_kernels.cu");
+
+/// At most this many inputs per reduce launch (one-shot all-reduce over up to 8 peers' buffers).
+pub const MAX_INPUTS: usize = 8;
+
+/// The byte-copy kernel.
+pub const COPY_KERNEL: &str = "oxccl_copy";
+
+/// The operations with a reduce kernel of their own ([`ReduceOp::Avg`] runs the sum kernel, then
+/// [`CudaKernels::finish_avg_bytes`]).
+pub const KERNEL_OPS: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max];
+
+/// Threads per block of every launch.
+const THREADS: u32 = 512;
+
+/// Every `(dtype, op)` pair that has a reduce kernel: the one list the generated CUDA source and
+/// the Rust dispatch are both built from.
+pub fn table() -> impl Iterator<Item = (DType, ReduceOp)> {
+    DType::ALL
+        .into_iter()
+        .flat_map(|d| KERNEL_OPS.into_iter().map(move |o| (d, o)))
+}
+
+/// The C type of `dt` in the CUDA source (the source typedefs the short names).
+fn ctype(dt: DType) -> &'static str {
+    match dt {
+        DType::F32 => "float",
+        DType::F64 => "double",
+        other => other.short_name(),
+    }
+}
+
+/// `LengthMismatch` unless `src == dst` (lengths).
+fn check_same(dst: usize, src: usize) -> Result<(), KernelError> {
+    if src == dst {
+        Ok(())
+    } else {
+        Err(KernelError::LengthMismatch { dst, src })
+    }
+}
+
+/// `NotMultiple` unless `bytes` is a whole number of `dt` elements.
+fn check_whole(dt: DType, bytes: usize) -> Result<(), KernelError> {
+    if bytes.is_multiple_of(dt.size()) {
+        Ok(())
+    } else {
+        Err(KernelError::NotMultiple {
+            bytes,
+            elem: dt.size(),
+        })
+    }
+}
+
+fn kernel_op(op: ReduceOp) -> ReduceOp {
+    if op == ReduceOp::Avg {
+        ReduceOp::Sum
+    } else {
+        op
+    }
+}
+
+fn op_struct(op: ReduceOp) -> &'static str {
+    match kernel_op(op) {
+        ReduceOp::Prod => "OpProd",
+        ReduceOp::Min => "OpMin",
+        ReduceOp::Max => "OpMax",
+        _ => "OpSum",
+    }
+}
+
+/// Name of the reduce kernel for `(dt, op)` (`Avg` shares the sum kernel).
+pub fn reduce_kernel_name(dt: DType, op: ReduceOp) -> String {
+    format!("oxccl_reduce_{}_{}", dt.short_name(), kernel_op(op).name())
+}
+
+/// Name of the divide kernel for `dt`.
+pub fn div_kernel_name(dt: DType) -> String {
+    format!("oxccl_div_{}", dt.short_name())
+}
+
+/// Name of the scale kernel for a float `dt` (`None` for integers).
+pub fn scale_kernel_name(dt: DType) -> Option<String> {
+    dt.is_float()
+        .then(|| format!("oxccl_scale_{}", dt.short_name()))
+}
+
+/// Every kernel name [`source`] defines.
+pub fn kernel_names() -> Vec<String> {
+    let mut names: Vec<String> = table().map(|(d, o)| reduce_kernel_name(d, o)).collect();
+    names.extend(DType::ALL.into_iter().map(div_kernel_name));
+    names.extend(DType::ALL.into_iter().filter_map(scale_kernel_name));
+    names.push(COPY_KERNEL.to_string());
+    names
+}
+
+/// The complete CUDA C source: [`BASE_SOURCE`] plus one entry point per [`table`] entry and per
+/// dtype.
+pub fn source() -> String {
+    use std::fmt::Write;
+    let mut s = String::from(BASE_SOURCE);
+    for (dt, op) in table() {
+        let _ = writeln!(
+            s,
+            "extern \"C\" __global__ void {}({t}* dst, Inputs in, int k, usize n) \
+             {{ reduce_any<{t}, {o}>(dst, in, k, n); }}",
+            reduce_kernel_name(dt, op),
+            t = ctype(dt),
+            o = op_struct(op),
+        );
+    }
+    for dt in DType::ALL {
+        let _ = writeln!(
+            s,
+            "extern \"C\" __global__ void {}({t}* dst, const {t}* src, u64 d, usize n) \
+             {{ div_elems<{t}>(dst, src, d, n); }}",
+            div_kernel_name(dt),
+            t = ctype(dt),
+        );
+        if let Some(name) = scale_kernel_name(dt) {
+            let _ = writeln!(
+                s,
+                "extern \"C\" __global__ void {name}({t}* dst, const {t}* src, double f, usize n) \
+                 {{ scale_elems<{t}>(dst, src, f, n); }}",
+                t = ctype(dt),
+            );
+        }
+    }
+    let _ = writeln!(
+        s,
+        "extern \"C\" __global__ void {COPY_KERNEL}(u8* dst, const u8* src, usize n) \
+         {{ copy_bytes(dst, src, n); }}"
+    );
+    s
+}
+
+/// Whether the NVRTC library can be loaded (`libnvrtc.so.13` or another name cudarc tries, on
+/// the loader's search path). Checked once per process.
+pub fn nvrtc_available() -> bool {
+    static OK: OnceLock<bool> = OnceLock::new();
+    // SAFETY: `is_culib_present` only tries to dlopen (and closes again) the candidate library
+    // names; it touches no other state.
+    *OK.get_or_init(|| unsafe { cudarc::nvrtc::sys::is_culib_present() })
+}
+
+/// Whether the CUDA driver library can be loaded and reports at least one device.
+pub fn driver_available() -> bool {
+    static OK: OnceLock<bool> = OnceLock::new();
+    *OK.get_or_init(|| {
+        // SAFETY: as for `nvrtc_available`: a dlopen/dlclose probe of the driver library.
+        let present = unsafe { cudarc::driver::sys::is_culib_present() };
+        present && CudaContext::device_count().is_ok_and(|n| n > 0)
+    })
+}
+
+fn unavailable(what: &str) -> KernelError {
+    KernelError::CudaUnavailable(what.to_string())
+}
+
+fn cuda_err(what: &str, e: impl std::fmt::Debug) -> KernelError {
+    KernelError::Cuda(format!("{what}: {e:?}"))
+}
+
+/// PTX of the whole [`source`] for `arch` (`sm_90`, `compute_80`, ...), compiled by NVRTC once
+/// per architecture and process.
+///
+/// # Errors
+/// [`KernelError::CudaUnavailable`] without NVRTC; [`KernelError::Cuda`] with NVRTC's log if
+/// the source does not compile.
+pub fn compile_ptx(arch: &str) -> Result<String, KernelError> {
+    static CACHE: OnceLock<Mutex<HashMap<String, String>>> = OnceLock::new();
+    if !nvrtc_available() {
+        return Err(unavailable(
+            "NVRTC (libnvrtc.so.13) is not on the library search path; install the \
+             nvidia-cuda-nvrtc wheel or a CUDA toolkit and add its lib directory to \
+             LD_LIBRARY_PATH",
+        ));
+    }
+    let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
+    if let Some(p) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(arch) {
+        return Ok(p.clone());
+    }
+    let src = source();
+    let disk = disk_cache_path(&src, arch);
+    if let Some(text) = disk.as_ref().and_then(|p| std::fs::read_to_string(p).ok()) {
+        if text.contains(".entry") {
+            cache
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(arch.to_string(), text.clone());
+            return Ok(text);
+        }
+    }
+    let opts = CompileOptions {
+        options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()],
+        name: Some("oxccl_kernels.cu".into()),
+        ..Default::default()
+    };
+    let ptx = compile_ptx_with_opts(src, opts).map_err(|e| match e {
+        cudarc::nvrtc::CompileError::CompileError { log, .. } => KernelError::Cuda(format!(
+            "NVRTC could not compile oxccl_kernels.cu for {arch}:\n{}",
+            log.to_string_lossy()
+        )),
+        other => cuda_err("NVRTC", other),
+    })?;
+    let text = ptx.to_src();
+    if let Some(p) = disk {
+        store_atomically(&p, &text);
+    }
+    cache
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(arch.to_string(), text.clone());
+    Ok(text)
+}
+
+/// FNV-1a, 64 bits: a hash that is the same in every build (std's hasher is not), for cache keys.
+fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for p in parts {
+        for &b in *p {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+        h ^= 0xff;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// Where the PTX of `src` for `arch` is kept between processes (compiling the whole table takes
+/// NVRTC about 10 s of CPU): `$OXCCL_CACHE_DIR`, else `$XDG_CACHE_HOME/oxccl`, else
+/// `$HOME/.cache/oxccl`; `OXCCL_CACHE_DIR=off` (or no usable directory) disables it. The key is
+/// the source, the architecture and NVRTC's version.
+fn disk_cache_path(src: &str, arch: &str) -> Option<std::path::PathBuf> {
+    use std::path::PathBuf;
+    let dir = match std::env::var_os("OXCCL_CACHE_DIR") {
+        Some(d) if d == "off" => return None,
+        Some(d) => PathBuf::from(d),
+        None => match std::env::var_os("XDG_CACHE_HOME") {
+            Some(x) => PathBuf::from(x).join("oxccl"),
+            None => PathBuf::from(std::env::var_os("HOME")?).join(".cache/oxccl"),
+        },
+    };
+    let (mut major, mut minor) = (0i32, 0i32);
+    // SAFETY: nvrtcVersion writes two ints through valid pointers; NVRTC is loaded (checked by
+    // the caller through `nvrtc_available`).
+    let _ = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    let version = format!("{major}.{minor}");
+    let key = fnv1a(&[src.as_bytes(), arch.as_bytes(), version.as_bytes()]);
+    Some(dir.join(format!("kernels-{arch}-{key:016x}.ptx")))
+}
+
+/// Writes `text` to `path` through a temporary file and a rename, so a concurrent reader sees
+/// the whole file or none; failures only cost the cache.
+fn store_atomically(path: &std::path::Path, text: &str) {
+    let Some(dir) = path.parent() else { return };
+    if std::fs::create_dir_all(dir).is_err() {
+        return;
+    }
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    if std::fs::write(&tmp, text).is_ok() && std::fs::rename(&tmp, path).is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+}
+
+/// The kernels loaded on one CUDA context.
+pub struct CudaKernels {
+    funcs: HashMap<String, CudaFunction>,
+    /// Blocks of a full-grid launch (streaming multiprocessors x 4).
+    max_blocks: u32,
+}
+
+impl std::fmt::Debug for CudaKernels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaKernels")
+            .field("kernels", &self.funcs.len())
+            .field("max_blocks", &self.max_blocks)
+            .finish()
+    }
+}
+
+impl CudaKernels {
+    /// Compiles (or takes from the per-process cache) the PTX for `ctx`'s device and loads every
+    /// kernel.
+    ///
+    /// # Errors
+    /// [`KernelError::CudaUnavailable`] when the driver or NVRTC is missing;
+    /// [`KernelError::Cuda`] when compiling or loading fails.
+    pub fn new(ctx: &Arc<CudaContext>) -> Result<CudaKernels, KernelError> {
+        if !driver_available() {
+            return Err(unavailable("no CUDA driver (libcuda.so) or no CUDA device"));
+        }
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| cuda_err("compute capability", e))?;
+        let ptx = compile_ptx(&format!("compute_{major}{minor}"))?;
+        let module = ctx
+            .load_module(Ptx::from_src(ptx))
+            .map_err(|e| cuda_err("loading the PTX module", e))?;
+        let mut funcs = HashMap::new();
+        for name in kernel_names() {
+            let f = module
+                .load_function(&name)
+                .map_err(|e| cuda_err(&format!("kernel {name}"), e))?;
+            funcs.insert(name, f);
+        }
+        let sms = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| cuda_err("multiprocessor count", e))?;
+        Ok(CudaKernels {
+            funcs,
+            max_blocks: (sms.max(1) as u32) * 4,
+        })
+    }
+
+    fn func(&self, name: &str) -> Result<&CudaFunction, KernelError> {
+        self.funcs
+            .get(name)
+            .ok_or_else(|| KernelError::Cuda(format!("kernel {name} is not loaded")))
+    }
+
+    fn config(&self, bytes: usize) -> LaunchConfig {
+        let vectors = bytes.div_ceil(16).max(1);
+        let blocks = vectors
+            .div_ceil(THREADS as usize)
+            .min(self.max_blocks as usize) as u32;
+        LaunchConfig {
+            grid_dim: (blocks.max(1), 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// `dst = inputs[0] op inputs[1] op ... op inputs[k-1]` on byte buffers of `dt` elements,
+    /// launched on `stream` (`Avg` sums; finish with [`CudaKernels::finish_avg_bytes`]).
+    ///
+    /// # Errors
+    /// [`KernelError::LengthMismatch`] / [`KernelError::NotMultiple`] for bad lengths,
+    /// [`KernelError::Inputs`] for no inputs or more than [`MAX_INPUTS`], [`KernelError::Cuda`]
+    /// if the launch fails.
+    pub fn reduce_bytes(
+        &self,
+        stream: &Arc<CudaStream>,
+        dt: DType,
+        op: ReduceOp,
+        dst: &mut CudaViewMut<'_, u8>,
+        inputs: &[&CudaView<'_, u8>],
+    ) -> Result<(), KernelError> {
+        if inputs.is_empty() || inputs.len() > MAX_INPUTS {
+            return Err(KernelError::Inputs(inputs.len()));
+        }
+        let len = dst.len();
+        for i in inputs {
+            check_same(len, i.len())?;
+        }
+        check_whole(dt, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let f = self.func(&reduce_kernel_name(dt, op))?;
+        let mut ptrs = [0u64; MAX_INPUTS];
+        let mut guards = Vec::with_capacity(inputs.len());
+        for (slot, i) in ptrs.iter_mut().zip(inputs) {
+            let (p, g) = i.device_ptr(stream);
+            *slot = p;
+            guards.push(g);
+        }
+        let (d, dg) = dst.device_ptr_mut(stream);
+        let (k, n) = (inputs.len() as i32, (len / dt.size()) as u64);
+        let mut b = stream.launch_builder(f);
+        b.arg(&d).arg(&ptrs).arg(&k).arg(&n);
+        // SAFETY: the kernel's parameters are (T* dst, Inputs in, int k, usize n) with Inputs a
+        // struct of 8 pointers (64 bytes, like `[u64; 8]`); `dst` and the first `k` inputs are
+        // live device buffers of `n` elements of `dt` each (lengths checked above), so the kernel
+        // reads and writes only inside them. cudarc's guards keep the views' use ordered on
+        // `stream` until they drop after the launch.
+        unsafe { b.launch(self.config(len)) }.map_err(|e| cuda_err("reduce launch", e))?;
+        drop((guards, dg));
+        Ok(())
+    }
+
+    /// Typed form of [`CudaKernels::reduce_bytes`].
+    ///
+    /// # Errors
+    /// As [`CudaKernels::reduce_bytes`].
+    pub fn reduce<T: Element>(
+        &self,
+        stream: &Arc<CudaStream>,
+        dst: &mut CudaViewMut<'_, T>,
+        inputs: &[&CudaView<'_, T>],
+        op: ReduceOp,
+    ) -> Result<(), KernelError> {
+        // SAFETY: `T: Element` is a plain-old-data type (bytemuck::Pod), so viewing its buffer
+        // as bytes of the same total length is valid.
+        let mut d = unsafe { dst.transmute_mut::<u8>(dst.len() * T::DTYPE.size()) }
+            .ok_or_else(|| KernelError::Cuda("cannot view the destination as bytes".into()))?;
+        let views: Vec<CudaView<'_, u8>> = inputs
+            .iter()
+            // SAFETY: as above, for each input.
+            .map(|i| unsafe { i.transmute::<u8>(i.len() * T::DTYPE.size()) })
+            .collect::<Option<_>>()
+            .ok_or_else(|| KernelError::Cuda("cannot view an input as bytes".into()))?;
+        let refs: Vec<&CudaView<'_, u8>> = views.iter().collect();
+        self.reduce_bytes(stream, T::DTYPE, op, &mut d, &refs)
+    }
+
+    /// `dst = src` (bytes), 16-byte vectors where the offsets allow.
+    ///
+    /// # Errors
+    /// [`KernelError::LengthMismatch`], or [`KernelError::Cuda`] if the launch fails.
+    pub fn copy_bytes(
+        &self,
+        stream: &Arc<CudaStream>,
+        dst: &mut CudaViewMut<'_, u8>,
+        src: &CudaView<'_, u8>,
+    ) -> Result<(), KernelError> {
+        let len = dst.len();
+        check_same(len, src.len())?;
+        if len == 0 {
+            return Ok(());
+        }
+        let f = self.func(COPY_KERNEL)?;
+        let (s, sg) = src.device_ptr(stream);
+        let (d, dg) = dst.device_ptr_mut(stream);
+        let n = len as u64;
+        let mut b = stream.launch_builder(f);
+        b.arg(&d).arg(&s).arg(&n);
+        // SAFETY: the kernel is (u8* dst, const u8* src, usize n); both buffers are live and
+        // `n` bytes long (checked above).
+        unsafe { b.launch(self.config(len)) }.map_err(|e| cuda_err("copy launch", e))?;
+        drop((sg, dg));
+        Ok(())
+    }
+
+    /// `buf = buf / n` for `dt` elements: the last step of [`ReduceOp::Avg`] (truncating for
+    /// integers, in `f32` for `f16`/`bf16`, as the host's `finish_avg`).
+    ///
+    /// # Errors
+    /// [`KernelError::ZeroCount`] for `n == 0`, [`KernelError::NotMultiple`],
+    /// [`KernelError::Cuda`] if the launch fails.
+    pub fn finish_avg_bytes(
+        &self,
+        stream: &Arc<CudaStream>,
+        dt: DType,
+        buf: &mut CudaViewMut<'_, u8>,
+        n: usize,
+    ) -> Result<(), KernelError> {
+        if n == 0 {
+            return Err(KernelError::ZeroCount);
+        }
+        self.unary(
+            stream,
+            dt,
+            &div_kernel_name(dt),
+            buf,
+            UnaryArg::Div(n as u64),
+        )
+    }
+
+    /// `buf = buf * factor` for a float `dt` (pre-multiplied sum; `f32` arithmetic for
+    /// `f16`/`bf16`, `f64` for `f64`).
+    ///
+    /// # Errors
+    /// [`KernelError::Unsupported`] for integer types, [`KernelError::NotMultiple`],
+    /// [`KernelError::Cuda`] if the launch fails.
+    pub fn scale_bytes(
+        &self,
+        stream: &Arc<CudaStream>,
+        dt: DType,
+        buf: &mut CudaViewMut<'_, u8>,
+        factor: f64,
+    ) -> Result<(), KernelError> {
+        let name = scale_kernel_name(dt).ok_or(KernelError::Unsupported {
+            dtype: dt,
+            what: "scaling (pre-multiplied sum)",
+        })?;
+        self.unary(stream, dt, &name, buf, UnaryArg::Scale(factor))
+    }
+
+    fn unary(
+        &self,
+        stream: &Arc<CudaStream>,
+        dt: DType,
+        name: &str,
+        buf: &mut CudaViewMut<'_, u8>,
+        arg: UnaryArg,
+    ) -> Result<(), KernelError> {
+        let len = buf.len();
+        check_whole(dt, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let f = self.func(name)?;
+        let (d, dg) = buf.device_ptr_mut(stream);
+        let n = (len / dt.size()) as u64;
+        let mut b = stream.launch_builder(f);
+        b.arg(&d).arg(&d);
+        match &arg {
+            UnaryArg::Div(v) => b.arg(v),
+            UnaryArg::Scale(v) => b.arg(v),
+        };
+        b.arg(&n);
+        // SAFETY: the kernel is (T* dst, const T* src, u64 d | double f, usize n) with dst ==
+        // src == `buf`, a live buffer of `n` elements of `dt` (length checked above); every
+        // thread reads and writes only its own elements, so the aliasing is fine.
+        unsafe { b.launch(self.config(len)) }.map_err(|e| cuda_err("launch", e))?;
+        drop(dg);
+        Ok(())
+    }
+}
+
+enum UnaryArg {
+    Div(u64),
+    Scale(f64),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn source_defines_every_kernel_the_dispatch_names() {
+        let src = source();
+        for name in kernel_names() {
+            assert_eq!(
+                src.matches(&format!(" {name}(")).count(),
+                1,
+                "{name} must be defined exactly once"
+            );
+        }
+        // 10 dtypes x 4 ops + 10 div + 4 scale + copy.
+        assert_eq!(kernel_names().len(), 40 + 10 + 4 + 1);
+        assert_eq!(
+            reduce_kernel_name(DType::BF16, ReduceOp::Avg),
+            "oxccl_reduce_bf16_sum"
+        );
+    }
+
+    #[test]
+    fn missing_libraries_are_errors_not_panics() {
+        if !nvrtc_available() {
+            assert!(matches!(
+                compile_ptx("sm_90"),
+                Err(KernelError::CudaUnavailable(_))
+            ));
+        }
+        if !driver_available() {
+            // Without a driver there is no context to pass; the check is the same one
+            // `CudaKernels::new` makes first.
+            assert!(!driver_available());
+        }
+    }
+}
