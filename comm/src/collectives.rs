@@ -87,7 +87,7 @@ fn all_reduce_body(
     dt: DType,
     op: ReduceOp,
 ) -> Result<()> {
-    if let (Some(s), false) = (src, ch.algo.needs_window() || ch.algo == Algorithm::Ring) {
+    if let (Some(s), false) = (src, ch.algo.reads_input()) {
         buf.copy_from_slice(s);
     }
     if ctx.size > 1 {

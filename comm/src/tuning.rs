@@ -110,6 +110,12 @@ impl Algorithm {
         )
     }
 
+    /// Whether its all-reduce reads an out-of-place input where it is (the others start from a
+    /// copy of the input in the output).
+    pub const fn reads_input(self) -> bool {
+        matches!(self, Algorithm::Ring) || self.needs_window()
+    }
+
     /// Parses a name (`halving-doubling` is accepted for `hd`).
     ///
     /// # Errors

@@ -48,6 +48,36 @@ fn check<T: Element>(what: &str, rank: usize, got: &[T], want: impl Fn(usize) ->
     }
 }
 
+/// All-reduce of `count` elements in place, out of place and (with `with_async`) async, each
+/// checked against the serial expectation.
+fn all_reduce_forms<T: Element>(
+    comm: &Communicator,
+    count: usize,
+    op: ReduceOp,
+    tag: &str,
+    with_async: bool,
+) -> Result<()> {
+    let (n, me) = (comm.size(), comm.rank());
+    let mut buf = input::<T>(me, count, op);
+    comm.all_reduce(&mut buf, op)?;
+    check(&format!("all_reduce {tag}"), me, &buf, |i| {
+        expect::<T>(n, i, op)
+    });
+    let inp = input::<T>(me, count, op);
+    let mut out = vec![T::from_f64(99.0); count];
+    comm.all_reduce_into(&inp, &mut out, op)?;
+    check(&format!("all_reduce_into {tag}"), me, &out, |i| {
+        expect::<T>(n, i, op)
+    });
+    if with_async {
+        let got = comm.all_reduce_async(inp, op).wait()?;
+        check(&format!("all_reduce_async {tag}"), me, &got, |i| {
+            expect::<T>(n, i, op)
+        });
+    }
+    Ok(())
+}
+
 /// Runs every collective for dtype `T` on one communicator.
 fn all_collectives<T: Element>(
     comm: &Communicator,
@@ -61,17 +91,8 @@ fn all_collectives<T: Element>(
         for &op in ops {
             let tag = format!("{dt} {op} count {count} n {n}");
             // all-reduce, in place and out of place
-            let mut buf = input::<T>(me, count, op);
-            comm.all_reduce(&mut buf, op)?;
-            check(&format!("all_reduce {tag}"), me, &buf, |i| {
-                expect::<T>(n, i, op)
-            });
+            all_reduce_forms::<T>(comm, count, op, &tag, false)?;
             let inp = input::<T>(me, count, op);
-            let mut out = vec![T::from_f64(99.0); count];
-            comm.all_reduce_into(&inp, &mut out, op)?;
-            check(&format!("all_reduce_into {tag}"), me, &out, |i| {
-                expect::<T>(n, i, op)
-            });
             // reduce to a root that moves with the count
             let root = count % n;
             let mut out = vec![T::from_f64(99.0); if me == root { count } else { 0 }];
@@ -259,25 +280,11 @@ fn world_on(n: usize, t: TransportChoice) {
 /// All-reduce (blocking in place, out of place, async) for every dtype, op and count.
 fn all_reduce_every_dtype(comm: &Communicator) -> Result<()> {
     fn one<T: Element>(comm: &Communicator) -> Result<()> {
-        let (n, me) = (comm.size(), comm.rank());
+        let n = comm.size();
         for &count in &COUNTS {
             for op in ReduceOp::ALL {
                 let tag = format!("{} {op} count {count} n {n}", T::DTYPE);
-                let mut buf = input::<T>(me, count, op);
-                comm.all_reduce(&mut buf, op)?;
-                check(&format!("all_reduce {tag}"), me, &buf, |i| {
-                    expect::<T>(n, i, op)
-                });
-                let inp = input::<T>(me, count, op);
-                let mut out = vec![T::from_f64(99.0); count];
-                comm.all_reduce_into(&inp, &mut out, op)?;
-                check(&format!("all_reduce_into {tag}"), me, &out, |i| {
-                    expect::<T>(n, i, op)
-                });
-                let got = comm.all_reduce_async(inp, op).wait()?;
-                check(&format!("all_reduce_async {tag}"), me, &got, |i| {
-                    expect::<T>(n, i, op)
-                });
+                all_reduce_forms::<T>(comm, count, op, &tag, true)?;
             }
         }
         Ok(())
