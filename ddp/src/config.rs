@@ -1,0 +1,71 @@
+//! The reducer's settings, the parameter list it is built from, and what a step did.
+
+use oxccl_comm::Element;
+
+use crate::flat::TensorMut;
+
+/// How [`Ddp`](crate::Ddp) buckets and checks gradients. `Default` gives PyTorch's defaults.
+#[derive(Clone, Debug)]
+pub struct DdpConfig {
+    /// Bytes of gradients per bucket (default 25 MiB). A parameter larger than this gets a bucket
+    /// of its own.
+    pub bucket_cap_bytes: usize,
+    /// Cap of the first bucket of each dtype (default 1 MiB): small, so that the first
+    /// all-reduce starts early in backward.
+    pub first_bucket_bytes: usize,
+    /// When set, parameters that got no gradient in a step are reduced as zeros; when not (the
+    /// default), `finish()` names them in [`DdpError::UnusedParameters`](crate::DdpError::UnusedParameters).
+    pub find_unused_parameters: bool,
+    /// Rebuild the buckets after the first step from the order in which gradients arrived
+    /// (rank 0's order, broadcast so every rank agrees). Default on.
+    pub rebuild_buckets: bool,
+    /// In [`Ddp::sync`](crate::Ddp::sync) with the default hook, gradients of at least this many bytes are
+    /// all-reduced in place in the caller's memory instead of being copied through a bucket
+    /// (default 1 MiB; `usize::MAX` packs everything).
+    pub sync_in_place_bytes: usize,
+}
+
+impl Default for DdpConfig {
+    fn default() -> DdpConfig {
+        DdpConfig {
+            bucket_cap_bytes: 25 << 20,
+            first_bucket_bytes: 1 << 20,
+            find_unused_parameters: false,
+            rebuild_buckets: true,
+            sync_in_place_bytes: 1 << 20,
+        }
+    }
+}
+
+/// A named parameter: its storage, for the broadcast from rank 0 at [`Ddp::new`](crate::Ddp::new).
+#[derive(Debug)]
+pub struct Param<'a> {
+    pub(crate) name: String,
+    pub(crate) tensor: TensorMut<'a>,
+}
+
+impl<'a> Param<'a> {
+    /// A parameter called `name` stored in `data`.
+    pub fn new<T: Element>(name: impl Into<String>, data: &'a mut [T]) -> Param<'a> {
+        Param {
+            name: name.into(),
+            tensor: TensorMut::new(data),
+        }
+    }
+}
+
+/// What a `finish()` or `sync()` did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// A micro-batch whose gradients were only accumulated locally (`no_sync` or
+    /// `accumulate(k)`); `micro_batch` counts from 0 within the step.
+    Accumulated {
+        /// Index of this micro-batch within the step.
+        micro_batch: usize,
+    },
+    /// The gradients were averaged across ranks; `step` counts synchronised steps from 0.
+    Synced {
+        /// Index of this step.
+        step: u64,
+    },
+}

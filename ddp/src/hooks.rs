@@ -1,0 +1,218 @@
+//! Comm hooks: how a full bucket is averaged across ranks.
+//!
+//! A hook takes a bucket's flat gradients, starts whatever communication it needs, and returns a
+//! [`HookWork`] that DDP waits on in `finish()`; the buffer it hands back must hold the average
+//! over ranks. [`AllReduceAvg`] (the default) is one async all-reduce with `ReduceOp::Avg`.
+//! [`CompressHook`] halves the bytes on the wire: f32/f64 buckets are pre-divided by the world
+//! size, rounded to f16 or bf16, summed, and widened back (PyTorch's `fp16_compress_hook` and
+//! `bf16_compress_hook`). Buckets of other dtypes go through the plain all-reduce.
+
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+use oxccl_comm::{Communicator, DType, Element, ReduceOp};
+
+use crate::error::{DdpError, Result};
+use crate::flat::FlatBuffer;
+
+/// A full bucket handed to a hook.
+#[derive(Debug)]
+pub struct GradBucket {
+    /// The bucket's position in launch order (the same on every rank).
+    pub index: usize,
+    /// The bucket's gradients, summed over this rank's micro-batches.
+    pub buffer: FlatBuffer,
+}
+
+/// The pending result of a hook: waiting gives back the averaged bucket.
+#[must_use = "a bucket's gradients come back only through wait()"]
+pub struct HookWork(Box<dyn FnOnce() -> Result<FlatBuffer> + Send>);
+
+impl HookWork {
+    /// Work that completes by running `f` (which waits on the hook's collectives).
+    pub fn new(f: impl FnOnce() -> Result<FlatBuffer> + Send + 'static) -> HookWork {
+        HookWork(Box::new(f))
+    }
+
+    /// Work that is already complete.
+    pub fn ready(buffer: FlatBuffer) -> HookWork {
+        HookWork::new(move || Ok(buffer))
+    }
+
+    /// Waits for the hook's communication; returns the averaged bucket.
+    ///
+    /// # Errors
+    /// The hook's error, usually a collective's (`PeerLost`, `Timeout`, ...).
+    pub fn wait(self) -> Result<FlatBuffer> {
+        (self.0)()
+    }
+}
+
+/// A communication hook: replaces the all-reduce of every bucket (see the module docs).
+pub trait CommHook: Send {
+    /// A short name for logs.
+    fn name(&self) -> &str;
+
+    /// Starts averaging `bucket` across the ranks of `comm`. Called on every rank for every bucket
+    /// in the same order; it must issue the same collectives on every rank.
+    fn start(&mut self, comm: &Communicator, bucket: GradBucket) -> HookWork;
+}
+
+/// The default hook: one async all-reduce with `ReduceOp::Avg` per bucket, in place.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AllReduceAvg;
+
+fn avg_typed<T: Element>(comm: &Communicator, buf: FlatBuffer) -> HookWork {
+    match buf.into_typed::<T>() {
+        Ok(t) => {
+            let work = comm.all_reduce_async(t, ReduceOp::Avg);
+            HookWork::new(move || Ok(work.wait()?.into_inner()))
+        }
+        Err(buf) => {
+            let rank = comm.rank();
+            HookWork::new(move || {
+                Err(DdpError::InvalidArgument {
+                    rank,
+                    op: "all_reduce hook",
+                    msg: format!(
+                        "bucket dtype {} dispatched as another",
+                        buf.dtype().short_name()
+                    ),
+                })
+            })
+        }
+    }
+}
+
+impl CommHook for AllReduceAvg {
+    fn name(&self) -> &str {
+        "all_reduce_avg"
+    }
+
+    fn start(&mut self, comm: &Communicator, bucket: GradBucket) -> HookWork {
+        let buf = bucket.buffer;
+        oxccl_kernels::with_dtype!(buf.dtype(), avg_typed(comm, buf))
+    }
+}
+
+/// Compression to a 16-bit float on the wire (see the module docs).
+#[derive(Clone, Copy, Debug)]
+pub struct CompressHook {
+    wire: DType,
+}
+
+impl CompressHook {
+    /// f16 on the wire (PyTorch's `fp16_compress_hook`).
+    pub fn fp16() -> CompressHook {
+        CompressHook { wire: DType::F16 }
+    }
+
+    /// bf16 on the wire (PyTorch's `bf16_compress_hook`).
+    pub fn bf16() -> CompressHook {
+        CompressHook { wire: DType::BF16 }
+    }
+
+    /// The dtype sent.
+    pub fn wire(&self) -> DType {
+        self.wire
+    }
+}
+
+/// A wide float that packs into and unpacks from a 16-bit float slice.
+trait Wide: Element + Copy + std::ops::Mul<Output = Self> {
+    fn inv(n: usize) -> Self;
+    fn pack<H>(dst: &mut [H], src: &[Self])
+    where
+        [H]: HalfFloatSliceExt;
+    fn unpack<H>(src: &[H], dst: &mut [Self])
+    where
+        [H]: HalfFloatSliceExt;
+}
+
+impl Wide for f32 {
+    fn inv(n: usize) -> f32 {
+        1.0 / n as f32
+    }
+    fn pack<H>(dst: &mut [H], src: &[f32])
+    where
+        [H]: HalfFloatSliceExt,
+    {
+        dst.convert_from_f32_slice(src);
+    }
+    fn unpack<H>(src: &[H], dst: &mut [f32])
+    where
+        [H]: HalfFloatSliceExt,
+    {
+        src.convert_to_f32_slice(dst);
+    }
+}
+
+impl Wide for f64 {
+    fn inv(n: usize) -> f64 {
+        1.0 / n as f64
+    }
+    fn pack<H>(dst: &mut [H], src: &[f64])
+    where
+        [H]: HalfFloatSliceExt,
+    {
+        dst.convert_from_f64_slice(src);
+    }
+    fn unpack<H>(src: &[H], dst: &mut [f64])
+    where
+        [H]: HalfFloatSliceExt,
+    {
+        src.convert_to_f64_slice(dst);
+    }
+}
+
+/// Pre-divides by the world size, rounds to `H`, and sums `H`s across ranks; waiting widens the
+/// sum back into the bucket.
+fn compressed<W: Wide, H: Element + Default>(comm: &Communicator, mut buf: FlatBuffer) -> HookWork
+where
+    [H]: HalfFloatSliceExt,
+{
+    let inv = W::inv(comm.size());
+    let mut wire = vec![H::default(); buf.len()];
+    if let Some(src) = buf.as_slice::<W>() {
+        let mut tmp = [W::from_f64(0.0); 1024];
+        for (d, s) in wire.chunks_mut(1024).zip(src.chunks(1024)) {
+            for (t, &x) in tmp.iter_mut().zip(s) {
+                *t = x * inv;
+            }
+            W::pack(d, &tmp[..s.len()]);
+        }
+    }
+    let work = comm.all_reduce_async(wire, ReduceOp::Sum);
+    HookWork::new(move || {
+        let wire = work.wait()?;
+        if let Some(dst) = buf.as_mut_slice::<W>() {
+            W::unpack(&wire, dst);
+        }
+        Ok(buf)
+    })
+}
+
+impl CommHook for CompressHook {
+    fn name(&self) -> &str {
+        match self.wire {
+            DType::F16 => "fp16_compress",
+            _ => "bf16_compress",
+        }
+    }
+
+    fn start(&mut self, comm: &Communicator, bucket: GradBucket) -> HookWork {
+        let buf = bucket.buffer;
+        match (buf.dtype(), self.wire) {
+            (DType::F32, DType::F16) => compressed::<f32, f16>(comm, buf),
+            (DType::F32, DType::BF16) => compressed::<f32, bf16>(comm, buf),
+            (DType::F64, DType::F16) => compressed::<f64, f16>(comm, buf),
+            (DType::F64, DType::BF16) => compressed::<f64, bf16>(comm, buf),
+            _ => AllReduceAvg.start(
+                comm,
+                GradBucket {
+                    buffer: buf,
+                    ..bucket
+                },
+            ),
+        }
+    }
+}

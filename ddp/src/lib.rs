@@ -1,0 +1,78 @@
+//! oxccl-ddp: data-parallel training on oxccl. Every rank holds a full replica of the model;
+//! [`Ddp`] averages the gradients across ranks, in buckets whose all-reduces overlap the backward
+//! pass, so each rank applies the same update and the replicas stay bit-identical.
+//!
+//! # Quick start
+//!
+//! ```no_run
+//! use oxccl_comm::Communicator;
+//! use oxccl_ddp::{Ddp, DdpConfig, Param};
+//!
+//! # fn backward_layer(_l: usize) -> Vec<f32> { vec![0.0; 4] }
+//! let comm = Communicator::from_env()?;          // under `oxccl launch -n 4 -- trainer`
+//! let (mut w0, mut w1) = (vec![0.5f32; 4], vec![0.25f32; 4]);
+//! let mut ddp = Ddp::new(
+//!     comm,
+//!     &mut [Param::new("w0", &mut w0), Param::new("w1", &mut w1)], // rank 0's values win
+//!     DdpConfig::default(),
+//! )?;
+//! for _step in 0..10 {
+//!     // Backward produces the last layer's gradient first: hand each over as it is done,
+//!     // and full buckets start their all-reduce while the next layers are computed.
+//!     for layer in [1usize, 0] {
+//!         ddp.grad_ready(layer, &backward_layer(layer))?;
+//!     }
+//!     ddp.finish()?; // waits for every bucket
+//!     for (w, p) in [(&mut w0, 0), (&mut w1, 1)] {
+//!         for (x, g) in w.iter_mut().zip(ddp.grad::<f32>(p)?) {
+//!             *x -= 0.1 * g; // the averaged gradient, identical on every rank
+//!         }
+//!     }
+//! }
+//! # Ok::<(), oxccl_ddp::DdpError>(())
+//! ```
+//!
+//! Frameworks that return all gradients at once (candle, burn) call [`Ddp::sync`] with them
+//! instead: it packs bucket by bucket, launching each as soon as it is packed, and writes the
+//! averages back.
+//!
+//! # What it does, as PyTorch's DDP does
+//!
+//! - **Buckets**: gradients are laid out in flat buffers of one dtype, in reverse parameter
+//!   order (the order backward produces them), `bucket_cap_bytes` each (25 MiB), the first
+//!   `first_bucket_bytes` (1 MiB). A bucket launches when its last gradient arrives and every
+//!   bucket before it has launched, so all ranks launch in the same order whatever order their
+//!   gradients arrive in.
+//! - **Rebuilt order**: after the first step the buckets are rebuilt from the order in which
+//!   gradients arrived on rank 0 (broadcast, so every rank agrees).
+//! - **Accumulation**: [`Ddp::accumulate`]`(k)` or the [`Ddp::no_sync`] guard: micro-batches
+//!   before the last only add into the buckets; the last one's backward reduces.
+//! - **Unused parameters**: a parameter that gets no gradient in a step is named in
+//!   [`DdpError::UnusedParameters`], or reduced as zeros with `find_unused_parameters`.
+//! - **Comm hooks**: [`CommHook`] replaces the all-reduce of each bucket; [`CompressHook`] sends
+//!   f16 or bf16 on the wire.
+//! - **Buffers**: [`Ddp::broadcast_buffers`] copies rank 0's (e.g. batch-norm statistics).
+//!
+//! Gradients are averaged (`ReduceOp::Avg`); with equal local batch sizes the result is the
+//! gradient of the global batch's mean loss.
+//!
+//! Every rank must feed a step the same way (`grad_ready` + `finish`, or `sync`), and no other
+//! collective may run on the communicator between a step's first gradient and its `finish()`:
+//! buckets launch when each rank's gradients arrive, so another collective could land at a
+//! different place in each rank's sequence. `Ddp::new` checks that every rank has the same
+//! parameters and `DdpConfig`.
+
+#![forbid(unsafe_code)]
+
+mod config;
+mod error;
+mod flat;
+pub mod hooks;
+mod layout;
+mod reducer;
+
+pub use config::{DdpConfig, Param, Step};
+pub use error::{DdpError, Result};
+pub use flat::{FlatBuffer, GradBuf, TensorMut, Typed};
+pub use hooks::{AllReduceAvg, CommHook, CompressHook, GradBucket, HookWork};
+pub use reducer::{Ddp, NoSync};

@@ -1,0 +1,700 @@
+//! The reducer: buckets filled by `grad_ready` / `sync`, launched in order, averaged by a comm
+//! hook, waited on by `finish`.
+
+use std::borrow::Borrow;
+use std::ops::{Deref, DerefMut};
+
+use oxccl_comm::{Communicator, DType, Element, ReduceOp};
+
+use crate::config::{DdpConfig, Param, Step};
+use crate::error::{DdpError, Result};
+use crate::flat::{FlatBuffer, GradBuf};
+use crate::hooks::{AllReduceAvg, CommHook, GradBucket, HookWork};
+use crate::layout::{plan, BucketSpec, ParamSpec};
+
+mod sync;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    /// Between `finish()` and the next gradient.
+    Idle,
+    /// Gradients of a micro-batch are arriving.
+    Backward,
+}
+
+struct Bucket {
+    spec: BucketSpec,
+    /// `None` while the bucket's hook owns it.
+    buf: Option<FlatBuffer>,
+    work: Option<HookWork>,
+    /// Members whose gradient has not arrived in this micro-batch.
+    pending: usize,
+}
+
+impl Bucket {
+    fn new(spec: BucketSpec) -> Bucket {
+        Bucket {
+            buf: Some(FlatBuffer::zeros(spec.dtype, spec.len)),
+            pending: spec.params.len(),
+            work: None,
+            spec,
+        }
+    }
+}
+
+/// Data-parallel gradient reducer (see the crate docs for the flow). `C` is how the communicator
+/// is held: owned (the default), `&Communicator` or `Arc<Communicator>`.
+pub struct Ddp<C: Borrow<Communicator> = Communicator> {
+    comm: C,
+    cfg: DdpConfig,
+    specs: Vec<ParamSpec>,
+    buckets: Vec<Bucket>,
+    /// Per parameter: (bucket, element offset).
+    slot: Vec<(usize, usize)>,
+    /// Gradient arrived in this micro-batch.
+    ready: Vec<bool>,
+    /// Gradient arrived in some micro-batch of this step (later ones add to it).
+    seen: Vec<bool>,
+    /// Arrival order in this micro-batch.
+    order: Vec<usize>,
+    next_launch: usize,
+    phase: Phase,
+    step: u64,
+    micro: usize,
+    accumulate: usize,
+    no_sync: bool,
+    /// Whether the current micro-batch reduces, decided when it begins.
+    sync_now: bool,
+    rebuilt: bool,
+    pending_order: Option<Vec<usize>>,
+    hook: Box<dyn CommHook>,
+    /// The hook is the default all-reduce (so `sync` may reduce large gradients in place).
+    default_hook: bool,
+    /// `sync`'s layout for the current buckets, made on first use.
+    sync_plan: Option<sync::SyncPlan>,
+    /// The buckets hold the last step's averaged gradients (false after an in-place `sync`).
+    reduced: bool,
+}
+
+/// FNV-1a over the parameter count, lengths and dtypes, and the settings that shape the
+/// sequence of collectives.
+fn fingerprint(specs: &[ParamSpec], cfg: &DdpConfig) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    let mut eat = |v: u64| {
+        for b in v.to_le_bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    eat(cfg.bucket_cap_bytes as u64);
+    eat(cfg.first_bucket_bytes as u64);
+    eat(cfg.sync_in_place_bytes as u64);
+    eat(u64::from(cfg.rebuild_buckets));
+    eat(specs.len() as u64);
+    for s in specs {
+        eat(s.len as u64);
+        eat(u64::from(s.dtype.to_u8()));
+    }
+    h
+}
+
+/// Broadcasts `items` from rank 0, small ones packed together into buffers of up to `cap` bytes.
+pub(crate) fn broadcast_coalesced(
+    comm: &Communicator,
+    items: Vec<&mut [u8]>,
+    cap: usize,
+) -> oxccl_comm::Result<()> {
+    let root = comm.rank() == 0;
+    let mut staged: Vec<u8> = Vec::new();
+    let mut group: Vec<&mut [u8]> = Vec::new();
+    let flush = |staged: &mut Vec<u8>, group: &mut Vec<&mut [u8]>| -> oxccl_comm::Result<()> {
+        if !staged.is_empty() {
+            comm.broadcast(staged.as_mut_slice(), 0)?;
+            let mut off = 0;
+            for g in group.iter_mut() {
+                g.copy_from_slice(&staged[off..off + g.len()]);
+                off += g.len();
+            }
+        }
+        staged.clear();
+        group.clear();
+        Ok(())
+    };
+    for item in items {
+        if item.len() >= cap {
+            comm.broadcast(item, 0)?;
+            continue;
+        }
+        if staged.len() + item.len() > cap {
+            flush(&mut staged, &mut group)?;
+        }
+        if root {
+            staged.extend_from_slice(item);
+        } else {
+            staged.resize(staged.len() + item.len(), 0);
+        }
+        group.push(item);
+    }
+    flush(&mut staged, &mut group)
+}
+
+impl<C: Borrow<Communicator>> Ddp<C> {
+    /// Wraps `params`: checks that every rank has the same parameter list (count, lengths,
+    /// dtypes), broadcasts rank 0's values into every rank's `params`, and lays the gradients out
+    /// in buckets in reverse parameter order. Collective: every rank calls it.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a zero bucket cap or parameter lists that differ between ranks; the
+    /// broadcast's errors.
+    pub fn new(comm: C, params: &mut [Param<'_>], cfg: DdpConfig) -> Result<Ddp<C>> {
+        let c = comm.borrow();
+        let rank = c.rank();
+        let invalid = |msg: String| DdpError::InvalidArgument {
+            rank,
+            op: "new",
+            msg,
+        };
+        let specs: Vec<ParamSpec> = params
+            .iter()
+            .map(|p| ParamSpec {
+                name: p.name.clone(),
+                len: p.tensor.elems(),
+                dtype: p.tensor.dtype(),
+            })
+            .collect();
+        // Every rank checks the others' parameter list and settings before anything else moves;
+        // a bad local setting is reported after the collective so no rank is left waiting.
+        let h = fingerprint(&specs, &cfg);
+        let mut fp = [h, !h];
+        c.all_reduce(&mut fp, ReduceOp::Max)?;
+        if fp != [h, !h] {
+            let elems: usize = specs.iter().map(|s| s.len).sum();
+            return Err(invalid(format!(
+                "the parameter list (count, lengths, dtypes) or the DdpConfig differs between \
+                 ranks; this rank has {} parameters, {elems} elements, {cfg:?}",
+                specs.len()
+            )));
+        }
+        if cfg.bucket_cap_bytes == 0 || cfg.first_bucket_bytes == 0 {
+            return Err(invalid(format!(
+                "bucket caps must be positive (bucket_cap_bytes {}, first_bucket_bytes {})",
+                cfg.bucket_cap_bytes, cfg.first_bucket_bytes
+            )));
+        }
+        let items = params.iter_mut().map(|p| p.tensor.bytes_mut()).collect();
+        broadcast_coalesced(c, items, cfg.bucket_cap_bytes)?;
+        let order: Vec<usize> = (0..specs.len()).rev().collect();
+        let layout = plan(&specs, &order, cfg.first_bucket_bytes, cfg.bucket_cap_bytes);
+        let n = specs.len();
+        tracing::debug!(
+            rank,
+            params = n,
+            buckets = layout.buckets.len(),
+            "ddp: initial bucket layout"
+        );
+        Ok(Ddp {
+            comm,
+            cfg,
+            specs,
+            buckets: layout.buckets.into_iter().map(Bucket::new).collect(),
+            slot: layout.slot,
+            ready: vec![false; n],
+            seen: vec![false; n],
+            order: Vec::with_capacity(n),
+            next_launch: 0,
+            phase: Phase::Idle,
+            step: 0,
+            micro: 0,
+            accumulate: 1,
+            no_sync: false,
+            sync_now: true,
+            rebuilt: false,
+            pending_order: None,
+            hook: Box::new(AllReduceAvg),
+            default_hook: true,
+            sync_plan: None,
+            reduced: false,
+        })
+    }
+
+    /// The communicator.
+    pub fn comm(&self) -> &Communicator {
+        self.comm.borrow()
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &DdpConfig {
+        &self.cfg
+    }
+
+    /// Number of parameters.
+    pub fn num_params(&self) -> usize {
+        self.specs.len()
+    }
+
+    /// Name of parameter `p`.
+    pub fn param_name(&self, p: usize) -> Option<&str> {
+        self.specs.get(p).map(|s| s.name.as_str())
+    }
+
+    /// Index of the parameter called `name`.
+    pub fn param_index(&self, name: &str) -> Option<usize> {
+        self.specs.iter().position(|s| s.name == name)
+    }
+
+    /// Parameter indices per bucket, in launch order: the layout of the current (or last) step.
+    /// The layout rebuilt after step 0 takes effect when step 1's first gradient arrives.
+    pub fn bucket_params(&self) -> Vec<Vec<usize>> {
+        self.buckets.iter().map(|b| b.spec.params.clone()).collect()
+    }
+
+    /// Number of synchronised steps so far.
+    pub fn steps(&self) -> u64 {
+        self.step
+    }
+
+    /// Replaces the comm hook (default [`AllReduceAvg`]).
+    ///
+    /// # Errors
+    /// `InvalidArgument` in the middle of a step.
+    pub fn set_comm_hook(&mut self, hook: impl CommHook + 'static) -> Result<()> {
+        if self.phase == Phase::Backward || self.micro != 0 {
+            return Err(self.invalid(
+                "set_comm_hook",
+                "cannot change hooks in the middle of a step",
+            ));
+        }
+        self.hook = Box::new(hook);
+        self.default_hook = false;
+        self.sync_plan = None;
+        Ok(())
+    }
+
+    /// Makes every step `k` micro-batches: gradients of the first `k - 1` are only accumulated
+    /// (no communication); the buckets are averaged during the last one's backward. Gradients are
+    /// summed over micro-batches: scale the loss by `1/k` for a mean.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for `k == 0` or in the middle of a step.
+    pub fn accumulate(&mut self, k: usize) -> Result<()> {
+        if k == 0 {
+            return Err(self.invalid("accumulate", "k must be at least 1"));
+        }
+        if self.phase == Phase::Backward || self.micro != 0 {
+            return Err(self.invalid("accumulate", "cannot change k in the middle of a step"));
+        }
+        self.accumulate = k;
+        Ok(())
+    }
+
+    /// While the guard lives, micro-batches only accumulate gradients (PyTorch's `no_sync`); the
+    /// first micro-batch after it synchronises. The guard derefs to the `Ddp`. Whether a
+    /// micro-batch reduces is decided when its first gradient arrives: take the guard before the
+    /// backward pass and keep it until its `finish()`.
+    pub fn no_sync(&mut self) -> NoSync<'_, C> {
+        let prev = self.no_sync;
+        self.no_sync = true;
+        NoSync { ddp: self, prev }
+    }
+
+    fn invalid(&self, op: &'static str, msg: impl Into<String>) -> DdpError {
+        DdpError::InvalidArgument {
+            rank: self.comm().rank(),
+            op,
+            msg: msg.into(),
+        }
+    }
+
+    fn check_param(&self, p: usize, dtype: DType, bytes: usize, op: &'static str) -> Result<()> {
+        let Some(s) = self.specs.get(p) else {
+            return Err(self.invalid(
+                op,
+                format!(
+                    "parameter index {p} out of range ({} parameters)",
+                    self.specs.len()
+                ),
+            ));
+        };
+        if dtype != s.dtype {
+            return Err(self.invalid(
+                op,
+                format!(
+                    "parameter {p} ({}) is {}, the gradient given is {}",
+                    s.name,
+                    s.dtype.short_name(),
+                    dtype.short_name()
+                ),
+            ));
+        }
+        if bytes != s.bytes() {
+            return Err(self.invalid(
+                op,
+                format!(
+                    "parameter {p} ({}) has {} elements, the gradient given has {}",
+                    s.name,
+                    s.len,
+                    bytes / dtype.size()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether this micro-batch reduces: decided once when it begins (so a `no_sync` guard taken
+    /// in the middle of a backward pass does not change it).
+    fn syncing(&self) -> bool {
+        if self.phase == Phase::Backward {
+            self.sync_now
+        } else {
+            !self.no_sync && self.micro + 1 >= self.accumulate
+        }
+    }
+
+    /// Starts a micro-batch (and, at its first micro-batch, a step) unless one is under way.
+    fn begin(&mut self) {
+        if self.phase == Phase::Backward {
+            return;
+        }
+        self.sync_now = self.syncing();
+        self.phase = Phase::Backward;
+        if self.micro == 0 {
+            if let Some(order) = self.pending_order.take() {
+                self.relayout(&order);
+            }
+            self.seen.fill(false);
+        }
+        for b in &mut self.buckets {
+            b.pending = b.spec.params.len();
+            if b.buf.is_none() {
+                // Lost with a failed collective: start again from zeros.
+                b.buf = Some(FlatBuffer::zeros(b.spec.dtype, b.spec.len));
+            }
+        }
+        self.ready.fill(false);
+        self.order.clear();
+        self.next_launch = 0;
+        self.reduced = false;
+    }
+
+    fn relayout(&mut self, order: &[usize]) {
+        let layout = plan(
+            &self.specs,
+            order,
+            self.cfg.first_bucket_bytes,
+            self.cfg.bucket_cap_bytes,
+        );
+        let same = layout.buckets.len() == self.buckets.len()
+            && layout
+                .buckets
+                .iter()
+                .zip(&self.buckets)
+                .all(|(a, b)| *a == b.spec);
+        tracing::debug!(
+            rank = self.comm().rank(),
+            buckets = layout.buckets.len(),
+            changed = !same,
+            "ddp: buckets rebuilt from the observed gradient order"
+        );
+        if !same {
+            self.buckets = layout.buckets.into_iter().map(Bucket::new).collect();
+            self.slot = layout.slot;
+            self.sync_plan = None;
+        }
+    }
+
+    /// Declares parameter `param`'s gradient for this backward pass: copied (or, in later
+    /// micro-batches of a step, added) into its bucket; when that fills a bucket, and every
+    /// bucket before it has been launched, its all-reduce starts at once.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for an index out of range, a dtype or length that is not the
+    /// parameter's, or a second gradient for one parameter in one backward pass.
+    pub fn grad_ready<T: Element>(&mut self, param: usize, grad: &[T]) -> Result<()> {
+        let bytes: &[u8] = bytemuck::cast_slice(grad);
+        self.check_param(param, T::DTYPE, bytes.len(), "grad_ready")?;
+        self.ingest(param, bytes, "grad_ready")
+    }
+
+    /// Copies or adds a checked gradient into its slot and launches what became ready.
+    fn ingest(&mut self, p: usize, bytes: &[u8], op: &'static str) -> Result<()> {
+        self.begin();
+        if self.ready[p] {
+            return Err(self.invalid(
+                op,
+                format!(
+                    "parameter {p} ({}) already got its gradient in this backward pass",
+                    self.specs[p].name
+                ),
+            ));
+        }
+        let dtype = self.specs[p].dtype;
+        let (b, off) = self.slot[p];
+        let sz = dtype.size();
+        let seen = self.seen[p];
+        let bucket = &mut self.buckets[b];
+        let buf = bucket
+            .buf
+            .get_or_insert_with(|| FlatBuffer::zeros(bucket.spec.dtype, bucket.spec.len));
+        let dst = &mut buf.bytes_mut()[off * sz..off * sz + bytes.len()];
+        if seen {
+            oxccl_kernels::reduce_bytes(dtype, ReduceOp::Sum, dst, bytes).map_err(|e| {
+                DdpError::InvalidArgument {
+                    rank: self.comm.borrow().rank(),
+                    op,
+                    msg: format!("accumulating parameter {p}: {e}"),
+                }
+            })?;
+        } else {
+            dst.copy_from_slice(bytes);
+        }
+        bucket.pending -= 1;
+        self.ready[p] = true;
+        self.seen[p] = true;
+        self.order.push(p);
+        if self.buckets[b].pending == 0 && self.syncing() {
+            self.launch_ready();
+        }
+        Ok(())
+    }
+
+    /// Launches, in bucket order, every bucket that is full and not yet launched, stopping at the
+    /// first that is not full (so every rank launches in the same order).
+    fn launch_ready(&mut self) {
+        while self.next_launch < self.buckets.len() && self.buckets[self.next_launch].pending == 0 {
+            let b = self.next_launch;
+            let bucket = &mut self.buckets[b];
+            let buffer = bucket
+                .buf
+                .take()
+                .unwrap_or_else(|| FlatBuffer::zeros(bucket.spec.dtype, bucket.spec.len));
+            let work = self
+                .hook
+                .start(self.comm.borrow(), GradBucket { index: b, buffer });
+            self.buckets[b].work = Some(work);
+            self.next_launch += 1;
+        }
+    }
+
+    /// Ends a backward pass. In an accumulating micro-batch it only records it. Otherwise it
+    /// launches what is left, waits for every bucket, and leaves the averaged gradients readable
+    /// through [`Ddp::grad`] until the next backward pass; after the first step it also agrees
+    /// on the rebuilt bucket order. Collective.
+    ///
+    /// # Errors
+    /// A collective's error (`PeerLost`, `Timeout`, ...); [`DdpError::UnusedParameters`] naming
+    /// every parameter that got no gradient in the step, unless `find_unused_parameters` is set
+    /// (they are reduced as zeros either way, so the other ranks are not left waiting).
+    pub fn finish(&mut self) -> Result<Step> {
+        self.finish_with(|_, _| {})
+    }
+
+    fn finish_with(&mut self, mut done: impl FnMut(&BucketSpec, &FlatBuffer)) -> Result<Step> {
+        self.begin();
+        if !self.syncing() {
+            self.micro += 1;
+            self.phase = Phase::Idle;
+            return Ok(Step::Accumulated {
+                micro_batch: self.micro - 1,
+            });
+        }
+        let mut unused = Vec::new();
+        for p in 0..self.specs.len() {
+            if self.ready[p] {
+                continue;
+            }
+            let (b, off) = self.slot[p];
+            if !self.seen[p] {
+                unused.push(p);
+                let sz = self.specs[p].dtype.size();
+                if let Some(buf) = self.buckets[b].buf.as_mut() {
+                    buf.bytes_mut()[off * sz..(off + self.specs[p].len) * sz].fill(0);
+                }
+            }
+            self.ready[p] = true;
+            self.buckets[b].pending -= 1;
+        }
+        self.launch_ready();
+        let mut first_err: Option<DdpError> = None;
+        for b in 0..self.buckets.len() {
+            let Some(work) = self.buckets[b].work.take() else {
+                continue;
+            };
+            match work.wait() {
+                Ok(buf)
+                    if buf.dtype() == self.buckets[b].spec.dtype
+                        && buf.len() == self.buckets[b].spec.len =>
+                {
+                    done(&self.buckets[b].spec, &buf);
+                    self.buckets[b].buf = Some(buf);
+                }
+                Ok(buf) => {
+                    let msg = format!(
+                        "comm hook {} returned {} elements of {} for bucket {b} of {} elements \
+                         of {}",
+                        self.hook.name(),
+                        buf.len(),
+                        buf.dtype().short_name(),
+                        self.buckets[b].spec.len,
+                        self.buckets[b].spec.dtype.short_name()
+                    );
+                    first_err.get_or_insert(self.invalid("finish", msg));
+                }
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        self.reduced = true;
+        self.complete_step(first_err, unused)
+    }
+
+    /// Ends a synchronising micro-batch: agrees on the rebuilt order after the first step and
+    /// reports the first error, then unused parameters.
+    fn complete_step(&mut self, first_err: Option<DdpError>, unused: Vec<usize>) -> Result<Step> {
+        self.phase = Phase::Idle;
+        self.micro = 0;
+        if let Some(e @ DdpError::Comm(_)) = first_err {
+            // The communicator is broken: issuing more collectives would only fail again.
+            return Err(e);
+        }
+        // A local error (e.g. a user hook's) leaves the communicator working: keep issuing the
+        // same collectives as the other ranks before reporting it.
+        if self.cfg.rebuild_buckets && !self.rebuilt {
+            self.rebuilt = true;
+            self.agree_order()?;
+        }
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+        let step = self.step;
+        self.step += 1;
+        if !unused.is_empty() && !self.cfg.find_unused_parameters {
+            return Err(DdpError::UnusedParameters {
+                rank: self.comm().rank(),
+                step,
+                names: unused.iter().map(|&p| self.specs[p].name.clone()).collect(),
+            });
+        }
+        Ok(Step::Synced { step })
+    }
+
+    /// Broadcasts rank 0's observed gradient order; every rank rebuilds its buckets from it at
+    /// the start of the next step.
+    fn agree_order(&mut self) -> Result<()> {
+        let n = self.specs.len();
+        let mut v: Vec<u64> = if self.comm().rank() == 0 {
+            let mut listed = vec![false; n];
+            let mut full: Vec<u64> = Vec::with_capacity(n);
+            for &p in &self.order {
+                listed[p] = true;
+                full.push(p as u64);
+            }
+            full.extend((0..n).rev().filter(|&p| !listed[p]).map(|p| p as u64));
+            full
+        } else {
+            vec![0; n]
+        };
+        self.comm().broadcast(&mut v, 0)?;
+        let mut listed = vec![false; n];
+        for &p in &v {
+            match listed.get_mut(p as usize) {
+                Some(l) if !*l => *l = true,
+                _ => {
+                    return Err(self.invalid(
+                        "rebuild_buckets",
+                        "the order received from rank 0 is not a permutation of the parameters",
+                    ))
+                }
+            }
+        }
+        self.pending_order = Some(v.into_iter().map(|p| p as usize).collect());
+        Ok(())
+    }
+
+    /// Parameter `param`'s gradient in its bucket: after a synchronised `finish()` (or a `sync()`
+    /// that went through the buckets, i.e. with a comm hook set) the average over ranks, until
+    /// the next backward pass starts; in an accumulating step the local sum so far for the
+    /// parameters seen in it (others still hold the previous step's value). After an in-place
+    /// `sync()` the averages are in the caller's slices and this returns an error.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for an index out of range, a `T` that is not the parameter's dtype, or a
+    /// bucket whose all-reduce is in flight.
+    pub fn grad<T: Element>(&self, param: usize) -> Result<&[T]> {
+        let Some(s) = self.specs.get(param) else {
+            return Err(self.invalid(
+                "grad",
+                format!(
+                    "parameter index {param} out of range ({} parameters)",
+                    self.specs.len()
+                ),
+            ));
+        };
+        if !self.reduced && self.phase == Phase::Idle && self.micro == 0 && self.step > 0 {
+            return Err(self.invalid(
+                "grad",
+                "the last step was reduced by sync(): its averages are in the slices given to sync",
+            ));
+        }
+        let (b, off) = self.slot[param];
+        let buf = self.buckets[b].buf.as_ref().ok_or_else(|| {
+            self.invalid(
+                "grad",
+                format!(
+                    "parameter {param} ({}): its bucket's all-reduce is in flight; call finish() \
+                     first",
+                    s.name
+                ),
+            )
+        })?;
+        let all = buf.as_slice::<T>().ok_or_else(|| {
+            self.invalid(
+                "grad",
+                format!(
+                    "parameter {param} ({}) is {}, read as {}",
+                    s.name,
+                    s.dtype.short_name(),
+                    T::DTYPE.short_name()
+                ),
+            )
+        })?;
+        Ok(&all[off..off + s.len])
+    }
+
+    /// Broadcasts `buffers` (e.g. batch-norm running statistics) from rank 0 into every rank's,
+    /// small ones packed together. Collective; call it where every rank does (e.g. before each
+    /// forward, as PyTorch's `broadcast_buffers`).
+    ///
+    /// # Errors
+    /// The broadcast's errors.
+    pub fn broadcast_buffers<G: GradBuf>(&self, buffers: &mut [G]) -> Result<()> {
+        let items = buffers.iter_mut().map(|b| b.bytes_mut()).collect();
+        broadcast_coalesced(self.comm(), items, self.cfg.bucket_cap_bytes)?;
+        Ok(())
+    }
+}
+
+/// Guard returned by [`Ddp::no_sync`]: derefs to the `Ddp`; micro-batches under it only
+/// accumulate.
+pub struct NoSync<'a, C: Borrow<Communicator>> {
+    ddp: &'a mut Ddp<C>,
+    prev: bool,
+}
+
+impl<C: Borrow<Communicator>> Deref for NoSync<'_, C> {
+    type Target = Ddp<C>;
+    fn deref(&self) -> &Ddp<C> {
+        self.ddp
+    }
+}
+
+impl<C: Borrow<Communicator>> DerefMut for NoSync<'_, C> {
+    fn deref_mut(&mut self) -> &mut Ddp<C> {
+        self.ddp
+    }
+}
+
+impl<C: Borrow<Communicator>> Drop for NoSync<'_, C> {
+    fn drop(&mut self) {
+        self.ddp.no_sync = self.prev;
+    }
+}

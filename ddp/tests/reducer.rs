@@ -1,0 +1,593 @@
+//! DDP on threaded ranks (one communicator per thread, over shared memory): averaging, bucket
+//! order when ranks' gradient orders differ, accumulation, unused parameters, comm hooks, the
+//! initial broadcast, and errors for bad input.
+
+use std::sync::Arc;
+
+use oxccl_comm::harness::spawn_world;
+use oxccl_comm::{Communicator, Config, ReduceOp};
+use oxccl_ddp::{
+    CommHook, CompressHook, Ddp, DdpConfig, DdpError, FlatBuffer, GradBucket, HookWork, Param,
+    Step, TensorMut,
+};
+use oxccl_kernels::bf16;
+
+/// Parameter lengths used by several tests: sizes around the small caps below, one empty.
+const LENS: [usize; 7] = [300, 7, 1000, 0, 64, 2500, 33];
+
+fn small_buckets() -> DdpConfig {
+    DdpConfig {
+        bucket_cap_bytes: 4096,
+        first_bucket_bytes: 512,
+        ..DdpConfig::default()
+    }
+}
+
+/// Integer-valued gradient of parameter `p` on `rank` at `step`: sums and averages over 4 ranks
+/// are exact in f32.
+fn grad(rank: usize, step: usize, p: usize, len: usize) -> Vec<f32> {
+    (0..len)
+        .map(|i| ((rank * 7 + step * 3 + p * 5 + i) % 17) as f32)
+        .collect()
+}
+
+fn avg_grad(n: usize, step: usize, p: usize, len: usize) -> Vec<f32> {
+    let mut s = vec![0.0f32; len];
+    for r in 0..n {
+        for (a, g) in s.iter_mut().zip(grad(r, step, p, len)) {
+            *a += g;
+        }
+    }
+    s.iter().map(|x| x / n as f32).collect()
+}
+
+/// Runs `f` on `n` threaded ranks and fails the test if any rank fails.
+fn on_ranks(n: usize, f: impl Fn(Communicator) -> oxccl_comm::Result<()> + Sync) {
+    for (rank, r) in spawn_world(n, Config::default(), f).into_iter().enumerate() {
+        r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+    }
+}
+
+fn new_ddp(comm: Communicator, cfg: DdpConfig) -> oxccl_ddp::Result<Ddp> {
+    let mut store: Vec<Vec<f32>> = LENS.iter().map(|&n| vec![0.0; n]).collect();
+    let mut params: Vec<Param> = store
+        .iter_mut()
+        .enumerate()
+        .map(|(p, v)| Param::new(format!("layer{p}.weight"), v.as_mut_slice()))
+        .collect();
+    Ddp::new(comm, &mut params, cfg)
+}
+
+/// A permutation of 0..n that depends on `seed` (ranks pass different seeds).
+fn shuffled(n: usize, seed: u64) -> Vec<usize> {
+    let mut v: Vec<usize> = (0..n).collect();
+    let mut s = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    for i in (1..n).rev() {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        v.swap(i, (s % (i as u64 + 1)) as usize);
+    }
+    v
+}
+
+#[test]
+fn grad_ready_averages_every_parameter_over_steps() {
+    on_ranks(4, |comm| {
+        let rank = comm.rank();
+        let mut ddp = new_ddp(comm, small_buckets()).unwrap();
+        assert!(
+            ddp.bucket_params().len() >= 4,
+            "small caps give several buckets"
+        );
+        for step in 0..3 {
+            for p in (0..LENS.len()).rev() {
+                ddp.grad_ready(p, &grad(rank, step, p, LENS[p])).unwrap();
+            }
+            assert_eq!(ddp.finish().unwrap(), Step::Synced { step: step as u64 });
+            for (p, &len) in LENS.iter().enumerate() {
+                assert_eq!(
+                    ddp.grad::<f32>(p).unwrap(),
+                    avg_grad(4, step, p, len).as_slice(),
+                    "rank {rank} step {step} param {p}"
+                );
+            }
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn sync_writes_the_average_back_in_mixed_dtypes() {
+    on_ranks(3, |comm| {
+        let rank = comm.rank();
+        let (mut a, mut b, mut c) = (vec![0f32; 100], vec![0f64; 2000], vec![bf16::ZERO; 513]);
+        let mut params = [
+            Param::new("a", &mut a),
+            Param::new("b", &mut b),
+            Param::new("c", &mut c),
+        ];
+        let mut ddp = Ddp::new(comm, &mut params, small_buckets()).unwrap();
+        for step in 0..2 {
+            let mut ga: Vec<f32> = (0..100).map(|i| (i + rank + step) as f32).collect();
+            let mut gb: Vec<f64> = (0..2000).map(|i| (i * rank) as f64).collect();
+            let mut gc: Vec<bf16> = (0..513)
+                .map(|i| bf16::from_f32((i % 8 * rank) as f32))
+                .collect();
+            let mut grads = [
+                TensorMut::from(&mut ga),
+                TensorMut::from(&mut gb),
+                TensorMut::from(&mut gc),
+            ];
+            assert_eq!(
+                ddp.sync(&mut grads).unwrap(),
+                Step::Synced { step: step as u64 }
+            );
+            // Sum over ranks 0..3 of rank = 3, divided by 3.
+            assert!(ga
+                .iter()
+                .enumerate()
+                .all(|(i, &x)| x == (i + 1 + step) as f32));
+            assert!(gb.iter().enumerate().all(|(i, &x)| x == i as f64));
+            assert!(gc
+                .iter()
+                .enumerate()
+                .all(|(i, &x)| x == bf16::from_f32((i % 8) as f32)));
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn ranks_with_different_ready_orders_agree_and_rebuild_from_rank_0() {
+    let out = spawn_world(4, Config::default(), |comm| {
+        let rank = comm.rank();
+        let mut ddp = new_ddp(comm, small_buckets()).unwrap();
+        let mut layouts = Vec::new();
+        for step in 0..4 {
+            // Every rank, every step: its own order.
+            for p in shuffled(LENS.len(), (rank * 10 + step) as u64) {
+                ddp.grad_ready(p, &grad(rank, step, p, LENS[p])).unwrap();
+            }
+            ddp.finish().unwrap();
+            for (p, &len) in LENS.iter().enumerate() {
+                assert_eq!(
+                    ddp.grad::<f32>(p).unwrap(),
+                    avg_grad(4, step, p, len).as_slice()
+                );
+            }
+            layouts.push(ddp.bucket_params());
+        }
+        Ok(layouts)
+    });
+    let layouts: Vec<_> = out.into_iter().map(|r| r.unwrap()).collect();
+    for l in &layouts[1..] {
+        assert_eq!(l, &layouts[0], "every rank uses the same buckets");
+    }
+    // After step 0 the layout follows rank 0's step-0 order: the first bucket holds the first
+    // parameter that rank 0 handed over.
+    let rank0_order = shuffled(LENS.len(), 0);
+    let first_nonempty = rank0_order.iter().find(|&&p| LENS[p] > 0).copied();
+    let after = &layouts[0][1];
+    assert!(after[0].contains(&rank0_order[0]) || Some(after[0][0]) == first_nonempty);
+    assert_ne!(
+        layouts[0][0], layouts[0][1],
+        "the rebuilt layout differs from reverse order"
+    );
+    assert_eq!(layouts[0][1], layouts[0][3], "rebuilt once");
+}
+
+#[test]
+fn accumulation_over_micro_batches_equals_the_large_batch() {
+    on_ranks(4, |comm| {
+        let rank = comm.rank();
+        let mut ddp = new_ddp(comm, small_buckets()).unwrap();
+        ddp.accumulate(4).unwrap();
+        for step in 0..2 {
+            for micro in 0..4 {
+                for p in (0..LENS.len()).rev() {
+                    ddp.grad_ready(p, &grad(rank, step * 4 + micro, p, LENS[p]))
+                        .unwrap();
+                }
+                let s = ddp.finish().unwrap();
+                if micro < 3 {
+                    assert_eq!(s, Step::Accumulated { micro_batch: micro });
+                    // No communication yet: the bucket holds this rank's running sum.
+                    let want: f32 = (0..=micro)
+                        .map(|m| grad(rank, step * 4 + m, 6, 33)[5])
+                        .sum();
+                    assert_eq!(ddp.grad::<f32>(6).unwrap()[5], want);
+                } else {
+                    assert_eq!(s, Step::Synced { step: step as u64 });
+                }
+            }
+            for (p, &len) in LENS.iter().enumerate() {
+                let mut want = vec![0.0f32; len];
+                for m in 0..4 {
+                    for (w, g) in want.iter_mut().zip(avg_grad(4, step * 4 + m, p, len)) {
+                        *w += g;
+                    }
+                }
+                assert_eq!(ddp.grad::<f32>(p).unwrap(), want.as_slice(), "param {p}");
+            }
+        }
+        // The no_sync guard does the same for a micro-batch at a time.
+        ddp.accumulate(1).unwrap();
+        for micro in 0..2 {
+            let mut g = ddp.no_sync();
+            for (p, &len) in LENS.iter().enumerate() {
+                g.grad_ready(p, &vec![(rank + micro) as f32; len]).unwrap();
+            }
+            assert_eq!(
+                g.finish().unwrap(),
+                Step::Accumulated { micro_batch: micro }
+            );
+        }
+        for (p, &len) in LENS.iter().enumerate() {
+            ddp.grad_ready(p, &vec![1.0f32; len]).unwrap();
+        }
+        assert_eq!(ddp.finish().unwrap(), Step::Synced { step: 2 });
+        // Per rank: r + (r + 1) + 1 = 2r + 2; average over 0..4: 5.
+        assert!(ddp.grad::<f32>(2).unwrap().iter().all(|&x| x == 5.0));
+        Ok(())
+    });
+}
+
+#[test]
+fn an_unused_parameter_is_named_or_reduced_as_zeros() {
+    for find_unused in [false, true] {
+        let out = spawn_world(3, Config::default(), |comm| {
+            let rank = comm.rank();
+            let cfg = DdpConfig {
+                find_unused_parameters: find_unused,
+                ..small_buckets()
+            };
+            let mut ddp = new_ddp(comm, cfg).unwrap();
+            let mut results = Vec::new();
+            for step in 0..2 {
+                for p in (0..LENS.len()).filter(|&p| p != 2) {
+                    ddp.grad_ready(p, &grad(rank, step, p, LENS[p])).unwrap();
+                }
+                results.push(ddp.finish());
+                assert_eq!(
+                    ddp.grad::<f32>(1).unwrap(),
+                    avg_grad(3, step, 1, 7).as_slice()
+                );
+                assert!(ddp.grad::<f32>(2).unwrap().iter().all(|&x| x == 0.0));
+            }
+            Ok(results)
+        });
+        for r in out {
+            for res in r.unwrap() {
+                match (find_unused, res) {
+                    (false, Err(DdpError::UnusedParameters { names, .. })) => {
+                        assert_eq!(names, vec!["layer2.weight".to_string()]);
+                    }
+                    (true, Ok(Step::Synced { .. })) => {}
+                    (f, other) => panic!("find_unused={f}: unexpected {other:?}"),
+                }
+            }
+        }
+    }
+    // The message names the rank, the call and the parameter.
+    let e = DdpError::UnusedParameters {
+        rank: 2,
+        step: 0,
+        names: vec!["fc.bias".into()],
+    };
+    let msg = e.to_string();
+    assert!(
+        msg.contains("rank 2") && msg.contains("finish") && msg.contains("fc.bias"),
+        "{msg}"
+    );
+}
+
+/// The worst-case error of compressing to a 16-bit float with `mant` mantissa bits: every rank's
+/// value rounded once, every partial sum rounded once.
+fn compression_bound(vals: &[f32], mant: i32) -> f32 {
+    let u = 2f32.powi(-mant);
+    let n = vals.len() as f32;
+    let abs_sum: f32 = vals.iter().map(|v| v.abs()).sum();
+    (n + 1.0) * u * abs_sum / n + 1e-6
+}
+
+#[test]
+fn compression_hooks_stay_within_16_bit_rounding() {
+    for (hook, mant) in [(CompressHook::bf16(), 8), (CompressHook::fp16(), 11)] {
+        let n = 4;
+        let len = 5000;
+        let value = |r: usize, i: usize| ((r * 31 + i * 17) % 1000) as f32 * 0.001 - 0.3;
+        let out = spawn_world(n, Config::default(), |comm| {
+            let rank = comm.rank();
+            let mut w = vec![0.0f32; len];
+            let mut ddp = Ddp::new(comm, &mut [Param::new("w", &mut w)], small_buckets()).unwrap();
+            ddp.set_comm_hook(hook).unwrap();
+            let g: Vec<f32> = (0..len).map(|i| value(rank, i)).collect();
+            ddp.grad_ready(0, &g).unwrap();
+            ddp.finish().unwrap();
+            Ok(ddp.grad::<f32>(0).unwrap().to_vec())
+        });
+        let mut changed = 0;
+        for r in out {
+            let got = r.unwrap();
+            for (i, &x) in got.iter().enumerate() {
+                let vals: Vec<f32> = (0..n).map(|r| value(r, i)).collect();
+                let exact = vals.iter().sum::<f32>() / n as f32;
+                let bound = compression_bound(&vals, mant);
+                assert!(
+                    (x - exact).abs() <= bound,
+                    "{} element {i}: {x} vs {exact} (bound {bound})",
+                    hook.wire().short_name()
+                );
+                changed += usize::from(x != exact);
+            }
+        }
+        assert!(
+            changed > 0,
+            "{}: compression must actually round",
+            hook.wire().short_name()
+        );
+    }
+}
+
+/// A user hook: sums instead of averaging, and counts the buckets it saw.
+struct SumHook(Arc<std::sync::atomic::AtomicUsize>);
+
+impl CommHook for SumHook {
+    fn name(&self) -> &str {
+        "sum"
+    }
+    fn start(&mut self, comm: &Communicator, bucket: GradBucket) -> HookWork {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let t = bucket.buffer.into_typed::<f32>().expect("f32 buckets");
+        let work = comm.all_reduce_async(t, ReduceOp::Sum);
+        HookWork::new(move || Ok(work.wait()?.into_inner()))
+    }
+}
+
+/// A broken user hook: hands back a buffer of the wrong size.
+struct ShortHook;
+
+impl CommHook for ShortHook {
+    fn name(&self) -> &str {
+        "short"
+    }
+    fn start(&mut self, _comm: &Communicator, bucket: GradBucket) -> HookWork {
+        HookWork::ready(FlatBuffer::zeros(
+            bucket.buffer.dtype(),
+            bucket.buffer.len() + 1,
+        ))
+    }
+}
+
+#[test]
+fn user_comm_hooks_run_per_bucket_and_bad_ones_are_caught() {
+    on_ranks(2, |comm| {
+        let rank = comm.rank();
+        let count = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let mut ddp = new_ddp(comm, small_buckets()).unwrap();
+        ddp.set_comm_hook(SumHook(Arc::clone(&count))).unwrap();
+        for p in (0..LENS.len()).rev() {
+            ddp.grad_ready(p, &vec![(rank + 1) as f32; LENS[p]])
+                .unwrap();
+        }
+        ddp.finish().unwrap();
+        assert!(ddp.grad::<f32>(5).unwrap().iter().all(|&x| x == 3.0));
+        assert_eq!(
+            count.load(std::sync::atomic::Ordering::Relaxed),
+            ddp.bucket_params().len()
+        );
+        ddp.set_comm_hook(ShortHook).unwrap();
+        for p in (0..LENS.len()).rev() {
+            ddp.grad_ready(p, &vec![1.0f32; LENS[p]]).unwrap();
+        }
+        let e = ddp.finish().unwrap_err().to_string();
+        assert!(e.contains("comm hook short returned"), "{e}");
+        Ok(())
+    });
+}
+
+#[test]
+fn new_broadcasts_rank_0_values_and_buffers_follow_on_request() {
+    on_ranks(3, |comm| {
+        let rank = comm.rank();
+        // Many small parameters (packed together) and one larger than the cap (alone).
+        let mut small: Vec<Vec<f32>> = (0..20).map(|p| vec![(rank * 100 + p) as f32; 5]).collect();
+        let mut big = vec![rank as u64; 1000];
+        let mut params: Vec<Param> = small
+            .iter_mut()
+            .enumerate()
+            .map(|(p, v)| Param::new(format!("s{p}"), v.as_mut_slice()))
+            .collect();
+        params.push(Param::new("big", &mut big));
+        let ddp = Ddp::new(&comm, &mut params, small_buckets()).unwrap();
+        drop(params);
+        assert!(small
+            .iter()
+            .enumerate()
+            .all(|(p, v)| v.iter().all(|&x| x == p as f32)));
+        assert!(big.iter().all(|&x| x == 0));
+        let mut stats = vec![vec![rank as f32; 3], vec![rank as f32 + 0.5; 10_000]];
+        ddp.broadcast_buffers(&mut stats).unwrap();
+        assert_eq!(stats, vec![vec![0.0; 3], vec![0.5; 10_000]]);
+        Ok(())
+    });
+}
+
+fn expect_invalid(r: oxccl_ddp::Result<impl std::fmt::Debug>, needles: &[&str]) {
+    match r {
+        Err(e @ DdpError::InvalidArgument { .. }) => {
+            let msg = e.to_string();
+            for n in needles {
+                assert!(msg.contains(n), "{msg:?} lacks {n:?}");
+            }
+        }
+        other => panic!("expected InvalidArgument with {needles:?}, got {other:?}"),
+    }
+}
+
+#[test]
+fn bad_input_gets_an_error_naming_rank_call_and_parameter() {
+    on_ranks(2, |comm| {
+        let rank = comm.rank();
+        let r = format!("rank {rank}");
+        let comm = Arc::new(comm);
+        let mut ddp = new_ddp_arc(Arc::clone(&comm));
+        expect_invalid(
+            ddp.grad_ready(9, &[1.0f32]),
+            &[&r, "grad_ready", "out of range"],
+        );
+        expect_invalid(
+            ddp.grad_ready(1, &[1.0f64; 7]),
+            &[&r, "layer1.weight", "is f32", "f64"],
+        );
+        expect_invalid(
+            ddp.grad_ready(1, &[1.0f32; 6]),
+            &[&r, "layer1.weight", "7 elements"],
+        );
+        ddp.grad_ready(1, &[1.0f32; 7]).unwrap();
+        expect_invalid(
+            ddp.grad_ready(1, &[1.0f32; 7]),
+            &[&r, "already got its gradient"],
+        );
+        let mut grads: Vec<Vec<f32>> = LENS.iter().map(|&n| vec![0.0; n]).collect();
+        expect_invalid(
+            ddp.sync(&mut grads),
+            &[&r, "sync", "grad_ready was already called"],
+        );
+        expect_invalid(ddp.sync(&mut grads[..3]), &[&r, "3 gradients given for 7"]);
+        expect_invalid(ddp.accumulate(2), &[&r, "middle of a step"]);
+        expect_invalid(ddp.accumulate(0), &[&r, "at least 1"]);
+        expect_invalid(ddp.grad::<u8>(1), &[&r, "grad", "read as u8"]);
+        for p in (0..LENS.len()).filter(|&p| p != 1) {
+            ddp.grad_ready(p, &vec![1.0f32; LENS[p]]).unwrap();
+        }
+        ddp.finish().unwrap();
+        drop(ddp);
+        // Parameter lists that differ between ranks are caught before any gradient moves.
+        let mut w = vec![0.0f32; 10 + rank];
+        let e = Ddp::new(&*comm, &mut [Param::new("w", &mut w)], DdpConfig::default());
+        expect_invalid(e.map(|_| ()), &[&r, "new", "differs between ranks"]);
+        let cfg = DdpConfig {
+            bucket_cap_bytes: 0,
+            ..DdpConfig::default()
+        };
+        expect_invalid(
+            Ddp::new(&*comm, &mut [], cfg).map(|_| ()),
+            &[&r, "positive"],
+        );
+        Ok(())
+    });
+}
+
+fn new_ddp_arc(comm: Arc<Communicator>) -> Ddp<Arc<Communicator>> {
+    let mut store: Vec<Vec<f32>> = LENS.iter().map(|&n| vec![0.0; n]).collect();
+    let mut params: Vec<Param> = store
+        .iter_mut()
+        .enumerate()
+        .map(|(p, v)| Param::new(format!("layer{p}.weight"), v.as_mut_slice()))
+        .collect();
+    Ddp::new(comm, &mut params, small_buckets()).unwrap()
+}
+
+#[test]
+fn ddp_over_tcp_matches_shared_memory() {
+    let cfg = Config {
+        transport: oxccl_comm::config::TransportChoice::Tcp,
+        ..Config::default()
+    };
+    let out = spawn_world(2, cfg, |comm| {
+        let rank = comm.rank();
+        let mut ddp = new_ddp(comm, DdpConfig::default()).unwrap();
+        let mut grads: Vec<Vec<f32>> = (0..LENS.len()).map(|p| grad(rank, 0, p, LENS[p])).collect();
+        ddp.sync(&mut grads).unwrap();
+        for (p, g) in grads.iter().enumerate() {
+            assert_eq!(g, &avg_grad(2, 0, p, LENS[p]));
+        }
+        Ok(())
+    });
+    for r in out {
+        r.unwrap();
+    }
+}
+
+#[test]
+fn sync_reduces_large_gradients_in_place_and_accumulates() {
+    on_ranks(4, |comm| {
+        let rank = comm.rank();
+        // Parameters of at least 1 KiB (256 f32) go in place; the rest are packed.
+        let cfg = DdpConfig {
+            sync_in_place_bytes: 1024,
+            ..small_buckets()
+        };
+        let mut ddp = new_ddp(comm, cfg).unwrap();
+        for step in 0..2 {
+            let mut grads: Vec<Vec<f32>> = (0..LENS.len())
+                .map(|p| grad(rank, step, p, LENS[p]))
+                .collect();
+            assert_eq!(
+                ddp.sync(&mut grads).unwrap(),
+                Step::Synced { step: step as u64 }
+            );
+            for (p, g) in grads.iter().enumerate() {
+                assert_eq!(g, &avg_grad(4, step, p, LENS[p]), "step {step} param {p}");
+            }
+        }
+        // After an in-place sync the averages are in the caller's slices, not in the buckets.
+        let e = ddp.grad::<f32>(0).unwrap_err().to_string();
+        assert!(e.contains("slices given to sync"), "{e}");
+        // Accumulation through sync: two micro-batches, the second reduces the sum.
+        ddp.accumulate(2).unwrap();
+        let mut sums: Vec<Vec<f32>> = LENS.iter().map(|&n| vec![0.0; n]).collect();
+        for micro in 0..2 {
+            let mut grads: Vec<Vec<f32>> = (0..LENS.len())
+                .map(|p| grad(rank, 10 + micro, p, LENS[p]))
+                .collect();
+            let s = ddp.sync(&mut grads).unwrap();
+            for (p, sum) in sums.iter_mut().enumerate() {
+                for (a, g) in sum.iter_mut().zip(avg_grad(4, 10 + micro, p, LENS[p])) {
+                    *a += g;
+                }
+            }
+            if micro == 0 {
+                assert_eq!(s, Step::Accumulated { micro_batch: 0 });
+                assert_eq!(
+                    grads[2],
+                    grad(rank, 10, 2, LENS[2]),
+                    "only read while accumulating"
+                );
+            } else {
+                assert_eq!(s, Step::Synced { step: 2 });
+                assert_eq!(grads, sums);
+            }
+        }
+        // With a hook every gradient goes through the buckets (and grad() reads them).
+        ddp.accumulate(1).unwrap();
+        ddp.set_comm_hook(CompressHook::bf16()).unwrap();
+        let mut grads: Vec<Vec<f32>> = LENS.iter().map(|&n| vec![rank as f32; n]).collect();
+        ddp.sync(&mut grads).unwrap();
+        assert!(grads.iter().flatten().all(|&x| x == 1.5));
+        assert!(ddp.grad::<f32>(5).unwrap().iter().all(|&x| x == 1.5));
+        Ok(())
+    });
+}
+
+#[test]
+fn a_no_sync_guard_taken_mid_backward_does_not_change_that_micro_batch() {
+    on_ranks(2, |comm| {
+        let rank = comm.rank();
+        let mut ddp = new_ddp(comm, small_buckets()).unwrap();
+        for p in (0..LENS.len()).rev() {
+            ddp.grad_ready(p, &grad(rank, 0, p, LENS[p])).unwrap();
+        }
+        // The buckets were launched when they filled; finishing under a guard still reduces.
+        assert_eq!(ddp.no_sync().finish().unwrap(), Step::Synced { step: 0 });
+        for (p, &len) in LENS.iter().enumerate() {
+            assert_eq!(
+                ddp.grad::<f32>(p).unwrap(),
+                avg_grad(2, 0, p, len).as_slice()
+            );
+        }
+        Ok(())
+    });
+}

@@ -1,0 +1,372 @@
+//! The model behind examples/02_ddp_mlp.rs (and tests/ddp_mlp.rs): a multi-layer perceptron
+//! with tanh hidden layers and a mean-squared-error loss, forward and backward written out in
+//! plain Rust, trained with SGD on synthetic data that every rank can generate by sample index.
+//!
+//! Parameters are numbered layer by layer: `2 l` is layer l's weight (out x in, row-major),
+//! `2 l + 1` its bias. Backward hands each gradient over as soon as it is computed, last layer
+//! first: that is where DDP's `grad_ready` goes.
+
+use std::time::{Duration, Instant};
+
+use oxccl::comm::{Communicator, ReduceOp};
+use oxccl::ddp::{Ddp, DdpConfig, Param};
+
+/// Sizes of the model and of each rank's batch.
+#[derive(Clone, Debug)]
+pub struct Shape {
+    /// Input features.
+    pub input: usize,
+    /// Width of every hidden layer.
+    pub hidden: usize,
+    /// Number of hidden layers.
+    pub layers: usize,
+    /// Outputs.
+    pub output: usize,
+    /// Samples per rank per step.
+    pub batch: usize,
+    /// SGD learning rate.
+    pub lr: f32,
+}
+
+impl Default for Shape {
+    fn default() -> Shape {
+        Shape {
+            input: 32,
+            hidden: 64,
+            layers: 3,
+            output: 4,
+            batch: 16,
+            lr: 0.2,
+        }
+    }
+}
+
+/// SplitMix64: the data and the initial weights are functions of an index.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// A number in [-1, 1) from a hash.
+fn unit(h: u64) -> f32 {
+    (h >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+}
+
+/// Samples `first..first + count`: inputs (count x input) and targets (count x output), where
+/// target j = sin(x . c_j) for fixed directions c_j.
+pub fn samples(shape: &Shape, first: usize, count: usize) -> (Vec<f32>, Vec<f32>) {
+    let mut x = Vec::with_capacity(count * shape.input);
+    let mut t = Vec::with_capacity(count * shape.output);
+    for s in first..first + count {
+        let row: Vec<f32> = (0..shape.input)
+            .map(|i| unit(mix((s as u64) << 20 | i as u64)))
+            .collect();
+        for j in 0..shape.output {
+            let dot: f32 = row
+                .iter()
+                .enumerate()
+                .map(|(i, v)| v * unit(mix(0xC0FFEE ^ ((j as u64) << 32 | i as u64))))
+                .sum();
+            t.push((dot / (shape.input as f32).sqrt()).sin());
+        }
+        x.extend(row);
+    }
+    (x, t)
+}
+
+/// The model: layer widths and parameters.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Mlp {
+    /// Widths: input, hidden..., output.
+    pub dims: Vec<usize>,
+    /// Weight and bias of each layer, in that order.
+    pub params: Vec<Vec<f32>>,
+}
+
+impl Mlp {
+    /// Weights uniform in +-1/sqrt(fan_in) from `seed`, biases zero.
+    pub fn new(shape: &Shape, seed: u64) -> Mlp {
+        let mut dims = vec![shape.input];
+        dims.extend(std::iter::repeat_n(shape.hidden, shape.layers));
+        dims.push(shape.output);
+        let mut params = Vec::new();
+        for l in 0..dims.len() - 1 {
+            let (fan_in, out) = (dims[l], dims[l + 1]);
+            let scale = 1.0 / (fan_in as f32).sqrt();
+            params.push(
+                (0..fan_in * out)
+                    .map(|k| scale * unit(mix(seed << 48 ^ (l as u64) << 40 ^ k as u64)))
+                    .collect(),
+            );
+            params.push(vec![0.0; out]);
+        }
+        Mlp { dims, params }
+    }
+
+    /// Parameter names: `layer{l}.weight`, `layer{l}.bias`.
+    pub fn names(&self) -> Vec<String> {
+        (0..self.params.len())
+            .map(|p| format!("layer{}.{}", p / 2, ["weight", "bias"][p % 2]))
+            .collect()
+    }
+
+    /// Activations of every layer for a batch: `acts[0]` is the input, `acts[l + 1]` layer l's
+    /// output (tanh except the last).
+    pub fn forward(&self, x: &[f32], batch: usize) -> Vec<Vec<f32>> {
+        let mut acts = vec![x.to_vec()];
+        let last = self.dims.len() - 2;
+        for l in 0..=last {
+            let (n_in, n_out) = (self.dims[l], self.dims[l + 1]);
+            let (w, b) = (&self.params[2 * l], &self.params[2 * l + 1]);
+            let input = &acts[l];
+            let mut out = vec![0.0f32; batch * n_out];
+            // Weight rows outside, samples inside: each row is read from memory once.
+            for o in 0..n_out {
+                let row = &w[o * n_in..(o + 1) * n_in];
+                for s in 0..batch {
+                    let v = dot(row, &input[s * n_in..(s + 1) * n_in]) + b[o];
+                    out[s * n_out + o] = if l == last { v } else { v.tanh() };
+                }
+            }
+            acts.push(out);
+        }
+        acts
+    }
+
+    /// Backward for the loss `sum over samples of 0.5 |y - t|^2 / norm`: calls `on_grad(p, g)`
+    /// for every parameter, last layer first, as soon as its gradient is computed; returns the
+    /// loss.
+    pub fn backward(
+        &self,
+        acts: &[Vec<f32>],
+        targets: &[f32],
+        batch: usize,
+        norm: f32,
+        mut on_grad: impl FnMut(usize, &[f32]),
+    ) -> f32 {
+        let layers = self.dims.len() - 1;
+        let y = &acts[layers];
+        let mut loss = 0.0f32;
+        // d loss / d y.
+        let mut dy: Vec<f32> = y
+            .iter()
+            .zip(targets)
+            .map(|(&y, &t)| {
+                loss += 0.5 * (y - t) * (y - t);
+                (y - t) / norm
+            })
+            .collect();
+        for l in (0..layers).rev() {
+            let (n_in, n_out) = (self.dims[l], self.dims[l + 1]);
+            let x = &acts[l];
+            let mut gw = vec![0.0f32; n_in * n_out];
+            let mut gb = vec![0.0f32; n_out];
+            // Row by row of the weight gradient, summing over samples in order (cache-resident).
+            for o in 0..n_out {
+                let row = &mut gw[o * n_in..(o + 1) * n_in];
+                for s in 0..batch {
+                    let d = dy[s * n_out + o];
+                    gb[o] += d;
+                    axpy(row, d, &x[s * n_in..(s + 1) * n_in]);
+                }
+            }
+            on_grad(2 * l, &gw);
+            on_grad(2 * l + 1, &gb);
+            if l > 0 {
+                // Through the weights, then through the previous layer's tanh.
+                let w = &self.params[2 * l];
+                let mut dx = vec![0.0f32; batch * n_in];
+                for o in 0..n_out {
+                    let wrow = &w[o * n_in..(o + 1) * n_in];
+                    for s in 0..batch {
+                        axpy(&mut dx[s * n_in..(s + 1) * n_in], dy[s * n_out + o], wrow);
+                    }
+                }
+                for (d, &a) in dx.iter_mut().zip(x.iter()) {
+                    *d *= 1.0 - a * a;
+                }
+                dy = dx;
+            }
+        }
+        loss / norm
+    }
+
+    /// `param -= lr * grad`.
+    pub fn sgd(&mut self, p: usize, grad: &[f32], lr: f32) {
+        for (w, g) in self.params[p].iter_mut().zip(grad) {
+            *w -= lr * g;
+        }
+    }
+}
+
+/// Dot product in eight lanes (vectorisable, and the same order on every rank).
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for k in 0..8 {
+            acc[k] += x[k] * y[k];
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for (x, y) in ra.iter().zip(rb) {
+        s += x * y;
+    }
+    s
+}
+
+fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+    for (y, x) in y.iter_mut().zip(x) {
+        *y += a * x;
+    }
+}
+
+/// How a step communicates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// DDP with `grad_ready` during backward: communication overlaps compute.
+    Overlap,
+    /// Backward first, then every gradient through `Ddp::sync`: no overlap.
+    After,
+    /// Backward only, local gradients (replicas drift apart): the compute time.
+    ComputeOnly,
+    /// `Ddp::sync` of the model's gradient bytes with no compute: the communication time.
+    CommOnly,
+}
+
+/// What a rank saw in one step.
+#[derive(Clone, Debug)]
+pub struct StepReport {
+    /// This rank's mean loss over its local batch.
+    pub loss: f32,
+    /// Wall time of forward, backward, communication and update.
+    pub time: Duration,
+}
+
+/// Trains with DDP for `steps` steps: rank r starts from seed r (rank 0's weights are broadcast)
+/// and takes samples `[(step * world + r) * batch, ...)`. Calls `each(step, model, report)`
+/// after every update.
+///
+/// # Errors
+/// Any DDP or communicator error.
+pub fn train_ddp<C: std::borrow::Borrow<Communicator>>(
+    comm: C,
+    shape: &Shape,
+    steps: usize,
+    mode: Mode,
+    cfg: DdpConfig,
+    mut each: impl FnMut(usize, &Mlp, &Ddp<C>, StepReport) -> Result<(), Box<dyn std::error::Error>>,
+) -> Result<Mlp, Box<dyn std::error::Error>> {
+    let (rank, world) = (comm.borrow().rank(), comm.borrow().size());
+    let mut model = Mlp::new(shape, rank as u64);
+    let names = model.names();
+    let mut params: Vec<Param> = model
+        .params
+        .iter_mut()
+        .zip(&names)
+        .map(|(p, n)| Param::new(n.clone(), p.as_mut_slice()))
+        .collect();
+    let mut ddp = Ddp::new(comm, &mut params, cfg)?;
+    drop(params);
+    let mut grads: Vec<Vec<f32>> = model.params.iter().map(|p| vec![0.0; p.len()]).collect();
+    for step in 0..steps {
+        let (x, t) = samples(shape, (step * world + rank) * shape.batch, shape.batch);
+        let start = Instant::now();
+        let mut loss = 0.0;
+        if mode != Mode::CommOnly {
+            let acts = model.forward(&x, shape.batch);
+            let norm = shape.batch as f32;
+            if mode == Mode::Overlap {
+                let mut failed = None;
+                loss = model.backward(&acts, &t, shape.batch, norm, |p, g| {
+                    if failed.is_none() {
+                        failed = ddp.grad_ready(p, g).err();
+                    }
+                });
+                if let Some(e) = failed {
+                    return Err(e.into());
+                }
+            } else {
+                loss = model.backward(&acts, &t, shape.batch, norm, |p, g| {
+                    grads[p].copy_from_slice(g)
+                });
+            }
+        }
+        match mode {
+            Mode::Overlap => {
+                ddp.finish()?;
+                for p in 0..model.params.len() {
+                    model.sgd(p, ddp.grad::<f32>(p)?, shape.lr);
+                }
+            }
+            Mode::After | Mode::ComputeOnly | Mode::CommOnly => {
+                if mode != Mode::ComputeOnly {
+                    ddp.sync(&mut grads)?;
+                }
+                if mode != Mode::CommOnly {
+                    for (p, g) in grads.iter().enumerate() {
+                        model.sgd(p, g, shape.lr);
+                    }
+                }
+            }
+        }
+        let time = start.elapsed();
+        each(step, &model, &ddp, StepReport { loss, time })?;
+    }
+    Ok(model)
+}
+
+/// One process on the concatenated batch of `world` ranks: the model DDP must reproduce. Returns
+/// the model after every step.
+pub fn train_reference(shape: &Shape, world: usize, steps: usize) -> Vec<Mlp> {
+    let mut model = Mlp::new(shape, 0);
+    let global = shape.batch * world;
+    let mut out = Vec::with_capacity(steps);
+    for step in 0..steps {
+        let (x, t) = samples(shape, step * global, global);
+        let acts = model.forward(&x, global);
+        let mut grads = vec![Vec::new(); model.params.len()];
+        model.backward(&acts, &t, global, global as f32, |p, g| {
+            grads[p] = g.to_vec()
+        });
+        for (p, g) in grads.iter().enumerate() {
+            model.sgd(p, g, shape.lr);
+        }
+        out.push(model.clone());
+    }
+    out
+}
+
+/// Largest |a - b| / max(|b|, 1e-3) over every parameter.
+pub fn max_rel_diff(a: &Mlp, b: &Mlp) -> f32 {
+    a.params
+        .iter()
+        .flatten()
+        .zip(b.params.iter().flatten())
+        .map(|(x, y)| (x - y).abs() / y.abs().max(1e-3))
+        .fold(0.0, f32::max)
+}
+
+/// A hash of every parameter's bits, for comparing replicas across ranks.
+pub fn param_hash(m: &Mlp) -> u64 {
+    m.params
+        .iter()
+        .flatten()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
+            (h ^ u64::from(v.to_bits())).wrapping_mul(0x0100_0000_01b3)
+        })
+}
+
+/// True when every rank's model has the same bits (one all-reduce of the hash).
+///
+/// # Errors
+/// The all-reduce's errors.
+pub fn replicas_identical(comm: &Communicator, m: &Mlp) -> Result<bool, oxccl::comm::Error> {
+    let h = param_hash(m);
+    let mut v = [h, !h];
+    comm.all_reduce(&mut v, ReduceOp::Max)?;
+    Ok(v == [h, !h])
+}

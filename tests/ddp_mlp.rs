@@ -1,0 +1,117 @@
+//! DDP end to end on the MLP of examples/02_ddp_mlp.rs: 4 ranks x 10 steps must match one
+//! process trained on the concatenated batch (parameters within 1e-5 relative) and keep every
+//! rank's parameters bit-identical after every step. Once with ranks as threads (all three ways
+//! of feeding gradients), once with ranks as processes started by `oxccl launch`.
+//!
+//! The process ranks are this test binary: `rank_entry` does nothing in a normal run and trains
+//! when `OXCCL_TEST_DDP` is set.
+
+#[path = "../examples/mlp/mod.rs"]
+#[allow(dead_code)]
+mod mlp;
+
+use std::process::Command;
+
+use mlp::{Mode, Shape};
+use oxccl::comm::harness::spawn_world;
+use oxccl::comm::{Communicator, Config};
+use oxccl::ddp::DdpConfig;
+
+const STEPS: usize = 10;
+const WORLD: usize = 4;
+
+/// Small buckets so that the MLP's gradients span several of them.
+fn cfg() -> DdpConfig {
+    DdpConfig {
+        bucket_cap_bytes: 8 << 10,
+        first_bucket_bytes: 1 << 10,
+        sync_in_place_bytes: 4 << 10,
+        ..DdpConfig::default()
+    }
+}
+
+/// Trains with DDP on `comm`; after every step checks the model against the reference and the
+/// replicas against each other. Returns the worst relative difference.
+fn train_and_check(comm: &Communicator, mode: Mode, reference: &[mlp::Mlp]) -> Result<f32, String> {
+    let shape = Shape::default();
+    let mut worst = 0.0f32;
+    mlp::train_ddp(comm, &shape, STEPS, mode, cfg(), |step, model, ddp, _| {
+        let diff = mlp::max_rel_diff(model, &reference[step]);
+        worst = worst.max(diff);
+        if diff > 1e-5 {
+            return Err(format!("step {step}: max relative difference {diff:e}").into());
+        }
+        if !mlp::replicas_identical(ddp.comm(), model)? {
+            return Err(format!("step {step}: replicas differ").into());
+        }
+        Ok(())
+    })
+    .map_err(|e| format!("rank {}: {mode:?}: {e}", comm.rank()))?;
+    Ok(worst)
+}
+
+#[test]
+fn ddp_matches_one_process_on_the_concatenated_batch_threads() {
+    let reference = mlp::train_reference(&Shape::default(), WORLD, STEPS);
+    // The reference moves: a test that compares against the initial model would pass trivially.
+    assert!(mlp::max_rel_diff(&reference[STEPS - 1], &mlp::Mlp::new(&Shape::default(), 0)) > 1e-3);
+    for mode in [Mode::Overlap, Mode::After] {
+        let out = spawn_world(WORLD, Config::default(), |comm| {
+            Ok(train_and_check(&comm, mode, &reference))
+        });
+        for r in out {
+            let worst = r.unwrap().unwrap();
+            assert!(worst <= 1e-5);
+        }
+    }
+}
+
+/// Plays one rank when started by `oxccl launch` from the test below.
+#[test]
+fn rank_entry() {
+    if std::env::var("OXCCL_TEST_DDP").is_err() {
+        return;
+    }
+    let comm = Communicator::from_env().expect("communicator from the environment");
+    let reference = mlp::train_reference(&Shape::default(), comm.size(), STEPS);
+    match train_and_check(&comm, Mode::Overlap, &reference) {
+        Ok(worst) => println!("RESULT rank={} ok worst={worst:e}", comm.rank()),
+        Err(e) => {
+            println!("RESULT rank={} FAILED {e}", comm.rank());
+            std::process::exit(1);
+        }
+    }
+}
+
+#[test]
+fn ddp_matches_one_process_on_the_concatenated_batch_processes() {
+    let me = std::env::current_exe().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_oxccl"))
+        .args(["launch", "-n", &WORLD.to_string(), "--timeout", "120", "--"])
+        .arg(me)
+        .args([
+            "rank_entry",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+            "-q",
+        ])
+        .env("OXCCL_TEST_DDP", "1")
+        .env("OXCCL_TIMEOUT", "60")
+        .env_remove("OXCCL_DEBUG")
+        .output()
+        .expect("running oxccl launch");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let report = format!(
+        "status {:?}\nstdout:\n{stdout}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{report}");
+    for rank in 0..WORLD {
+        assert!(
+            stdout.contains(&format!("RESULT rank={rank} ok")),
+            "rank {rank} did not report success\n{report}"
+        );
+    }
+}
