@@ -48,7 +48,11 @@ fn on_ranks(n: usize, f: impl Fn(Communicator) -> oxccl_comm::Result<()> + Sync)
     }
 }
 
-fn new_ddp(comm: Communicator, cfg: DdpConfig) -> oxccl_ddp::Result<Ddp> {
+/// A `Ddp` over parameters of the lengths in `LENS`, with the communicator held as `C`.
+fn new_ddp<C: std::borrow::Borrow<Communicator>>(
+    comm: C,
+    cfg: DdpConfig,
+) -> oxccl_ddp::Result<Ddp<C>> {
     let mut store: Vec<Vec<f32>> = LENS.iter().map(|&n| vec![0.0; n]).collect();
     let mut params: Vec<Param> = store
         .iter_mut()
@@ -432,7 +436,7 @@ fn bad_input_gets_an_error_naming_rank_call_and_parameter() {
         let rank = comm.rank();
         let r = format!("rank {rank}");
         let comm = Arc::new(comm);
-        let mut ddp = new_ddp_arc(Arc::clone(&comm));
+        let mut ddp = new_ddp(Arc::clone(&comm), small_buckets()).unwrap();
         expect_invalid(
             ddp.grad_ready(9, &[1.0f32]),
             &[&r, "grad_ready", "out of range"],
@@ -478,16 +482,6 @@ fn bad_input_gets_an_error_naming_rank_call_and_parameter() {
         );
         Ok(())
     });
-}
-
-fn new_ddp_arc(comm: Arc<Communicator>) -> Ddp<Arc<Communicator>> {
-    let mut store: Vec<Vec<f32>> = LENS.iter().map(|&n| vec![0.0; n]).collect();
-    let mut params: Vec<Param> = store
-        .iter_mut()
-        .enumerate()
-        .map(|(p, v)| Param::new(format!("layer{p}.weight"), v.as_mut_slice()))
-        .collect();
-    Ddp::new(comm, &mut params, small_buckets()).unwrap()
 }
 
 #[test]
