@@ -3,169 +3,19 @@
 //!
 //! The ranks are this test binary itself: `rank_entry` does nothing in a normal test run, and
 //! plays a rank when `OXCCL_TEST_SCENARIO` is set (the launcher runs
-//! `<this binary> rank_entry --exact --nocapture`).
+//! `<this binary> rank_entry --exact --nocapture`). The scenarios live in `tests/common/mod.rs`,
+//! shared with `tests/multinode.rs`.
 
-use std::collections::HashMap;
+mod common;
+
 use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
 
-use oxccl::comm::{Communicator, Error, ReduceOp};
+use common::{rank_cmd, results, show, SCENARIO};
 
-const SCENARIO: &str = "OXCCL_TEST_SCENARIO";
-
-/// Every collective with a few dtypes and counts; exits non-zero on a wrong result.
-fn scenario_all(c: &Communicator) -> Result<(), Error> {
-    let (n, me) = (c.size(), c.rank());
-    for count in [0usize, 1, 7, 1000, 100_003] {
-        let mut v: Vec<f32> = (0..count).map(|i| (i % 13 + me) as f32).collect();
-        c.all_reduce(&mut v, ReduceOp::Sum)?;
-        let sum_ranks = (n * (n - 1) / 2) as f32;
-        assert!(
-            v.iter()
-                .enumerate()
-                .all(|(i, &x)| x == (n * (i % 13)) as f32 + sum_ranks),
-            "all_reduce"
-        );
-        let mut v = vec![me as i64; count];
-        c.all_reduce(&mut v, ReduceOp::Max)?;
-        assert!(v.iter().all(|&x| x == n as i64 - 1), "all_reduce max");
-        let mut out = vec![0u32; count];
-        c.reduce_scatter(&vec![1u32; count * n], &mut out, ReduceOp::Sum)?;
-        assert!(out.iter().all(|&x| x == n as u32), "reduce_scatter");
-        let mut out = vec![0u8; count * n];
-        c.all_gather(&vec![me as u8; count], &mut out)?;
-        assert!(
-            out.iter()
-                .enumerate()
-                .all(|(k, &x)| x as usize == k / count.max(1)),
-            "all_gather"
-        );
-        let root = count % n;
-        let mut b = vec![me as f64; count];
-        c.broadcast(&mut b, root)?;
-        assert!(b.iter().all(|&x| x == root as f64), "broadcast");
-        let mut out = vec![0i32; if me == root { count } else { 0 }];
-        c.reduce(&vec![1i32; count], &mut out, ReduceOp::Sum, root)?;
-        assert!(out.iter().all(|&x| x == n as i32), "reduce");
-        let mut out = vec![0u64; if me == root { count * n } else { 0 }];
-        c.gather(&vec![me as u64; count], &mut out, root)?;
-        assert!(
-            out.iter()
-                .enumerate()
-                .all(|(k, &x)| x as usize == k / count.max(1)),
-            "gather"
-        );
-        let inp: Vec<u64> = if me == root {
-            (0..count * n).map(|k| (k / count.max(1)) as u64).collect()
-        } else {
-            vec![]
-        };
-        let mut out = vec![99u64; count];
-        c.scatter(&inp, &mut out, root)?;
-        assert!(out.iter().all(|&x| x == me as u64), "scatter");
-        let inp: Vec<u32> = (0..count * n)
-            .map(|k| (me * 1000 + k / count.max(1)) as u32)
-            .collect();
-        let mut out = vec![0u32; count * n];
-        c.all_to_all(&inp, &mut out)?;
-        assert!(
-            out.iter()
-                .enumerate()
-                .all(|(k, &x)| x as usize == (k / count.max(1)) * 1000 + me),
-            "all_to_all"
-        );
-        let mut r = vec![0u8; count];
-        c.send_recv(
-            &vec![me as u8; count],
-            (me + 1) % n,
-            &mut r,
-            (me + n - 1) % n,
-        )?;
-        assert!(
-            r.iter().all(|&x| x as usize == (me + n - 1) % n),
-            "send_recv"
-        );
-        c.barrier()?;
-    }
-    let sub = c.split(Some((me % 2) as u32), me as i64)?.expect("member");
-    let mut x = [1u32];
-    sub.all_reduce(&mut x, ReduceOp::Sum)?;
-    assert_eq!(x[0] as usize, (n + 1 - me % 2) / 2);
-    Ok(())
-}
-
-fn report(c: &Communicator, r: Result<(), Error>, t0: Instant) {
-    match r {
-        Ok(()) => println!("RESULT rank={} ok", c.rank()),
-        Err(e) => println!(
-            "RESULT rank={} err={} peer={} ms={} msg={}",
-            c.rank(),
-            e.kind(),
-            e.lost_peer().map_or(-1, |p| p as i64),
-            t0.elapsed().as_millis(),
-            e
-        ),
-    }
-}
-
-/// The rank program. A no-op in normal test runs.
+/// The rank program (see `common::rank_entry`). A no-op in normal test runs.
 #[test]
 fn rank_entry() {
-    let Ok(scenario) = std::env::var(SCENARIO) else {
-        return;
-    };
-    let c = Communicator::from_env().expect("communicator from the environment");
-    let t0 = Instant::now();
-    match scenario.as_str() {
-        "all" => {
-            let r = scenario_all(&c);
-            report(&c, r, t0);
-        }
-        "kill" => {
-            // Survivors must outlive the launcher's SIGTERM long enough to report.
-            // SAFETY: setting a signal disposition to SIG_IGN has no memory-safety preconditions.
-            unsafe {
-                libc::signal(libc::SIGTERM, libc::SIG_IGN);
-            }
-            let mut v = vec![1.0f32; 1 << 20];
-            let mut result = Ok(());
-            for i in 0..1000 {
-                if i == 3 && c.rank() == 2 {
-                    // SAFETY: sending SIGKILL to our own pid; no memory is involved.
-                    unsafe {
-                        libc::kill(libc::getpid(), libc::SIGKILL);
-                    }
-                }
-                if let Err(e) = c.all_reduce(&mut v, ReduceOp::Sum) {
-                    result = Err(e);
-                    break;
-                }
-                v.fill(1.0);
-            }
-            report(&c, result, t0);
-        }
-        "mismatch" => {
-            let mut v = vec![0.5f32; if c.rank() == 1 { 10 } else { 20 }];
-            let r = c.all_reduce(&mut v, ReduceOp::Sum);
-            report(&c, r, t0);
-        }
-        other => panic!("unknown scenario {other}"),
-    }
-}
-
-fn rank_cmd() -> Vec<String> {
-    let me = std::env::current_exe()
-        .unwrap()
-        .to_string_lossy()
-        .into_owned();
-    vec![
-        me,
-        "rank_entry".into(),
-        "--exact".into(),
-        "--nocapture".into(),
-        "--test-threads=1".into(),
-        "-q".into(),
-    ]
+    common::rank_entry();
 }
 
 fn launch(scenario: &str, n: usize, transport: &str) -> Output {
@@ -208,29 +58,6 @@ fn leftover_segments(job: &str) -> Vec<String> {
                 .collect()
         })
         .unwrap_or_default()
-}
-
-/// `RESULT` lines by rank.
-fn results(out: &Output) -> HashMap<usize, String> {
-    let text = String::from_utf8_lossy(&out.stdout);
-    let mut m = HashMap::new();
-    for line in text.lines() {
-        if let Some(i) = line.find("RESULT rank=") {
-            let rest = &line[i + "RESULT rank=".len()..];
-            let rank: usize = rest.split_whitespace().next().unwrap().parse().unwrap();
-            m.insert(rank, rest.to_string());
-        }
-    }
-    m
-}
-
-fn show(out: &Output) -> String {
-    format!(
-        "status {:?}\nstdout:\n{}\nstderr:\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
 }
 
 #[test]
@@ -448,5 +275,4 @@ fn no_launcher_variables_is_a_clear_error() {
         all.contains("OXCCL_RANK") && all.contains("SLURM_PROCID"),
         "{all}"
     );
-    let _ = Duration::ZERO;
 }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use oxccl_kernels::{finish_avg_bytes, DType, Element, ReduceOp};
 
 use crate::algorithm::{
-    chain, direct, dissemination, halving_doubling, linear, pairwise, ring, tree,
+    chain, direct, dissemination, halving_doubling, hierarchical, linear, pairwise, ring, tree,
 };
 use crate::communicator::Communicator;
 use crate::engine::{ExecState, Shared, Work};
@@ -57,7 +57,12 @@ fn exec<R>(
         .map_or(tuning::Caps::default(), |w| tuning::Caps {
             staging: w.capacity(),
             single_copy: w.single_copy(),
+            nodes: false,
         });
+    let caps = tuning::Caps {
+        nodes: shared.layout.is_some(),
+        ..caps
+    };
     let choice = tuning::choose(desc.coll, full, n, &shared.algo, caps);
     tracing::info!(rank = shared.rank, seq, op = %desc, algo = %choice.algo, bytes = full, "collective");
     let mut ctx = Ctx::new(
@@ -72,6 +77,7 @@ fn exec<R>(
     ctx.collective = true;
     ctx.spin = shared.spin;
     ctx.stream = full >= tuning::STREAM_MIN;
+    ctx.layout = shared.layout.as_ref();
     let r = body(&mut ctx, choice)?;
     ctx.flush()?;
     Ok(r)
@@ -95,6 +101,12 @@ fn all_reduce_body(
             Algorithm::Ring => ring::all_reduce(ctx, src, buf, dt, op, ch.chunk_bytes)?,
             Algorithm::Tree => tree::all_reduce(ctx, buf, dt, op, ch.chunk_bytes)?,
             Algorithm::HalvingDoubling => halving_doubling::all_reduce(ctx, buf, dt, op)?,
+            Algorithm::RecursiveDoubling => {
+                halving_doubling::all_reduce_doubling(ctx, buf, dt, op)?
+            }
+            Algorithm::Hierarchical => {
+                hierarchical::all_reduce(ctx, src, buf, dt, op, ch.chunk_bytes)?
+            }
             Algorithm::OneShot => direct::one_shot(ctx, src, buf, dt, op)?,
             Algorithm::TwoShot => direct::two_shot(ctx, src, buf, dt, op)?,
             Algorithm::SingleCopy => direct::single_copy(ctx, src, buf, dt, op)?,
@@ -104,6 +116,39 @@ fn all_reduce_body(
         buf.copy_from_slice(s);
     }
     finish(ctx, buf, dt, op)
+}
+
+/// Reduce-scatter of `buf` (`size` shards; in place, or reading the input `src` where it is).
+fn reduce_scatter_body(
+    ctx: &mut Ctx<'_>,
+    ch: Choice,
+    src: Option<&[u8]>,
+    buf: &mut [u8],
+    dt: DType,
+    op: ReduceOp,
+) -> Result<()> {
+    match ch.algo {
+        Algorithm::Ring => ring::reduce_scatter(ctx, src, buf, dt, op, ch.chunk_bytes),
+        Algorithm::Hierarchical => {
+            hierarchical::reduce_scatter(ctx, src, buf, dt, op, ch.chunk_bytes)
+        }
+        a => Err(no_algo(ctx, a)),
+    }
+}
+
+/// All-gather into `buf` (`size` shards; this rank's shard in place, or `own`).
+fn all_gather_body(
+    ctx: &mut Ctx<'_>,
+    ch: Choice,
+    buf: &mut [u8],
+    es: usize,
+    own: Option<&[u8]>,
+) -> Result<()> {
+    match ch.algo {
+        Algorithm::Ring => ring::all_gather(ctx, buf, es, ch.chunk_bytes, own),
+        Algorithm::Hierarchical => hierarchical::all_gather(ctx, buf, es, ch.chunk_bytes, own),
+        a => Err(no_algo(ctx, a)),
+    }
 }
 
 fn finish(ctx: &Ctx<'_>, buf: &mut [u8], dt: DType, op: ReduceOp) -> Result<()> {
@@ -362,7 +407,7 @@ impl Communicator {
         let desc = self.desc::<T>(Collective::ReduceScatter, count, op, 0);
         let rank = self.rank;
         self.run(desc, |ctx, ch| {
-            ring::reduce_scatter(ctx, src, buf, T::DTYPE, op, ch.chunk_bytes)?;
+            reduce_scatter_body(ctx, ch, src, buf, T::DTYPE, op)?;
             let sb = buf.len() / ctx.size;
             let mine = &mut buf[rank * sb..(rank + 1) * sb];
             finish(ctx, mine, T::DTYPE, op)?;
@@ -394,7 +439,7 @@ impl Communicator {
         let rank = self.rank;
         self.run_async(desc, buf, move |ctx, ch, b| {
             let b = bytes_mut(b.as_mut());
-            ring::reduce_scatter(ctx, None, b, T::DTYPE, op, ch.chunk_bytes)?;
+            reduce_scatter_body(ctx, ch, None, b, T::DTYPE, op)?;
             let sb = b.len() / ctx.size;
             finish(ctx, &mut b[rank * sb..(rank + 1) * sb], T::DTYPE, op)
         })
@@ -419,13 +464,7 @@ impl Communicator {
         let desc = self.desc::<T>(Collective::AllGather, input.len(), ReduceOp::Sum, 0);
         self.run(desc, |ctx, ch| {
             let es = T::DTYPE.size();
-            ring::all_gather(
-                ctx,
-                bytes_mut(output),
-                es,
-                ch.chunk_bytes,
-                Some(bytes(input)),
-            )
+            all_gather_body(ctx, ch, bytes_mut(output), es, Some(bytes(input)))
         })
     }
 
@@ -451,7 +490,7 @@ impl Communicator {
             0,
         );
         self.run(desc, |ctx, ch| {
-            ring::all_gather(ctx, bytes_mut(buf), T::DTYPE.size(), ch.chunk_bytes, None)
+            all_gather_body(ctx, ch, bytes_mut(buf), T::DTYPE.size(), None)
         })
     }
 
@@ -473,13 +512,7 @@ impl Communicator {
         }
         let desc = self.desc::<T>(Collective::AllGather, len / self.size, ReduceOp::Sum, 0);
         self.run_async(desc, buf, move |ctx, ch, b| {
-            ring::all_gather(
-                ctx,
-                bytes_mut(b.as_mut()),
-                T::DTYPE.size(),
-                ch.chunk_bytes,
-                None,
-            )
+            all_gather_body(ctx, ch, bytes_mut(b.as_mut()), T::DTYPE.size(), None)
         })
     }
 

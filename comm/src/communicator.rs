@@ -16,7 +16,7 @@ use crate::bootstrap::{self, FileStore, Store, StoreAddr, TcpStore, TcpStoreServ
 use crate::config::{Config, TransportChoice};
 use crate::engine::Shared;
 use crate::error::{Error, Result};
-use crate::prims::Links;
+use crate::prims::{Links, NodeLayout};
 use crate::transport::shm::{self, Segment, ShmRecv, ShmSend, ShmWindow};
 use crate::transport::tcp::TcpTransport;
 use crate::transport::{PeerInfo, Reach, Transport, Window};
@@ -40,6 +40,8 @@ pub struct Communicator {
     /// Reused working copy of out-of-place reduce-scatter inputs (8-byte aligned words), so a
     /// call does not allocate and fault in a fresh buffer every time.
     pub(crate) scratch: std::sync::Mutex<Vec<u64>>,
+    /// Transport to every peer (`"self"` for this rank).
+    transports: Vec<&'static str>,
     /// The store server, when this rank hosts it (rank 0 without a launcher-hosted store).
     _server: Option<TcpStoreServer>,
 }
@@ -402,15 +404,30 @@ impl Communicator {
             spin,
             "waiting policy"
         );
-        let shared = Arc::new(Shared::new(
-            rank,
-            size,
-            spin,
-            &cfg,
-            links,
-            store.clone(),
-            &id,
-        ));
+        let transports = (0..size)
+            .map(|p| {
+                if p == rank {
+                    "self"
+                } else if shm_peers.contains(&p) {
+                    "shm"
+                } else {
+                    "tcp"
+                }
+            })
+            .collect();
+        let node_ids: Vec<&str> = peers.iter().map(|p| p.node_id.as_str()).collect();
+        let layout = NodeLayout::new(&node_ids, rank);
+        if let Some(l) = &layout {
+            tracing::debug!(
+                rank,
+                nodes = l.ranks.len(),
+                local = l.local_group.len(),
+                "hierarchical layout"
+            );
+        }
+        let mut shared = Shared::new(rank, size, spin, &cfg, links, store.clone(), &id);
+        shared.layout = layout;
+        let shared = Arc::new(shared);
         Ok(Communicator {
             shared,
             rank,
@@ -426,6 +443,7 @@ impl Communicator {
             cfg,
             splits: AtomicU64::new(0),
             scratch: std::sync::Mutex::new(Vec::new()),
+            transports,
             _server: None,
         })
     }
@@ -463,6 +481,18 @@ impl Communicator {
     /// Node id of every rank.
     pub fn node_ids(&self) -> Vec<&str> {
         self.peers.iter().map(|p| p.node_id.as_str()).collect()
+    }
+
+    /// The transport this rank uses to reach `peer`: `"shm"`, `"tcp"`, or `"self"` for this rank;
+    /// `None` for a rank outside the communicator.
+    pub fn transport_to(&self, peer: usize) -> Option<&'static str> {
+        self.transports.get(peer).copied()
+    }
+
+    /// Whether the hierarchical algorithms can run: the communicator spans at least two nodes,
+    /// each with the same number (at least two) of its ranks.
+    pub fn is_hierarchical(&self) -> bool {
+        self.shared.layout.is_some()
     }
 
     /// The configuration this communicator runs with.

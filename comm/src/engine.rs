@@ -23,7 +23,7 @@ use crossbeam_channel::{Receiver, Sender};
 use crate::bootstrap::Store;
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::prims::Links;
+use crate::prims::{Links, NodeLayout};
 use crate::tuning::AlgoOverride;
 
 /// State that only the running operation touches.
@@ -47,6 +47,9 @@ struct Turn {
 
 type Job = Box<dyn FnOnce() + Send>;
 
+/// Longest wait for the store while publishing a failure.
+const PUBLISH_BUDGET: Duration = Duration::from_secs(3);
+
 /// What the operations of one communicator share.
 pub(crate) struct Shared {
     pub rank: usize,
@@ -55,6 +58,9 @@ pub(crate) struct Shared {
     pub algo: AlgoOverride,
     /// Waiting ranks busy-poll before yielding (off when ranks outnumber cores).
     pub spin: bool,
+    /// The ranks by node, when the communicator spans nodes of equal size (hierarchical
+    /// algorithms).
+    pub layout: Option<NodeLayout>,
     pub abort: AtomicBool,
     pub exec: Mutex<ExecState>,
     store: Arc<dyn Store>,
@@ -85,6 +91,7 @@ impl Shared {
             timeout: cfg.timeout,
             algo: cfg.algo.clone(),
             spin,
+            layout: None,
             abort: AtomicBool::new(false),
             exec: Mutex::new(ExecState {
                 links,
@@ -187,8 +194,14 @@ impl Shared {
             return b.clone();
         }
         let mine = encode_error(&e);
-        // The first error published wins, so every rank reports the same cause.
-        let cause = match self.store.compare_set(&self.error_key, None, &mine) {
+        // The first error published wins, so every rank reports the same cause. A store that
+        // cannot be reached (the store host's node cut off) must not delay closing the
+        // connections, which is how peers learn: a few seconds at most.
+        let budget = self.timeout.min(PUBLISH_BUDGET);
+        let cause = match self
+            .store
+            .compare_set_within(&self.error_key, None, &mine, budget)
+        {
             Ok(cur) if cur != mine => decode_error(&cur, self.rank).unwrap_or(e),
             _ => e,
         };

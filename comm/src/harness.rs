@@ -27,12 +27,41 @@ pub fn spawn_world<R: Send>(
     cfg: Config,
     f: impl Fn(Communicator) -> Result<R> + Sync,
 ) -> Vec<Result<R>> {
+    spawn_world_with(n, |_| cfg.clone(), f)
+}
+
+/// [`spawn_world`] with the ranks on simulated nodes of `per_node` consecutive ranks (node id
+/// `node<k>` for rank `r` with `k = r / per_node`): shared memory inside a node, TCP between
+/// nodes, as on a cluster (`per_node` 0 counts as 1).
+pub fn spawn_world_on_nodes<R: Send>(
+    n: usize,
+    per_node: usize,
+    cfg: Config,
+    f: impl Fn(Communicator) -> Result<R> + Sync,
+) -> Vec<Result<R>> {
+    spawn_world_with(
+        n,
+        |rank| {
+            let mut c = cfg.clone();
+            c.node_id = Some(format!("node{}", rank / per_node.max(1)));
+            c
+        },
+        f,
+    )
+}
+
+/// [`spawn_world`] with a configuration per rank.
+pub fn spawn_world_with<R: Send>(
+    n: usize,
+    cfg_of: impl Fn(usize) -> Config + Sync,
+    f: impl Fn(Communicator) -> Result<R> + Sync,
+) -> Vec<Result<R>> {
     let store: Arc<dyn Store> = Arc::new(MemStore::new());
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..n)
             .map(|rank| {
                 let store = Arc::clone(&store);
-                let cfg = cfg.clone();
+                let cfg = cfg_of(rank);
                 let f = &f;
                 std::thread::Builder::new()
                     .name(format!("rank{rank}"))

@@ -24,7 +24,8 @@
 //!
 //! Layout: `bootstrap` (stores, launcher variables), `transport` (the slot-based transport trait
 //! and its TCP backend), `algorithm` (one file per algorithm, written against the trait only),
-//! `tuning` (pure algorithm choice), `engine` (ordering, progress thread, failure propagation).
+//! `tuning` (pure algorithm choice), `engine` (ordering, progress thread, failure propagation),
+//! `topology` (data/tensor/pipeline group placement, [`Topology::setup`]).
 
 pub mod algorithm;
 pub mod bootstrap;
@@ -38,6 +39,7 @@ pub mod logging;
 pub mod op;
 mod p2p;
 mod prims;
+pub mod topology;
 pub mod transport;
 pub mod tuning;
 
@@ -47,4 +49,5 @@ pub use engine::Work;
 pub use error::{Error, Result};
 pub use op::Collective;
 pub use oxccl_kernels::{DType, Element, ReduceOp};
+pub use topology::Topology;
 pub use tuning::Algorithm;

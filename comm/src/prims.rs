@@ -20,6 +20,9 @@ use crate::transport::shm::Segment;
 use crate::transport::{PollDir, RecvConn, SendConn, Tag, Window};
 use std::sync::Arc;
 
+/// Messages of at least this many bytes are sent straight from the caller's memory where the
+/// transport can ([`SendConn::send_direct`]: TCP), skipping the copy into a slot.
+const DIRECT_SEND_MIN: usize = 64 << 10;
 /// How long a waiting rank busy-polls before it yields the core.
 const SPIN: Duration = Duration::from_micros(20);
 /// Polls of the window's step counters before a waiting rank starts reading the clock.
@@ -128,6 +131,62 @@ pub(crate) struct Ctx<'a> {
     /// Copies into the user's buffer use streaming stores (set for buffers beyond the caches,
     /// see `tuning::STREAM_MIN`).
     pub stream: bool,
+    /// Where the communicator's ranks sit (nodes of equal size), when it spans several nodes.
+    pub layout: Option<&'a NodeLayout>,
+    /// In a sub-context ([`Ctx::sub`]): the communicator rank of every member; peers are member
+    /// indices. `None`: peers are communicator ranks.
+    map: Option<&'a [usize]>,
+}
+
+/// The communicator's ranks by node, when every node has the same number of them (at least two
+/// nodes of at least two ranks): what the hierarchical algorithms need.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct NodeLayout {
+    /// `ranks[k][l]`: the communicator rank of local rank `l` on node `k` (nodes in order of first
+    /// appearance, local ranks in rank order).
+    pub ranks: Vec<Vec<usize>>,
+    /// This rank's node.
+    pub node: usize,
+    /// This rank's local rank.
+    pub local: usize,
+    /// The ranks of this node (`ranks[node]`).
+    pub local_group: Vec<usize>,
+    /// The ranks with this local rank on every node (`ranks[k][local]` for every `k`).
+    pub cross_group: Vec<usize>,
+}
+
+impl NodeLayout {
+    /// The layout of ranks whose node ids are `nodes` (indexed by rank), seen from `rank`;
+    /// `None` unless there are at least two nodes, each with the same number (at least two) of
+    /// ranks.
+    pub fn new(nodes: &[&str], rank: usize) -> Option<NodeLayout> {
+        let mut ids: Vec<&str> = Vec::new();
+        let mut ranks: Vec<Vec<usize>> = Vec::new();
+        for (r, n) in nodes.iter().enumerate() {
+            match ids.iter().position(|i| i == n) {
+                Some(k) => ranks[k].push(r),
+                None => {
+                    ids.push(n);
+                    ranks.push(vec![r]);
+                }
+            }
+        }
+        let l = ranks.first()?.len();
+        if ranks.len() < 2 || l < 2 || ranks.iter().any(|g| g.len() != l) {
+            return None;
+        }
+        let (node, local) = ranks
+            .iter()
+            .enumerate()
+            .find_map(|(k, g)| g.iter().position(|&r| r == rank).map(|l| (k, l)))?;
+        Some(NodeLayout {
+            local_group: ranks[node].clone(),
+            cross_group: ranks.iter().map(|g| g[local]).collect(),
+            ranks,
+            node,
+            local,
+        })
+    }
 }
 
 /// Copies `src` into `dst` (a user buffer), with streaming stores when `stream`.
@@ -197,7 +256,48 @@ impl<'a> Ctx<'a> {
             direct: false,
             spin: true,
             stream: false,
+            layout: None,
+            map: None,
         }
+    }
+
+    /// A context over a subset of this one's ranks: `members` lists their ranks (this rank
+    /// included); inside it ranks and peers are indices into `members`. Same tag, deadline and
+    /// connections: the hierarchical algorithms run rings inside a node and across nodes with it.
+    /// Call it on a communicator's context (not on a sub-context): `members` are communicator
+    /// ranks.
+    pub(crate) fn sub<'b>(&'b mut self, members: &'b [usize]) -> Ctx<'b> {
+        let me = self.me();
+        let rank = members.iter().position(|&r| r == me).unwrap_or(0);
+        Ctx {
+            rank,
+            size: members.len(),
+            links: &mut *self.links,
+            tag: self.tag,
+            op: self.op,
+            deadline: self.deadline,
+            timeout: self.timeout,
+            abort: self.abort,
+            idle_since: None,
+            bell_seen: 0,
+            fds: Vec::new(),
+            collective: self.collective,
+            direct: false,
+            spin: self.spin,
+            stream: self.stream,
+            layout: None,
+            map: Some(members),
+        }
+    }
+
+    /// The communicator rank of peer `p` of this context (see [`Ctx::sub`]).
+    fn real(&self, p: usize) -> usize {
+        self.map.map_or(p, |m| m[p])
+    }
+
+    /// This rank as a communicator rank (for errors).
+    fn me(&self) -> usize {
+        self.real(self.rank)
     }
 
     /// The direct window and the scratch buffer, or an error if this communicator has no window.
@@ -278,6 +378,9 @@ impl<'a> Ctx<'a> {
             return Ok(());
         }
         let (rank, size, tag, direct) = (self.rank, self.size, self.tag, self.direct);
+        if self.map.is_some() {
+            return Ok(()); // sub-contexts run on communicators spanning nodes: no window
+        }
         let Some(w) = self.links.window.as_deref() else {
             return Ok(());
         };
@@ -326,7 +429,7 @@ impl<'a> Ctx<'a> {
     fn idle(&mut self, waiting: &dyn Fn() -> String) -> Result<()> {
         if self.abort.load(Ordering::Relaxed) {
             return Err(Error::Aborted {
-                rank: self.rank,
+                rank: self.me(),
                 reason: format!("abort() called during {}", self.op),
             });
         }
@@ -337,7 +440,7 @@ impl<'a> Ctx<'a> {
         let now = Instant::now();
         if now >= *self.deadline.get_or_insert(now + self.timeout) {
             return Err(Error::Timeout {
-                rank: self.rank,
+                rank: self.me(),
                 op: self.op.to_string(),
                 timeout: self.timeout,
                 detail: waiting(),
@@ -408,11 +511,13 @@ impl<'a> Ctx<'a> {
         &mut self,
         send: Option<(usize, &[u8], Tag)>,
         mut mirror: Option<&mut [u8]>,
-        mut recv: Option<(usize, &mut [u8], RecvMode<'_>, Tag)>,
+        recv: Option<(usize, &mut [u8], RecvMode<'_>, Tag)>,
     ) -> Result<()> {
         debug_assert!(mirror
             .as_ref()
             .is_none_or(|m| send.as_ref().is_some_and(|s| s.1.len() == m.len())));
+        let send = send.map(|(p, d, t)| (self.real(p), d, t));
+        let mut recv = recv.map(|(p, b, m, t)| (self.real(p), b, m, t));
         let (mut sent, mut send_frames) = (0usize, 0usize);
         let (mut got, mut recv_frames) = (0usize, 0usize);
         let mut send_done = send.is_none();
@@ -421,16 +526,34 @@ impl<'a> Ctx<'a> {
             self.arm();
             let mut moved = false;
             if let (false, Some((peer, data, tag))) = (send_done, send.as_ref()) {
+                let me = self.me();
                 let conn = self
                     .links
                     .send
                     .get_mut(*peer)
                     .and_then(|c| c.as_mut())
-                    .ok_or_else(|| missing(self.rank, self.op, *peer, "send"))?;
-                if let Some(slot) = conn.try_slot().map_err(|e| retag(self.op, e))? {
-                    let n = slot.len().min(data.len() - sent);
-                    slot[..n].copy_from_slice(&data[sent..sent + n]);
-                    conn.post(n, *tag).map_err(|e| retag(self.op, e))?;
+                    .ok_or_else(|| missing(me, self.op, *peer, "send"))?;
+                // Large messages leave straight from the caller's memory where the backend can
+                // (TCP); the rest is staged in slots.
+                let direct = if data.len() >= DIRECT_SEND_MIN {
+                    conn.send_direct(&data[sent..], *tag)
+                        .map_err(|e| retag(self.op, e))?
+                } else {
+                    None
+                };
+                let (n, progressed) = match direct {
+                    Some(n) => (n, n > 0),
+                    None => match conn.try_slot().map_err(|e| retag(self.op, e))? {
+                        Some(slot) => {
+                            let n = slot.len().min(data.len() - sent);
+                            slot[..n].copy_from_slice(&data[sent..sent + n]);
+                            conn.post(n, *tag).map_err(|e| retag(self.op, e))?;
+                            (n, true)
+                        }
+                        None => (0, false),
+                    },
+                };
+                if progressed {
                     if let Some(m) = mirror.as_mut() {
                         copy(self.stream, &mut m[sent..sent + n], &data[sent..sent + n]);
                     }
@@ -469,7 +592,8 @@ impl<'a> Ctx<'a> {
         Ok(())
     }
 
-    /// Consumes one slot from `peer` into `buf[*got..]`; false if none has arrived.
+    /// Consumes one slot from `peer` (a communicator rank) into `buf[*got..]`; false if none has
+    /// arrived.
     fn recv_one(
         &mut self,
         peer: usize,
@@ -478,7 +602,7 @@ impl<'a> Ctx<'a> {
         mode: RecvMode<'_>,
         want: &Tag,
     ) -> Result<bool> {
-        let rank = self.rank;
+        let rank = self.me();
         let op = self.op;
         let conn = self
             .links
@@ -545,6 +669,7 @@ impl<'a> Ctx<'a> {
         mode: RecvMode<'_>,
     ) -> Result<()> {
         let tag = self.tag;
+        let (from, to) = (self.real(from), self.real(to));
         let (mut got, mut fwd) = (0usize, 0usize);
         let (mut recv_frames, mut send_frames) = (0usize, 0usize);
         loop {
@@ -560,12 +685,13 @@ impl<'a> Ctx<'a> {
                 moved = true;
             }
             if !send_done && (fwd < got || (recv_frames > 0 && got == buf.len())) {
+                let me = self.me();
                 let conn = self
                     .links
                     .send
                     .get_mut(to)
                     .and_then(|c| c.as_mut())
-                    .ok_or_else(|| missing(self.rank, self.op, to, "send"))?;
+                    .ok_or_else(|| missing(me, self.op, to, "send"))?;
                 if let Some(slot) = conn.try_slot().map_err(|e| retag(self.op, e))? {
                     let n = slot.len().min(got - fwd);
                     slot[..n].copy_from_slice(&buf[fwd..fwd + n]);

@@ -51,6 +51,11 @@ pub enum Algorithm {
     Tree,
     /// Recursive halving-doubling (all-reduce).
     HalvingDoubling,
+    /// Recursive doubling: whole buffers at every step (small all-reduces).
+    RecursiveDoubling,
+    /// Rings inside each node and across nodes (all-reduce, reduce-scatter, all-gather on
+    /// communicators spanning nodes of equal size).
+    Hierarchical,
     /// Pipelined chain (broadcast, reduce).
     Chain,
     /// Root talks to every rank directly (gather, scatter).
@@ -71,10 +76,12 @@ pub enum Algorithm {
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 11] = [
+    pub const ALL: [Algorithm; 13] = [
         Algorithm::Ring,
         Algorithm::Tree,
         Algorithm::HalvingDoubling,
+        Algorithm::RecursiveDoubling,
+        Algorithm::Hierarchical,
         Algorithm::Chain,
         Algorithm::Linear,
         Algorithm::Pairwise,
@@ -91,6 +98,8 @@ impl Algorithm {
             Algorithm::Ring => "ring",
             Algorithm::Tree => "tree",
             Algorithm::HalvingDoubling => "hd",
+            Algorithm::RecursiveDoubling => "rd",
+            Algorithm::Hierarchical => "hierarchical",
             Algorithm::Chain => "chain",
             Algorithm::Linear => "linear",
             Algorithm::Pairwise => "pairwise",
@@ -110,10 +119,16 @@ impl Algorithm {
         )
     }
 
+    /// Whether the algorithm needs a communicator spanning at least two nodes with the same
+    /// number (at least two) of ranks each.
+    pub const fn needs_nodes(self) -> bool {
+        matches!(self, Algorithm::Hierarchical)
+    }
+
     /// Whether its all-reduce reads an out-of-place input where it is (the others start from a
     /// copy of the input in the output).
     pub const fn reads_input(self) -> bool {
-        matches!(self, Algorithm::Ring) || self.needs_window()
+        matches!(self, Algorithm::Ring | Algorithm::Hierarchical) || self.needs_window()
     }
 
     /// Parses a name (`halving-doubling` is accepted for `hd`).
@@ -124,6 +139,9 @@ impl Algorithm {
         let s = s.trim().to_ascii_lowercase();
         if s == "halving-doubling" || s == "halving_doubling" || s == "rhd" {
             return Ok(Algorithm::HalvingDoubling);
+        }
+        if s == "recursive-doubling" || s == "recursive_doubling" {
+            return Ok(Algorithm::RecursiveDoubling);
         }
         let s = s.replace('_', "-");
         Algorithm::ALL
@@ -152,12 +170,16 @@ pub fn algorithms_for(coll: Collective) -> &'static [Algorithm] {
         Collective::AllReduce => &[
             Algorithm::Tree,
             Algorithm::HalvingDoubling,
+            Algorithm::RecursiveDoubling,
             Algorithm::Ring,
+            Algorithm::Hierarchical,
             Algorithm::OneShot,
             Algorithm::TwoShot,
             Algorithm::SingleCopy,
         ],
-        Collective::ReduceScatter | Collective::AllGather => &[Algorithm::Ring],
+        Collective::ReduceScatter | Collective::AllGather => {
+            &[Algorithm::Ring, Algorithm::Hierarchical]
+        }
         Collective::Broadcast | Collective::Reduce => &[Algorithm::Tree, Algorithm::Chain],
         Collective::Gather | Collective::Scatter => &[Algorithm::Linear],
         Collective::AllToAll => &[Algorithm::Pairwise],
@@ -244,6 +266,11 @@ impl AlgoOverride {
 
 const ALPHA_US: f64 = 15.0;
 const BETA_US_PER_BYTE: f64 = 1.0 / 1500.0;
+/// A memory copy's cost per byte relative to the wire's (about 10 GB/s against 1.5 GB/s).
+const COPY_BETA_RATIO: f64 = 0.15;
+/// Hierarchical all-reduce, reduce-scatter and all-gather from this many bytes on, when the
+/// communicator spans nodes of equal size (see the module documentation for the measurement).
+pub const HIERARCHICAL_MIN: usize = 1 << 20;
 /// One-shot all-reduce while each rank reads at most this many bytes of peers' inputs
 /// (`bytes x (n - 1)`); measured, see the module documentation.
 pub const ONE_SHOT_MAX: usize = 64 << 10;
@@ -282,6 +309,15 @@ pub fn cost_us(coll: Collective, algo: Algorithm, bytes: usize, n: usize) -> f64
             2.0 * log2_ceil(p2) + fold,
             (2.0 * (p2 as f64 - 1.0) / p2 as f64 + fold) * b * 1.15,
         ),
+        // Whole buffers at every step, plus a copy of the buffer per step (what is sent must not
+        // change while the partner's data is reduced in).
+        (Collective::AllReduce, Algorithm::RecursiveDoubling) => {
+            let steps = log2_ceil(p2) + fold;
+            (
+                steps,
+                (log2_ceil(p2) + fold) * b + steps * b * COPY_BETA_RATIO,
+            )
+        }
         (Collective::Broadcast | Collective::Reduce, Algorithm::Tree) => (lg, lg * b),
         (Collective::Broadcast | Collective::Reduce, Algorithm::Chain) => {
             let slots = (bytes / (512 << 10)).max(1) as f64;
@@ -304,6 +340,9 @@ pub struct Caps {
     pub staging: usize,
     /// Every rank can read every other's memory with `process_vm_readv`.
     pub single_copy: bool,
+    /// The communicator spans at least two nodes with the same number (at least two) of ranks
+    /// each: the hierarchical algorithms can run.
+    pub nodes: bool,
 }
 
 /// All-reduce through the shared-memory window, when it beats slots (`None` otherwise).
@@ -322,15 +361,25 @@ fn direct_all_reduce(bytes: usize, n: usize, caps: Caps) -> Option<Algorithm> {
 
 /// Picks the algorithm and chunk size for `coll` on `bytes` over `n` ranks.
 pub fn choose(coll: Collective, bytes: usize, n: usize, over: &AlgoOverride, caps: Caps) -> Choice {
+    let hierarchical = caps.nodes
+        && bytes >= HIERARCHICAL_MIN
+        && matches!(
+            coll,
+            Collective::AllReduce | Collective::ReduceScatter | Collective::AllGather
+        );
     let direct = match coll {
         Collective::AllReduce if n > 1 => direct_all_reduce(bytes, n, caps),
         _ => None,
-    };
+    }
+    .or(hierarchical.then_some(Algorithm::Hierarchical));
     let algo = over.get(coll).or(direct).unwrap_or_else(|| {
         let cands: Vec<Algorithm> = algorithms_for(coll)
             .iter()
             .copied()
-            .filter(|a| !a.needs_window())
+            .filter(|a| !a.needs_window() && !a.needs_nodes())
+            // On the window the thresholds above are measured; recursive doubling was not
+            // measured against them, so only the slot algorithms they were measured with compete.
+            .filter(|a| caps.staging == 0 || *a != Algorithm::RecursiveDoubling)
             .collect();
         let mut best = cands[0];
         let mut best_cost = cost_us(coll, best, bytes, n);
@@ -359,7 +408,10 @@ mod tests {
         for n in [8, 16, 32] {
             let small = choose(Collective::AllReduce, 8, n, &none, Caps::default()).algo;
             assert!(
-                matches!(small, Algorithm::Tree | Algorithm::HalvingDoubling),
+                matches!(
+                    small,
+                    Algorithm::Tree | Algorithm::HalvingDoubling | Algorithm::RecursiveDoubling
+                ),
                 "{small}"
             );
         }
@@ -383,11 +435,50 @@ mod tests {
     }
 
     #[test]
+    fn recursive_doubling_for_small_messages_hierarchical_for_large_across_nodes() {
+        let none = AlgoOverride::default();
+        let tcp = Caps::default();
+        let pick = |coll, bytes, n, caps| choose(coll, bytes, n, &none, caps).algo;
+        // 2 ranks: one exchange instead of two rounds.
+        assert_eq!(
+            pick(Collective::AllReduce, 8, 2, tcp),
+            Algorithm::RecursiveDoubling
+        );
+        assert_eq!(
+            pick(Collective::AllReduce, 8, 8, tcp),
+            Algorithm::RecursiveDoubling
+        );
+        // Large messages: the copy per step and log2 n whole buffers lose to the ring.
+        assert_eq!(
+            pick(Collective::AllReduce, 64 << 20, 2, tcp),
+            Algorithm::Ring
+        );
+        let nodes = Caps {
+            nodes: true,
+            ..Caps::default()
+        };
+        for coll in [
+            Collective::AllReduce,
+            Collective::ReduceScatter,
+            Collective::AllGather,
+        ] {
+            assert_eq!(pick(coll, 64 << 20, 4, nodes), Algorithm::Hierarchical);
+            assert_ne!(pick(coll, 1024, 4, nodes), Algorithm::Hierarchical);
+            assert_ne!(pick(coll, 64 << 20, 4, tcp), Algorithm::Hierarchical);
+        }
+        assert_eq!(
+            pick(Collective::Broadcast, 64 << 20, 4, nodes),
+            Algorithm::Chain
+        );
+    }
+
+    #[test]
     fn window_thresholds() {
         let none = AlgoOverride::default();
         let shm = Caps {
             staging: 1 << 20,
             single_copy: true,
+            nodes: false,
         };
         let pick = |bytes, n, caps| choose(Collective::AllReduce, bytes, n, &none, caps).algo;
         assert_eq!(pick(8, 2, shm), Algorithm::OneShot);
@@ -403,6 +494,7 @@ mod tests {
         let off = Caps {
             staging: 0,
             single_copy: false,
+            nodes: false,
         };
         assert!(!pick(1 << 20, 4, off).needs_window());
         // Other collectives never go through the window.

@@ -13,7 +13,8 @@ use std::time::Duration;
 
 use half::{bf16, f16};
 use oxccl_comm::config::TransportChoice;
-use oxccl_comm::{harness::spawn_world, Communicator, Config, Element, ReduceOp, Result};
+use oxccl_comm::harness::{spawn_world, spawn_world_on_nodes};
+use oxccl_comm::{Communicator, Config, Element, ReduceOp, Result};
 use oxccl_kernels::reference_reduce;
 
 const COUNTS: [usize; 5] = [0, 1, 7, 1000, (1 << 20) + 3];
@@ -261,6 +262,12 @@ fn world_on(n: usize, t: TransportChoice) {
     for r in spawn_world(n, config("all-reduce=hd", t), |c| every_dtype(&c, true)) {
         r.unwrap();
     }
+    // Recursive doubling (independent of the transport: run once).
+    if t == TransportChoice::Tcp {
+        for r in spawn_world(n, config("all-reduce=rd", t), |c| every_dtype(&c, true)) {
+            r.unwrap();
+        }
+    }
     // Tree broadcast runs in every_dtype(.., true) only through reduce/all-reduce; cover it.
     for r in spawn_world(n, config("broadcast=tree", t), |c| {
         for &count in &COUNTS {
@@ -355,6 +362,52 @@ fn world_8() {
     world(8);
 }
 
+/// The hierarchical all-reduce, reduce-scatter and all-gather on `nodes` simulated nodes of
+/// `per_node` ranks (shared memory inside a node, TCP across), every dtype, op and count; and
+/// the tuner's own choice on the same layout.
+fn hierarchical(nodes: usize, per_node: usize) {
+    let n = nodes * per_node;
+    let algo = "all-reduce=hierarchical,reduce-scatter=hierarchical,all-gather=hierarchical";
+    for r in spawn_world_on_nodes(n, per_node, config(algo, TransportChoice::Auto), |c| {
+        assert!(c.is_hierarchical(), "rank {} sees no node layout", c.rank());
+        for p in 0..n {
+            let want = match (p == c.rank(), p / per_node == c.rank() / per_node) {
+                (true, _) => "self",
+                (false, true) => "shm",
+                (false, false) => "tcp",
+            };
+            assert_eq!(c.transport_to(p), Some(want), "rank {} to {p}", c.rank());
+        }
+        every_dtype(&c, false)
+    }) {
+        r.unwrap();
+    }
+}
+
+#[test]
+fn hierarchical_2_nodes_x_2() {
+    hierarchical(2, 2);
+}
+
+#[test]
+fn hierarchical_3_nodes_x_2_and_2_nodes_x_3() {
+    hierarchical(3, 2);
+    hierarchical(2, 3);
+}
+
+#[test]
+fn hierarchical_override_without_nodes_is_a_clear_error() {
+    let cfg = config("all-reduce=hierarchical", TransportChoice::Tcp);
+    for r in spawn_world(2, cfg, |c| {
+        assert!(!c.is_hierarchical());
+        let mut v = vec![1.0f32; 16];
+        Ok(c.all_reduce(&mut v, ReduceOp::Sum))
+    }) {
+        let e = r.unwrap().unwrap_err().to_string();
+        assert!(e.contains("hierarchical algorithms need"), "{e}");
+    }
+}
+
 /// Random floats: the result must be within the error bound of recursive summation,
 /// `|got - exact| <= (n + 1) * eps * sum |x_i|`, for every all-reduce algorithm.
 #[test]
@@ -395,7 +448,15 @@ fn float_tolerance() {
         }
         Ok(())
     }
-    for algo in ["ring", "tree", "hd", "one-shot", "two-shot", "single-copy"] {
+    for algo in [
+        "ring",
+        "tree",
+        "hd",
+        "rd",
+        "one-shot",
+        "two-shot",
+        "single-copy",
+    ] {
         for r in spawn_world(
             5,
             config(&format!("all-reduce={algo}"), TransportChoice::Auto),

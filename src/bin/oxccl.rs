@@ -37,6 +37,71 @@ enum Cmd {
     /// Starts --np local ranks itself, or runs as one rank under oxccl launch, torchrun, srun or
     /// mpirun. Example: oxccl perf all-reduce --np 4 -b 8 -e 64M -d all -o all.
     Perf(oxccl::perf::PerfArgs),
+
+    /// Print the process groups of a placement, in creation order (no communicator needed).
+    ///
+    /// Example: oxccl topo --world 16 pipe:2 tensor:2 data:4 --ranks-per-node 8. The list goes
+    /// from outermost to innermost (the last dimension gets consecutive ranks); a 'model' group is
+    /// added when 'tensor' or 'pipe' is present. Same rule as oxccl::comm::Topology::setup.
+    #[command(arg_required_else_help = true)]
+    Topo(TopoArgs),
+}
+
+#[derive(Debug, Args)]
+struct TopoArgs {
+    /// Dimensions, outermost first, as NAME:SIZE (e.g. pipe:2 tensor:2 data:4).
+    #[arg(value_name = "NAME:SIZE", required = true)]
+    dims: Vec<String>,
+
+    /// World size [default: the product of the sizes].
+    #[arg(long, value_name = "N")]
+    world: Option<usize>,
+
+    /// Ranks per node (numbered node by node, as oxccl launch does): marks which groups stay
+    /// inside one node.
+    #[arg(long, value_name = "R")]
+    ranks_per_node: Option<usize>,
+
+    /// Also print the mixture-of-experts groups (moe_ep, moe_dp) split from each data group with
+    /// this expert-parallel size.
+    #[arg(long, value_name = "EP")]
+    moe_ep: Option<usize>,
+}
+
+fn run_topo(args: TopoArgs) -> u8 {
+    use oxccl::comm::topology;
+    let result = topology::parse_dims(&args.dims).and_then(|dims| {
+        let world = args
+            .world
+            .unwrap_or_else(|| dims.iter().map(|(_, s)| *s).product());
+        let dims: Vec<(&str, usize)> = dims.iter().map(|(n, s)| (n.as_str(), *s)).collect();
+        let mut plans = topology::plan_groups(0, world, &dims)?;
+        if let Some(ep) = args.moe_ep {
+            let data = plans.iter().find(|p| p.name == "data").ok_or_else(|| {
+                oxccl::comm::Error::Config("--moe-ep needs a 'data' dimension".into())
+            })?;
+            let moe = topology::plan_moe(0, data, ep)?;
+            plans.extend(moe);
+        }
+        Ok(topology::render(&plans, args.ranks_per_node))
+    });
+    match result {
+        Ok(text) => {
+            use std::io::Write as _;
+            let _ = std::io::stdout().lock().write_all(text.as_bytes());
+            0
+        }
+        Err(e) => {
+            let msg = e.to_string();
+            // The plan is not a rank's: drop the "rank 0: " label.
+            let msg = msg.strip_prefix("rank 0: ").unwrap_or(&msg);
+            let _ = std::io::Write::write_fmt(
+                &mut std::io::stderr(),
+                format_args!("oxccl topo: {msg}\n"),
+            );
+            2
+        }
+    }
 }
 
 #[derive(Debug, Args)]
@@ -157,5 +222,6 @@ fn main() -> ExitCode {
     ExitCode::from(match cli.command {
         Cmd::Launch(args) => run_launch(args),
         Cmd::Perf(args) => oxccl::perf::run(args),
+        Cmd::Topo(args) => run_topo(args),
     })
 }

@@ -10,6 +10,13 @@
 //! Bytes sent per participant `2 (p-1)/p * B` (+ `B` twice for the folded ranks when `n` is not a
 //! power of two), latency `2 log2 p` (+2) steps: the tuner picks it for medium sizes, between the
 //! tree's latency and the ring's bandwidth.
+//!
+//! **Recursive doubling** ([`all_reduce_doubling`]) folds the same way, then in `log2 p` steps
+//! partners at distance 1, 2, 4, ... exchange their whole buffer and both reduce it: half the
+//! steps of halving-doubling for `log2 p * B` bytes, so the tuner picks it for small messages (at
+//! 2 ranks it is a single exchange, where the others take two rounds). Partners reduce in opposite
+//! operand order, which gives the same bits for every oxccl op (IEEE sums and products are
+//! commutative) except for `min`/`max` between `-0.0` and `+0.0` or NaN payloads.
 
 use oxccl_kernels::{DType, ReduceOp};
 
@@ -17,19 +24,19 @@ use super::split_pair;
 use crate::error::Result;
 use crate::prims::{Ctx, RecvMode};
 
-/// In-place halving-doubling all-reduce.
-pub(crate) fn all_reduce(ctx: &mut Ctx<'_>, buf: &mut [u8], dt: DType, op: ReduceOp) -> Result<()> {
+/// Folds ranks beyond the largest power of two `p <= n` into their partners; returns this rank's
+/// index among the `p` participants (`None` for a rank folded away) and `rem = n - p`.
+fn fold(
+    ctx: &mut Ctx<'_>,
+    buf: &mut [u8],
+    dt: DType,
+    op: ReduceOp,
+) -> Result<(Option<usize>, usize)> {
     let (n, r) = (ctx.size, ctx.rank);
-    let es = dt.size();
-    let count = buf.len() / es;
-    if n == 1 || count == 0 {
-        return Ok(());
-    }
     let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
     let rem = n - p;
-    // Fold the extra ranks into their partners.
     let nr = if r < 2 * rem {
-        if r % 2 == 0 {
+        if r.is_multiple_of(2) {
             ctx.send(r + 1, buf)?;
             None
         } else {
@@ -39,6 +46,64 @@ pub(crate) fn all_reduce(ctx: &mut Ctx<'_>, buf: &mut [u8], dt: DType, op: Reduc
     } else {
         Some(r - rem)
     };
+    Ok((nr, rem))
+}
+
+/// Hands the result back to the ranks [`fold`] folded away.
+fn unfold(ctx: &mut Ctx<'_>, buf: &mut [u8], rem: usize) -> Result<()> {
+    let r = ctx.rank;
+    if r < 2 * rem {
+        if r.is_multiple_of(2) {
+            ctx.recv(r + 1, buf, RecvMode::Copy)?;
+        } else {
+            ctx.send(r - 1, buf)?;
+        }
+    }
+    Ok(())
+}
+
+/// In-place recursive-doubling all-reduce (whole buffers at every step; for small messages).
+pub(crate) fn all_reduce_doubling(
+    ctx: &mut Ctx<'_>,
+    buf: &mut [u8],
+    dt: DType,
+    op: ReduceOp,
+) -> Result<()> {
+    if ctx.size == 1 || buf.is_empty() {
+        return Ok(());
+    }
+    let (nr, rem) = fold(ctx, buf, dt, op)?;
+    if let Some(nr) = nr {
+        let p = ctx.size - rem;
+        let real = |v: usize| if v < rem { 2 * v + 1 } else { v + rem };
+        // What is sent must not change while the partner's data is reduced into `buf`.
+        let mut out = buf.to_vec();
+        let mut mask = 1;
+        while mask < p {
+            let partner = real(nr ^ mask);
+            ctx.exchange(
+                Some((partner, &out)),
+                Some((partner, &mut *buf, RecvMode::Reduce(dt, op))),
+            )?;
+            mask <<= 1;
+            if mask < p {
+                out.copy_from_slice(buf);
+            }
+        }
+    }
+    unfold(ctx, buf, rem)
+}
+
+/// In-place halving-doubling all-reduce.
+pub(crate) fn all_reduce(ctx: &mut Ctx<'_>, buf: &mut [u8], dt: DType, op: ReduceOp) -> Result<()> {
+    let n = ctx.size;
+    let es = dt.size();
+    let count = buf.len() / es;
+    if n == 1 || count == 0 {
+        return Ok(());
+    }
+    let (nr, rem) = fold(ctx, buf, dt, op)?;
+    let p = n - rem;
     if let Some(nr) = nr {
         let real = |v: usize| if v < rem { 2 * v + 1 } else { v + rem };
         let (mut lo, mut hi) = (0usize, count);
@@ -74,13 +139,5 @@ pub(crate) fn all_reduce(ctx: &mut Ctx<'_>, buf: &mut [u8], dt: DType, op: Reduc
             ctx.exchange(Some((partner, src)), Some((partner, dst, RecvMode::Copy)))?;
         }
     }
-    // Unfold: hand the result back.
-    if r < 2 * rem {
-        if r % 2 == 0 {
-            ctx.recv(r + 1, buf, RecvMode::Copy)?;
-        } else {
-            ctx.send(r - 1, buf)?;
-        }
-    }
-    Ok(())
+    unfold(ctx, buf, rem)
 }

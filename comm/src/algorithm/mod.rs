@@ -5,14 +5,16 @@
 //! |---|---|
 //! | `ring.rs` | ring all-reduce, ring reduce-scatter, ring all-gather |
 //! | `tree.rs` | binomial-tree reduce and broadcast, tree all-reduce |
-//! | `halving_doubling.rs` | recursive halving-doubling all-reduce (any rank count) |
+//! | `halving_doubling.rs` | recursive halving-doubling and recursive doubling all-reduce (any rank count) |
 //! | `chain.rs` | pipelined chain broadcast and reduce |
 //! | `linear.rs` | gather and scatter (root talks to every rank) |
 //! | `pairwise.rs` | all-to-all by pairwise exchange |
 //! | `dissemination.rs` | barrier |
 //! | `direct.rs` | one-shot, two-shot and single-copy all-reduce over the shared-memory window |
+//! | `hierarchical.rs` | all-reduce, reduce-scatter and all-gather by rings inside and across nodes |
 //!
-//! All of them work on byte buffers in place; the ring (all-reduce, reduce-scatter, all-gather),
+//! All of them work on byte buffers in place; the ring and hierarchical (all-reduce,
+//! reduce-scatter, all-gather),
 //! the chain broadcast and the direct all-reduces also read an out-of-place input where it is.
 //! The communicator turns the other out-of-place calls into in-place ones (one copy) and checks
 //! arguments before anything is sent. The direct ones use the shared-memory
@@ -22,6 +24,7 @@ pub(crate) mod chain;
 pub(crate) mod direct;
 pub(crate) mod dissemination;
 pub(crate) mod halving_doubling;
+pub(crate) mod hierarchical;
 pub(crate) mod linear;
 pub(crate) mod pairwise;
 pub(crate) mod ring;

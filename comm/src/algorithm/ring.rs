@@ -27,7 +27,7 @@ use crate::prims::{Ctx, RecvMode};
 /// Reduce-scatter steps of one block. With `src` (the out-of-place input, indexed like `buf`),
 /// the first send reads `src` and every received chunk is combined with `src` into `buf`, so the
 /// input is never copied into `buf` first.
-fn rs_steps(
+pub(crate) fn rs_steps(
     ctx: &mut Ctx<'_>,
     buf: &mut [u8],
     src: Option<&[u8]>,
@@ -54,7 +54,7 @@ fn rs_steps(
 
 /// All-gather steps of one block. With `own` (this rank's input for the block, out of place), the
 /// first step sends from `own` and mirrors it into the buffer piece by piece as it goes out.
-fn ag_steps(
+pub(crate) fn ag_steps(
     ctx: &mut Ctx<'_>,
     buf: &mut [u8],
     chunk: &dyn Fn(usize) -> Range<usize>,

@@ -59,6 +59,23 @@ pub trait Store: Send + Sync + fmt::Debug {
     /// [`Error::Store`] when the backend fails.
     fn compare_set(&self, key: &str, expected: Option<&[u8]>, desired: &[u8]) -> Result<Vec<u8>>;
 
+    /// [`Store::compare_set`] that gives up after about `timeout` (a store that cannot be reached
+    /// must not hold up a rank that is reporting a failure). The default has no bound of its own
+    /// beyond the backend's; network stores override it.
+    ///
+    /// # Errors
+    /// [`Error::Store`] when the backend fails or the time runs out.
+    fn compare_set_within(
+        &self,
+        key: &str,
+        expected: Option<&[u8]>,
+        desired: &[u8],
+        timeout: Duration,
+    ) -> Result<Vec<u8>> {
+        let _ = timeout;
+        self.compare_set(key, expected, desired)
+    }
+
     /// Removes the key; Ok(true) if it existed.
     ///
     /// # Errors
@@ -206,6 +223,17 @@ impl Store for PrefixStore {
 
     fn compare_set(&self, key: &str, expected: Option<&[u8]>, desired: &[u8]) -> Result<Vec<u8>> {
         self.inner.compare_set(&self.key(key), expected, desired)
+    }
+
+    fn compare_set_within(
+        &self,
+        key: &str,
+        expected: Option<&[u8]>,
+        desired: &[u8],
+        timeout: Duration,
+    ) -> Result<Vec<u8>> {
+        self.inner
+            .compare_set_within(&self.key(key), expected, desired, timeout)
     }
 
     fn delete(&self, key: &str) -> Result<bool> {

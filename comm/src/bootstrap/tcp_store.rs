@@ -133,6 +133,29 @@ impl TcpStore {
         fmt_addr(&self.host, self.port)
     }
 
+    /// [`TcpStore::request`] bounded by `timeout` overall: connecting (when no pooled connection
+    /// is left) and waiting for the reply.
+    fn request_within(
+        &self,
+        what: &str,
+        key: &str,
+        frame: Vec<u8>,
+        timeout: Duration,
+    ) -> Result<(u8, Vec<u8>)> {
+        if self.pool().is_empty() {
+            // Open the connection here, within the budget, so `request` finds it pooled.
+            let s = connect_stream(&self.host, self.port, timeout.min(self.reconnect_timeout))
+                .map_err(|e| {
+                    Error::Store(format!(
+                        "{what} on key '{key}' at store {}: opening a connection: {e}",
+                        self.addr()
+                    ))
+                })?;
+            self.pool().push(s);
+        }
+        self.request(what, key, frame, Some(timeout))
+    }
+
     /// Sends one request and returns `(status, payload)`.
     fn request(
         &self,
@@ -346,6 +369,16 @@ impl Store for TcpStore {
     }
 
     fn compare_set(&self, key: &str, expected: Option<&[u8]>, desired: &[u8]) -> Result<Vec<u8>> {
+        self.compare_set_within(key, expected, desired, OP_TIMEOUT)
+    }
+
+    fn compare_set_within(
+        &self,
+        key: &str,
+        expected: Option<&[u8]>,
+        desired: &[u8],
+        timeout: Duration,
+    ) -> Result<Vec<u8>> {
         let mut f = start_frame(OP_COMPARE_SET);
         put_bytes(&mut f, key.as_bytes());
         match expected {
@@ -356,7 +389,8 @@ impl Store for TcpStore {
             }
         }
         put_bytes(&mut f, desired);
-        match self.request("compare_set", key, f, Some(OP_TIMEOUT))? {
+        let timeout = timeout.clamp(Duration::from_millis(1), OP_TIMEOUT);
+        match self.request_within("compare_set", key, f, timeout)? {
             (ST_OK, v) => Ok(v),
             (st, p) => Err(self.unexpected("compare_set", key, st, &p)),
         }

@@ -77,6 +77,19 @@ pub trait SendConn: Send {
     /// Says goodbye to the peer (all data posted so far is delivered first, within `deadline`),
     /// so that the peer can tell a finished rank from a dead one.
     fn close(&mut self, deadline: std::time::Instant);
+    /// Sends the rest of a message straight from the caller's memory, without staging it in a
+    /// slot: `data` starts at the first byte not taken yet (the caller advances by what earlier
+    /// calls returned, and keeps calling until everything is taken before it posts anything
+    /// else). The receiver sees ordinary frames of at most `slot_size()` bytes tagged `tag`.
+    /// Returns how many bytes were taken now (possibly 0), or `None` when the backend has no such
+    /// path (the default) and the caller must use slots.
+    ///
+    /// # Errors
+    /// The connection failed.
+    fn send_direct(&mut self, data: &[u8], tag: Tag) -> Result<Option<usize>> {
+        let _ = (data, tag);
+        Ok(None)
+    }
 }
 
 /// The receive half of a connection from one peer.

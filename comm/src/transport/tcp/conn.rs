@@ -8,7 +8,7 @@
 //! means the peer died (`PeerLost`).
 
 use std::collections::VecDeque;
-use std::io::{ErrorKind, IoSlice, Read, Write};
+use std::io::{BufReader, ErrorKind, IoSlice, Read, Write};
 use std::net::TcpStream;
 use std::os::fd::{AsRawFd, RawFd};
 use std::time::Instant;
@@ -91,8 +91,21 @@ struct TxSock {
     off: usize,
 }
 
+/// A frame written straight from the caller's memory ([`SendConn::send_direct`]).
+struct DirectFrame {
+    /// Socket it travels on.
+    si: usize,
+    hdr: [u8; HDR],
+    /// Header bytes written.
+    hdr_off: usize,
+    /// Payload bytes still to write.
+    left: usize,
+}
+
 /// Send half of a TCP connection.
 pub struct TcpSend {
+    /// The frame `send_direct` is writing; nothing else goes out on its socket meanwhile.
+    direct: Option<DirectFrame>,
     rank: usize,
     peer: usize,
     socks: Vec<TxSock>,
@@ -115,6 +128,7 @@ impl TcpSend {
         nslots: usize,
     ) -> TcpSend {
         TcpSend {
+            direct: None,
             rank,
             peer,
             socks: streams
@@ -137,6 +151,9 @@ impl TcpSend {
     }
 
     fn write_socket(&mut self, si: usize) -> Result<bool> {
+        if self.direct.as_ref().is_some_and(|d| d.si == si) {
+            return Ok(false); // a direct frame is half written on this socket
+        }
         let nslots = self.slots.len() as u64;
         let mut moved = false;
         loop {
@@ -189,6 +206,9 @@ impl SendConn for TcpSend {
     }
 
     fn try_slot(&mut self) -> Result<Option<&mut [u8]>> {
+        if self.direct.is_some() {
+            return Ok(None); // the caller finishes its direct message first
+        }
         let s = (self.next % self.slots.len() as u64) as usize;
         if self.busy[s] {
             self.progress()?;
@@ -241,7 +261,65 @@ impl SendConn for TcpSend {
     }
 
     fn flushed(&self) -> bool {
-        self.inflight == 0
+        self.inflight == 0 && self.direct.is_none()
+    }
+
+    fn send_direct(&mut self, data: &[u8], tag: Tag) -> Result<Option<usize>> {
+        let mut took = 0;
+        loop {
+            if self.direct.is_none() {
+                if took == data.len() {
+                    return Ok(Some(took));
+                }
+                // Frame k travels on socket k % nsocks, after the frames queued there before it.
+                let si = (self.next % self.socks.len() as u64) as usize;
+                if !self.socks[si].queue.is_empty() {
+                    self.write_socket(si)?;
+                    if !self.socks[si].queue.is_empty() {
+                        return Ok(Some(took));
+                    }
+                }
+                let len = self.slot_size.min(data.len() - took);
+                self.direct = Some(DirectFrame {
+                    si,
+                    hdr: encode_hdr(len, KIND_DATA, &tag),
+                    hdr_off: 0,
+                    left: len,
+                });
+                self.next += 1;
+            }
+            let Some(f) = self.direct.as_mut() else {
+                continue;
+            };
+            let payload = &data[took..took + f.left];
+            let stream = &mut self.socks[f.si].stream;
+            let r = if f.hdr_off < HDR {
+                stream.write_vectored(&[IoSlice::new(&f.hdr[f.hdr_off..]), IoSlice::new(payload)])
+            } else {
+                stream.write(payload)
+            };
+            match r {
+                Ok(0) => {
+                    return Err(lost(
+                        self.rank,
+                        self.peer,
+                        "socket accepted no bytes".into(),
+                    ))
+                }
+                Ok(n) => {
+                    let h = n.min(HDR - f.hdr_off);
+                    f.hdr_off += h;
+                    f.left -= n - h;
+                    took += n - h;
+                    if f.hdr_off == HDR && f.left == 0 {
+                        self.direct = None;
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(Some(took)),
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(io_err(self.rank, self.peer, e)),
+            }
+        }
     }
 
     fn poll_fds(&self, out: &mut Vec<(RawFd, PollDir)>) {
@@ -261,7 +339,12 @@ impl SendConn for TcpSend {
             }
         }
         if !self.flushed() {
-            return; // the peer sees an end of stream without BYE: data was lost
+            // The peer sees an end of stream without BYE: data was lost (and a half-written
+            // direct frame must not be followed by a BYE header).
+            for s in &mut self.socks {
+                let _ = s.stream.shutdown(std::net::Shutdown::Write);
+            }
+            return;
         }
         let bye = encode_hdr(0, KIND_BYE, &Tag::default());
         for s in &mut self.socks {
@@ -283,8 +366,15 @@ impl SendConn for TcpSend {
     }
 }
 
+/// Buffer of a receiving socket: a small frame's header and payload (and often the next
+/// frame's header) arrive in one `read`; reads of a large payload bypass it (std's `BufReader`
+/// reads straight into the caller's buffer when its own is empty and the request is larger).
+const RX_BUFFER: usize = 16 << 10;
+
 struct RxSock {
-    stream: TcpStream,
+    /// Invariant: `read_socket` stops with the buffer empty unless this socket's next slot is
+    /// still in use, in which case `poll_fds` does not wait on the socket either.
+    stream: BufReader<TcpStream>,
     /// Frame number this socket is reading next.
     frame: u64,
     hdr: [u8; HDR],
@@ -322,7 +412,7 @@ impl TcpRecv {
                 .into_iter()
                 .enumerate()
                 .map(|(i, stream)| RxSock {
-                    stream,
+                    stream: BufReader::with_capacity(RX_BUFFER, stream),
                     frame: i as u64,
                     hdr: [0; HDR],
                     off: 0,
@@ -469,7 +559,7 @@ impl RecvConn for TcpRecv {
         let nslots = self.slots.len() as u64;
         for s in &self.socks {
             if !s.bye && s.frame < self.next + nslots {
-                out.push((s.stream.as_raw_fd(), PollDir::Read));
+                out.push((s.stream.get_ref().as_raw_fd(), PollDir::Read));
             }
         }
     }

@@ -1,0 +1,245 @@
+//! Shared by the multi-process test files (`tests/multiprocess.rs`, `tests/multinode.rs`): the
+//! rank side of their scenarios and helpers to read what the ranks printed.
+//!
+//! A test binary is its own rank program: each file has a `#[test] fn rank_entry()` calling
+//! [`rank_entry`], which does nothing in a normal test run and plays a rank when
+//! `OXCCL_TEST_SCENARIO` is set. The launcher runs [`rank_cmd`], i.e.
+//! `<this binary> rank_entry --exact --nocapture ...`. Every scenario ends with one line
+//! `RESULT rank=R ok` or `RESULT rank=R err=KIND peer=P ms=T msg=...` on stdout (see
+//! [`report`]), read back by [`results`].
+
+// Each test file uses only some of these helpers.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::process::Output;
+use std::time::{Duration, Instant};
+
+use oxccl::comm::{Communicator, Error, ReduceOp};
+
+/// The variable naming the scenario a rank plays.
+pub const SCENARIO: &str = "OXCCL_TEST_SCENARIO";
+
+/// Every collective with a few dtypes and counts; panics (so the rank exits non-zero) on a
+/// wrong result.
+pub fn scenario_all(c: &Communicator) -> Result<(), Error> {
+    let (n, me) = (c.size(), c.rank());
+    for count in [0usize, 1, 7, 1000, 100_003] {
+        let mut v: Vec<f32> = (0..count).map(|i| (i % 13 + me) as f32).collect();
+        c.all_reduce(&mut v, ReduceOp::Sum)?;
+        let sum_ranks = (n * (n - 1) / 2) as f32;
+        assert!(
+            v.iter()
+                .enumerate()
+                .all(|(i, &x)| x == (n * (i % 13)) as f32 + sum_ranks),
+            "all_reduce"
+        );
+        let mut v = vec![me as i64; count];
+        c.all_reduce(&mut v, ReduceOp::Max)?;
+        assert!(v.iter().all(|&x| x == n as i64 - 1), "all_reduce max");
+        let mut out = vec![0u32; count];
+        c.reduce_scatter(&vec![1u32; count * n], &mut out, ReduceOp::Sum)?;
+        assert!(out.iter().all(|&x| x == n as u32), "reduce_scatter");
+        let mut out = vec![0u8; count * n];
+        c.all_gather(&vec![me as u8; count], &mut out)?;
+        assert!(
+            out.iter()
+                .enumerate()
+                .all(|(k, &x)| x as usize == k / count.max(1)),
+            "all_gather"
+        );
+        let root = count % n;
+        let mut b = vec![me as f64; count];
+        c.broadcast(&mut b, root)?;
+        assert!(b.iter().all(|&x| x == root as f64), "broadcast");
+        let mut out = vec![0i32; if me == root { count } else { 0 }];
+        c.reduce(&vec![1i32; count], &mut out, ReduceOp::Sum, root)?;
+        assert!(out.iter().all(|&x| x == n as i32), "reduce");
+        let mut out = vec![0u64; if me == root { count * n } else { 0 }];
+        c.gather(&vec![me as u64; count], &mut out, root)?;
+        assert!(
+            out.iter()
+                .enumerate()
+                .all(|(k, &x)| x as usize == k / count.max(1)),
+            "gather"
+        );
+        let inp: Vec<u64> = if me == root {
+            (0..count * n).map(|k| (k / count.max(1)) as u64).collect()
+        } else {
+            vec![]
+        };
+        let mut out = vec![99u64; count];
+        c.scatter(&inp, &mut out, root)?;
+        assert!(out.iter().all(|&x| x == me as u64), "scatter");
+        let inp: Vec<u32> = (0..count * n)
+            .map(|k| (me * 1000 + k / count.max(1)) as u32)
+            .collect();
+        let mut out = vec![0u32; count * n];
+        c.all_to_all(&inp, &mut out)?;
+        assert!(
+            out.iter()
+                .enumerate()
+                .all(|(k, &x)| x as usize == (k / count.max(1)) * 1000 + me),
+            "all_to_all"
+        );
+        let mut r = vec![0u8; count];
+        c.send_recv(
+            &vec![me as u8; count],
+            (me + 1) % n,
+            &mut r,
+            (me + n - 1) % n,
+        )?;
+        assert!(
+            r.iter().all(|&x| x as usize == (me + n - 1) % n),
+            "send_recv"
+        );
+        c.barrier()?;
+    }
+    let sub = c.split(Some((me % 2) as u32), me as i64)?.expect("member");
+    let mut x = [1u32];
+    sub.all_reduce(&mut x, ReduceOp::Sum)?;
+    assert_eq!(x[0] as usize, (n + 1 - me % 2) / 2);
+    Ok(())
+}
+
+/// One small all-reduce and a barrier: connects every pair and does little else (for checking
+/// the `connected` log lines).
+fn scenario_hello(c: &Communicator) -> Result<(), Error> {
+    let mut x = [1u64];
+    c.all_reduce(&mut x, ReduceOp::Sum)?;
+    assert_eq!(x[0], c.size() as u64, "all_reduce");
+    c.barrier()
+}
+
+/// All-reduces of 1 MiB of f32 in a loop until one fails, or until `OXCCL_TEST_LOOP_SECS`
+/// (default 60) have passed, which is reported as `ok`. After the first successful all-reduce
+/// the rank prints `LOOPING rank=R` (the cue for the test to break something).
+fn scenario_loop(c: &Communicator) -> Result<(), Error> {
+    let secs: u64 = std::env::var("OXCCL_TEST_LOOP_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(60);
+    let end = Instant::now() + Duration::from_secs(secs);
+    let mut v = vec![1.0f32; 1 << 18];
+    let mut first = true;
+    while Instant::now() < end {
+        c.all_reduce(&mut v, ReduceOp::Sum)?;
+        v.fill(1.0);
+        if first {
+            first = false;
+            println!("LOOPING rank={}", c.rank());
+            let _ = std::io::stdout().flush();
+        }
+    }
+    Ok(())
+}
+
+/// Prints the `RESULT` line of this rank.
+pub fn report(c: &Communicator, r: Result<(), Error>, t0: Instant) {
+    match r {
+        Ok(()) => println!("RESULT rank={} ok", c.rank()),
+        Err(e) => println!(
+            "RESULT rank={} err={} peer={} ms={} msg={}",
+            c.rank(),
+            e.kind(),
+            e.lost_peer().map_or(-1, |p| p as i64),
+            t0.elapsed().as_millis(),
+            e
+        ),
+    }
+    let _ = std::io::stdout().flush();
+}
+
+/// The rank program: plays the scenario named by `OXCCL_TEST_SCENARIO`, or does nothing if it
+/// is unset (a normal test run).
+///
+/// Scenarios: `all` ([`scenario_all`]), `hello` (one all-reduce and a barrier), `loop` (1 MiB
+/// all-reduces until one fails), `kill` (rank 2 SIGKILLs itself in the 4th of a series of
+/// 1 MiB all-reduces), `mismatch` (rank 1 all-reduces 10 elements, the others 20).
+pub fn rank_entry() {
+    let Ok(scenario) = std::env::var(SCENARIO) else {
+        return;
+    };
+    let c = Communicator::from_env().expect("communicator from the environment");
+    let t0 = Instant::now();
+    let r = match scenario.as_str() {
+        "all" => scenario_all(&c),
+        "hello" => scenario_hello(&c),
+        "loop" => scenario_loop(&c),
+        "kill" => {
+            // Survivors must outlive the launcher's SIGTERM long enough to report.
+            // SAFETY: setting a signal disposition to SIG_IGN has no memory-safety preconditions.
+            unsafe {
+                libc::signal(libc::SIGTERM, libc::SIG_IGN);
+            }
+            let mut v = vec![1.0f32; 1 << 20];
+            let mut result = Ok(());
+            for i in 0..1000 {
+                if i == 3 && c.rank() == 2 {
+                    // SAFETY: sending SIGKILL to our own pid; no memory is involved.
+                    unsafe {
+                        libc::kill(libc::getpid(), libc::SIGKILL);
+                    }
+                }
+                if let Err(e) = c.all_reduce(&mut v, ReduceOp::Sum) {
+                    result = Err(e);
+                    break;
+                }
+                v.fill(1.0);
+            }
+            result
+        }
+        "mismatch" => {
+            let mut v = vec![0.5f32; if c.rank() == 1 { 10 } else { 20 }];
+            c.all_reduce(&mut v, ReduceOp::Sum)
+        }
+        other => panic!("unknown scenario {other}"),
+    };
+    report(&c, r, t0);
+}
+
+/// The command line that makes this test binary play a rank (with `OXCCL_TEST_SCENARIO` set).
+pub fn rank_cmd() -> Vec<String> {
+    let me = std::env::current_exe()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    vec![
+        me,
+        "rank_entry".into(),
+        "--exact".into(),
+        "--nocapture".into(),
+        "--test-threads=1".into(),
+        "-q".into(),
+    ]
+}
+
+/// `RESULT` lines of `stdout` by rank: what follows `RESULT rank=` (`"3 ok"`, `"1 err=..."`).
+/// Lines may carry prefixes (`[node 1] [3] RESULT ...`).
+pub fn results_of(stdout: &str) -> HashMap<usize, String> {
+    let mut m = HashMap::new();
+    for line in stdout.lines() {
+        if let Some(i) = line.find("RESULT rank=") {
+            let rest = &line[i + "RESULT rank=".len()..];
+            let rank: usize = rest.split_whitespace().next().unwrap().parse().unwrap();
+            m.insert(rank, rest.to_string());
+        }
+    }
+    m
+}
+
+/// `RESULT` lines of a finished process, by rank.
+pub fn results(out: &Output) -> HashMap<usize, String> {
+    results_of(&String::from_utf8_lossy(&out.stdout))
+}
+
+/// Status, stdout and stderr, for assertion messages.
+pub fn show(out: &Output) -> String {
+    format!(
+        "status {:?}\nstdout:\n{}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
