@@ -15,14 +15,14 @@
 # stderr, and exits with 77 (the automake "skipped" code; the tests treat it as a skip).
 #
 # Usage:
-#   scripts/netns.sh up --nodes N [--prefix P] [--subnet A.B.C]
+#   scripts/netns.sh up --nodes N [--prefix P] [--subnet A.B.C] [--rate R]
 #       Create PREFIX-sw (bridge br0) and PREFIX-n0 .. PREFIX-n<N-1>, N in 1..16 (2 to 4 is
 #       the usual), addresses A.B.C.1 .. A.B.C.N. Fails (exit 1) if any of them already exists.
 #   scripts/netns.sh down [--prefix P]
 #       Stop every process still inside PREFIX-* (SIGTERM, 5 s, then SIGKILL, by pid) and
 #       delete the namespaces. Idempotent: succeeds when there is nothing to remove.
 #   scripts/netns.sh run --nodes N [--prefix P] [--subnet A.B.C] [--port PORT] [--nproc K]
-#                        [--timeout S] [--job-id ID] [--fail-grace S] -- CMD [ARGS...]
+#                        [--timeout S] [--job-id ID] [--fail-grace S] [--rate R] -- CMD [ARGS...]
 #       `up`, then in every node k at once:
 #         ip netns exec PREFIX-n<k> env OXCCL_NODE_ID=node<k> OXCCL_BIN launch --nnodes N
 #           --node-rank k --master-addr A.B.C.1 --master-port PORT -n K --job-id ID
@@ -56,6 +56,9 @@
 #   --job-id ID    passed as `oxccl launch --job-id ID` (default: the prefix, so concurrent
 #                  jobs do not share /dev/shm segment names)
 #   --fail-grace S see `run` (default 10)
+#   --rate RATE    (up, run) limit every node's link to RATE each way, like a NIC's line rate
+#                  (tc tbf on eth0 and on the switch port), e.g. 5gbit; default: no limit (the
+#                  veth pairs then run as fast as the CPU copies)
 #   --node k       the node (link-down, link-up)
 #
 # Environment: OXCCL_BIN, the oxccl binary (default: target/release/oxccl under the repository
@@ -194,6 +197,11 @@ do_up() {
         ip -n "$sw" link set "v$k" up
         ip -n "$ns" addr add "$subnet.$((k + 1))/24" dev eth0
         ip -n "$ns" link set eth0 up
+        if [[ -n "$RATE" ]]; then
+            # A NIC's line rate, both ways: the node's egress and the switch port's egress.
+            tc -n "$ns" qdisc add dev eth0 root tbf rate "$RATE" burst 1mb latency 100ms
+            tc -n "$sw" qdisc add dev "v$k" root tbf rate "$RATE" burst 1mb latency 100ms
+        fi
     done
 }
 
@@ -336,11 +344,12 @@ main() {
 
     local nodes="" prefix="oxccl" subnet="10.77.0" port="29500" nproc="1" timeout=""
     local job_id="" node="" fail_grace="10"
+    RATE=""
     while (($# > 0)); do
         case "$1" in
         --) shift; break ;;
         -h | --help) usage; exit 0 ;;
-        --nodes | --prefix | --subnet | --port | --nproc | --timeout | --job-id | --node | --fail-grace)
+        --nodes | --prefix | --subnet | --port | --nproc | --timeout | --job-id | --node | --fail-grace | --rate)
             (($# >= 2)) || usage_error "$1 needs a value"
             case "$1" in
             --nodes) nodes="$2" ;;
@@ -352,6 +361,7 @@ main() {
             --job-id) job_id="$2" ;;
             --node) node="$2" ;;
             --fail-grace) fail_grace="$2" ;;
+            --rate) RATE="$2" ;;
             esac
             shift 2
             ;;
@@ -383,6 +393,10 @@ main() {
     fi
     if [[ "$cmd" == link-down || "$cmd" == link-up ]]; then
         [[ "$node" =~ ^[0-9]+$ ]] || usage_error "$cmd needs --node k"
+    fi
+    if [[ -n "$RATE" ]]; then
+        [[ "$RATE" =~ ^[0-9]+(\.[0-9]+)?[kmgt]?bit$ ]] ||
+            usage_error "--rate '$RATE': a tc rate such as 5gbit or 800mbit"
     fi
 
     require_root

@@ -100,6 +100,64 @@ pub(crate) enum RecvMode<'s> {
     ReduceFrom(DType, ReduceOp, &'s [u8]),
 }
 
+/// One send of [`Ctx::exchange_many`]: `data` to `peer`, tagged `tag`.
+pub(crate) struct SendPart<'d> {
+    peer: usize,
+    data: &'d [u8],
+    tag: Tag,
+    /// Copy of what is sent, made piece by piece as it goes out (see [`Ctx::exchange_mirrored`]).
+    mirror: Option<&'d mut [u8]>,
+    sent: usize,
+    /// At least one frame went out (an empty message is one empty frame).
+    done: bool,
+}
+
+impl<'d> SendPart<'d> {
+    pub(crate) fn new(peer: usize, data: &'d [u8], tag: Tag) -> SendPart<'d> {
+        SendPart {
+            peer,
+            data,
+            tag,
+            mirror: None,
+            sent: 0,
+            done: false,
+        }
+    }
+
+    fn mirrored(mut self, mirror: Option<&'d mut [u8]>) -> SendPart<'d> {
+        self.mirror = mirror;
+        self
+    }
+}
+
+/// One receive of [`Ctx::exchange_many`]: into `buf` from `peer`, landing as `mode` says.
+pub(crate) struct RecvPart<'d> {
+    peer: usize,
+    buf: &'d mut [u8],
+    mode: RecvMode<'d>,
+    tag: Tag,
+    got: usize,
+    done: bool,
+}
+
+impl<'d> RecvPart<'d> {
+    pub(crate) fn new(
+        peer: usize,
+        buf: &'d mut [u8],
+        mode: RecvMode<'d>,
+        tag: Tag,
+    ) -> RecvPart<'d> {
+        RecvPart {
+            peer,
+            buf,
+            mode,
+            tag,
+            got: 0,
+            done: false,
+        }
+    }
+}
+
 /// Everything an algorithm needs while one operation runs.
 pub(crate) struct Ctx<'a> {
     /// This rank.
@@ -510,86 +568,119 @@ impl<'a> Ctx<'a> {
     pub(crate) fn exchange_mirrored(
         &mut self,
         send: Option<(usize, &[u8], Tag)>,
-        mut mirror: Option<&mut [u8]>,
+        mirror: Option<&mut [u8]>,
         recv: Option<(usize, &mut [u8], RecvMode<'_>, Tag)>,
     ) -> Result<()> {
         debug_assert!(mirror
             .as_ref()
             .is_none_or(|m| send.as_ref().is_some_and(|s| s.1.len() == m.len())));
-        let send = send.map(|(p, d, t)| (self.real(p), d, t));
-        let mut recv = recv.map(|(p, b, m, t)| (self.real(p), b, m, t));
-        let (mut sent, mut send_frames) = (0usize, 0usize);
-        let (mut got, mut recv_frames) = (0usize, 0usize);
-        let mut send_done = send.is_none();
-        let mut recv_done = recv.is_none();
-        while !(send_done && recv_done) {
+        let mut sends: Vec<SendPart<'_>> = send
+            .map(|(peer, data, tag)| SendPart::new(peer, data, tag).mirrored(mirror))
+            .into_iter()
+            .collect();
+        let mut recvs: Vec<RecvPart<'_>> = recv
+            .map(|(peer, buf, mode, tag)| RecvPart::new(peer, buf, mode, tag))
+            .into_iter()
+            .collect();
+        self.exchange_many(&mut sends, &mut recvs)
+    }
+
+    /// Several sends and receives at once (to and from different peers, or the same), all
+    /// streamed slot by slot and interleaved so none can block another; returns when every one is
+    /// complete. Peers are ranks of this context.
+    pub(crate) fn exchange_many(
+        &mut self,
+        sends: &mut [SendPart<'_>],
+        recvs: &mut [RecvPart<'_>],
+    ) -> Result<()> {
+        for s in sends.iter_mut() {
+            s.peer = self.real(s.peer);
+        }
+        for r in recvs.iter_mut() {
+            r.peer = self.real(r.peer);
+        }
+        loop {
+            if sends.iter().all(|s| s.done) && recvs.iter().all(|r| r.done) {
+                return Ok(());
+            }
             self.arm();
             let mut moved = false;
-            if let (false, Some((peer, data, tag))) = (send_done, send.as_ref()) {
-                let me = self.me();
-                let conn = self
-                    .links
-                    .send
-                    .get_mut(*peer)
-                    .and_then(|c| c.as_mut())
-                    .ok_or_else(|| missing(me, self.op, *peer, "send"))?;
-                // Large messages leave straight from the caller's memory where the backend can
-                // (TCP); the rest is staged in slots.
-                let direct = if data.len() >= DIRECT_SEND_MIN {
-                    conn.send_direct(&data[sent..], *tag)
-                        .map_err(|e| retag(self.op, e))?
-                } else {
-                    None
-                };
-                let (n, progressed) = match direct {
-                    Some(n) => (n, n > 0),
-                    None => match conn.try_slot().map_err(|e| retag(self.op, e))? {
-                        Some(slot) => {
-                            let n = slot.len().min(data.len() - sent);
-                            slot[..n].copy_from_slice(&data[sent..sent + n]);
-                            conn.post(n, *tag).map_err(|e| retag(self.op, e))?;
-                            (n, true)
-                        }
-                        None => (0, false),
-                    },
-                };
-                if progressed {
-                    if let Some(m) = mirror.as_mut() {
-                        copy(self.stream, &mut m[sent..sent + n], &data[sent..sent + n]);
-                    }
-                    sent += n;
-                    send_frames += 1;
-                    send_done = sent == data.len();
-                    moved = true;
-                }
+            for s in sends.iter_mut().filter(|s| !s.done) {
+                moved |= self.send_some(s)?;
             }
-            if let (false, Some((peer, buf, mode, tag))) = (recv_done, recv.as_mut()) {
-                if self.recv_one(*peer, buf, &mut got, *mode, tag)? {
-                    recv_frames += 1;
-                    recv_done = got == buf.len();
+            for r in recvs.iter_mut().filter(|r| !r.done) {
+                if self.recv_one(r.peer, r.buf, &mut r.got, r.mode, &r.tag)? {
+                    r.done = r.got == r.buf.len();
                     moved = true;
                 }
             }
             if !moved {
-                let desc = |s: usize, r: usize| {
+                let desc = || {
                     let mut parts = Vec::new();
-                    if let Some((p, d, _)) = send.as_ref() {
-                        parts.push(format!("sending to rank {p}: {s}/{} bytes", d.len()));
+                    for s in sends.iter().filter(|s| !s.done) {
+                        parts.push(format!(
+                            "sending to rank {}: {}/{} bytes",
+                            s.peer,
+                            s.sent,
+                            s.data.len()
+                        ));
                     }
-                    if let Some((p, b, _, _)) = recv.as_ref() {
-                        parts.push(format!("receiving from rank {p}: {r}/{} bytes", b.len()));
+                    for r in recvs.iter().filter(|r| !r.done) {
+                        parts.push(format!(
+                            "receiving from rank {}: {}/{} bytes",
+                            r.peer,
+                            r.got,
+                            r.buf.len()
+                        ));
                     }
                     parts.join(", ")
                 };
-                self.idle(&|| desc(sent, got))?;
+                self.idle(&desc)?;
             } else {
                 // Progress: the next wait starts with a spin again.
                 self.idle_since = None;
             }
         }
-        debug_assert!(send_frames >= 1 || send.is_none());
-        debug_assert!(recv_frames >= 1 || recv.is_none());
-        Ok(())
+    }
+
+    /// Moves the next piece of `s` into its connection; whether anything moved.
+    fn send_some(&mut self, s: &mut SendPart<'_>) -> Result<bool> {
+        let me = self.me();
+        let conn = self
+            .links
+            .send
+            .get_mut(s.peer)
+            .and_then(|c| c.as_mut())
+            .ok_or_else(|| missing(me, self.op, s.peer, "send"))?;
+        let (data, sent) = (s.data, s.sent);
+        // Large messages leave straight from the caller's memory where the backend can (TCP);
+        // the rest is staged in slots.
+        let direct = if data.len() >= DIRECT_SEND_MIN {
+            conn.send_direct(&data[sent..], s.tag)
+                .map_err(|e| retag(self.op, e))?
+        } else {
+            None
+        };
+        let (n, progressed) = match direct {
+            Some(n) => (n, n > 0),
+            None => match conn.try_slot().map_err(|e| retag(self.op, e))? {
+                Some(slot) => {
+                    let n = slot.len().min(data.len() - sent);
+                    slot[..n].copy_from_slice(&data[sent..sent + n]);
+                    conn.post(n, s.tag).map_err(|e| retag(self.op, e))?;
+                    (n, true)
+                }
+                None => (0, false),
+            },
+        };
+        if progressed {
+            if let Some(m) = s.mirror.as_mut() {
+                copy(self.stream, &mut m[sent..sent + n], &data[sent..sent + n]);
+            }
+            s.sent += n;
+            s.done = s.sent == data.len();
+        }
+        Ok(progressed)
     }
 
     /// Consumes one slot from `peer` (a communicator rank) into `buf[*got..]`; false if none has

@@ -35,6 +35,12 @@
 //!   one-shot 11.4/10.0, ring 13.3/11.5; 64 MiB: two-shot 32.0/30.3 ms, one-shot 44.8/38.6,
 //!   ring 45.7/38.6. With ranks waiting for cores, the ring's `2 (n - 1)` hand-offs cost more
 //!   than two-shot's two. Whether the ring would win at 4 ranks with a core each is unmeasured.
+//! - Hierarchical against the flat ring, 2 nodes x 2 ranks in network namespaces
+//!   (`scripts/netns.sh run --nodes 2 --nproc 2 -- oxccl perf all-reduce -b 256K -e 64M -f 4 -z 1`,
+//!   `OXCCL_ALGO=all-reduce=hierarchical|ring`, 3 interleaved rounds, out-of-place algbw GB/s):
+//!   256 KiB 0.44-0.51 vs 0.27-0.29; 1 MiB 0.53-0.59 vs 0.40-0.44; 4 MiB 0.57-0.61 vs 0.43-0.59;
+//!   16 MiB 0.63-0.72 vs 0.53-0.55; 64 MiB 0.59-0.69 vs 0.52-0.57. Hierarchical leads from the
+//!   smallest size measured, so `HIERARCHICAL_MIN` is 256 KiB (below it rd/hd/ring by the model).
 //! - Single-copy (`process_vm_readv`) lost at every size in the earlier round (64 MiB, 2 ranks:
 //!   18.7 ms against the ring's 12.5): the kernel's copy (`_copy_to_iter`, 30 % of its profile)
 //!   plus page pinning is slower than a user-space copy through cache-resident staging here.
@@ -270,7 +276,7 @@ const BETA_US_PER_BYTE: f64 = 1.0 / 1500.0;
 const COPY_BETA_RATIO: f64 = 0.15;
 /// Hierarchical all-reduce, reduce-scatter and all-gather from this many bytes on, when the
 /// communicator spans nodes of equal size (see the module documentation for the measurement).
-pub const HIERARCHICAL_MIN: usize = 1 << 20;
+pub const HIERARCHICAL_MIN: usize = 256 << 10;
 /// One-shot all-reduce while each rank reads at most this many bytes of peers' inputs
 /// (`bytes x (n - 1)`); measured, see the module documentation.
 pub const ONE_SHOT_MAX: usize = 64 << 10;
@@ -464,6 +470,10 @@ mod tests {
         ] {
             assert_eq!(pick(coll, 64 << 20, 4, nodes), Algorithm::Hierarchical);
             assert_ne!(pick(coll, 1024, 4, nodes), Algorithm::Hierarchical);
+            assert_eq!(
+                pick(coll, HIERARCHICAL_MIN, 4, nodes),
+                Algorithm::Hierarchical
+            );
             assert_ne!(pick(coll, 64 << 20, 4, tcp), Algorithm::Hierarchical);
         }
         assert_eq!(

@@ -25,9 +25,9 @@ use std::ops::Range;
 
 use oxccl_kernels::{DType, ReduceOp};
 
-use super::{partition, ring};
+use super::{partition, ring, ring_sub};
 use crate::error::{Error, Result};
-use crate::prims::{Ctx, NodeLayout};
+use crate::prims::{Ctx, NodeLayout, RecvMode, RecvPart, SendPart};
 
 fn layout<'c>(ctx: &Ctx<'c>) -> Result<&'c NodeLayout> {
     ctx.layout.ok_or_else(|| Error::InvalidArgument {
@@ -39,7 +39,97 @@ fn layout<'c>(ctx: &Ctx<'c>) -> Result<&'c NodeLayout> {
     })
 }
 
+/// One ring step of a rank: send `send` (bytes of the buffer, or of the input with `from_src`)
+/// to `to` while receiving `recv` from `from`, reduced into the buffer or copied.
+#[derive(Clone, Debug)]
+struct Step {
+    to: usize,
+    send: Range<usize>,
+    from: usize,
+    recv: Range<usize>,
+    reduce: bool,
+    /// Out of place: the send reads the input (first reduce-scatter step of the local ring).
+    from_src: bool,
+    /// Out of place: the received piece is combined with the input into the buffer (every
+    /// reduce-scatter step of the local ring).
+    recv_src: bool,
+}
+
+/// The reduce-scatter steps of a ring over `members` (communicator ranks; this rank is member
+/// `me`), as in `ring.rs`: afterwards chunk `me` is reduced.
+fn ring_rs(members: &[usize], me: usize, chunk: &dyn Fn(usize) -> Range<usize>) -> Vec<Step> {
+    let n = members.len();
+    let (to, from) = (members[(me + 1) % n], members[ring_sub(me, 1, n)]);
+    (0..n - 1)
+        .map(|s| Step {
+            to,
+            send: chunk(ring_sub(me, s + 1, n)),
+            from,
+            recv: chunk(ring_sub(me, s + 2, n)),
+            reduce: true,
+            from_src: s == 0,
+            recv_src: true,
+        })
+        .collect()
+}
+
+/// The all-gather steps of a ring over `members`: chunk `me` is valid before, all chunks after.
+fn ring_ag(members: &[usize], me: usize, chunk: &dyn Fn(usize) -> Range<usize>) -> Vec<Step> {
+    let n = members.len();
+    let (to, from) = (members[(me + 1) % n], members[ring_sub(me, 1, n)]);
+    (0..n - 1)
+        .map(|s| Step {
+            to,
+            send: chunk(ring_sub(me, s, n)),
+            from,
+            recv: chunk(ring_sub(me, s + 1, n)),
+            reduce: false,
+            from_src: false,
+            recv_src: false,
+        })
+        .collect()
+}
+
+/// Disjoint byte ranges of `buf`, mutably, in the order given.
+fn carve<'b>(buf: &'b mut [u8], ranges: &[Range<usize>]) -> Vec<&'b mut [u8]> {
+    let mut order: Vec<usize> = (0..ranges.len()).collect();
+    order.sort_by_key(|&i| ranges[i].start);
+    let mut out: Vec<Option<&'b mut [u8]>> = (0..ranges.len()).map(|_| None).collect();
+    let mut rest = buf;
+    let mut at = 0;
+    for i in order {
+        let r = &ranges[i];
+        debug_assert!(r.start >= at, "overlapping ranges {ranges:?}");
+        let tail = std::mem::take(&mut rest);
+        let (_, tail) = tail.split_at_mut(r.start - at);
+        let (piece, tail) = tail.split_at_mut(r.len());
+        out[i] = Some(piece);
+        rest = tail;
+        at = r.end;
+    }
+    out.into_iter().map(Option::unwrap_or_default).collect()
+}
+
+/// The steps of one block, in three phases: local reduce-scatter, cross all-reduce of this
+/// rank's piece, local all-gather.
+struct Block {
+    phases: [Vec<Step>; 3],
+    /// Steps done in each phase.
+    done: [usize; 3],
+}
+
+impl Block {
+    fn phase_done(&self, p: usize) -> bool {
+        self.done[p] == self.phases[p].len()
+    }
+}
+
 /// Hierarchical all-reduce of `buf`: in place, or `buf = reduce(src)` reading `src` where it is.
+///
+/// Blocks are pipelined: while the ranks of a node reduce-scatter (or all-gather) one block
+/// through shared memory, the cross rings carry the previous block between nodes; every step of
+/// both kinds runs in one `exchange_many`, so the network is busy while the node works. Every
+/// rank computes the same schedule, so messages between any two ranks keep one order.
 pub(crate) fn all_reduce(
     ctx: &mut Ctx<'_>,
     src: Option<&[u8]>,
@@ -52,11 +142,13 @@ pub(crate) fn all_reduce(
     let es = dt.size();
     let count = buf.len() / es;
     let l = lay.local_group.len();
-    let block = (chunk_bytes / es).max(1) * l;
+    let n = lay.cross_group.len();
     if count < l {
         // Too few elements to give every local rank a piece: flat ring.
         return ring::all_reduce(ctx, src, buf, dt, op, chunk_bytes);
     }
+    let block = (chunk_bytes / es).max(1) * l;
+    let mut blocks = Vec::new();
     let mut start = 0;
     while start < count {
         let len = block.min(count - start);
@@ -65,21 +157,79 @@ pub(crate) fn all_reduce(
             (start + p.start) * es..(start + p.end) * es
         };
         let mine = chunk(lay.local);
-        ring::rs_steps(&mut ctx.sub(&lay.local_group), buf, src, &chunk, dt, op)?;
-        if !mine.is_empty() {
-            ring::all_reduce(
-                &mut ctx.sub(&lay.cross_group),
-                None,
-                &mut buf[mine],
-                dt,
-                op,
-                chunk_bytes,
-            )?;
+        let piece = (mine.end - mine.start) / es;
+        let cross_chunk = |k: usize| {
+            let p = partition(piece, n, k);
+            mine.start + p.start * es..mine.start + p.end * es
+        };
+        let mut cross = ring_rs(&lay.cross_group, lay.node, &cross_chunk);
+        for s in &mut cross {
+            // The piece is in the buffer by then.
+            (s.from_src, s.recv_src) = (false, false);
         }
-        ring::ag_steps(&mut ctx.sub(&lay.local_group), buf, &chunk, None)?;
+        cross.extend(ring_ag(&lay.cross_group, lay.node, &cross_chunk));
+        blocks.push(Block {
+            phases: [
+                ring_rs(&lay.local_group, lay.local, &chunk),
+                cross,
+                ring_ag(&lay.local_group, lay.local, &chunk),
+            ],
+            done: [0; 3],
+        });
         start += len;
     }
-    Ok(())
+    let tag = ctx.tag;
+    loop {
+        // Local ring: finish a block (all-gather) when its cross phase is over, else start the
+        // next one (reduce-scatter). Cross rings: the first block whose local phase is over.
+        let local = blocks
+            .iter()
+            .position(|b| b.phase_done(1) && !b.phase_done(2))
+            .map(|i| (i, 2))
+            .or_else(|| blocks.iter().position(|b| !b.phase_done(0)).map(|i| (i, 0)));
+        let cross = blocks
+            .iter()
+            .position(|b| b.phase_done(0) && !b.phase_done(1))
+            .map(|i| (i, 1));
+        let steps: Vec<(usize, usize)> = local.into_iter().chain(cross).collect();
+        if steps.is_empty() {
+            return Ok(());
+        }
+        let todo: Vec<Step> = steps
+            .iter()
+            .map(|&(b, p)| blocks[b].phases[p][blocks[b].done[p]].clone())
+            .collect();
+        // Buffer ranges: every receive, and the sends that read the buffer.
+        let mut ranges = Vec::new();
+        for st in &todo {
+            ranges.push(st.recv.clone());
+            if !(st.from_src && src.is_some()) {
+                ranges.push(st.send.clone());
+            }
+        }
+        let mut pieces = carve(buf, &ranges).into_iter();
+        let mut sends = Vec::with_capacity(todo.len());
+        let mut recvs = Vec::with_capacity(todo.len());
+        for st in &todo {
+            let dst = pieces.next().unwrap_or_default();
+            let mode = match (st.reduce, src) {
+                (false, _) => RecvMode::Copy,
+                // Local reduce-scatter out of place: combine with the input where it is.
+                (true, Some(x)) if st.recv_src => RecvMode::ReduceFrom(dt, op, &x[st.recv.clone()]),
+                (true, _) => RecvMode::Reduce(dt, op),
+            };
+            let data: &[u8] = match src {
+                Some(x) if st.from_src => &x[st.send.clone()],
+                _ => pieces.next().unwrap_or_default(),
+            };
+            sends.push(SendPart::new(st.to, data, tag));
+            recvs.push(RecvPart::new(st.from, dst, mode, tag));
+        }
+        ctx.exchange_many(&mut sends, &mut recvs)?;
+        for (b, p) in steps {
+            blocks[b].done[p] += 1;
+        }
+    }
 }
 
 /// The byte range of rank `r`'s shard (`shard` bytes each) within `[lo, lo + len)` of it.
