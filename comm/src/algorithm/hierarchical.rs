@@ -25,7 +25,7 @@ use std::ops::Range;
 
 use oxccl_kernels::{DType, ReduceOp};
 
-use super::{partition, ring, ring_sub};
+use super::{blocks, partition, ring, ring_sub};
 use crate::error::{Error, Result};
 use crate::prims::{Ctx, NodeLayout, RecvMode, RecvPart, SendPart};
 
@@ -147,11 +147,8 @@ pub(crate) fn all_reduce(
         // Too few elements to give every local rank a piece: flat ring.
         return ring::all_reduce(ctx, src, buf, dt, op, chunk_bytes);
     }
-    let block = (chunk_bytes / es).max(1) * l;
-    let mut blocks = Vec::new();
-    let mut start = 0;
-    while start < count {
-        let len = block.min(count - start);
+    let mut sched: Vec<Block> = Vec::new();
+    for (start, len) in blocks(count, (chunk_bytes / es).max(1) * l) {
         let chunk = |i: usize| {
             let p = partition(len, l, i);
             (start + p.start) * es..(start + p.end) * es
@@ -168,7 +165,7 @@ pub(crate) fn all_reduce(
             (s.from_src, s.recv_src) = (false, false);
         }
         cross.extend(ring_ag(&lay.cross_group, lay.node, &cross_chunk));
-        blocks.push(Block {
+        sched.push(Block {
             phases: [
                 ring_rs(&lay.local_group, lay.local, &chunk),
                 cross,
@@ -176,18 +173,17 @@ pub(crate) fn all_reduce(
             ],
             done: [0; 3],
         });
-        start += len;
     }
     let tag = ctx.tag;
     loop {
         // Local ring: finish a block (all-gather) when its cross phase is over, else start the
         // next one (reduce-scatter). Cross rings: the first block whose local phase is over.
-        let local = blocks
+        let local = sched
             .iter()
             .position(|b| b.phase_done(1) && !b.phase_done(2))
             .map(|i| (i, 2))
-            .or_else(|| blocks.iter().position(|b| !b.phase_done(0)).map(|i| (i, 0)));
-        let cross = blocks
+            .or_else(|| sched.iter().position(|b| !b.phase_done(0)).map(|i| (i, 0)));
+        let cross = sched
             .iter()
             .position(|b| b.phase_done(0) && !b.phase_done(1))
             .map(|i| (i, 1));
@@ -197,7 +193,7 @@ pub(crate) fn all_reduce(
         }
         let todo: Vec<Step> = steps
             .iter()
-            .map(|&(b, p)| blocks[b].phases[p][blocks[b].done[p]].clone())
+            .map(|&(b, p)| sched[b].phases[p][sched[b].done[p]].clone())
             .collect();
         // Buffer ranges: every receive, and the sends that read the buffer.
         let mut ranges = Vec::new();
@@ -227,7 +223,7 @@ pub(crate) fn all_reduce(
         }
         ctx.exchange_many(&mut sends, &mut recvs)?;
         for (b, p) in steps {
-            blocks[b].done[p] += 1;
+            sched[b].done[p] += 1;
         }
     }
 }
@@ -235,23 +231,6 @@ pub(crate) fn all_reduce(
 /// The byte range of rank `r`'s shard (`shard` bytes each) within `[lo, lo + len)` of it.
 fn shard_part(r: usize, shard: usize, lo: usize, len: usize) -> Range<usize> {
     r * shard + lo..r * shard + lo + len
-}
-
-/// Calls `f(lo, len)` for the blocks of `chunk_bytes` (whole elements) a shard is cut into.
-fn for_blocks(
-    shard: usize,
-    es: usize,
-    chunk_bytes: usize,
-    mut f: impl FnMut(usize, usize) -> Result<()>,
-) -> Result<()> {
-    let block = (chunk_bytes / es).max(1) * es;
-    let mut lo = 0;
-    while lo < shard {
-        let len = block.min(shard - lo);
-        f(lo, len)?;
-        lo += len;
-    }
-    Ok(())
 }
 
 /// Hierarchical reduce-scatter: `buf` holds `n` shards; afterwards this rank's shard is reduced.
@@ -270,14 +249,16 @@ pub(crate) fn reduce_scatter(
     if shard == 0 {
         return Ok(());
     }
-    for_blocks(shard, es, chunk_bytes, |lo, len| {
+    for (lo, len) in blocks(shard / es, chunk_bytes / es) {
+        let (lo, len) = (lo * es, len * es);
         for node in &lay.ranks {
             let chunk = |i: usize| shard_part(node[i], shard, lo, len);
             ring::rs_steps(&mut ctx.sub(&lay.local_group), buf, src, &chunk, dt, op)?;
         }
         let chunk = |k: usize| shard_part(lay.ranks[k][lay.local], shard, lo, len);
-        ring::rs_steps(&mut ctx.sub(&lay.cross_group), buf, None, &chunk, dt, op)
-    })
+        ring::rs_steps(&mut ctx.sub(&lay.cross_group), buf, None, &chunk, dt, op)?;
+    }
+    Ok(())
 }
 
 /// Hierarchical all-gather: `buf` holds `n` shards. In place this rank's shard is already
@@ -294,7 +275,8 @@ pub(crate) fn all_gather(
     if shard == 0 {
         return Ok(());
     }
-    for_blocks(shard, es, chunk_bytes, |lo, len| {
+    for (lo, len) in blocks(shard / es, chunk_bytes / es) {
+        let (lo, len) = (lo * es, len * es);
         let chunk = |k: usize| shard_part(lay.ranks[k][lay.local], shard, lo, len);
         let own = own.map(|o| &o[lo..lo + len]);
         ring::ag_steps(&mut ctx.sub(&lay.cross_group), buf, &chunk, own)?;
@@ -302,6 +284,6 @@ pub(crate) fn all_gather(
             let chunk = |i: usize| shard_part(node[i], shard, lo, len);
             ring::ag_steps(&mut ctx.sub(&lay.local_group), buf, &chunk, None)?;
         }
-        Ok(())
-    })
+    }
+    Ok(())
 }

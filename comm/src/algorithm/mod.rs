@@ -43,6 +43,14 @@ pub fn partition(count: usize, parts: usize, i: usize) -> Range<usize> {
     start..start + len
 }
 
+/// The blocks `[start, start + len)` of `len <= block` (at least 1) that cover `0..total`.
+pub(crate) fn blocks(total: usize, block: usize) -> impl Iterator<Item = (usize, usize)> {
+    let block = block.max(1);
+    (0..total)
+        .step_by(block)
+        .map(move |start| (start, block.min(total - start)))
+}
+
 /// Two disjoint byte ranges of one buffer: the first shared, the second mutable.
 pub(crate) fn split_pair(buf: &mut [u8], a: Range<usize>, b: Range<usize>) -> (&[u8], &mut [u8]) {
     let (a, b) = split_pair_mut(buf, a, b);

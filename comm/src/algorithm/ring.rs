@@ -20,7 +20,7 @@ use std::ops::Range;
 
 use oxccl_kernels::{DType, ReduceOp};
 
-use super::{partition, ring_sub, split_pair, split_pair_mut};
+use super::{blocks, partition, ring_sub, split_pair, split_pair_mut};
 use crate::error::Result;
 use crate::prims::{Ctx, RecvMode};
 
@@ -120,13 +120,9 @@ fn for_shard_blocks(
     chunk_bytes: usize,
     mut f: impl FnMut(&dyn Fn(usize) -> Range<usize>) -> Result<()>,
 ) -> Result<()> {
-    let block = (chunk_bytes / es).max(1);
-    let mut start = 0;
-    while start < shard {
-        let len = block.min(shard - start);
+    for (start, len) in blocks(shard, chunk_bytes / es) {
         let chunk = |i: usize| (i * shard + start) * es..(i * shard + start + len) * es;
         f(&chunk)?;
-        start += len;
     }
     Ok(())
 }
