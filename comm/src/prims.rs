@@ -574,15 +574,11 @@ impl<'a> Ctx<'a> {
         debug_assert!(mirror
             .as_ref()
             .is_none_or(|m| send.as_ref().is_some_and(|s| s.1.len() == m.len())));
-        let mut sends: Vec<SendPart<'_>> = send
-            .map(|(peer, data, tag)| SendPart::new(peer, data, tag).mirrored(mirror))
-            .into_iter()
-            .collect();
-        let mut recvs: Vec<RecvPart<'_>> = recv
-            .map(|(peer, buf, mode, tag)| RecvPart::new(peer, buf, mode, tag))
-            .into_iter()
-            .collect();
-        self.exchange_many(&mut sends, &mut recvs)
+        // No allocation on this path: every blocking exchange of every algorithm goes through it.
+        let mut send =
+            send.map(|(peer, data, tag)| SendPart::new(peer, data, tag).mirrored(mirror));
+        let mut recv = recv.map(|(peer, buf, mode, tag)| RecvPart::new(peer, buf, mode, tag));
+        self.exchange_many(send.as_mut_slice(), recv.as_mut_slice())
     }
 
     /// Several sends and receives at once (to and from different peers, or the same), all
