@@ -153,7 +153,8 @@ fn every_collective_dtype_and_op_checks_exactly() {
 #[test]
 fn blocking_calls_and_other_roots_check_exactly() {
     // -z 1 takes the blocking path of the collectives that have an async form, and a root
-    // other than 0 exercises the rooted ones.
+    // other than 0 exercises the rooted ones. `--rotate 0` makes every call reuse one buffer
+    // set, as the MPI peer bench does.
     for coll in ["all-reduce", "reduce-scatter", "all-gather", "broadcast"] {
         let (out, stdout, stderr) = run(&[
             "perf",
@@ -178,8 +179,14 @@ fn blocking_calls_and_other_roots_check_exactly() {
             "all",
             "-a",
             "3",
+            "--rotate",
+            "0",
         ]);
         assert_all_correct(coll, &out, &stdout, &stderr);
+        assert!(
+            stdout.contains("# Buffers: one set, reused by every call (--rotate 0)"),
+            "{coll}\n{stdout}"
+        );
     }
     for coll in ["broadcast", "reduce", "gather", "scatter"] {
         let (out, stdout, stderr) = run(&[
@@ -290,7 +297,7 @@ fn runs_as_ranks_under_oxccl_launch() {
 
 #[test]
 fn bad_flags_fail_clearly() {
-    let cases: [(&[&str], &str); 7] = [
+    let cases: [(&[&str], &str); 8] = [
         (&["perf", "all-shuffle"], "unknown collective"),
         (
             &["perf", "all-reduce", "-b", "1M", "-e", "1K"],
@@ -302,6 +309,7 @@ fn bad_flags_fail_clearly() {
         ),
         (&["perf", "all-reduce", "-o", "xor"], "unknown op"),
         (&["perf", "all-reduce", "-e", "12Q"], "maxbytes"),
+        (&["perf", "all-reduce", "--rotate", "lots"], "--rotate"),
         (&["perf", "broadcast", "--np", "2", "-r", "5"], "root"),
         (
             &["perf", "all-reduce", "--transport", "carrier-pigeon"],

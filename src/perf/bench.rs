@@ -8,7 +8,8 @@ use oxccl_comm::{Collective, Communicator, Element, ReduceOp, Result};
 use super::data::{fill, mismatches, Pattern};
 use super::sweep::{geometry, has_in_place, Geometry};
 
-/// Buffer sets cycled through per size fill at least this many bytes (input + output)...
+/// By default (`--rotate`) the buffer sets cycled through per size fill at least this many bytes
+/// (input + output)...
 pub const ROTATE_BYTES: usize = 64 << 20;
 /// ... with at least 2 and at most this many sets.
 pub const MAX_SETS: usize = 64;
@@ -43,12 +44,18 @@ pub struct Spec {
     pub check: bool,
     /// How times are combined over ranks.
     pub average: Average,
+    /// Bytes of input + output the rotated sets cover (0: one set).
+    pub rotate_bytes: usize,
 }
 
-/// Buffer sets used for a buffer of `full_bytes` (input and output each that large).
-pub fn sets_for(full_bytes: usize) -> usize {
-    ROTATE_BYTES
-        .div_ceil((2 * full_bytes).max(1))
+/// Buffer sets used for a buffer of `full_bytes` (input and output each that large) when the
+/// sets are to cover `rotate_bytes` (0: a single set, no rotation).
+pub fn sets_for(rotate_bytes: usize, full_bytes: usize) -> usize {
+    if rotate_bytes == 0 {
+        return 1;
+    }
+    rotate_bytes
+        .div_ceil(full_bytes.saturating_mul(2).max(1))
         .clamp(2, MAX_SETS)
 }
 
@@ -97,7 +104,7 @@ impl<'c, T: Element> Bench<'c, T> {
         let mut max_full = 0usize;
         for &s in sizes {
             let g = geometry(spec.coll, s, ts, comm.size());
-            arena = arena.max(g.full * sets_for(g.bytes));
+            arena = arena.max(g.full * sets_for(spec.rotate_bytes, g.bytes));
             max_full = max_full.max(g.full);
         }
         let zero = T::from_f64(0.0);
@@ -136,7 +143,7 @@ impl<'c, T: Element> Bench<'c, T> {
         op: ReduceOp,
         pat: &Pattern<T>,
     ) -> Result<Outcome> {
-        let sets = sets_for(g.bytes);
+        let sets = sets_for(self.spec.rotate_bytes, g.bytes);
         let (warmup, iters) = (self.spec.warmup as usize, self.spec.iters.max(1) as usize);
         for it in 0..warmup {
             self.call(g, it % sets, in_place, op)?;
@@ -331,11 +338,15 @@ mod tests {
 
     #[test]
     fn rotation_covers_64_mib_with_2_to_64_sets() {
-        assert_eq!(sets_for(8), MAX_SETS);
-        assert_eq!(sets_for(0), MAX_SETS);
-        assert_eq!(sets_for(1 << 20), 32);
-        assert_eq!(sets_for(32 << 20), 2);
-        assert_eq!(sets_for(64 << 20), 2);
-        assert_eq!(sets_for(3 << 20), 11);
+        let r = ROTATE_BYTES;
+        assert_eq!(sets_for(r, 8), MAX_SETS);
+        assert_eq!(sets_for(r, 0), MAX_SETS);
+        assert_eq!(sets_for(r, 1 << 20), 32);
+        assert_eq!(sets_for(r, 32 << 20), 2);
+        assert_eq!(sets_for(r, 64 << 20), 2);
+        assert_eq!(sets_for(r, 3 << 20), 11);
+        assert_eq!(sets_for(8 << 20, 1 << 20), 4);
+        assert_eq!(sets_for(0, 1 << 20), 1, "--rotate 0 reuses one set");
+        assert_eq!(sets_for(0, 8), 1);
     }
 }

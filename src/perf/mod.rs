@@ -151,6 +151,12 @@ pub struct PerfArgs {
     /// Rank 0 draws busbw against size (SVG).
     #[arg(long, value_name = "FILE.svg")]
     pub plot: Option<PathBuf>,
+
+    /// Rotate buffer sets until their inputs and outputs cover this many bytes (K/M/G
+    /// suffixes; 2 to 64 sets), so caches do not flatter small sizes; 0: one set, reused by
+    /// every call, as nccl-tests and the OpenMPI peer bench do [default: 64M].
+    #[arg(long = "rotate", value_name = "BYTES")]
+    pub rotate: Option<String>,
 }
 
 /// The validated run.
@@ -172,6 +178,8 @@ pub struct Plan {
     pub ops: Vec<Option<ReduceOp>>,
     /// Time combination over ranks.
     pub average: Average,
+    /// `--rotate`: bytes of input + output the buffer sets of a size cover (0: one set).
+    pub rotate_bytes: usize,
 }
 
 fn parse_list<T>(
@@ -215,6 +223,13 @@ impl Plan {
             None => None,
         };
         let step = step_from(a.stepfactor, stepbytes)?;
+        let rotate_bytes = match &a.rotate {
+            None => bench::ROTATE_BYTES,
+            Some(r) => {
+                let v = parse_size(r).map_err(|e| format!("--rotate: {e}"))?;
+                usize::try_from(v).map_err(|_| format!("--rotate {r}: too large"))?
+            }
+        };
         let sizes = sweep::sweep(min, max, step)?;
         if a.iters == 0 {
             return Err("-n/--iters must be at least 1".into());
@@ -261,6 +276,7 @@ impl Plan {
             dtypes,
             ops,
             average,
+            rotate_bytes,
         })
     }
 

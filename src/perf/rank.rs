@@ -5,7 +5,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use oxccl_comm::{Communicator, Element, Error, ReduceOp};
 
-use super::bench::{has_async, sets_for, Average, Bench, Spec, ROTATE_BYTES};
+use super::bench::{has_async, sets_for, Average, Bench, Spec};
 use super::data::Pattern;
 use super::format::{header, row_line, Measure, Row, Totals};
 use super::progress::Progress;
@@ -136,7 +136,7 @@ fn run_all(comm: &Communicator, args: &PerfArgs, plan: &Plan) -> Result<u64, Err
         blocking: args.blocking != 0,
         average: args.average,
         root: args.root,
-        rotate_bytes: ROTATE_BYTES,
+        rotate_bytes: plan.rotate_bytes,
         unix_time: SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
@@ -154,6 +154,7 @@ fn run_all(comm: &Communicator, args: &PerfArgs, plan: &Plan) -> Result<u64, Err
         warmup: args.warmup_iters,
         check: args.check != 0,
         average: plan.average,
+        rotate_bytes: plan.rotate_bytes,
     };
     let per_cycle = (plan.dtypes.len() * plan.ops.len() * plan.sizes.len()) as u64;
     let mut sink = Sink {
@@ -301,7 +302,7 @@ fn preamble(plan: &Plan, m: &Meta) -> Vec<String> {
     let ks: Vec<usize> = plan
         .sizes
         .iter()
-        .map(|&s| sets_for(geometry(plan.coll, s, ts, m.nranks).bytes))
+        .map(|&s| sets_for(plan.rotate_bytes, geometry(plan.coll, s, ts, m.nranks).bytes))
         .collect();
     let (kmin, kmax) = (
         ks.iter().min().copied().unwrap_or(2),
@@ -312,10 +313,14 @@ fn preamble(plan: &Plan, m: &Meta) -> Vec<String> {
     } else {
         format!("{kmin}..{kmax}")
     };
-    l.push(format!(
-        "# Buffers rotate over {k} sets (per size: enough for {} MiB of input + output, 2 to 64)",
-        ROTATE_BYTES >> 20
-    ));
+    if plan.rotate_bytes == 0 {
+        l.push("# Buffers: one set, reused by every call (--rotate 0)".into());
+    } else {
+        l.push(format!(
+            "# Buffers rotate over {k} sets (per size: enough for {} of input + output, 2 to 64)",
+            super::report::human_bytes(plan.rotate_bytes as f64)
+        ));
+    }
     l.push("#".into());
     l.push("# Using devices".into());
     for r in &m.ranks {

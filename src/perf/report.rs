@@ -179,7 +179,7 @@ pub fn write_plot(path: &Path, title: &str, rows: &[Row]) -> Result<(), String> 
 }
 
 /// `8 B`, `64 KiB`, `1 MiB` (powers of two only get the short form).
-fn human_bytes(v: f64) -> String {
+pub(super) fn human_bytes(v: f64) -> String {
     let units = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = v;
     let mut u = 0;
