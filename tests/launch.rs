@@ -185,6 +185,34 @@ fn no_prefix_leaves_lines_bare() {
 }
 
 #[test]
+fn bind_core_gives_each_local_rank_its_own_cpu() {
+    // Each rank prints its allowed CPUs; with --bind core local rank i gets the launcher's i-th
+    // CPU (wrapping), without it every rank keeps the launcher's whole set.
+    let cpus = oxccl::comm::affinity::allowed_cpus();
+    let show = "grep Cpus_allowed_list /proc/self/status | cut -f2";
+    let m = marker("bind");
+    let (out, stdout, stderr, _) = run(oxccl(&m).args([
+        "launch", "--np", "3", "--bind", "core", "--", "sh", "-c", show,
+    ]));
+    assert!(out.status.success(), "{stdout}{stderr}");
+    for lr in 0..3 {
+        let want = cpus[lr % cpus.len()].to_string();
+        assert!(
+            stdout.lines().any(|l| l == format!("[{lr}] {want}")),
+            "rank {lr} should run on CPU {want}:\n{stdout}"
+        );
+    }
+    let (out, stdout, _, _) = run(oxccl(&m).args(["launch", "--np", "2", "--", "sh", "-c", show]));
+    assert!(out.status.success());
+    let all = oxccl::comm::affinity::encode_cpus(&cpus);
+    assert_eq!(stdout.matches(&format!("] {all}\n")).count(), 2, "{stdout}");
+    let (out, _, stderr, _) =
+        run(oxccl(&m).args(["launch", "--np", "2", "--bind", "socket", "--", "true"]));
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("none or core"), "{stderr}");
+}
+
+#[test]
 fn a_killed_rank_takes_the_job_down() {
     let m = marker("kill9");
     let (out, _, stderr, took) = run(oxccl(&m).args(["launch", "-n", "4", "--", "sh", "-c"]).arg(

@@ -294,6 +294,7 @@ impl Communicator {
             node_id: node_id.clone(),
             pid: std::process::id(),
             tcp_addr: tcp.addr(),
+            cpus: crate::affinity::allowed_cpus(),
         };
         store.set(&format!("{id}/peer/{rank}"), &me.encode())?;
         let mut peers = Vec::with_capacity(size);
@@ -394,13 +395,18 @@ impl Communicator {
         }
         tracing::debug!(rank, size, local_rank, node = %node_id, comm = %id, "communicator ready");
         // Oversubscribed (more ranks on this node than cores to run them): a spinning waiter
-        // only delays the rank it waits for, so waiters yield at once.
+        // only delays the rank it waits for, so waiters yield at once. The cores are those the
+        // node's ranks may use together (ranks bound a core each still spin); without their
+        // lists, this process's own.
+        let lists: Vec<&[usize]> = same_node.iter().map(|&r| &peers[r].cpus[..]).collect();
         let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-        let spin = cfg.spin.unwrap_or(same_node.len() <= cores);
+        let spin = cfg.spin.unwrap_or_else(|| {
+            crate::affinity::enough_cpus(&lists).unwrap_or(same_node.len() <= cores)
+        });
         tracing::debug!(
             rank,
             local_ranks = same_node.len(),
-            cores,
+            cpus = %crate::affinity::encode_cpus(&peers[rank].cpus),
             spin,
             "waiting policy"
         );

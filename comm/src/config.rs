@@ -59,8 +59,8 @@ pub struct Config {
     /// (`OXCCL_SHM_SINGLE_COPY`, default on; used only when every rank can, checked at start-up).
     pub single_copy: bool,
     /// Whether a waiting rank busy-polls before it yields the core (`OXCCL_SPIN`: `auto`, the
-    /// default, spins unless this node runs more ranks than the process may use cores; `1`
-    /// always; `0` never).
+    /// default, spins unless this node runs more ranks than the CPUs its ranks may use together,
+    /// from their affinity masks; `1` always; `0` never).
     pub spin: Option<bool>,
 }
 

@@ -27,6 +27,7 @@
 //! `tuning` (pure algorithm choice), `engine` (ordering, progress thread, failure propagation),
 //! `topology` (data/tensor/pipeline group placement, [`Topology::setup`]).
 
+pub mod affinity;
 pub mod algorithm;
 pub mod bootstrap;
 mod collectives;

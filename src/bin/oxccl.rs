@@ -12,7 +12,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use oxccl::launch::{launch, JobEnd, LaunchConfig};
+use oxccl::launch::{launch, Bind, JobEnd, LaunchConfig};
 
 /// oxccl: collective communication for Rust trainers.
 #[derive(Debug, Parser)]
@@ -148,6 +148,11 @@ struct LaunchArgs {
     #[arg(long, value_name = "ID")]
     job_id: Option<String>,
 
+    /// Bind ranks to CPUs: none (the default, as torchrun), or core (local rank i on the i-th
+    /// CPU this launcher may use, as mpirun --bind-to core; for single-threaded ranks).
+    #[arg(long, value_name = "none|core", default_value = "none")]
+    bind: Bind,
+
     /// The command to run on every rank, and its arguments.
     #[arg(value_name = "CMD", required = true, trailing_var_arg = true, num_args = 1..)]
     command: Vec<OsString>,
@@ -187,6 +192,7 @@ fn run_launch(args: LaunchArgs) -> u8 {
     cfg.prefix_output = !args.no_prefix;
     cfg.timeout = args.timeout;
     cfg.job_id = args.job_id;
+    cfg.bind = args.bind;
     cfg.forward_signals = true;
 
     let code = match launch(&cfg) {

@@ -32,6 +32,11 @@
 //! [`LaunchConfig::prefix_output`] is off. A final line without a newline gets one; a line longer
 //! than 1 MiB is cut into 1 MiB pieces.
 //!
+//! # CPU binding
+//!
+//! With [`LaunchConfig::bind`] = [`Bind::Core`] (`--bind core`) local rank `i` is bound, before it
+//! starts, to the `i % n`-th of the `n` CPUs the launcher may use. The default is no binding.
+//!
 //! # Exit-code contract ([`LaunchOutcome::exit_code`], [`LaunchError::exit_code`])
 //!
 //! | code | meaning |
@@ -142,6 +147,32 @@ pub struct LaunchConfig {
     pub failure_grace: Duration,
     /// How long ranks get after a forwarded signal before SIGKILL (default 5 s).
     pub signal_grace: Duration,
+    /// CPU binding of the ranks (`--bind`, default [`Bind::None`]).
+    pub bind: Bind,
+}
+
+/// How the launcher binds ranks to CPUs (`--bind`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Bind {
+    /// No binding: ranks run wherever the kernel puts them (torchrun's behaviour; right for ranks
+    /// that run threads of their own).
+    #[default]
+    None,
+    /// Local rank `i` runs on the `i`-th CPU the launcher may use (wrapping when there are more
+    /// ranks than CPUs), like `mpirun --bind-to core`: two single-threaded ranks never share a
+    /// core and never migrate, which keeps latency figures steady.
+    Core,
+}
+
+impl std::str::FromStr for Bind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Bind, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "none" => Ok(Bind::None),
+            "core" => Ok(Bind::Core),
+            _ => Err(format!("unknown binding {s:?}; expected none or core")),
+        }
+    }
 }
 
 impl LaunchConfig {
@@ -170,6 +201,7 @@ impl LaunchConfig {
             child_subreaper: true,
             failure_grace: Duration::from_secs(3),
             signal_grace: Duration::from_secs(5),
+            bind: Bind::None,
         }
     }
 

@@ -18,6 +18,19 @@ const KILL_WAIT: Duration = Duration::from_secs(5);
 /// How long output threads get to see end-of-file once every process is gone.
 const DRAIN_WAIT: Duration = Duration::from_secs(2);
 
+/// The affinity set of local rank `local_rank` under `--bind core`: the launcher's
+/// `local_rank % n`-th allowed CPU; `None` if the launcher's CPUs cannot be read.
+#[cfg(target_os = "linux")]
+fn core_set(local_rank: usize) -> Option<libc::cpu_set_t> {
+    let cpus = oxccl_comm::affinity::allowed_cpus();
+    let cpu = *cpus.get(local_rank % cpus.len().max(1))?;
+    // SAFETY: cpu_set_t is plain data; all-zero is the empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `cpu` came from the kernel's own mask, so it is below CPU_SETSIZE.
+    unsafe { libc::CPU_SET(cpu, &mut set) };
+    Some(set)
+}
+
 /// One rank to start.
 pub(super) struct RankSpec {
     pub(super) rank: usize,
@@ -121,7 +134,21 @@ impl<'w> Job<'w> {
         #[cfg(target_os = "linux")]
         {
             let parent = std::process::id() as libc::pid_t;
+            let cpu_set = match cfg.bind {
+                super::Bind::None => None,
+                super::Bind::Core => core_set(spec.local_rank),
+            };
             let hook = move || -> io::Result<()> {
+                if let Some(set) = &cpu_set {
+                    // SAFETY: sched_setaffinity on this (the child) process with a set built
+                    // before the fork and the size of its type.
+                    let rc = unsafe {
+                        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), set)
+                    };
+                    if rc != 0 {
+                        return Err(io::Error::last_os_error());
+                    }
+                }
                 // SAFETY: prctl(PR_SET_PDEATHSIG) with integer arguments only.
                 if unsafe {
                     libc::prctl(
@@ -143,8 +170,8 @@ impl<'w> Job<'w> {
                 Ok(())
             };
             // SAFETY: the hook runs in the forked child before exec and only makes the
-            // async-signal-safe prctl/getppid system calls; it allocates nothing (the error
-            // values are raw OS errors).
+            // async-signal-safe sched_setaffinity/prctl/getppid system calls; it allocates
+            // nothing (the set is built before the fork, the error values are raw OS errors).
             unsafe { cmd.pre_exec(hook) };
         }
 

@@ -32,7 +32,7 @@ use std::path::PathBuf;
 use clap::Args;
 use oxccl_comm::{Collective, DType, ReduceOp};
 
-use crate::launch::{launch, JobEnd, LaunchConfig};
+use crate::launch::{launch, Bind, JobEnd, LaunchConfig};
 
 pub use format::{Measure, Row};
 pub use sweep::{busbw_factor, geometry, parse_size, step_from, sweep, Geometry, Step};
@@ -157,6 +157,11 @@ pub struct PerfArgs {
     /// every call, as nccl-tests and the OpenMPI peer bench do [default: 64M].
     #[arg(long = "rotate", value_name = "BYTES")]
     pub rotate: Option<String>,
+
+    /// With --np: bind rank i to the i-th CPU (core, as mpirun does by default) or not (none)
+    /// [default: core when the ranks have a CPU each, else none]; ignored under a launcher.
+    #[arg(long, value_name = "none|core")]
+    pub bind: Option<Bind>,
 }
 
 /// The validated run.
@@ -356,6 +361,13 @@ fn parent(args: &PerfArgs, plan: &Plan) -> u8 {
     let argv: Vec<OsString> = std::env::args_os().skip(1).collect();
     let mut cfg = LaunchConfig::new(np, exe, argv);
     cfg.prefix_output = false;
+    cfg.bind = args.bind.unwrap_or_else(|| {
+        if np <= oxccl_comm::affinity::allowed_cpus().len() {
+            Bind::Core
+        } else {
+            Bind::None
+        }
+    });
     cfg.forward_signals = true;
     if let Some(t) = &args.transport {
         cfg.env

@@ -302,7 +302,12 @@ fn preamble(plan: &Plan, m: &Meta) -> Vec<String> {
     let ks: Vec<usize> = plan
         .sizes
         .iter()
-        .map(|&s| sets_for(plan.rotate_bytes, geometry(plan.coll, s, ts, m.nranks).bytes))
+        .map(|&s| {
+            sets_for(
+                plan.rotate_bytes,
+                geometry(plan.coll, s, ts, m.nranks).bytes,
+            )
+        })
         .collect();
     let (kmin, kmax) = (
         ks.iter().min().copied().unwrap_or(2),

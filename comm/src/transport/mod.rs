@@ -247,14 +247,20 @@ pub struct PeerInfo {
     pub pid: u32,
     /// Address of the rank's TCP listener (`ip:port`, IPv6 in brackets).
     pub tcp_addr: String,
+    /// CPUs the rank may run on (empty: unknown); see [`crate::affinity`].
+    pub cpus: Vec<usize>,
 }
 
 impl PeerInfo {
     /// One-line encoding for the store.
     pub fn encode(&self) -> Vec<u8> {
         format!(
-            "{}\n{}\n{}\n{}",
-            self.rank, self.node_id, self.pid, self.tcp_addr
+            "{}\n{}\n{}\n{}\n{}",
+            self.rank,
+            self.node_id,
+            self.pid,
+            self.tcp_addr,
+            crate::affinity::encode_cpus(&self.cpus)
         )
         .into_bytes()
     }
@@ -276,11 +282,13 @@ impl PeerInfo {
         let node_id = it.next().ok_or_else(bad)?.to_string();
         let pid = it.next().and_then(|v| v.parse().ok()).ok_or_else(bad)?;
         let tcp_addr = it.next().ok_or_else(bad)?.to_string();
+        let cpus = crate::affinity::decode_cpus(it.next().ok_or_else(bad)?).ok_or_else(bad)?;
         Ok(PeerInfo {
             rank,
             node_id,
             pid,
             tcp_addr,
+            cpus,
         })
     }
 }
@@ -322,6 +330,7 @@ mod tests {
             node_id: "node-7".into(),
             pid: 42,
             tcp_addr: "[::1]:5000".into(),
+            cpus: vec![0, 1, 3],
         };
         assert_eq!(PeerInfo::decode(&p.encode()).unwrap(), p);
         assert!(PeerInfo::decode(b"garbage").is_err());

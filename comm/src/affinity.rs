@@ -1,0 +1,120 @@
+//! CPU affinity: which cores a process may run on, and binding a process to one.
+//!
+//! Communicators exchange every rank's allowed CPUs when they connect: a rank busy-polls while it
+//! waits only when the ranks of its node, together, may use at least as many CPUs as there are
+//! ranks (see `Config::spin`). Counting the union instead of this process's own CPUs keeps
+//! spinning on for ranks a launcher bound one core each (`oxccl launch --bind core`) and turns it
+//! off for ranks squeezed onto fewer cores than ranks.
+
+/// The CPUs this process may run on (its `sched_getaffinity` mask), ascending; empty if the
+/// mask cannot be read.
+pub fn allowed_cpus() -> Vec<usize> {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: cpu_set_t is plain data (an array of words); all-zero is a valid empty set.
+        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        // SAFETY: pid 0 is this thread; the size matches the set passed.
+        let rc =
+            unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
+        if rc != 0 {
+            return Vec::new();
+        }
+        (0..libc::CPU_SETSIZE as usize)
+            // SAFETY: `c` is below CPU_SETSIZE, the set's capacity.
+            .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+            .collect()
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        Vec::new()
+    }
+}
+
+/// `[0, 1, 2, 5]` -> `"0-2,5"` (the kernel's cpulist format).
+pub fn encode_cpus(cpus: &[usize]) -> String {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < cpus.len() {
+        let mut j = i;
+        while j + 1 < cpus.len() && cpus[j + 1] == cpus[j] + 1 {
+            j += 1;
+        }
+        out.push(if i == j {
+            cpus[i].to_string()
+        } else {
+            format!("{}-{}", cpus[i], cpus[j])
+        });
+        i = j + 1;
+    }
+    out.join(",")
+}
+
+/// Inverse of [`encode_cpus`] (ascending, duplicates removed); `None` if malformed. The empty
+/// string is the empty list.
+pub fn decode_cpus(s: &str) -> Option<Vec<usize>> {
+    let mut out = Vec::new();
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (a, b) = match part.split_once('-') {
+            Some((a, b)) => (a.parse().ok()?, b.parse().ok()?),
+            None => {
+                let v: usize = part.parse().ok()?;
+                (v, v)
+            }
+        };
+        if b < a || b >= 1 << 16 {
+            return None;
+        }
+        out.extend(a..=b);
+    }
+    out.sort_unstable();
+    out.dedup();
+    Some(out)
+}
+
+/// Whether ranks with these allowed-CPU lists have a CPU each to spin on: the union of the
+/// lists holds at least as many CPUs as there are ranks. `None` when a list is unknown (empty).
+pub fn enough_cpus(lists: &[&[usize]]) -> Option<bool> {
+    if lists.iter().any(|l| l.is_empty()) {
+        return None;
+    }
+    let mut all: Vec<usize> = lists.iter().flat_map(|l| l.iter().copied()).collect();
+    all.sort_unstable();
+    all.dedup();
+    Some(all.len() >= lists.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_lists_round_trip() {
+        for v in [vec![], vec![0], vec![0, 1, 2, 5], vec![3, 4, 7, 8, 9, 63]] {
+            assert_eq!(decode_cpus(&encode_cpus(&v)), Some(v.clone()), "{v:?}");
+        }
+        assert_eq!(encode_cpus(&[0, 1, 2, 5]), "0-2,5");
+        assert_eq!(decode_cpus("0-1, 1,4"), Some(vec![0, 1, 4]));
+        assert_eq!(decode_cpus("3-1"), None);
+        assert_eq!(decode_cpus("x"), None);
+    }
+
+    #[test]
+    fn this_process_has_cpus() {
+        let cpus = allowed_cpus();
+        assert!(!cpus.is_empty());
+        let n = std::thread::available_parallelism().map_or(1, |n| n.get());
+        assert_eq!(cpus.len(), n, "{cpus:?}");
+    }
+
+    #[test]
+    fn spinning_needs_a_cpu_per_rank() {
+        // Two ranks bound to a core each spin; two ranks squeezed onto one core do not; four
+        // unbound ranks on two cores do not; unknown lists decide nothing.
+        assert_eq!(enough_cpus(&[&[0], &[1]]), Some(true));
+        assert_eq!(enough_cpus(&[&[0], &[0]]), Some(false));
+        let both: &[usize] = &[0, 1];
+        assert_eq!(enough_cpus(&[both, both]), Some(true));
+        assert_eq!(enough_cpus(&[both, both, both, both]), Some(false));
+        assert_eq!(enough_cpus(&[both, &[]]), None);
+    }
+}
