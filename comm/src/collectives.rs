@@ -102,7 +102,7 @@ fn all_reduce_body(
             Algorithm::Tree => tree::all_reduce(ctx, buf, dt, op, ch.chunk_bytes)?,
             Algorithm::HalvingDoubling => halving_doubling::all_reduce(ctx, buf, dt, op)?,
             Algorithm::RecursiveDoubling => {
-                halving_doubling::all_reduce_doubling(ctx, buf, dt, op)?
+                halving_doubling::all_reduce_doubling(ctx, src, buf, dt, op)?
             }
             Algorithm::Hierarchical => {
                 hierarchical::all_reduce(ctx, src, buf, dt, op, ch.chunk_bytes)?

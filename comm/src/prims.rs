@@ -23,6 +23,22 @@ use std::sync::Arc;
 /// Messages of at least this many bytes are sent straight from the caller's memory where the
 /// transport can ([`SendConn::send_direct`]: TCP), skipping the copy into a slot.
 const DIRECT_SEND_MIN: usize = 64 << 10;
+/// A message sent straight from the caller's memory goes out in at least this many frames (each
+/// at least [`DIRECT_SEND_MIN`] bytes, at most a slot), so the receiver reduces or copies the
+/// first while the next is on the wire. Measured over loopback TCP, 2 ranks, 7 interleaved rounds
+/// (`OXCCL_SLOT_BYTES` 128 KiB against 512 KiB for every frame): 1 MiB all-reduce (512 KiB
+/// messages) 1.07 against 0.80 GB/s busbw, but 64 MiB 1.16 against 1.37; cutting only smaller
+/// messages finer keeps both.
+const DIRECT_FRAMES: usize = 4;
+
+/// Frame size for a direct send of a `len`-byte message (see [`DIRECT_FRAMES`]).
+fn direct_frame(len: usize) -> usize {
+    (len / DIRECT_FRAMES / 4096 * 4096).max(DIRECT_SEND_MIN)
+}
+
+/// Largest scratch buffer kept between operations.
+const SCRATCH_KEEP: usize = 16 << 20;
+
 /// How long a waiting rank busy-polls before it yields the core.
 const SPIN: Duration = Duration::from_micros(20);
 /// Polls of the window's step counters before a waiting rank starts reading the clock.
@@ -358,6 +374,19 @@ impl<'a> Ctx<'a> {
         self.real(self.rank)
     }
 
+    /// The communicator's scratch buffer, taken out so the caller can use it across exchanges
+    /// (give it back with [`Ctx::put_scratch`]; it is kept between operations to save allocations).
+    pub(crate) fn take_scratch(&mut self) -> Vec<u8> {
+        std::mem::take(&mut self.links.scratch)
+    }
+
+    /// Gives the scratch buffer back (dropped instead when larger than [`SCRATCH_KEEP`]).
+    pub(crate) fn put_scratch(&mut self, v: Vec<u8>) {
+        if v.capacity() <= SCRATCH_KEEP {
+            self.links.scratch = v;
+        }
+    }
+
     /// The direct window and the scratch buffer, or an error if this communicator has no window.
     pub(crate) fn window(&mut self) -> Result<(&mut dyn Window, &mut Vec<u8>)> {
         self.direct = true;
@@ -652,7 +681,7 @@ impl<'a> Ctx<'a> {
         // Large messages leave straight from the caller's memory where the backend can (TCP);
         // the rest is staged in slots.
         let direct = if data.len() >= DIRECT_SEND_MIN {
-            conn.send_direct(&data[sent..], s.tag)
+            conn.send_direct(&data[sent..], s.tag, direct_frame(data.len()))
                 .map_err(|e| retag(self.op, e))?
         } else {
             None

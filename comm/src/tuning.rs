@@ -134,7 +134,10 @@ impl Algorithm {
     /// Whether its all-reduce reads an out-of-place input where it is (the others start from a
     /// copy of the input in the output).
     pub const fn reads_input(self) -> bool {
-        matches!(self, Algorithm::Ring | Algorithm::Hierarchical) || self.needs_window()
+        matches!(
+            self,
+            Algorithm::Ring | Algorithm::Hierarchical | Algorithm::RecursiveDoubling
+        ) || self.needs_window()
     }
 
     /// Parses a name (`halving-doubling` is accepted for `hd`).
@@ -272,8 +275,14 @@ impl AlgoOverride {
 
 const ALPHA_US: f64 = 15.0;
 const BETA_US_PER_BYTE: f64 = 1.0 / 1500.0;
-/// A memory copy's cost per byte relative to the wire's (about 10 GB/s against 1.5 GB/s).
-const COPY_BETA_RATIO: f64 = 0.15;
+/// Recursive doubling's per-step copy of the buffer, per byte, relative to the wire's cost. Fitted
+/// to where recursive doubling stops beating the ring at 2 ranks over loopback TCP (between 1 and
+/// 4 MiB): 5 interleaved rounds of `OXCCL_ALGO=all-reduce=rd|ring oxccl perf all-reduce --np 2
+/// --transport tcp -b 64K -e 4M -f 4 -z 1 --rotate 0`, median out-of-place / in-place us:
+/// 64 KiB rd 52/46 ring 62/87; 256 KiB 172/152 vs 168/170; 1 MiB 479/418 vs 625/603; 4 MiB
+/// 3722/3087 vs 2556/2466. (A step's real cost at these sizes is more than `ALPHA_US`: the
+/// ring's second step waits for the first's last frame.)
+const COPY_BETA_RATIO: f64 = 0.01;
 /// Hierarchical all-reduce, reduce-scatter and all-gather from this many bytes on, when the
 /// communicator spans nodes of equal size (see the module documentation for the measurement).
 pub const HIERARCHICAL_MIN: usize = 256 << 10;

@@ -62,32 +62,99 @@ fn unfold(ctx: &mut Ctx<'_>, buf: &mut [u8], rem: usize) -> Result<()> {
     Ok(())
 }
 
-/// In-place recursive-doubling all-reduce (whole buffers at every step; for small messages).
+/// Recursive-doubling all-reduce (whole buffers at every step; for small messages): in place, or
+/// `buf = reduce(src)`.
+///
+/// With a power-of-two rank count nothing is copied out of place: the first step sends `src` and
+/// reduces the partner's data with it straight into `buf`; later steps alternate between `buf`
+/// and the communicator's scratch buffer (what is sent must not change while the partner's data
+/// is reduced), with one copy back at the end when the step count is even. In place, `buf` is
+/// first copied into the scratch buffer. Other rank counts fold first and start from a copy.
 pub(crate) fn all_reduce_doubling(
     ctx: &mut Ctx<'_>,
+    src: Option<&[u8]>,
     buf: &mut [u8],
     dt: DType,
     op: ReduceOp,
 ) -> Result<()> {
-    if ctx.size == 1 || buf.is_empty() {
+    let n = ctx.size;
+    if n == 1 || buf.is_empty() {
+        if let Some(s) = src {
+            buf.copy_from_slice(s);
+        }
         return Ok(());
     }
-    let (nr, rem) = fold(ctx, buf, dt, op)?;
+    let mut tmp = ctx.take_scratch();
+    let r = doubling_steps(ctx, src, buf, &mut tmp, dt, op);
+    ctx.put_scratch(tmp);
+    r
+}
+
+fn doubling_steps(
+    ctx: &mut Ctx<'_>,
+    src: Option<&[u8]>,
+    buf: &mut [u8],
+    tmp: &mut Vec<u8>,
+    dt: DType,
+    op: ReduceOp,
+) -> Result<()> {
+    let p = 1usize << (usize::BITS - 1 - ctx.size.leading_zeros());
+    let rem = ctx.size - p;
+    tmp.clear();
+    tmp.resize(buf.len(), 0);
+    let nr = if rem == 0 {
+        let first: &[u8] = match src {
+            Some(s) => s,
+            None => {
+                tmp.copy_from_slice(buf);
+                &tmp[..]
+            }
+        };
+        // Step 1: the input goes out unchanged while input (op) partner lands in `buf`.
+        let partner = ctx.rank ^ 1;
+        ctx.exchange(
+            Some((partner, first)),
+            Some((partner, &mut *buf, RecvMode::ReduceFrom(dt, op, first))),
+        )?;
+        let (mut mask, mut in_buf) = (2, true);
+        while mask < p {
+            let partner = ctx.rank ^ mask;
+            let (from, to): (&[u8], &mut [u8]) = if in_buf {
+                (&*buf, &mut tmp[..])
+            } else {
+                (&tmp[..], &mut *buf)
+            };
+            ctx.exchange(
+                Some((partner, from)),
+                Some((partner, to, RecvMode::ReduceFrom(dt, op, from))),
+            )?;
+            in_buf = !in_buf;
+            mask <<= 1;
+        }
+        if !in_buf {
+            buf.copy_from_slice(tmp);
+        }
+        return Ok(());
+    } else {
+        if let Some(s) = src {
+            buf.copy_from_slice(s);
+        }
+        fold(ctx, buf, dt, op)?.0
+    };
     if let Some(nr) = nr {
-        let p = ctx.size - rem;
         let real = |v: usize| if v < rem { 2 * v + 1 } else { v + rem };
         // What is sent must not change while the partner's data is reduced into `buf`.
-        let mut out = buf.to_vec();
+        tmp.copy_from_slice(buf);
         let mut mask = 1;
         while mask < p {
             let partner = real(nr ^ mask);
             ctx.exchange(
-                Some((partner, &out)),
+                Some((partner, &tmp[..])),
                 Some((partner, &mut *buf, RecvMode::Reduce(dt, op))),
             )?;
             mask <<= 1;
             if mask < p {
-                out.copy_from_slice(buf);
+                tmp.copy_from_slice(buf);
             }
         }
     }

@@ -80,14 +80,15 @@ pub trait SendConn: Send {
     /// Sends the rest of a message straight from the caller's memory, without staging it in a
     /// slot: `data` starts at the first byte not taken yet (the caller advances by what earlier
     /// calls returned, and keeps calling until everything is taken before it posts anything
-    /// else). The receiver sees ordinary frames of at most `slot_size()` bytes tagged `tag`.
+    /// else). The receiver sees ordinary frames of at most `min(frame, slot_size())` bytes tagged
+    /// `tag` (smaller frames let the receiver start on a message before all of it has arrived).
     /// Returns how many bytes were taken now (possibly 0), or `None` when the backend has no such
     /// path (the default) and the caller must use slots.
     ///
     /// # Errors
     /// The connection failed.
-    fn send_direct(&mut self, data: &[u8], tag: Tag) -> Result<Option<usize>> {
-        let _ = (data, tag);
+    fn send_direct(&mut self, data: &[u8], tag: Tag, frame: usize) -> Result<Option<usize>> {
+        let _ = (data, tag, frame);
         Ok(None)
     }
 }

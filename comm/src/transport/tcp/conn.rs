@@ -264,7 +264,7 @@ impl SendConn for TcpSend {
         self.inflight == 0 && self.direct.is_none()
     }
 
-    fn send_direct(&mut self, data: &[u8], tag: Tag) -> Result<Option<usize>> {
+    fn send_direct(&mut self, data: &[u8], tag: Tag, frame: usize) -> Result<Option<usize>> {
         let mut took = 0;
         loop {
             if self.direct.is_none() {
@@ -279,7 +279,7 @@ impl SendConn for TcpSend {
                         return Ok(Some(took));
                     }
                 }
-                let len = self.slot_size.min(data.len() - took);
+                let len = self.slot_size.min(frame.max(1)).min(data.len() - took);
                 self.direct = Some(DirectFrame {
                     si,
                     hdr: encode_hdr(len, KIND_DATA, &tag),
