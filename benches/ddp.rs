@@ -11,15 +11,14 @@
 // criterion_group! generates an undocumented public function.
 #![allow(missing_docs)]
 
-use std::sync::mpsc::{channel, Receiver, Sender};
-use std::sync::Arc;
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+mod common;
 
+use std::time::Duration;
+
+use common::World;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use oxccl::comm::bootstrap::{MemStore, Store};
 use oxccl::comm::config::TransportChoice;
-use oxccl::comm::{Communicator, Config, ReduceOp};
+use oxccl::comm::ReduceOp;
 use oxccl::ddp::{Ddp, DdpConfig, Param};
 
 /// Parameter lengths (f32 elements) of the 100 MiB model.
@@ -37,89 +36,38 @@ enum Op {
     Sync(usize),
 }
 
-/// Rank threads that run `iters` calls of one operation on command.
-struct World {
-    cmds: Vec<Sender<u64>>,
-    done: Receiver<Duration>,
-    threads: Vec<JoinHandle<()>>,
-}
-
-impl World {
-    fn new(n: usize, op: Op) -> World {
-        let store: Arc<dyn Store> = Arc::new(MemStore::new());
-        let (done_tx, done) = channel();
-        let mut cmds = Vec::new();
-        let mut threads = Vec::new();
-        for rank in 0..n {
-            let (tx, rx) = channel::<u64>();
-            cmds.push(tx);
-            let store = store.clone();
-            let done_tx = done_tx.clone();
-            threads.push(std::thread::spawn(move || {
-                let cfg = Config {
-                    transport: TransportChoice::Shm,
-                    timeout: Duration::from_secs(120),
-                    ..Config::default()
-                };
-                let c = Communicator::init_with_config(rank, n, store, cfg).expect("init");
-                let lens = lens();
-                let total: usize = lens.iter().sum();
-                let mut flat = vec![1.0f32; total];
-                let mut grads: Vec<Vec<f32>> = lens.iter().map(|&l| vec![1.0f32; l]).collect();
-                let mut params: Vec<Vec<f32>> = lens.iter().map(|&l| vec![0.0f32; l]).collect();
-                let mut list: Vec<Param> = params
-                    .iter_mut()
-                    .enumerate()
-                    .map(|(p, v)| Param::new(format!("p{p}"), v.as_mut_slice()))
-                    .collect();
-                let cfg = DdpConfig {
-                    sync_in_place_bytes: match op {
-                        Op::Sync(b) => b,
-                        Op::AllReduce => usize::MAX,
-                    },
-                    ..DdpConfig::default()
-                };
-                let mut ddp = Ddp::new(&c, &mut list, cfg).expect("ddp");
-                for iters in rx {
-                    let t0 = Instant::now();
-                    for _ in 0..iters {
-                        match op {
-                            Op::AllReduce => c.all_reduce(&mut flat, ReduceOp::Avg).map(drop),
-                            Op::Sync(_) => ddp.sync(&mut grads).map(drop).map_err(|e| match e {
-                                oxccl::ddp::DdpError::Comm(e) => e,
-                                other => panic!("{other}"),
-                            }),
-                        }
-                        .expect("operation");
-                    }
-                    if rank == 0 {
-                        let _ = done_tx.send(t0.elapsed());
-                    }
-                }
-            }));
-        }
-        World {
-            cmds,
-            done,
-            threads,
-        }
-    }
-
-    fn run(&self, iters: u64) -> Duration {
-        for c in &self.cmds {
-            c.send(iters).expect("rank thread alive");
-        }
-        self.done.recv().expect("rank 0 reports")
-    }
-}
-
-impl Drop for World {
-    fn drop(&mut self) {
-        self.cmds.clear();
-        for t in self.threads.drain(..) {
-            let _ = t.join();
-        }
-    }
+/// Rank threads over shared memory that run `iters` calls of `op` on command.
+fn world(n: usize, op: Op) -> World {
+    World::new(n, TransportChoice::Shm, move |c, runner| {
+        let lens = lens();
+        let total: usize = lens.iter().sum();
+        let mut flat = vec![1.0f32; total];
+        let mut grads: Vec<Vec<f32>> = lens.iter().map(|&l| vec![1.0f32; l]).collect();
+        let mut params: Vec<Vec<f32>> = lens.iter().map(|&l| vec![0.0f32; l]).collect();
+        let mut list: Vec<Param> = params
+            .iter_mut()
+            .enumerate()
+            .map(|(p, v)| Param::new(format!("p{p}"), v.as_mut_slice()))
+            .collect();
+        let cfg = DdpConfig {
+            sync_in_place_bytes: match op {
+                Op::Sync(b) => b,
+                Op::AllReduce => usize::MAX,
+            },
+            ..DdpConfig::default()
+        };
+        let mut ddp = Ddp::new(c, &mut list, cfg).expect("ddp");
+        runner.serve(|| {
+            match op {
+                Op::AllReduce => c.all_reduce(&mut flat, ReduceOp::Avg).map(drop),
+                Op::Sync(_) => ddp.sync(&mut grads).map(drop).map_err(|e| match e {
+                    oxccl::ddp::DdpError::Comm(e) => e,
+                    other => panic!("{other}"),
+                }),
+            }
+            .expect("operation");
+        });
+    })
 }
 
 fn ddp_sync(c: &mut Criterion) {
@@ -135,7 +83,7 @@ fn ddp_sync(c: &mut Criterion) {
             (Op::Sync(1 << 20), "sync_25MiB_buckets"),
             (Op::Sync(4 << 20), "sync_25MiB_buckets_in_place_from_4MiB"),
         ] {
-            let world = World::new(n, op);
+            let world = world(n, op);
             g.bench_function(BenchmarkId::new(name, format!("{n}ranks")), |b| {
                 b.iter_custom(|iters| world.run(iters))
             });
