@@ -65,11 +65,11 @@ fn unfold(ctx: &mut Ctx<'_>, buf: &mut [u8], rem: usize) -> Result<()> {
 /// Recursive-doubling all-reduce (whole buffers at every step; for small messages): in place, or
 /// `buf = reduce(src)`.
 ///
-/// With a power-of-two rank count nothing is copied out of place: the first step sends `src` and
-/// reduces the partner's data with it straight into `buf`; later steps alternate between `buf`
-/// and the communicator's scratch buffer (what is sent must not change while the partner's data
-/// is reduced), with one copy back at the end when the step count is even. In place, `buf` is
-/// first copied into the scratch buffer. Other rank counts fold first and start from a copy.
+/// The first step sends the input and reduces the partner's data with it straight into `buf`;
+/// later steps alternate between `buf` and the communicator's scratch buffer (what is sent must not
+/// change while the partner's data is reduced), with one copy back at the end when the step count
+/// is even. Out of place with a power-of-two rank count the input is read where it is (no copy at
+/// 2 ranks); in place, or after folding, the input is a copy in the scratch buffer.
 pub(crate) fn all_reduce_doubling(
     ctx: &mut Ctx<'_>,
     src: Option<&[u8]>,
@@ -98,27 +98,42 @@ fn doubling_steps(
     dt: DType,
     op: ReduceOp,
 ) -> Result<()> {
-    let p = 1usize << (usize::BITS - 1 - ctx.size.leading_zeros());
-    let rem = ctx.size - p;
     tmp.clear();
     tmp.resize(buf.len(), 0);
-    let nr = if rem == 0 {
-        let first: &[u8] = match src {
-            Some(s) => s,
-            None => {
-                tmp.copy_from_slice(buf);
-                &tmp[..]
+    let p = 1usize << (usize::BITS - 1 - ctx.size.leading_zeros());
+    let rem = ctx.size - p;
+    // The participants' input: `src` where it is (power of two, out of place), else a copy of
+    // `buf` (after the fold) in `tmp`.
+    let (nr, first) = match src {
+        Some(s) if rem == 0 => (Some(ctx.rank), s),
+        _ => {
+            if let Some(s) = src {
+                buf.copy_from_slice(s);
             }
-        };
-        // Step 1: the input goes out unchanged while input (op) partner lands in `buf`.
-        let partner = ctx.rank ^ 1;
+            let nr = if rem == 0 {
+                Some(ctx.rank)
+            } else {
+                fold(ctx, buf, dt, op)?.0
+            };
+            if nr.is_some() {
+                tmp.copy_from_slice(buf);
+            }
+            (nr, &tmp[..])
+        }
+    };
+    if let Some(nr) = nr {
+        let real = |v: usize| if v < rem { 2 * v + 1 } else { v + rem };
+        // Step 1: the input goes out unchanged while input (op) partner lands in `buf`. Later
+        // steps alternate between `buf` and `tmp`: what is sent must not change while the
+        // partner's data is reduced.
+        let partner = real(nr ^ 1);
         ctx.exchange(
             Some((partner, first)),
             Some((partner, &mut *buf, RecvMode::ReduceFrom(dt, op, first))),
         )?;
         let (mut mask, mut in_buf) = (2, true);
         while mask < p {
-            let partner = ctx.rank ^ mask;
+            let partner = real(nr ^ mask);
             let (from, to): (&[u8], &mut [u8]) = if in_buf {
                 (&*buf, &mut tmp[..])
             } else {
@@ -133,29 +148,6 @@ fn doubling_steps(
         }
         if !in_buf {
             buf.copy_from_slice(tmp);
-        }
-        return Ok(());
-    } else {
-        if let Some(s) = src {
-            buf.copy_from_slice(s);
-        }
-        fold(ctx, buf, dt, op)?.0
-    };
-    if let Some(nr) = nr {
-        let real = |v: usize| if v < rem { 2 * v + 1 } else { v + rem };
-        // What is sent must not change while the partner's data is reduced into `buf`.
-        tmp.copy_from_slice(buf);
-        let mut mask = 1;
-        while mask < p {
-            let partner = real(nr ^ mask);
-            ctx.exchange(
-                Some((partner, &tmp[..])),
-                Some((partner, &mut *buf, RecvMode::Reduce(dt, op))),
-            )?;
-            mask <<= 1;
-            if mask < p {
-                tmp.copy_from_slice(buf);
-            }
         }
     }
     unfold(ctx, buf, rem)
