@@ -731,3 +731,72 @@ impl Communicator {
         self.run(desc, |ctx, _| dissemination::barrier(ctx))
     }
 }
+
+/// Runs one part of a staged device operation (`crate::cuda`) on the execution state, whose turn
+/// has come: the host collective over the part's staging bytes, laid out as `cuda::plan` says.
+#[cfg(feature = "cuda")]
+pub(crate) fn exec_staged(
+    shared: &Shared,
+    st: &mut ExecState,
+    kind: crate::cuda::Kind,
+    dt: DType,
+    count: usize,
+    stage: &mut [u8],
+) -> Result<()> {
+    use crate::cuda::Kind;
+    let es = dt.size();
+    let (rank, shard) = (shared.rank, count * es);
+    let Some(coll) = kind.collective() else {
+        let peer = match kind {
+            Kind::Send { peer } | Kind::Recv { peer } => peer,
+            _ => unreachable!("every other kind is a collective"),
+        };
+        return match kind {
+            Kind::Send { .. } => {
+                crate::p2p::exec_p2p(shared, st, Some((peer, stage)), None, dt, es)
+            }
+            _ => crate::p2p::exec_p2p(shared, st, None, Some((peer, stage)), dt, es),
+        };
+    };
+    let (op, root) = (kind.op(), kind.root());
+    let desc = OpDesc {
+        coll,
+        dtype: dt,
+        op,
+        root,
+        count,
+    };
+    exec(shared, st, desc, |ctx, ch| match kind {
+        Kind::AllReduce(_) => all_reduce_body(ctx, ch, None, stage, dt, op),
+        Kind::ReduceScatter(_) => {
+            reduce_scatter_body(ctx, ch, None, stage, dt, op)?;
+            finish(ctx, &mut stage[rank * shard..(rank + 1) * shard], dt, op)
+        }
+        Kind::AllGather => all_gather_body(ctx, ch, stage, es, None),
+        Kind::Broadcast { .. } => broadcast_body(ctx, ch, None, stage, es, root),
+        Kind::Reduce { .. } => reduce_body(ctx, ch, stage, dt, op, root),
+        Kind::Gather { .. } => {
+            // Staging: [input | output (root only)].
+            let (input, output) = stage.split_at_mut(shard);
+            if rank == root {
+                output[root * shard..(root + 1) * shard].copy_from_slice(input);
+            }
+            linear::gather(ctx, input, output, root)
+        }
+        Kind::Scatter { .. } => {
+            // Staging: [input (root only) | output].
+            let (input, output) = stage.split_at_mut(stage.len() - shard);
+            if rank == root {
+                output.copy_from_slice(&input[root * shard..(root + 1) * shard]);
+            }
+            linear::scatter(ctx, input, output, root)
+        }
+        Kind::AllToAll => {
+            // Staging: [input | output].
+            let half = stage.len() / 2;
+            let (input, output) = stage.split_at_mut(half);
+            pairwise::all_to_all(ctx, input, output)
+        }
+        Kind::Send { .. } | Kind::Recv { .. } => unreachable!("handled above"),
+    })
+}

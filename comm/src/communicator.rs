@@ -40,6 +40,9 @@ pub struct Communicator {
     /// Reused working copy of out-of-place reduce-scatter inputs (8-byte aligned words), so a
     /// call does not allocate and fault in a fresh buffer every time.
     pub(crate) scratch: std::sync::Mutex<Vec<u64>>,
+    /// State of device operations (pinned staging, the stream flag), made by the first one.
+    #[cfg(feature = "cuda")]
+    pub(crate) cuda: std::sync::Mutex<Option<crate::cuda::DeviceState>>,
     /// Transport to every peer (`"self"` for this rank).
     transports: Vec<&'static str>,
     /// The store server, when this rank hosts it (rank 0 without a launcher-hosted store).
@@ -449,6 +452,8 @@ impl Communicator {
             cfg,
             splits: AtomicU64::new(0),
             scratch: std::sync::Mutex::new(Vec::new()),
+            #[cfg(feature = "cuda")]
+            cuda: std::sync::Mutex::new(None),
             transports,
             _server: None,
         })

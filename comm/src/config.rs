@@ -62,6 +62,15 @@ pub struct Config {
     /// default, spins unless this node runs more ranks than the CPUs its ranks may use together,
     /// from their affinity masks; `1` always; `0` never).
     pub spin: Option<bool>,
+    /// Largest part of an element-wise device operation staged through host memory (feature
+    /// `cuda`): all-reduce, broadcast and reduce run as host collectives of at most this many
+    /// bytes each, so copies to and from the GPU overlap with the network
+    /// (`OXCCL_CUDA_STAGE_CHUNK`, default 4 MiB; 0 = one part).
+    pub cuda_stage_chunk: usize,
+    /// Whether a staged device operation returns as soon as it is enqueued, with the stream
+    /// waiting on a flag in pinned memory that the progress thread sets (`OXCCL_CUDA_STREAM_WAIT`,
+    /// default 1); 0 makes every device call wait for its host collectives before it returns.
+    pub cuda_stream_wait: bool,
 }
 
 impl Default for Config {
@@ -80,7 +89,18 @@ impl Default for Config {
             direct_bytes: 1 << 20,
             single_copy: true,
             spin: None,
+            cuda_stage_chunk: 4 << 20,
+            cuda_stream_wait: true,
         }
+    }
+}
+
+/// Parses a boolean variable (`1/on/yes/true`, `0/off/no/false`).
+fn parse_bool(name: &str, v: &str) -> Result<bool> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "1" | "on" | "yes" | "true" => Ok(true),
+        "0" | "off" | "no" | "false" => Ok(false),
+        _ => Err(Error::Config(format!("{name}={v:?}: expected 0 or 1"))),
     }
 }
 
@@ -177,15 +197,13 @@ impl Config {
             }
         }
         if let Some(v) = get("OXCCL_SHM_SINGLE_COPY") {
-            c.single_copy = match v.trim().to_ascii_lowercase().as_str() {
-                "1" | "on" | "yes" | "true" => true,
-                "0" | "off" | "no" | "false" => false,
-                _ => {
-                    return Err(Error::Config(format!(
-                        "OXCCL_SHM_SINGLE_COPY={v:?}: expected 0 or 1"
-                    )))
-                }
-            };
+            c.single_copy = parse_bool("OXCCL_SHM_SINGLE_COPY", &v)?;
+        }
+        if let Some(v) = get("OXCCL_CUDA_STAGE_CHUNK") {
+            c.cuda_stage_chunk = parse_num("OXCCL_CUDA_STAGE_CHUNK", &v)?;
+        }
+        if let Some(v) = get("OXCCL_CUDA_STREAM_WAIT") {
+            c.cuda_stream_wait = parse_bool("OXCCL_CUDA_STREAM_WAIT", &v)?;
         }
         if let Some(v) = get("OXCCL_SPIN") {
             c.spin = match v.trim().to_ascii_lowercase().as_str() {
@@ -242,6 +260,8 @@ mod tests {
             ("OXCCL_ALGO", "teleport"),
             ("OXCCL_SHM_DIRECT_BYTES", "100"),
             ("OXCCL_SHM_SINGLE_COPY", "maybe"),
+            ("OXCCL_CUDA_STAGE_CHUNK", "big"),
+            ("OXCCL_CUDA_STREAM_WAIT", "later"),
         ] {
             let e = cfg(&[(k, v)]).unwrap_err().to_string();
             assert!(e.contains(k) || k == "OXCCL_ALGO", "{e}");

@@ -80,6 +80,16 @@ pub enum Error {
         /// What failed.
         msg: String,
     },
+    /// A CUDA driver call failed (feature `cuda`).
+    #[error("rank {rank}: {op}: CUDA: {msg}")]
+    Cuda {
+        /// Rank that made the call.
+        rank: usize,
+        /// Operation in progress.
+        op: String,
+        /// The call and the driver's error.
+        msg: String,
+    },
     /// Rendezvous store failure.
     #[error("store: {0}")]
     Store(String),
@@ -115,6 +125,7 @@ impl Error {
             Error::Timeout { .. } => "timeout",
             Error::Aborted { .. } => "aborted",
             Error::Transport { .. } => "transport",
+            Error::Cuda { .. } => "cuda",
             Error::Store(_) => "store",
             Error::Config(_) => "config",
             Error::Io(_) => "io",

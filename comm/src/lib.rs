@@ -33,6 +33,8 @@ pub mod bootstrap;
 mod collectives;
 mod communicator;
 pub mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod engine;
 pub mod error;
 pub mod harness;

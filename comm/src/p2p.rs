@@ -8,6 +8,7 @@
 use oxccl_kernels::{DType, Element, ReduceOp};
 
 use crate::communicator::Communicator;
+use crate::engine::{ExecState, Shared};
 use crate::error::Result;
 use crate::op::{Collective, OpDesc};
 use crate::prims::{Ctx, RecvMode};
@@ -45,23 +46,7 @@ impl Communicator {
         let (ticket, ahead) = self.shared.take_ticket();
         let shared = &self.shared;
         shared.run_turn(ticket, ahead, |st| {
-            let tag_for = |count: usize, seq: u64| {
-                OpDesc { coll: Collective::SendRecv, dtype, op: ReduceOp::Sum, root: 0, count }.tag(seq)
-            };
-            let send = send.map(|(p, d)| {
-                st.p2p_sent[p] += 1;
-                (p, d, tag_for(d.len() / es, st.p2p_sent[p]))
-            });
-            let recv = recv.map(|(p, b)| {
-                st.p2p_recvd[p] += 1;
-                let tag = tag_for(b.len() / es, st.p2p_recvd[p]);
-                (p, b, RecvMode::Copy, tag)
-            });
-            tracing::debug!(rank = shared.rank, send_to = ?send.as_ref().map(|s| s.0), recv_from = ?recv.as_ref().map(|r| r.0), "send-recv");
-            let mut ctx = Ctx::new(shared.rank, shared.size, &mut st.links, Default::default(), "send-recv", shared.timeout, &shared.abort);
-            ctx.spin = shared.spin;
-            ctx.exchange_tagged(send, recv)?;
-            ctx.flush()
+            exec_p2p(shared, st, send, recv, dtype, es)
         })
     }
 
@@ -110,4 +95,47 @@ impl Communicator {
             T::DTYPE.size(),
         )
     }
+}
+
+/// Runs one point-to-point exchange on the execution state (its turn has come).
+pub(crate) fn exec_p2p(
+    shared: &Shared,
+    st: &mut ExecState,
+    send: Option<(usize, &[u8])>,
+    recv: Option<(usize, &mut [u8])>,
+    dtype: DType,
+    es: usize,
+) -> Result<()> {
+    let tag_for = |count: usize, seq: u64| {
+        OpDesc {
+            coll: Collective::SendRecv,
+            dtype,
+            op: ReduceOp::Sum,
+            root: 0,
+            count,
+        }
+        .tag(seq)
+    };
+    let send = send.map(|(p, d)| {
+        st.p2p_sent[p] += 1;
+        (p, d, tag_for(d.len() / es, st.p2p_sent[p]))
+    });
+    let recv = recv.map(|(p, b)| {
+        st.p2p_recvd[p] += 1;
+        let tag = tag_for(b.len() / es, st.p2p_recvd[p]);
+        (p, b, RecvMode::Copy, tag)
+    });
+    tracing::debug!(rank = shared.rank, send_to = ?send.as_ref().map(|s| s.0), recv_from = ?recv.as_ref().map(|r| r.0), "send-recv");
+    let mut ctx = Ctx::new(
+        shared.rank,
+        shared.size,
+        &mut st.links,
+        Default::default(),
+        "send-recv",
+        shared.timeout,
+        &shared.abort,
+    );
+    ctx.spin = shared.spin;
+    ctx.exchange_tagged(send, recv)?;
+    ctx.flush()
 }

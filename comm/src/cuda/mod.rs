@@ -1,0 +1,775 @@
+//! Collectives on device buffers (feature `cuda`), ordered on CUDA streams like NCCL's.
+//!
+//! [`Communicator::on_stream`] binds a communicator to a stream the caller owns and offers the
+//! same collectives as the host API, by the same names, on cudarc device buffers
+//! ([`CudaSlice`](cudarc::driver::CudaSlice), [`CudaView`](cudarc::driver::CudaView),
+//! [`CudaViewMut`](cudarc::driver::CudaViewMut)):
+//!
+//! ```no_run
+//! # #[cfg(feature = "cuda")] {
+//! use oxccl_comm::cuda::cudarc::driver::CudaContext;
+//! use oxccl_comm::{Communicator, ReduceOp};
+//!
+//! let comm = Communicator::from_env()?;
+//! let ctx = CudaContext::new(comm.local_rank()).expect("a GPU");
+//! let stream = ctx.default_stream();
+//! let mut grads = stream.alloc_zeros::<f32>(1 << 20).expect("device memory");
+//! comm.on_stream(&stream).all_reduce(&mut grads, ReduceOp::Avg)?; // returns once enqueued
+//! stream.synchronize().expect("stream");                         // the result is there now
+//! if let Some(e) = comm.device_async_error() {
+//!     panic!("{e}");
+//! }
+//! # }
+//! # Ok::<(), oxccl_comm::Error>(())
+//! ```
+//!
+//! # How a device operation runs (staged through host memory)
+//!
+//! Each call is checked like its host counterpart, then enqueued:
+//!
+//! 1. on the stream, a copy of the device input into a pinned host staging buffer, and an event
+//!    after it;
+//! 2. on the communicator's progress thread, in issue order with every other operation, the host
+//!    collective over the staging buffer: it first waits for the event (bounded by
+//!    `OXCCL_TIMEOUT`), then runs exactly the host algorithms over whatever transports connect the
+//!    ranks (shared memory in a node, TCP between nodes), then stores the part's number into a
+//!    pinned flag word;
+//! 3. on the stream, `cuStreamWaitValue32` on that flag, then the copy of the result back into the
+//!    device output.
+//!
+//! The call returns after step 3 is enqueued; the stream (or an event recorded on it after the
+//! call) says when the result is in place. Work the caller enqueues later on the same stream runs
+//! after the result has landed; work on other streams needs the usual event or `join`.
+//! All-reduce, broadcast and reduce are split into parts of at most `OXCCL_CUDA_STAGE_CHUNK`
+//! bytes (4 MiB), one host collective each: all input copies are enqueued first, so part k's copy
+//! back and part k+1's copy out overlap with the network moving the parts in between.
+//!
+//! Where the driver refuses stream memory operations (or with `OXCCL_CUDA_STREAM_WAIT=0`), a
+//! call waits for its host collectives before it enqueues the copies back, and returns their
+//! errors itself.
+//!
+//! # Errors after a call returned
+//!
+//! A failure in a host collective that runs after its call returned (a peer lost, a mismatch, a
+//! time-out) cannot be returned by that call. The flag is still set, so the stream never waits
+//! forever; the device output then holds unreduced data. The failure is kept: read it with
+//! [`Communicator::device_async_error`] after synchronizing (as `ncclCommGetAsyncError`), and
+//! every later call on the communicator fails with it.
+//!
+//! # Status
+//!
+//! Built and type-checked on every CI run; the plan and layout logic is unit-tested without a GPU.
+//! The GPU paths themselves are exercised only by `comm/tests/cuda.rs`, whose tests are ignored
+//! without a GPU: run them with
+//! `cargo test -p oxccl-comm --features cuda --test cuda -- --ignored` on a machine with one.
+
+pub(crate) mod plan;
+mod staging;
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+pub use cudarc;
+use cudarc::driver::{sys, CudaContext, CudaStream, DevicePtr, DevicePtrMut, DriverError};
+use oxccl_kernels::{DType, Element, ReduceOp};
+
+use crate::communicator::Communicator;
+use crate::config::Config;
+use crate::error::{Error, Result};
+pub(crate) use plan::Kind;
+use staging::{Flag, Lent, Pool};
+
+/// Per-communicator state of device operations, made on the first one.
+pub(crate) struct DeviceState {
+    /// The context of every stream this communicator's device operations use.
+    ctx: Arc<CudaContext>,
+    pool: Arc<Pool>,
+    flag: Arc<Flag>,
+    /// Number of the last part enqueued (the flag reaches it when that part is done).
+    next: u32,
+    /// Streams wait on the flag (`false`: calls wait for their host collectives instead).
+    stream_wait: bool,
+    /// The first failure of a host collective that ran after its call returned.
+    error: Arc<Mutex<Option<Error>>>,
+}
+
+impl DeviceState {
+    fn new(ctx: &Arc<CudaContext>, cfg: &Config) -> std::result::Result<DeviceState, DriverError> {
+        Ok(DeviceState {
+            ctx: Arc::clone(ctx),
+            pool: Arc::new(Pool::default()),
+            flag: Arc::new(Flag::new(ctx)?),
+            next: 0,
+            stream_wait: cfg.cuda_stream_wait,
+            error: Arc::new(Mutex::new(None)),
+        })
+    }
+}
+
+impl Drop for DeviceState {
+    fn drop(&mut self) {
+        // Staging buffers first: each waits for its `done` event, recorded after every stream
+        // wait on the flag, so the flag is freed only once no stream can still read it.
+        self.pool.clear();
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A communicator bound to a CUDA stream: the collectives on device buffers. Made by
+/// [`Communicator::on_stream`]; cheap, make one per call site if convenient.
+pub struct StreamComm<'c> {
+    comm: &'c Communicator,
+    stream: Arc<CudaStream>,
+}
+
+impl std::fmt::Debug for StreamComm<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamComm")
+            .field("rank", &self.comm.rank)
+            .field("size", &self.comm.size)
+            .field("ordinal", &self.stream.context().ordinal())
+            .finish()
+    }
+}
+
+impl Communicator {
+    /// The collectives of this communicator on device buffers, enqueued on `stream` (see
+    /// [`crate::cuda`]). Every device operation of one communicator must use streams of one CUDA
+    /// context.
+    pub fn on_stream(&self, stream: &Arc<CudaStream>) -> StreamComm<'_> {
+        StreamComm {
+            comm: self,
+            stream: Arc::clone(stream),
+        }
+    }
+
+    /// The first failure of a device operation that happened after its call returned (as
+    /// `ncclCommGetAsyncError`); `None` while every device operation so far succeeded.
+    pub fn device_async_error(&self) -> Option<Error> {
+        let st = lock(&self.cuda);
+        st.as_ref().and_then(|s| lock(&s.error).clone())
+    }
+}
+
+/// A device buffer as the staging code sees it: its address and element count.
+type Dev = Option<(sys::CUdeviceptr, usize)>;
+
+impl StreamComm<'_> {
+    /// The stream operations are enqueued on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    fn cuda_err(&self, op: &str, what: &str, e: impl std::fmt::Debug) -> Error {
+        Error::Cuda {
+            rank: self.comm.rank,
+            op: op.into(),
+            msg: format!("{what}: {e:?}"),
+        }
+    }
+
+    /// In-place all-reduce of a device buffer.
+    ///
+    /// # Errors
+    /// `Cuda` if enqueueing fails; the errors of [`Communicator::all_reduce`] (directly, or later
+    /// through [`Communicator::device_async_error`]).
+    pub fn all_reduce<T: Element>(
+        &self,
+        buf: &mut impl DevicePtrMut<T>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let n = buf.len();
+        let (p, _g) = buf.device_ptr_mut(&self.stream);
+        self.launch(Kind::AllReduce(op), T::DTYPE, Some((p, n)), Some((p, n)))
+    }
+
+    /// Out-of-place all-reduce: `output` = reduction of every rank's `input`.
+    ///
+    /// # Errors
+    /// `InvalidArgument` when the lengths differ; otherwise as [`StreamComm::all_reduce`].
+    pub fn all_reduce_into<T: Element>(
+        &self,
+        input: &impl DevicePtr<T>,
+        output: &mut impl DevicePtrMut<T>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (ni, no) = (input.len(), output.len());
+        let (i, _gi) = input.device_ptr(&self.stream);
+        let (o, _go) = output.device_ptr_mut(&self.stream);
+        self.launch(Kind::AllReduce(op), T::DTYPE, Some((i, ni)), Some((o, no)))
+    }
+
+    /// Reduce-scatter: `input` holds `size()` shards of `output.len()` elements; rank r's
+    /// `output` = reduction of every rank's shard r.
+    ///
+    /// # Errors
+    /// `InvalidArgument` unless `input.len() == output.len() * size()`.
+    pub fn reduce_scatter<T: Element>(
+        &self,
+        input: &impl DevicePtr<T>,
+        output: &mut impl DevicePtrMut<T>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (ni, no) = (input.len(), output.len());
+        let (i, _gi) = input.device_ptr(&self.stream);
+        let (o, _go) = output.device_ptr_mut(&self.stream);
+        self.launch(
+            Kind::ReduceScatter(op),
+            T::DTYPE,
+            Some((i, ni)),
+            Some((o, no)),
+        )
+    }
+
+    /// All-gather: `output` = every rank's `input`, in rank order.
+    ///
+    /// # Errors
+    /// `InvalidArgument` unless `output.len() == input.len() * size()`.
+    pub fn all_gather<T: Element>(
+        &self,
+        input: &impl DevicePtr<T>,
+        output: &mut impl DevicePtrMut<T>,
+    ) -> Result<()> {
+        let (ni, no) = (input.len(), output.len());
+        let (i, _gi) = input.device_ptr(&self.stream);
+        let (o, _go) = output.device_ptr_mut(&self.stream);
+        self.launch(Kind::AllGather, T::DTYPE, Some((i, ni)), Some((o, no)))
+    }
+
+    /// In-place broadcast: every rank's `buf` ends equal to the root's.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a root outside the communicator.
+    pub fn broadcast<T: Element>(&self, buf: &mut impl DevicePtrMut<T>, root: usize) -> Result<()> {
+        let n = buf.len();
+        let (p, _g) = buf.device_ptr_mut(&self.stream);
+        self.launch(
+            Kind::Broadcast { root },
+            T::DTYPE,
+            Some((p, n)),
+            Some((p, n)),
+        )
+    }
+
+    /// Out-of-place broadcast: `output` = the root's `input` (read only on the root).
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a bad root, or on the root when the lengths differ.
+    pub fn broadcast_into<T: Element>(
+        &self,
+        input: &impl DevicePtr<T>,
+        output: &mut impl DevicePtrMut<T>,
+        root: usize,
+    ) -> Result<()> {
+        let (ni, no) = (input.len(), output.len());
+        let (i, _gi) = input.device_ptr(&self.stream);
+        let (o, _go) = output.device_ptr_mut(&self.stream);
+        self.launch(
+            Kind::Broadcast { root },
+            T::DTYPE,
+            Some((i, ni)),
+            Some((o, no)),
+        )
+    }
+
+    /// Reduce: the root's `output` = reduction of every rank's `input`; `output` is not touched
+    /// on other ranks (it may be empty there).
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a bad root, or on the root when the lengths differ.
+    pub fn reduce<T: Element>(
+        &self,
+        input: &impl DevicePtr<T>,
+        output: &mut impl DevicePtrMut<T>,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        let (ni, no) = (input.len(), output.len());
+        let (i, _gi) = input.device_ptr(&self.stream);
+        let (o, _go) = output.device_ptr_mut(&self.stream);
+        self.launch(
+            Kind::Reduce { op, root },
+            T::DTYPE,
+            Some((i, ni)),
+            Some((o, no)),
+        )
+    }
+
+    /// Gather: the root's `output` = every rank's `input` in rank order; `output` is not touched
+    /// on other ranks (it may be empty there).
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a bad root or, on the root, a wrong output length.
+    pub fn gather<T: Element>(
+        &self,
+        input: &impl DevicePtr<T>,
+        output: &mut impl DevicePtrMut<T>,
+        root: usize,
+    ) -> Result<()> {
+        let (ni, no) = (input.len(), output.len());
+        let (i, _gi) = input.device_ptr(&self.stream);
+        let (o, _go) = output.device_ptr_mut(&self.stream);
+        self.launch(
+            Kind::Gather { root },
+            T::DTYPE,
+            Some((i, ni)),
+            Some((o, no)),
+        )
+    }
+
+    /// Scatter: rank r's `output` = block r of the root's `input` (read only on the root).
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a bad root or, on the root, a wrong input length.
+    pub fn scatter<T: Element>(
+        &self,
+        input: &impl DevicePtr<T>,
+        output: &mut impl DevicePtrMut<T>,
+        root: usize,
+    ) -> Result<()> {
+        let (ni, no) = (input.len(), output.len());
+        let (i, _gi) = input.device_ptr(&self.stream);
+        let (o, _go) = output.device_ptr_mut(&self.stream);
+        self.launch(
+            Kind::Scatter { root },
+            T::DTYPE,
+            Some((i, ni)),
+            Some((o, no)),
+        )
+    }
+
+    /// All-to-all: block j of rank r's `input` becomes block r of rank j's `output`.
+    ///
+    /// # Errors
+    /// `InvalidArgument` unless both lengths are equal and divisible by `size()`.
+    pub fn all_to_all<T: Element>(
+        &self,
+        input: &impl DevicePtr<T>,
+        output: &mut impl DevicePtrMut<T>,
+    ) -> Result<()> {
+        let (ni, no) = (input.len(), output.len());
+        let (i, _gi) = input.device_ptr(&self.stream);
+        let (o, _go) = output.device_ptr_mut(&self.stream);
+        self.launch(Kind::AllToAll, T::DTYPE, Some((i, ni)), Some((o, no)))
+    }
+
+    /// Sends `buf` to `peer`, which posts a matching [`StreamComm::recv`] (or a host
+    /// [`Communicator::recv`]: the message is the same). The stream does not wait for delivery:
+    /// `buf` is copied out first and may be reused by later stream work at once.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a bad peer; `Mismatch` (possibly later) if the receive differs.
+    pub fn send<T: Element>(&self, buf: &impl DevicePtr<T>, peer: usize) -> Result<()> {
+        let n = buf.len();
+        let (p, _g) = buf.device_ptr(&self.stream);
+        self.launch(Kind::Send { peer }, T::DTYPE, Some((p, n)), None)
+    }
+
+    /// Receives into `buf` from `peer`; later work on the stream sees the data.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a bad peer; `Mismatch` (possibly later) if the send differs.
+    pub fn recv<T: Element>(&self, buf: &mut impl DevicePtrMut<T>, peer: usize) -> Result<()> {
+        let n = buf.len();
+        let (p, _g) = buf.device_ptr_mut(&self.stream);
+        self.launch(Kind::Recv { peer }, T::DTYPE, None, Some((p, n)))
+    }
+
+    /// Checks and enqueues one device operation (see the module documentation).
+    fn launch(&self, kind: Kind, dt: DType, input: Dev, output: Dev) -> Result<()> {
+        let comm = self.comm;
+        let op = kind.name();
+        let plan = plan::plan(
+            kind,
+            comm.rank,
+            comm.size,
+            dt.size(),
+            input.map(|i| i.1),
+            output.map(|o| o.1),
+            comm.cfg.cuda_stage_chunk,
+        )
+        .map_err(|msg| comm.invalid(op, msg))?;
+        let stream = &self.stream;
+        // One device operation at a time per communicator: tickets, part numbers and stream
+        // work are taken in the same order.
+        let mut guard = lock(&comm.cuda);
+        if guard.is_none() {
+            let s = DeviceState::new(stream.context(), &comm.cfg)
+                .map_err(|e| self.cuda_err(op, "setting up pinned memory", e))?;
+            *guard = Some(s);
+        }
+        let state = guard.as_mut().expect("set above");
+        if *state.ctx != **stream.context() {
+            return Err(comm.invalid(
+                op,
+                format!(
+                    "the stream belongs to CUDA device {}'s context, but this communicator's \
+                     device operations use device {}'s",
+                    stream.context().ordinal(),
+                    state.ctx.ordinal()
+                ),
+            ));
+        }
+        if let Some(e) = lock(&state.error).clone() {
+            return Err(e);
+        }
+        let ctx = Arc::clone(&state.ctx);
+        ctx.bind_to_thread()
+            .map_err(|e| self.cuda_err(op, "binding the context", e))?;
+        let pinned = state
+            .pool
+            .take(&ctx, plan.stage_bytes)
+            .map_err(|e| self.cuda_err(op, "allocating pinned staging memory", e))?;
+        let lent = Arc::new(Lent::new(pinned, &state.pool));
+        let cu = stream.cu_stream();
+        let record_done = |lent: &Lent| {
+            // SAFETY: both handles are live and belong to the same context (checked above).
+            unsafe { cudarc::driver::result::event::record(lent.pinned().done.cu_event(), cu) }
+        };
+
+        // 1. Device inputs to staging, all parts first, an event after each.
+        let mut ready = Vec::with_capacity(plan.parts.len());
+        for part in &plan.parts {
+            let copied = match (part.d2h, input) {
+                (Some(c), Some((ptr, _))) if c.len > 0 => {
+                    let dst = lent.pinned().addr(c.stage);
+                    // SAFETY: `dst..dst + len` lies inside the staging buffer (the plan sized
+                    // it) and nothing reads it before the event below completes; the source is
+                    // the caller's live device buffer of at least `dev + len` bytes (lengths
+                    // checked by the plan), ordered on `stream` by its guard.
+                    unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast(), ptr + c.dev as u64, c.len, cu) }
+                        .result()
+                        .and_then(|()| stream.record_event(None))
+                        .map(Some)
+                }
+                _ => Ok(None),
+            };
+            match copied {
+                Ok(ev) => ready.push(ev),
+                Err(e) => {
+                    let _ = record_done(&lent);
+                    return Err(self.cuda_err(op, "copying the input to host staging", e));
+                }
+            }
+        }
+
+        // 2. One host collective per part, on the progress thread, in issue order.
+        let mut pending = Vec::with_capacity(plan.parts.len());
+        for (part, ready) in plan.parts.iter().zip(ready) {
+            state.next = state.next.wrapping_add(1);
+            let number = state.next;
+            let (tx, rx) = crossbeam_channel::bounded(1);
+            let (ticket, ahead) = comm.shared.take_ticket();
+            let deadline =
+                Instant::now() + comm.shared.timeout * (ahead as u32 + 2) + Duration::from_secs(1);
+            let shared = Arc::clone(&comm.shared);
+            let (lent, flag, errors, ctx) = (
+                Arc::clone(&lent),
+                Arc::clone(&state.flag),
+                Arc::clone(&state.error),
+                Arc::clone(&ctx),
+            );
+            let (range, count) = (part.stage.clone(), part.count);
+            let job = move || {
+                let r = shared.run_turn(ticket, ahead, |st| {
+                    if let Some(ev) = &ready {
+                        wait_ready(&ctx, ev, shared.rank, op, shared.timeout)?;
+                    }
+                    // SAFETY: parts use disjoint ranges of the staging buffer and run one at a
+                    // time on this thread; the device-to-host copy into this range has completed
+                    // (the event above) and the copy back is enqueued behind the flag set below.
+                    let stage = unsafe { lent.pinned().slice_mut(range) };
+                    crate::collectives::exec_staged(&shared, st, kind, dt, count, stage)
+                });
+                if let Err(e) = &r {
+                    lock(&errors).get_or_insert_with(|| e.clone());
+                }
+                flag.set(number);
+                drop(lent);
+                let _ = tx.send(r);
+            };
+            comm.shared.submit(Box::new(job));
+            pending.push((number, rx, deadline));
+        }
+
+        // 3. Results back to the device, each behind its part's flag value.
+        let waited = |rx: crossbeam_channel::Receiver<Result<()>>, deadline: Instant| {
+            let left = deadline.saturating_duration_since(Instant::now());
+            rx.recv_timeout(left).unwrap_or_else(|_| {
+                Err(Error::Timeout {
+                    rank: comm.rank,
+                    op: op.into(),
+                    timeout: left,
+                    detail: "the staged host collective did not finish".into(),
+                })
+            })
+        };
+        let mut result = Ok(());
+        for (part, (number, rx, deadline)) in plan.parts.iter().zip(pending) {
+            let back = match (part.h2d, output) {
+                (Some(c), Some((ptr, _))) if c.len > 0 => Some((c, ptr)),
+                _ => None,
+            };
+            if back.is_some() && state.stream_wait {
+                if let Err(e) = state.flag.enqueue_wait(stream, number) {
+                    tracing::warn!(
+                        rank = comm.rank,
+                        "cuStreamWaitValue32 failed ({e:?}); device operations now wait for \
+                         their host collectives before they return"
+                    );
+                    state.stream_wait = false;
+                }
+            }
+            if !state.stream_wait {
+                if let Err(e) = waited(rx, deadline) {
+                    result = Err(e);
+                    break;
+                }
+            }
+            if let Some((c, ptr)) = back {
+                let src = lent.pinned().addr(c.stage);
+                // SAFETY: the source range lies inside the staging buffer and its host
+                // collective has finished before the copy runs (the stream waits for the flag,
+                // or this thread waited above); the destination is the caller's live device
+                // buffer of at least `dev + len` bytes, ordered on `stream` by its guard.
+                let r =
+                    unsafe { sys::cuMemcpyHtoDAsync_v2(ptr + c.dev as u64, src.cast(), c.len, cu) }
+                        .result();
+                if let Err(e) = r {
+                    result = Err(self.cuda_err(op, "copying the result to the device", e));
+                    break;
+                }
+            }
+        }
+        if let Err(e) = record_done(&lent) {
+            result = result.and(Err(self.cuda_err(op, "recording the done event", e)));
+        }
+        result
+    }
+}
+
+/// Waits (on the progress thread) for a part's input copy to complete, within `timeout`.
+fn wait_ready(
+    ctx: &Arc<CudaContext>,
+    ev: &cudarc::driver::CudaEvent,
+    rank: usize,
+    op: &str,
+    timeout: Duration,
+) -> Result<()> {
+    let cuda = |e: DriverError| Error::Cuda {
+        rank,
+        op: op.into(),
+        msg: format!("waiting for the input copy: {e:?}"),
+    };
+    ctx.bind_to_thread().map_err(cuda)?;
+    if staging::wait_event(ev, Instant::now() + timeout).map_err(cuda)? {
+        Ok(())
+    } else {
+        Err(Error::Timeout {
+            rank,
+            op: op.into(),
+            timeout,
+            detail: "the copy of the device input to host staging did not complete (is the \
+                     stream blocked?)"
+                .into(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The staging plan and the host collectives of every part, checked against the host API on
+    //! threaded worlds: everything a device operation does except the CUDA copies, which are
+    //! replaced here by plain copies at the same offsets.
+
+    use super::plan::{plan, Kind};
+    use crate::harness::spawn_world;
+    use crate::{Communicator, Config, ReduceOp, Result};
+
+    /// Runs `kind` the way `StreamComm::launch` does, with host buffers for device buffers.
+    fn staged(
+        comm: &Communicator,
+        kind: Kind,
+        input: Option<&[i32]>,
+        output: Option<&mut [i32]>,
+    ) -> Result<()> {
+        let dt = oxccl_kernels::DType::I32;
+        let p = plan(
+            kind,
+            comm.rank,
+            comm.size,
+            4,
+            input.map(|i| i.len()),
+            output.as_ref().map(|o| o.len()),
+            comm.cfg.cuda_stage_chunk,
+        )
+        .map_err(|m| comm.invalid(kind.name(), m))?;
+        let mut stage = vec![0u8; p.stage_bytes];
+        let inb: Option<&[u8]> = input.map(bytemuck::cast_slice);
+        for part in &p.parts {
+            if let (Some(c), Some(i)) = (part.d2h, inb) {
+                stage[c.stage..c.stage + c.len].copy_from_slice(&i[c.dev..c.dev + c.len]);
+            }
+        }
+        for part in &p.parts {
+            let (ticket, ahead) = comm.shared.take_ticket();
+            let shared = &comm.shared;
+            shared.run_turn(ticket, ahead, |st| {
+                crate::collectives::exec_staged(
+                    shared,
+                    st,
+                    kind,
+                    dt,
+                    part.count,
+                    &mut stage[part.stage.clone()],
+                )
+            })?;
+        }
+        if let Some(o) = output {
+            let ob: &mut [u8] = bytemuck::cast_slice_mut(o);
+            for part in &p.parts {
+                if let Some(c) = part.h2d {
+                    ob[c.dev..c.dev + c.len].copy_from_slice(&stage[c.stage..c.stage + c.len]);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn data(rank: usize, n: usize) -> Vec<i32> {
+        (0..n)
+            .map(|i| (rank * 1000 + i * 7) as i32 % 97 - 40)
+            .collect()
+    }
+
+    #[test]
+    fn staged_operations_match_the_host_calls() {
+        for size in [2usize, 3] {
+            // Parts of 3 elements: element-wise operations run as several collectives.
+            let cfg = Config {
+                cuda_stage_chunk: 12,
+                ..Config::default()
+            };
+            let results = spawn_world(size, cfg, |comm| {
+                let (r, n) = (comm.rank(), comm.size());
+                let input = data(r, 10);
+                let wide = data(r, 10 * n);
+                let mut checks: Vec<(&str, Vec<i32>, Vec<i32>)> = Vec::new();
+
+                let mut got = vec![0; 10];
+                staged(
+                    &comm,
+                    Kind::AllReduce(ReduceOp::Max),
+                    Some(&input),
+                    Some(&mut got),
+                )?;
+                let mut want = input.clone();
+                comm.all_reduce(&mut want, ReduceOp::Max)?;
+                checks.push(("all_reduce", got, want));
+
+                let mut got = vec![0; 10];
+                staged(
+                    &comm,
+                    Kind::ReduceScatter(ReduceOp::Sum),
+                    Some(&wide),
+                    Some(&mut got),
+                )?;
+                let mut want = vec![0; 10];
+                comm.reduce_scatter(&wide, &mut want, ReduceOp::Sum)?;
+                checks.push(("reduce_scatter", got, want));
+
+                let mut got = vec![0; 10 * n];
+                staged(&comm, Kind::AllGather, Some(&input), Some(&mut got))?;
+                let mut want = vec![0; 10 * n];
+                comm.all_gather(&input, &mut want)?;
+                checks.push(("all_gather", got, want));
+
+                let root = n - 1;
+                let mut got = vec![0; 10];
+                let src = (r == root).then_some(&input[..]);
+                staged(&comm, Kind::Broadcast { root }, src, Some(&mut got))?;
+                let mut want = input.clone();
+                comm.broadcast(&mut want, root)?;
+                checks.push(("broadcast", got, want));
+
+                let mut got = vec![0; 10];
+                let out = (r == 0).then_some(&mut got[..]);
+                staged(
+                    &comm,
+                    Kind::Reduce {
+                        op: ReduceOp::Sum,
+                        root: 0,
+                    },
+                    Some(&input),
+                    out,
+                )?;
+                let mut want = vec![0; 10];
+                comm.reduce(&input, &mut want, ReduceOp::Sum, 0)?;
+                checks.push(("reduce", got, want));
+
+                let mut got = vec![0; 10 * n];
+                let out = (r == root).then_some(&mut got[..]);
+                staged(&comm, Kind::Gather { root }, Some(&input), out)?;
+                let mut want = vec![0; 10 * n];
+                comm.gather(&input, &mut want, root)?;
+                checks.push(("gather", got, want));
+
+                let mut got = vec![0; 10];
+                let src = (r == 0).then_some(&wide[..]);
+                staged(&comm, Kind::Scatter { root: 0 }, src, Some(&mut got))?;
+                let mut want = vec![0; 10];
+                comm.scatter(&wide, &mut want, 0)?;
+                checks.push(("scatter", got, want));
+
+                let mut got = vec![0; 10 * n];
+                staged(&comm, Kind::AllToAll, Some(&wide), Some(&mut got))?;
+                let mut want = vec![0; 10 * n];
+                comm.all_to_all(&wide, &mut want)?;
+                checks.push(("all_to_all", got, want));
+
+                // A ring of sends: staged send to the next rank, staged receive from the previous.
+                let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+                let mut got = vec![0; 10];
+                if r % 2 == 0 {
+                    staged(&comm, Kind::Send { peer: next }, Some(&input), None)?;
+                    staged(&comm, Kind::Recv { peer: prev }, None, Some(&mut got))?;
+                } else {
+                    staged(&comm, Kind::Recv { peer: prev }, None, Some(&mut got))?;
+                    staged(&comm, Kind::Send { peer: next }, Some(&input), None)?;
+                }
+                checks.push(("send/recv", got, data(prev, 10)));
+                Ok(checks)
+            });
+            for (rank, r) in results.into_iter().enumerate() {
+                for (what, got, want) in
+                    r.unwrap_or_else(|e| panic!("size {size} rank {rank}: {e}"))
+                {
+                    assert_eq!(got, want, "size {size} rank {rank}: {what}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn staged_calls_with_bad_arguments_fail_before_anything_is_sent() {
+        let results = spawn_world(2, Config::default(), |comm| {
+            let e = staged(&comm, Kind::AllGather, Some(&[1, 2]), Some(&mut [0; 3])).unwrap_err();
+            // The communicator still works: nothing was queued.
+            let mut v = vec![1i32; 4];
+            comm.all_reduce(&mut v, ReduceOp::Sum)?;
+            Ok((e.to_string(), v))
+        });
+        for (rank, r) in results.into_iter().enumerate() {
+            let (e, v) = r.unwrap();
+            assert!(
+                e.contains(&format!("rank {rank}")) && e.contains("all_gather"),
+                "{e}"
+            );
+            assert!(e.contains("input length 2 x world size 2"), "{e}");
+            assert_eq!(v, vec![2; 4]);
+        }
+    }
+}

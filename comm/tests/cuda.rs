@@ -1,0 +1,308 @@
+//! Device collectives (feature `cuda`) on a real GPU: every collective and dtype, on 2 and 4
+//! ranks (threads) sharing GPU 0, against the host calls on the same data; a large all-reduce in
+//! many pipelined parts; stream order without host synchronisation; both completion modes
+//! (stream waits on the flag, and `OXCCL_CUDA_STREAM_WAIT=0`).
+//!
+//! Ignored by default (CI has no GPU). On a machine with one:
+//!
+//! ```text
+//! cargo test -p oxccl-comm --features cuda --test cuda -- --ignored
+//! ```
+//!
+//! or build here with `cargo test -p oxccl-comm --features cuda --test cuda --no-run` and run the
+//! binary there with `--ignored`. Without a driver the tests print SKIPPED, and
+//! `OXCCL_REQUIRE_GPU=1` turns that into a failure.
+#![cfg(feature = "cuda")]
+
+use std::sync::Arc;
+
+use oxccl_comm::cuda::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use oxccl_comm::harness::spawn_world;
+use oxccl_comm::{Communicator, Config, Element, ReduceOp, Result};
+use oxccl_kernels::cuda::driver_available;
+use oxccl_kernels::{with_dtype, DType};
+
+fn gpu_or_skip() -> bool {
+    if driver_available() {
+        return true;
+    }
+    assert!(
+        std::env::var("OXCCL_REQUIRE_GPU").as_deref() != Ok("1"),
+        "OXCCL_REQUIRE_GPU=1 but no CUDA driver or device"
+    );
+    eprintln!("SKIPPED: no CUDA driver or device");
+    false
+}
+
+fn stream() -> Arc<CudaStream> {
+    let ctx = CudaContext::new(0).expect("CUDA context on device 0");
+    ctx.new_stream().expect("stream")
+}
+
+/// Small integers as `T`, distinct per rank and position (sums of 4 ranks stay exact in every
+/// dtype, products are compared against the same host arithmetic).
+fn values<T: Element>(rank: usize, n: usize) -> Vec<T> {
+    (0..n)
+        .map(|i| T::from_f64(((i * 7 + rank * 13) % 7) as f64 - 3.0))
+        .collect()
+}
+
+fn as_bytes<T: Element>(v: &[T]) -> &[u8] {
+    bytemuck::cast_slice(v)
+}
+
+/// A device copy of `v` (as bytes) and its length in elements.
+fn upload<T: Element>(s: &Arc<CudaStream>, v: &[T]) -> CudaSlice<u8> {
+    s.clone_htod(as_bytes(v)).expect("upload")
+}
+
+fn zeros<T: Element>(s: &Arc<CudaStream>, n: usize) -> CudaSlice<u8> {
+    s.alloc_zeros::<u8>(n * std::mem::size_of::<T>().max(1))
+        .expect("device memory")
+}
+
+/// Runs `f` with typed views of device byte buffers.
+macro_rules! typed {
+    ($buf:expr, $t:ty, $n:expr) => {
+        // SAFETY: the buffer holds exactly `$n` elements of `$t` (allocated from their bytes), and
+        // every `Element` is plain old data.
+        unsafe { $buf.transmute::<$t>($n) }.expect("view")
+    };
+    (mut $buf:expr, $t:ty, $n:expr) => {
+        // SAFETY: as above.
+        unsafe { $buf.transmute_mut::<$t>($n) }.expect("view")
+    };
+}
+
+fn download(s: &Arc<CudaStream>, b: &CudaSlice<u8>) -> Vec<u8> {
+    s.clone_dtoh(b).expect("download")
+}
+
+/// Every device collective of `T` against the host call, on one rank.
+fn every_collective<T: Element>(comm: &Communicator) -> Result<Vec<String>> {
+    let s = stream();
+    let dev = comm.on_stream(&s);
+    let (r, n) = (comm.rank(), comm.size());
+    let count = 1031; // odd: parts and shards end on no 16-byte boundary
+    let input: Vec<T> = values(r, count);
+    let wide: Vec<T> = values(r + 10, count * n);
+    let mut bad = Vec::new();
+    let mut check = |what: &str, got: Vec<u8>, want: &[T]| {
+        if got != as_bytes(want) {
+            bad.push(format!("{} {what}", T::DTYPE));
+        }
+    };
+
+    for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Avg] {
+        let mut d = upload(&s, &input);
+        dev.all_reduce(&mut typed!(mut d, T, count), op)?;
+        let mut want = input.clone();
+        comm.all_reduce(&mut want, op)?;
+        check(&format!("all_reduce {op}"), download(&s, &d), &want);
+    }
+
+    let di = upload(&s, &input);
+    let mut d = zeros::<T>(&s, count);
+    dev.all_reduce_into(
+        &typed!(di, T, count),
+        &mut typed!(mut d, T, count),
+        ReduceOp::Prod,
+    )?;
+    let mut want = input.clone();
+    comm.all_reduce(&mut want, ReduceOp::Prod)?;
+    check("all_reduce_into prod", download(&s, &d), &want);
+
+    let dw = upload(&s, &wide);
+    let mut d = zeros::<T>(&s, count);
+    dev.reduce_scatter(
+        &typed!(dw, T, count * n),
+        &mut typed!(mut d, T, count),
+        ReduceOp::Min,
+    )?;
+    let mut want = vec![T::from_f64(0.0); count];
+    comm.reduce_scatter(&wide, &mut want, ReduceOp::Min)?;
+    check("reduce_scatter", download(&s, &d), &want);
+
+    let mut d = zeros::<T>(&s, count * n);
+    dev.all_gather(&typed!(di, T, count), &mut typed!(mut d, T, count * n))?;
+    let mut want = vec![T::from_f64(0.0); count * n];
+    comm.all_gather(&input, &mut want)?;
+    check("all_gather", download(&s, &d), &want);
+
+    let root = n - 1;
+    let mut d = upload(&s, &input);
+    dev.broadcast(&mut typed!(mut d, T, count), root)?;
+    let mut want = input.clone();
+    comm.broadcast(&mut want, root)?;
+    check("broadcast", download(&s, &d), &want);
+
+    let mut d = zeros::<T>(&s, count);
+    dev.reduce(
+        &typed!(di, T, count),
+        &mut typed!(mut d, T, count),
+        ReduceOp::Sum,
+        0,
+    )?;
+    let mut want = vec![T::from_f64(0.0); count];
+    comm.reduce(&input, &mut want, ReduceOp::Sum, 0)?;
+    if r == 0 {
+        check("reduce", download(&s, &d), &want);
+    }
+
+    let mut d = zeros::<T>(&s, count * n);
+    dev.gather(
+        &typed!(di, T, count),
+        &mut typed!(mut d, T, count * n),
+        root,
+    )?;
+    let mut want = vec![T::from_f64(0.0); count * n];
+    comm.gather(&input, &mut want, root)?;
+    if r == root {
+        check("gather", download(&s, &d), &want);
+    }
+
+    let mut d = zeros::<T>(&s, count);
+    dev.scatter(&typed!(dw, T, count * n), &mut typed!(mut d, T, count), 0)?;
+    let mut want = vec![T::from_f64(0.0); count];
+    comm.scatter(&wide, &mut want, 0)?;
+    check("scatter", download(&s, &d), &want);
+
+    let mut d = zeros::<T>(&s, count * n);
+    dev.all_to_all(&typed!(dw, T, count * n), &mut typed!(mut d, T, count * n))?;
+    let mut want = vec![T::from_f64(0.0); count * n];
+    comm.all_to_all(&wide, &mut want)?;
+    check("all_to_all", download(&s, &d), &want);
+
+    // Device send to the next rank, device receive from the previous one.
+    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+    let mut d = zeros::<T>(&s, count);
+    if r % 2 == 0 {
+        dev.send(&typed!(di, T, count), next)?;
+        dev.recv(&mut typed!(mut d, T, count), prev)?;
+    } else {
+        dev.recv(&mut typed!(mut d, T, count), prev)?;
+        dev.send(&typed!(di, T, count), next)?;
+    }
+    check("send/recv", download(&s, &d), &values::<T>(prev, count));
+
+    s.synchronize().expect("stream");
+    if let Some(e) = comm.device_async_error() {
+        return Err(e);
+    }
+    Ok(bad)
+}
+
+fn all_dtypes(comm: &Communicator) -> Result<Vec<String>> {
+    let mut bad = Vec::new();
+    for dt in DType::ALL {
+        bad.extend(with_dtype!(dt, every_collective(comm))?);
+    }
+    Ok(bad)
+}
+
+fn run_world(n: usize, cfg: Config) {
+    let results = spawn_world(n, cfg, |comm| all_dtypes(&comm));
+    for (rank, r) in results.into_iter().enumerate() {
+        let bad = r.unwrap_or_else(|e| panic!("{n} ranks, rank {rank}: {e}"));
+        assert!(
+            bad.is_empty(),
+            "{n} ranks, rank {rank}: wrong results: {bad:?}"
+        );
+    }
+}
+
+fn small_parts() -> Config {
+    // Parts of 1 KiB: every element-wise collective above runs in several pipelined parts.
+    Config {
+        cuda_stage_chunk: 1024,
+        ..Config::default()
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored"]
+fn two_ranks_on_one_gpu_every_collective_and_dtype() {
+    if gpu_or_skip() {
+        run_world(2, small_parts());
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored"]
+fn four_ranks_on_one_gpu_every_collective_and_dtype() {
+    if gpu_or_skip() {
+        run_world(4, small_parts());
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored"]
+fn calls_that_wait_for_their_host_collectives_give_the_same_results() {
+    if gpu_or_skip() {
+        run_world(
+            2,
+            Config {
+                cuda_stream_wait: false,
+                ..small_parts()
+            },
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored"]
+fn back_to_back_operations_stay_in_stream_order() {
+    if !gpu_or_skip() {
+        return;
+    }
+    // 64 MiB in 4 MiB parts, three all-reduces in a row with no host synchronisation between
+    // them: each must see the previous one's result.
+    let results = spawn_world(2, Config::default(), |comm| {
+        let s = stream();
+        let count = 16 << 20;
+        let mut d = upload(&s, &vec![1.0f32; count]);
+        for _ in 0..3 {
+            comm.on_stream(&s)
+                .all_reduce(&mut typed!(mut d, f32, count), ReduceOp::Sum)?;
+        }
+        let out = download(&s, &d);
+        let v: &[f32] = bytemuck::cast_slice(&out);
+        Ok(v.iter().filter(|&&x| x != 8.0).count())
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        assert_eq!(r.unwrap(), 0, "rank {rank}: elements that are not 2^3");
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored"]
+fn a_bad_call_is_refused_before_anything_is_enqueued() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let results = spawn_world(2, Config::default(), |comm| {
+        let s = stream();
+        let a = zeros::<f32>(&s, 4);
+        let mut b = zeros::<f32>(&s, 5);
+        let e = comm
+            .on_stream(&s)
+            .all_reduce_into(
+                &typed!(a, f32, 4),
+                &mut typed!(mut b, f32, 5),
+                ReduceOp::Sum,
+            )
+            .unwrap_err();
+        // The communicator still works.
+        let mut v = vec![1.0f32; 3];
+        comm.all_reduce(&mut v, ReduceOp::Sum)?;
+        Ok((e.to_string(), v))
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        let (e, v) = r.unwrap();
+        assert!(
+            e.contains(&format!("rank {rank}")) && e.contains("input has 4"),
+            "{e}"
+        );
+        assert_eq!(v, vec![2.0; 3]);
+    }
+}
