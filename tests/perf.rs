@@ -297,7 +297,7 @@ fn runs_as_ranks_under_oxccl_launch() {
 
 #[test]
 fn bad_flags_fail_clearly() {
-    let cases: [(&[&str], &str); 8] = [
+    let cases: [(&[&str], &str); 9] = [
         (&["perf", "all-shuffle"], "unknown collective"),
         (
             &["perf", "all-reduce", "-b", "1M", "-e", "1K"],
@@ -315,6 +315,7 @@ fn bad_flags_fail_clearly() {
             &["perf", "all-reduce", "--transport", "carrier-pigeon"],
             "--transport",
         ),
+        (&["perf", "all-reduce", "--device", "tpu"], "--device"),
     ];
     for (args, needle) in cases {
         let (out, stdout, stderr) = run(args);
@@ -324,4 +325,28 @@ fn bad_flags_fail_clearly() {
     }
     let (out, _, stderr) = run(&["perf", "all-reduce", "-z", "2"]);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
+}
+
+#[test]
+fn device_buffers_without_a_gpu_fail_clearly() {
+    // Built without the feature: refused before any rank starts. Built with it (and no driver
+    // here): every rank names the missing driver and the run fails; no panic either way.
+    let (out, stdout, stderr) = run(&["perf", "all-reduce", "--np", "2", "--device", "cuda"]);
+    #[cfg(feature = "cuda")]
+    {
+        if oxccl::kernels::cuda::driver_available() {
+            return;
+        }
+        assert_eq!(out.status.code(), Some(1), "{stdout}{stderr}");
+        assert!(stderr.contains("no CUDA driver"), "{stderr}");
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        assert_eq!(out.status.code(), Some(2), "{stdout}{stderr}");
+        assert!(
+            stderr.contains("built without the `cuda` feature"),
+            "{stderr}"
+        );
+    }
+    assert!(!stderr.contains("panicked"), "{stderr}");
 }

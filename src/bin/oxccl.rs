@@ -36,7 +36,7 @@ enum Cmd {
     ///
     /// Starts --np local ranks itself, or runs as one rank under oxccl launch, torchrun, srun or
     /// mpirun. Example: oxccl perf all-reduce --np 4 -b 8 -e 64M -d all -o all.
-    Perf(oxccl::perf::PerfArgs),
+    Perf(Box<oxccl::perf::PerfArgs>),
 
     /// Print the process groups of a placement, in creation order (no communicator needed).
     ///
@@ -227,7 +227,7 @@ fn main() -> ExitCode {
     oxccl::comm::logging::init();
     ExitCode::from(match cli.command {
         Cmd::Launch(args) => run_launch(args),
-        Cmd::Perf(args) => oxccl::perf::run(args),
+        Cmd::Perf(args) => oxccl::perf::run(*args),
         Cmd::Topo(args) => run_topo(args),
     })
 }

@@ -46,6 +46,8 @@ pub struct Spec {
     pub average: Average,
     /// Bytes of input + output the rotated sets cover (0: one set).
     pub rotate_bytes: usize,
+    /// Buffers in GPU memory (`--device cuda`).
+    pub cuda: bool,
 }
 
 /// Buffer sets used for a buffer of `full_bytes` (input and output each that large) when the
@@ -91,14 +93,21 @@ pub struct Bench<'c, T> {
     a: Vec<T>,
     b: Vec<T>,
     scratch: Vec<T>,
+    /// The device mirror of `a` and `b` (`--device cuda`).
+    #[cfg(feature = "cuda")]
+    dev: Option<super::device::DevArenas>,
 }
 
 /// One measurement: the combined time per call in seconds and the wrong-element count.
 pub type Outcome = (f64, Option<u64>);
 
 impl<'c, T: Element> Bench<'c, T> {
-    /// Allocates (and touches) arenas large enough for every size of `sizes`.
-    pub fn new(comm: &'c Communicator, spec: Spec, sizes: &[u64]) -> Bench<'c, T> {
+    /// Allocates (and touches) arenas large enough for every size of `sizes`, and their device
+    /// copies with `--device cuda`.
+    ///
+    /// # Errors
+    /// `Cuda` when the device arenas cannot be made.
+    pub fn new(comm: &'c Communicator, spec: Spec, sizes: &[u64]) -> Result<Bench<'c, T>> {
         let ts = T::DTYPE.size();
         let mut arena = 0usize;
         let mut max_full = 0usize;
@@ -118,18 +127,82 @@ impl<'c, T: Element> Bench<'c, T> {
         } else {
             Vec::new()
         };
-        Bench {
+        #[cfg(feature = "cuda")]
+        let dev = if spec.cuda {
+            let bytes = arena * ts;
+            Some(super::device::DevArenas::new(comm, bytes, bytes)?)
+        } else {
+            None
+        };
+        Ok(Bench {
             comm,
             spec,
             a,
             b,
             scratch,
+            #[cfg(feature = "cuda")]
+            dev,
+        })
+    }
+
+    /// Whether the in-place form is measured (device buffers: all-reduce and broadcast only).
+    pub fn in_place(&self) -> bool {
+        has_in_place(self.spec.coll)
+            && (!self.spec.cuda
+                || matches!(
+                    self.spec.coll,
+                    Collective::AllReduce | Collective::Broadcast
+                ))
+    }
+
+    /// Copies the first `elems` of the input arena (and of the output arena with `both`) to the
+    /// device (nothing for host buffers).
+    fn upload(&mut self, elems: usize, both: bool) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(d) = &mut self.dev {
+            let rank = self.comm.rank();
+            d.upload(rank, false, bytemuck::cast_slice(&self.a[..elems]))?;
+            if both {
+                d.upload(rank, true, bytemuck::cast_slice(&self.b[..elems]))?;
+            }
         }
+        let _ = (elems, both);
+        Ok(())
+    }
+
+    /// Copies the first `elems` of the device output arena back (nothing for host buffers).
+    fn download(&mut self, elems: usize) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(d) = &self.dev {
+            d.download(
+                self.comm.rank(),
+                bytemuck::cast_slice_mut(&mut self.b[..elems]),
+            )?;
+        }
+        let _ = elems;
+        Ok(())
+    }
+
+    /// Waits for the device stream (nothing for host buffers).
+    fn sync(&self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(d) = &self.dev {
+            d.sync(self.comm.rank())?;
+            if let Some(e) = self.comm.device_async_error() {
+                return Err(e);
+            }
+        }
+        Ok(())
     }
 
     /// Fills every input buffer with this rank's pattern (realistic data for the timed calls).
-    pub fn fill_inputs(&mut self, pat: &Pattern<T>) {
+    ///
+    /// # Errors
+    /// `Cuda` if the copy to the device fails.
+    pub fn fill_inputs(&mut self, pat: &Pattern<T>) -> Result<()> {
         fill(&mut self.a, pat.rank(self.comm.rank()), 0);
+        let n = self.a.len();
+        self.upload(n, false)
     }
 
     /// Times and (with `-c`) checks one placement of one size.
@@ -148,16 +221,21 @@ impl<'c, T: Element> Bench<'c, T> {
         for it in 0..warmup {
             self.call(g, it % sets, in_place, op)?;
         }
+        self.sync()?;
         self.comm.barrier()?;
         let t0 = Instant::now();
         for it in 0..iters {
             self.call(g, (warmup + it) % sets, in_place, op)?;
         }
+        self.sync()?;
         let local = t0.elapsed().as_secs_f64() / iters as f64;
         let time = self.combine(local)?;
         let wrong = if self.spec.check {
             self.prepare(g, in_place, pat);
+            self.upload(g.full, true)?;
             self.call(g, 0, in_place, op)?;
+            self.sync()?;
+            self.download(g.full)?;
             let mut w = [self.verify(g, in_place, pat)];
             self.comm.all_reduce(&mut w, ReduceOp::Sum)?;
             Some(w[0])
@@ -184,6 +262,10 @@ impl<'c, T: Element> Bench<'c, T> {
     /// One call of the collective on buffer set `set`.
     fn call(&mut self, g: &Geometry, set: usize, in_place: bool, op: ReduceOp) -> Result<()> {
         let coll = self.spec.coll;
+        #[cfg(feature = "cuda")]
+        if let Some(d) = &mut self.dev {
+            return d.call::<T>(self.comm, coll, g, set, in_place, op, self.spec.root);
+        }
         if !self.spec.blocking && has_async(coll) {
             return self.call_async(g, set, in_place, op);
         }

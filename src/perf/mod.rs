@@ -19,6 +19,8 @@
 
 mod bench;
 mod data;
+#[cfg(feature = "cuda")]
+mod device;
 mod format;
 mod progress;
 mod rank;
@@ -158,6 +160,12 @@ pub struct PerfArgs {
     #[arg(long = "rotate", value_name = "BYTES")]
     pub rotate: Option<String>,
 
+    /// Where the buffers live: host memory, or CUDA device memory (`cuda`: needs a build with
+    /// `--features cuda`; rank i uses GPU `local_rank % device count`, calls are enqueued on a
+    /// stream of its own and each timing ends at a stream synchronize).
+    #[arg(long, value_name = "host|cuda", default_value = "host")]
+    pub device: String,
+
     /// With --np: bind rank i to the i-th CPU (core, as mpirun does by default) or not (none)
     /// [default: core when the ranks have a CPU each, else none]; ignored under a launcher.
     #[arg(long, value_name = "none|core")]
@@ -185,6 +193,8 @@ pub struct Plan {
     pub average: Average,
     /// `--rotate`: bytes of input + output the buffer sets of a size cover (0: one set).
     pub rotate_bytes: usize,
+    /// `--device cuda`: buffers in GPU memory.
+    pub cuda: bool,
 }
 
 fn parse_list<T>(
@@ -266,6 +276,18 @@ impl Plan {
         if let Some(spec) = &a.algo {
             oxccl_comm::tuning::AlgoOverride::parse(spec).map_err(|e| format!("--algo: {e}"))?;
         }
+        let cuda = match a.device.trim().to_ascii_lowercase().as_str() {
+            "host" | "cpu" => false,
+            "cuda" | "gpu" if cfg!(feature = "cuda") => true,
+            "cuda" | "gpu" => {
+                return Err(
+                    "--device cuda: this oxccl was built without the `cuda` feature \
+                            (cargo build --release --features cuda)"
+                        .into(),
+                )
+            }
+            d => return Err(format!("--device {d:?}: expected host or cuda")),
+        };
         let average = match a.average {
             0 => Average::Rank0,
             2 => Average::Min,
@@ -282,6 +304,7 @@ impl Plan {
             ops,
             average,
             rotate_bytes,
+            cuda,
         })
     }
 

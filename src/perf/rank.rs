@@ -10,7 +10,7 @@ use super::data::Pattern;
 use super::format::{header, row_line, Measure, Row, Totals};
 use super::progress::Progress;
 use super::report::{write_json, write_plot, Meta, RankInfo};
-use super::sweep::{busbw_factor, geometry, has_in_place, has_root, Step};
+use super::sweep::{busbw_factor, geometry, has_root, Step};
 use super::{note, PerfArgs, Plan};
 
 /// What the loops hand each finished row to: totals, rank 0's table, the kept rows.
@@ -67,6 +67,21 @@ fn transport_label(comm: &Communicator) -> String {
     format!("{:?}", comm.config().transport).to_ascii_lowercase()
 }
 
+/// The GPU this rank's device buffers use (`--device cuda`).
+#[cfg(feature = "cuda")]
+fn device_ordinal(comm: &Communicator) -> Result<usize, Error> {
+    super::device::ordinal_for(comm)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn device_ordinal(comm: &Communicator) -> Result<usize, Error> {
+    Err(Error::InvalidArgument {
+        rank: comm.rank(),
+        op: "perf".into(),
+        msg: "--device cuda needs a build with the cuda feature".into(),
+    })
+}
+
 /// Runs one rank; returns the exit code.
 pub fn rank_main(args: &PerfArgs, plan: &Plan) -> u8 {
     // Under a launcher the flags still apply; set before the communicator reads them (no other
@@ -105,6 +120,14 @@ fn run_all(comm: &Communicator, args: &PerfArgs, plan: &Plan) -> Result<u64, Err
     let (rank, n) = (comm.rank(), comm.size());
     let mut pids = vec![0u64; n];
     comm.all_gather(&[u64::from(std::process::id())], &mut pids)?;
+    // GPU ordinal of every rank (-1: host buffers).
+    let mine: i64 = if plan.cuda {
+        device_ordinal(comm)? as i64
+    } else {
+        -1
+    };
+    let mut ordinals = vec![0i64; n];
+    comm.all_gather(&[mine], &mut ordinals)?;
     let nodes = comm.node_ids();
     let meta = Meta {
         oxccl_version: env!("CARGO_PKG_VERSION").into(),
@@ -115,6 +138,10 @@ fn run_all(comm: &Communicator, args: &PerfArgs, plan: &Plan) -> Result<u64, Err
                 rank: r,
                 pid: pids[r],
                 node: nodes[r].to_owned(),
+                device: match ordinals[r] {
+                    d if d >= 0 => format!("cuda:{d}"),
+                    _ => "host".into(),
+                },
             })
             .collect(),
         transport: transport_label(comm),
@@ -155,6 +182,7 @@ fn run_all(comm: &Communicator, args: &PerfArgs, plan: &Plan) -> Result<u64, Err
         check: args.check != 0,
         average: plan.average,
         rotate_bytes: plan.rotate_bytes,
+        cuda: plan.cuda,
     };
     let per_cycle = (plan.dtypes.len() * plan.ops.len() * plan.sizes.len()) as u64;
     let mut sink = Sink {
@@ -209,10 +237,10 @@ fn run_dtype<T: Element>(
     let n = comm.size();
     let ts = T::DTYPE.size();
     let factor = busbw_factor(spec.coll, n);
-    let mut bench = Bench::<T>::new(comm, spec.clone(), &plan.sizes);
+    let mut bench = Bench::<T>::new(comm, spec.clone(), &plan.sizes)?;
     for &op in &plan.ops {
         let pat = Pattern::<T>::new(n, op);
-        bench.fill_inputs(&pat);
+        bench.fill_inputs(&pat)?;
         let red = op.unwrap_or(ReduceOp::Sum);
         let redop = op.map_or("none", |o| o.name());
         for &size in &plan.sizes {
@@ -225,7 +253,7 @@ fn run_dtype<T: Element>(
             ));
             let (t, w) = bench.measure(&g, false, red, &pat)?;
             let oop = Measure::new(g.bytes, t, factor, w);
-            let ip = if has_in_place(spec.coll) {
+            let ip = if bench.in_place() {
                 let (t, w) = bench.measure(&g, true, red, &pat)?;
                 Some(Measure::new(g.bytes, t, factor, w))
             } else {
@@ -275,7 +303,13 @@ fn preamble(plan: &Plan, m: &Meta) -> Vec<String> {
         m.transport,
         m.algo.as_deref().unwrap_or("auto (tuner)")
     ));
-    if m.blocking {
+    if let Some(r) = m.ranks.iter().find(|r| r.device != "host") {
+        l.push(format!(
+            "# Device buffers ({}...): each call is enqueued on the rank's CUDA stream and staged \
+             through pinned host memory; each timing ends at a stream synchronize",
+            r.device
+        ));
+    } else if m.blocking {
         l.push(
             "# Blocking Enabled: blocking calls, each returns when the collective is complete"
                 .into(),
@@ -330,8 +364,8 @@ fn preamble(plan: &Plan, m: &Meta) -> Vec<String> {
     l.push("# Using devices".into());
     for r in &m.ranks {
         l.push(format!(
-            "#  Rank {:>2} Group {:>2} Pid {:>6} on {:>10} device  host (transport {})",
-            r.rank, 0, r.pid, r.node, m.transport
+            "#  Rank {:>2} Group {:>2} Pid {:>6} on {:>10} device {:>6} (transport {})",
+            r.rank, 0, r.pid, r.node, r.device, m.transport
         ));
     }
     l.push("#".into());

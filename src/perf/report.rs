@@ -16,6 +16,8 @@ pub struct RankInfo {
     pub pid: u64,
     /// Node id (hostname or `OXCCL_NODE_ID`).
     pub node: String,
+    /// Where its buffers live: `host`, or `cuda:<ordinal>`.
+    pub device: String,
 }
 
 /// The settings of a run, as written to JSON.

@@ -1,0 +1,184 @@
+//! `oxccl perf --device cuda`: the benchmark's buffers on the GPU (feature `cuda`).
+//!
+//! Each rank takes GPU `local_rank % device count` (several ranks may share one GPU) and a stream
+//! of its own, and mirrors the host arenas of [`super::bench::Bench`] in device memory: input
+//! arena `a`, output arena `b`, the same buffer sets at the same offsets. Calls go through
+//! [`oxccl_comm::cuda::StreamComm`]; a measurement's clock stops after the stream has
+//! synchronised. The checked call uploads the host-prepared set 0, runs, and downloads the
+//! output for the host verifier.
+
+use std::sync::Arc;
+
+use oxccl_comm::cuda::cudarc::driver::{CudaContext, CudaSlice, CudaStream, DriverError};
+use oxccl_comm::{Collective, Communicator, Element, Error, ReduceOp, Result};
+
+use super::sweep::Geometry;
+
+/// The device copies of a bench's arenas.
+pub struct DevArenas {
+    stream: Arc<CudaStream>,
+    a: CudaSlice<u8>,
+    b: CudaSlice<u8>,
+}
+
+fn cuda(rank: usize, what: &str, e: DriverError) -> Error {
+    Error::Cuda {
+        rank,
+        op: "perf".into(),
+        msg: format!("{what}: {e:?}"),
+    }
+}
+
+/// The GPU rank `comm.rank()` uses: `local_rank % device count`.
+///
+/// # Errors
+/// `Cuda` without a driver or device.
+pub fn ordinal_for(comm: &Communicator) -> Result<usize> {
+    let rank = comm.rank();
+    if !oxccl_kernels::cuda::driver_available() {
+        return Err(Error::Cuda {
+            rank,
+            op: "perf".into(),
+            msg: "--device cuda: no CUDA driver (libcuda.so) or no device".into(),
+        });
+    }
+    let count = CudaContext::device_count().map_err(|e| cuda(rank, "device count", e))?;
+    Ok(comm.local_rank() % (count.max(1) as usize))
+}
+
+impl DevArenas {
+    /// Device arenas of `a_bytes` and `b_bytes` on this rank's GPU.
+    ///
+    /// # Errors
+    /// `Cuda` without a driver or device, or when allocation fails.
+    pub fn new(comm: &Communicator, a_bytes: usize, b_bytes: usize) -> Result<DevArenas> {
+        let rank = comm.rank();
+        let ordinal = ordinal_for(comm)?;
+        let ctx = CudaContext::new(ordinal).map_err(|e| cuda(rank, "context", e))?;
+        let stream = ctx.new_stream().map_err(|e| cuda(rank, "stream", e))?;
+        let a = stream
+            .alloc_zeros::<u8>(a_bytes.max(1))
+            .map_err(|e| cuda(rank, "device memory", e))?;
+        let b = stream
+            .alloc_zeros::<u8>(b_bytes.max(1))
+            .map_err(|e| cuda(rank, "device memory", e))?;
+        Ok(DevArenas { stream, a, b })
+    }
+
+    /// Copies host bytes to the start of the input (`a`) or output (`b`) arena and waits.
+    ///
+    /// # Errors
+    /// `Cuda` if the copy fails.
+    pub fn upload(&mut self, rank: usize, to_b: bool, bytes: &[u8]) -> Result<()> {
+        let dst = if to_b { &mut self.b } else { &mut self.a };
+        let mut view = dst.slice_mut(..bytes.len());
+        self.stream
+            .memcpy_htod(bytes, &mut view)
+            .and_then(|()| self.stream.synchronize())
+            .map_err(|e| cuda(rank, "upload", e))
+    }
+
+    /// Copies the start of the output arena to `out` (waits).
+    ///
+    /// # Errors
+    /// `Cuda` if the copy fails.
+    pub fn download(&self, rank: usize, out: &mut [u8]) -> Result<()> {
+        let view = self.b.slice(..out.len());
+        self.stream
+            .memcpy_dtoh(&view, out)
+            .and_then(|()| self.stream.synchronize())
+            .map_err(|e| cuda(rank, "download", e))
+    }
+
+    /// Waits for everything enqueued so far.
+    ///
+    /// # Errors
+    /// `Cuda` if the stream failed.
+    pub fn sync(&self, rank: usize) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| cuda(rank, "stream synchronize", e))
+    }
+
+    /// Enqueues one call of the collective on buffer set `set` (element offsets as the host
+    /// bench's).
+    ///
+    /// # Errors
+    /// Any error of the device call.
+    #[allow(clippy::too_many_arguments)]
+    pub fn call<T: Element>(
+        &mut self,
+        comm: &Communicator,
+        coll: Collective,
+        g: &Geometry,
+        set: usize,
+        in_place: bool,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        let ts = std::mem::size_of::<T>();
+        let base = set * g.full * ts;
+        let (rank, n) = (comm.rank(), comm.size());
+        let dev = comm.on_stream(&self.stream);
+        let view_err = || Error::InvalidArgument {
+            rank,
+            op: "perf".into(),
+            msg: "device arena too small for the buffer set".into(),
+        };
+        if in_place {
+            let mut b = self
+                .b
+                .try_slice_mut(base..base + g.full * ts)
+                .ok_or_else(view_err)?;
+            // SAFETY: `g.full` whole elements of `T` (bounds checked above); plain old data.
+            let mut buf = unsafe { b.transmute_mut::<T>(g.full) }.ok_or_else(view_err)?;
+            return match coll {
+                Collective::AllReduce => dev.all_reduce(&mut buf, op),
+                Collective::Broadcast => dev.broadcast(&mut buf, root),
+                _ => Err(Error::InvalidArgument {
+                    rank,
+                    op: "perf".into(),
+                    msg: format!("{coll} has no in-place form on device buffers"),
+                }),
+            };
+        }
+        let a = self
+            .a
+            .try_slice(base..base + g.input * ts)
+            .ok_or_else(view_err)?;
+        // SAFETY: `g.input` whole elements of `T` (bounds checked above); plain old data.
+        let inp = unsafe { a.transmute::<T>(g.input) }.ok_or_else(view_err)?;
+        let mut b = self
+            .b
+            .try_slice_mut(base..base + g.output * ts)
+            .ok_or_else(view_err)?;
+        // SAFETY: `g.output` whole elements of `T` (bounds checked above); plain old data.
+        let mut out = unsafe { b.transmute_mut::<T>(g.output) }.ok_or_else(view_err)?;
+        let at_root = rank == root;
+        match coll {
+            Collective::AllReduce => dev.all_reduce_into(&inp, &mut out, op),
+            Collective::ReduceScatter => dev.reduce_scatter(&inp, &mut out, op),
+            Collective::AllGather => dev.all_gather(&inp, &mut out),
+            Collective::Broadcast => dev.broadcast_into(&inp, &mut out, root),
+            Collective::Reduce if at_root => dev.reduce(&inp, &mut out, op, root),
+            Collective::Reduce => dev.reduce(&inp, &mut out.slice_mut(..0), op, root),
+            Collective::Gather if at_root => dev.gather(&inp, &mut out, root),
+            Collective::Gather => dev.gather(&inp, &mut out.slice_mut(..0), root),
+            Collective::Scatter if at_root => dev.scatter(&inp, &mut out, root),
+            Collective::Scatter => dev.scatter(&inp.slice(..0), &mut out, root),
+            Collective::AllToAll => dev.all_to_all(&inp, &mut out),
+            Collective::SendRecv => {
+                // Even ranks send first, odd ranks receive first: no cycle of waiting senders.
+                let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
+                if rank % 2 == 0 {
+                    dev.send(&inp, next)?;
+                    dev.recv(&mut out, prev)
+                } else {
+                    dev.recv(&mut out, prev)?;
+                    dev.send(&inp, next)
+                }
+            }
+            Collective::Barrier => comm.barrier(),
+        }
+    }
+}
