@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Builds, on a machine without a GPU (or cargo on the GPU machine), every binary the GPU checks of
+# issues 5 and 6 need, and copies them into target/gpu-bin (64 MiB carry limit: release builds,
+# stripped). Then, with the device tool:
+#   run(carry=["target/gpu-bin"], command="scripts/gpu_run.sh target/gpu-bin")
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out=target/gpu-bin
+rm -rf "$out" && mkdir -p "$out"
+export RUSTFLAGS="${RUSTFLAGS:-} -C strip=symbols"
+# Test binaries: cargo prints their paths with --message-format json.
+exe() { python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == sys.argv[1]:
+        print(m["executable"])' "$1" | tail -1; }
+cp "$(cargo test --release -p oxccl-kernels --features cuda --test cuda_gpu --no-run \
+    --message-format json 2>/dev/null | exe cuda_gpu)" "$out/kernels_cuda_gpu"
+cp "$(cargo test --release -p oxccl-comm --features cuda --test cuda --no-run \
+    --message-format json 2>/dev/null | exe cuda)" "$out/comm_cuda"
+cargo build --release -q -p oxccl-kernels --features cuda --example cuda_bench
+cp target/release/examples/cuda_bench "$out/"
+cargo build --release -q --features cuda --bin oxccl
+cp target/release/oxccl "$out/"
+cp scripts/nccl_single_rank.py "$out/"
+du -sh "$out"; ls -l "$out"
