@@ -181,9 +181,7 @@ impl StreamComm<'_> {
         buf: &mut impl DevicePtrMut<T>,
         op: ReduceOp,
     ) -> Result<()> {
-        let n = buf.len();
-        let (p, _g) = buf.device_ptr_mut(&self.stream);
-        self.launch(Kind::AllReduce(op), T::DTYPE, Some((p, n)), Some((p, n)))
+        self.launch_in_place(Kind::AllReduce(op), buf)
     }
 
     /// Out-of-place all-reduce: `output` = reduction of every rank's `input`.
@@ -196,10 +194,7 @@ impl StreamComm<'_> {
         output: &mut impl DevicePtrMut<T>,
         op: ReduceOp,
     ) -> Result<()> {
-        let (ni, no) = (input.len(), output.len());
-        let (i, _gi) = input.device_ptr(&self.stream);
-        let (o, _go) = output.device_ptr_mut(&self.stream);
-        self.launch(Kind::AllReduce(op), T::DTYPE, Some((i, ni)), Some((o, no)))
+        self.launch_io(Kind::AllReduce(op), input, output)
     }
 
     /// Reduce-scatter: `input` holds `size()` shards of `output.len()` elements; rank r's
@@ -213,15 +208,7 @@ impl StreamComm<'_> {
         output: &mut impl DevicePtrMut<T>,
         op: ReduceOp,
     ) -> Result<()> {
-        let (ni, no) = (input.len(), output.len());
-        let (i, _gi) = input.device_ptr(&self.stream);
-        let (o, _go) = output.device_ptr_mut(&self.stream);
-        self.launch(
-            Kind::ReduceScatter(op),
-            T::DTYPE,
-            Some((i, ni)),
-            Some((o, no)),
-        )
+        self.launch_io(Kind::ReduceScatter(op), input, output)
     }
 
     /// All-gather: `output` = every rank's `input`, in rank order.
@@ -233,10 +220,7 @@ impl StreamComm<'_> {
         input: &impl DevicePtr<T>,
         output: &mut impl DevicePtrMut<T>,
     ) -> Result<()> {
-        let (ni, no) = (input.len(), output.len());
-        let (i, _gi) = input.device_ptr(&self.stream);
-        let (o, _go) = output.device_ptr_mut(&self.stream);
-        self.launch(Kind::AllGather, T::DTYPE, Some((i, ni)), Some((o, no)))
+        self.launch_io(Kind::AllGather, input, output)
     }
 
     /// In-place broadcast: every rank's `buf` ends equal to the root's.
@@ -244,14 +228,7 @@ impl StreamComm<'_> {
     /// # Errors
     /// `InvalidArgument` for a root outside the communicator.
     pub fn broadcast<T: Element>(&self, buf: &mut impl DevicePtrMut<T>, root: usize) -> Result<()> {
-        let n = buf.len();
-        let (p, _g) = buf.device_ptr_mut(&self.stream);
-        self.launch(
-            Kind::Broadcast { root },
-            T::DTYPE,
-            Some((p, n)),
-            Some((p, n)),
-        )
+        self.launch_in_place(Kind::Broadcast { root }, buf)
     }
 
     /// Out-of-place broadcast: `output` = the root's `input` (read only on the root).
@@ -264,15 +241,7 @@ impl StreamComm<'_> {
         output: &mut impl DevicePtrMut<T>,
         root: usize,
     ) -> Result<()> {
-        let (ni, no) = (input.len(), output.len());
-        let (i, _gi) = input.device_ptr(&self.stream);
-        let (o, _go) = output.device_ptr_mut(&self.stream);
-        self.launch(
-            Kind::Broadcast { root },
-            T::DTYPE,
-            Some((i, ni)),
-            Some((o, no)),
-        )
+        self.launch_io(Kind::Broadcast { root }, input, output)
     }
 
     /// Reduce: the root's `output` = reduction of every rank's `input`; `output` is not touched
@@ -287,15 +256,7 @@ impl StreamComm<'_> {
         op: ReduceOp,
         root: usize,
     ) -> Result<()> {
-        let (ni, no) = (input.len(), output.len());
-        let (i, _gi) = input.device_ptr(&self.stream);
-        let (o, _go) = output.device_ptr_mut(&self.stream);
-        self.launch(
-            Kind::Reduce { op, root },
-            T::DTYPE,
-            Some((i, ni)),
-            Some((o, no)),
-        )
+        self.launch_io(Kind::Reduce { op, root }, input, output)
     }
 
     /// Gather: the root's `output` = every rank's `input` in rank order; `output` is not touched
@@ -309,15 +270,7 @@ impl StreamComm<'_> {
         output: &mut impl DevicePtrMut<T>,
         root: usize,
     ) -> Result<()> {
-        let (ni, no) = (input.len(), output.len());
-        let (i, _gi) = input.device_ptr(&self.stream);
-        let (o, _go) = output.device_ptr_mut(&self.stream);
-        self.launch(
-            Kind::Gather { root },
-            T::DTYPE,
-            Some((i, ni)),
-            Some((o, no)),
-        )
+        self.launch_io(Kind::Gather { root }, input, output)
     }
 
     /// Scatter: rank r's `output` = block r of the root's `input` (read only on the root).
@@ -330,15 +283,7 @@ impl StreamComm<'_> {
         output: &mut impl DevicePtrMut<T>,
         root: usize,
     ) -> Result<()> {
-        let (ni, no) = (input.len(), output.len());
-        let (i, _gi) = input.device_ptr(&self.stream);
-        let (o, _go) = output.device_ptr_mut(&self.stream);
-        self.launch(
-            Kind::Scatter { root },
-            T::DTYPE,
-            Some((i, ni)),
-            Some((o, no)),
-        )
+        self.launch_io(Kind::Scatter { root }, input, output)
     }
 
     /// All-to-all: block j of rank r's `input` becomes block r of rank j's `output`.
@@ -350,10 +295,7 @@ impl StreamComm<'_> {
         input: &impl DevicePtr<T>,
         output: &mut impl DevicePtrMut<T>,
     ) -> Result<()> {
-        let (ni, no) = (input.len(), output.len());
-        let (i, _gi) = input.device_ptr(&self.stream);
-        let (o, _go) = output.device_ptr_mut(&self.stream);
-        self.launch(Kind::AllToAll, T::DTYPE, Some((i, ni)), Some((o, no)))
+        self.launch_io(Kind::AllToAll, input, output)
     }
 
     /// Sends `buf` to `peer`, which posts a matching [`StreamComm::recv`] (or a host
@@ -376,6 +318,31 @@ impl StreamComm<'_> {
         let n = buf.len();
         let (p, _g) = buf.device_ptr_mut(&self.stream);
         self.launch(Kind::Recv { peer }, T::DTYPE, None, Some((p, n)))
+    }
+
+    /// [`StreamComm::launch`] for a call with an input and an output buffer.
+    fn launch_io<T: Element>(
+        &self,
+        kind: Kind,
+        input: &impl DevicePtr<T>,
+        output: &mut impl DevicePtrMut<T>,
+    ) -> Result<()> {
+        let (ni, no) = (input.len(), output.len());
+        // The guards keep the buffers' stream order until everything is enqueued.
+        let (i, _gi) = input.device_ptr(&self.stream);
+        let (o, _go) = output.device_ptr_mut(&self.stream);
+        self.launch(kind, T::DTYPE, Some((i, ni)), Some((o, no)))
+    }
+
+    /// [`StreamComm::launch`] for an in-place call (the buffer is input and output).
+    fn launch_in_place<T: Element>(
+        &self,
+        kind: Kind,
+        buf: &mut impl DevicePtrMut<T>,
+    ) -> Result<()> {
+        let n = buf.len();
+        let (p, _g) = buf.device_ptr_mut(&self.stream);
+        self.launch(kind, T::DTYPE, Some((p, n)), Some((p, n)))
     }
 
     /// Checks and enqueues one device operation (see the module documentation).
