@@ -46,7 +46,10 @@
 //!
 //! Where the driver refuses stream memory operations (or with `OXCCL_CUDA_STREAM_WAIT=0`), a
 //! call waits for its host collectives before it enqueues the copies back, and returns their
-//! errors itself.
+//! errors itself. The stream wait is an ordering CUDA cannot see: when ranks are threads of one
+//! process and their streams outnumber the device's hardware queues
+//! (`CUDA_DEVICE_MAX_CONNECTIONS`, 8 by default), a waiting stream may hold up a queue another
+//! rank's input copy needs; use `OXCCL_CUDA_STREAM_WAIT=0` there.
 //!
 //! # Errors after a call returned
 //!
