@@ -261,19 +261,18 @@ impl Communicator {
         buf: B,
         body: impl FnOnce(&mut Ctx<'_>, Choice, &mut B) -> Result<()> + Send + 'static,
     ) -> Work<B> {
-        let (ticket, ahead) = self.shared.take_ticket();
         let (tx, rx) = crossbeam_channel::bounded(1);
         let shared = Arc::clone(&self.shared);
-        let deadline =
-            Instant::now() + self.shared.timeout * (ahead as u32 + 2) + Duration::from_secs(1);
-        let job = move || {
+        let job = move |ticket: u64, ahead: u64| {
             let mut buf = buf;
             let r = shared.run_turn(ticket, ahead, |st| {
                 exec(&shared, st, desc, |ctx, ch| body(ctx, ch, &mut buf))
             });
             let _ = tx.send(r.map(|()| buf));
         };
-        self.shared.submit(Box::new(job));
+        let (_, ahead) = self.shared.submit_ticketed(job);
+        let deadline =
+            Instant::now() + self.shared.timeout * (ahead as u32 + 2) + Duration::from_secs(1);
         Work::new(rx, deadline, self.rank, desc.coll.name())
     }
 

@@ -213,9 +213,17 @@ impl Shared {
         cause
     }
 
-    /// Sends a job to the progress thread (started on first use).
-    pub(crate) fn submit(self: &Arc<Self>, job: Job) {
+    /// Takes a ticket and queues the job `make(ticket, ahead)` makes, both under the worker lock,
+    /// so queued jobs sit in ticket order even when several threads queue at once (a job queued
+    /// behind a later ticket would wait for a turn that cannot come). Returns the ticket and how
+    /// many operations were ahead.
+    pub(crate) fn submit_ticketed<F>(self: &Arc<Self>, make: F) -> (u64, u64)
+    where
+        F: FnOnce(u64, u64) + Send + 'static,
+    {
         let mut w = lock(&self.worker);
+        let (ticket, ahead) = self.take_ticket();
+        let job: Job = Box::new(move || make(ticket, ahead));
         if w.is_none() {
             let (tx, rx): (Sender<Job>, Receiver<Job>) = crossbeam_channel::unbounded();
             let name = format!("oxccl-progress-r{}", self.rank);
@@ -232,7 +240,7 @@ impl Shared {
                     );
                     drop(w);
                     job();
-                    return;
+                    return (ticket, ahead);
                 }
             }
         }
@@ -241,6 +249,7 @@ impl Shared {
                 (e.into_inner())();
             }
         }
+        (ticket, ahead)
     }
 
     /// Lets queued jobs finish and stops the progress thread.

@@ -41,8 +41,9 @@
 //! call) says when the result is in place. Work the caller enqueues later on the same stream runs
 //! after the result has landed; work on other streams needs the usual event or `join`.
 //! All-reduce, broadcast and reduce are split into parts of at most `OXCCL_CUDA_STAGE_CHUNK`
-//! bytes (4 MiB), one host collective each: all input copies are enqueued first, so part k's copy
-//! back and part k+1's copy out overlap with the network moving the parts in between.
+//! bytes (4 MiB), one host collective each. All input copies are enqueued first, so the host
+//! collective of part k starts as soon as its own copy has landed, while later parts are still
+//! being copied out, and part k's copy back runs while later parts are on the network.
 //!
 //! Where the driver refuses stream memory operations (or with `OXCCL_CUDA_STREAM_WAIT=0`), a
 //! call waits for its host collectives before it enqueues the copies back, and returns their
@@ -55,7 +56,8 @@
 //!
 //! A failure in a host collective that runs after its call returned (a peer lost, a mismatch, a
 //! time-out) cannot be returned by that call. The flag is still set, so the stream never waits
-//! forever; the device output then holds unreduced data. The failure is kept: read it with
+//! forever; the device output then holds whatever the staging buffer held (the unreduced input
+//! in place; stale bytes where this rank only receives). The failure is kept: read it with
 //! [`Communicator::device_async_error`] after synchronizing (as `ncclCommGetAsyncError`), and
 //! every later call on the communicator fails with it.
 //!
@@ -112,8 +114,21 @@ impl DeviceState {
 impl Drop for DeviceState {
     fn drop(&mut self) {
         // Staging buffers first: each waits for its `done` event, recorded after every stream
-        // wait on the flag, so the flag is freed only once no stream can still read it.
-        self.pool.clear();
+        // wait on the flag, so the flag is freed only once no stream can still read it. If one
+        // could not be waited for, a stream may still poll the flag: leak it too.
+        if !self.pool.clear() {
+            std::mem::forget(Arc::clone(&self.flag));
+        }
+    }
+}
+
+/// Publishes a part's number when dropped: after the part's job, even if it panicked, so no
+/// stream waits forever.
+struct SetOnDrop(Arc<Flag>, u32);
+
+impl Drop for SetOnDrop {
+    fn drop(&mut self) {
+        self.0.set(self.1);
     }
 }
 
@@ -389,10 +404,24 @@ impl StreamComm<'_> {
         let ctx = Arc::clone(&state.ctx);
         ctx.bind_to_thread()
             .map_err(|e| self.cuda_err(op, "binding the context", e))?;
+        let (flag, last) = (Arc::clone(&state.flag), state.next);
         let pinned = state
             .pool
-            .take(&ctx, plan.stage_bytes)
-            .map_err(|e| self.cuda_err(op, "allocating pinned staging memory", e))?;
+            .take(
+                &ctx,
+                plan.stage_bytes,
+                || flag.get() == last,
+                Instant::now() + comm.cfg.timeout,
+            )
+            .map_err(|e| self.cuda_err(op, "allocating pinned staging memory", e))?
+            .ok_or_else(|| Error::Timeout {
+                rank: comm.rank,
+                op: op.into(),
+                timeout: comm.cfg.timeout,
+                detail: "no pinned staging buffer came free (earlier device operations did not \
+                         finish)"
+                    .into(),
+            })?;
         let lent = Arc::new(Lent::new(pinned, &state.pool));
         let cu = stream.cu_stream();
         let record_done = |lent: &Lent| {
@@ -432,18 +461,15 @@ impl StreamComm<'_> {
             state.next = state.next.wrapping_add(1);
             let number = state.next;
             let (tx, rx) = crossbeam_channel::bounded(1);
-            let (ticket, ahead) = comm.shared.take_ticket();
-            let deadline =
-                Instant::now() + comm.shared.timeout * (ahead as u32 + 2) + Duration::from_secs(1);
             let shared = Arc::clone(&comm.shared);
-            let (lent, flag, errors, ctx) = (
+            let (lent, errors, ctx) = (
                 Arc::clone(&lent),
-                Arc::clone(&state.flag),
                 Arc::clone(&state.error),
                 Arc::clone(&ctx),
             );
+            let set = SetOnDrop(Arc::clone(&state.flag), number);
             let (range, count) = (part.stage.clone(), part.count);
-            let job = move || {
+            let job = move |ticket: u64, ahead: u64| {
                 let r = shared.run_turn(ticket, ahead, |st| {
                     if let Some(ev) = &ready {
                         wait_ready(&ctx, ev, shared.rank, op, shared.timeout)?;
@@ -457,11 +483,14 @@ impl StreamComm<'_> {
                 if let Err(e) = &r {
                     lock(&errors).get_or_insert_with(|| e.clone());
                 }
-                flag.set(number);
+                drop(set);
                 drop(lent);
                 let _ = tx.send(r);
             };
-            comm.shared.submit(Box::new(job));
+            let (_, ahead) = comm.shared.submit_ticketed(job);
+            // The turn wait, the input copy and the collective each have a deadline.
+            let deadline =
+                Instant::now() + comm.shared.timeout * (ahead as u32 + 3) + Duration::from_secs(1);
             pending.push((number, rx, deadline));
         }
 
@@ -534,7 +563,10 @@ fn wait_ready(
         op: op.into(),
         msg: format!("waiting for the input copy: {e:?}"),
     };
-    ctx.bind_to_thread().map_err(cuda)?;
+    // Made current directly: cudarc's `bind_to_thread` would also consume (and hide) an error
+    // the application's own cudarc calls recorded on this context.
+    // SAFETY: the context handle is live (held by `ctx`).
+    unsafe { cudarc::driver::result::ctx::set_current(ctx.cu_ctx()) }.map_err(cuda)?;
     if staging::wait_event(ev, Instant::now() + timeout).map_err(cuda)? {
         Ok(())
     } else {

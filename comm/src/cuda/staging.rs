@@ -7,6 +7,12 @@
 //! writes it; a buffer goes back to the pool once its operation's host collectives have finished,
 //! and is handed out again only once that event has completed.
 //!
+//! At most [`MAX_BUFFERS`] buffers exist per communicator: a call that finds none free waits (on
+//! the caller's thread, bounded) for one, which bounds pinned memory and gives back-pressure.
+//! Pinned memory is freed only on the caller's thread and only while none of the communicator's
+//! host collectives is outstanding (`cuMemFreeHost` may wait for the device, whose streams may be
+//! waiting for exactly those collectives), never on the progress thread.
+//!
 //! The flag is one pinned, device-mapped 32-bit word per communicator. The progress thread stores
 //! the number of each finished part into it; the stream waits with `cuStreamWaitValue32`
 //! (greater-or-equal, wrap-around safe) before copying that part's result back. No host thread
@@ -22,8 +28,8 @@ use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream, DriverErro
 /// than freed under a copy that may still use it.
 const FREE_WAIT: Duration = Duration::from_secs(10);
 
-/// Staging buffers kept for reuse per communicator.
-const POOL_KEEP: usize = 4;
+/// Staging buffers per communicator, in use or free.
+pub(crate) const MAX_BUFFERS: usize = 3;
 
 /// Staging allocations are rounded up to this, so sizes that differ a little reuse a buffer.
 const ROUND: usize = 1 << 20;
@@ -69,8 +75,9 @@ impl Pinned {
         let len = len.max(1).div_ceil(ROUND) * ROUND;
         ctx.bind_to_thread()?;
         let done = ctx.new_event(None)?;
-        // SAFETY: cuMemHostAlloc with a valid size and flags; the memory is only read after it
-        // has been written (by a device-to-host copy or by a host collective).
+        // SAFETY: cuMemHostAlloc with a valid size and flags. The bytes start uninitialised; Rust
+        // reads a range only after a device-to-host copy or a host collective wrote it (a failed
+        // operation may copy stale bytes back to the device, but that is DMA, not a Rust read).
         let ptr = unsafe { result::malloc_host(len, sys::CU_MEMHOSTALLOC_PORTABLE) }? as *mut u8;
         Ok(Pinned {
             ptr,
@@ -109,64 +116,121 @@ impl Pinned {
     }
 }
 
-impl Drop for Pinned {
-    fn drop(&mut self) {
-        if self.ctx.bind_to_thread().is_err()
-            || !wait_event(&self.done, Instant::now() + FREE_WAIT).unwrap_or(false)
-        {
+impl Pinned {
+    /// Frees the buffer once the GPU is done with it (bounded wait); `false` when it had to be
+    /// leaked instead (the GPU still had a copy pending, or the context is gone).
+    fn release(mut self) -> bool {
+        let freed = self.free_now();
+        self.ptr = std::ptr::null_mut();
+        freed
+    }
+
+    fn free_now(&self) -> bool {
+        if self.ptr.is_null() {
+            return true;
+        }
+        // Made current directly: cudarc's `bind_to_thread` would also consume (and hide) an
+        // error the application's own cudarc calls recorded on this context.
+        // SAFETY: the context handle is live (held by `self.ctx`).
+        let bound = unsafe { result::ctx::set_current(self.ctx.cu_ctx()) }.is_ok();
+        if !bound || !wait_event(&self.done, Instant::now() + FREE_WAIT).unwrap_or(false) {
             tracing::warn!(
                 bytes = self.len,
                 "pinned staging buffer still in use by the GPU; leaking it instead of freeing it"
             );
-            return;
+            return false;
         }
         // SAFETY: allocated by cuMemHostAlloc in `alloc`; the GPU has finished every copy that
         // used it (the `done` event completed) and no slice of it outlives `self`.
         let _ = unsafe { result::free_host(self.ptr.cast()) };
+        true
     }
 }
 
-/// The free staging buffers of one communicator.
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        self.free_now();
+    }
+}
+
+/// The staging buffers of one communicator.
 #[derive(Default)]
 pub(crate) struct Pool {
     free: Mutex<Vec<Pinned>>,
+    /// Buffers allocated and not yet freed (free or lent).
+    live: std::sync::atomic::AtomicUsize,
 }
 
 impl Pool {
-    /// The smallest free buffer of at least `len` bytes whose last copies have completed, or a new
-    /// one.
-    pub(crate) fn take(&self, ctx: &Arc<CudaContext>, len: usize) -> Result<Pinned, DriverError> {
-        {
-            let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
-            let best = free
-                .iter()
-                .enumerate()
-                .filter(|(_, p)| p.len() >= len && p.idle())
-                .min_by_key(|(_, p)| p.len())
-                .map(|(i, _)| i);
-            if let Some(i) = best {
-                return Ok(free.swap_remove(i));
+    /// The smallest free buffer of at least `len` bytes whose last copies have completed, else a
+    /// new one while fewer than [`MAX_BUFFERS`] exist, else (when `quiet()` says no host
+    /// collective is outstanding) a free one that is too small is freed and replaced; otherwise
+    /// waits for one of those, until `deadline` (`Ok(None)`).
+    pub(crate) fn take(
+        &self,
+        ctx: &Arc<CudaContext>,
+        len: usize,
+        quiet: impl Fn() -> bool,
+        deadline: Instant,
+    ) -> Result<Option<Pinned>, DriverError> {
+        let mut pause = Duration::from_micros(1);
+        loop {
+            let mut small = None;
+            {
+                let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+                let best = free
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, p)| p.len() >= len && p.idle())
+                    .min_by_key(|(_, p)| p.len())
+                    .map(|(i, _)| i);
+                if let Some(i) = best {
+                    return Ok(Some(free.swap_remove(i)));
+                }
+                if self.live.load(Ordering::Relaxed) >= MAX_BUFFERS && quiet() {
+                    if let Some(i) = free.iter().position(|p| p.len() < len && p.idle()) {
+                        small = Some(free.swap_remove(i));
+                    }
+                }
             }
+            if let Some(p) = small {
+                // Nothing outstanding: freeing cannot wait on a stream that waits on us.
+                if p.release() {
+                    self.live.fetch_sub(1, Ordering::Relaxed);
+                }
+            }
+            if self.live.load(Ordering::Relaxed) < MAX_BUFFERS {
+                let p = Pinned::alloc(ctx, len)?;
+                self.live.fetch_add(1, Ordering::Relaxed);
+                return Ok(Some(p));
+            }
+            if Instant::now() >= deadline {
+                return Ok(None);
+            }
+            if pause < Duration::from_micros(50) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(pause);
+            }
+            pause = (pause * 2).min(Duration::from_micros(500));
         }
-        Pinned::alloc(ctx, len)
     }
 
-    /// Gives a buffer back; the pool keeps the largest few.
+    /// Gives a buffer back (any thread; never frees).
     pub(crate) fn give(&self, p: Pinned) {
-        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
-        free.push(p);
-        if free.len() > POOL_KEEP {
-            free.sort_by_key(|p| std::cmp::Reverse(p.len()));
-            let extra = free.split_off(POOL_KEEP);
-            drop(free);
-            drop(extra);
-        }
+        self.free.lock().unwrap_or_else(|p| p.into_inner()).push(p);
     }
 
-    /// Frees every pooled buffer (each waits for its copies first).
-    pub(crate) fn clear(&self) {
+    /// Frees every free buffer (each waits for its copies first); `false` if any had to be
+    /// leaked because the GPU still used it.
+    pub(crate) fn clear(&self) -> bool {
         let all = std::mem::take(&mut *self.free.lock().unwrap_or_else(|p| p.into_inner()));
-        drop(all);
+        let mut clean = true;
+        for p in all {
+            clean &= p.release();
+            self.live.fetch_sub(1, Ordering::Relaxed);
+        }
+        clean
     }
 }
 
@@ -208,7 +272,7 @@ pub(crate) struct Flag {
     ctx: Arc<CudaContext>,
 }
 
-// SAFETY: the word is only accessed through the atomic store of `set` on the host and by
+// SAFETY: the word is only accessed through atomic operations (`set`, `get`) on the host and by
 // the GPU's stream waits; the pointer itself is never handed out.
 unsafe impl Send for Flag {}
 // SAFETY: as above.
@@ -250,6 +314,11 @@ impl Flag {
         self.atomic().store(value, Ordering::Release);
     }
 
+    /// The value last published.
+    pub(crate) fn get(&self) -> u32 {
+        self.atomic().load(Ordering::Acquire)
+    }
+
     /// Makes `stream` wait until the flag is at least `value` (cyclic comparison).
     pub(crate) fn enqueue_wait(&self, stream: &CudaStream, value: u32) -> Result<(), DriverError> {
         self.ctx.bind_to_thread()?;
@@ -257,14 +326,15 @@ impl Flag {
         // SAFETY: `dev` is the device address of this live, mapped word; the stream belongs to
         // the flag's context (checked by the caller), and the word outlives every stream wait:
         // the communicator frees it only after its staging buffers' `done` events, recorded
-        // after those waits, have completed.
+        // after those waits, have completed, and leaks it when one could not be waited for.
         unsafe { sys::cuStreamWaitValue32_v2(stream.cu_stream(), self.dev, value, geq) }.result()
     }
 }
 
 impl Drop for Flag {
     fn drop(&mut self) {
-        let _ = self.ctx.bind_to_thread();
+        // SAFETY: the context handle is live (held by `self.ctx`).
+        let _ = unsafe { result::ctx::set_current(self.ctx.cu_ctx()) };
         // SAFETY: allocated by cuMemHostAlloc in `new`; see `enqueue_wait` for why no stream
         // still waits on it.
         let _ = unsafe { result::free_host(self.ptr.cast()) };
