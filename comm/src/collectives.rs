@@ -745,17 +745,15 @@ pub(crate) fn exec_staged(
     use crate::cuda::Kind;
     let es = dt.size();
     let (rank, shard) = (shared.rank, count * es);
-    let Some(coll) = kind.collective() else {
-        let peer = match kind {
-            Kind::Send { peer } | Kind::Recv { peer } => peer,
-            _ => unreachable!("every other kind is a collective"),
-        };
-        return match kind {
-            Kind::Send { .. } => {
-                crate::p2p::exec_p2p(shared, st, Some((peer, stage)), None, dt, es)
-            }
-            _ => crate::p2p::exec_p2p(shared, st, None, Some((peer, stage)), dt, es),
-        };
+    let coll = match (kind, kind.collective()) {
+        (Kind::Send { peer }, _) => {
+            return crate::p2p::exec_p2p(shared, st, Some((peer, stage)), None, dt, es)
+        }
+        (Kind::Recv { peer }, _) => {
+            return crate::p2p::exec_p2p(shared, st, None, Some((peer, stage)), dt, es)
+        }
+        (_, Some(coll)) => coll,
+        (_, None) => unreachable!("every kind but send and recv is a collective"),
     };
     let (op, root) = (kind.op(), kind.root());
     let desc = OpDesc {
@@ -796,6 +794,6 @@ pub(crate) fn exec_staged(
             let (input, output) = stage.split_at_mut(half);
             pairwise::all_to_all(ctx, input, output)
         }
-        Kind::Send { .. } | Kind::Recv { .. } => unreachable!("handled above"),
+        Kind::Send { .. } | Kind::Recv { .. } => unreachable!("returned above"),
     })
 }

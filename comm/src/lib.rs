@@ -25,7 +25,8 @@
 //! Layout: `bootstrap` (stores, launcher variables), `transport` (the slot-based transport trait
 //! and its TCP backend), `algorithm` (one file per algorithm, written against the trait only),
 //! `tuning` (pure algorithm choice), `engine` (ordering, progress thread, failure propagation),
-//! `topology` (data/tensor/pipeline group placement, [`Topology::setup`]).
+//! `topology` (data/tensor/pipeline group placement, [`Topology::setup`]), and with the `cuda`
+//! feature `cuda` (collectives on device buffers, enqueued on a CUDA stream).
 
 pub mod affinity;
 pub mod algorithm;

@@ -75,7 +75,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 pub use cudarc;
-use cudarc::driver::{sys, CudaContext, CudaStream, DevicePtr, DevicePtrMut, DriverError};
+use cudarc::driver::{
+    sys, CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DriverError,
+};
 use oxccl_kernels::{DType, Element, ReduceOp};
 
 use crate::communicator::Communicator;
@@ -96,6 +98,9 @@ pub(crate) struct DeviceState {
     stream_wait: bool,
     /// The first failure of a host collective that ran after its call returned.
     error: Arc<Mutex<Option<Error>>>,
+    /// Events that mark input copies, reused: a part's job hands its event back once it has
+    /// waited for it, so no event is created or destroyed per part (nor on the progress thread).
+    events: Arc<Mutex<Vec<CudaEvent>>>,
 }
 
 impl DeviceState {
@@ -107,6 +112,7 @@ impl DeviceState {
             next: 0,
             stream_wait: cfg.cuda_stream_wait,
             error: Arc::new(Mutex::new(None)),
+            events: Arc::new(Mutex::new(Vec::new())),
         })
     }
 }
@@ -424,10 +430,8 @@ impl StreamComm<'_> {
             })?;
         let lent = Arc::new(Lent::new(pinned, &state.pool));
         let cu = stream.cu_stream();
-        let record_done = |lent: &Lent| {
-            // SAFETY: both handles are live and belong to the same context (checked above).
-            unsafe { cudarc::driver::result::event::record(lent.pinned().done.cu_event(), cu) }
-        };
+        let record_done = |lent: &Lent| lent.pinned().done.record(stream);
+        let events = Arc::clone(&state.events);
 
         // 1. Device inputs to staging, all parts first, an event after each.
         let mut ready = Vec::with_capacity(plan.parts.len());
@@ -441,8 +445,14 @@ impl StreamComm<'_> {
                     // checked by the plan), ordered on `stream` by its guard.
                     unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast(), ptr + c.dev as u64, c.len, cu) }
                         .result()
-                        .and_then(|()| stream.record_event(None))
-                        .map(Some)
+                        .and_then(|()| {
+                            let reused = lock(&events).pop();
+                            let ev = match reused {
+                                Some(ev) => ev,
+                                None => ctx.new_event(None)?,
+                            };
+                            ev.record(stream).map(|()| Some(ev))
+                        })
                 }
                 _ => Ok(None),
             };
@@ -462,9 +472,10 @@ impl StreamComm<'_> {
             let number = state.next;
             let (tx, rx) = crossbeam_channel::bounded(1);
             let shared = Arc::clone(&comm.shared);
-            let (lent, errors, ctx) = (
+            let (lent, errors, events, ctx) = (
                 Arc::clone(&lent),
                 Arc::clone(&state.error),
+                Arc::clone(&events),
                 Arc::clone(&ctx),
             );
             let set = SetOnDrop(Arc::clone(&state.flag), number);
@@ -483,6 +494,8 @@ impl StreamComm<'_> {
                 if let Err(e) = &r {
                     lock(&errors).get_or_insert_with(|| e.clone());
                 }
+                // Recording a still-pending event again is allowed: the next record replaces it.
+                lock(&events).extend(ready);
                 drop(set);
                 drop(lent);
                 let _ = tx.send(r);

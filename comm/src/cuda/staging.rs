@@ -34,9 +34,28 @@ pub(crate) const MAX_BUFFERS: usize = 3;
 /// Staging allocations are rounded up to this, so sizes that differ a little reuse a buffer.
 const ROUND: usize = 1 << 20;
 
+/// The pause between polls of the GPU or the pool: yields first, then sleeps, doubling up to
+/// 200 us.
+struct Backoff(Duration);
+
+impl Backoff {
+    fn new() -> Backoff {
+        Backoff(Duration::from_micros(1))
+    }
+
+    fn pause(&mut self) {
+        if self.0 < Duration::from_micros(50) {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(self.0);
+        }
+        self.0 = (self.0 * 2).min(Duration::from_micros(200));
+    }
+}
+
 /// Polls `event` until it completes or `deadline` passes (`Ok(false)`).
 pub(crate) fn wait_event(event: &CudaEvent, deadline: Instant) -> Result<bool, DriverError> {
-    let mut pause = Duration::from_micros(1);
+    let mut backoff = Backoff::new();
     loop {
         if event.try_is_complete()? {
             return Ok(true);
@@ -44,12 +63,7 @@ pub(crate) fn wait_event(event: &CudaEvent, deadline: Instant) -> Result<bool, D
         if Instant::now() >= deadline {
             return Ok(false);
         }
-        if pause < Duration::from_micros(50) {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(pause);
-        }
-        pause = (pause * 2).min(Duration::from_micros(200));
+        backoff.pause();
     }
 }
 
@@ -173,7 +187,7 @@ impl Pool {
         quiet: impl Fn() -> bool,
         deadline: Instant,
     ) -> Result<Option<Pinned>, DriverError> {
-        let mut pause = Duration::from_micros(1);
+        let mut backoff = Backoff::new();
         loop {
             let mut small = None;
             {
@@ -194,10 +208,10 @@ impl Pool {
                 }
             }
             if let Some(p) = small {
-                // Nothing outstanding: freeing cannot wait on a stream that waits on us.
-                if p.release() {
-                    self.live.fetch_sub(1, Ordering::Relaxed);
-                }
+                // Nothing outstanding: freeing cannot wait on a stream that waits on us. (A
+                // buffer that has to be leaked instead leaves the pool all the same.)
+                p.release();
+                self.live.fetch_sub(1, Ordering::Relaxed);
             }
             if self.live.load(Ordering::Relaxed) < MAX_BUFFERS {
                 let p = Pinned::alloc(ctx, len)?;
@@ -207,12 +221,7 @@ impl Pool {
             if Instant::now() >= deadline {
                 return Ok(None);
             }
-            if pause < Duration::from_micros(50) {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(pause);
-            }
-            pause = (pause * 2).min(Duration::from_micros(500));
+            backoff.pause();
         }
     }
 
