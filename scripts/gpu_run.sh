@@ -17,12 +17,20 @@ step nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.memory -
 # Issue 5: kernels against the host, then bandwidth against a device-to-device copy.
 step "$bin/kernels_cuda_gpu" --test-threads 1
 step "$bin/cuda_bench" 256
-# Issue 6: device collectives, 2 and 4 ranks on one GPU, every collective and dtype.
+# Issue 6: device collectives, 2, 4 and 8 ranks (threads) on one GPU, every collective and dtype,
+# over CUDA IPC and staged.
 step "$bin/comm_cuda" --ignored --test-threads 1
-# Issue 6: oxccl perf tables on device buffers (staged through pinned host memory).
-for np in 2 4; do
-    step "$bin/oxccl" perf all-reduce --np "$np" --device cuda -b 8 -e 1G -f 4 -c 1 -n 20 -w 5 --rotate 0
+# Issue 6: oxccl perf on device buffers, ranks as processes (cuIpcOpenMemHandle): every
+# collective checked over CUDA IPC (required), then the all-reduce tables, IPC and staged.
+for coll in all-reduce reduce-scatter all-gather broadcast reduce gather scatter all-to-all; do
+    step env OXCCL_CUDA_IPC=1 "$bin/oxccl" perf "$coll" --np 4 --device cuda -b 8 -e 16M -f 64 -c 1 -n 3 -w 1 -d all
 done
-step "$bin/oxccl" perf all-reduce --np 2 --device cuda -b 256M -e 256M -c 1 -n 10 -w 3 --rotate 0
+for np in 2 4; do
+    step env OXCCL_CUDA_IPC=1 "$bin/oxccl" perf all-reduce --np "$np" --device cuda -b 8 -e 1G -f 4 -c 1 -n 20 -w 5 --rotate 0
+    step env OXCCL_CUDA_IPC=1 "$bin/oxccl" perf all-reduce --np "$np" --device cuda -b 256K -e 256K -c 1 -n 200 -w 20 --rotate 0
+    step env OXCCL_CUDA_IPC=1 "$bin/oxccl" perf all-reduce --np "$np" --device cuda -b 256M -e 256M -c 1 -n 10 -w 3 --rotate 0
+done
+step env OXCCL_CUDA_IPC=0 "$bin/oxccl" perf all-reduce --np 2 --device cuda -b 8 -e 1G -f 4 -c 1 -n 20 -w 5 --rotate 0
+step env OXCCL_CUDA_IPC=0 "$bin/oxccl" perf all-reduce --np 2 --device cuda -b 256M -e 256M -c 1 -n 10 -w 3 --rotate 0
 # For scale: NCCL's single-rank all-reduce (PyTorch wheel) on the same GPU.
 step python3 "$bin/nccl_single_rank.py"

@@ -71,6 +71,19 @@ pub struct Config {
     /// waiting on a flag in pinned memory that the progress thread sets (`OXCCL_CUDA_STREAM_WAIT`,
     /// default 1); 0 makes every device call wait for its host collectives before it returns.
     pub cuda_stream_wait: bool,
+    /// Whether device collectives of a communicator whose ranks all share one node run over CUDA
+    /// IPC (feature `cuda`; `OXCCL_CUDA_IPC`: `auto`, the default, uses it when every rank can
+    /// map every other's device memory and stages through host memory otherwise; `1` requires
+    /// it, so a device collective fails with the reason instead; `0` never).
+    pub cuda_ipc: Option<bool>,
+    /// Bytes of each of the two device slots every rank maps for CUDA IPC collectives; larger
+    /// operations run in chunks of a slot (`OXCCL_CUDA_IPC_SLOT`, default 4 MiB, a multiple of
+    /// 256 from 4 KiB to 1 GiB).
+    pub cuda_ipc_slot: usize,
+    /// Largest reduction (all-reduce, reduce) that runs one-shot over CUDA IPC: every rank
+    /// reduces the whole buffer from every rank's slot; larger ones run two-shot (each rank
+    /// reduces its shard, then everyone gathers) (`OXCCL_CUDA_IPC_ONE_SHOT`, default 256 KiB).
+    pub cuda_ipc_one_shot: usize,
 }
 
 impl Default for Config {
@@ -91,6 +104,9 @@ impl Default for Config {
             spin: None,
             cuda_stage_chunk: 4 << 20,
             cuda_stream_wait: true,
+            cuda_ipc: None,
+            cuda_ipc_slot: 4 << 20,
+            cuda_ipc_one_shot: 256 << 10,
         }
     }
 }
@@ -205,6 +221,25 @@ impl Config {
         if let Some(v) = get("OXCCL_CUDA_STREAM_WAIT") {
             c.cuda_stream_wait = parse_bool("OXCCL_CUDA_STREAM_WAIT", &v)?;
         }
+        if let Some(v) = get("OXCCL_CUDA_IPC") {
+            c.cuda_ipc = match v.trim().to_ascii_lowercase().as_str() {
+                "" | "auto" => None,
+                _ => Some(parse_bool("OXCCL_CUDA_IPC", &v).map_err(|_| {
+                    Error::Config(format!("OXCCL_CUDA_IPC={v:?}: expected auto, 0 or 1"))
+                })?),
+            };
+        }
+        if let Some(v) = get("OXCCL_CUDA_IPC_SLOT") {
+            c.cuda_ipc_slot = parse_num("OXCCL_CUDA_IPC_SLOT", &v)?;
+            if c.cuda_ipc_slot < 4096 || c.cuda_ipc_slot % 256 != 0 || c.cuda_ipc_slot > (1 << 30) {
+                return Err(Error::Config(format!(
+                    "OXCCL_CUDA_IPC_SLOT={v} must be a multiple of 256 between 4 KiB and 1 GiB"
+                )));
+            }
+        }
+        if let Some(v) = get("OXCCL_CUDA_IPC_ONE_SHOT") {
+            c.cuda_ipc_one_shot = parse_num("OXCCL_CUDA_IPC_ONE_SHOT", &v)?;
+        }
         if let Some(v) = get("OXCCL_SPIN") {
             c.spin = match v.trim().to_ascii_lowercase().as_str() {
                 "" | "auto" => None,
@@ -247,6 +282,22 @@ mod tests {
         assert_eq!(c.timeout, Duration::from_millis(2500));
         assert_eq!(c.nsocks, 3);
         assert_eq!(c.socket_family, Some(SocketFamily::V6));
+        assert_eq!(c.cuda_ipc, None);
+        let c = cfg(&[
+            ("OXCCL_CUDA_IPC", "1"),
+            ("OXCCL_CUDA_IPC_SLOT", "65536"),
+            ("OXCCL_CUDA_IPC_ONE_SHOT", "0"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (c.cuda_ipc, c.cuda_ipc_slot, c.cuda_ipc_one_shot),
+            (Some(true), 65536, 0)
+        );
+        assert_eq!(
+            cfg(&[("OXCCL_CUDA_IPC", "off")]).unwrap().cuda_ipc,
+            Some(false)
+        );
+        assert_eq!(cfg(&[("OXCCL_CUDA_IPC", "auto")]).unwrap().cuda_ipc, None);
     }
 
     #[test]
@@ -262,6 +313,10 @@ mod tests {
             ("OXCCL_SHM_SINGLE_COPY", "maybe"),
             ("OXCCL_CUDA_STAGE_CHUNK", "big"),
             ("OXCCL_CUDA_STREAM_WAIT", "later"),
+            ("OXCCL_CUDA_IPC", "sometimes"),
+            ("OXCCL_CUDA_IPC_SLOT", "1000"),
+            ("OXCCL_CUDA_IPC_SLOT", "2048"),
+            ("OXCCL_CUDA_IPC_ONE_SHOT", "-5"),
         ] {
             let e = cfg(&[(k, v)]).unwrap_err().to_string();
             assert!(e.contains(k) || k == "OXCCL_ALGO", "{e}");

@@ -1,7 +1,10 @@
-//! Device collectives (feature `cuda`) on a real GPU: every collective and dtype, on 2 and 4
-//! ranks (threads) sharing GPU 0, against the host calls on the same data; a large all-reduce in
-//! many pipelined parts; stream order without host synchronisation; both completion modes
-//! (stream waits on the flag, and `OXCCL_CUDA_STREAM_WAIT=0`).
+//! Device collectives (feature `cuda`) on a real GPU: every collective and dtype, on 2, 4 and 8
+//! ranks (threads) sharing GPU 0, against the host calls on the same data, both over CUDA IPC
+//! (one-shot, two-shot and chunked, with small slots) and staged through host memory (in many
+//! pipelined parts, in both completion modes: stream waits on the flag, and
+//! `OXCCL_CUDA_STREAM_WAIT=0`); stream order without host synchronisation; mismatched calls and
+//! a missing rank reported by the IPC barrier instead of a hang. Ranks in separate processes
+//! (`cuIpcOpenMemHandle`) are covered by `oxccl perf --device cuda` in `scripts/gpu_run.sh`.
 //!
 //! Ignored by default (CI has no GPU). On a machine with one:
 //!
@@ -212,9 +215,23 @@ fn run_world(n: usize, cfg: Config) {
 }
 
 fn small_parts() -> Config {
-    // Parts of 1 KiB: every element-wise collective above runs in several pipelined parts.
+    // Staged through host memory, in parts of 1 KiB: every element-wise collective above runs in
+    // several pipelined parts.
     Config {
         cuda_stage_chunk: 1024,
+        cuda_ipc: Some(false),
+        ..Config::default()
+    }
+}
+
+fn small_slots() -> Config {
+    // Over CUDA IPC (required: set-up failures are errors), with 4 KiB slots and one-shot up to
+    // 2 KiB: with 1031 elements, 1-byte types run one-shot in one chunk, 2-byte types two-shot,
+    // 8-byte types in three chunks, and the wide collectives in many.
+    Config {
+        cuda_ipc: Some(true),
+        cuda_ipc_slot: 4096,
+        cuda_ipc_one_shot: 2048,
         ..Config::default()
     }
 }
@@ -237,6 +254,105 @@ fn four_ranks_on_one_gpu_every_collective_and_dtype() {
 
 #[test]
 #[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored"]
+fn cuda_ipc_two_ranks_on_one_gpu_every_collective_and_dtype() {
+    if gpu_or_skip() {
+        run_world(2, small_slots());
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored"]
+fn cuda_ipc_four_ranks_on_one_gpu_every_collective_and_dtype() {
+    if gpu_or_skip() {
+        run_world(4, small_slots());
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored"]
+fn cuda_ipc_eight_ranks_with_default_slots() {
+    if gpu_or_skip() {
+        run_world(
+            8,
+            Config {
+                cuda_ipc: Some(true),
+                ..Config::default()
+            },
+        );
+    }
+}
+
+/// Two all-reduces over CUDA IPC on every rank, then `odd` on rank 1 only (with a 2 s time-out);
+/// returns each rank's error after synchronising, if any.
+fn ipc_fault(odd: impl Fn(&Communicator, &Arc<CudaStream>) -> Result<()> + Sync) -> Vec<String> {
+    let cfg = Config {
+        cuda_ipc: Some(true),
+        timeout: std::time::Duration::from_secs(2),
+        ..Config::default()
+    };
+    let results = spawn_world(2, cfg, |comm| {
+        let s = stream();
+        let mut d = upload(&s, &[1.0f32; 64]);
+        comm.on_stream(&s)
+            .all_reduce(&mut typed!(mut d, f32, 64), ReduceOp::Sum)?;
+        if comm.rank() == 0 {
+            comm.on_stream(&s)
+                .all_reduce(&mut typed!(mut d, f32, 64), ReduceOp::Sum)?;
+        } else {
+            odd(&comm, &s)?;
+        }
+        s.synchronize()
+            .expect("the stream finishes: the barrier has a deadline");
+        Ok(comm.device_async_error().map(|e| e.to_string()))
+    });
+    results
+        .into_iter()
+        .map(|r| r.expect("calls are enqueued").unwrap_or_default())
+        .collect()
+}
+
+#[test]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored"]
+fn cuda_ipc_mismatched_collectives_are_reported_not_hung() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let errors = ipc_fault(|comm, s| {
+        let d = upload(s, &[1.0f32; 64]);
+        let mut o = zeros::<f32>(s, 128);
+        comm.on_stream(s)
+            .all_gather(&typed!(d, f32, 64), &mut typed!(mut o, f32, 128))
+    });
+    assert!(
+        errors[0].contains("mismatch") && errors[0].contains("rank 1"),
+        "{}",
+        errors[0]
+    );
+    assert!(
+        errors[1].contains("mismatch") && errors[1].contains("rank 0"),
+        "{}",
+        errors[1]
+    );
+}
+
+#[test]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored"]
+fn cuda_ipc_a_missing_rank_times_out_naming_it() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let errors = ipc_fault(|_, _| Ok(()));
+    assert!(
+        errors[0].contains("rank 1 did not reach device barrier")
+            && errors[0].contains("all_reduce"),
+        "{}",
+        errors[0]
+    );
+    assert!(errors[1].is_empty(), "{}", errors[1]);
+}
+
+#[test]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored"]
 fn calls_that_wait_for_their_host_collectives_give_the_same_results() {
     if gpu_or_skip() {
         run_world(
@@ -255,9 +371,18 @@ fn back_to_back_operations_stay_in_stream_order() {
     if !gpu_or_skip() {
         return;
     }
-    // 64 MiB in 4 MiB parts, three all-reduces in a row with no host synchronisation between
-    // them: each must see the previous one's result.
-    let results = spawn_world(2, Config::default(), |comm| {
+    // 64 MiB in 4 MiB parts (or slots), three all-reduces in a row with no host
+    // synchronisation between them: each must see the previous one's result.
+    for ipc in [false, true] {
+        back_to_back(Config {
+            cuda_ipc: Some(ipc),
+            ..Config::default()
+        });
+    }
+}
+
+fn back_to_back(cfg: Config) {
+    let results = spawn_world(2, cfg, |comm| {
         let s = stream();
         let count = 16 << 20;
         let mut d = upload(&s, &vec![1.0f32; count]);

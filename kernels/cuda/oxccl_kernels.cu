@@ -232,4 +232,74 @@ template <typename T> __device__ void scale_elems(T* dst, const T* src, double f
     }
 }
 
+// ---- CUDA IPC: the barrier of device collectives --------------------------------------------
+//
+// Every rank of a node-local communicator owns flags in device memory that all ranks map: 2 x 8
+// 64-bit words, word (epoch % 2) * 8 + r written by rank r only (see oxccl-comm's
+// cuda/ipc_plan.rs for the protocol, and its host model that the tests run). At barrier `epoch`
+// rank r stores (sig << 32) | epoch into its word of every rank's flags (system-scope release,
+// after a system fence so the slot it filled is visible first), then waits with acquire loads
+// until its own flags hold `epoch` from every rank, and checks their `sig` against its own. A
+// wait longer than `timeout_ns` (by %globaltimer) or a different `sig` writes
+// code | (peer << 8) to the error words (1 = time-out, 2 = mismatch; the host word's successor
+// gets the epoch); a barrier that finds its rank's device error word set returns at once, so a
+// failed communicator never hangs a stream.
+// Launch: one block of 32 threads.
+
+#define OXCCL_MAX_RANKS 8
+
+struct Flags { u64* p[OXCCL_MAX_RANKS]; };
+
+__device__ __forceinline__ void store_release_sys(u64* p, u64 v) {
+    asm volatile("st.release.sys.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ u64 load_acquire_sys(const u64* p) {
+    u64 v;
+    asm volatile("ld.acquire.sys.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ u64 global_timer_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+extern "C" __global__ void oxccl_ipc_barrier(Flags f, u32 rank, u32 n, u32 epoch, u32 sig,
+                                             u64 timeout_ns, volatile u32* dev_error,
+                                             volatile u32* host_error) {
+    __shared__ u32 failed;
+    u32 t = threadIdx.x;
+    if (t == 0) failed = *dev_error;
+    __syncthreads();
+    if (failed != 0) return;
+    u32 word = (epoch & 1u) * OXCCL_MAX_RANKS;
+    if (t < n && n <= OXCCL_MAX_RANKS && rank < n) {
+        __threadfence_system();
+        store_release_sys(f.p[t] + word + rank, ((u64)sig << 32) | (u64)epoch);
+        const u64* mine = f.p[rank] + word + t;
+        u64 start = global_timer_ns();
+        u32 code = 0;
+        for (;;) {
+            u64 v = load_acquire_sys(mine);
+            if ((u32)v == epoch) {
+                if ((u32)(v >> 32) != sig) code = 2u | (t << 8);
+                break;
+            }
+            if (global_timer_ns() - start > timeout_ns) {
+                code = 1u | (t << 8);
+                break;
+            }
+        }
+        if (code != 0) {
+            host_error[1] = epoch;
+            __threadfence_system();
+            dev_error[0] = code;
+            host_error[0] = code;
+            __threadfence_system();
+        }
+    }
+    __syncthreads();
+    __threadfence_system();
+}
+
 // ---- generated entry points follow -----------------------------------------------------------

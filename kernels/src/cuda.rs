@@ -12,6 +12,7 @@
 //! | `oxccl_div_<dtype>` | `dst = src / n` (the last step of `Avg`) |
 //! | `oxccl_scale_<dtype>` (floats) | `dst = src * factor` (pre-multiplied sum) |
 //! | `oxccl_copy` | byte copy |
+//! | `oxccl_ipc_barrier` | the barrier of device collectives over CUDA IPC (flags in device memory, system-scope release/acquire, a deadline) |
 //!
 //! Results are bit-identical to the host kernels for every integer type and for `f32`/`f64`
 //! sums, products, minima and maxima of two inputs (the same IEEE operations in the same order);
@@ -43,6 +44,12 @@ pub const MAX_INPUTS: usize = 8;
 
 /// The byte-copy kernel.
 pub const COPY_KERNEL: &str = "oxccl_copy";
+
+/// The barrier kernel of collectives over CUDA IPC (see [`CudaKernels::ipc_barrier`]).
+pub const BARRIER_KERNEL: &str = "oxccl_ipc_barrier";
+
+/// Most ranks an IPC barrier serves (the flag words each rank owns per barrier parity).
+pub const MAX_BARRIER_RANKS: usize = 8;
 
 /// The operations with a reduce kernel of their own ([`ReduceOp::Avg`] runs the sum kernel, then
 /// [`CudaKernels::finish_avg_bytes`]).
@@ -128,6 +135,7 @@ pub fn kernel_names() -> Vec<String> {
     names.extend(DType::ALL.into_iter().map(div_kernel_name));
     names.extend(DType::ALL.into_iter().filter_map(scale_kernel_name));
     names.push(COPY_KERNEL.to_string());
+    names.push(BARRIER_KERNEL.to_string());
     names
 }
 
@@ -395,7 +403,6 @@ impl CudaKernels {
         if len == 0 {
             return Ok(());
         }
-        let f = self.func(&reduce_kernel_name(dt, op))?;
         let mut ptrs = [0u64; MAX_INPUTS];
         let mut guards = Vec::with_capacity(inputs.len());
         for (slot, i) in ptrs.iter_mut().zip(inputs) {
@@ -404,16 +411,51 @@ impl CudaKernels {
             guards.push(g);
         }
         let (d, dg) = dst.device_ptr_mut(stream);
-        let (k, n) = (inputs.len() as i32, (len / dt.size()) as u64);
-        let mut b = stream.launch_builder(f);
-        b.arg(&d).arg(&ptrs).arg(&k).arg(&n);
-        // SAFETY: the kernel's parameters are (T* dst, Inputs in, int k, usize n) with Inputs a
-        // struct of 8 pointers (64 bytes, like `[u64; 8]`); `dst` and the first `k` inputs are
-        // live device buffers of `n` elements of `dt` each (lengths checked above), so the kernel
-        // reads and writes only inside them. cudarc's guards keep the views' use ordered on
-        // `stream` until they drop after the launch.
-        unsafe { b.launch(self.config(len)) }.map_err(|e| cuda_err("reduce launch", e))?;
+        // SAFETY: `dst` and the inputs are live device buffers of `len` bytes each (checked
+        // above); cudarc's guards keep their use ordered on `stream` until they drop after the
+        // launch.
+        unsafe { self.reduce_raw(stream, dt, op, d, &ptrs[..inputs.len()], len) }?;
         drop((guards, dg));
+        Ok(())
+    }
+
+    /// [`CudaKernels::reduce_bytes`] on raw device addresses (peers' memory mapped through CUDA
+    /// IPC, for instance): `dst = inputs[0] op ... op inputs[k-1]`, `bytes` bytes each. `dst`
+    /// may be one of the inputs (each element is read before it is written, by one thread).
+    ///
+    /// # Safety
+    /// `dst` and every input must be device addresses usable from `stream`'s context, each the
+    /// start of `bytes` bytes that stay allocated (and, for `dst`, are not otherwise written)
+    /// until the kernel has run; the ranges must not overlap except where `dst` equals an input.
+    ///
+    /// # Errors
+    /// As [`CudaKernels::reduce_bytes`].
+    pub unsafe fn reduce_raw(
+        &self,
+        stream: &Arc<CudaStream>,
+        dt: DType,
+        op: ReduceOp,
+        dst: u64,
+        inputs: &[u64],
+        bytes: usize,
+    ) -> Result<(), KernelError> {
+        if inputs.is_empty() || inputs.len() > MAX_INPUTS {
+            return Err(KernelError::Inputs(inputs.len()));
+        }
+        check_whole(dt, bytes)?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        let f = self.func(&reduce_kernel_name(dt, op))?;
+        let mut ptrs = [0u64; MAX_INPUTS];
+        ptrs[..inputs.len()].copy_from_slice(inputs);
+        let (k, n) = (inputs.len() as i32, (bytes / dt.size()) as u64);
+        let mut b = stream.launch_builder(f);
+        b.arg(&dst).arg(&ptrs).arg(&k).arg(&n);
+        // SAFETY: the kernel's parameters are (T* dst, Inputs in, int k, usize n) with Inputs a
+        // struct of 8 pointers (64 bytes, like `[u64; 8]`); the caller guarantees `dst` and the
+        // first `k` inputs are `n` elements of `dt` each, so the kernel stays inside them.
+        unsafe { b.launch(self.config(bytes)) }.map_err(|e| cuda_err("reduce launch", e))?;
         Ok(())
     }
 
@@ -524,12 +566,31 @@ impl CudaKernels {
         arg: UnaryArg,
     ) -> Result<(), KernelError> {
         let len = buf.len();
+        let (d, dg) = buf.device_ptr_mut(stream);
+        // SAFETY: `buf` is a live device buffer of `len` bytes, ordered on `stream` by its guard
+        // until after the launch.
+        unsafe { self.unary_raw(stream, dt, name, d, len, arg) }?;
+        drop(dg);
+        Ok(())
+    }
+
+    /// # Safety
+    /// `d` is the device address of `len` bytes usable from `stream`'s context, allocated until
+    /// the kernel has run.
+    unsafe fn unary_raw(
+        &self,
+        stream: &Arc<CudaStream>,
+        dt: DType,
+        name: &str,
+        d: u64,
+        len: usize,
+        arg: UnaryArg,
+    ) -> Result<(), KernelError> {
         check_whole(dt, len)?;
         if len == 0 {
             return Ok(());
         }
         let f = self.func(name)?;
-        let (d, dg) = buf.device_ptr_mut(stream);
         let n = (len / dt.size()) as u64;
         let mut b = stream.launch_builder(f);
         b.arg(&d).arg(&d);
@@ -539,10 +600,99 @@ impl CudaKernels {
         };
         b.arg(&n);
         // SAFETY: the kernel is (T* dst, const T* src, u64 d | double f, usize n) with dst ==
-        // src == `buf`, a live buffer of `n` elements of `dt` (length checked above); every
-        // thread reads and writes only its own elements, so the aliasing is fine.
+        // src == `d`, `n` elements of `dt` (the caller's guarantee); every thread reads and
+        // writes only its own elements, so the aliasing is fine.
         unsafe { b.launch(self.config(len)) }.map_err(|e| cuda_err("launch", e))?;
-        drop(dg);
+        Ok(())
+    }
+
+    /// [`CudaKernels::finish_avg_bytes`] on a raw device address.
+    ///
+    /// # Safety
+    /// `buf` must be the device address of `bytes` bytes usable from `stream`'s context, not
+    /// otherwise written and allocated until the kernel has run.
+    ///
+    /// # Errors
+    /// As [`CudaKernels::finish_avg_bytes`].
+    pub unsafe fn finish_avg_raw(
+        &self,
+        stream: &Arc<CudaStream>,
+        dt: DType,
+        buf: u64,
+        bytes: usize,
+        n: usize,
+    ) -> Result<(), KernelError> {
+        if n == 0 {
+            return Err(KernelError::ZeroCount);
+        }
+        // SAFETY: the caller's guarantee.
+        unsafe {
+            self.unary_raw(
+                stream,
+                dt,
+                &div_kernel_name(dt),
+                buf,
+                bytes,
+                UnaryArg::Div(n as u64),
+            )
+        }
+    }
+
+    /// Enqueues barrier number `epoch` of a node-local communicator whose ranks share flags in
+    /// device memory (the protocol is described in `kernels/cuda/oxccl_kernels.cu`, where the
+    /// kernel is). `flags[q]` is rank `q`'s flag array as this process addresses it; `sig`
+    /// identifies the operation (ranks that disagree report a mismatch); the wait for each
+    /// peer ends after `timeout_ns`. A failure writes `code | peer << 8` (1 = time-out,
+    /// 2 = mismatch) to both error words, and every later barrier that sees `dev_error` set
+    /// returns at once.
+    ///
+    /// # Safety
+    /// Every `flags[q]` must address `2 * MAX_BARRIER_RANKS` u64 words of device memory
+    /// mapped in `stream`'s context that stay allocated until the kernel has run;
+    /// `dev_error` a u32 in device memory and `host_error` two u32 words of device-mapped
+    /// host memory (the second receives the failed barrier's epoch), all equally long-lived.
+    ///
+    /// # Errors
+    /// [`KernelError::Inputs`] for no flags, more than [`MAX_BARRIER_RANKS`] or a rank outside
+    /// them; [`KernelError::Cuda`] if the launch fails.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn ipc_barrier(
+        &self,
+        stream: &Arc<CudaStream>,
+        flags: &[u64],
+        rank: usize,
+        epoch: u32,
+        sig: u32,
+        timeout_ns: u64,
+        dev_error: u64,
+        host_error: u64,
+    ) -> Result<(), KernelError> {
+        if flags.is_empty() || flags.len() > MAX_BARRIER_RANKS || rank >= flags.len() {
+            return Err(KernelError::Inputs(flags.len()));
+        }
+        let f = self.func(BARRIER_KERNEL)?;
+        let mut ptrs = [0u64; MAX_BARRIER_RANKS];
+        ptrs[..flags.len()].copy_from_slice(flags);
+        let (r, n) = (rank as u32, flags.len() as u32);
+        let mut b = stream.launch_builder(f);
+        b.arg(&ptrs)
+            .arg(&r)
+            .arg(&n)
+            .arg(&epoch)
+            .arg(&sig)
+            .arg(&timeout_ns)
+            .arg(&dev_error)
+            .arg(&host_error);
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the kernel is (Flags f, u32 rank, u32 n, u32 epoch, u32 sig, u64 timeout,
+        // u32* dev_error, u32* host_error) with Flags 8 pointers (like `[u64; 8]`); it touches
+        // only the first `n` flag arrays (words below 2 x 8) and the two error words, all live
+        // by the caller's guarantee.
+        unsafe { b.launch(cfg) }.map_err(|e| cuda_err("barrier launch", e))?;
         Ok(())
     }
 }
@@ -566,8 +716,8 @@ mod tests {
                 "{name} must be defined exactly once"
             );
         }
-        // 10 dtypes x 4 ops + 10 div + 4 scale + copy.
-        assert_eq!(kernel_names().len(), 40 + 10 + 4 + 1);
+        // 10 dtypes x 4 ops + 10 div + 4 scale + copy + barrier.
+        assert_eq!(kernel_names().len(), 40 + 10 + 4 + 1 + 1);
         assert_eq!(
             reduce_kernel_name(DType::BF16, ReduceOp::Avg),
             "oxccl_reduce_bf16_sum"

@@ -52,3 +52,25 @@ fn compiled_ptx_is_cached_per_architecture() {
     // A cache hit is a map lookup: far below any NVRTC compile of this source.
     eprintln!("second compile_ptx: {:?}", t.elapsed());
 }
+
+#[test]
+fn ipc_barrier_uses_system_scope_release_acquire_and_a_timer() {
+    if !nvrtc_or_skip() {
+        return;
+    }
+    let ptx = compile_ptx("compute_90").expect("compiles");
+    let start = ptx
+        .find(".entry oxccl_ipc_barrier(")
+        .expect("the barrier kernel is in the PTX");
+    // The body runs to the next entry (or the end).
+    let body = &ptx[start..];
+    let body = &body[..body[1..].find(".entry").map_or(body.len(), |e| e + 1)];
+    for needle in [
+        "st.release.sys",
+        "ld.acquire.sys",
+        "%globaltimer",
+        "membar.sys",
+    ] {
+        assert!(body.contains(needle), "barrier PTX lacks {needle}");
+    }
+}

@@ -68,6 +68,8 @@
 //! without a GPU: run them with
 //! `cargo test -p oxccl-comm --features cuda --test cuda -- --ignored` on a machine with one.
 
+mod ipc;
+pub(crate) mod ipc_plan;
 pub(crate) mod plan;
 mod staging;
 
@@ -101,6 +103,30 @@ pub(crate) struct DeviceState {
     /// Events that mark input copies, reused: a part's job hands its event back once it has
     /// waited for it, so no event is created or destroyed per part (nor on the progress thread).
     events: Arc<Mutex<Vec<CudaEvent>>>,
+    /// Collectives over CUDA IPC, decided at the first device collective.
+    ipc: IpcMode,
+}
+
+/// Whether a communicator's device collectives run over CUDA IPC.
+enum IpcMode {
+    /// No device collective yet.
+    Untried,
+    /// Staged through host memory (the ranks cannot all map each other's memory).
+    Off,
+    On(Box<ipc::IpcState>),
+    /// `OXCCL_CUDA_IPC=1` and set-up failed: every device collective fails with this.
+    Failed(Error),
+}
+
+impl DeviceState {
+    /// A failure of a device collective after its call returned: a staged host collective's,
+    /// or one a CUDA IPC barrier reported.
+    fn async_error(&self) -> Option<Error> {
+        lock(&self.error).clone().or_else(|| match &self.ipc {
+            IpcMode::On(s) => s.failure(),
+            _ => None,
+        })
+    }
 }
 
 impl DeviceState {
@@ -113,6 +139,7 @@ impl DeviceState {
             stream_wait: cfg.cuda_stream_wait,
             error: Arc::new(Mutex::new(None)),
             events: Arc::new(Mutex::new(Vec::new())),
+            ipc: IpcMode::Untried,
         })
     }
 }
@@ -174,7 +201,7 @@ impl Communicator {
     /// `ncclCommGetAsyncError`); `None` while every device operation so far succeeded.
     pub fn device_async_error(&self) -> Option<Error> {
         let st = lock(&self.cuda);
-        st.as_ref().and_then(|s| lock(&s.error).clone())
+        st.as_ref().and_then(DeviceState::async_error)
     }
 }
 
@@ -404,12 +431,46 @@ impl StreamComm<'_> {
                 ),
             ));
         }
-        if let Some(e) = lock(&state.error).clone() {
+        if let Some(e) = state.async_error() {
             return Err(e);
         }
         let ctx = Arc::clone(&state.ctx);
         ctx.bind_to_thread()
             .map_err(|e| self.cuda_err(op, "binding the context", e))?;
+        if kind.collective().is_some() {
+            if matches!(state.ipc, IpcMode::Untried) {
+                state.ipc = match ipc::setup(comm, &ctx, op) {
+                    Ok(Some(s)) => IpcMode::On(Box::new(s)),
+                    Ok(None) => IpcMode::Off,
+                    Err(e) => IpcMode::Failed(e),
+                };
+            }
+            match &mut state.ipc {
+                IpcMode::Failed(e) => return Err(e.clone()),
+                IpcMode::On(s) => {
+                    let len = |d: Dev| d.map_or(0, |x| x.1);
+                    let count = match kind {
+                        Kind::AllGather | Kind::Reduce { .. } | Kind::Gather { .. } => len(input),
+                        Kind::AllToAll => len(input) / comm.size,
+                        _ => len(output),
+                    };
+                    let addr = |d: Dev| d.map_or(0, |x| x.0);
+                    let r = s.run(stream, kind, dt, count, addr(input), addr(output));
+                    return r.map_err(|msg| {
+                        let e = Error::Cuda {
+                            rank: comm.rank,
+                            op: op.into(),
+                            msg: format!("enqueueing over cuda_ipc: {msg}"),
+                        };
+                        // The ranks now disagree on the barrier count: no further collective
+                        // on device buffers can work.
+                        lock(&state.error).get_or_insert_with(|| e.clone());
+                        e
+                    });
+                }
+                IpcMode::Untried | IpcMode::Off => {}
+            }
+        }
         let (flag, last) = (Arc::clone(&state.flag), state.next);
         let pinned = state
             .pool

@@ -294,8 +294,8 @@ impl Flag {
         // SAFETY: a 64-byte (one cache line) page-locked allocation; it is initialised to zero
         // right below before anything reads it.
         let ptr = unsafe { result::malloc_host(64, flags) }? as *mut u32;
-        // SAFETY: `ptr` is a fresh, suitably aligned allocation of 64 bytes.
-        unsafe { ptr.write_volatile(0) };
+        // SAFETY: `ptr` is a fresh, suitably aligned allocation of 64 bytes (16 words).
+        unsafe { std::ptr::write_bytes(ptr, 0, 16) };
         let mut dev: sys::CUdeviceptr = 0;
         // SAFETY: `ptr` was allocated with DEVICEMAP in this context; the driver writes the
         // device address into `dev`.
@@ -326,6 +326,19 @@ impl Flag {
     /// The value last published.
     pub(crate) fn get(&self) -> u32 {
         self.atomic().load(Ordering::Acquire)
+    }
+
+    /// Word `i` (< 16) of the flag's cache line, as the GPU last wrote it.
+    pub(crate) fn word(&self, i: usize) -> u32 {
+        assert!(i < 16, "the flag has 16 words");
+        // SAFETY: the allocation is 64 bytes, so word `i` is live and aligned; the host only
+        // reads these words (with atomics), the GPU writes them.
+        unsafe { AtomicU32::from_ptr(self.ptr.add(i)) }.load(Ordering::Acquire)
+    }
+
+    /// The device address of word 0.
+    pub(crate) fn device_ptr(&self) -> sys::CUdeviceptr {
+        self.dev
     }
 
     /// Makes `stream` wait until the flag is at least `value` (cyclic comparison).

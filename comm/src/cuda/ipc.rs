@@ -1,0 +1,798 @@
+//! The `cuda_ipc` transport: device collectives among the ranks of one node, read straight out
+//! of each other's device memory, ordered on the caller's stream with no host round trip.
+//!
+//! **Set-up** (the first device collective of a communicator whose ranks all share a node, at
+//! most [`MAX_RANKS`] of them): every rank allocates one scratch buffer in device memory (flags
+//! and two slots, see [`super::ipc_plan`]), takes its CUDA IPC handle (`cuIpcGetMemHandle`) and
+//! publishes a record through the communicator's store: process id, device, address, handle, or
+//! why it cannot take part. When every record is usable, each rank maps every peer's scratch:
+//! the plain address for ranks in the same process (IPC handles cannot be opened by the process
+//! that made them), `cuIpcOpenMemHandle` (peer access enabled lazily, so ranks on different GPUs
+//! work too) for the others, through a process-wide cache keyed by context and handle, so an
+//! allocation is mapped once however many communicators use it. A second round through the store
+//! confirms every rank mapped everything. If any rank cannot, every rank falls back to staging
+//! through host memory (`OXCCL_CUDA_IPC=1` makes that an error instead).
+//!
+//! **An operation** is the steps of its [`IpcPlan`], enqueued on the caller's stream: copies
+//! (`cuMemcpyDtoDAsync`), the reduce kernels of `oxccl-kernels` with one input per rank's slot,
+//! and the barrier kernel (`oxccl_ipc_barrier`: device flags, a deadline, mismatch detection). The
+//! call returns once enqueued. Operations of one communicator on different streams are chained
+//! (each waits for the previous one's event), since the barrier protocol needs them in order.
+//!
+//! **Failures** the barrier detects (a rank that never arrives within `OXCCL_TIMEOUT`, a rank
+//! that called something else) land in a device-mapped host word; the next call, and
+//! [`Communicator::device_async_error`](crate::Communicator::device_async_error), turn it into an
+//! [`Error::Timeout`] or [`Error::Mismatch`] naming the peer and the operation.
+//!
+//! **Tear-down**: when the communicator is dropped, each rank waits (bounded) for its last
+//! operation, says so through the store and waits (bounded) for every peer to say the same
+//! before it unmaps peers and frees its scratch; whatever cannot be confirmed is leaked rather
+//! than freed under a kernel that may still read it.
+
+use std::collections::{HashMap, VecDeque};
+use std::hash::Hash;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream};
+use oxccl_kernels::cuda::CudaKernels;
+use oxccl_kernels::{DType, ReduceOp};
+
+use super::ipc_plan::{
+    execute, ipc_plan, Bases, Cursor, Exec, ERR_MISMATCH, ERR_TIMEOUT, FLAGS_BYTES, MAX_RANKS,
+};
+use super::plan::Kind;
+use super::staging::{wait_event, Flag};
+use crate::bootstrap::Store;
+use crate::communicator::Communicator;
+use crate::error::{Error, Result};
+
+/// Byte offset, in a scratch allocation, of the device error word (after the flag words).
+const DEV_ERROR_OFFSET: usize = 2 * MAX_RANKS * 8;
+
+/// Longest wait at tear-down, for the last operation and for the peers.
+const TEARDOWN_WAIT: Duration = Duration::from_secs(30);
+
+/// Operations remembered to name the one a failed barrier belonged to.
+const HISTORY: usize = 64;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The kernels loaded on `ctx`, shared by every communicator of the process (compiling and
+/// loading them is done once per context).
+fn kernels_for(ctx: &Arc<CudaContext>) -> std::result::Result<Arc<CudaKernels>, String> {
+    static LOADED: OnceLock<Mutex<HashMap<usize, Arc<CudaKernels>>>> = OnceLock::new();
+    let mut map = lock(LOADED.get_or_init(|| Mutex::new(HashMap::new())));
+    let key = ctx.cu_ctx() as usize;
+    if let Some(k) = map.get(&key) {
+        return Ok(Arc::clone(k));
+    }
+    let k = Arc::new(CudaKernels::new(ctx).map_err(|e| e.to_string())?);
+    map.insert(key, Arc::clone(&k));
+    Ok(k)
+}
+
+/// A reference-counted cache of mappings: the first user of a key opens it, the last one to
+/// release it closes it.
+pub(crate) struct RegCache<K, V> {
+    map: Mutex<HashMap<K, (V, usize)>>,
+}
+
+impl<K: Eq + Hash + Clone, V: Copy> RegCache<K, V> {
+    pub(crate) fn new() -> Self {
+        RegCache {
+            map: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The mapping of `key`, opened with `open` if nobody holds it.
+    pub(crate) fn acquire<E>(
+        &self,
+        key: &K,
+        open: impl FnOnce() -> std::result::Result<V, E>,
+    ) -> std::result::Result<V, E> {
+        let mut map = lock(&self.map);
+        if let Some((v, refs)) = map.get_mut(key) {
+            *refs += 1;
+            return Ok(*v);
+        }
+        let v = open()?;
+        map.insert(key.clone(), (v, 1));
+        Ok(v)
+    }
+
+    /// Gives `key` back; `close` runs when it was the last holder.
+    pub(crate) fn release(&self, key: &K, close: impl FnOnce(V)) {
+        let mut map = lock(&self.map);
+        let last = match map.get_mut(key) {
+            Some((_, refs)) => {
+                *refs -= 1;
+                *refs == 0
+            }
+            None => false,
+        };
+        if last {
+            if let Some((v, _)) = map.remove(key) {
+                close(v);
+            }
+        }
+    }
+
+    #[cfg(test)]
+    fn holders(&self, key: &K) -> usize {
+        lock(&self.map).get(key).map_or(0, |e| e.1)
+    }
+}
+
+/// Peer allocations opened through CUDA IPC, keyed by (context, handle).
+type MapKey = (usize, [u8; 64]);
+
+fn mapped() -> &'static RegCache<MapKey, sys::CUdeviceptr> {
+    static MAPPED: OnceLock<RegCache<MapKey, sys::CUdeviceptr>> = OnceLock::new();
+    MAPPED.get_or_init(RegCache::new)
+}
+
+/// What a rank publishes at set-up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Record {
+    /// Its scratch: process, device ordinal, address in its process, IPC handle.
+    Ready {
+        pid: u32,
+        ordinal: usize,
+        ptr: u64,
+        handle: [u8; 64],
+    },
+    /// Why it cannot take part.
+    No(String),
+}
+
+impl Record {
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        match self {
+            Record::Ready {
+                pid,
+                ordinal,
+                ptr,
+                handle,
+            } => {
+                let hex: String = handle.iter().map(|b| format!("{b:02x}")).collect();
+                format!("ready {pid} {ordinal} {ptr:x} {hex}").into_bytes()
+            }
+            Record::No(why) => format!("no {why}").into_bytes(),
+        }
+    }
+
+    pub(crate) fn decode(b: &[u8]) -> std::result::Result<Record, String> {
+        let s = String::from_utf8_lossy(b);
+        if let Some(why) = s.strip_prefix("no ") {
+            return Ok(Record::No(why.to_string()));
+        }
+        let bad = || format!("unreadable cuda_ipc record {s:?}");
+        let f: Vec<&str> = s.split(' ').collect();
+        if f.len() != 5 || f[0] != "ready" || f[4].len() != 128 {
+            return Err(bad());
+        }
+        let mut handle = [0u8; 64];
+        for (i, h) in handle.iter_mut().enumerate() {
+            *h = u8::from_str_radix(&f[4][2 * i..2 * i + 2], 16).map_err(|_| bad())?;
+        }
+        Ok(Record::Ready {
+            pid: f[1].parse().map_err(|_| bad())?,
+            ordinal: f[2].parse().map_err(|_| bad())?,
+            ptr: u64::from_str_radix(f[3], 16).map_err(|_| bad())?,
+            handle,
+        })
+    }
+}
+
+/// Why a communicator cannot use CUDA IPC at all, from facts every rank knows alike (so no rank
+/// waits for records the others will not publish).
+pub(crate) fn shape_reason(size: usize, node_ids: &[&str]) -> Option<String> {
+    if size < 2 {
+        Some("a single rank".into())
+    } else if size > MAX_RANKS {
+        Some(format!(
+            "{size} ranks (at most {MAX_RANKS} share device memory)"
+        ))
+    } else if node_ids.iter().any(|n| *n != node_ids[0]) {
+        Some("ranks on more than one node".into())
+    } else {
+        None
+    }
+}
+
+/// This rank's own part: its scratch allocation, error word and kernels.
+struct Local {
+    ctx: Arc<CudaContext>,
+    kernels: Arc<CudaKernels>,
+    scratch: sys::CUdeviceptr,
+    handle: [u8; 64],
+    /// Written by barrier kernels: dropped only when `leak` is not set.
+    error: std::mem::ManuallyDrop<Flag>,
+    /// Recorded after every operation (they are chained, so the last one covers all).
+    done: CudaEvent,
+    /// Leave the memory allocated when dropped (a kernel may still use it).
+    leak: bool,
+}
+
+impl Local {
+    fn new(ctx: &Arc<CudaContext>, slot_bytes: usize) -> std::result::Result<Local, String> {
+        let d = |what: &str, e: sys::CUresult| format!("{what}: {e:?}");
+        let kernels = kernels_for(ctx)?;
+        ctx.bind_to_thread()
+            .map_err(|e| format!("binding the context: {e:?}"))?;
+        let bytes = FLAGS_BYTES + 2 * slot_bytes;
+        let mut scratch: sys::CUdeviceptr = 0;
+        // SAFETY: the driver writes the address of a fresh allocation of `bytes` bytes.
+        let r = unsafe { sys::cuMemAlloc_v2(&mut scratch, bytes) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(d(&format!("allocating {bytes} bytes of device scratch"), r));
+        }
+        let free = |scratch| {
+            // SAFETY: allocated above and not shared with anyone yet.
+            let _ = unsafe { sys::cuMemFree_v2(scratch) };
+        };
+        // The flags must read zero before any peer can see the handle: cleared on a stream of
+        // our own and waited for.
+        let cleared = ctx.new_stream().and_then(|s| {
+            // SAFETY: the first FLAGS_BYTES of the allocation made above.
+            unsafe { sys::cuMemsetD8Async(scratch, 0, FLAGS_BYTES, s.cu_stream()) }.result()?;
+            s.synchronize()
+        });
+        if let Err(e) = cleared {
+            free(scratch);
+            return Err(format!("clearing the flags: {e:?}"));
+        }
+        let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
+        // SAFETY: `scratch` is a cuMemAlloc allocation of this context; the driver fills `h`.
+        let r = unsafe { sys::cuIpcGetMemHandle(&mut h, scratch) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            free(scratch);
+            return Err(d("cuIpcGetMemHandle", r));
+        }
+        let handle = h.reserved.map(|c| c as u8);
+        let error = Flag::new(ctx).map_err(|e| {
+            free(scratch);
+            format!("allocating the error word: {e:?}")
+        })?;
+        let done = ctx.new_event(None).map_err(|e| {
+            free(scratch);
+            format!("creating an event: {e:?}")
+        })?;
+        Ok(Local {
+            ctx: Arc::clone(ctx),
+            kernels,
+            scratch,
+            handle,
+            error: std::mem::ManuallyDrop::new(error),
+            done,
+            leak: false,
+        })
+    }
+}
+
+impl Drop for Local {
+    fn drop(&mut self) {
+        if self.leak {
+            // The error word may still be written by a barrier kernel: it stays allocated too.
+            return;
+        }
+        // SAFETY: dropped once, here; nothing writes the word any more (see below).
+        unsafe { std::mem::ManuallyDrop::drop(&mut self.error) };
+        // SAFETY: the context is live (held by `self.ctx`); the scratch was allocated in it and
+        // no kernel uses it any more (the owner checked, or set `leak`).
+        unsafe {
+            let _ = result::ctx::set_current(self.ctx.cu_ctx());
+            let _ = sys::cuMemFree_v2(self.scratch);
+        }
+    }
+}
+
+/// A communicator's CUDA IPC state, made by [`setup`].
+pub(crate) struct IpcState {
+    local: Local,
+    /// Every rank's scratch as this process addresses it (this rank's own included).
+    bases: Vec<u64>,
+    /// Cache keys of the peers' allocations this rank opened, to give back.
+    opened: Vec<MapKey>,
+    slot_bytes: usize,
+    one_shot: usize,
+    cur: Cursor,
+    /// Operations so far (the sequence number in errors).
+    ops: u64,
+    /// The stream of the last operation.
+    last_stream: Option<sys::CUstream>,
+    /// (first barrier epoch, sequence number, description) of recent operations.
+    history: VecDeque<(u32, u64, String)>,
+    store: Arc<dyn Store>,
+    id: String,
+    rank: usize,
+    size: usize,
+    timeout: Duration,
+}
+
+// SAFETY: the raw stream handle is only compared, never used; the device addresses are plain
+// numbers; everything else is Send.
+unsafe impl Send for IpcState {}
+
+/// Joins (or declines) CUDA IPC for `comm`'s device collectives, on every rank alike.
+///
+/// `Ok(None)`: stage through host memory instead (the reason is logged).
+///
+/// # Errors
+/// `Cuda` when `OXCCL_CUDA_IPC=1` and some rank cannot take part (naming it and why); `Store`
+/// or `Timeout` when the store fails or a rank does not publish its record in time.
+pub(crate) fn setup(
+    comm: &Communicator,
+    ctx: &Arc<CudaContext>,
+    op: &str,
+) -> Result<Option<IpcState>> {
+    let cfg = &comm.cfg;
+    let (rank, size) = (comm.rank, comm.size);
+    let declined = |why: String| -> Result<Option<IpcState>> {
+        if cfg.cuda_ipc == Some(true) {
+            Err(Error::Cuda {
+                rank,
+                op: op.into(),
+                msg: format!("OXCCL_CUDA_IPC=1, but CUDA IPC cannot be used: {why}"),
+            })
+        } else {
+            tracing::info!(rank, "device collectives staged through host memory: {why}");
+            Ok(None)
+        }
+    };
+    let nodes: Vec<&str> = comm.peers.iter().map(|p| p.node_id.as_str()).collect();
+    if let Some(why) = shape_reason(size, &nodes) {
+        return declined(why);
+    }
+    let local = if cfg.cuda_ipc == Some(false) {
+        Err("OXCCL_CUDA_IPC=0".to_string())
+    } else {
+        Local::new(ctx, cfg.cuda_ipc_slot)
+    };
+    let mine = match &local {
+        Ok(l) => Record::Ready {
+            pid: std::process::id(),
+            ordinal: ctx.ordinal(),
+            ptr: l.scratch,
+            handle: l.handle,
+        },
+        Err(why) => Record::No(why.clone()),
+    };
+    let deadline = Instant::now() + cfg.timeout;
+    let key = |what: &str, q: usize| format!("{}/cuda_ipc/{what}/{q}", comm.id);
+    let store = &comm.store;
+    let gather = |what: &str, value: &[u8]| -> Result<Vec<Vec<u8>>> {
+        store.set(&key(what, rank), value)?;
+        (0..size)
+            .map(|q| {
+                store.get(
+                    &key(what, q),
+                    deadline.saturating_duration_since(Instant::now()),
+                )
+            })
+            .collect()
+    };
+    let records = gather("record", &mine.encode())?;
+    let mut peers = Vec::with_capacity(size);
+    for (q, b) in records.iter().enumerate() {
+        match Record::decode(b) {
+            Ok(Record::No(why)) => return declined(format!("rank {q}: {why}")),
+            Ok(r) => peers.push(r),
+            Err(e) => return declined(format!("rank {q}: {e}")),
+        }
+    }
+    let local = local.map_err(|why| Error::Cuda {
+        rank,
+        op: op.into(),
+        msg: format!("internal: a declined rank published a usable record ({why})"),
+    })?;
+
+    // Map every peer's scratch.
+    let mut bases = vec![0u64; size];
+    let mut opened = Vec::new();
+    let mut failure = None;
+    for (q, rec) in peers.iter().enumerate() {
+        let Record::Ready {
+            pid,
+            ordinal,
+            ptr,
+            handle,
+        } = rec
+        else {
+            continue;
+        };
+        if q == rank {
+            bases[q] = local.scratch;
+            continue;
+        }
+        let r = if *pid == std::process::id() {
+            same_process_peer(ctx, *ordinal).map(|()| *ptr)
+        } else {
+            let k = (ctx.cu_ctx() as usize, *handle);
+            let r = mapped().acquire(&k, || open_handle(handle));
+            if r.is_ok() {
+                opened.push(k);
+            }
+            r
+        };
+        match r {
+            Ok(p) => bases[q] = p,
+            Err(e) => {
+                failure = Some(format!("mapping rank {q}'s device memory: {e}"));
+                break;
+            }
+        }
+    }
+    let verdict = match &failure {
+        None => b"ok".to_vec(),
+        Some(why) => format!("no {why}").into_bytes(),
+    };
+    let verdicts = gather("mapped", &verdict);
+    let refused = match &verdicts {
+        Ok(v) => v
+            .iter()
+            .enumerate()
+            .find(|(_, b)| b.as_slice() != b"ok")
+            .map(|(q, b)| format!("rank {q}: {}", String::from_utf8_lossy(b))),
+        Err(e) => Some(e.to_string()),
+    };
+    if let Some(why) = refused {
+        for k in &opened {
+            mapped().release(k, close_handle);
+        }
+        // Peers that mapped our scratch give it back the same way; no kernel ever ran on it.
+        drop(local);
+        verdicts?;
+        return declined(why);
+    }
+    tracing::debug!(rank, size, "device collectives over cuda_ipc");
+    Ok(Some(IpcState {
+        local,
+        bases,
+        opened,
+        slot_bytes: cfg.cuda_ipc_slot,
+        one_shot: cfg.cuda_ipc_one_shot,
+        cur: Cursor::default(),
+        ops: 0,
+        last_stream: None,
+        history: VecDeque::new(),
+        store: Arc::clone(&comm.store),
+        id: comm.id.clone(),
+        rank,
+        size,
+        timeout: cfg.timeout,
+    }))
+}
+
+/// A peer rank that is a thread of this process: its address works as it is, once this context
+/// may reach its device.
+fn same_process_peer(ctx: &Arc<CudaContext>, ordinal: usize) -> std::result::Result<(), String> {
+    if ordinal == ctx.ordinal() {
+        return Ok(());
+    }
+    let peer = CudaContext::new(ordinal).map_err(|e| format!("device {ordinal}: {e:?}"))?;
+    ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
+    // SAFETY: both context handles are live (held by `ctx` and `peer`).
+    let r = unsafe { sys::cuCtxEnablePeerAccess(peer.cu_ctx(), 0) };
+    match r {
+        sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {
+            Ok(())
+        }
+        e => Err(format!(
+            "peer access from device {} to device {ordinal}: {e:?}",
+            ctx.ordinal()
+        )),
+    }
+}
+
+fn open_handle(handle: &[u8; 64]) -> std::result::Result<sys::CUdeviceptr, String> {
+    let h = sys::CUipcMemHandle_st {
+        reserved: handle.map(|b| b as std::ffi::c_char),
+    };
+    let mut p: sys::CUdeviceptr = 0;
+    let lazy = sys::CUipcMem_flags_enum::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
+    // SAFETY: `h` is a handle another process exported with cuIpcGetMemHandle; the driver maps
+    // it into the current context and writes the address.
+    let r = unsafe { sys::cuIpcOpenMemHandle_v2(&mut p, h, lazy) };
+    if r == sys::CUresult::CUDA_SUCCESS {
+        Ok(p)
+    } else {
+        Err(format!("cuIpcOpenMemHandle: {r:?}"))
+    }
+}
+
+fn close_handle(p: sys::CUdeviceptr) {
+    // SAFETY: `p` came from cuIpcOpenMemHandle and its last user gave it back.
+    let _ = unsafe { sys::cuIpcCloseMemHandle(p) };
+}
+
+/// The stream work of an IPC plan on a GPU.
+struct GpuExec<'a> {
+    stream: &'a Arc<CudaStream>,
+    kernels: &'a CudaKernels,
+    dt: DType,
+    op: ReduceOp,
+    rank: usize,
+    size: usize,
+    flags: &'a [u64],
+    timeout_ns: u64,
+    dev_error: u64,
+    host_error: u64,
+}
+
+impl Exec for GpuExec<'_> {
+    type Error = String;
+
+    fn copy(&mut self, dst: u64, src: u64, len: usize) -> std::result::Result<(), String> {
+        // SAFETY: the plan addresses only the caller's buffers (lengths checked) and the mapped
+        // scratch allocations, inside their bounds (`ipc_plan` keeps to the slots); the
+        // barriers order every read of a peer's slot after its writes.
+        unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, len, self.stream.cu_stream()) }
+            .result()
+            .map_err(|e| format!("copy: {e:?}"))
+    }
+
+    fn reduce(&mut self, dst: u64, inputs: &[u64], len: usize) -> std::result::Result<(), String> {
+        // SAFETY: as for `copy`; `dst` is the output or this rank's slot, and equals an input
+        // at most (two-shot reduces its own shard in place).
+        unsafe {
+            self.kernels
+                .reduce_raw(self.stream, self.dt, self.op, dst, inputs, len)
+        }
+        .map_err(|e| e.to_string())
+    }
+
+    fn avg(&mut self, dst: u64, len: usize) -> std::result::Result<(), String> {
+        // SAFETY: as for `copy`.
+        unsafe {
+            self.kernels
+                .finish_avg_raw(self.stream, self.dt, dst, len, self.size)
+        }
+        .map_err(|e| e.to_string())
+    }
+
+    fn barrier(&mut self, epoch: u32, sig: u32) -> std::result::Result<(), String> {
+        // SAFETY: every flag array is the start of a live scratch allocation mapped here; the
+        // error words live as long as the communicator's IPC state, which outlives the kernel
+        // (tear-down waits for the last operation's event, or leaks them).
+        unsafe {
+            self.kernels.ipc_barrier(
+                self.stream,
+                self.flags,
+                self.rank,
+                epoch,
+                sig,
+                self.timeout_ns,
+                self.dev_error,
+                self.host_error,
+            )
+        }
+        .map_err(|e| e.to_string())
+    }
+}
+
+impl IpcState {
+    /// The failure a barrier reported, as an error naming the peer and the operation.
+    pub(crate) fn failure(&self) -> Option<Error> {
+        let code = self.local.error.word(0);
+        if code == 0 {
+            return None;
+        }
+        let epoch = self.local.error.word(1);
+        let peer = (code >> 8) as usize;
+        // The operation whose barriers include `epoch`: the last one that started at or before.
+        let (seq, what) = self
+            .history
+            .iter()
+            .rev()
+            .find(|(first, _, _)| epoch.wrapping_sub(*first) < (1 << 31))
+            .map_or(
+                (self.ops, "a device collective".to_string()),
+                |(_, s, w)| (*s, w.clone()),
+            );
+        Some(match code & 0xff {
+            ERR_MISMATCH => Error::Mismatch {
+                rank: self.rank,
+                peer,
+                seq,
+                local: format!("{what} (cuda_ipc)"),
+                remote: "a different device collective, dtype, root or count".into(),
+            },
+            ERR_TIMEOUT => Error::Timeout {
+                rank: self.rank,
+                op: format!("{what} (cuda_ipc, device op #{seq})"),
+                timeout: self.timeout,
+                detail: format!("rank {peer} did not reach device barrier {epoch}"),
+            },
+            other => Error::Cuda {
+                rank: self.rank,
+                op: what,
+                msg: format!("unknown barrier error word {other:#x}"),
+            },
+        })
+    }
+
+    /// Enqueues one collective on `stream`; `count` as [`ipc_plan`] takes it, `input` and
+    /// `output` the device addresses (0 where this rank has no such buffer).
+    ///
+    /// # Errors
+    /// `Cuda` when enqueueing fails (the communicator's device collectives are unusable after
+    /// that: ranks would disagree on the barrier count).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn run(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        kind: Kind,
+        dt: DType,
+        count: usize,
+        input: u64,
+        output: u64,
+    ) -> std::result::Result<(), String> {
+        let Some(plan) = ipc_plan(
+            kind,
+            dt,
+            self.rank,
+            self.size,
+            count,
+            self.slot_bytes,
+            self.one_shot,
+        ) else {
+            return Err(format!("{} does not run over cuda_ipc", kind.name()));
+        };
+        let cu = stream.cu_stream();
+        if self.last_stream.is_some_and(|s| s != cu) {
+            // The barrier protocol needs this communicator's operations in order on the GPU.
+            stream
+                .wait(&self.local.done)
+                .map_err(|e| format!("ordering after the previous operation: {e:?}"))?;
+        }
+        self.history.push_back((
+            self.cur.epoch.wrapping_add(1),
+            self.ops,
+            describe(kind, dt, count),
+        ));
+        if self.history.len() > HISTORY {
+            self.history.pop_front();
+        }
+        let bases = Bases {
+            input,
+            output,
+            scratch: &self.bases,
+            slot_bytes: self.slot_bytes,
+        };
+        let mut exec = GpuExec {
+            stream,
+            kernels: &self.local.kernels,
+            dt,
+            op: kind.op(),
+            rank: self.rank,
+            size: self.size,
+            flags: &self.bases,
+            timeout_ns: u64::try_from(self.timeout.as_nanos()).unwrap_or(u64::MAX),
+            dev_error: self.local.scratch + DEV_ERROR_OFFSET as u64,
+            host_error: self.local.error.device_ptr(),
+        };
+        let r = execute(&plan, &bases, &mut self.cur, &mut exec);
+        self.ops += 1;
+        self.last_stream = Some(cu);
+        let recorded = self
+            .local
+            .done
+            .record(stream)
+            .map_err(|e| format!("recording the done event: {e:?}"));
+        r.and(recorded)
+    }
+}
+
+/// An operation as errors name it.
+fn describe(kind: Kind, dt: DType, count: usize) -> String {
+    let root = match kind {
+        Kind::Broadcast { root }
+        | Kind::Reduce { root, .. }
+        | Kind::Gather { root }
+        | Kind::Scatter { root } => format!(", root {root}"),
+        _ => String::new(),
+    };
+    let op = match kind {
+        Kind::AllReduce(op) | Kind::ReduceScatter(op) | Kind::Reduce { op, .. } => {
+            format!(" {}", op.name())
+        }
+        _ => String::new(),
+    };
+    format!("{}{op} of {count} x {}{root}", kind.name(), dt.short_name())
+}
+
+impl Drop for IpcState {
+    fn drop(&mut self) {
+        let deadline = Instant::now() + self.timeout.min(TEARDOWN_WAIT);
+        // SAFETY: the context handle is live (held by `self.local.ctx`).
+        let _ = unsafe { result::ctx::set_current(self.local.ctx.cu_ctx()) };
+        let idle =
+            self.last_stream.is_none() || wait_event(&self.local.done, deadline).unwrap_or(false);
+        // Every peer must be done with our scratch before it is freed, and we with theirs.
+        let key = |q: usize| format!("{}/cuda_ipc/bye/{q}", self.id);
+        let all_done = idle
+            && self.store.set(&key(self.rank), b"1").is_ok()
+            && (0..self.size).all(|q| {
+                self.store
+                    .get(&key(q), deadline.saturating_duration_since(Instant::now()))
+                    .is_ok()
+            });
+        if all_done {
+            for k in &self.opened {
+                mapped().release(k, close_handle);
+            }
+        } else {
+            tracing::warn!(
+                rank = self.rank,
+                "cuda_ipc tear-down: the last operation or a peer did not finish in time; \
+                 device scratch and peer mappings are left allocated"
+            );
+            self.local.leak = true;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cuda_ipc_records_round_trip_and_bad_ones_are_errors() {
+        let mut handle = [0u8; 64];
+        for (i, h) in handle.iter_mut().enumerate() {
+            *h = (i * 37) as u8;
+        }
+        let r = Record::Ready {
+            pid: 4242,
+            ordinal: 3,
+            ptr: 0x7f00_dead_beef,
+            handle,
+        };
+        assert_eq!(Record::decode(&r.encode()), Ok(r));
+        let no = Record::No("no CUDA driver (libcuda.so)".into());
+        assert_eq!(Record::decode(&no.encode()), Ok(no));
+        for bad in ["", "ready 1 2 3", "ready x 0 0 00", "maybe"] {
+            assert!(Record::decode(bad.as_bytes()).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn cuda_ipc_shape_is_decided_from_facts_every_rank_shares() {
+        assert!(shape_reason(1, &["a"]).is_some());
+        assert!(shape_reason(2, &["a", "b"])
+            .unwrap()
+            .contains("more than one node"));
+        assert!(shape_reason(9, &["a"; 9]).unwrap().contains("at most 8"));
+        assert_eq!(shape_reason(8, &["a"; 8]), None);
+    }
+
+    #[test]
+    fn cuda_ipc_registration_cache_maps_once_and_unmaps_after_the_last_user() {
+        let cache: RegCache<u32, u64> = RegCache::new();
+        let opens = std::cell::Cell::new(0);
+        let open = || -> std::result::Result<u64, ()> {
+            opens.set(opens.get() + 1);
+            Ok(0x1000)
+        };
+        assert_eq!(cache.acquire(&7, open), Ok(0x1000));
+        assert_eq!(cache.acquire(&7, open), Ok(0x1000));
+        assert_eq!((opens.get(), cache.holders(&7)), (1, 2));
+        let closed = std::cell::Cell::new(0);
+        cache.release(&7, |_| closed.set(closed.get() + 1));
+        assert_eq!((closed.get(), cache.holders(&7)), (0, 1));
+        cache.release(&7, |v| {
+            assert_eq!(v, 0x1000);
+            closed.set(closed.get() + 1);
+        });
+        assert_eq!((closed.get(), cache.holders(&7)), (1, 0));
+        // A failed open is not cached; releasing an unknown key does nothing.
+        assert_eq!(cache.acquire(&8, || Err::<u64, ()>(())), Err(()));
+        cache.release(&8, |_| panic!("nothing to close"));
+        assert_eq!(cache.acquire(&7, open), Ok(0x1000));
+        assert_eq!(opens.get(), 2);
+    }
+}

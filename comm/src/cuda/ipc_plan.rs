@@ -1,0 +1,944 @@
+//! The steps of a device collective over CUDA IPC, and the driver that runs them: pure code, the
+//! same on every rank, tested here without a GPU against a host model of the device protocol.
+//!
+//! # Memory
+//!
+//! Every rank owns one **scratch** allocation in device memory that all ranks of the node map
+//! (CUDA IPC between processes, the plain pointer between threads of one process):
+//!
+//! ```text
+//! [ flags: FLAGS_BYTES ][ slot 0: slot_bytes ][ slot 1: slot_bytes ]
+//! ```
+//!
+//! A collective copies (part of) its input into its own slot, waits at a **barrier** until every
+//! rank has done the same, then reads the other ranks' slots directly: a reduce kernel with one
+//! input per rank, or copies. Operations larger than a slot run in **chunks**; chunk number `c`
+//! (counted over the communicator's life, the same on every rank) uses slot `c % 2`. Every chunk
+//! has at least one barrier, and a rank reaches chunk `c`'s barrier only after finishing every
+//! read of chunk `c - 1` (stream order), so once a rank has passed chunk `c + 1`'s barrier nobody
+//! still reads the slot chunk `c + 2` writes: double buffering by epoch, one barrier per chunk
+//! for everything except two-shot reductions (two). A rank writes only its own slot and its own
+//! output.
+//!
+//! # Barrier protocol
+//!
+//! The flags of rank `q` are `2 x MAX_RANKS` 64-bit words; word `(e % 2) * MAX_RANKS + r` is
+//! written by rank `r` only. At its barrier number `e` (counted like chunks), rank `r` stores
+//! `(sig << 32) | e` into word `(e % 2) * MAX_RANKS + r` of every rank's flags (system-scope
+//! release), then waits (acquire loads) until its own word from each rank `q` holds epoch `e`,
+//! and checks that `q`'s `sig` (a hash of the operation, its dtype, root and count) equals its
+//! own: a different collective or length on another rank is reported as a mismatch naming that
+//! rank instead of corrupting memory or hanging. Ranks are never more than one barrier apart, so
+//! two words per writer suffice. Every wait has a deadline (`OXCCL_TIMEOUT`); a rank that times
+//! out (or sees a mismatch) sets its error word, and every later barrier of that rank returns at
+//! once, so a failed communicator never hangs a stream.
+
+use oxccl_kernels::{DType, ReduceOp};
+
+use super::plan::Kind;
+
+/// Most ranks an IPC communicator may have: one reduce kernel input per rank (the kernels take
+/// at most [`oxccl_kernels::cuda::MAX_INPUTS`]), and the barrier's flag words.
+pub(crate) const MAX_RANKS: usize = 8;
+
+/// Bytes of the flags at the start of every scratch allocation (2 x [`MAX_RANKS`] words, padded
+/// so the slots start 256-byte aligned).
+pub(crate) const FLAGS_BYTES: usize = 256;
+
+/// Error word values set by a barrier (low byte; the next byte is the peer's rank).
+pub(crate) const ERR_TIMEOUT: u32 = 1;
+/// See [`ERR_TIMEOUT`].
+pub(crate) const ERR_MISMATCH: u32 = 2;
+
+/// A place in device memory, relative to the buffers of the current chunk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Loc {
+    /// The caller's input buffer, at a byte offset.
+    In(usize),
+    /// The caller's output buffer.
+    Out(usize),
+    /// Rank `rank`'s slot of the current chunk.
+    Slot { rank: usize, off: usize },
+}
+
+/// One thing the stream does.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// `len` bytes from `src` to `dst` (nothing when both are the same address).
+    Copy { dst: Loc, src: Loc, len: usize },
+    /// `dst = inputs[0] op inputs[1] op ...` over `len` bytes, in this order on every rank.
+    Reduce {
+        dst: Loc,
+        inputs: Vec<Loc>,
+        len: usize,
+    },
+    /// `dst /= size`: the end of an average.
+    Avg { dst: Loc, len: usize },
+    /// Every rank of the communicator.
+    Barrier,
+}
+
+/// A device collective over IPC: its chunks, each the steps of one slot generation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct IpcPlan {
+    pub chunks: Vec<Vec<Step>>,
+    /// Hash of the operation every rank must agree on (checked at each barrier).
+    pub sig: u32,
+}
+
+/// One-shot or two-shot (reduce-scatter in the slots, then gather) for reductions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Shots {
+    One,
+    Two,
+}
+
+/// The element range `[start, start + len)` of shard `q` when `elems` are split over `n` ranks
+/// (the first `elems % n` shards one longer).
+fn shard(elems: usize, n: usize, q: usize) -> (usize, usize) {
+    let (base, extra) = (elems / n, elems % n);
+    (q * base + q.min(extra), base + usize::from(q < extra))
+}
+
+/// FNV-1a over the words that identify an operation.
+fn signature(words: &[u64]) -> u32 {
+    let mut h: u32 = 0x811c_9dc5;
+    for w in words {
+        for b in w.to_le_bytes() {
+            h ^= u32::from(b);
+            h = h.wrapping_mul(0x0100_0193);
+        }
+    }
+    h
+}
+
+/// Lays out a collective over IPC (`None` for point-to-point operations, which are staged).
+///
+/// `count` is the operation's common element count: the buffer of all-reduce and broadcast, the
+/// output of reduce-scatter and scatter, the input of all-gather, reduce and gather, one block of
+/// all-to-all. The arguments must already be checked ([`super::plan::plan`]); `slot_bytes` must
+/// hold at least `size` elements and `size <= MAX_RANKS`.
+pub(crate) fn ipc_plan(
+    kind: Kind,
+    dt: DType,
+    rank: usize,
+    size: usize,
+    count: usize,
+    slot_bytes: usize,
+    one_shot_bytes: usize,
+) -> Option<IpcPlan> {
+    let (es, n, r) = (dt.size(), size, rank);
+    let op = kind.op();
+    let code = match kind {
+        Kind::AllReduce(_) => 1,
+        Kind::ReduceScatter(_) => 2,
+        Kind::AllGather => 3,
+        Kind::Broadcast { .. } => 4,
+        Kind::Reduce { .. } => 5,
+        Kind::Gather { .. } => 6,
+        Kind::Scatter { .. } => 7,
+        Kind::AllToAll => 8,
+        Kind::Send { .. } | Kind::Recv { .. } => return None,
+    };
+    let sig = signature(&[code, op as u64, kind.root() as u64, dt as u64, count as u64]);
+    // Chunks of `per` elements, where a slot holds `pieces` blocks of a chunk.
+    let chunks_of = |pieces: usize| {
+        let per = (slot_bytes / (pieces * es)).max(1);
+        (0..count)
+            .step_by(per)
+            .map(move |a| (a * es, (per.min(count - a)) * es))
+    };
+    let all = |off: usize| (0..n).map(move |q| Loc::Slot { rank: q, off });
+    let me = |off: usize| Loc::Slot { rank: r, off };
+    let avg = op == ReduceOp::Avg;
+    let shots = if count * es <= one_shot_bytes {
+        Shots::One
+    } else {
+        Shots::Two
+    };
+    let mut chunks = Vec::new();
+    match kind {
+        Kind::AllReduce(_) | Kind::Reduce { .. } => {
+            let root = match kind {
+                Kind::Reduce { root, .. } => Some(root),
+                _ => None,
+            };
+            let gets_result = root.is_none_or(|root| root == r);
+            for (a, len) in chunks_of(1) {
+                let mut s = vec![
+                    Step::Copy {
+                        dst: me(0),
+                        src: Loc::In(a),
+                        len,
+                    },
+                    Step::Barrier,
+                ];
+                match shots {
+                    Shots::One => {
+                        if gets_result {
+                            s.push(Step::Reduce {
+                                dst: Loc::Out(a),
+                                inputs: all(0).collect(),
+                                len,
+                            });
+                            if avg {
+                                s.push(Step::Avg {
+                                    dst: Loc::Out(a),
+                                    len,
+                                });
+                            }
+                        }
+                    }
+                    Shots::Two => {
+                        let elems = len / es;
+                        let (start, mine) = shard(elems, n, r);
+                        let (off, bytes) = (start * es, mine * es);
+                        if bytes > 0 {
+                            s.push(Step::Reduce {
+                                dst: me(off),
+                                inputs: all(off).collect(),
+                                len: bytes,
+                            });
+                            if avg {
+                                s.push(Step::Avg {
+                                    dst: me(off),
+                                    len: bytes,
+                                });
+                            }
+                        }
+                        s.push(Step::Barrier);
+                        if gets_result {
+                            for q in 0..n {
+                                let (start, m) = shard(elems, n, q);
+                                if m > 0 {
+                                    s.push(Step::Copy {
+                                        dst: Loc::Out(a + start * es),
+                                        src: Loc::Slot {
+                                            rank: q,
+                                            off: start * es,
+                                        },
+                                        len: m * es,
+                                    });
+                                }
+                            }
+                        }
+                    }
+                }
+                chunks.push(s);
+            }
+        }
+        Kind::ReduceScatter(_) => {
+            let block = count * es;
+            for (a, len) in chunks_of(n) {
+                let mut s: Vec<Step> = (0..n)
+                    .map(|q| Step::Copy {
+                        dst: me(q * len),
+                        src: Loc::In(q * block + a),
+                        len,
+                    })
+                    .collect();
+                s.push(Step::Barrier);
+                s.push(Step::Reduce {
+                    dst: Loc::Out(a),
+                    inputs: all(r * len).collect(),
+                    len,
+                });
+                if avg {
+                    s.push(Step::Avg {
+                        dst: Loc::Out(a),
+                        len,
+                    });
+                }
+                chunks.push(s);
+            }
+        }
+        Kind::AllGather | Kind::Gather { .. } => {
+            let block = count * es;
+            let takes = match kind {
+                Kind::Gather { root } => root == r,
+                _ => true,
+            };
+            for (a, len) in chunks_of(1) {
+                let mut s = vec![
+                    Step::Copy {
+                        dst: me(0),
+                        src: Loc::In(a),
+                        len,
+                    },
+                    Step::Barrier,
+                ];
+                if takes {
+                    s.extend((0..n).map(|q| Step::Copy {
+                        dst: Loc::Out(q * block + a),
+                        src: Loc::Slot { rank: q, off: 0 },
+                        len,
+                    }));
+                }
+                chunks.push(s);
+            }
+        }
+        Kind::Broadcast { root } => {
+            for (a, len) in chunks_of(1) {
+                let mut s = Vec::new();
+                if r == root {
+                    s.push(Step::Copy {
+                        dst: me(0),
+                        src: Loc::In(a),
+                        len,
+                    });
+                }
+                s.push(Step::Barrier);
+                s.push(Step::Copy {
+                    dst: Loc::Out(a),
+                    src: if r == root {
+                        Loc::In(a)
+                    } else {
+                        Loc::Slot { rank: root, off: 0 }
+                    },
+                    len,
+                });
+                chunks.push(s);
+            }
+        }
+        Kind::Scatter { root } => {
+            let block = count * es;
+            for (a, len) in chunks_of(n) {
+                let mut s = Vec::new();
+                if r == root {
+                    s.extend((0..n).map(|q| Step::Copy {
+                        dst: me(q * len),
+                        src: Loc::In(q * block + a),
+                        len,
+                    }));
+                }
+                s.push(Step::Barrier);
+                s.push(Step::Copy {
+                    dst: Loc::Out(a),
+                    src: Loc::Slot {
+                        rank: root,
+                        off: r * len,
+                    },
+                    len,
+                });
+                chunks.push(s);
+            }
+        }
+        Kind::AllToAll => {
+            let block = count * es;
+            for (a, len) in chunks_of(n) {
+                let mut s: Vec<Step> = (0..n)
+                    .map(|q| Step::Copy {
+                        dst: me(q * len),
+                        src: Loc::In(q * block + a),
+                        len,
+                    })
+                    .collect();
+                s.push(Step::Barrier);
+                s.extend((0..n).map(|q| Step::Copy {
+                    dst: Loc::Out(q * block + a),
+                    src: Loc::Slot {
+                        rank: q,
+                        off: r * len,
+                    },
+                    len,
+                }));
+                chunks.push(s);
+            }
+        }
+        Kind::Send { .. } | Kind::Recv { .. } => return None,
+    }
+    Some(IpcPlan { chunks, sig })
+}
+
+/// What a stream can be asked to do, on device addresses (the GPU implementation enqueues; the
+/// tests' model does it at once).
+pub(crate) trait Exec {
+    type Error;
+    /// `len` bytes from `src` to `dst` (distinct, non-overlapping ranges).
+    fn copy(&mut self, dst: u64, src: u64, len: usize) -> Result<(), Self::Error>;
+    /// `dst = inputs[0] op inputs[1] op ...` (`dst` may be one of the inputs).
+    fn reduce(&mut self, dst: u64, inputs: &[u64], len: usize) -> Result<(), Self::Error>;
+    /// `dst /= size`.
+    fn avg(&mut self, dst: u64, len: usize) -> Result<(), Self::Error>;
+    /// Barrier number `epoch` of the communicator, for the operation `sig`.
+    fn barrier(&mut self, epoch: u32, sig: u32) -> Result<(), Self::Error>;
+}
+
+/// The addresses a plan runs on.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Bases<'a> {
+    pub input: u64,
+    pub output: u64,
+    /// Every rank's scratch allocation, as this rank addresses it.
+    pub scratch: &'a [u64],
+    pub slot_bytes: usize,
+}
+
+/// Where a communicator's IPC operations have got to: barriers and chunks so far (the same on
+/// every rank).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Cursor {
+    pub epoch: u32,
+    pub chunks: u64,
+}
+
+/// Runs `plan` through `exec`, advancing `cur`.
+///
+/// # Errors
+/// The first error of `exec`; `cur` then counts what was issued.
+pub(crate) fn execute<E: Exec>(
+    plan: &IpcPlan,
+    b: &Bases<'_>,
+    cur: &mut Cursor,
+    exec: &mut E,
+) -> Result<(), E::Error> {
+    for chunk in &plan.chunks {
+        let parity = (cur.chunks % 2) as usize;
+        cur.chunks += 1;
+        let addr = |l: Loc| -> u64 {
+            match l {
+                Loc::In(o) => b.input + o as u64,
+                Loc::Out(o) => b.output + o as u64,
+                Loc::Slot { rank, off } => {
+                    b.scratch[rank] + (FLAGS_BYTES + parity * b.slot_bytes + off) as u64
+                }
+            }
+        };
+        for step in chunk {
+            match step {
+                Step::Copy { dst, src, len } => {
+                    let (d, s) = (addr(*dst), addr(*src));
+                    if *len > 0 && d != s {
+                        exec.copy(d, s, *len)?;
+                    }
+                }
+                Step::Reduce { dst, inputs, len } => {
+                    if *len > 0 {
+                        let ins: Vec<u64> = inputs.iter().map(|l| addr(*l)).collect();
+                        exec.reduce(addr(*dst), &ins, *len)?;
+                    }
+                }
+                Step::Avg { dst, len } => {
+                    if *len > 0 {
+                        exec.avg(addr(*dst), *len)?;
+                    }
+                }
+                Step::Barrier => {
+                    cur.epoch = cur.epoch.wrapping_add(1);
+                    exec.barrier(cur.epoch, plan.sig)?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    //! The plans run on a host model of the GPU: every rank a thread, its scratch a host
+    //! allocation the other threads read through raw addresses, as kernels read IPC mappings,
+    //! and the barrier the same flag protocol as the CUDA kernel (`oxccl_ipc_barrier`), with
+    //! atomics. Ranks run concurrently and unsynchronised except by those barriers, so a plan
+    //! that read a slot before its writer passed the barrier, or reused a slot too early, would
+    //! give wrong results here.
+
+    use super::*;
+    use proptest::prelude::*;
+    use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    /// Index of the flag word rank `writer` sets at barrier `epoch` (in the flags of every
+    /// rank), as `oxccl_ipc_barrier` computes it.
+    fn flag_index(epoch: u32, writer: usize) -> usize {
+        (epoch % 2) as usize * MAX_RANKS + writer
+    }
+
+    /// The value a rank writes at barrier `epoch` of operation `sig`.
+    fn flag_value(epoch: u32, sig: u32) -> u64 {
+        (u64::from(sig) << 32) | u64::from(epoch)
+    }
+
+    /// One rank's view of the model GPU.
+    struct Model<'a> {
+        rank: usize,
+        size: usize,
+        dt: DType,
+        op: ReduceOp,
+        scratch: &'a [u64],
+        error: &'a AtomicU32,
+        timeout: Duration,
+    }
+
+    impl Model<'_> {
+        fn flag(&self, owner: usize, index: usize) -> &AtomicU64 {
+            let addr = self.scratch[owner] as usize + index * 8;
+            // SAFETY: every scratch allocation starts with FLAGS_BYTES of u64-aligned flags that
+            // live as long as the test's world; they are accessed only atomically.
+            unsafe { AtomicU64::from_ptr(addr as *mut u64) }
+        }
+    }
+
+    impl Exec for Model<'_> {
+        type Error = u32;
+        fn copy(&mut self, dst: u64, src: u64, len: usize) -> Result<(), u32> {
+            // SAFETY: both are live ranges of this world's buffers; the plan keeps writers and
+            // readers apart with barriers (which is what these tests check).
+            unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len) };
+            Ok(())
+        }
+        fn reduce(&mut self, dst: u64, inputs: &[u64], len: usize) -> Result<(), u32> {
+            // SAFETY: as for `copy`.
+            let read = |a: u64| unsafe { std::slice::from_raw_parts(a as *const u8, len) }.to_vec();
+            let mut acc = read(inputs[0]);
+            for &i in &inputs[1..] {
+                oxccl_kernels::reduce_bytes(self.dt, self.op, &mut acc, &read(i)).unwrap();
+            }
+            self.copy(dst, acc.as_ptr() as u64, len)
+        }
+        fn avg(&mut self, dst: u64, len: usize) -> Result<(), u32> {
+            // SAFETY: as for `copy`; only this rank touches its averaged range here.
+            let d = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, len) };
+            oxccl_kernels::finish_avg_bytes(self.dt, d, self.size).unwrap();
+            Ok(())
+        }
+        fn barrier(&mut self, epoch: u32, sig: u32) -> Result<(), u32> {
+            let err = self.error.load(Ordering::Acquire);
+            if err != 0 {
+                return Err(err);
+            }
+            let i = flag_index(epoch, self.rank);
+            for q in 0..self.size {
+                self.flag(q, i)
+                    .store(flag_value(epoch, sig), Ordering::Release);
+            }
+            let deadline = Instant::now() + self.timeout;
+            for q in 0..self.size {
+                loop {
+                    let v = self
+                        .flag(self.rank, flag_index(epoch, q))
+                        .load(Ordering::Acquire);
+                    if v as u32 == epoch {
+                        if (v >> 32) as u32 != sig {
+                            let e = ERR_MISMATCH | (q as u32) << 8;
+                            self.error.store(e, Ordering::Release);
+                            return Err(e);
+                        }
+                        break;
+                    }
+                    if Instant::now() > deadline {
+                        let e = ERR_TIMEOUT | (q as u32) << 8;
+                        self.error.store(e, Ordering::Release);
+                        return Err(e);
+                    }
+                    std::thread::yield_now();
+                }
+            }
+            Ok(())
+        }
+    }
+
+    /// A call of one rank: the operation, its input and its output length (elements).
+    #[derive(Clone)]
+    struct Call {
+        kind: Kind,
+        count: usize,
+        input: Vec<i32>,
+        out_len: usize,
+        in_place: bool,
+    }
+
+    /// Runs every rank's calls in order on the model; returns each rank's output of every call,
+    /// or the error word of its failed barrier.
+    fn run_world(
+        size: usize,
+        slot_bytes: usize,
+        one_shot: usize,
+        calls: impl Fn(usize) -> Vec<Call> + Sync,
+        timeout: Duration,
+    ) -> Vec<Vec<Result<Vec<i32>, u32>>> {
+        let scratch: Vec<Vec<u64>> = (0..size)
+            .map(|_| vec![0u64; (FLAGS_BYTES + 2 * slot_bytes).div_ceil(8)])
+            .collect();
+        let bases: Vec<u64> = scratch.iter().map(|s| s.as_ptr() as u64).collect();
+        let errors: Vec<AtomicU32> = (0..size).map(|_| AtomicU32::new(0)).collect();
+        let bases = Arc::new(bases);
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..size)
+                .map(|rank| {
+                    let (bases, errors, calls) = (Arc::clone(&bases), &errors, &calls);
+                    s.spawn(move || {
+                        let mut cur = Cursor::default();
+                        let mut outs = Vec::new();
+                        for call in calls(rank) {
+                            let mut input = call.input.clone();
+                            let mut out = if call.in_place {
+                                Vec::new()
+                            } else {
+                                vec![-7i32; call.out_len]
+                            };
+                            let plan = ipc_plan(
+                                call.kind,
+                                DType::I32,
+                                rank,
+                                size,
+                                call.count,
+                                slot_bytes,
+                                one_shot,
+                            )
+                            .expect("a collective");
+                            let (input_addr, output_addr) = if call.in_place {
+                                let p = input.as_mut_ptr() as u64;
+                                (p, p)
+                            } else {
+                                (input.as_ptr() as u64, out.as_mut_ptr() as u64)
+                            };
+                            let b = Bases {
+                                input: input_addr,
+                                output: output_addr,
+                                scratch: &bases,
+                                slot_bytes,
+                            };
+                            let mut m = Model {
+                                rank,
+                                size,
+                                dt: DType::I32,
+                                op: call.kind.op(),
+                                scratch: &bases,
+                                error: &errors[rank],
+                                timeout,
+                            };
+                            let r = execute(&plan, &b, &mut cur, &mut m);
+                            outs.push(r.map(|()| if call.in_place { input } else { out }));
+                        }
+                        outs
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    fn data(rank: usize, n: usize, salt: usize) -> Vec<i32> {
+        (0..n)
+            .map(|i| ((rank * 7919 + i * 31 + salt * 131) % 2001) as i32 - 1000)
+            .collect()
+    }
+
+    /// The serial reference of one call, from every rank's input.
+    fn reference(
+        kind: Kind,
+        rank: usize,
+        size: usize,
+        count: usize,
+        inputs: &[Vec<i32>],
+    ) -> Vec<i32> {
+        let red = |op: ReduceOp, f: &dyn Fn(usize) -> usize, len: usize| -> Vec<i32> {
+            (0..len)
+                .map(|i| {
+                    let vals: Vec<i32> = (0..size).map(|q| inputs[q][f(i)]).collect();
+                    oxccl_kernels::reference_reduce(&vals, op)
+                })
+                .collect()
+        };
+        match kind {
+            Kind::AllReduce(op) => red(op, &|i| i, count),
+            Kind::Reduce { op, .. } => red(op, &|i| i, count),
+            Kind::ReduceScatter(op) => red(op, &|i| rank * count + i, count),
+            Kind::AllGather | Kind::Gather { .. } => inputs.concat(),
+            Kind::Broadcast { root } => inputs[root].clone(),
+            Kind::Scatter { root } => inputs[root][rank * count..(rank + 1) * count].to_vec(),
+            Kind::AllToAll => (0..size)
+                .flat_map(|q| inputs[q][rank * count..(rank + 1) * count].to_vec())
+                .collect(),
+            Kind::Send { .. } | Kind::Recv { .. } => unreachable!(),
+        }
+    }
+
+    /// Input and output lengths of `kind` on `rank` (0 where the rank has no such buffer).
+    fn lengths(kind: Kind, rank: usize, size: usize, count: usize) -> (usize, usize) {
+        match kind {
+            Kind::AllReduce(_) | Kind::Broadcast { .. } => (count, count),
+            Kind::Reduce { root, .. } => (count, if rank == root { count } else { 0 }),
+            Kind::ReduceScatter(_) => (count * size, count),
+            Kind::AllGather => (count, count * size),
+            Kind::Gather { root } => (count, if rank == root { count * size } else { 0 }),
+            Kind::Scatter { root } => (if rank == root { count * size } else { 0 }, count),
+            Kind::AllToAll => (count * size, count * size),
+            Kind::Send { .. } | Kind::Recv { .. } => unreachable!(),
+        }
+    }
+
+    fn kinds(size: usize) -> Vec<Kind> {
+        let last = size - 1;
+        vec![
+            Kind::AllReduce(ReduceOp::Sum),
+            Kind::AllReduce(ReduceOp::Max),
+            Kind::AllReduce(ReduceOp::Avg),
+            Kind::ReduceScatter(ReduceOp::Sum),
+            Kind::ReduceScatter(ReduceOp::Min),
+            Kind::AllGather,
+            Kind::Broadcast { root: last },
+            Kind::Reduce {
+                op: ReduceOp::Sum,
+                root: last,
+            },
+            Kind::Reduce {
+                op: ReduceOp::Prod,
+                root: 0,
+            },
+            Kind::Gather { root: last },
+            Kind::Scatter { root: 0 },
+            Kind::AllToAll,
+        ]
+    }
+
+    /// Every collective, back to back on one communicator, against the serial reference.
+    fn check_world(size: usize, counts: &[usize], slot_bytes: usize, one_shot: usize) {
+        let mut script: Vec<(Kind, usize, bool)> = Vec::new();
+        for (salt, &count) in counts.iter().enumerate() {
+            for kind in kinds(size) {
+                let in_place_ok = matches!(kind, Kind::AllReduce(_) | Kind::Broadcast { .. });
+                script.push((kind, count, in_place_ok && salt % 2 == 1));
+            }
+        }
+        let input_of = |rank: usize, i: usize| {
+            let (kind, count, _) = script[i];
+            let (ni, _) = lengths(kind, rank, size, count);
+            data(rank, ni, i)
+        };
+        let results = run_world(
+            size,
+            slot_bytes,
+            one_shot,
+            |rank| {
+                script
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &(kind, count, in_place))| Call {
+                        kind,
+                        count,
+                        input: input_of(rank, i),
+                        out_len: lengths(kind, rank, size, count).1,
+                        in_place,
+                    })
+                    .collect()
+            },
+            Duration::from_secs(20),
+        );
+        for (rank, outs) in results.into_iter().enumerate() {
+            for (i, (&(kind, count, in_place), got)) in script.iter().zip(outs).enumerate() {
+                let got = got.unwrap_or_else(|e| panic!("size {size} rank {rank}: error {e:#x}"));
+                let (_, no) = lengths(kind, rank, size, count);
+                if no == 0 {
+                    continue;
+                }
+                let inputs: Vec<Vec<i32>> = (0..size).map(|q| input_of(q, i)).collect();
+                let full: Vec<Vec<i32>> = match kind {
+                    // Every rank's full input, for the reference (non-roots pass none).
+                    Kind::Broadcast { root } | Kind::Scatter { root } => (0..size)
+                        .map(|q| {
+                            if q == root {
+                                inputs[q].clone()
+                            } else {
+                                Vec::new()
+                            }
+                        })
+                        .collect(),
+                    _ => inputs,
+                };
+                let want = reference(kind, rank, size, count, &full);
+                assert_eq!(
+                    got, want,
+                    "size {size} rank {rank} call {i} {kind:?} count {count} in_place {in_place}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn cuda_ipc_plans_compute_every_collective() {
+        // Slots of 24 bytes: 6 i32, so most calls run in several chunks of both parities;
+        // one-shot up to 16 bytes, two-shot above (with empty shards at 5 elements over 4+).
+        for size in 2..=5 {
+            check_world(size, &[1, 4, 5, 13, 40], 24 * size, 16);
+        }
+        // Larger slots, everything one-shot.
+        check_world(3, &[0, 7, 300], 4096, 1 << 20);
+        check_world(8, &[3, 100], 256, 64);
+    }
+
+    #[test]
+    fn cuda_ipc_two_shot_splits_shards_evenly_and_covers_everything() {
+        for elems in 0..30 {
+            for n in 1..=8 {
+                let mut next = 0;
+                for q in 0..n {
+                    let (s, l) = shard(elems, n, q);
+                    assert_eq!(s, next);
+                    assert!(l == elems / n || l == elems / n + 1);
+                    next += l;
+                }
+                assert_eq!(next, elems);
+            }
+        }
+    }
+
+    #[test]
+    fn cuda_ipc_plans_keep_to_their_slot_and_buffers() {
+        // Every slot access of every plan lies inside the slot, and every rank writes only its
+        // own slot and output (the invariant double buffering rests on).
+        let slot = 96;
+        for size in 2..=8 {
+            for count in [1usize, 3, 8, 9, 50] {
+                for kind in kinds(size) {
+                    for rank in 0..size {
+                        let p = ipc_plan(kind, DType::I32, rank, size, count, slot, 32).unwrap();
+                        let (ni, no) = lengths(kind, rank, size, count);
+                        let check = |l: Loc, len: usize, write: bool| match l {
+                            Loc::In(o) => assert!(!write && o + len <= ni * 4),
+                            Loc::Out(o) => assert!(o + len <= no * 4, "{kind:?} {o}+{len}"),
+                            Loc::Slot { rank: q, off } => {
+                                assert!(off + len <= slot, "{kind:?} slot {off}+{len}");
+                                assert!(!write || q == rank, "{kind:?} writes rank {q}'s slot");
+                            }
+                        };
+                        for chunk in &p.chunks {
+                            assert!(chunk.contains(&Step::Barrier));
+                            for s in chunk {
+                                match s {
+                                    Step::Copy { dst, src, len } => {
+                                        check(*src, *len, false);
+                                        check(*dst, *len, true);
+                                    }
+                                    Step::Reduce { dst, inputs, len } => {
+                                        assert!(inputs.len() == size);
+                                        inputs.iter().for_each(|i| check(*i, *len, false));
+                                        check(*dst, *len, true);
+                                    }
+                                    Step::Avg { dst, len } => check(*dst, *len, true),
+                                    Step::Barrier => {}
+                                }
+                            }
+                        }
+                        // Every rank has the same number of barriers in every chunk.
+                        let bars = |rank: usize| -> Vec<usize> {
+                            ipc_plan(kind, DType::I32, rank, size, count, slot, 32)
+                                .unwrap()
+                                .chunks
+                                .iter()
+                                .map(|c| c.iter().filter(|s| **s == Step::Barrier).count())
+                                .collect()
+                        };
+                        assert_eq!(bars(rank), bars(0), "{kind:?}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn cuda_ipc_mismatched_calls_are_reported_with_the_peer() {
+        // Rank 1 all-gathers 4 elements where the others all-reduce 4: the first barrier sees
+        // a different signature, and every rank stops instead of hanging.
+        let results = run_world(
+            3,
+            64,
+            64,
+            |rank| {
+                let kind = if rank == 1 {
+                    Kind::AllGather
+                } else {
+                    Kind::AllReduce(ReduceOp::Sum)
+                };
+                let (ni, no) = lengths(kind, rank, 3, 4);
+                vec![Call {
+                    kind,
+                    count: 4,
+                    input: data(rank, ni, 0),
+                    out_len: no,
+                    in_place: false,
+                }]
+            },
+            Duration::from_secs(20),
+        );
+        for (rank, r) in results.into_iter().enumerate() {
+            let e = r[0].clone().expect_err("a mismatch");
+            assert_eq!(e & 0xff, ERR_MISMATCH, "rank {rank}: {e:#x}");
+            let peer = (e >> 8) as usize;
+            if rank == 1 {
+                assert_ne!(peer, 1);
+            } else {
+                assert_eq!(peer, 1, "rank {rank} names the odd rank");
+            }
+        }
+        // Same operation, different lengths: also a mismatch.
+        let results = run_world(
+            2,
+            64,
+            64,
+            |rank| {
+                let count = 4 + rank;
+                vec![Call {
+                    kind: Kind::AllReduce(ReduceOp::Sum),
+                    count,
+                    input: data(rank, count, 0),
+                    out_len: count,
+                    in_place: false,
+                }]
+            },
+            Duration::from_secs(20),
+        );
+        for r in results {
+            assert_eq!(r[0].clone().expect_err("a mismatch") & 0xff, ERR_MISMATCH);
+        }
+    }
+
+    #[test]
+    fn cuda_ipc_missing_rank_times_out_naming_it() {
+        // Rank 2 makes no call: the others time out at their first barrier, naming rank 2, and
+        // their second call fails with the same error word.
+        let results = run_world(
+            3,
+            64,
+            64,
+            |rank| {
+                if rank == 2 {
+                    return Vec::new();
+                }
+                (0..2)
+                    .map(|i| Call {
+                        kind: Kind::AllReduce(ReduceOp::Sum),
+                        count: 4,
+                        input: data(rank, 4, i),
+                        out_len: 4,
+                        in_place: false,
+                    })
+                    .collect()
+            },
+            Duration::from_millis(300),
+        );
+        for r in &results[..2] {
+            assert_eq!(r.len(), 2);
+            for call in r {
+                assert_eq!(call, &Err(ERR_TIMEOUT | (2 << 8)));
+            }
+        }
+        assert!(results[2].is_empty());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+        #[test]
+        fn cuda_ipc_plans_match_the_reference_for_any_shape(
+            size in 2usize..=6,
+            counts in prop::collection::vec(0usize..60, 1..4),
+            slot_elems in 1usize..20,
+            one_shot in 0usize..200,
+        ) {
+            // Slots must hold one element per rank (the configuration guarantees it).
+            check_world(size, &counts, (slot_elems * 4).max(size * 4), one_shot);
+        }
+    }
+}
