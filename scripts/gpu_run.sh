@@ -12,6 +12,9 @@ for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
     [ -e "$d/libnvrtc.so.13" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
 done
 export OXCCL_REQUIRE_GPU=1 OXCCL_CACHE_DIR=/tmp/oxccl-cache
+# Ranks as threads share one GPU: give every stream a hardware queue of its own, so a spinning
+# cuda_ipc barrier never holds up another rank's work (the default is 8 queues).
+export CUDA_DEVICE_MAX_CONNECTIONS=32
 step() { echo; echo "== $*"; local t=$SECONDS; "$@"; echo "== exit $? after $((SECONDS - t)) s"; }
 step nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.memory --format=csv
 # Issue 5: kernels against the host, then bandwidth against a device-to-device copy.

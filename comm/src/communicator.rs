@@ -553,6 +553,14 @@ impl Communicator {
     }
 }
 
+impl Communicator {
+    /// Whether this rank hosts the store server (its drop takes the store down for everyone).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn hosts_store(&self) -> bool {
+        self._server.is_some()
+    }
+}
+
 impl Drop for Communicator {
     fn drop(&mut self) {
         self.shared.stop_worker();

@@ -323,16 +323,16 @@ fn cuda_ipc_mismatched_collectives_are_reported_not_hung() {
         comm.on_stream(s)
             .all_gather(&typed!(d, f32, 64), &mut typed!(mut o, f32, 128))
     });
-    assert!(
-        errors[0].contains("mismatch") && errors[0].contains("rank 1"),
-        "{}",
-        errors[0]
-    );
-    assert!(
-        errors[1].contains("mismatch") && errors[1].contains("rank 0"),
-        "{}",
-        errors[1]
-    );
+    // Each names the other: as a mismatch, or as a rank that gave up (after seeing the mismatch
+    // first); at least one reports the mismatch itself.
+    for (rank, e) in errors.iter().enumerate() {
+        let other = format!("rank {}", 1 - rank);
+        assert!(
+            (e.contains("mismatch") || e.contains("gave up")) && e.contains(&other),
+            "rank {rank}: {e}"
+        );
+    }
+    assert!(errors.iter().any(|e| e.contains("mismatch")), "{errors:?}");
 }
 
 #[test]

@@ -143,9 +143,10 @@ template <typename T> __device__ __forceinline__ usize vector_head(usize mis, us
 }
 
 // dst[i] = in0[i] op in1[i] op ... op in{K-1}[i], combined left to right. K is a template
-// parameter so the input loop unrolls and the pointers stay in registers.
+// parameter so the input loop unrolls and the pointers stay in registers. `dst` may be one of the
+// inputs (each element is read, then written, by one thread), so it is not `__restrict__`.
 template <typename T, typename Op, int K>
-__device__ void reduce_k(T* __restrict__ dst, const Inputs& in, usize n) {
+__device__ void reduce_k(T* dst, const Inputs& in, usize n) {
     const T* src[K];
     usize mis = 0;
 #pragma unroll
@@ -239,17 +240,22 @@ template <typename T> __device__ void scale_elems(T* dst, const T* src, double f
 // cuda/ipc_plan.rs for the protocol, and its host model that the tests run). At barrier `epoch`
 // rank r stores (sig << 32) | epoch into its word of every rank's flags (system-scope release,
 // after a system fence so the slot it filled is visible first), then waits with acquire loads
-// until its own flags hold `epoch` from every rank, and checks their `sig` against its own. A
-// wait longer than `timeout_ns` (by %globaltimer) or a different `sig` writes
-// code | (peer << 8) to the error words (1 = time-out, 2 = mismatch; the host word's successor
-// gets the epoch); a barrier that finds its rank's device error word set returns at once, so a
-// failed communicator never hangs a stream.
-// Launch: one block of 32 threads.
+// until its own flags hold `epoch` from every rank, and checks their `sig` against its own.
+// A wait longer than `timeout_ns` (by %globaltimer), a different `sig`, or the poison signature
+// of a rank that gave up fails the barrier: code | (peer << 8) goes to the error words (1 =
+// time-out, 2 = mismatch, 3 = the peer gave up, 4 = bad arguments; the host word's successor
+// gets the epoch), and this rank poisons its own words for `epoch` and `epoch + 1` in every
+// rank's flags, so peers that have not passed them fail too instead of reading a slot this rank
+// goes on to overwrite. A barrier that finds its rank's device error word set returns at once, so
+// a failed communicator never hangs a stream. Launch: one block of 32 threads. Needs sm_70 or
+// later (release/acquire); older devices get error 4 at the first barrier.
 
 #define OXCCL_MAX_RANKS 8
+#define OXCCL_POISON_SIG 0xFFFFFFFFull
 
 struct Flags { u64* p[OXCCL_MAX_RANKS]; };
 
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 700
 __device__ __forceinline__ void store_release_sys(u64* p, u64 v) {
     asm volatile("st.release.sys.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
 }
@@ -258,6 +264,10 @@ __device__ __forceinline__ u64 load_acquire_sys(const u64* p) {
     asm volatile("ld.acquire.sys.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
     return v;
 }
+#define OXCCL_HAVE_ACQUIRE 1
+#else
+#define OXCCL_HAVE_ACQUIRE 0
+#endif
 __device__ __forceinline__ u64 global_timer_ns() {
     u64 t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -268,35 +278,49 @@ extern "C" __global__ void oxccl_ipc_barrier(Flags f, u32 rank, u32 n, u32 epoch
                                              u64 timeout_ns, volatile u32* dev_error,
                                              volatile u32* host_error) {
     __shared__ u32 failed;
+    __shared__ u32 code;
     u32 t = threadIdx.x;
-    if (t == 0) failed = *dev_error;
+    if (t == 0) {
+        failed = dev_error[0];
+        code = (n == 0 || n > OXCCL_MAX_RANKS || rank >= n || !OXCCL_HAVE_ACQUIRE) ? 4u : 0u;
+    }
     __syncthreads();
     if (failed != 0) return;
+#if OXCCL_HAVE_ACQUIRE
     u32 word = (epoch & 1u) * OXCCL_MAX_RANKS;
-    if (t < n && n <= OXCCL_MAX_RANKS && rank < n) {
+    if (code == 0 && t < n) {
         __threadfence_system();
         store_release_sys(f.p[t] + word + rank, ((u64)sig << 32) | (u64)epoch);
         const u64* mine = f.p[rank] + word + t;
         u64 start = global_timer_ns();
-        u32 code = 0;
+        u32 mine_code = 0;
         for (;;) {
             u64 v = load_acquire_sys(mine);
             if ((u32)v == epoch) {
-                if ((u32)(v >> 32) != sig) code = 2u | (t << 8);
+                u32 s = (u32)(v >> 32);
+                if (s == (u32)OXCCL_POISON_SIG) mine_code = 3u | (t << 8);
+                else if (s != sig) mine_code = 2u | (t << 8);
                 break;
             }
             if (global_timer_ns() - start > timeout_ns) {
-                code = 1u | (t << 8);
+                mine_code = 1u | (t << 8);
                 break;
             }
         }
-        if (code != 0) {
-            host_error[1] = epoch;
-            __threadfence_system();
-            dev_error[0] = code;
-            host_error[0] = code;
-            __threadfence_system();
-        }
+        if (mine_code != 0) atomicCAS(&code, 0u, mine_code);
+    }
+    __syncthreads();
+    if (code != 0 && code != 4u && t < n) {
+        u32 next = ((epoch + 1u) & 1u) * OXCCL_MAX_RANKS;
+        store_release_sys(f.p[t] + word + rank, (OXCCL_POISON_SIG << 32) | (u64)epoch);
+        store_release_sys(f.p[t] + next + rank, (OXCCL_POISON_SIG << 32) | (u64)(epoch + 1u));
+    }
+#endif
+    if (code != 0 && t == 0) {
+        host_error[1] = epoch;
+        __threadfence_system();
+        dev_error[0] = code;
+        host_error[0] = code;
     }
     __syncthreads();
     __threadfence_system();

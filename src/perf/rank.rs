@@ -205,6 +205,16 @@ fn run_all(comm: &Communicator, args: &PerfArgs, plan: &Plan) -> Result<u64, Err
     drop(sink.progress);
     if is0 {
         out(&totals.footer());
+        #[cfg(feature = "cuda")]
+        if let Some(path) = comm.device_path() {
+            out(&[format!(
+                "# Device collectives ran {}",
+                match path {
+                    "cuda_ipc" => "over CUDA IPC (device memory read across ranks)",
+                    _ => "staged through pinned host memory",
+                }
+            )]);
+        }
         let mut failed_output = false;
         if let Some(p) = &args.json {
             if let Err(e) = write_json(p, &meta, &sink.rows, totals.failed, totals.avg_busbw()) {
@@ -305,8 +315,9 @@ fn preamble(plan: &Plan, m: &Meta) -> Vec<String> {
     ));
     if let Some(r) = m.ranks.iter().find(|r| r.device != "host") {
         l.push(format!(
-            "# Device buffers ({}...): each call is enqueued on the rank's CUDA stream and staged \
-             through pinned host memory; each timing ends at a stream synchronize",
+            "# Device buffers ({}...): each call is enqueued on the rank's CUDA stream (over CUDA \
+             IPC inside a node, else staged through pinned host memory: see the last line); each \
+             timing ends at a stream synchronize",
             r.device
         ));
     } else if m.blocking {

@@ -39,7 +39,8 @@ use oxccl_kernels::cuda::CudaKernels;
 use oxccl_kernels::{DType, ReduceOp};
 
 use super::ipc_plan::{
-    execute, ipc_plan, Bases, Cursor, Exec, ERR_MISMATCH, ERR_TIMEOUT, FLAGS_BYTES, MAX_RANKS,
+    execute, ipc_plan, Bases, Cursor, Exec, ERR_ABORTED, ERR_MISMATCH, ERR_TIMEOUT, FLAGS_BYTES,
+    MAX_RANKS,
 };
 use super::plan::Kind;
 use super::staging::{wait_event, Flag};
@@ -134,14 +135,32 @@ fn mapped() -> &'static RegCache<MapKey, sys::CUdeviceptr> {
     MAPPED.get_or_init(RegCache::new)
 }
 
+/// A number that identifies this process among every process of the node (process ids repeat
+/// across PID namespaces): random, drawn once.
+fn process_nonce() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    static NONCE: OnceLock<u64> = OnceLock::new();
+    *NONCE.get_or_init(|| {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u32(std::process::id());
+        if let Ok(t) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
+            h.write_u128(t.as_nanos());
+        }
+        h.finish()
+    })
+}
+
 /// What a rank publishes at set-up.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Record {
-    /// Its scratch: process, device ordinal, address in its process, IPC handle.
+    /// Its scratch: process (nonce), device ordinal, address in its process, its slot and
+    /// one-shot sizes (every rank must use the same), IPC handle.
     Ready {
-        pid: u32,
+        nonce: u64,
         ordinal: usize,
         ptr: u64,
+        slot: usize,
+        one_shot: usize,
         handle: [u8; 64],
     },
     /// Why it cannot take part.
@@ -152,13 +171,15 @@ impl Record {
     pub(crate) fn encode(&self) -> Vec<u8> {
         match self {
             Record::Ready {
-                pid,
+                nonce,
                 ordinal,
                 ptr,
+                slot,
+                one_shot,
                 handle,
             } => {
                 let hex: String = handle.iter().map(|b| format!("{b:02x}")).collect();
-                format!("ready {pid} {ordinal} {ptr:x} {hex}").into_bytes()
+                format!("ready {nonce:x} {ordinal} {ptr:x} {slot} {one_shot} {hex}").into_bytes()
             }
             Record::No(why) => format!("no {why}").into_bytes(),
         }
@@ -171,17 +192,19 @@ impl Record {
         }
         let bad = || format!("unreadable cuda_ipc record {s:?}");
         let f: Vec<&str> = s.split(' ').collect();
-        if f.len() != 5 || f[0] != "ready" || f[4].len() != 128 {
+        if f.len() != 7 || f[0] != "ready" || f[6].len() != 128 || !f[6].is_ascii() {
             return Err(bad());
         }
         let mut handle = [0u8; 64];
         for (i, h) in handle.iter_mut().enumerate() {
-            *h = u8::from_str_radix(&f[4][2 * i..2 * i + 2], 16).map_err(|_| bad())?;
+            *h = u8::from_str_radix(&f[6][2 * i..2 * i + 2], 16).map_err(|_| bad())?;
         }
         Ok(Record::Ready {
-            pid: f[1].parse().map_err(|_| bad())?,
+            nonce: u64::from_str_radix(f[1], 16).map_err(|_| bad())?,
             ordinal: f[2].parse().map_err(|_| bad())?,
             ptr: u64::from_str_radix(f[3], 16).map_err(|_| bad())?,
+            slot: f[4].parse().map_err(|_| bad())?,
+            one_shot: f[5].parse().map_err(|_| bad())?,
             handle,
         })
     }
@@ -218,8 +241,13 @@ struct Local {
 }
 
 impl Local {
-    fn new(ctx: &Arc<CudaContext>, slot_bytes: usize) -> std::result::Result<Local, String> {
+    fn new(
+        stream: &Arc<CudaStream>,
+        slot_bytes: usize,
+        deadline: Instant,
+    ) -> std::result::Result<Local, String> {
         let d = |what: &str, e: sys::CUresult| format!("{what}: {e:?}");
+        let ctx = stream.context();
         let kernels = kernels_for(ctx)?;
         ctx.bind_to_thread()
             .map_err(|e| format!("binding the context: {e:?}"))?;
@@ -234,16 +262,25 @@ impl Local {
             // SAFETY: allocated above and not shared with anyone yet.
             let _ = unsafe { sys::cuMemFree_v2(scratch) };
         };
-        // The flags must read zero before any peer can see the handle: cleared on a stream of
-        // our own and waited for.
-        let cleared = ctx.new_stream().and_then(|s| {
+        // The flags must read zero before any peer can see the handle: cleared on the caller's
+        // stream (a new stream could synchronize the whole context) and waited for, bounded.
+        let cleared = ctx.new_event(None).and_then(|ev| {
             // SAFETY: the first FLAGS_BYTES of the allocation made above.
-            unsafe { sys::cuMemsetD8Async(scratch, 0, FLAGS_BYTES, s.cu_stream()) }.result()?;
-            s.synchronize()
+            unsafe { sys::cuMemsetD8Async(scratch, 0, FLAGS_BYTES, stream.cu_stream()) }
+                .result()?;
+            ev.record(stream)?;
+            wait_event(&ev, deadline)
         });
-        if let Err(e) = cleared {
-            free(scratch);
-            return Err(format!("clearing the flags: {e:?}"));
+        match cleared {
+            Ok(true) => {}
+            Ok(false) => {
+                // The memset may still run: the memory cannot be freed under it.
+                return Err("clearing the flags: the stream did not get there in time".into());
+            }
+            Err(e) => {
+                free(scratch);
+                return Err(format!("clearing the flags: {e:?}"));
+            }
         }
         let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
         // SAFETY: `scratch` is a cuMemAlloc allocation of this context; the driver fills `h`.
@@ -297,13 +334,17 @@ pub(crate) struct IpcState {
     bases: Vec<u64>,
     /// Cache keys of the peers' allocations this rank opened, to give back.
     opened: Vec<MapKey>,
+    /// Contexts of other GPUs this rank's peers (threads of this process) use.
+    _peer_ctxs: Vec<Arc<CudaContext>>,
+    /// This rank hosts the store server: it leaves tear-down last.
+    hosts_store: bool,
     slot_bytes: usize,
     one_shot: usize,
     cur: Cursor,
     /// Operations so far (the sequence number in errors).
     ops: u64,
-    /// The stream of the last operation.
-    last_stream: Option<sys::CUstream>,
+    /// The stream of the last operation (held, so its handle cannot be reused meanwhile).
+    last_stream: Option<Arc<CudaStream>>,
     /// (first barrier epoch, sequence number, description) of recent operations.
     history: VecDeque<(u32, u64, String)>,
     store: Arc<dyn Store>,
@@ -313,8 +354,8 @@ pub(crate) struct IpcState {
     timeout: Duration,
 }
 
-// SAFETY: the raw stream handle is only compared, never used; the device addresses are plain
-// numbers; everything else is Send.
+// SAFETY: the device addresses are plain numbers; everything else is Send (the raw pointer in
+// `Flag` is covered by its own Send impl).
 unsafe impl Send for IpcState {}
 
 /// Joins (or declines) CUDA IPC for `comm`'s device collectives, on every rank alike.
@@ -326,11 +367,18 @@ unsafe impl Send for IpcState {}
 /// or `Timeout` when the store fails or a rank does not publish its record in time.
 pub(crate) fn setup(
     comm: &Communicator,
-    ctx: &Arc<CudaContext>,
+    stream: &Arc<CudaStream>,
     op: &str,
 ) -> Result<Option<IpcState>> {
     let cfg = &comm.cfg;
+    let ctx = stream.context();
     let (rank, size) = (comm.rank, comm.size);
+    let deadline = Instant::now() + cfg.timeout;
+    let store_err = |e: Error| Error::Cuda {
+        rank,
+        op: op.into(),
+        msg: format!("cuda_ipc set-up (communicator {}): {e}", comm.id),
+    };
     let declined = |why: String| -> Result<Option<IpcState>> {
         if cfg.cuda_ipc == Some(true) {
             Err(Error::Cuda {
@@ -350,18 +398,19 @@ pub(crate) fn setup(
     let local = if cfg.cuda_ipc == Some(false) {
         Err("OXCCL_CUDA_IPC=0".to_string())
     } else {
-        Local::new(ctx, cfg.cuda_ipc_slot)
+        Local::new(stream, cfg.cuda_ipc_slot, deadline)
     };
     let mine = match &local {
         Ok(l) => Record::Ready {
-            pid: std::process::id(),
+            nonce: process_nonce(),
             ordinal: ctx.ordinal(),
             ptr: l.scratch,
+            slot: cfg.cuda_ipc_slot,
+            one_shot: cfg.cuda_ipc_one_shot,
             handle: l.handle,
         },
         Err(why) => Record::No(why.clone()),
     };
-    let deadline = Instant::now() + cfg.timeout;
     let key = |what: &str, q: usize| format!("{}/cuda_ipc/{what}/{q}", comm.id);
     let store = &comm.store;
     let gather = |what: &str, value: &[u8]| -> Result<Vec<Vec<u8>>> {
@@ -375,31 +424,46 @@ pub(crate) fn setup(
             })
             .collect()
     };
-    let records = gather("record", &mine.encode())?;
-    let mut peers = Vec::with_capacity(size);
-    for (q, b) in records.iter().enumerate() {
-        match Record::decode(b) {
-            Ok(Record::No(why)) => return declined(format!("rank {q}: {why}")),
-            Ok(r) => peers.push(r),
-            Err(e) => return declined(format!("rank {q}: {e}")),
+    // Once our record is out, peers may map our scratch and (if they never see a refusal)
+    // write into it: from here on a failure leaks it instead of freeing it.
+    let records = match gather("record", &mine.encode()) {
+        Ok(r) => r,
+        Err(e) => {
+            if let Ok(mut l) = local {
+                l.leak = true;
+            }
+            return Err(store_err(e));
         }
+    };
+    let mut local = match local {
+        Ok(l) => l,
+        Err(_) => {
+            // Our own "no" is among the records: every rank declines with the first reason.
+            return declined(first_refusal(&records).unwrap_or_default());
+        }
+    };
+    if let Some(why) = first_refusal(&records) {
+        // Every rank read the same records: nobody maps anything, our scratch can go.
+        return declined(why);
     }
-    let local = local.map_err(|why| Error::Cuda {
-        rank,
-        op: op.into(),
-        msg: format!("internal: a declined rank published a usable record ({why})"),
-    })?;
+    local.leak = true;
+    let peers: Vec<Record> = records
+        .iter()
+        .map(|b| Record::decode(b).unwrap_or(Record::No(String::new())))
+        .collect();
 
     // Map every peer's scratch.
     let mut bases = vec![0u64; size];
     let mut opened = Vec::new();
+    let mut peer_ctxs = Vec::new();
     let mut failure = None;
     for (q, rec) in peers.iter().enumerate() {
         let Record::Ready {
-            pid,
+            nonce,
             ordinal,
             ptr,
             handle,
+            ..
         } = rec
         else {
             continue;
@@ -408,8 +472,8 @@ pub(crate) fn setup(
             bases[q] = local.scratch;
             continue;
         }
-        let r = if *pid == std::process::id() {
-            same_process_peer(ctx, *ordinal).map(|()| *ptr)
+        let r = if *nonce == process_nonce() {
+            same_process_peer(ctx, *ordinal, &mut peer_ctxs).map(|()| *ptr)
         } else {
             let k = (ctx.cu_ctx() as usize, *handle);
             let r = mapped().acquire(&k, || open_handle(handle));
@@ -426,6 +490,10 @@ pub(crate) fn setup(
             }
         }
     }
+    // Mapping may have made another context current.
+    if let Err(e) = ctx.bind_to_thread() {
+        failure.get_or_insert(format!("binding the context: {e:?}"));
+    }
     let verdict = match &failure {
         None => b"ok".to_vec(),
         Some(why) => format!("no {why}").into_bytes(),
@@ -440,19 +508,23 @@ pub(crate) fn setup(
         Err(e) => Some(e.to_string()),
     };
     if let Some(why) = refused {
+        // Our mappings of the peers go (no kernel of ours used them); our scratch stays (a peer
+        // that saw every verdict as "ok" may use it).
         for k in &opened {
             mapped().release(k, close_handle);
         }
-        // Peers that mapped our scratch give it back the same way; no kernel ever ran on it.
         drop(local);
-        verdicts?;
+        verdicts.map_err(store_err)?;
         return declined(why);
     }
+    local.leak = false;
     tracing::debug!(rank, size, "device collectives over cuda_ipc");
     Ok(Some(IpcState {
         local,
         bases,
         opened,
+        _peer_ctxs: peer_ctxs,
+        hosts_store: comm.hosts_store(),
         slot_bytes: cfg.cuda_ipc_slot,
         one_shot: cfg.cuda_ipc_one_shot,
         cur: Cursor::default(),
@@ -467,13 +539,43 @@ pub(crate) fn setup(
     }))
 }
 
+/// The first rank that refused, and why (also for records that cannot be read, or that disagree
+/// on the slot or one-shot size).
+fn first_refusal(records: &[Vec<u8>]) -> Option<String> {
+    let mut sizes = None;
+    for (q, b) in records.iter().enumerate() {
+        match Record::decode(b) {
+            Ok(Record::No(why)) => return Some(format!("rank {q}: {why}")),
+            Err(e) => return Some(format!("rank {q}: {e}")),
+            Ok(Record::Ready { slot, one_shot, .. }) => match sizes {
+                None => sizes = Some((slot, one_shot)),
+                Some(s) if s != (slot, one_shot) => {
+                    return Some(format!(
+                        "rank {q} has OXCCL_CUDA_IPC_SLOT={slot} and OXCCL_CUDA_IPC_ONE_SHOT=\
+                         {one_shot}, rank 0 {} and {} (every rank must use the same)",
+                        s.0, s.1
+                    ))
+                }
+                Some(_) => {}
+            },
+        }
+    }
+    None
+}
+
 /// A peer rank that is a thread of this process: its address works as it is, once this context
-/// may reach its device.
-fn same_process_peer(ctx: &Arc<CudaContext>, ordinal: usize) -> std::result::Result<(), String> {
+/// may reach its device (the peer device's context is kept in `keep`: dropping it would make it
+/// current on this thread).
+fn same_process_peer(
+    ctx: &Arc<CudaContext>,
+    ordinal: usize,
+    keep: &mut Vec<Arc<CudaContext>>,
+) -> std::result::Result<(), String> {
     if ordinal == ctx.ordinal() {
         return Ok(());
     }
     let peer = CudaContext::new(ordinal).map_err(|e| format!("device {ordinal}: {e:?}"))?;
+    keep.push(Arc::clone(&peer));
     ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
     // SAFETY: both context handles are live (held by `ctx` and `peer`).
     let r = unsafe { sys::cuCtxEnablePeerAccess(peer.cu_ctx(), 0) };
@@ -601,6 +703,13 @@ impl IpcState {
                 local: format!("{what} (cuda_ipc)"),
                 remote: "a different device collective, dtype, root or count".into(),
             },
+            ERR_ABORTED => Error::Aborted {
+                rank: self.rank,
+                reason: format!(
+                    "rank {peer} gave up at device barrier {epoch} of {what} (cuda_ipc, device \
+                     op #{seq}); this operation's results are undefined"
+                ),
+            },
             ERR_TIMEOUT => Error::Timeout {
                 rank: self.rank,
                 op: format!("{what} (cuda_ipc, device op #{seq})"),
@@ -610,7 +719,10 @@ impl IpcState {
             other => Error::Cuda {
                 rank: self.rank,
                 op: what,
-                msg: format!("unknown barrier error word {other:#x}"),
+                msg: format!(
+                    "the cuda_ipc barrier refused to run (error word {other:#x}: bad arguments, \
+                     or a device older than sm_70)"
+                ),
             },
         })
     }
@@ -643,7 +755,11 @@ impl IpcState {
             return Err(format!("{} does not run over cuda_ipc", kind.name()));
         };
         let cu = stream.cu_stream();
-        if self.last_stream.is_some_and(|s| s != cu) {
+        if self
+            .last_stream
+            .as_ref()
+            .is_some_and(|s| s.cu_stream() != cu)
+        {
             // The barrier protocol needs this communicator's operations in order on the GPU.
             stream
                 .wait(&self.local.done)
@@ -677,7 +793,7 @@ impl IpcState {
         };
         let r = execute(&plan, &bases, &mut self.cur, &mut exec);
         self.ops += 1;
-        self.last_stream = Some(cu);
+        self.last_stream = Some(Arc::clone(stream));
         let recorded = self
             .local
             .done
@@ -712,26 +828,45 @@ impl Drop for IpcState {
         let _ = unsafe { result::ctx::set_current(self.local.ctx.cu_ctx()) };
         let idle =
             self.last_stream.is_none() || wait_event(&self.local.done, deadline).unwrap_or(false);
-        // Every peer must be done with our scratch before it is freed, and we with theirs.
-        let key = |q: usize| format!("{}/cuda_ipc/bye/{q}", self.id);
-        let all_done = idle
-            && self.store.set(&key(self.rank), b"1").is_ok()
-            && (0..self.size).all(|q| {
-                self.store
-                    .get(&key(q), deadline.saturating_duration_since(Instant::now()))
-                    .is_ok()
-            });
-        if all_done {
+        let key = |what: &str, q: usize| format!("{}/cuda_ipc/{what}/{q}", self.id);
+        let round = |what: &str| {
+            self.store.set(&key(what, self.rank), b"1").is_ok()
+                && (0..self.size).all(|q| {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    self.store.get(&key(what, q), left).is_ok()
+                })
+        };
+        // 1. Nobody's kernels use anyone's scratch any more; 2. everybody unmapped the others'
+        // (freeing memory another process still maps is undefined); 3. free our own.
+        let done = idle && round("bye");
+        if done {
             for k in &self.opened {
                 mapped().release(k, close_handle);
             }
+        }
+        let closed = done && round("closed");
+        if closed {
+            self.local.leak = false;
         } else {
+            self.local.leak = true;
             tracing::warn!(
                 rank = self.rank,
+                comm = %self.id,
                 "cuda_ipc tear-down: the last operation or a peer did not finish in time; \
-                 device scratch and peer mappings are left allocated"
+                 device scratch{} left allocated",
+                if done { "" } else { " and peer mappings" }
             );
-            self.local.leak = true;
+        }
+        // The rank that hosts the store leaves last, so every peer can finish its rounds.
+        let gone = format!("{}/cuda_ipc/gone", self.id);
+        if self.store.add(&gone, 1).is_ok() && self.hosts_store {
+            let mut backoff = Duration::from_micros(100);
+            while Instant::now() < deadline
+                && self.store.add(&gone, 0).is_ok_and(|n| n < self.size as i64)
+            {
+                std::thread::sleep(backoff);
+                backoff = (backoff * 2).min(Duration::from_millis(20));
+            }
         }
     }
 }
@@ -747,17 +882,42 @@ mod tests {
             *h = (i * 37) as u8;
         }
         let r = Record::Ready {
-            pid: 4242,
+            nonce: 0xfeed_f00d_1234_5678,
             ordinal: 3,
             ptr: 0x7f00_dead_beef,
+            slot: 4 << 20,
+            one_shot: 256 << 10,
             handle,
         };
-        assert_eq!(Record::decode(&r.encode()), Ok(r));
+        assert_eq!(Record::decode(&r.encode()), Ok(r.clone()));
         let no = Record::No("no CUDA driver (libcuda.so)".into());
-        assert_eq!(Record::decode(&no.encode()), Ok(no));
+        assert_eq!(Record::decode(&no.encode()), Ok(no.clone()));
         for bad in ["", "ready 1 2 3", "ready x 0 0 00", "maybe"] {
             assert!(Record::decode(bad.as_bytes()).is_err(), "{bad:?}");
         }
+        // Refusals and disagreements are found, naming the rank.
+        let other = Record::Ready {
+            nonce: 1,
+            ordinal: 0,
+            ptr: 0x1000,
+            slot: 1 << 20,
+            one_shot: 256 << 10,
+            handle,
+        };
+        let recs = |v: &[&Record]| v.iter().map(|r| r.encode()).collect::<Vec<_>>();
+        assert_eq!(first_refusal(&recs(&[&r, &r])), None);
+        let why = first_refusal(&recs(&[&r, &no])).unwrap();
+        assert!(why.starts_with("rank 1: no CUDA driver"), "{why}");
+        let why = first_refusal(&recs(&[&r, &r, &other])).unwrap();
+        assert!(
+            why.contains("rank 2") && why.contains("OXCCL_CUDA_IPC_SLOT=1048576"),
+            "{why}"
+        );
+    }
+
+    #[test]
+    fn cuda_ipc_process_nonce_is_stable_within_a_process() {
+        assert_eq!(process_nonce(), process_nonce());
     }
 
     #[test]

@@ -26,12 +26,15 @@
 //! written by rank `r` only. At its barrier number `e` (counted like chunks), rank `r` stores
 //! `(sig << 32) | e` into word `(e % 2) * MAX_RANKS + r` of every rank's flags (system-scope
 //! release), then waits (acquire loads) until its own word from each rank `q` holds epoch `e`,
-//! and checks that `q`'s `sig` (a hash of the operation, its dtype, root and count) equals its
+//! and checks that `q`'s `sig` (a hash of the operation, its dtype, root and count, and the slot
+//! and one-shot sizes) equals its
 //! own: a different collective or length on another rank is reported as a mismatch naming that
 //! rank instead of corrupting memory or hanging. Ranks are never more than one barrier apart, so
 //! two words per writer suffice. Every wait has a deadline (`OXCCL_TIMEOUT`); a rank that times
-//! out (or sees a mismatch) sets its error word, and every later barrier of that rank returns at
-//! once, so a failed communicator never hangs a stream.
+//! out (or sees a mismatch, or a poisoned word) sets its error word, writes [`POISON_SIG`] with
+//! epochs `e` and `e + 1` into its words of every rank (so a peer that has not yet passed them
+//! fails too rather than read a slot this rank will overwrite), and every later barrier of that
+//! rank returns at once, so a failed communicator never hangs a stream.
 
 use oxccl_kernels::{DType, ReduceOp};
 
@@ -45,10 +48,18 @@ pub(crate) const MAX_RANKS: usize = 8;
 /// so the slots start 256-byte aligned).
 pub(crate) const FLAGS_BYTES: usize = 256;
 
-/// Error word values set by a barrier (low byte; the next byte is the peer's rank).
+/// Error word values set by a barrier (low byte; the next byte is the peer's rank): the peer
+/// did not arrive in time.
 pub(crate) const ERR_TIMEOUT: u32 = 1;
-/// See [`ERR_TIMEOUT`].
+/// The peer arrived with another operation's signature.
 pub(crate) const ERR_MISMATCH: u32 = 2;
+/// The peer gave up (its barrier failed) and poisoned its flags.
+pub(crate) const ERR_ABORTED: u32 = 3;
+
+/// The signature a rank that gave up writes into its flag words for the failed barrier and the
+/// next one, so peers that have not passed them fail too instead of reading a slot the failed
+/// rank goes on to overwrite. [`ipc_plan`] never produces it.
+pub(crate) const POISON_SIG: u32 = u32::MAX;
 
 /// A place in device memory, relative to the buffers of the current chunk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,7 +111,7 @@ fn shard(elems: usize, n: usize, q: usize) -> (usize, usize) {
     (q * base + q.min(extra), base + usize::from(q < extra))
 }
 
-/// FNV-1a over the words that identify an operation.
+/// FNV-1a over the words that identify an operation (never [`POISON_SIG`]).
 fn signature(words: &[u64]) -> u32 {
     let mut h: u32 = 0x811c_9dc5;
     for w in words {
@@ -109,7 +120,7 @@ fn signature(words: &[u64]) -> u32 {
             h = h.wrapping_mul(0x0100_0193);
         }
     }
-    h
+    h.min(POISON_SIG - 1)
 }
 
 /// Lays out a collective over IPC (`None` for point-to-point operations, which are staged).
@@ -140,7 +151,17 @@ pub(crate) fn ipc_plan(
         Kind::AllToAll => 8,
         Kind::Send { .. } | Kind::Recv { .. } => return None,
     };
-    let sig = signature(&[code, op as u64, kind.root() as u64, dt as u64, count as u64]);
+    // The layout depends on the slot and one-shot sizes too: ranks configured differently must
+    // not pair up.
+    let sig = signature(&[
+        code,
+        op as u64,
+        kind.root() as u64,
+        dt as u64,
+        count as u64,
+        slot_bytes as u64,
+        one_shot_bytes as u64,
+    ]);
     // Chunks of `per` elements, where a slot holds `pieces` blocks of a chunk.
     let chunks_of = |pieces: usize| {
         let per = (slot_bytes / (pieces * es)).max(1);
@@ -150,6 +171,17 @@ pub(crate) fn ipc_plan(
     };
     let all = |off: usize| (0..n).map(move |q| Loc::Slot { rank: q, off });
     let me = |off: usize| Loc::Slot { rank: r, off };
+    // Bytes `[a, a + len)` of each of the `n` input blocks of `block` bytes, side by side in
+    // this rank's slot.
+    let blocks_in = |block: usize, a: usize, len: usize| -> Vec<Step> {
+        (0..n)
+            .map(|q| Step::Copy {
+                dst: me(q * len),
+                src: Loc::In(q * block + a),
+                len,
+            })
+            .collect()
+    };
     let avg = op == ReduceOp::Avg;
     let shots = if count * es <= one_shot_bytes {
         Shots::One
@@ -230,13 +262,7 @@ pub(crate) fn ipc_plan(
         Kind::ReduceScatter(_) => {
             let block = count * es;
             for (a, len) in chunks_of(n) {
-                let mut s: Vec<Step> = (0..n)
-                    .map(|q| Step::Copy {
-                        dst: me(q * len),
-                        src: Loc::In(q * block + a),
-                        len,
-                    })
-                    .collect();
+                let mut s = blocks_in(block, a, len);
                 s.push(Step::Barrier);
                 s.push(Step::Reduce {
                     dst: Loc::Out(a),
@@ -305,11 +331,7 @@ pub(crate) fn ipc_plan(
             for (a, len) in chunks_of(n) {
                 let mut s = Vec::new();
                 if r == root {
-                    s.extend((0..n).map(|q| Step::Copy {
-                        dst: me(q * len),
-                        src: Loc::In(q * block + a),
-                        len,
-                    }));
+                    s = blocks_in(block, a, len);
                 }
                 s.push(Step::Barrier);
                 s.push(Step::Copy {
@@ -326,13 +348,7 @@ pub(crate) fn ipc_plan(
         Kind::AllToAll => {
             let block = count * es;
             for (a, len) in chunks_of(n) {
-                let mut s: Vec<Step> = (0..n)
-                    .map(|q| Step::Copy {
-                        dst: me(q * len),
-                        src: Loc::In(q * block + a),
-                        len,
-                    })
-                    .collect();
+                let mut s = blocks_in(block, a, len);
                 s.push(Step::Barrier);
                 s.extend((0..n).map(|q| Step::Copy {
                     dst: Loc::Out(q * block + a),
@@ -513,28 +529,39 @@ mod tests {
                     .store(flag_value(epoch, sig), Ordering::Release);
             }
             let deadline = Instant::now() + self.timeout;
-            for q in 0..self.size {
+            let mut code = 0;
+            'peers: for q in 0..self.size {
                 loop {
                     let v = self
                         .flag(self.rank, flag_index(epoch, q))
                         .load(Ordering::Acquire);
                     if v as u32 == epoch {
-                        if (v >> 32) as u32 != sig {
-                            let e = ERR_MISMATCH | (q as u32) << 8;
-                            self.error.store(e, Ordering::Release);
-                            return Err(e);
+                        match (v >> 32) as u32 {
+                            s if s == sig => break,
+                            POISON_SIG => code = ERR_ABORTED | (q as u32) << 8,
+                            _ => code = ERR_MISMATCH | (q as u32) << 8,
                         }
-                        break;
+                        break 'peers;
                     }
                     if Instant::now() > deadline {
-                        let e = ERR_TIMEOUT | (q as u32) << 8;
-                        self.error.store(e, Ordering::Release);
-                        return Err(e);
+                        code = ERR_TIMEOUT | (q as u32) << 8;
+                        break 'peers;
                     }
                     std::thread::yield_now();
                 }
             }
-            Ok(())
+            if code == 0 {
+                return Ok(());
+            }
+            for q in 0..self.size {
+                for e in [epoch, epoch.wrapping_add(1)] {
+                    let poison = flag_value(e, POISON_SIG);
+                    self.flag(q, flag_index(e, self.rank))
+                        .store(poison, Ordering::Release);
+                }
+            }
+            self.error.store(code, Ordering::Release);
+            Err(code)
         }
     }
 
@@ -546,6 +573,8 @@ mod tests {
         input: Vec<i32>,
         out_len: usize,
         in_place: bool,
+        /// Sleep before the call.
+        delay: Duration,
     }
 
     /// Runs every rank's calls in order on the model; returns each rank's output of every call,
@@ -555,7 +584,7 @@ mod tests {
         slot_bytes: usize,
         one_shot: usize,
         calls: impl Fn(usize) -> Vec<Call> + Sync,
-        timeout: Duration,
+        timeout: impl Fn(usize) -> Duration + Sync,
     ) -> Vec<Vec<Result<Vec<i32>, u32>>> {
         let scratch: Vec<Vec<u64>> = (0..size)
             .map(|_| vec![0u64; (FLAGS_BYTES + 2 * slot_bytes).div_ceil(8)])
@@ -566,11 +595,13 @@ mod tests {
         std::thread::scope(|s| {
             let handles: Vec<_> = (0..size)
                 .map(|rank| {
-                    let (bases, errors, calls) = (Arc::clone(&bases), &errors, &calls);
+                    let (bases, errors, calls, timeout) =
+                        (Arc::clone(&bases), &errors, &calls, &timeout);
                     s.spawn(move || {
                         let mut cur = Cursor::default();
                         let mut outs = Vec::new();
                         for call in calls(rank) {
+                            std::thread::sleep(call.delay);
                             let mut input = call.input.clone();
                             let mut out = if call.in_place {
                                 Vec::new()
@@ -606,7 +637,7 @@ mod tests {
                                 op: call.kind.op(),
                                 scratch: &bases,
                                 error: &errors[rank],
-                                timeout,
+                                timeout: timeout(rank),
                             };
                             let r = execute(&plan, &b, &mut cur, &mut m);
                             outs.push(r.map(|()| if call.in_place { input } else { out }));
@@ -721,10 +752,11 @@ mod tests {
                         input: input_of(rank, i),
                         out_len: lengths(kind, rank, size, count).1,
                         in_place,
+                        delay: Duration::ZERO,
                     })
                     .collect()
             },
-            Duration::from_secs(20),
+            |_| Duration::from_secs(20),
         );
         for (rank, outs) in results.into_iter().enumerate() {
             for (i, (&(kind, count, in_place), got)) in script.iter().zip(outs).enumerate() {
@@ -858,18 +890,24 @@ mod tests {
                     input: data(rank, ni, 0),
                     out_len: no,
                     in_place: false,
+                    delay: Duration::ZERO,
                 }]
             },
-            Duration::from_secs(20),
+            |_| Duration::from_secs(20),
         );
+        let first = |r: &Vec<Result<Vec<i32>, u32>>| r[0].clone().expect_err("a failure");
+        // Whoever saw it first reports the mismatch itself.
+        assert!(results.iter().any(|r| first(r) & 0xff == ERR_MISMATCH));
         for (rank, r) in results.into_iter().enumerate() {
             let e = r[0].clone().expect_err("a mismatch");
-            assert_eq!(e & 0xff, ERR_MISMATCH, "rank {rank}: {e:#x}");
+            // A mismatch names a rank that called something else; otherwise the rank found the
+            // poison of one that had already seen the mismatch.
             let peer = (e >> 8) as usize;
-            if rank == 1 {
-                assert_ne!(peer, 1);
-            } else {
-                assert_eq!(peer, 1, "rank {rank} names the odd rank");
+            match e & 0xff {
+                ERR_MISMATCH if rank == 1 => assert_ne!(peer, 1),
+                ERR_MISMATCH => assert_eq!(peer, 1, "rank {rank} names the odd rank"),
+                ERR_ABORTED => assert_ne!(peer, rank),
+                _ => panic!("rank {rank}: {e:#x}"),
             }
         }
         // Same operation, different lengths: also a mismatch.
@@ -885,12 +923,15 @@ mod tests {
                     input: data(rank, count, 0),
                     out_len: count,
                     in_place: false,
+                    delay: Duration::ZERO,
                 }]
             },
-            Duration::from_secs(20),
+            |_| Duration::from_secs(20),
         );
+        assert!(results.iter().any(|r| first(r) & 0xff == ERR_MISMATCH));
         for r in results {
-            assert_eq!(r[0].clone().expect_err("a mismatch") & 0xff, ERR_MISMATCH);
+            let e = r[0].clone().expect_err("a mismatch") & 0xff;
+            assert!([ERR_MISMATCH, ERR_ABORTED].contains(&e), "{e:#x}");
         }
     }
 
@@ -913,18 +954,60 @@ mod tests {
                         input: data(rank, 4, i),
                         out_len: 4,
                         in_place: false,
+                        delay: Duration::ZERO,
                     })
                     .collect()
             },
-            Duration::from_millis(300),
+            |_| Duration::from_millis(300),
         );
-        for r in &results[..2] {
+        // Rank 0 and 1 each time out on rank 2, or one of them first and the other then sees its
+        // poison.
+        for (rank, r) in results[..2].iter().enumerate() {
             assert_eq!(r.len(), 2);
-            for call in r {
-                assert_eq!(call, &Err(ERR_TIMEOUT | (2 << 8)));
-            }
+            let first = r[0].clone().expect_err("a failure");
+            let other = 1 - rank as u32;
+            assert!(
+                first == ERR_TIMEOUT | (2 << 8) || first == ERR_ABORTED | (other << 8),
+                "rank {rank}: {first:#x}"
+            );
+            assert_eq!(
+                r[1],
+                Err(first),
+                "rank {rank}: later calls fail with the same word"
+            );
         }
         assert!(results[2].is_empty());
+    }
+
+    #[test]
+    fn cuda_ipc_a_rank_that_gives_up_makes_its_peers_fail_too() {
+        // Rank 1 times out at once while rank 2 is late: rank 1 poisons its flags, so rank 0
+        // (patient) and rank 2 (late) fail instead of reading its slot.
+        let results = run_world(
+            3,
+            64,
+            64,
+            |rank| {
+                vec![Call {
+                    kind: Kind::AllReduce(ReduceOp::Sum),
+                    count: 4,
+                    input: data(rank, 4, 0),
+                    out_len: 4,
+                    in_place: false,
+                    delay: Duration::from_millis(if rank == 2 { 300 } else { 0 }),
+                }]
+            },
+            |rank| Duration::from_millis(if rank == 1 { 20 } else { 20_000 }),
+        );
+        assert_eq!(results[1][0], Err(ERR_TIMEOUT | (2 << 8)));
+        // Rank 2 finds rank 1's poison; rank 0 finds it too, or had read rank 1's word before
+        // and then finds rank 2's.
+        assert_eq!(results[2][0], Err(ERR_ABORTED | (1 << 8)));
+        let e0 = results[0][0].clone().expect_err("rank 0 fails too");
+        assert!(
+            e0 == ERR_ABORTED | (1 << 8) || e0 == ERR_ABORTED | (2 << 8),
+            "{e0:#x}"
+        );
     }
 
     proptest! {

@@ -23,9 +23,26 @@
 //! # Ok::<(), oxccl_comm::Error>(())
 //! ```
 //!
-//! # How a device operation runs (staged through host memory)
+//! # Two ways a device operation runs
 //!
-//! Each call is checked like its host counterpart, then enqueued:
+//! **Over CUDA IPC** (`comm/src/cuda/ipc.rs` and `ipc_plan.rs` say how): collectives of a communicator whose ranks all
+//! share one node (2 to 8 of them, on one GPU or several) read each other's device memory
+//! directly. Every rank maps every other's scratch slots once (IPC handles exchanged through the
+//! store); a call enqueues, on the caller's stream, a copy of its input into its own slot, a
+//! barrier kernel (flags in device memory, no host round trip), then reduce kernels or copies
+//! that read the peers' slots: one-shot all-reduce up to `OXCCL_CUDA_IPC_ONE_SHOT` (256 KiB),
+//! two-shot above, everything in chunks of `OXCCL_CUDA_IPC_SLOT` (4 MiB) with double-buffered
+//! slots. This is the default where it applies (`OXCCL_CUDA_IPC=auto`); if any rank cannot map
+//! the others, every rank stages instead (`OXCCL_CUDA_IPC=1` makes that an error). Send and
+//! receive are always staged. Operations of one communicator on different streams are chained
+//! in call order. The barrier spins on the GPU: with ranks as threads of one process and more
+//! busy streams than `CUDA_DEVICE_MAX_CONNECTIONS`, a spinning barrier can hold a hardware queue
+//! another rank needs until its time-out; ranks as processes on one GPU share it by time
+//! slices (without MPS), so each barrier may wait for a slice.
+//!
+//! **Staged through pinned host memory** (ranks on several nodes, more than 8 ranks, send and
+//! receive, or `OXCCL_CUDA_IPC=0`). Each call is checked like its host counterpart, then
+//! enqueued:
 //!
 //! 1. on the stream, a copy of the device input into a pinned host staging buffer, and an event
 //!    after it;
@@ -54,6 +71,11 @@
 //!
 //! # Errors after a call returned
 //!
+//! Over CUDA IPC, a rank that does not reach a barrier within `OXCCL_TIMEOUT`, or reaches it with
+//! a different collective, dtype, root or count, makes the barrier give up and record which rank
+//! and which operation; the stream goes on (the outputs of that operation are then undefined),
+//! and the failure is reported as below ([`Error::Timeout`], [`Error::Mismatch`]).
+//!
 //! A failure in a host collective that runs after its call returned (a peer lost, a mismatch, a
 //! time-out) cannot be returned by that call. The flag is still set, so the stream never waits
 //! forever; the device output then holds whatever the staging buffer held (the unreduced input
@@ -63,9 +85,11 @@
 //!
 //! # Status
 //!
-//! Built and type-checked on every CI run; the plan and layout logic is unit-tested without a GPU.
-//! The GPU paths themselves are exercised only by `comm/tests/cuda.rs`, whose tests are ignored
-//! without a GPU: run them with
+//! Built and type-checked on every CI run; the staging plans and the IPC plans (on a concurrent
+//! host model of the slots and the barrier protocol) are unit-tested without a GPU, and the
+//! barrier kernel is compiled to PTX. The GPU paths themselves are exercised only by
+//! `comm/tests/cuda.rs`, whose tests are ignored without a GPU, and have not run on one yet: run
+//! them with
 //! `cargo test -p oxccl-comm --features cuda --test cuda -- --ignored` on a machine with one.
 
 mod ipc;
@@ -194,6 +218,16 @@ impl Communicator {
         StreamComm {
             comm: self,
             stream: Arc::clone(stream),
+        }
+    }
+
+    /// How this communicator's device collectives run: `Some("cuda_ipc")`, `Some("staged")`
+    /// (through pinned host memory), or `None` before its first device collective decided it.
+    pub fn device_path(&self) -> Option<&'static str> {
+        match lock(&self.cuda).as_ref().map(|s| &s.ipc) {
+            Some(IpcMode::On(_)) => Some("cuda_ipc"),
+            Some(IpcMode::Off) => Some("staged"),
+            _ => None,
         }
     }
 
@@ -439,7 +473,7 @@ impl StreamComm<'_> {
             .map_err(|e| self.cuda_err(op, "binding the context", e))?;
         if kind.collective().is_some() {
             if matches!(state.ipc, IpcMode::Untried) {
-                state.ipc = match ipc::setup(comm, &ctx, op) {
+                state.ipc = match ipc::setup(comm, stream, op) {
                     Ok(Some(s)) => IpcMode::On(Box::new(s)),
                     Ok(None) => IpcMode::Off,
                     Err(e) => IpcMode::Failed(e),
