@@ -3,7 +3,9 @@
 //! (one-shot, two-shot and chunked, with small slots) and staged through host memory (in many
 //! pipelined parts, in both completion modes: stream waits on the flag, and
 //! `OXCCL_CUDA_STREAM_WAIT=0`); stream order without host synchronisation; mismatched calls and
-//! a missing rank reported by the IPC barrier instead of a hang. Ranks in separate processes
+//! a missing rank reported by the IPC barrier instead of a hang. On the lent H100 (2026-11-24)
+//! the 2-rank tests pass; the 4- and 8-rank ones hang, staged and over IPC alike (open). Ranks in
+//! separate processes
 //! (`cuIpcOpenMemHandle`) are covered by `oxccl perf --device cuda` in `scripts/gpu_run.sh`.
 //!
 //! Ignored by default (CI has no GPU). On a machine with one:
