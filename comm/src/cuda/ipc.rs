@@ -346,7 +346,7 @@ pub(crate) struct IpcState {
     /// The stream of the last operation (held, so its handle cannot be reused meanwhile).
     last_stream: Option<Arc<CudaStream>>,
     /// (first barrier epoch, sequence number, description) of recent operations.
-    history: VecDeque<(u32, u64, String)>,
+    history: VecDeque<(u32, u64, Kind, DType, usize)>,
     store: Arc<dyn Store>,
     id: String,
     rank: usize,
@@ -690,10 +690,10 @@ impl IpcState {
             .history
             .iter()
             .rev()
-            .find(|(first, _, _)| epoch.wrapping_sub(*first) < (1 << 31))
+            .find(|(first, ..)| epoch.wrapping_sub(*first) < (1 << 31))
             .map_or(
                 (self.ops, "a device collective".to_string()),
-                |(_, s, w)| (*s, w.clone()),
+                |&(_, s, kind, dt, count)| (s, describe(kind, dt, count)),
             );
         Some(match code & 0xff {
             ERR_MISMATCH => Error::Mismatch {
@@ -765,11 +765,8 @@ impl IpcState {
                 .wait(&self.local.done)
                 .map_err(|e| format!("ordering after the previous operation: {e:?}"))?;
         }
-        self.history.push_back((
-            self.cur.epoch.wrapping_add(1),
-            self.ops,
-            describe(kind, dt, count),
-        ));
+        self.history
+            .push_back((self.cur.epoch.wrapping_add(1), self.ops, kind, dt, count));
         if self.history.len() > HISTORY {
             self.history.pop_front();
         }
