@@ -9,7 +9,7 @@
 #![allow(missing_docs)]
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use oxccl::kernels::{bf16, f16, reduce, Element, ReduceOp};
+use oxccl::kernels::{bf16, f16, reduce, Element, ReduceOp, F8E4M3, F8E5M2};
 
 fn bench_type<T: Element>(c: &mut Criterion, bytes: usize, ops: &[ReduceOp]) {
     let n = bytes / std::mem::size_of::<T>();
@@ -50,6 +50,8 @@ fn kernels(c: &mut Criterion) {
             bench_type::<u32>(c, bytes, &[ReduceOp::Sum, ReduceOp::Min]);
             bench_type::<i64>(c, bytes, &[ReduceOp::Sum, ReduceOp::Prod]);
             bench_type::<u64>(c, bytes, &[ReduceOp::Sum, ReduceOp::Min]);
+            bench_type::<F8E4M3>(c, bytes, &[ReduceOp::Sum, ReduceOp::Max]);
+            bench_type::<F8E5M2>(c, bytes, &[ReduceOp::Sum, ReduceOp::Max]);
         }
     }
 }

@@ -7,7 +7,8 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=target/gpu-bin
 rm -rf "$out" && mkdir -p "$out"
-export RUSTFLAGS="${RUSTFLAGS:-} -C strip=symbols"
+# Debug info stripped, symbols kept (backtraces and gdb name functions).
+export RUSTFLAGS="${RUSTFLAGS:-} -C strip=debuginfo"
 # Test binaries: cargo prints their paths with --message-format json.
 exe() { python3 -c 'import json,sys
 for l in sys.stdin:

@@ -133,10 +133,10 @@ fn every_collective_dtype_and_op_checks_exactly() {
         ]);
         let rows = assert_all_correct(coll, &out, &stdout, &stderr);
         let with_op = matches!(coll, "all-reduce" | "reduce-scatter" | "reduce");
-        // 4 sizes x 10 dtypes (x 5 ops where there is an op).
+        // 4 sizes x 12 dtypes (x 5 ops where there is an op).
         assert_eq!(
             rows.len(),
-            4 * 10 * if with_op { 5 } else { 1 },
+            4 * 12 * if with_op { 5 } else { 1 },
             "{coll}\n{stdout}"
         );
         let in_place = matches!(

@@ -3,11 +3,11 @@
 //! ranks, against a serial reference.
 //!
 //! Inputs are chosen so that every reduction is exact in every type whatever the order (small
-//! non-negative integers; powers of two for `prod`), so results are compared bit for bit, floats
+//! non-negative integers, 0 or 1 for fp8; powers of two for `prod`), so results are compared bit for bit, floats
 //! included. `float_tolerance` checks random floats against the bound of recursive summation.
 //!
-//! The largest count runs for every dtype with `sum` and for f32/i32 with every op, to keep the
-//! suite inside CI's time; the smaller counts run the full matrix.
+//! The largest count runs for every dtype but fp8 with `sum` and for f32/i32 with every op, to
+//! keep the suite inside CI's time; the smaller counts run the full matrix.
 
 use std::time::Duration;
 
@@ -15,15 +15,22 @@ use half::{bf16, f16};
 use oxccl_comm::config::TransportChoice;
 use oxccl_comm::harness::{spawn_world, spawn_world_on_nodes};
 use oxccl_comm::{Communicator, Config, Element, ReduceOp, Result};
-use oxccl_kernels::reference_reduce;
+use oxccl_kernels::{reference_reduce, F8E4M3, F8E5M2};
 
 const COUNTS: [usize; 5] = [0, 1, 7, 1000, (1 << 20) + 3];
 const BIG: usize = (1 << 20) + 3;
 
 fn val<T: Element>(rank: usize, i: usize, op: ReduceOp) -> T {
+    // fp8 holds the integers exactly only up to 16 (E4M3) and 8 (E5M2): 0 or 1 per rank keeps
+    // every sum of up to 8 ranks exact.
+    let m = if T::DTYPE.is_float() && T::DTYPE.size() == 1 {
+        2
+    } else {
+        11
+    };
     let v = match op {
         ReduceOp::Prod => 1 + (rank + i) % 2,
-        _ => (rank * 31 + i * 17) % 11,
+        _ => (rank * 31 + i * 17) % m,
     };
     T::from_f64(v as f64)
 }
@@ -220,6 +227,9 @@ fn every_dtype(comm: &Communicator, reduce_algos_only: bool) -> Result<()> {
         )*};
     }
     each!(f32, f64, f16, bf16, i8, u8, i32, u32, i64, u64);
+    // fp8 at the small counts only: its large-count paths are the 1-byte ones i8 and u8 take.
+    all_collectives::<F8E4M3>(comm, small, &ReduceOp::ALL, reduce_algos_only)?;
+    all_collectives::<F8E5M2>(comm, small, &ReduceOp::ALL, reduce_algos_only)?;
     all_collectives::<f32>(
         comm,
         &[BIG],
@@ -305,7 +315,9 @@ fn all_reduce_every_dtype(comm: &Communicator) -> Result<()> {
     one::<i32>(comm)?;
     one::<u32>(comm)?;
     one::<i64>(comm)?;
-    one::<u64>(comm)
+    one::<u64>(comm)?;
+    one::<F8E4M3>(comm)?;
+    one::<F8E5M2>(comm)
 }
 
 /// The direct all-reduces over the shared-memory window, with a small staging area so that
@@ -418,10 +430,11 @@ fn float_tolerance() {
             .wrapping_add(1442695040888963407);
         ((x >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
     }
-    fn run<T: Element>(c: &Communicator, eps: f64) -> Result<()> {
+    /// Values in `[-scale, scale]`.
+    fn run<T: Element>(c: &Communicator, eps: f64, scale: f64) -> Result<()> {
         let (n, me) = (c.size(), c.rank());
         let len = 4099;
-        let x = |r: usize, i: usize| T::from_f64(rnd((r * 100_003 + i) as u64) * 100.0).to_f64();
+        let x = |r: usize, i: usize| T::from_f64(rnd((r * 100_003 + i) as u64) * scale).to_f64();
         let mut v: Vec<T> = (0..len).map(|i| T::from_f64(x(me, i))).collect();
         c.all_reduce(&mut v, ReduceOp::Sum)?;
         // Every rank holds the same bits.
@@ -461,10 +474,13 @@ fn float_tolerance() {
             5,
             config(&format!("all-reduce={algo}"), TransportChoice::Auto),
             |c| {
-                run::<f32>(&c, f32::EPSILON as f64 / 2.0)?;
-                run::<f64>(&c, f64::EPSILON / 2.0)?;
-                run::<f16>(&c, 2f64.powi(-11))?;
-                run::<bf16>(&c, 2f64.powi(-8))
+                run::<f32>(&c, f32::EPSILON as f64 / 2.0, 100.0)?;
+                run::<f64>(&c, f64::EPSILON / 2.0, 100.0)?;
+                run::<f16>(&c, 2f64.powi(-11), 100.0)?;
+                run::<bf16>(&c, 2f64.powi(-8), 100.0)?;
+                // fp8: 5 x 40 stays below E4M3's saturation at 448.
+                run::<F8E4M3>(&c, 2f64.powi(-4), 40.0)?;
+                run::<F8E5M2>(&c, 2f64.powi(-3), 40.0)
             },
         ) {
             r.unwrap();

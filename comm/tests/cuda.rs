@@ -44,11 +44,17 @@ fn stream() -> Arc<CudaStream> {
     ctx.new_stream().expect("stream")
 }
 
-/// Small integers as `T`, distinct per rank and position (sums of 4 ranks stay exact in every
-/// dtype, products are compared against the same host arithmetic).
+/// Small integers as `T`, distinct per rank and position: -3..=3, and -1..=1 for fp8, so sums of
+/// up to 8 ranks stay exact in every dtype whatever the order the device and the host combine
+/// them in (products are compared against the same host arithmetic).
 fn values<T: Element>(rank: usize, n: usize) -> Vec<T> {
+    let (m, off) = if T::DTYPE.is_float() && T::DTYPE.size() == 1 {
+        (3, 1.0)
+    } else {
+        (7, 3.0)
+    };
     (0..n)
-        .map(|i| T::from_f64(((i * 7 + rank * 13) % 7) as f64 - 3.0))
+        .map(|i| T::from_f64(((i * 7 + rank * 13) % m) as f64 - off))
         .collect()
 }
 
@@ -84,15 +90,27 @@ fn download(s: &Arc<CudaStream>, b: &CudaSlice<u8>) -> Vec<u8> {
 }
 
 /// Every device collective of `T` against the host call, on one rank.
-fn every_collective<T: Element>(comm: &Communicator) -> Result<Vec<String>> {
-    let s = stream();
+fn every_collective<T: Element>(comm: &Communicator, s: &Arc<CudaStream>) -> Result<Vec<String>> {
+    let s = s.clone();
     let dev = comm.on_stream(&s);
     let (r, n) = (comm.rank(), comm.size());
     let count = 1031; // odd: parts and shards end on no 16-byte boundary
     let input: Vec<T> = values(r, count);
     let wide: Vec<T> = values(r + 10, count * n);
+    // OXCCL_TEST_TRACE=1: every step on stderr, to see where a run that hangs stopped.
+    let tracing = std::env::var_os("OXCCL_TEST_TRACE").is_some();
+    let trace = |what: &str| {
+        if tracing {
+            eprintln!(
+                "[{:?}] rank {r}/{n} {}: {what}",
+                std::time::Instant::now(),
+                T::DTYPE
+            );
+        }
+    };
     let mut bad = Vec::new();
     let mut check = |what: &str, got: Vec<u8>, want: &[T]| {
+        trace(&format!("checked {what}"));
         if got != as_bytes(want) {
             bad.push(format!("{} {what}", T::DTYPE));
         }
@@ -100,48 +118,59 @@ fn every_collective<T: Element>(comm: &Communicator) -> Result<Vec<String>> {
 
     for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Avg] {
         let mut d = upload(&s, &input);
+        trace("dev all_reduce");
         dev.all_reduce(&mut typed!(mut d, T, count), op)?;
         let mut want = input.clone();
+        trace("comm all_reduce");
         comm.all_reduce(&mut want, op)?;
         check(&format!("all_reduce {op}"), download(&s, &d), &want);
     }
 
     let di = upload(&s, &input);
     let mut d = zeros::<T>(&s, count);
+    trace("dev all_reduce_into");
     dev.all_reduce_into(
         &typed!(di, T, count),
         &mut typed!(mut d, T, count),
         ReduceOp::Prod,
     )?;
     let mut want = input.clone();
+    trace("comm all_reduce");
     comm.all_reduce(&mut want, ReduceOp::Prod)?;
     check("all_reduce_into prod", download(&s, &d), &want);
 
     let dw = upload(&s, &wide);
     let mut d = zeros::<T>(&s, count);
+    trace("dev reduce_scatter");
     dev.reduce_scatter(
         &typed!(dw, T, count * n),
         &mut typed!(mut d, T, count),
         ReduceOp::Min,
     )?;
     let mut want = vec![T::from_f64(0.0); count];
+    trace("comm reduce_scatter");
     comm.reduce_scatter(&wide, &mut want, ReduceOp::Min)?;
     check("reduce_scatter", download(&s, &d), &want);
 
     let mut d = zeros::<T>(&s, count * n);
+    trace("dev all_gather");
     dev.all_gather(&typed!(di, T, count), &mut typed!(mut d, T, count * n))?;
     let mut want = vec![T::from_f64(0.0); count * n];
+    trace("comm all_gather");
     comm.all_gather(&input, &mut want)?;
     check("all_gather", download(&s, &d), &want);
 
     let root = n - 1;
     let mut d = upload(&s, &input);
+    trace("dev broadcast");
     dev.broadcast(&mut typed!(mut d, T, count), root)?;
     let mut want = input.clone();
+    trace("comm broadcast");
     comm.broadcast(&mut want, root)?;
     check("broadcast", download(&s, &d), &want);
 
     let mut d = zeros::<T>(&s, count);
+    trace("dev reduce");
     dev.reduce(
         &typed!(di, T, count),
         &mut typed!(mut d, T, count),
@@ -149,32 +178,39 @@ fn every_collective<T: Element>(comm: &Communicator) -> Result<Vec<String>> {
         0,
     )?;
     let mut want = vec![T::from_f64(0.0); count];
+    trace("comm reduce");
     comm.reduce(&input, &mut want, ReduceOp::Sum, 0)?;
     if r == 0 {
         check("reduce", download(&s, &d), &want);
     }
 
     let mut d = zeros::<T>(&s, count * n);
+    trace("dev gather");
     dev.gather(
         &typed!(di, T, count),
         &mut typed!(mut d, T, count * n),
         root,
     )?;
     let mut want = vec![T::from_f64(0.0); count * n];
+    trace("comm gather");
     comm.gather(&input, &mut want, root)?;
     if r == root {
         check("gather", download(&s, &d), &want);
     }
 
     let mut d = zeros::<T>(&s, count);
+    trace("dev scatter");
     dev.scatter(&typed!(dw, T, count * n), &mut typed!(mut d, T, count), 0)?;
     let mut want = vec![T::from_f64(0.0); count];
+    trace("comm scatter");
     comm.scatter(&wide, &mut want, 0)?;
     check("scatter", download(&s, &d), &want);
 
     let mut d = zeros::<T>(&s, count * n);
+    trace("dev all_to_all");
     dev.all_to_all(&typed!(dw, T, count * n), &mut typed!(mut d, T, count * n))?;
     let mut want = vec![T::from_f64(0.0); count * n];
+    trace("comm all_to_all");
     comm.all_to_all(&wide, &mut want)?;
     check("all_to_all", download(&s, &d), &want);
 
@@ -182,10 +218,14 @@ fn every_collective<T: Element>(comm: &Communicator) -> Result<Vec<String>> {
     let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
     let mut d = zeros::<T>(&s, count);
     if r % 2 == 0 {
+        trace("dev send");
         dev.send(&typed!(di, T, count), next)?;
+        trace("dev recv");
         dev.recv(&mut typed!(mut d, T, count), prev)?;
     } else {
+        trace("dev recv");
         dev.recv(&mut typed!(mut d, T, count), prev)?;
+        trace("dev send");
         dev.send(&typed!(di, T, count), next)?;
     }
     check("send/recv", download(&s, &d), &values::<T>(prev, count));
@@ -198,9 +238,13 @@ fn every_collective<T: Element>(comm: &Communicator) -> Result<Vec<String>> {
 }
 
 fn all_dtypes(comm: &Communicator) -> Result<Vec<String>> {
+    // One stream per rank for the whole run, as a trainer has: creating a stream can synchronize
+    // the context, which with ranks as threads would wait for other ranks' work that waits on
+    // this one.
+    let s = stream();
     let mut bad = Vec::new();
     for dt in DType::ALL {
-        bad.extend(with_dtype!(dt, every_collective(comm))?);
+        bad.extend(with_dtype!(dt, every_collective(comm, &s))?);
     }
     Ok(bad)
 }

@@ -5,9 +5,10 @@
 // `oxccl_kernels::cuda::TABLE` and appended to this source, so the Rust dispatch and the kernel
 // instantiations come from one list and cannot drift apart.
 //
-// No CUDA headers are needed: f16 / bf16 conversions are written out here (PTX `cvt` for f16,
-// bit operations for bf16) with the same rounding as the host kernels (round to nearest even
-// after every step).
+// No CUDA headers are needed: f16 / bf16 / fp8 conversions are written out here (PTX `cvt` for
+// f16, bit operations for bf16, both for fp8) with the same rounding as the host kernels (round to
+// nearest even after every step; fp8 saturates to its largest finite value, as CUDA's
+// __NV_SATFINITE conversions do).
 //
 // Semantics follow the host kernels exactly: integer sum/prod wrap (computed in unsigned
 // arithmetic: signed overflow is undefined in C++), float min/max propagate NaN
@@ -23,6 +24,8 @@ typedef unsigned long long usize;
 
 struct f16 { unsigned short bits; };
 struct bf16 { unsigned short bits; };
+struct f8e4m3 { u8 bits; };
+struct f8e5m2 { u8 bits; };
 
 // ---- conversions to and from the type computations run in ------------------------------------
 
@@ -52,6 +55,70 @@ __device__ __forceinline__ unsigned short f32_to_bf16(float f) {
     return (unsigned short)(x >> 16);
 }
 
+// OXCCL_FP8_BEGIN (kernels/tests/kernels/fp8_device.rs compiles this section on the host)
+//
+// fp8 -> f32 is exact. E4M3 (bias 7, no infinities, 0x7f NaN): the exponent and mantissa bits
+// move into an f32 whose exponent is rebiased by 120; subnormals are m * 2^-9. E5M2 is the top
+// byte of an f16.
+__device__ __forceinline__ float e4m3_to_f32(u32 b) {
+    u32 sign = (b & 0x80u) << 24;
+    u32 em = b & 0x7fu;
+    if (em == 0x7fu) return __uint_as_float(sign | 0x7fc00000u);
+    if (em < 8u) return __uint_as_float(sign | __float_as_uint((float)em * 0.001953125f));
+    return __uint_as_float(sign | ((em + (120u << 3)) << 20));
+}
+
+// f32 -> fp8, round to nearest even, saturating: NaN -> 0x7f (with the sign), |x| >= the largest
+// finite value (infinities included) -> the largest finite value, subnormals by rounding
+// |x| * 2^(bias - 1 + man) to an integer (exact scaling, ties to even), normals by dropping
+// mantissa bits with ties to even. The same algorithm as the host (oxccl-kernels' fp8.rs).
+template <u32 MAN, u32 BIAS, u32 MAXBITS>
+__device__ __forceinline__ u32 f32_to_fp8_soft(float f, float maxv, float min_normal, float sub_scale) {
+    u32 x = __float_as_uint(f);
+    u32 sign = (x >> 24) & 0x80u;
+    u32 ax = x & 0x7fffffffu;
+    float a = __uint_as_float(ax);
+    if (ax > 0x7f800000u) return sign | 0x7fu;
+    if (a >= maxv) return sign | MAXBITS;
+    if (a < min_normal) return sign | (u32)__float2int_rn(a * sub_scale);
+    const u32 drop = 23u - MAN;
+    u32 res = ((((ax >> 23) - 127u + BIAS) << MAN) | ((ax >> drop) & ((1u << MAN) - 1u)));
+    u32 rem = ax & ((1u << drop) - 1u);
+    u32 half = 1u << (drop - 1u);
+    if (rem > half || (rem == half && (res & 1u))) res += 1u;
+    return sign | res;
+}
+__device__ __forceinline__ u32 f32_to_e4m3_soft(float f) {
+    return f32_to_fp8_soft<3u, 7u, 0x7eu>(f, 448.0f, 0.015625f, 512.0f);
+}
+__device__ __forceinline__ u32 f32_to_e5m2_soft(float f) {
+    return f32_to_fp8_soft<2u, 15u, 0x7bu>(f, 57344.0f, 6.103515625e-05f, 65536.0f);
+}
+// OXCCL_FP8_END
+
+__device__ __forceinline__ float e5m2_to_f32(u32 b) { return f16_to_f32((unsigned short)(b << 8)); }
+
+// sm_89 and later convert in hardware (`cvt.rn.satfinite`, the same rounding and saturation);
+// earlier devices run the software conversion above.
+__device__ __forceinline__ u8 f32_to_e4m3(float f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    unsigned short r;
+    asm("{ cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2; }" : "=h"(r) : "f"(0.0f), "f"(f));
+    return (u8)(r & 0xffu);
+#else
+    return (u8)f32_to_e4m3_soft(f);
+#endif
+}
+__device__ __forceinline__ u8 f32_to_e5m2(float f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    unsigned short r;
+    asm("{ cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2; }" : "=h"(r) : "f"(0.0f), "f"(f));
+    return (u8)(r & 0xffu);
+#else
+    return (u8)f32_to_e5m2_soft(f);
+#endif
+}
+
 // Traits: the compute type C of each storage type T, and the conversions.
 template <typename T> struct Num {
     typedef T C;
@@ -67,6 +134,16 @@ template <> struct Num<bf16> {
     typedef float C;
     static __device__ __forceinline__ float load(bf16 v) { return bf16_to_f32(v.bits); }
     static __device__ __forceinline__ bf16 store(float v) { bf16 r; r.bits = f32_to_bf16(v); return r; }
+};
+template <> struct Num<f8e4m3> {
+    typedef float C;
+    static __device__ __forceinline__ float load(f8e4m3 v) { return e4m3_to_f32(v.bits); }
+    static __device__ __forceinline__ f8e4m3 store(float v) { f8e4m3 r; r.bits = f32_to_e4m3(v); return r; }
+};
+template <> struct Num<f8e5m2> {
+    typedef float C;
+    static __device__ __forceinline__ float load(f8e5m2 v) { return e5m2_to_f32(v.bits); }
+    static __device__ __forceinline__ f8e5m2 store(float v) { f8e5m2 r; r.bits = f32_to_e5m2(v); return r; }
 };
 
 // ---- operations ------------------------------------------------------------------------------

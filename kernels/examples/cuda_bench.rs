@@ -1,11 +1,11 @@
 //! Device bandwidth of oxccl's reduce kernels against a device-to-device copy, same run.
 //!
-//! For f32 and bf16 at 256 MiB per buffer: `cuMemcpyDtoD` (the reference), oxccl's copy kernel,
+//! For f32, bf16, f8e4m3 and f8e5m2 (or the comma-separated dtypes given) at 256 MiB per buffer: `cuMemcpyDtoD` (the reference), oxccl's copy kernel,
 //! and reduce with 2, 4 and 8 inputs. Bandwidth counts every byte read and written (copy: 2 x
 //! buffer, k-input reduce: (k + 1) x buffer); the last column is that bandwidth as a fraction of
 //! the copy's. Times are medians of 20 launches (CUDA events) after 3 warm-ups.
 //!
-//! `cargo run --release -p oxccl-kernels --features cuda --example cuda_bench [-- MiB]`
+//! `cargo run --release -p oxccl-kernels --features cuda --example cuda_bench [-- MiB [DTYPES]]`
 
 use std::sync::Arc;
 
@@ -39,6 +39,12 @@ fn time_ms(
 fn main() -> Res<()> {
     let mib: usize = std::env::args().nth(1).map_or(Ok(256), |s| s.parse())?;
     let bytes = mib << 20;
+    let dtypes: Vec<DType> = std::env::args()
+        .nth(2)
+        .unwrap_or_else(|| "f32,bf16,f8e4m3,f8e5m2".into())
+        .split(',')
+        .map(str::parse)
+        .collect::<Result<_, _>>()?;
     if !oxccl_kernels::cuda::driver_available() {
         return Err("no CUDA driver or device".into());
     }
@@ -54,7 +60,7 @@ fn main() -> Res<()> {
         .map(|_| stream.alloc_zeros::<u8>(bytes))
         .collect::<Result<_, _>>()?;
     let mut out = stream.alloc_zeros::<u8>(bytes)?;
-    for dt in [DType::F32, DType::BF16] {
+    for dt in dtypes {
         let copy = time_ms(&ctx, &stream, || {
             stream.memcpy_dtod(&inputs[0], &mut out)?;
             Ok(())

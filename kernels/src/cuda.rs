@@ -17,7 +17,9 @@
 //! Results are bit-identical to the host kernels for every integer type and for `f32`/`f64`
 //! sums, products, minima and maxima of two inputs (the same IEEE operations in the same order);
 //! `f16`/`bf16` are widened to `f32` and rounded back to nearest even after every step, as on the
-//! host. Only NaN payloads may differ. Every kernel is a grid-stride loop that moves 16-byte
+//! host; so are the fp8 types, saturating at their largest finite value (`cvt.rn.satfinite` on
+//! sm_89 and later, a software conversion before, checked against the host's on the host by
+//! `kernels/tests/kernels/fp8.rs`). Only NaN payloads may differ. Every kernel is a grid-stride loop that moves 16-byte
 //! vectors when all its pointers share an offset modulo 16, with the unaligned head and tail done
 //! element by element (and every element one by one when the offsets differ).
 //!
@@ -716,8 +718,8 @@ mod tests {
                 "{name} must be defined exactly once"
             );
         }
-        // 10 dtypes x 4 ops + 10 div + 4 scale + copy + barrier.
-        assert_eq!(kernel_names().len(), 40 + 10 + 4 + 1 + 1);
+        // 12 dtypes x 4 ops + 12 div + 6 scale (floats) + copy + barrier.
+        assert_eq!(kernel_names().len(), 48 + 12 + 6 + 1 + 1);
         assert_eq!(
             reduce_kernel_name(DType::BF16, ReduceOp::Avg),
             "oxccl_reduce_bf16_sum"

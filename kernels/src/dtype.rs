@@ -32,11 +32,17 @@ pub enum DType {
     I64,
     /// Unsigned 64-bit integer, named `uint64`.
     U64,
+    /// 8-bit float, 4 exponent and 3 mantissa bits, no infinities ([`F8E4M3`](crate::F8E4M3),
+    /// `torch.float8_e4m3fn`), named `f8e4m3`.
+    F8E4M3,
+    /// 8-bit float, 5 exponent and 2 mantissa bits ([`F8E5M2`](crate::F8E5M2),
+    /// `torch.float8_e5m2`), named `f8e5m2`.
+    F8E5M2,
 }
 
 impl DType {
     /// Every data type, in wire-code order.
-    pub const ALL: [DType; 10] = [
+    pub const ALL: [DType; 12] = [
         DType::F32,
         DType::F64,
         DType::F16,
@@ -47,12 +53,14 @@ impl DType {
         DType::U32,
         DType::I64,
         DType::U64,
+        DType::F8E4M3,
+        DType::F8E5M2,
     ];
 
     /// Size of one element in bytes.
     pub const fn size(self) -> usize {
         match self {
-            DType::I8 | DType::U8 => 1,
+            DType::I8 | DType::U8 | DType::F8E4M3 | DType::F8E5M2 => 1,
             DType::F16 | DType::BF16 => 2,
             DType::F32 | DType::I32 | DType::U32 => 4,
             DType::F64 | DType::I64 | DType::U64 => 8,
@@ -60,7 +68,7 @@ impl DType {
     }
 
     /// The nccl-tests style name: `float`, `double`, `half`, `bfloat16`, `int8`, `uint8`,
-    /// `int32`, `uint32`, `int64`, `uint64`.
+    /// `int32`, `uint32`, `int64`, `uint64`, `f8e4m3`, `f8e5m2`.
     pub const fn name(self) -> &'static str {
         match self {
             DType::F32 => "float",
@@ -73,11 +81,13 @@ impl DType {
             DType::U32 => "uint32",
             DType::I64 => "int64",
             DType::U64 => "uint64",
+            DType::F8E4M3 => "f8e4m3",
+            DType::F8E5M2 => "f8e5m2",
         }
     }
 
     /// The short Rust-style name: `f32`, `f64`, `f16`, `bf16`, `i8`, `u8`, `i32`, `u32`,
-    /// `i64`, `u64`.
+    /// `i64`, `u64`, `f8e4m3`, `f8e5m2`.
     pub const fn short_name(self) -> &'static str {
         match self {
             DType::F32 => "f32",
@@ -90,20 +100,25 @@ impl DType {
             DType::U32 => "u32",
             DType::I64 => "i64",
             DType::U64 => "u64",
+            DType::F8E4M3 => "f8e4m3",
+            DType::F8E5M2 => "f8e5m2",
         }
     }
 
-    /// Whether this is a floating-point type (`F32`, `F64`, `F16`, `BF16`).
+    /// Whether this is a floating-point type (`F32`, `F64`, `F16`, `BF16`, `F8E4M3`, `F8E5M2`).
     pub fn is_float(self) -> bool {
-        matches!(self, DType::F32 | DType::F64 | DType::F16 | DType::BF16)
+        matches!(
+            self,
+            DType::F32 | DType::F64 | DType::F16 | DType::BF16 | DType::F8E4M3 | DType::F8E5M2
+        )
     }
 
-    /// Stable wire code, `0..=9` (the position in [`DType::ALL`]).
+    /// Stable wire code, `0..=11` (the position in [`DType::ALL`]).
     pub fn to_u8(self) -> u8 {
         self as u8
     }
 
-    /// Inverse of [`DType::to_u8`]; `None` for codes above 9.
+    /// Inverse of [`DType::to_u8`]; `None` for codes above 11.
     pub fn from_u8(v: u8) -> Option<DType> {
         DType::ALL.get(usize::from(v)).copied()
     }
@@ -119,7 +134,9 @@ impl FromStr for DType {
     type Err = KernelError;
 
     /// Accepts [`DType::name`], [`DType::short_name`] and the aliases `float16`, `float32`,
-    /// `float64`, `fp16`, `fp32`, `fp64`, ignoring ASCII case and surrounding whitespace.
+    /// `float64`, `fp16`, `fp32`, `fp64`, `float8_e4m3fn`, `fp8_e4m3`, `e4m3`, `float8_e5m2`,
+    /// `fp8_e5m2`, `e5m2` (torch's and Transformer Engine's spellings), ignoring ASCII case and
+    /// surrounding whitespace.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let lower = s.trim().to_ascii_lowercase();
         let found = DType::ALL
@@ -130,6 +147,8 @@ impl FromStr for DType {
                 "float16" | "fp16" => Some(DType::F16),
                 "float32" | "fp32" => Some(DType::F32),
                 "float64" | "fp64" => Some(DType::F64),
+                "float8_e4m3fn" | "float8_e4m3" | "fp8_e4m3" | "e4m3" => Some(DType::F8E4M3),
+                "float8_e5m2" | "fp8_e5m2" | "e5m2" => Some(DType::F8E5M2),
                 _ => None,
             })
             .ok_or_else(|| KernelError::UnknownDType(s.to_owned()))

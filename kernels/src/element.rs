@@ -2,6 +2,7 @@
 
 use half::{bf16, f16};
 
+use crate::fp8::{F8E4M3, F8E5M2};
 use crate::DType;
 
 pub(crate) mod sealed {
@@ -24,7 +25,7 @@ pub(crate) mod sealed {
 }
 
 /// Host element types: `f32`, `f64`, [`half::f16`], [`half::bf16`], `i8`, `u8`, `i32`, `u32`,
-/// `i64`, `u64`.
+/// `i64`, `u64`, [`F8E4M3`], [`F8E5M2`].
 ///
 /// The trait is sealed: the kernels are specialised per type, so it cannot be implemented outside
 /// this crate.
@@ -34,7 +35,8 @@ pub trait Element:
     /// The [`DType`] this type stands for.
     const DTYPE: DType;
     /// Lossy conversion used by tests and benchmarks to fill and check buffers (`as` semantics:
-    /// integers saturate, NaN becomes 0, floats round to nearest).
+    /// integers saturate, NaN becomes 0, floats round to nearest; fp8 saturates to its largest
+    /// finite value).
     fn from_f64(v: f64) -> Self;
     /// Conversion to `f64` (exact for every type except 64-bit integers above 2^53).
     fn to_f64(self) -> f64;
@@ -60,7 +62,8 @@ prim_element!(
     f32 => F32, f64 => F64, i8 => I8, u8 => U8, i32 => I32, u32 => U32, i64 => I64, u64 => U64,
 );
 
-macro_rules! half_element {
+/// The 16- and 8-bit floats convert through their own `from_f64` / `to_f64`.
+macro_rules! float_element {
     ($($t:ty => $d:ident),* $(,)?) => {$(
         impl Element for $t {
             const DTYPE: DType = DType::$d;
@@ -76,4 +79,4 @@ macro_rules! half_element {
     )*};
 }
 
-half_element!(f16 => F16, bf16 => BF16);
+float_element!(f16 => F16, bf16 => BF16, F8E4M3 => F8E4M3, F8E5M2 => F8E5M2);

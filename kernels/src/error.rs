@@ -24,7 +24,8 @@ pub enum KernelError {
     /// A string did not name a known data type.
     #[error(
         "unknown data type {0:?} (expected one of float, double, half, bfloat16, int8, uint8, \
-         int32, uint32, int64, uint64 or f32, f64, f16, bf16, i8, u8, i32, u32, i64, u64)"
+         int32, uint32, int64, uint64, f8e4m3, f8e5m2 or f32, f64, f16, bf16, i8, u8, i32, u32, \
+         i64, u64)"
     )]
     UnknownDType(String),
     /// A string did not name a known reduction operation.

@@ -43,6 +43,8 @@
 //! | `I8` / `U8` | `i8` / `u8` | `int8` / `uint8` | 1 |
 //! | `I32` / `U32` | `i32` / `u32` | `int32` / `uint32` | 4 |
 //! | `I64` / `U64` | `i64` / `u64` | `int64` / `uint64` | 8 |
+//! | `F8E4M3` | [`F8E4M3`] | `f8e4m3` | 1 |
+//! | `F8E5M2` | [`F8E5M2`] | `f8e5m2` | 1 |
 //!
 //! Operations: [`ReduceOp::Sum`], [`ReduceOp::Prod`], [`ReduceOp::Min`], [`ReduceOp::Max`],
 //! [`ReduceOp::Avg`]. Both enums parse from their names (case-insensitive; dtypes also accept
@@ -58,8 +60,11 @@
 //!
 //! `f32` and `f64` use plain IEEE `+` and `*` in their own precision. `f16` and `bf16` are
 //! widened to `f32`, combined in `f32` and rounded back to nearest, ties to even, after each
-//! step (each call of [`reduce`] is one step). Floating-point sums and products therefore depend
-//! on the reduction order, exactly as in NCCL.
+//! step (each call of [`reduce`] is one step). The fp8 types ([`F8E4M3`], [`F8E5M2`]) are
+//! combined in `f32` the same way and rounded back to nearest even, saturating at their largest
+//! finite value (448 and 57344) as CUDA's `__NV_SATFINITE` conversions do, so an `F8E5M2`
+//! reduction never produces an infinity it was not given (see [`F8E4M3`] for the formats).
+//! Floating-point sums and products therefore depend on the reduction order, exactly as in NCCL.
 //!
 //! ## NaN behaviour of min/max
 //!
@@ -72,7 +77,7 @@
 //!
 //! [`ReduceOp::Avg`] is computed as a `Sum` reduction (every kernel treats `Avg` as `Sum`)
 //! followed by one [`finish_avg`] call that divides by the number of contributors: in `f64` for
-//! `f64`, in `f32` for `f32`/`f16`/`bf16`, and by truncating division for integers (after a
+//! `f64`, in `f32` for `f32`/`f16`/`bf16`/fp8, and by truncating division for integers (after a
 //! wrapping sum).
 //!
 //! # Alignment
@@ -92,10 +97,13 @@ pub mod cuda;
 mod dtype;
 mod element;
 mod error;
+mod fp8;
 mod host;
 
 pub use bytes::{finish_avg_bytes, reduce_bytes, reduce_into_bytes};
 pub use copy::copy_streaming;
+/// The 8-bit float types of [`DType::F8E4M3`] and [`DType::F8E5M2`].
+pub use fp8::{F8E4M3, F8E5M2};
 /// The 16-bit float types of [`DType::F16`] and [`DType::BF16`] (from the `half` crate).
 pub use half::{bf16, f16};
 
@@ -121,6 +129,8 @@ macro_rules! with_dtype {
             $crate::DType::U32 => $f::<u32>($($arg),*),
             $crate::DType::I64 => $f::<i64>($($arg),*),
             $crate::DType::U64 => $f::<u64>($($arg),*),
+            $crate::DType::F8E4M3 => $f::<$crate::F8E4M3>($($arg),*),
+            $crate::DType::F8E5M2 => $f::<$crate::F8E5M2>($($arg),*),
         }
     };
 }

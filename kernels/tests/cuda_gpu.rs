@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaStream};
 use oxccl_kernels::cuda::{driver_available, CudaKernels, MAX_INPUTS};
-use oxccl_kernels::{finish_avg_bytes, reduce_bytes, DType, KernelError, ReduceOp};
+use oxccl_kernels::{finish_avg_bytes, reduce_bytes, DType, KernelError, ReduceOp, F8E4M3, F8E5M2};
 
 fn gpu() -> Option<(Arc<CudaStream>, CudaKernels)> {
     if !driver_available() {
@@ -48,6 +48,8 @@ fn values(dt: DType, n: usize, seed: u64) -> Vec<u8> {
             DType::U32 => out.extend_from_slice(&(x as u32).to_ne_bytes()),
             DType::I64 => out.extend_from_slice(&((x as i64) >> 5).to_ne_bytes()),
             DType::U64 => out.extend_from_slice(&x.to_ne_bytes()),
+            DType::F8E4M3 => out.push(F8E4M3::from_f64(v).to_bits()),
+            DType::F8E5M2 => out.push(F8E5M2::from_f64(v).to_bits()),
         }
     }
     out
@@ -69,6 +71,8 @@ fn first_difference<'a>(
         DType::F64 => f64::from_ne_bytes(b.try_into().unwrap()).is_nan(),
         DType::F16 => half::f16::from_ne_bytes(b.try_into().unwrap()).is_nan(),
         DType::BF16 => half::bf16::from_ne_bytes(b.try_into().unwrap()).is_nan(),
+        DType::F8E4M3 => F8E4M3::from_bits(b[0]).is_nan(),
+        DType::F8E5M2 => F8E5M2::from_bits(b[0]).is_nan(),
         _ => false,
     };
     got.chunks(es)
@@ -186,4 +190,59 @@ fn bad_arguments_are_errors() {
         &many,
     );
     assert!(matches!(r, Err(KernelError::Inputs(9))));
+}
+
+/// Every pair of fp8 patterns (65536 elements: NaNs, infinities, the largest values, subnormals,
+/// zeros of both signs) under every op, and every pattern divided and scaled: the device's
+/// conversions (hardware `cvt.rn.satfinite` from sm_89) round and saturate as the host's do.
+#[test]
+fn fp8_every_pair_of_patterns_matches_the_host() {
+    let Some((stream, k)) = gpu() else { return };
+    let a: Vec<u8> = (0..65536u32).map(|i| (i >> 8) as u8).collect();
+    let b: Vec<u8> = (0..65536u32).map(|i| i as u8).collect();
+    let patterns: Vec<u8> = (0..=255u8).collect();
+    for dt in [DType::F8E4M3, DType::F8E5M2] {
+        let (da, db) = (
+            stream.clone_htod(&a).expect("htod"),
+            stream.clone_htod(&b).expect("htod"),
+        );
+        for op in ReduceOp::ALL {
+            let want = host_reduce(dt, op, &[a.clone(), b.clone()]);
+            let mut out = stream.alloc_zeros::<u8>(a.len()).expect("alloc");
+            let (va, vb) = (da.as_view(), db.as_view());
+            k.reduce_bytes(&stream, dt, op, &mut out.as_view_mut(), &[&va, &vb])
+                .expect("reduce");
+            let got = stream.clone_dtoh(&out).expect("dtoh");
+            if let Some((i, g, w)) = first_difference(dt, &got, &want) {
+                panic!(
+                    "{dt} {op}: {:#04x} {op} {:#04x} is {g:02x?} on the device, {w:02x?} on \
+                     the host",
+                    a[i], b[i]
+                );
+            }
+        }
+        let mut want = patterns.clone();
+        finish_avg_bytes(dt, &mut want, 3).expect("host avg");
+        let mut d = stream.clone_htod(&patterns).expect("htod");
+        k.finish_avg_bytes(&stream, dt, &mut d.as_view_mut(), 3)
+            .expect("avg");
+        let got = stream.clone_dtoh(&d).expect("dtoh");
+        if let Some((i, g, w)) = first_difference(dt, &got, &want) {
+            panic!("{dt} avg of {i:#04x}: {g:02x?} on the device, {w:02x?} on the host");
+        }
+        let mut d = stream.clone_htod(&patterns).expect("htod");
+        k.scale_bytes(&stream, dt, &mut d.as_view_mut(), 3.0)
+            .expect("scale");
+        let got = stream.clone_dtoh(&d).expect("dtoh");
+        let want: Vec<u8> = patterns
+            .iter()
+            .map(|&p| match dt {
+                DType::F8E4M3 => F8E4M3::from_f32(F8E4M3::from_bits(p).to_f32() * 3.0).to_bits(),
+                _ => F8E5M2::from_f32(F8E5M2::from_bits(p).to_f32() * 3.0).to_bits(),
+            })
+            .collect();
+        if let Some((i, g, w)) = first_difference(dt, &got, &want) {
+            panic!("{dt} scale of {i:#04x} by 3: {g:02x?} on the device, {w:02x?} on the host");
+        }
+    }
 }

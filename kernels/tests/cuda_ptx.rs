@@ -74,3 +74,37 @@ fn ipc_barrier_uses_system_scope_release_acquire_and_a_timer() {
         assert!(body.contains(needle), "barrier PTX lacks {needle}");
     }
 }
+
+/// fp8 rounding runs on the conversion instructions where the device has them (sm_89 and later)
+/// and on the software conversion (checked on the host by tests/kernels/fp8.rs) before.
+#[test]
+fn fp8_conversions_use_hardware_from_sm_89() {
+    if !nvrtc_or_skip() {
+        return;
+    }
+    let body = |ptx: &str, name: &str| {
+        let start = ptx
+            .find(&format!(".entry {name}("))
+            .unwrap_or_else(|| panic!("{name} is in the PTX"));
+        let rest = &ptx[start..];
+        rest[..rest[1..].find(".entry").map_or(rest.len(), |e| e + 1)].to_string()
+    };
+    for (dtype, insn) in [
+        ("f8e4m3", "cvt.rn.satfinite.e4m3x2.f32"),
+        ("f8e5m2", "cvt.rn.satfinite.e5m2x2.f32"),
+    ] {
+        let name = format!("oxccl_reduce_{dtype}_sum");
+        for arch in ["compute_89", "compute_90"] {
+            let ptx = compile_ptx(arch).expect("compiles");
+            assert!(
+                body(&ptx, &name).contains(insn),
+                "{arch} {name} lacks {insn}"
+            );
+        }
+        let ptx = compile_ptx("compute_80").expect("compiles");
+        assert!(
+            !body(&ptx, &name).contains("satfinite"),
+            "compute_80 {name}"
+        );
+    }
+}

@@ -2,8 +2,9 @@
 //!
 //! Rank `r`'s value at buffer index `i` is `table[r][i % PERIOD]`, a small positive integer
 //! (1..=m) chosen by a hash of `(r, i % PERIOD)`. `m` keeps every partial sum exactly
-//! representable (`n * m <= 256` for bfloat16, `<= 2048` for half), so the result does not depend
-//! on the order in which an algorithm combines ranks; integer sums and products wrap, which is
+//! representable (`n * m <= 256` for bfloat16, `<= 2048` for half, `<= 16` for f8e4m3, `<= 8`
+//! for f8e5m2), so the result does not depend on the order in which an algorithm combines ranks
+//! (with more ranks than that, the values are 0 or 1 with at most the limit of ones per index); integer sums and products wrap, which is
 //! order-independent as well. For `prod` the values are 1 or 2, so products are exact powers of
 //! two (or overflow to infinity the same way in any order). The expected reduction of index `i`
 //! is the kernels' own scalar reference (`reference_reduce`) over the ranks' values, which also
@@ -32,23 +33,35 @@ fn mix(r: usize, j: usize) -> u32 {
     h ^ (h >> 13)
 }
 
-/// The largest value used so that `n` values sum exactly in `dtype`.
-fn value_range(dtype: DType, op: Option<ReduceOp>, n: usize) -> u32 {
-    let exact: usize = match (dtype, op) {
+/// The largest integer up to which every sum of `dtype` values is exact (for `sum` and `avg`).
+fn exact_limit(dtype: DType, op: Option<ReduceOp>) -> usize {
+    match (dtype, op) {
         (DType::BF16, Some(ReduceOp::Sum | ReduceOp::Avg)) => 256,
         (DType::F16, Some(ReduceOp::Sum | ReduceOp::Avg)) => 2048,
+        (DType::F8E4M3, Some(ReduceOp::Sum | ReduceOp::Avg)) => 16,
+        (DType::F8E5M2, Some(ReduceOp::Sum | ReduceOp::Avg)) => 8,
         _ => usize::MAX,
-    };
-    (exact / n.max(1)).clamp(1, 100) as u32
+    }
+}
+
+/// The largest value used so that `n` values sum exactly in `dtype`: 1..=m, or 0 when even `n`
+/// ones would not sum exactly (more ranks than the limit).
+fn value_range(dtype: DType, op: Option<ReduceOp>, n: usize) -> u32 {
+    (exact_limit(dtype, op) / n.max(1)).min(100) as u32
 }
 
 impl<T: Element> Pattern<T> {
     /// Tables for `n` ranks; `op` is the reduction (None for data-movement collectives).
     pub fn new(n: usize, op: Option<ReduceOp>) -> Pattern<T> {
         let m = value_range(T::DTYPE, op, n);
+        // With more ranks than the type sums exactly, only every k-th rank (shifting along the
+        // buffer) contributes a 1, so at most the limit of ones meet at any index.
+        let k = n.div_ceil(exact_limit(T::DTYPE, op).min(n).max(1));
         let value = |r: usize, j: usize| -> f64 {
             let h = mix(r, j);
-            if op == Some(ReduceOp::Prod) {
+            if m == 0 {
+                f64::from(u8::from((r + j).is_multiple_of(k)))
+            } else if op == Some(ReduceOp::Prod) {
                 if h.is_multiple_of(5) {
                     2.0
                 } else {
@@ -121,7 +134,7 @@ pub fn mismatches<T: Copy + PartialEq>(got: &[T], table: &[T], start: usize) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::{bf16, f16};
+    use crate::kernels::{bf16, f16, F8E4M3, F8E5M2};
 
     fn sums_exact<T: Element>(n: usize, op: ReduceOp) {
         let p = Pattern::<T>::new(n, Some(op));
@@ -149,7 +162,16 @@ mod tests {
                 sums_exact::<i8>(n, op);
                 sums_exact::<u64>(n, op);
             }
+            // fp8 sums are exact only up to 16 / 8: more ranks take the sparse 0/1 pattern.
+            for n in [2, 3, 8, 9, 16, 17, 64] {
+                sums_exact::<F8E4M3>(n, op);
+                sums_exact::<F8E5M2>(n, op);
+            }
         }
+        // The sparse pattern still differs between ranks and along the buffer.
+        let p = Pattern::<F8E5M2>::new(64, Some(ReduceOp::Sum));
+        assert_ne!(p.rank(0), p.rank(1));
+        assert!(p.rank(0).iter().any(|v| v.to_f32() == 1.0));
     }
 
     #[test]

@@ -108,8 +108,8 @@ pub struct PerfArgs {
     #[arg(short = 'o', long = "op", value_name = "OP", default_value = "sum")]
     pub op: String,
 
-    /// Data type: float, double, half, bfloat16, int8, uint8, int32, uint32, int64, uint64
-    /// (or f32, bf16, ...; a comma list), or all.
+    /// Data type: float, double, half, bfloat16, int8, uint8, int32, uint32, int64, uint64,
+    /// f8e4m3, f8e5m2 (or f32, bf16, ...; a comma list), or all.
     #[arg(
         short = 'd',
         long = "datatype",
@@ -253,7 +253,8 @@ impl Plan {
             &a.datatype,
             &DType::ALL,
             "datatype",
-            "float, double, half, bfloat16, int8, uint8, int32, uint32, int64, uint64",
+            "float, double, half, bfloat16, int8, uint8, int32, uint32, int64, uint64, f8e4m3, \
+             f8e5m2",
             |s| s.parse().ok(),
         )?;
         let ops = parse_list(

@@ -17,6 +17,8 @@ macro_rules! each_type {
         $f::<u32>($($a),*);
         $f::<i64>($($a),*);
         $f::<u64>($($a),*);
+        $f::<oxccl_kernels::F8E4M3>($($a),*);
+        $f::<oxccl_kernels::F8E5M2>($($a),*);
     }};
 }
 
@@ -126,8 +128,17 @@ pub fn ref_op<T: Element>(a: T, b: T, op: ReduceOp) -> T {
             cast(<$t>::from_f32(f32_op(x.to_f32(), y.to_f32(), op)))
         }};
     }
+    // fp8 through the `float8` crate (CUDA's conversion algorithm), not oxccl's own.
+    macro_rules! fp8 {
+        ($t:ty) => {{
+            let (x, y) = (<$t>::from_bits(cast(a)), <$t>::from_bits(cast(b)));
+            cast(<$t>::from_f32(f32_op(x.to_f32(), y.to_f32(), op)).to_bits())
+        }};
+    }
     match T::DTYPE {
         DType::F32 => cast(f32_op(cast(a), cast(b), op)),
+        DType::F8E4M3 => fp8!(float8::F8E4M3),
+        DType::F8E5M2 => fp8!(float8::F8E5M2),
         DType::F64 => cast(f64_op(cast(a), cast(b), op)),
         DType::F16 => half!(f16),
         DType::BF16 => half!(bf16),
@@ -153,6 +164,14 @@ pub fn ref_div<T: Element>(a: T, n: usize) -> T {
         DType::F64 => cast(cast::<T, f64>(a) / n as f64),
         DType::F16 => cast(f16::from_f32(cast::<T, f16>(a).to_f32() / n as f32)),
         DType::BF16 => cast(bf16::from_f32(cast::<T, bf16>(a).to_f32() / n as f32)),
+        DType::F8E4M3 => {
+            let x = float8::F8E4M3::from_bits(cast(a)).to_f32() / n as f32;
+            cast(float8::F8E4M3::from_f32(x).to_bits())
+        }
+        DType::F8E5M2 => {
+            let x = float8::F8E5M2::from_bits(cast(a)).to_f32() / n as f32;
+            cast(float8::F8E5M2::from_f32(x).to_bits())
+        }
         DType::I8 => int!(i8),
         DType::U8 => int!(u8),
         DType::I32 => int!(i32),

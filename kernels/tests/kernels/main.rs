@@ -4,6 +4,7 @@
 #[macro_use]
 mod common;
 mod bytes;
+mod fp8;
 mod parse;
 mod prop;
 mod reduce;

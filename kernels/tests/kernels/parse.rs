@@ -6,12 +6,13 @@ use oxccl_kernels::{DType, KernelError, ReduceOp};
 fn dtype_names_round_trip() {
     let names = [
         "float", "double", "half", "bfloat16", "int8", "uint8", "int32", "uint32", "int64",
-        "uint64",
+        "uint64", "f8e4m3", "f8e5m2",
     ];
     let short = [
-        "f32", "f64", "f16", "bf16", "i8", "u8", "i32", "u32", "i64", "u64",
+        "f32", "f64", "f16", "bf16", "i8", "u8", "i32", "u32", "i64", "u64", "f8e4m3", "f8e5m2",
     ];
-    let sizes = [4, 8, 2, 2, 1, 1, 4, 4, 8, 8];
+    let sizes = [4, 8, 2, 2, 1, 1, 4, 4, 8, 8, 1, 1];
+    assert_eq!(DType::ALL.len(), names.len());
     for (i, d) in DType::ALL.into_iter().enumerate() {
         assert_eq!(d.name(), names[i]);
         assert_eq!(d.short_name(), short[i]);
@@ -24,11 +25,14 @@ fn dtype_names_round_trip() {
         assert_eq!(names[i].to_uppercase().parse::<DType>(), Ok(d));
         assert_eq!(short[i].to_uppercase().parse::<DType>(), Ok(d));
         assert_eq!(d.to_string().parse::<DType>(), Ok(d));
-        assert_eq!(d.is_float(), i < 4);
+        assert_eq!(d.is_float(), !(4..10).contains(&i));
     }
     assert_eq!("Float16".parse::<DType>(), Ok(DType::F16));
     assert_eq!(" fp32 ".parse::<DType>(), Ok(DType::F32));
-    assert_eq!(DType::from_u8(10), None);
+    assert_eq!("float8_e4m3fn".parse::<DType>(), Ok(DType::F8E4M3));
+    assert_eq!("FP8_E5M2".parse::<DType>(), Ok(DType::F8E5M2));
+    assert_eq!("e4m3".parse::<DType>(), Ok(DType::F8E4M3));
+    assert_eq!(DType::from_u8(12), None);
     assert_eq!(DType::from_u8(255), None);
     for bad in ["", "float8", "int16", "i128", "sum"] {
         assert_eq!(

@@ -46,7 +46,7 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
     #[test]
     fn bytes_match_reference(
-        d in 0u8..10,
+        d in 0u8..12,
         o in 0u8..5,
         n in 0usize..700,
         seed in any::<u64>(),
