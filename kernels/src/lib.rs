@@ -98,6 +98,7 @@ mod dtype;
 mod element;
 mod error;
 mod fp8;
+mod half16;
 mod host;
 
 pub use bytes::{finish_avg_bytes, reduce_bytes, reduce_into_bytes};
