@@ -91,8 +91,7 @@ fn download(s: &Arc<CudaStream>, b: &CudaSlice<u8>) -> Vec<u8> {
 
 /// Every device collective of `T` against the host call, on one rank.
 fn every_collective<T: Element>(comm: &Communicator, s: &Arc<CudaStream>) -> Result<Vec<String>> {
-    let s = s.clone();
-    let dev = comm.on_stream(&s);
+    let dev = comm.on_stream(s);
     let (r, n) = (comm.rank(), comm.size());
     let count = 1031; // odd: parts and shards end on no 16-byte boundary
     let input: Vec<T> = values(r, count);
@@ -117,17 +116,17 @@ fn every_collective<T: Element>(comm: &Communicator, s: &Arc<CudaStream>) -> Res
     };
 
     for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Avg] {
-        let mut d = upload(&s, &input);
+        let mut d = upload(s, &input);
         trace("dev all_reduce");
         dev.all_reduce(&mut typed!(mut d, T, count), op)?;
         let mut want = input.clone();
         trace("comm all_reduce");
         comm.all_reduce(&mut want, op)?;
-        check(&format!("all_reduce {op}"), download(&s, &d), &want);
+        check(&format!("all_reduce {op}"), download(s, &d), &want);
     }
 
-    let di = upload(&s, &input);
-    let mut d = zeros::<T>(&s, count);
+    let di = upload(s, &input);
+    let mut d = zeros::<T>(s, count);
     trace("dev all_reduce_into");
     dev.all_reduce_into(
         &typed!(di, T, count),
@@ -137,10 +136,10 @@ fn every_collective<T: Element>(comm: &Communicator, s: &Arc<CudaStream>) -> Res
     let mut want = input.clone();
     trace("comm all_reduce");
     comm.all_reduce(&mut want, ReduceOp::Prod)?;
-    check("all_reduce_into prod", download(&s, &d), &want);
+    check("all_reduce_into prod", download(s, &d), &want);
 
-    let dw = upload(&s, &wide);
-    let mut d = zeros::<T>(&s, count);
+    let dw = upload(s, &wide);
+    let mut d = zeros::<T>(s, count);
     trace("dev reduce_scatter");
     dev.reduce_scatter(
         &typed!(dw, T, count * n),
@@ -150,26 +149,26 @@ fn every_collective<T: Element>(comm: &Communicator, s: &Arc<CudaStream>) -> Res
     let mut want = vec![T::from_f64(0.0); count];
     trace("comm reduce_scatter");
     comm.reduce_scatter(&wide, &mut want, ReduceOp::Min)?;
-    check("reduce_scatter", download(&s, &d), &want);
+    check("reduce_scatter", download(s, &d), &want);
 
-    let mut d = zeros::<T>(&s, count * n);
+    let mut d = zeros::<T>(s, count * n);
     trace("dev all_gather");
     dev.all_gather(&typed!(di, T, count), &mut typed!(mut d, T, count * n))?;
     let mut want = vec![T::from_f64(0.0); count * n];
     trace("comm all_gather");
     comm.all_gather(&input, &mut want)?;
-    check("all_gather", download(&s, &d), &want);
+    check("all_gather", download(s, &d), &want);
 
     let root = n - 1;
-    let mut d = upload(&s, &input);
+    let mut d = upload(s, &input);
     trace("dev broadcast");
     dev.broadcast(&mut typed!(mut d, T, count), root)?;
     let mut want = input.clone();
     trace("comm broadcast");
     comm.broadcast(&mut want, root)?;
-    check("broadcast", download(&s, &d), &want);
+    check("broadcast", download(s, &d), &want);
 
-    let mut d = zeros::<T>(&s, count);
+    let mut d = zeros::<T>(s, count);
     trace("dev reduce");
     dev.reduce(
         &typed!(di, T, count),
@@ -181,10 +180,10 @@ fn every_collective<T: Element>(comm: &Communicator, s: &Arc<CudaStream>) -> Res
     trace("comm reduce");
     comm.reduce(&input, &mut want, ReduceOp::Sum, 0)?;
     if r == 0 {
-        check("reduce", download(&s, &d), &want);
+        check("reduce", download(s, &d), &want);
     }
 
-    let mut d = zeros::<T>(&s, count * n);
+    let mut d = zeros::<T>(s, count * n);
     trace("dev gather");
     dev.gather(
         &typed!(di, T, count),
@@ -195,28 +194,28 @@ fn every_collective<T: Element>(comm: &Communicator, s: &Arc<CudaStream>) -> Res
     trace("comm gather");
     comm.gather(&input, &mut want, root)?;
     if r == root {
-        check("gather", download(&s, &d), &want);
+        check("gather", download(s, &d), &want);
     }
 
-    let mut d = zeros::<T>(&s, count);
+    let mut d = zeros::<T>(s, count);
     trace("dev scatter");
     dev.scatter(&typed!(dw, T, count * n), &mut typed!(mut d, T, count), 0)?;
     let mut want = vec![T::from_f64(0.0); count];
     trace("comm scatter");
     comm.scatter(&wide, &mut want, 0)?;
-    check("scatter", download(&s, &d), &want);
+    check("scatter", download(s, &d), &want);
 
-    let mut d = zeros::<T>(&s, count * n);
+    let mut d = zeros::<T>(s, count * n);
     trace("dev all_to_all");
     dev.all_to_all(&typed!(dw, T, count * n), &mut typed!(mut d, T, count * n))?;
     let mut want = vec![T::from_f64(0.0); count * n];
     trace("comm all_to_all");
     comm.all_to_all(&wide, &mut want)?;
-    check("all_to_all", download(&s, &d), &want);
+    check("all_to_all", download(s, &d), &want);
 
     // Device send to the next rank, device receive from the previous one.
     let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
-    let mut d = zeros::<T>(&s, count);
+    let mut d = zeros::<T>(s, count);
     if r % 2 == 0 {
         trace("dev send");
         dev.send(&typed!(di, T, count), next)?;
@@ -228,7 +227,7 @@ fn every_collective<T: Element>(comm: &Communicator, s: &Arc<CudaStream>) -> Res
         trace("dev send");
         dev.send(&typed!(di, T, count), next)?;
     }
-    check("send/recv", download(&s, &d), &values::<T>(prev, count));
+    check("send/recv", download(s, &d), &values::<T>(prev, count));
 
     s.synchronize().expect("stream");
     if let Some(e) = comm.device_async_error() {

@@ -275,6 +275,26 @@ fn ternary_map<T: Copy, U: Copy>(dst: &mut [T], a: &[U], b: &[U], f: impl Fn(U, 
     }
 }
 
+/// The methods that narrow types computed in `f32` share: `div_slice`, `scalar_op` and
+/// `scalar_div` through the type's `$widen: T -> f32` and `$narrow: f32 -> T`.
+macro_rules! widened_ops {
+    ($t:ty, $widen:expr, $narrow:expr) => {
+        #[inline]
+        fn div_slice(dst: &mut [$t], n: usize) {
+            let d = n as f32;
+            unary(dst, |x| $narrow($widen(x) / d));
+        }
+        #[inline]
+        fn scalar_op(a: $t, b: $t, op: ReduceOp) -> $t {
+            $narrow(with_op!(f32, op, |f| f($widen(a), $widen(b))))
+        }
+        #[inline]
+        fn scalar_div(a: $t, n: usize) -> $t {
+            $narrow($widen(a) / n as f32)
+        }
+    };
+}
+
 /// `bf16` runs element by element with the branch-free conversions of `half16.rs` (twice the
 /// throughput of `half`'s slice converters for bf16, which have no hardware path on x86).
 macro_rules! branch_free_sealed {
@@ -290,19 +310,7 @@ macro_rules! branch_free_sealed {
                     $narrow(f($widen(x), $widen(y)))
                 }))
             }
-            #[inline]
-            fn div_slice(dst: &mut [$t], n: usize) {
-                let d = n as f32;
-                unary(dst, |x| $narrow($widen(x) / d));
-            }
-            #[inline]
-            fn scalar_op(a: $t, b: $t, op: ReduceOp) -> $t {
-                $narrow(with_op!(f32, op, |f| f($widen(a), $widen(b))))
-            }
-            #[inline]
-            fn scalar_div(a: $t, n: usize) -> $t {
-                $narrow($widen(a) / n as f32)
-            }
+            widened_ops!($t, $widen, $narrow);
         }
     )*};
 }
@@ -362,19 +370,7 @@ macro_rules! fp8_sealed {
                 let (a, b) = (bytemuck::cast_slice(a), bytemuck::cast_slice(b));
                 table_ternary(t, bytemuck::cast_slice_mut(dst), a, b);
             }
-            #[inline]
-            fn div_slice(dst: &mut [$t], n: usize) {
-                let d = n as f32;
-                unary(dst, |x| <$t>::narrow(x.widen() / d));
-            }
-            #[inline]
-            fn scalar_op(a: $t, b: $t, op: ReduceOp) -> $t {
-                <$t>::narrow(with_op!(f32, op, |f| f(a.widen(), b.widen())))
-            }
-            #[inline]
-            fn scalar_div(a: $t, n: usize) -> $t {
-                <$t>::narrow(a.widen() / n as f32)
-            }
+            widened_ops!($t, <$t as Fp8>::widen, <$t as Fp8>::narrow);
         }
     )*};
 }
