@@ -13,9 +13,18 @@ MPI="mpirun --allow-run-as-root --oversubscribe --mca oob_tcp_if_include lo --mc
 B=${MPI_BENCH:-/tmp/peers/mpi_coll_bench}
 PEERS=${PEERS:-../shared/peers}
 GLOO_PY=${GLOO_PY:-$PEERS/.venv/bin/python}
+# oxccl's iterations per size: enough for about a quarter of a second, as the MPI bench times.
+iters() {
+  case "$1" in
+    *G|*[0-9][0-9]M|[4-9]M) echo "-n 20 -w 5" ;;
+    *M|*[0-9][0-9][0-9]K) echo "-n 200 -w 20" ;;
+    *) echo "-n 20000 -w 1000" ;;
+  esac
+}
 for round in $(seq 1 "${ROUNDS:-5}"); do
   for s in ${SIZES:-8 1M 64M}; do
-    echo "R$round tcp np2 all-reduce $s ox $($OX perf all-reduce --np 2 --transport tcp -b $s -e $s -z 1 -a 3 | grep -v '^#' | awk 'NF>5{print $6, $10, $8, $12}')"
+    # shellcheck disable=SC2046
+    echo "R$round tcp np2 all-reduce $s ox $($OX perf all-reduce --np 2 --transport tcp -b $s -e $s -z 1 -a 3 $(iters "$s") | grep -v '^#' | awk 'NF>5{print $6, $10, $8, $12}')"
     echo "R$round tcp np2 all-reduce $s mpi $($MPI -np 2 $B -b $s -e $s -c all_reduce | grep -v '^#' | awk 'NF>5{print $6, $8}')"
     if [ -x "$GLOO_PY" ]; then
       echo "R$round tcp np2 all-reduce $s gloo $(GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 "$GLOO_PY" "$PEERS/gloo_bench.py" -np 2 -b $s -e $s -c all_reduce | grep -v '^#' | awk 'NF>5{print $6, $8}')"

@@ -43,6 +43,13 @@ pub struct Config {
     pub socket_family: Option<SocketFamily>,
     /// Kernel socket buffer size in bytes, 0 = kernel default (`OXCCL_SOCKET_BUFFER`, default 4 MiB).
     pub socket_buffer: usize,
+    /// Whether receiving TCP sockets delay their acknowledgements (`OXCCL_SOCKET_DELAYED_ACK`,
+    /// default 1): each data socket carries one direction only, so an acknowledgement can never
+    /// ride on data, and Linux's default of acknowledging small messages at once costs a whole
+    /// extra packet per message. On, the receive sockets are kept in delayed-ACK ("ping-pong")
+    /// mode with `TCP_QUICKACK` = 0, set again after every quiet spell since the kernel leaves
+    /// that mode when a delayed acknowledgement times out.
+    pub socket_delayed_ack: bool,
     /// Bytes per transport slot (`OXCCL_SLOT_BYTES`, default 512 KiB, multiple of 64).
     pub slot_bytes: usize,
     /// Slots per connection direction (`OXCCL_NSLOTS`, default 4, like NCCL_STEPS).
@@ -95,6 +102,7 @@ impl Default for Config {
             socket_ifname: None,
             socket_family: None,
             socket_buffer: 4 << 20,
+            socket_delayed_ack: true,
             slot_bytes: 512 << 10,
             nslots: 4,
             node_id: None,
@@ -174,6 +182,9 @@ impl Config {
         }
         if let Some(v) = get("OXCCL_SOCKET_BUFFER") {
             c.socket_buffer = parse_num("OXCCL_SOCKET_BUFFER", &v)?;
+        }
+        if let Some(v) = get("OXCCL_SOCKET_DELAYED_ACK") {
+            c.socket_delayed_ack = parse_bool("OXCCL_SOCKET_DELAYED_ACK", &v)?;
         }
         if let Some(v) = get("OXCCL_SLOT_BYTES") {
             c.slot_bytes = parse_num("OXCCL_SLOT_BYTES", &v)?;
@@ -283,6 +294,12 @@ mod tests {
         assert_eq!(c.nsocks, 3);
         assert_eq!(c.socket_family, Some(SocketFamily::V6));
         assert_eq!(c.cuda_ipc, None);
+        assert!(c.socket_delayed_ack);
+        assert!(
+            !cfg(&[("OXCCL_SOCKET_DELAYED_ACK", "0")])
+                .unwrap()
+                .socket_delayed_ack
+        );
         let c = cfg(&[
             ("OXCCL_CUDA_IPC", "1"),
             ("OXCCL_CUDA_IPC_SLOT", "65536"),
@@ -311,6 +328,7 @@ mod tests {
             ("OXCCL_ALGO", "teleport"),
             ("OXCCL_SHM_DIRECT_BYTES", "100"),
             ("OXCCL_SHM_SINGLE_COPY", "maybe"),
+            ("OXCCL_SOCKET_DELAYED_ACK", "sometimes"),
             ("OXCCL_CUDA_STAGE_CHUNK", "big"),
             ("OXCCL_CUDA_STREAM_WAIT", "later"),
             ("OXCCL_CUDA_IPC", "sometimes"),

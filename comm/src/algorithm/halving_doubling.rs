@@ -98,8 +98,12 @@ fn doubling_steps(
     dt: DType,
     op: ReduceOp,
 ) -> Result<()> {
-    tmp.clear();
-    tmp.resize(buf.len(), 0);
+    // Scratch kept from earlier operations is reused as it is: every byte read from it below is
+    // written first (zeroing it again cost a memset of the whole buffer per call).
+    if tmp.len() < buf.len() {
+        tmp.resize(buf.len(), 0);
+    }
+    let tmp = &mut tmp[..buf.len()];
     let p = 1usize << (usize::BITS - 1 - ctx.size.leading_zeros());
     let rem = ctx.size - p;
     // The participants' input: `src` where it is (power of two, out of place), else a copy of

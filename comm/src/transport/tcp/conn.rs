@@ -11,7 +11,9 @@ use std::collections::VecDeque;
 use std::io::{BufReader, ErrorKind, IoSlice, Read, Write};
 use std::net::TcpStream;
 use std::os::fd::{AsRawFd, RawFd};
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+use socket2::SockRef;
 
 use crate::error::{Error, Result};
 use crate::transport::{PollDir, RecvConn, SendConn, Tag};
@@ -371,6 +373,14 @@ impl SendConn for TcpSend {
 /// reads straight into the caller's buffer when its own is empty and the request is larger).
 const RX_BUFFER: usize = 16 << 10;
 
+/// How often a receive socket is put back into delayed-acknowledgement mode while it is used
+/// ([`crate::Config::socket_delayed_ack`]). Linux leaves that mode when a delayed
+/// acknowledgement's timer fires with the acknowledgement still pending, which takes at least
+/// 20 ms after the last data (`TCP_ATO_MIN / 2`); setting it again at most this often, whenever
+/// the socket is read, restores it before the next burst at the cost of one `setsockopt` per quiet
+/// spell.
+const DELAYED_ACK_REARM: Duration = Duration::from_millis(5);
+
 struct RxSock {
     /// Invariant: `read_socket` stops with the buffer empty unless this socket's next slot is
     /// still in use, in which case `poll_fds` does not wait on the socket either.
@@ -383,6 +393,12 @@ struct RxSock {
     len: usize,
     /// A BYE arrived: the peer closed on purpose.
     bye: bool,
+    /// When this socket was last put into delayed-acknowledgement mode (`None`: never, or the
+    /// mode is off).
+    delayed_ack_set: Option<Instant>,
+    /// Calls of `read_socket` since the clock was last checked for [`DELAYED_ACK_REARM`] (reset
+    /// when data arrives).
+    unclocked_reads: u32,
 }
 
 /// Receive half of a TCP connection.
@@ -395,6 +411,8 @@ pub struct TcpRecv {
     slot_size: usize,
     next: u64,
     handed_out: bool,
+    /// Keep the sockets in delayed-acknowledgement mode ([`DELAYED_ACK_REARM`]).
+    delayed_ack: bool,
 }
 
 impl TcpRecv {
@@ -404,8 +422,10 @@ impl TcpRecv {
         streams: Vec<TcpStream>,
         slot_size: usize,
         nslots: usize,
+        delayed_ack: bool,
     ) -> TcpRecv {
         TcpRecv {
+            delayed_ack,
             rank,
             peer,
             socks: streams
@@ -418,6 +438,8 @@ impl TcpRecv {
                     off: 0,
                     len: 0,
                     bye: false,
+                    delayed_ack_set: None,
+                    unclocked_reads: 0,
                 })
                 .collect(),
             slots: (0..nslots).map(|_| SlotBuf::new(slot_size)).collect(),
@@ -431,6 +453,24 @@ impl TcpRecv {
     fn read_socket(&mut self, si: usize) -> Result<bool> {
         let nslots = self.slots.len() as u64;
         let nsocks = self.socks.len() as u64;
+        if self.delayed_ack {
+            let sock = &mut self.socks[si];
+            // The clock is read on the first call after data and then every 64th call while
+            // waiting: enough to notice a quiet spell, cheap next to the `recv` of every call.
+            if sock.unclocked_reads.is_multiple_of(64) {
+                let now = Instant::now();
+                if sock
+                    .delayed_ack_set
+                    .is_none_or(|t| now.duration_since(t) >= DELAYED_ACK_REARM)
+                {
+                    // Best effort: a socket that refuses keeps acknowledging at once, which is
+                    // slower, never wrong.
+                    let _ = SockRef::from(sock.stream.get_ref()).set_quickack(false);
+                    sock.delayed_ack_set = Some(now);
+                }
+            }
+            sock.unclocked_reads = sock.unclocked_reads.wrapping_add(1);
+        }
         let mut moved = false;
         loop {
             let sock = &mut self.socks[si];
@@ -459,6 +499,7 @@ impl TcpRecv {
                 }
                 Ok(n) => {
                     moved = true;
+                    sock.unclocked_reads = 0;
                     sock.off += n;
                     if sock.off == HDR {
                         let (len, kind, tag) = decode_hdr(&sock.hdr);
@@ -561,6 +602,94 @@ impl RecvConn for TcpRecv {
             if !s.bye && s.frame < self.next + nslots {
                 out.push((s.stream.get_ref().as_raw_fd(), PollDir::Read));
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+    use std::time::Duration;
+
+    /// One send half and one receive half joined by one loopback socket.
+    fn pair(delayed_ack: bool) -> (TcpSend, TcpRecv) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let tx = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (rx, _) = l.accept().unwrap();
+        for s in [&tx, &rx] {
+            s.set_nodelay(true).unwrap();
+            s.set_nonblocking(true).unwrap();
+        }
+        (
+            TcpSend::new(0, 1, vec![tx], 4096, 2),
+            TcpRecv::new(1, 0, vec![rx], 4096, 2, delayed_ack),
+        )
+    }
+
+    /// Sends 8 bytes of `byte` and receives them, within a deadline.
+    fn round_trip(tx: &mut TcpSend, rx: &mut TcpRecv, byte: u8) {
+        let slot = tx.try_slot().unwrap().expect("a free slot");
+        slot[..8].fill(byte);
+        let tag = Tag {
+            seq: u64::from(byte),
+            ..Tag::default()
+        };
+        tx.post(8, tag).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            tx.progress().unwrap();
+            if let Some((t, data)) = rx.try_recv().unwrap() {
+                assert_eq!((t, data), (tag, &[byte; 8][..]));
+                rx.release().unwrap();
+                return;
+            }
+            assert!(Instant::now() < deadline, "frame {byte} did not arrive");
+            std::thread::yield_now();
+        }
+    }
+
+    /// Whether the kernel acknowledges at once (`TCP_QUICKACK` reads 1 outside ping-pong mode).
+    fn quickack(rx: &TcpRecv) -> bool {
+        SockRef::from(rx.socks[0].stream.get_ref())
+            .quickack()
+            .unwrap()
+    }
+
+    #[test]
+    fn receive_sockets_return_to_delayed_acks_after_a_quiet_spell() {
+        let (mut tx, mut rx) = pair(true);
+        round_trip(&mut tx, &mut rx, 1);
+        assert!(
+            !quickack(&rx),
+            "delayed acknowledgements from the first read"
+        );
+        // Linux leaves ping-pong mode when a delayed acknowledgement's timer fires with the
+        // acknowledgement still pending (tcp_delack_timer_handler), as a quiet spell after a
+        // last small message does, but not always (a tail-loss probe may get the ACK out first).
+        // Leave it here as the timer would; the next read after the spell must set it again.
+        SockRef::from(rx.socks[0].stream.get_ref())
+            .set_quickack(true)
+            .unwrap();
+        assert!(quickack(&rx));
+        std::thread::sleep(DELAYED_ACK_REARM * 2);
+        round_trip(&mut tx, &mut rx, 2);
+        assert!(!quickack(&rx), "delayed acknowledgements set again");
+        for b in 3..40 {
+            round_trip(&mut tx, &mut rx, b);
+            assert!(!quickack(&rx));
+        }
+    }
+
+    #[test]
+    fn delayed_acks_can_be_turned_off() {
+        let (mut tx, mut rx) = pair(false);
+        for b in 1..10 {
+            round_trip(&mut tx, &mut rx, b);
+            assert!(
+                quickack(&rx),
+                "OXCCL_SOCKET_DELAYED_ACK=0 keeps the kernel default"
+            );
         }
     }
 }
