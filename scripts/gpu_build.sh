@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds, on a machine without a GPU (or cargo on the GPU machine), every binary the GPU checks of
-# issues 5 and 6 need, and copies them into target/gpu-bin (64 MiB carry limit: release builds,
+# issues 5 and 6 need (and the CPU figures of issues 4 and 7 that want more than 2 cores), and copies them into target/gpu-bin (64 MiB carry limit: release builds,
 # stripped). Then, with the device tool:
 #   run(carry=["target/gpu-bin"], command="scripts/gpu_run.sh target/gpu-bin")
 set -euo pipefail
@@ -24,4 +24,8 @@ cp target/release/examples/cuda_bench "$out/"
 cargo build --release -q --features cuda --bin oxccl
 cp target/release/oxccl "$out/"
 cp scripts/nccl_single_rank.py "$out/"
+# The 16-core CPU figures (gpu_run.sh phase cpu): the DDP example and the gloo peer bench.
+cargo build --release -q --example 02_ddp_mlp
+cp target/release/examples/02_ddp_mlp "$out/"
+cp ../shared/peers/gloo_bench.py "$out/" 2>/dev/null || echo "no ../shared/peers/gloo_bench.py: phase cpu runs without gloo"
 du -sh "$out"; ls -l "$out"

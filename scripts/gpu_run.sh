@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Runs, on the GPU machine, everything issues 5 and 6 measure, from the binaries
 # scripts/gpu_build.sh made. Usage: scripts/gpu_run.sh DIR [PHASE...], PHASE one of kernels,
-# comm, perf-ipc, perf-staged, nccl (default: all, in that order; split them over several device
+# comm, perf-ipc, perf-staged, nccl, cpu (default: all, in that order; split them over several device
 # calls when they would pass the 10-minute limit). Output goes to stdout and, when $OUT is set
 # (the device tool), to $OUT/gpu_run.log. Every step has a time limit and runs even if an
 # earlier one failed.
 set -uo pipefail
 bin=${1:-target/gpu-bin}
 shift || true
-phases=${*:-kernels comm perf-ipc perf-staged nccl}
+phases=${*:-kernels comm perf-ipc perf-staged nccl cpu}
 log=${OUT:-/tmp}/gpu_run.log
 exec > >(tee -a "$log") 2>&1
 # NVRTC: the toolkit's, else a pip wheel's.
@@ -69,6 +69,29 @@ for phase in $phases; do
         limit=60 perf all-reduce --np 2 --device cuda -b 256M -e 256M -c 1 -n 10 -w 3 --rotate 0
         unset OXCCL_CUDA_IPC
         mps_off
+        ;;
+    cpu)
+        # Issues 4 and 7 on this machine's 16 cores (the development machine has 2, where ranks
+        # and their progress threads compete for the same cores): DDP overlap of the example MLP
+        # with 4 ranks over shared memory, sized as in docs/PERF.md and larger, then TCP between
+        # 2 ranks on loopback against torch/gloo (no OpenMPI here).
+        step nproc
+        for b in 4 16 64; do
+            limit=120 step "$bin/oxccl" launch -n 4 -- "$bin/02_ddp_mlp" --mode all --hidden 1024 \
+                --layers 4 --batch "$b" --steps 8 --rounds 3 --bucket-mib 25
+        done
+        for round in 1 2 3; do
+            echo "# round $round"
+            for s in 8 1M 64M; do
+                case $s in 8) it="-n 20000 -w 1000" ;; 1M) it="-n 200 -w 20" ;; *) it="-n 20 -w 5" ;; esac
+                # shellcheck disable=SC2086
+                limit=60 perf all-reduce --np 2 --transport tcp -b $s -e $s -z 1 -a 3 $it
+                if [ -e "$bin/gloo_bench.py" ]; then
+                    GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 limit=120 step python3 "$bin/gloo_bench.py" \
+                        -np 2 -b $s -e $s -c all_reduce
+                fi
+            done
+        done
         ;;
     nccl)
         # For scale: NCCL's single-rank all-reduce (PyTorch wheel) on the same GPU.
