@@ -80,18 +80,9 @@ for phase in $phases; do
             limit=120 step "$bin/oxccl" launch -n 4 -- "$bin/02_ddp_mlp" --mode all --hidden 1024 \
                 --layers 4 --batch "$b" --steps 8 --rounds 3 --bucket-mib 25
         done
-        for round in 1 2 3; do
-            echo "# round $round"
-            for s in 8 1M 64M; do
-                case $s in 8) it="-n 20000 -w 1000" ;; 1M) it="-n 200 -w 20" ;; *) it="-n 20 -w 5" ;; esac
-                # shellcheck disable=SC2086
-                limit=60 perf all-reduce --np 2 --transport tcp -b $s -e $s -z 1 -a 3 $it
-                if [ -e "$bin/gloo_bench.py" ]; then
-                    GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 limit=120 step python3 "$bin/gloo_bench.py" \
-                        -np 2 -b $s -e $s -c all_reduce
-                fi
-            done
-        done
+        # The same script as the development machine's TCP table; it skips OpenMPI when absent.
+        OX="$bin/oxccl" PEERS="$bin" GLOO_PY="$(command -v python3)" ROUNDS=3 limit=600 \
+            step scripts/side_by_side_tcp.sh
         ;;
     nccl)
         # For scale: NCCL's single-rank all-reduce (PyTorch wheel) on the same GPU.

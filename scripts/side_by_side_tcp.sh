@@ -2,7 +2,8 @@
 # oxccl perf over TCP, OpenMPI over TCP and torch/gloo side by side, interleaved, 2 ranks on
 # loopback (the issue-4 TCP tables in docs/PERF.md). ROUNDS (default 5) rounds of sizes SIZES
 # (default "8 1M 64M").
-# Needs: cargo build --release --bin oxccl; OpenMPI (apt-get install openmpi-bin libopenmpi-dev)
+# Needs: cargo build --release --bin oxccl (or OX=path); OpenMPI (apt-get install openmpi-bin
+# libopenmpi-dev; skipped without mpirun)
 # and the peer bench: mpicc -O2 -o /tmp/peers/mpi_coll_bench ../shared/peers/mpi_coll_bench.c;
 # torch in GLOO_PY's environment (../shared/peers/run_all.sh setup, or any venv with torch).
 # Prints per case: oxccl out-of-place time (us), in-place time, out-of-place busbw (GB/s),
@@ -25,7 +26,9 @@ for round in $(seq 1 "${ROUNDS:-5}"); do
   for s in ${SIZES:-8 1M 64M}; do
     # shellcheck disable=SC2046
     echo "R$round tcp np2 all-reduce $s ox $($OX perf all-reduce --np 2 --transport tcp -b $s -e $s -z 1 -a 3 $(iters "$s") | grep -v '^#' | awk 'NF>5{print $6, $10, $8, $12}')"
-    echo "R$round tcp np2 all-reduce $s mpi $($MPI -np 2 $B -b $s -e $s -c all_reduce | grep -v '^#' | awk 'NF>5{print $6, $8}')"
+    if command -v mpirun >/dev/null; then
+      echo "R$round tcp np2 all-reduce $s mpi $($MPI -np 2 $B -b $s -e $s -c all_reduce | grep -v '^#' | awk 'NF>5{print $6, $8}')"
+    fi
     if [ -x "$GLOO_PY" ]; then
       echo "R$round tcp np2 all-reduce $s gloo $(GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 "$GLOO_PY" "$PEERS/gloo_bench.py" -np 2 -b $s -e $s -c all_reduce | grep -v '^#' | awk 'NF>5{print $6, $8}')"
     fi

@@ -610,7 +610,6 @@ impl RecvConn for TcpRecv {
 mod tests {
     use super::*;
     use std::net::TcpListener;
-    use std::time::Duration;
 
     /// One send half and one receive half joined by one loopback socket.
     fn pair(delayed_ack: bool) -> (TcpSend, TcpRecv) {
