@@ -25,12 +25,20 @@ step() { echo; echo "== $*"; local t=$SECONDS; timeout -k 5 "$limit" "$@"; echo 
 perf() { step "$bin/oxccl" perf "$@"; }
 # Ranks as processes on one GPU need MPS: without it the driver time-slices their contexts and
 # every wait for another rank costs a slice (about 2.3 ms on the H100).
+# MPS shares a fixed number of hardware connections among its clients, as many to each as
+# CUDA_DEVICE_MAX_CONNECTIONS asks: at 32, contexts past the first few fail to be created (with
+# CUDA_ERROR_OUT_OF_MEMORY), so MPS phases run with the default.
 mps_on() {
+    unset CUDA_DEVICE_MAX_CONNECTIONS
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
     nvidia-cuda-mps-control -d && echo "MPS daemon started"
 }
-mps_off() { echo quit | nvidia-cuda-mps-control && echo "MPS daemon stopped"; }
+mps_off() {
+    echo quit | nvidia-cuda-mps-control && echo "MPS daemon stopped"
+    grep -iE "fail|error|exceed" "$CUDA_MPS_LOG_DIRECTORY"/*.log 2>/dev/null | tail -5
+    export CUDA_DEVICE_MAX_CONNECTIONS=32
+}
 for phase in $phases; do
     echo; echo "#### phase $phase"
     case $phase in

@@ -29,6 +29,33 @@ fn cuda(rank: usize, what: &str, e: DriverError) -> Error {
     }
 }
 
+/// A failed context creation, with [`mps_hint`] added where it applies.
+fn context_error(rank: usize, e: DriverError) -> Error {
+    let mut err = cuda(rank, "context", e);
+    if let Error::Cuda { msg, .. } = &mut err {
+        let connections = std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok();
+        if let Some(hint) = mps_hint(msg, connections.as_deref()) {
+            msg.push_str(&hint);
+        }
+    }
+    err
+}
+
+/// Why a context may have failed under MPS: the server shares a fixed number of hardware
+/// connections among its clients, `CUDA_DEVICE_MAX_CONNECTIONS` to each, and a client past the
+/// limit cannot create its context. (On the lent H100, 4 ranks as processes under MPS failed with
+/// `CUDA_ERROR_OUT_OF_MEMORY` while that variable was 32; the cause is not yet confirmed there.)
+fn mps_hint(msg: &str, connections: Option<&str>) -> Option<String> {
+    let n = connections?;
+    msg.contains("OUT_OF_MEMORY").then(|| {
+        format!(
+            " (CUDA_DEVICE_MAX_CONNECTIONS={n}: if the MPS daemon runs, every client takes that \
+             many of its connections and clients past its limit cannot create a context; try \
+             without it)"
+        )
+    })
+}
+
 /// The GPU rank `comm.rank()` uses: `local_rank % device count`.
 ///
 /// # Errors
@@ -54,7 +81,7 @@ impl DevArenas {
     pub fn new(comm: &Communicator, a_bytes: usize, b_bytes: usize) -> Result<DevArenas> {
         let rank = comm.rank();
         let ordinal = ordinal_for(comm)?;
-        let ctx = CudaContext::new(ordinal).map_err(|e| cuda(rank, "context", e))?;
+        let ctx = CudaContext::new(ordinal).map_err(|e| context_error(rank, e))?;
         let stream = ctx.new_stream().map_err(|e| cuda(rank, "stream", e))?;
         let a = stream
             .alloc_zeros::<u8>(a_bytes.max(1))
@@ -180,5 +207,21 @@ impl DevArenas {
             }
             Collective::Barrier => comm.barrier(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::mps_hint;
+
+    #[test]
+    fn mps_hint_only_for_out_of_memory_with_connections_set() {
+        let oom = "context: DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")";
+        let hint = mps_hint(oom, Some("32")).expect("a hint");
+        assert!(hint.contains("CUDA_DEVICE_MAX_CONNECTIONS=32"), "{hint}");
+        assert!(hint.contains("MPS"), "{hint}");
+        assert_eq!(mps_hint(oom, None), None);
+        let other = "context: DriverError(CUDA_ERROR_NO_DEVICE, \"no CUDA-capable device\")";
+        assert_eq!(mps_hint(other, Some("32")), None);
     }
 }

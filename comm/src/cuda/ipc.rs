@@ -242,13 +242,19 @@ struct Local {
 
 impl Local {
     fn new(
+        rank: usize,
         stream: &Arc<CudaStream>,
         slot_bytes: usize,
         deadline: Instant,
     ) -> std::result::Result<Local, String> {
         let d = |what: &str, e: sys::CUresult| format!("{what}: {e:?}");
         let ctx = stream.context();
+        tracing::trace!(rank, "cuda: cuda_ipc set-up: loading the kernels");
         let kernels = kernels_for(ctx)?;
+        tracing::trace!(
+            rank,
+            "cuda: cuda_ipc set-up: allocating scratch (cuMemAlloc)"
+        );
         ctx.bind_to_thread()
             .map_err(|e| format!("binding the context: {e:?}"))?;
         let bytes = FLAGS_BYTES + 2 * slot_bytes;
@@ -290,6 +296,10 @@ impl Local {
             return Err(d("cuIpcGetMemHandle", r));
         }
         let handle = h.reserved.map(|c| c as u8);
+        tracing::trace!(
+            rank,
+            "cuda: cuda_ipc set-up: allocating the error word (cuMemHostAlloc)"
+        );
         let error = Flag::new(ctx).map_err(|e| {
             free(scratch);
             format!("allocating the error word: {e:?}")
@@ -398,8 +408,9 @@ pub(crate) fn setup(
     let local = if cfg.cuda_ipc == Some(false) {
         Err("OXCCL_CUDA_IPC=0".to_string())
     } else {
-        Local::new(stream, cfg.cuda_ipc_slot, deadline)
+        Local::new(rank, stream, cfg.cuda_ipc_slot, deadline)
     };
+    tracing::trace!(rank, "cuda: cuda_ipc set-up: publishing the record");
     let mine = match &local {
         Ok(l) => Record::Ready {
             nonce: process_nonce(),
@@ -453,6 +464,7 @@ pub(crate) fn setup(
         .collect();
 
     // Map every peer's scratch.
+    tracing::trace!(rank, "cuda: cuda_ipc set-up: mapping the peers");
     let mut bases = vec![0u64; size];
     let mut opened = Vec::new();
     let mut peer_ctxs = Vec::new();
@@ -498,6 +510,7 @@ pub(crate) fn setup(
         None => b"ok".to_vec(),
         Some(why) => format!("no {why}").into_bytes(),
     };
+    tracing::trace!(rank, "cuda: cuda_ipc set-up: publishing the verdict");
     let verdicts = gather("mapped", &verdict);
     let refused = match &verdicts {
         Ok(v) => v

@@ -448,9 +448,15 @@ impl StreamComm<'_> {
         // One device operation at a time per communicator: tickets, part numbers and stream
         // work are taken in the same order.
         let mut guard = lock(&comm.cuda);
+        tracing::trace!(rank = comm.rank, "cuda: {op} {dt}: enqueueing");
         if guard.is_none() {
+            tracing::trace!(
+                rank = comm.rank,
+                "cuda: allocating the pinned flag (cuMemHostAlloc)"
+            );
             let s = DeviceState::new(stream.context(), &comm.cfg)
                 .map_err(|e| self.cuda_err(op, "setting up pinned memory", e))?;
+            tracing::trace!(rank = comm.rank, "cuda: pinned flag allocated");
             *guard = Some(s);
         }
         let state = guard.as_mut().expect("set above");
@@ -490,6 +496,7 @@ impl StreamComm<'_> {
                     };
                     let addr = |d: Dev| d.map_or(0, |x| x.0);
                     let r = s.run(stream, kind, dt, count, addr(input), addr(output));
+                    tracing::trace!(rank = comm.rank, "cuda: {op} {dt}: enqueued over cuda_ipc");
                     return r.map_err(|msg| {
                         let e = Error::Cuda {
                             rank: comm.rank,
@@ -509,6 +516,7 @@ impl StreamComm<'_> {
         let pinned = state
             .pool
             .take(
+                comm.rank,
                 &ctx,
                 plan.stage_bytes,
                 || flag.get() == last,
@@ -577,9 +585,11 @@ impl StreamComm<'_> {
             let (range, count) = (part.stage.clone(), part.count);
             let job = move |ticket: u64, ahead: u64| {
                 let r = shared.run_turn(ticket, ahead, |st| {
+                    tracing::trace!(rank = shared.rank, "cuda: {op} part {number}: its turn");
                     if let Some(ev) = &ready {
                         wait_ready(&ctx, ev, shared.rank, op, shared.timeout)?;
                     }
+                    tracing::trace!(rank = shared.rank, "cuda: {op} part {number}: input staged");
                     // SAFETY: parts use disjoint ranges of the staging buffer and run one at a
                     // time on this thread; the device-to-host copy into this range has completed
                     // (the event above) and the copy back is enqueued behind the flag set below.
@@ -589,6 +599,11 @@ impl StreamComm<'_> {
                 if let Err(e) = &r {
                     lock(&errors).get_or_insert_with(|| e.clone());
                 }
+                tracing::trace!(
+                    rank = shared.rank,
+                    "cuda: {op} part {number}: done ({})",
+                    if r.is_ok() { "ok" } else { "failed" }
+                );
                 // Recording a still-pending event again is allowed: the next record replaces it.
                 lock(&events).extend(ready);
                 drop(set);
@@ -654,6 +669,11 @@ impl StreamComm<'_> {
         if let Err(e) = record_done(&lent) {
             result = result.and(Err(self.cuda_err(op, "recording the done event", e)));
         }
+        tracing::trace!(
+            rank = comm.rank,
+            "cuda: {op} {dt}: enqueued, parts up to {}",
+            state.next
+        );
         result
     }
 }

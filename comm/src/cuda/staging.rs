@@ -182,6 +182,7 @@ impl Pool {
     /// waits for one of those, until `deadline` (`Ok(None)`).
     pub(crate) fn take(
         &self,
+        rank: usize,
         ctx: &Arc<CudaContext>,
         len: usize,
         quiet: impl Fn() -> bool,
@@ -210,12 +211,24 @@ impl Pool {
             if let Some(p) = small {
                 // Nothing outstanding: freeing cannot wait on a stream that waits on us. (A
                 // buffer that has to be leaked instead leaves the pool all the same.)
+                tracing::trace!(
+                    rank,
+                    bytes = p.len(),
+                    "cuda: freeing a staging buffer (cuMemFreeHost)"
+                );
                 p.release();
                 self.live.fetch_sub(1, Ordering::Relaxed);
+                tracing::trace!(rank, "cuda: staging buffer freed");
             }
             if self.live.load(Ordering::Relaxed) < MAX_BUFFERS {
+                tracing::trace!(
+                    rank,
+                    bytes = len,
+                    "cuda: allocating a staging buffer (cuMemHostAlloc)"
+                );
                 let p = Pinned::alloc(ctx, len)?;
                 self.live.fetch_add(1, Ordering::Relaxed);
+                tracing::trace!(rank, "cuda: staging buffer allocated");
                 return Ok(Some(p));
             }
             if Instant::now() >= deadline {
