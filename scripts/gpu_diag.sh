@@ -52,7 +52,8 @@ for phase in $phases; do
         ;;
     hang)
         export CUDA_DEVICE_MAX_CONNECTIONS=32
-        for t in two_ranks_on_one_gpu_every_collective_and_dtype cuda_ipc_two_ranks_on_one_gpu_every_collective_and_dtype; do
+        for t in two_ranks_on_one_gpu_every_collective_and_dtype cuda_ipc_two_ranks_on_one_gpu_every_collective_and_dtype \
+            cuda_ipc_ring_steps_two_ranks_every_collective_and_dtype; do
             step timeout 120 $bin/comm_cuda --ignored --exact $t 2>&1 | cut -c1-300 | grep -v '^\s*$' | tail -4
         done
         run4 staged staged 50
@@ -82,6 +83,10 @@ for phase in $phases; do
         nvidia-cuda-mps-control -d && echo "MPS started"
         echo "### perf ipc np4 (MPS), then every collective checked"
         OXCCL_CUDA_IPC=1 timeout 60 $bin/oxccl perf all-reduce --np 4 --device cuda -b 8 -e 256M -f 8 -c 1 -n 10 -w 3 --rotate 0 2>&1 | grep -E "^ +[0-9]|rror|Device coll|Out of" | cut -c1-300
+        echo "### ring steps (OXCCL_ALGO=ring) np2 and np4 (MPS), all-reduce checked and timed"
+        for np in 2 4; do
+            OXCCL_ALGO=ring OXCCL_CUDA_IPC=1 timeout 60 $bin/oxccl perf all-reduce --np $np --device cuda -b 8 -e 256M -f 8 -c 1 -n 10 -w 3 --rotate 0 2>&1 | grep -E "^ +[0-9]|rror" | cut -c1-300
+        done
         for coll in reduce-scatter all-gather broadcast all-to-all; do
             OXCCL_CUDA_IPC=1 timeout 40 $bin/oxccl perf $coll --np 4 --device cuda -b 8 -e 16M -f 64 -c 1 -n 3 -w 1 2>&1 | grep -E "^ +[0-9]|rror" | cut -c1-200
         done

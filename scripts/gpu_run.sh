@@ -66,6 +66,8 @@ for phase in $phases; do
             limit=60 perf all-reduce --np "$np" --device cuda -b 8 -e 8 -c 1 -n 1000 -w 50 --rotate 0
             limit=60 perf all-reduce --np "$np" --device cuda -b 256K -e 256K -c 1 -n 200 -w 20 --rotate 0
             limit=60 perf all-reduce --np "$np" --device cuda -b 256M -e 256M -c 1 -n 10 -w 3 --rotate 0
+            # Ring steps (each rank reads only the previous rank's slot), same sweep.
+            OXCCL_ALGO=ring limit=120 perf all-reduce --np "$np" --device cuda -b 8 -e 1G -f 4 -c 1 -n 20 -w 5 --rotate 0
         done
         unset OXCCL_CUDA_IPC
         mps_off

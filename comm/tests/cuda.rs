@@ -1,6 +1,6 @@
 //! Device collectives (feature `cuda`) on a real GPU: every collective and dtype, on 2, 4 and 8
 //! ranks (threads) sharing GPU 0, against the host calls on the same data, both over CUDA IPC
-//! (one-shot, two-shot and chunked, with small slots) and staged through host memory (in many
+//! (one-shot, two-shot and chunked, with small slots, and ring steps) and staged through host memory (in many
 //! pipelined parts, in both completion modes: stream waits on the flag, and
 //! `OXCCL_CUDA_STREAM_WAIT=0`); stream order without host synchronisation; mismatched calls and
 //! a missing rank reported by the IPC barrier instead of a hang. On the lent H100 (2026-11-24)
@@ -23,6 +23,7 @@ use std::sync::Arc;
 
 use oxccl_comm::cuda::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use oxccl_comm::harness::spawn_world;
+use oxccl_comm::tuning::AlgoOverride;
 use oxccl_comm::{Communicator, Config, Element, ReduceOp, Result};
 use oxccl_kernels::cuda::driver_available;
 use oxccl_kernels::{with_dtype, DType};
@@ -310,6 +311,22 @@ fn cuda_ipc_two_ranks_on_one_gpu_every_collective_and_dtype() {
 fn cuda_ipc_four_ranks_on_one_gpu_every_collective_and_dtype() {
     if gpu_or_skip() {
         run_world(4, small_slots());
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored"]
+fn cuda_ipc_ring_steps_two_ranks_every_collective_and_dtype() {
+    // OXCCL_ALGO=ring: all-reduce, reduce-scatter and all-gather read only the previous rank's
+    // slot, in many chunks (4 KiB slots); the other collectives keep their plans.
+    if gpu_or_skip() {
+        run_world(
+            2,
+            Config {
+                algo: AlgoOverride::parse("ring").expect("ring"),
+                ..small_slots()
+            },
+        );
     }
 }
 

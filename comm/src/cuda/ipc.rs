@@ -47,6 +47,7 @@ use super::staging::{wait_event, Flag};
 use crate::bootstrap::Store;
 use crate::communicator::Communicator;
 use crate::error::{Error, Result};
+use crate::tuning::AlgoOverride;
 
 /// Byte offset, in a scratch allocation, of the device error word (after the flag words).
 const DEV_ERROR_OFFSET: usize = 2 * MAX_RANKS * 8;
@@ -350,6 +351,8 @@ pub(crate) struct IpcState {
     hosts_store: bool,
     slot_bytes: usize,
     one_shot: usize,
+    /// `OXCCL_ALGO`: ring steps, or one-shot / two-shot all-reduce, where it asks for them.
+    algo: AlgoOverride,
     cur: Cursor,
     /// Operations so far (the sequence number in errors).
     ops: u64,
@@ -540,6 +543,7 @@ pub(crate) fn setup(
         hosts_store: comm.hosts_store(),
         slot_bytes: cfg.cuda_ipc_slot,
         one_shot: cfg.cuda_ipc_one_shot,
+        algo: cfg.algo.clone(),
         cur: Cursor::default(),
         ops: 0,
         last_stream: None,
@@ -764,6 +768,7 @@ impl IpcState {
             count,
             self.slot_bytes,
             self.one_shot,
+            kind.collective().and_then(|c| self.algo.get(c)),
         ) else {
             return Err(format!("{} does not run over cuda_ipc", kind.name()));
         };

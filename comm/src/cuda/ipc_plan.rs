@@ -12,7 +12,11 @@
 //!
 //! A collective copies (part of) its input into its own slot, waits at a **barrier** until every
 //! rank has done the same, then reads the other ranks' slots directly: a reduce kernel with one
-//! input per rank, or copies. Operations larger than a slot run in **chunks**; chunk number `c`
+//! input per rank, or copies. **Ring** plans (all-reduce, reduce-scatter and all-gather with
+//! `OXCCL_ALGO=ring`) read only the previous rank's slot instead, in `n - 1` steps per phase
+//! with a barrier before each, alternating between the two halves of the chunk's slot: a link
+//! carries each byte once per step rather than every rank reading every peer, which suits GPUs
+//! joined in a chain (PCIe) better than ranks sharing one GPU or an NVSwitch. Operations larger than a slot run in **chunks**; chunk number `c`
 //! (counted over the communicator's life, the same on every rank) uses slot `c % 2`. Every chunk
 //! has at least one barrier, and a rank reaches chunk `c`'s barrier only after finishing every
 //! read of chunk `c - 1` (stream order), so once a rank has passed chunk `c + 1`'s barrier nobody
@@ -39,6 +43,7 @@
 use oxccl_kernels::{DType, ReduceOp};
 
 use super::plan::Kind;
+use crate::tuning::Algorithm;
 
 /// Most ranks an IPC communicator may have: one reduce kernel input per rank (the kernels take
 /// at most [`oxccl_kernels::cuda::MAX_INPUTS`]), and the barrier's flag words.
@@ -97,11 +102,90 @@ pub(crate) struct IpcPlan {
     pub sig: u32,
 }
 
-/// One-shot or two-shot (reduce-scatter in the slots, then gather) for reductions.
+/// How a reduction reads its peers: every peer at once in one step (one-shot), in two
+/// (reduce-scatter in the slots, then gather), or only the previous rank, step by step (ring).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Shots {
     One,
     Two,
+    Ring,
+}
+
+/// The ring steps of one chunk of a reduction: every rank's input holds `n` blocks (`block(q)`
+/// gives block q's input offset and byte length, each at most `half` bytes), and rank r ends
+/// with the reduction of block r in `last` (its output, or its own slot for an all-reduce that
+/// goes on to gather). Step k (0..n-1, after a barrier) reduces the previous rank's partial sum
+/// of block `r - 1 - k` (in half `k % 2` of its slot) with this rank's own part of that block
+/// into half `(k + 1) % 2` of this rank's slot, so after `n - 1` steps rank r holds block r.
+fn ring_reduce_steps(
+    r: usize,
+    n: usize,
+    half: usize,
+    block: &dyn Fn(usize) -> (usize, usize),
+    last: Loc,
+    avg: bool,
+) -> Vec<Step> {
+    let prev = (r + n - 1) % n;
+    let at = |q: usize, h: usize| Loc::Slot {
+        rank: q,
+        off: (h % 2) * half,
+    };
+    let (off0, len0) = block((r + n - 1) % n);
+    let mut s = vec![Step::Copy {
+        dst: at(r, 0),
+        src: Loc::In(off0),
+        len: len0,
+    }];
+    for k in 0..n - 1 {
+        s.push(Step::Barrier);
+        let (off, len) = block((2 * n + r - 2 - k) % n);
+        let dst = if k == n - 2 { last } else { at(r, k + 1) };
+        s.push(Step::Reduce {
+            dst,
+            inputs: vec![at(prev, k), Loc::In(off)],
+            len,
+        });
+        if avg && k == n - 2 {
+            s.push(Step::Avg { dst, len });
+        }
+    }
+    s
+}
+
+/// The ring steps of one chunk of a gather: rank r's own block is in half `first % 2` of its
+/// slot, and `out(q)` is where block q goes (its output offset and byte length); step j
+/// (0..n-1, after a barrier) copies block `r - 1 - j` from the previous rank's slot to the
+/// output and, but for the last step, on into this rank's slot for the next rank.
+fn ring_gather_steps(
+    r: usize,
+    n: usize,
+    half: usize,
+    first: usize,
+    out: &dyn Fn(usize) -> (usize, usize),
+) -> Vec<Step> {
+    let prev = (r + n - 1) % n;
+    let at = |q: usize, h: usize| Loc::Slot {
+        rank: q,
+        off: (h % 2) * half,
+    };
+    let mut s = Vec::new();
+    for j in 0..n - 1 {
+        s.push(Step::Barrier);
+        let (off, len) = out((2 * n + r - 1 - j) % n);
+        s.push(Step::Copy {
+            dst: Loc::Out(off),
+            src: at(prev, first + j),
+            len,
+        });
+        if j < n - 2 {
+            s.push(Step::Copy {
+                dst: at(r, first + j + 1),
+                src: at(prev, first + j),
+                len,
+            });
+        }
+    }
+    s
 }
 
 /// The element range `[start, start + len)` of shard `q` when `elems` are split over `n` ranks
@@ -128,7 +212,10 @@ fn signature(words: &[u64]) -> u32 {
 /// `count` is the operation's common element count: the buffer of all-reduce and broadcast, the
 /// output of reduce-scatter and scatter, the input of all-gather, reduce and gather, one block of
 /// all-to-all. The arguments must already be checked ([`super::plan::plan`]); `slot_bytes` must
-/// hold at least `size` elements and `size <= MAX_RANKS`.
+/// hold at least `size` elements and `size <= MAX_RANKS`. `algo` is what `OXCCL_ALGO` asks for
+/// this collective: `ring` (all-reduce, reduce-scatter, all-gather), `one-shot` or `two-shot`
+/// (all-reduce) choose those plans; anything else (host algorithms) leaves the default.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn ipc_plan(
     kind: Kind,
     dt: DType,
@@ -137,6 +224,7 @@ pub(crate) fn ipc_plan(
     count: usize,
     slot_bytes: usize,
     one_shot_bytes: usize,
+    algo: Option<Algorithm>,
 ) -> Option<IpcPlan> {
     let (es, n, r) = (dt.size(), size, rank);
     let op = kind.op();
@@ -151,8 +239,27 @@ pub(crate) fn ipc_plan(
         Kind::AllToAll => 8,
         Kind::Send { .. } | Kind::Recv { .. } => return None,
     };
-    // The layout depends on the slot and one-shot sizes too: ranks configured differently must
-    // not pair up.
+    let avg = op == ReduceOp::Avg;
+    let ring = algo == Some(Algorithm::Ring)
+        && matches!(
+            kind,
+            Kind::AllReduce(_) | Kind::ReduceScatter(_) | Kind::AllGather
+        );
+    let all_reduce = matches!(kind, Kind::AllReduce(_));
+    let shots = match algo {
+        _ if ring => Shots::Ring,
+        Some(Algorithm::OneShot) if all_reduce => Shots::One,
+        Some(Algorithm::TwoShot) if all_reduce => Shots::Two,
+        _ if count * es <= one_shot_bytes => Shots::One,
+        _ => Shots::Two,
+    };
+    // Only reductions and the ring collectives have more than one plan.
+    let variant = match kind {
+        Kind::AllReduce(_) | Kind::Reduce { .. } => shots as u64,
+        _ => u64::from(ring),
+    };
+    // The layout depends on the slot and one-shot sizes and on the plan chosen too: ranks
+    // configured differently must not pair up.
     let sig = signature(&[
         code,
         op as u64,
@@ -161,6 +268,7 @@ pub(crate) fn ipc_plan(
         count as u64,
         slot_bytes as u64,
         one_shot_bytes as u64,
+        variant,
     ]);
     // Chunks of `per` elements, where a slot holds `pieces` blocks of a chunk.
     let chunks_of = |pieces: usize| {
@@ -193,14 +301,62 @@ pub(crate) fn ipc_plan(
             Step::Barrier,
         ]
     };
-    let avg = op == ReduceOp::Avg;
-    let shots = if count * es <= one_shot_bytes {
-        Shots::One
-    } else {
-        Shots::Two
-    };
+    // Ring plans: a chunk's blocks fit half a slot each.
+    let half_elems = slot_bytes / (2 * es);
+    let half = half_elems * es;
     let mut chunks = Vec::new();
     match kind {
+        Kind::AllReduce(_) if ring => {
+            // Chunks of `n` blocks of at most half a slot: reduce-scatter around the ring, the
+            // last step leaving block r in this rank's slot (averaged there), then gather.
+            let per = half_elems * n;
+            for a in (0..count).step_by(per) {
+                let elems = per.min(count - a);
+                let block = |q: usize| {
+                    let (start, len) = shard(elems, n, q);
+                    (a * es + start * es, len * es)
+                };
+                let fin = (n - 1) % 2;
+                let mut s = ring_reduce_steps(r, n, half, &block, me(fin * half), avg);
+                let (off, len) = block(r);
+                s.push(Step::Copy {
+                    dst: Loc::Out(off),
+                    src: me(fin * half),
+                    len,
+                });
+                s.extend(ring_gather_steps(r, n, half, n - 1, &block));
+                chunks.push(s);
+            }
+        }
+        Kind::ReduceScatter(_) if ring => {
+            let block_bytes = count * es;
+            for a in (0..count).step_by(half_elems) {
+                let len = half_elems.min(count - a) * es;
+                let block = |q: usize| (q * block_bytes + a * es, len);
+                chunks.push(ring_reduce_steps(r, n, half, &block, Loc::Out(a * es), avg));
+            }
+        }
+        Kind::AllGather if ring => {
+            let block_bytes = count * es;
+            for a in (0..count).step_by(half_elems) {
+                let len = half_elems.min(count - a) * es;
+                let mut s = vec![
+                    Step::Copy {
+                        dst: me(0),
+                        src: Loc::In(a * es),
+                        len,
+                    },
+                    Step::Copy {
+                        dst: Loc::Out(r * block_bytes + a * es),
+                        src: Loc::In(a * es),
+                        len,
+                    },
+                ];
+                let out = |q: usize| (q * block_bytes + a * es, len);
+                s.extend(ring_gather_steps(r, n, half, 0, &out));
+                chunks.push(s);
+            }
+        }
         Kind::AllReduce(_) | Kind::Reduce { .. } => {
             let root = match kind {
                 Kind::Reduce { root, .. } => Some(root),
@@ -210,7 +366,7 @@ pub(crate) fn ipc_plan(
             for (a, len) in chunks_of(1) {
                 let mut s = slot_in(a, len);
                 match shots {
-                    Shots::One => {
+                    Shots::One | Shots::Ring => {
                         if gets_result {
                             s.push(Step::Reduce {
                                 dst: Loc::Out(a),
@@ -584,6 +740,7 @@ mod tests {
         size: usize,
         slot_bytes: usize,
         one_shot: usize,
+        algo: Option<Algorithm>,
         calls: impl Fn(usize) -> Vec<Call> + Sync,
         timeout: impl Fn(usize) -> Duration + Sync,
     ) -> Vec<Vec<Result<Vec<i32>, u32>>> {
@@ -617,6 +774,7 @@ mod tests {
                                 call.count,
                                 slot_bytes,
                                 one_shot,
+                                algo,
                             )
                             .expect("a collective");
                             let (input_addr, output_addr) = if call.in_place {
@@ -726,7 +884,13 @@ mod tests {
     }
 
     /// Every collective, back to back on one communicator, against the serial reference.
-    fn check_world(size: usize, counts: &[usize], slot_bytes: usize, one_shot: usize) {
+    fn check_world(
+        size: usize,
+        counts: &[usize],
+        slot_bytes: usize,
+        one_shot: usize,
+        algo: Option<Algorithm>,
+    ) {
         let mut script: Vec<(Kind, usize, bool)> = Vec::new();
         for (salt, &count) in counts.iter().enumerate() {
             for kind in kinds(size) {
@@ -743,6 +907,7 @@ mod tests {
             size,
             slot_bytes,
             one_shot,
+            algo,
             |rank| {
                 script
                     .iter()
@@ -783,7 +948,8 @@ mod tests {
                 let want = reference(kind, rank, size, count, &full);
                 assert_eq!(
                     got, want,
-                    "size {size} rank {rank} call {i} {kind:?} count {count} in_place {in_place}"
+                    "size {size} rank {rank} call {i} {kind:?} count {count} in_place {in_place} \
+                     algo {algo:?}"
                 );
             }
         }
@@ -794,11 +960,109 @@ mod tests {
         // Slots of 24 bytes: 6 i32, so most calls run in several chunks of both parities;
         // one-shot up to 16 bytes, two-shot above (with empty shards at 5 elements over 4+).
         for size in 2..=5 {
-            check_world(size, &[1, 4, 5, 13, 40], 24 * size, 16);
+            check_world(size, &[1, 4, 5, 13, 40], 24 * size, 16, None);
         }
         // Larger slots, everything one-shot.
-        check_world(3, &[0, 7, 300], 4096, 1 << 20);
-        check_world(8, &[3, 100], 256, 64);
+        check_world(3, &[0, 7, 300], 4096, 1 << 20, None);
+        check_world(8, &[3, 100], 256, 64, None);
+    }
+
+    #[test]
+    fn cuda_ipc_ring_and_forced_shots_compute_every_collective() {
+        // OXCCL_ALGO=ring: ring steps for all-reduce, reduce-scatter and all-gather (the rest
+        // keep their plans, interleaved on the same communicator); slots of 2..=5 ranks' worth,
+        // so blocks of one or two elements per half slot and many chunks, and odd slot sizes.
+        for size in 2..=5 {
+            check_world(
+                size,
+                &[1, 4, 5, 13, 40],
+                8 * size,
+                16,
+                Some(Algorithm::Ring),
+            );
+            check_world(size, &[0, 3, 29], 4 * size + 4, 16, Some(Algorithm::Ring));
+        }
+        check_world(8, &[3, 100, 1000], 256, 64, Some(Algorithm::Ring));
+        // Forced one-shot above the one-shot size, two-shot below it.
+        check_world(3, &[1, 13, 40], 24, 16, Some(Algorithm::OneShot));
+        check_world(4, &[1, 13, 40], 32, 1 << 20, Some(Algorithm::TwoShot));
+        // A host-only algorithm leaves the default plans.
+        check_world(3, &[1, 13, 40], 24, 16, Some(Algorithm::Tree));
+    }
+
+    #[test]
+    fn cuda_ipc_ring_plans_read_only_the_previous_rank() {
+        for size in 2..=8 {
+            for count in [1usize, 5, 9, 50] {
+                for kind in [
+                    Kind::AllReduce(ReduceOp::Sum),
+                    Kind::ReduceScatter(ReduceOp::Sum),
+                    Kind::AllGather,
+                ] {
+                    for rank in 0..size {
+                        let p = ipc_plan(
+                            kind,
+                            DType::I32,
+                            rank,
+                            size,
+                            count,
+                            8 * size,
+                            32,
+                            Some(Algorithm::Ring),
+                        )
+                        .unwrap();
+                        let prev = (rank + size - 1) % size;
+                        let reads = p.chunks.iter().flatten().flat_map(|s| match s {
+                            Step::Copy { src, .. } => vec![*src],
+                            Step::Reduce { inputs, .. } => inputs.clone(),
+                            _ => Vec::new(),
+                        });
+                        for l in reads {
+                            if let Loc::Slot { rank: q, .. } = l {
+                                assert!(q == prev || q == rank, "{kind:?} rank {rank} reads {q}");
+                            }
+                        }
+                        // n - 1 barriers per phase.
+                        let phases = if matches!(kind, Kind::AllReduce(_)) {
+                            2
+                        } else {
+                            1
+                        };
+                        for c in &p.chunks {
+                            let bars = c.iter().filter(|s| **s == Step::Barrier).count();
+                            assert_eq!(bars, phases * (size - 1), "{kind:?}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn cuda_ipc_ranks_with_different_plans_for_one_call_are_a_mismatch() {
+        // Rank 1 runs OXCCL_ALGO=ring, the others the default: same call, different layout.
+        let sig = |algo| {
+            ipc_plan(
+                Kind::AllReduce(ReduceOp::Sum),
+                DType::I32,
+                0,
+                3,
+                40,
+                64,
+                16,
+                algo,
+            )
+            .unwrap()
+            .sig
+        };
+        assert_ne!(sig(Some(Algorithm::Ring)), sig(None));
+        assert_ne!(sig(Some(Algorithm::OneShot)), sig(None));
+        assert_eq!(
+            sig(Some(Algorithm::TwoShot)),
+            sig(None),
+            "40 elements are two-shot anyway"
+        );
+        assert_eq!(sig(Some(Algorithm::Tree)), sig(None));
     }
 
     #[test]
@@ -826,44 +1090,52 @@ mod tests {
             for count in [1usize, 3, 8, 9, 50] {
                 for kind in kinds(size) {
                     for rank in 0..size {
-                        let p = ipc_plan(kind, DType::I32, rank, size, count, slot, 32).unwrap();
-                        let (ni, no) = lengths(kind, rank, size, count);
-                        let check = |l: Loc, len: usize, write: bool| match l {
-                            Loc::In(o) => assert!(!write && o + len <= ni * 4),
-                            Loc::Out(o) => assert!(o + len <= no * 4, "{kind:?} {o}+{len}"),
-                            Loc::Slot { rank: q, off } => {
-                                assert!(off + len <= slot, "{kind:?} slot {off}+{len}");
-                                assert!(!write || q == rank, "{kind:?} writes rank {q}'s slot");
-                            }
-                        };
-                        for chunk in &p.chunks {
-                            assert!(chunk.contains(&Step::Barrier));
-                            for s in chunk {
-                                match s {
-                                    Step::Copy { dst, src, len } => {
-                                        check(*src, *len, false);
-                                        check(*dst, *len, true);
+                        for algo in [None, Some(Algorithm::Ring)] {
+                            let p = ipc_plan(kind, DType::I32, rank, size, count, slot, 32, algo)
+                                .unwrap();
+                            let ring = algo.is_some()
+                                && matches!(
+                                    kind,
+                                    Kind::AllReduce(_) | Kind::ReduceScatter(_) | Kind::AllGather
+                                );
+                            let (ni, no) = lengths(kind, rank, size, count);
+                            let check = |l: Loc, len: usize, write: bool| match l {
+                                Loc::In(o) => assert!(!write && o + len <= ni * 4),
+                                Loc::Out(o) => assert!(o + len <= no * 4, "{kind:?} {o}+{len}"),
+                                Loc::Slot { rank: q, off } => {
+                                    assert!(off + len <= slot, "{kind:?} slot {off}+{len}");
+                                    assert!(!write || q == rank, "{kind:?} writes rank {q}'s slot");
+                                }
+                            };
+                            for chunk in &p.chunks {
+                                assert!(chunk.contains(&Step::Barrier));
+                                for s in chunk {
+                                    match s {
+                                        Step::Copy { dst, src, len } => {
+                                            check(*src, *len, false);
+                                            check(*dst, *len, true);
+                                        }
+                                        Step::Reduce { dst, inputs, len } => {
+                                            assert!(inputs.len() == if ring { 2 } else { size });
+                                            inputs.iter().for_each(|i| check(*i, *len, false));
+                                            check(*dst, *len, true);
+                                        }
+                                        Step::Avg { dst, len } => check(*dst, *len, true),
+                                        Step::Barrier => {}
                                     }
-                                    Step::Reduce { dst, inputs, len } => {
-                                        assert!(inputs.len() == size);
-                                        inputs.iter().for_each(|i| check(*i, *len, false));
-                                        check(*dst, *len, true);
-                                    }
-                                    Step::Avg { dst, len } => check(*dst, *len, true),
-                                    Step::Barrier => {}
                                 }
                             }
+                            // Every rank has the same number of barriers in every chunk.
+                            let bars = |rank: usize| -> Vec<usize> {
+                                ipc_plan(kind, DType::I32, rank, size, count, slot, 32, algo)
+                                    .unwrap()
+                                    .chunks
+                                    .iter()
+                                    .map(|c| c.iter().filter(|s| **s == Step::Barrier).count())
+                                    .collect()
+                            };
+                            assert_eq!(bars(rank), bars(0), "{kind:?}");
                         }
-                        // Every rank has the same number of barriers in every chunk.
-                        let bars = |rank: usize| -> Vec<usize> {
-                            ipc_plan(kind, DType::I32, rank, size, count, slot, 32)
-                                .unwrap()
-                                .chunks
-                                .iter()
-                                .map(|c| c.iter().filter(|s| **s == Step::Barrier).count())
-                                .collect()
-                        };
-                        assert_eq!(bars(rank), bars(0), "{kind:?}");
                     }
                 }
             }
@@ -878,6 +1150,7 @@ mod tests {
             3,
             64,
             64,
+            None,
             |rank| {
                 let kind = if rank == 1 {
                     Kind::AllGather
@@ -916,6 +1189,7 @@ mod tests {
             2,
             64,
             64,
+            None,
             |rank| {
                 let count = 4 + rank;
                 vec![Call {
@@ -944,6 +1218,7 @@ mod tests {
             3,
             64,
             64,
+            None,
             |rank| {
                 if rank == 2 {
                     return Vec::new();
@@ -988,6 +1263,7 @@ mod tests {
             3,
             64,
             64,
+            None,
             |rank| {
                 vec![Call {
                     kind: Kind::AllReduce(ReduceOp::Sum),
@@ -1033,7 +1309,16 @@ mod tests {
             one_shot in 0usize..200,
         ) {
             // Slots must hold one element per rank (the configuration guarantees it).
-            check_world(size, &counts, (slot_elems * 4).max(size * 4), one_shot);
+            check_world(size, &counts, (slot_elems * 4).max(size * 4), one_shot, None);
+        }
+
+        #[test]
+        fn cuda_ipc_ring_plans_match_the_reference_for_any_shape(
+            size in 2usize..=6,
+            counts in prop::collection::vec(0usize..60, 1..4),
+            slot_elems in 1usize..20,
+        ) {
+            check_world(size, &counts, (slot_elems * 4).max(size * 4), 64, Some(Algorithm::Ring));
         }
     }
 }

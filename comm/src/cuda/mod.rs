@@ -32,8 +32,10 @@
 //! barrier kernel (flags in device memory, no host round trip), then reduce kernels or copies
 //! that read the peers' slots: one-shot all-reduce up to `OXCCL_CUDA_IPC_ONE_SHOT` (256 KiB),
 //! two-shot above, everything in chunks of `OXCCL_CUDA_IPC_SLOT` (4 MiB) with double-buffered
-//! slots. This is the default where it applies (`OXCCL_CUDA_IPC=auto`); if any rank cannot map
-//! the others, every rank stages instead (`OXCCL_CUDA_IPC=1` makes that an error). Send and
+//! slots; with `OXCCL_ALGO=ring`, all-reduce, reduce-scatter and all-gather read only the
+//! previous rank's slot instead, in ring steps. This is the default where it applies
+//! (`OXCCL_CUDA_IPC=auto`); if any rank cannot map the others, every rank stages instead
+//! (`OXCCL_CUDA_IPC=1` makes that an error). Send and
 //! receive are always staged. Operations of one communicator on different streams are chained
 //! in call order. The barrier spins on the GPU: with ranks as threads of one process and more
 //! busy streams than `CUDA_DEVICE_MAX_CONNECTIONS`, a spinning barrier can hold a hardware queue
