@@ -720,6 +720,9 @@ mod tests {
     use super::plan::{plan, Kind};
     use crate::harness::spawn_world;
     use crate::{Communicator, Config, ReduceOp, Result};
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::{Arc, Mutex};
+    use std::time::{Duration, Instant};
 
     /// Runs `kind` the way `StreamComm::launch` does, with host buffers for device buffers.
     fn staged(
@@ -882,6 +885,161 @@ mod tests {
                     assert_eq!(got, want, "size {size} rank {rank}: {what}");
                 }
             }
+        }
+    }
+
+    /// A staged call as `StreamComm::launch` makes it, with host memory for the device and a
+    /// host wait for the stream's: the parts' host collectives go to the progress thread
+    /// (`submit_ticketed`) and the call returns at once; the returned closure waits (bounded)
+    /// for the flag to reach the last part, as the stream does, then copies the result out.
+    fn staged_async(
+        comm: &Communicator,
+        flag: &Arc<AtomicU32>,
+        next: &mut u32,
+        kind: Kind,
+        input: Option<&[i32]>,
+        out_len: usize,
+    ) -> Result<impl FnOnce() -> Vec<i32>> {
+        let p = plan(
+            kind,
+            comm.rank,
+            comm.size,
+            4,
+            input.map(|i| i.len()),
+            (out_len > 0).then_some(out_len),
+            comm.cfg.cuda_stage_chunk,
+        )
+        .map_err(|m| comm.invalid(kind.name(), m))?;
+        let mut stage = vec![0u8; p.stage_bytes];
+        let inb: Option<&[u8]> = input.map(bytemuck::cast_slice);
+        for part in &p.parts {
+            if let (Some(c), Some(i)) = (part.d2h, inb) {
+                stage[c.stage..c.stage + c.len].copy_from_slice(&i[c.dev..c.dev + c.len]);
+            }
+        }
+        let stage = Arc::new(Mutex::new(stage));
+        for part in &p.parts {
+            *next += 1;
+            let (number, shared, stage, flag) = (
+                *next,
+                Arc::clone(&comm.shared),
+                Arc::clone(&stage),
+                Arc::clone(flag),
+            );
+            let (range, count) = (part.stage.clone(), part.count);
+            comm.shared.submit_ticketed(move |ticket, ahead| {
+                let _ = shared.run_turn(ticket, ahead, |st| {
+                    let mut stage = stage.lock().unwrap();
+                    crate::collectives::exec_staged(
+                        &shared,
+                        st,
+                        kind,
+                        oxccl_kernels::DType::I32,
+                        count,
+                        &mut stage[range],
+                    )
+                });
+                flag.store(number, Ordering::Release);
+            });
+        }
+        let (last, flag) = (*next, Arc::clone(flag));
+        Ok(move || {
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while flag.load(Ordering::Acquire) < last {
+                assert!(Instant::now() < deadline, "part {last} never finished");
+                std::thread::yield_now();
+            }
+            let stage = stage.lock().unwrap();
+            let mut out = vec![0i32; out_len];
+            let ob: &mut [u8] = bytemuck::cast_slice_mut(&mut out);
+            for part in &p.parts {
+                if let Some(c) = part.h2d {
+                    ob[c.dev..c.dev + c.len].copy_from_slice(&stage[c.stage..c.stage + c.len]);
+                }
+            }
+            out
+        })
+    }
+
+    #[test]
+    fn staged_operations_on_the_progress_thread_interleave_with_host_calls() {
+        // The order of the GPU test (comm/tests/cuda.rs): each device call returns once queued,
+        // the same collective on host memory follows at once on the calling thread, then the
+        // result is awaited; device send/recv in a ring. 3, 4 and 8 ranks: the 4- and 8-thread GPU
+        // runs hang, and this shows that oxccl's own ordering of host work is not why.
+        for size in [3, 4, 8] {
+            staged_on_the_progress_thread(size);
+        }
+    }
+
+    fn staged_on_the_progress_thread(size: usize) {
+        let cfg = Config {
+            cuda_stage_chunk: 12,
+            ..Config::default()
+        };
+        let results = spawn_world(size, cfg, |comm| {
+            let (r, n) = (comm.rank(), comm.size());
+            let flag = Arc::new(AtomicU32::new(0));
+            let mut next = 0;
+            let mut bad = Vec::new();
+            for round in 0..8 {
+                let input = data(r + round, 10);
+                let wide = data(r + round, 10 * n);
+                let wait = staged_async(
+                    &comm,
+                    &flag,
+                    &mut next,
+                    Kind::AllReduce(ReduceOp::Sum),
+                    Some(&input),
+                    10,
+                )?;
+                let mut want = input.clone();
+                comm.all_reduce(&mut want, ReduceOp::Sum)?;
+                if wait() != want {
+                    bad.push(format!("round {round} all_reduce"));
+                }
+                let wait = staged_async(
+                    &comm,
+                    &flag,
+                    &mut next,
+                    Kind::ReduceScatter(ReduceOp::Min),
+                    Some(&wide),
+                    10,
+                )?;
+                let mut want = vec![0; 10];
+                comm.reduce_scatter(&wide, &mut want, ReduceOp::Min)?;
+                if wait() != want {
+                    bad.push(format!("round {round} reduce_scatter"));
+                }
+                let root = n - 1;
+                let src = (r == root).then_some(&input[..]);
+                let wait =
+                    staged_async(&comm, &flag, &mut next, Kind::Broadcast { root }, src, 10)?;
+                let mut want = input.clone();
+                comm.broadcast(&mut want, root)?;
+                if wait() != want {
+                    bad.push(format!("round {round} broadcast"));
+                }
+                let (next_rank, prev) = ((r + 1) % n, (r + n - 1) % n);
+                let send = Kind::Send { peer: next_rank };
+                let recv = Kind::Recv { peer: prev };
+                let got = if r % 2 == 0 {
+                    let _ = staged_async(&comm, &flag, &mut next, send, Some(&input), 0)?;
+                    staged_async(&comm, &flag, &mut next, recv, None, 10)?()
+                } else {
+                    let wait = staged_async(&comm, &flag, &mut next, recv, None, 10)?;
+                    let _ = staged_async(&comm, &flag, &mut next, send, Some(&input), 0)?;
+                    wait()
+                };
+                if got != data(prev + round, 10) {
+                    bad.push(format!("round {round} send/recv"));
+                }
+            }
+            Ok(bad)
+        });
+        for (rank, r) in results.into_iter().enumerate() {
+            let bad = r.unwrap_or_else(|e| panic!("size {size} rank {rank}: {e}"));
+            assert!(bad.is_empty(), "size {size} rank {rank}: {bad:?}");
         }
     }
 
