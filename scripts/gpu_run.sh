@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Runs, on the GPU machine, everything issues 5 and 6 measure, from the binaries
 # scripts/gpu_build.sh made. Usage: scripts/gpu_run.sh DIR [PHASE...], PHASE one of kernels,
-# comm, perf-ipc, perf-staged, nccl, cpu (default: all, in that order; split them over several device
+# comm, perf-ipc, perf-staged, nccl, cpu, netns (default: all, in that order; split them over several device
 # calls when they would pass the 10-minute limit). Output goes to stdout and, when $OUT is set
 # (the device tool), to $OUT/gpu_run.log. Every step has a time limit and runs even if an
 # earlier one failed.
 set -uo pipefail
 bin=${1:-target/gpu-bin}
 shift || true
-phases=${*:-kernels comm perf-ipc perf-staged nccl cpu}
+phases=${*:-kernels comm perf-ipc perf-staged nccl cpu netns}
 log=${OUT:-/tmp}/gpu_run.log
 exec > >(tee -a "$log") 2>&1
 # NVRTC: the toolkit's, else a pip wheel's.
@@ -93,6 +93,18 @@ for phase in $phases; do
         # The same script as the development machine's TCP table; it skips OpenMPI when absent.
         OX="$bin/oxccl" PEERS="$bin" GLOO_PY="$(command -v python3)" ROUNDS=3 limit=600 \
             step scripts/side_by_side_tcp.sh
+        ;;
+    netns)
+        # Issue 4 on 16 cores: hierarchical against the flat ring, 2 network namespaces x 2
+        # ranks, 64 MiB, 3 interleaved rounds (netns.sh needs root and iproute2: it prints SKIP
+        # and exits 77 without them).
+        for round in 1 2 3; do
+            for a in hierarchical ring; do
+                echo "round $round $a"
+                OXCCL_BIN="$bin/oxccl" OXCCL_ALGO=all-reduce=$a limit=120 step scripts/netns.sh run \
+                    --nodes 2 --nproc 2 --prefix gp -- "$bin/oxccl" perf all-reduce -b 64M -e 64M -z 1
+            done
+        done
         ;;
     nccl)
         # For scale: NCCL's single-rank all-reduce (PyTorch wheel) on the same GPU.
