@@ -56,6 +56,7 @@ for phase in $phases; do
             cuda_ipc_ring_steps_two_ranks_every_collective_and_dtype; do
             step timeout 120 $bin/comm_cuda --ignored --exact $t 2>&1 | cut -c1-300 | grep -v '^\s*$' | tail -4
         done
+        step timeout 50 $bin/comm_cuda --ignored --exact three_ranks_on_one_gpu_every_collective_and_dtype 2>&1 | cut -c1-300 | grep -v '^\s*$' | tail -4
         run4 staged staged 50
         run4 ipc ipc 50
         run4 staged_eager staged 50 CUDA_MODULE_LOADING=EAGER

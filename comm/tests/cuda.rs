@@ -292,6 +292,16 @@ fn two_ranks_on_one_gpu_every_collective_and_dtype() {
 
 #[test]
 #[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored"]
+fn three_ranks_on_one_gpu_every_collective_and_dtype() {
+    // Between the 2 ranks that pass and the 4 that hang: a wait that needs a third rank to
+    // close a cycle shows here first.
+    if gpu_or_skip() {
+        run_world(3, small_parts());
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored"]
 fn four_ranks_on_one_gpu_every_collective_and_dtype() {
     if gpu_or_skip() {
         run_world(4, small_parts());
