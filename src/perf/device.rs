@@ -9,6 +9,7 @@
 
 use std::sync::Arc;
 
+use oxccl_comm::cuda::cudarc::driver::sys::CUresult;
 use oxccl_comm::cuda::cudarc::driver::{CudaContext, CudaSlice, CudaStream, DriverError};
 use oxccl_comm::{Collective, Communicator, Element, Error, ReduceOp, Result};
 
@@ -31,23 +32,22 @@ fn cuda(rank: usize, what: &str, e: DriverError) -> Error {
 
 /// A failed context creation, with [`mps_hint`] added where it applies.
 fn context_error(rank: usize, e: DriverError) -> Error {
-    let mut err = cuda(rank, "context", e);
-    if let Error::Cuda { msg, .. } = &mut err {
-        let connections = std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok();
-        if let Some(hint) = mps_hint(msg, connections.as_deref()) {
-            msg.push_str(&hint);
-        }
+    let connections = std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok();
+    let hint = mps_hint(&e, connections.as_deref()).unwrap_or_default();
+    Error::Cuda {
+        rank,
+        op: "perf".into(),
+        msg: format!("context: {e:?}{hint}"),
     }
-    err
 }
 
 /// Why a context may have failed under MPS: the server shares a fixed number of hardware
 /// connections among its clients, `CUDA_DEVICE_MAX_CONNECTIONS` to each, and a client past the
 /// limit cannot create its context. (On the lent H100, 4 ranks as processes under MPS failed with
 /// `CUDA_ERROR_OUT_OF_MEMORY` while that variable was 32; the cause is not yet confirmed there.)
-fn mps_hint(msg: &str, connections: Option<&str>) -> Option<String> {
+fn mps_hint(e: &DriverError, connections: Option<&str>) -> Option<String> {
     let n = connections?;
-    msg.contains("OUT_OF_MEMORY").then(|| {
+    (e.0 == CUresult::CUDA_ERROR_OUT_OF_MEMORY).then(|| {
         format!(
             " (CUDA_DEVICE_MAX_CONNECTIONS={n}: if the MPS daemon runs, every client takes that \
              many of its connections and clients past its limit cannot create a context; try \
@@ -212,16 +212,16 @@ impl DevArenas {
 
 #[cfg(test)]
 mod tests {
-    use super::mps_hint;
+    use super::{mps_hint, CUresult, DriverError};
 
     #[test]
     fn mps_hint_only_for_out_of_memory_with_connections_set() {
-        let oom = "context: DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")";
-        let hint = mps_hint(oom, Some("32")).expect("a hint");
+        let oom = DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
+        let hint = mps_hint(&oom, Some("32")).expect("a hint");
         assert!(hint.contains("CUDA_DEVICE_MAX_CONNECTIONS=32"), "{hint}");
         assert!(hint.contains("MPS"), "{hint}");
-        assert_eq!(mps_hint(oom, None), None);
-        let other = "context: DriverError(CUDA_ERROR_NO_DEVICE, \"no CUDA-capable device\")";
-        assert_eq!(mps_hint(other, Some("32")), None);
+        assert_eq!(mps_hint(&oom, None), None);
+        let other = DriverError(CUresult::CUDA_ERROR_NO_DEVICE);
+        assert_eq!(mps_hint(&other, Some("32")), None);
     }
 }

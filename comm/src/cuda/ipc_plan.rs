@@ -16,8 +16,9 @@
 //! `OXCCL_ALGO=ring`) read only the previous rank's slot instead, in `n - 1` steps per phase
 //! with a barrier before each, alternating between the two halves of the chunk's slot: a link
 //! carries each byte once per step rather than every rank reading every peer, which suits GPUs
-//! joined in a chain (PCIe) better than ranks sharing one GPU or an NVSwitch. Operations larger than a slot run in **chunks**; chunk number `c`
-//! (counted over the communicator's life, the same on every rank) uses slot `c % 2`. Every chunk
+//! joined in a chain (PCIe) better than ranks sharing one GPU or an NVSwitch. Operations larger
+//! than a slot run in **chunks**; chunk number `c` (counted over the communicator's life, the
+//! same on every rank) uses slot `c % 2`. Every chunk
 //! has at least one barrier, and a rank reaches chunk `c`'s barrier only after finishing every
 //! read of chunk `c - 1` (stream order), so once a rank has passed chunk `c + 1`'s barrier nobody
 //! still reads the slot chunk `c + 2` writes: double buffering by epoch, one barrier per chunk
@@ -102,13 +103,20 @@ pub(crate) struct IpcPlan {
     pub sig: u32,
 }
 
-/// How a reduction reads its peers: every peer at once in one step (one-shot), in two
-/// (reduce-scatter in the slots, then gather), or only the previous rank, step by step (ring).
+/// One-shot or two-shot (reduce-scatter in the slots, then gather) for reductions that read
+/// every peer at once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Shots {
     One,
     Two,
-    Ring,
+}
+
+/// Half `h % 2` of rank `q`'s slot of the current chunk, for ring steps (`half` bytes each).
+fn ring_half(q: usize, h: usize, half: usize) -> Loc {
+    Loc::Slot {
+        rank: q,
+        off: (h % 2) * half,
+    }
 }
 
 /// The ring steps of one chunk of a reduction: every rank's input holds `n` blocks (`block(q)`
@@ -126,10 +134,7 @@ fn ring_reduce_steps(
     avg: bool,
 ) -> Vec<Step> {
     let prev = (r + n - 1) % n;
-    let at = |q: usize, h: usize| Loc::Slot {
-        rank: q,
-        off: (h % 2) * half,
-    };
+    let at = |q: usize, h: usize| ring_half(q, h, half);
     let (off0, len0) = block((r + n - 1) % n);
     let mut s = vec![Step::Copy {
         dst: at(r, 0),
@@ -164,10 +169,7 @@ fn ring_gather_steps(
     out: &dyn Fn(usize) -> (usize, usize),
 ) -> Vec<Step> {
     let prev = (r + n - 1) % n;
-    let at = |q: usize, h: usize| Loc::Slot {
-        rank: q,
-        off: (h % 2) * half,
-    };
+    let at = |q: usize, h: usize| ring_half(q, h, half);
     let mut s = Vec::new();
     for j in 0..n - 1 {
         s.push(Step::Barrier);
@@ -247,7 +249,6 @@ pub(crate) fn ipc_plan(
         );
     let all_reduce = matches!(kind, Kind::AllReduce(_));
     let shots = match algo {
-        _ if ring => Shots::Ring,
         Some(Algorithm::OneShot) if all_reduce => Shots::One,
         Some(Algorithm::TwoShot) if all_reduce => Shots::Two,
         _ if count * es <= one_shot_bytes => Shots::One,
@@ -255,8 +256,9 @@ pub(crate) fn ipc_plan(
     };
     // Only reductions and the ring collectives have more than one plan.
     let variant = match kind {
+        _ if ring => 2,
         Kind::AllReduce(_) | Kind::Reduce { .. } => shots as u64,
-        _ => u64::from(ring),
+        _ => 0,
     };
     // The layout depends on the slot and one-shot sizes and on the plan chosen too: ranks
     // configured differently must not pair up.
@@ -316,12 +318,12 @@ pub(crate) fn ipc_plan(
                     let (start, len) = shard(elems, n, q);
                     (a * es + start * es, len * es)
                 };
-                let fin = (n - 1) % 2;
-                let mut s = ring_reduce_steps(r, n, half, &block, me(fin * half), avg);
+                let fin = ring_half(r, n - 1, half);
+                let mut s = ring_reduce_steps(r, n, half, &block, fin, avg);
                 let (off, len) = block(r);
                 s.push(Step::Copy {
                     dst: Loc::Out(off),
-                    src: me(fin * half),
+                    src: fin,
                     len,
                 });
                 s.extend(ring_gather_steps(r, n, half, n - 1, &block));
@@ -366,7 +368,7 @@ pub(crate) fn ipc_plan(
             for (a, len) in chunks_of(1) {
                 let mut s = slot_in(a, len);
                 match shots {
-                    Shots::One | Shots::Ring => {
+                    Shots::One => {
                         if gets_result {
                             s.push(Step::Reduce {
                                 dst: Loc::Out(a),

@@ -717,7 +717,7 @@ mod tests {
     //! threaded worlds: everything a device operation does except the CUDA copies, which are
     //! replaced here by plain copies at the same offsets.
 
-    use super::plan::{plan, Kind};
+    use super::plan::{plan, Kind, Plan};
     use crate::harness::spawn_world;
     use crate::{Communicator, Config, ReduceOp, Result};
     use std::sync::atomic::{AtomicU32, Ordering};
@@ -732,23 +732,7 @@ mod tests {
         output: Option<&mut [i32]>,
     ) -> Result<()> {
         let dt = oxccl_kernels::DType::I32;
-        let p = plan(
-            kind,
-            comm.rank,
-            comm.size,
-            4,
-            input.map(|i| i.len()),
-            output.as_ref().map(|o| o.len()),
-            comm.cfg.cuda_stage_chunk,
-        )
-        .map_err(|m| comm.invalid(kind.name(), m))?;
-        let mut stage = vec![0u8; p.stage_bytes];
-        let inb: Option<&[u8]> = input.map(bytemuck::cast_slice);
-        for part in &p.parts {
-            if let (Some(c), Some(i)) = (part.d2h, inb) {
-                stage[c.stage..c.stage + c.len].copy_from_slice(&i[c.dev..c.dev + c.len]);
-            }
-        }
+        let (p, mut stage) = stage_in(comm, kind, input, output.as_ref().map(|o| o.len()))?;
         for part in &p.parts {
             let (ticket, ahead) = comm.shared.take_ticket();
             let shared = &comm.shared;
@@ -764,14 +748,47 @@ mod tests {
             })?;
         }
         if let Some(o) = output {
-            let ob: &mut [u8] = bytemuck::cast_slice_mut(o);
-            for part in &p.parts {
-                if let Some(c) = part.h2d {
-                    ob[c.dev..c.dev + c.len].copy_from_slice(&stage[c.stage..c.stage + c.len]);
-                }
-            }
+            stage_out(&p, &stage, o);
         }
         Ok(())
+    }
+
+    /// The plan of a staged call and its staging buffer with the input copied in, as
+    /// `StreamComm::launch` copies it from the device.
+    fn stage_in(
+        comm: &Communicator,
+        kind: Kind,
+        input: Option<&[i32]>,
+        out_len: Option<usize>,
+    ) -> Result<(Plan, Vec<u8>)> {
+        let p = plan(
+            kind,
+            comm.rank,
+            comm.size,
+            4,
+            input.map(|i| i.len()),
+            out_len,
+            comm.cfg.cuda_stage_chunk,
+        )
+        .map_err(|m| comm.invalid(kind.name(), m))?;
+        let mut stage = vec![0u8; p.stage_bytes];
+        let inb: Option<&[u8]> = input.map(bytemuck::cast_slice);
+        for part in &p.parts {
+            if let (Some(c), Some(i)) = (part.d2h, inb) {
+                stage[c.stage..c.stage + c.len].copy_from_slice(&i[c.dev..c.dev + c.len]);
+            }
+        }
+        Ok((p, stage))
+    }
+
+    /// The results out of the staging buffer, as the copies back to the device take them.
+    fn stage_out(p: &Plan, stage: &[u8], output: &mut [i32]) {
+        let ob: &mut [u8] = bytemuck::cast_slice_mut(output);
+        for part in &p.parts {
+            if let Some(c) = part.h2d {
+                ob[c.dev..c.dev + c.len].copy_from_slice(&stage[c.stage..c.stage + c.len]);
+            }
+        }
     }
 
     fn data(rank: usize, n: usize) -> Vec<i32> {
@@ -900,23 +917,7 @@ mod tests {
         input: Option<&[i32]>,
         out_len: usize,
     ) -> Result<impl FnOnce() -> Vec<i32>> {
-        let p = plan(
-            kind,
-            comm.rank,
-            comm.size,
-            4,
-            input.map(|i| i.len()),
-            (out_len > 0).then_some(out_len),
-            comm.cfg.cuda_stage_chunk,
-        )
-        .map_err(|m| comm.invalid(kind.name(), m))?;
-        let mut stage = vec![0u8; p.stage_bytes];
-        let inb: Option<&[u8]> = input.map(bytemuck::cast_slice);
-        for part in &p.parts {
-            if let (Some(c), Some(i)) = (part.d2h, inb) {
-                stage[c.stage..c.stage + c.len].copy_from_slice(&i[c.dev..c.dev + c.len]);
-            }
-        }
+        let (p, stage) = stage_in(comm, kind, input, (out_len > 0).then_some(out_len))?;
         let stage = Arc::new(Mutex::new(stage));
         for part in &p.parts {
             *next += 1;
@@ -949,14 +950,8 @@ mod tests {
                 assert!(Instant::now() < deadline, "part {last} never finished");
                 std::thread::yield_now();
             }
-            let stage = stage.lock().unwrap();
             let mut out = vec![0i32; out_len];
-            let ob: &mut [u8] = bytemuck::cast_slice_mut(&mut out);
-            for part in &p.parts {
-                if let Some(c) = part.h2d {
-                    ob[c.dev..c.dev + c.len].copy_from_slice(&stage[c.stage..c.stage + c.len]);
-                }
-            }
+            stage_out(&p, &stage.lock().unwrap(), &mut out);
             out
         })
     }
