@@ -2,12 +2,12 @@
 # Quick GPU checks for the open work (see scripts/gpu_run.sh for the full set), from the binaries
 # scripts/gpu_build.sh made. Usage: scripts/gpu_diag.sh [PHASE...], PHASE one of
 #   kernels  the kernel tests (fp8 included) and kernel bandwidth for f32 / bf16 / fp8;
-#   hang     the 2-rank device collectives, then the 4-rank ones (ranks as threads), which hang:
-#            traced (OXCCL_DEBUG=trace logs every CUDA step of oxccl's device path as "cuda: ..."),
-#            under three settings that tell the suspected causes apart (hardware queues:
-#            CUDA_DEVICE_MAX_CONNECTIONS 32 or the default 8; lazy kernel loading:
-#            CUDA_MODULE_LOADING=EAGER; stream waits: OXCCL_CUDA_STREAM_WAIT=0), with the state
-#            of every thread 30 s into a staged run;
+#   hang     the 2- and 3-rank device collectives (ranks as threads), then the 4-rank ones,
+#            which hung with stream waits and the barrier kernel: traced (OXCCL_DEBUG=trace logs
+#            every CUDA step of oxccl's device path as "cuda: ..."), with the defaults for threads
+#            (waits on the host), then with OXCCL_CUDA_STREAM_WAIT=1 and
+#            OXCCL_CUDA_IPC_BARRIER=device (8 and 32 hardware queues), then 8 ranks, and the
+#            state of every thread 30 s into a 4-rank run with stream waits;
 #   mps      ranks as processes under MPS: 4 ranks (whose contexts failed with
 #            CUDA_ERROR_OUT_OF_MEMORY when CUDA_DEVICE_MAX_CONNECTIONS=32 was exported: MPS gives
 #            each client that many connections, and the server has a fixed number), fp8 device
@@ -53,25 +53,30 @@ for phase in $phases; do
         step timeout 60 $bin/cuda_bench 256 f32,bf16,f8e4m3,f8e5m2
         ;;
     hang)
+        # Ranks as threads now wait on the host by default (staged: calls wait for their host
+        # collectives; cuda_ipc: barriers met on the host, CUDA events between the streams) and
+        # load every kernel at set-up (cuFuncLoad). The default runs first, then the settings that
+        # hung 4 ranks before (stream waits, the barrier kernel), to tell which change fixed what.
         export CUDA_DEVICE_MAX_CONNECTIONS=32
-        for t in two_ranks_on_one_gpu_every_collective_and_dtype cuda_ipc_two_ranks_on_one_gpu_every_collective_and_dtype \
+        for t in two_ranks_on_one_gpu_every_collective_and_dtype staged_calls_with_stream_waits_give_the_same_results \
+            cuda_ipc_two_ranks_on_one_gpu_every_collective_and_dtype cuda_ipc_device_barrier_two_ranks_every_collective_and_dtype \
             cuda_ipc_ring_steps_two_ranks_every_collective_and_dtype; do
-            step timeout 45 $bin/comm_cuda --ignored --exact $t 2>&1 | cut -c1-300 | grep -v '^\s*$' | tail -4
+            step timeout 40 $bin/comm_cuda --ignored --exact $t 2>&1 | cut -c1-300 | grep -v '^\s*$' | tail -4
         done
-        step timeout 50 $bin/comm_cuda --ignored --exact three_ranks_on_one_gpu_every_collective_and_dtype 2>&1 | cut -c1-300 | grep -v '^\s*$' | tail -4
-        run4 staged staged 45
-        run4 ipc ipc 45
-        run4 staged_eager staged 45 CUDA_MODULE_LOADING=EAGER
-        run4 ipc_eager ipc 45 CUDA_MODULE_LOADING=EAGER
-        run4 staged_8q staged 45 CUDA_DEVICE_MAX_CONNECTIONS=8
-        run4 staged_nowait staged 45 OXCCL_CUDA_STREAM_WAIT=0
-        echo "### 4 ranks staged: thread states 30 s in"
-        OXCCL_DEBUG=trace OXCCL_TEST_TRACE=1 $bin/comm_cuda --ignored --exact $t4 --nocapture > "$out/trace4_snap.log" 2>&1 &
+        step timeout 40 $bin/comm_cuda --ignored --exact three_ranks_on_one_gpu_every_collective_and_dtype 2>&1 | cut -c1-300 | grep -v '^\s*$' | tail -4
+        run4 staged staged 40
+        run4 ipc ipc 40
+        run4 staged_streamwait staged 40 OXCCL_CUDA_STREAM_WAIT=1
+        run4 ipc_devbarrier ipc 40 OXCCL_CUDA_IPC_BARRIER=device
+        run4 ipc_devbarrier_8q ipc 40 OXCCL_CUDA_IPC_BARRIER=device CUDA_DEVICE_MAX_CONNECTIONS=8
+        step timeout 50 $bin/comm_cuda --ignored --exact cuda_ipc_eight_ranks_with_default_slots 2>&1 | cut -c1-300 | grep -v '^\s*$' | tail -4
+        echo "### 4 ranks staged with stream waits: thread states 30 s in"
+        OXCCL_CUDA_STREAM_WAIT=1 OXCCL_DEBUG=trace OXCCL_TEST_TRACE=1 $bin/comm_cuda --ignored --exact $t4 --nocapture > "$out/trace4_snap.log" 2>&1 &
         pid=$!
         sleep 30
         if kill -0 $pid 2>/dev/null; then
             for t in /proc/$pid/task/*; do echo "$(cat $t/comm) $(cat $t/wchan 2>/dev/null) $(cut -d' ' -f3 $t/stat)"; done | sort | uniq -c
-            command -v gdb >/dev/null && timeout 60 gdb -p $pid -batch -ex "thread apply all bt 12" 2>/dev/null | grep -E "^Thread|^#" | cut -c1-160 | head -150
+            command -v gdb >/dev/null && timeout 30 gdb -p $pid -batch -ex "thread apply all bt 12" 2>/dev/null | grep -E "^Thread|^#" | cut -c1-160 | head -150
             kill $pid
         fi
         wait $pid; echo "rc $?"

@@ -559,6 +559,16 @@ impl Communicator {
     pub(crate) fn hosts_store(&self) -> bool {
         self._server.is_some()
     }
+
+    /// Whether another rank of this communicator is a thread of this process (same node, same
+    /// process id): their streams then share one CUDA context, and its hardware queues.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn shares_process(&self) -> bool {
+        let me = &self.peers[self.rank];
+        self.peers
+            .iter()
+            .any(|p| p.rank != self.rank && p.pid == me.pid && p.node_id == me.node_id)
+    }
 }
 
 impl Drop for Communicator {

@@ -75,9 +75,11 @@ pub struct Config {
     /// (`OXCCL_CUDA_STAGE_CHUNK`, default 4 MiB; 0 = one part).
     pub cuda_stage_chunk: usize,
     /// Whether a staged device operation returns as soon as it is enqueued, with the stream
-    /// waiting on a flag in pinned memory that the progress thread sets (`OXCCL_CUDA_STREAM_WAIT`,
-    /// default 1); 0 makes every device call wait for its host collectives before it returns.
-    pub cuda_stream_wait: bool,
+    /// waiting on a flag in pinned memory that the progress thread sets (`OXCCL_CUDA_STREAM_WAIT`:
+    /// `auto`, the default, does so unless two ranks of the communicator are threads of one
+    /// process, whose streams share a context; `1` always; `0` makes every device call wait for
+    /// its host collectives before it returns).
+    pub cuda_stream_wait: Option<bool>,
     /// Whether device collectives of a communicator whose ranks all share one node run over CUDA
     /// IPC (feature `cuda`; `OXCCL_CUDA_IPC`: `auto`, the default, uses it when every rank can
     /// map every other's device memory and stages through host memory otherwise; `1` requires
@@ -91,6 +93,12 @@ pub struct Config {
     /// reduces the whole buffer from every rank's slot; larger ones run two-shot (each rank
     /// reduces its shard, then everyone gathers) (`OXCCL_CUDA_IPC_ONE_SHOT`, default 256 KiB).
     pub cuda_ipc_one_shot: usize,
+    /// How ranks meet at the barriers of CUDA IPC collectives (`OXCCL_CUDA_IPC_BARRIER`: `auto`,
+    /// the default, on the host when every rank is a thread of one process and on the device
+    /// otherwise; `host` (`Some(true)`) the same; `device` (`Some(false)`) always the barrier
+    /// kernel). On the host, each rank's thread waits until every rank has enqueued up to the
+    /// barrier and its stream then waits for their CUDA events: no kernel spins on the GPU.
+    pub cuda_ipc_host_barrier: Option<bool>,
 }
 
 impl Default for Config {
@@ -111,10 +119,11 @@ impl Default for Config {
             single_copy: true,
             spin: None,
             cuda_stage_chunk: 4 << 20,
-            cuda_stream_wait: true,
+            cuda_stream_wait: None,
             cuda_ipc: None,
             cuda_ipc_slot: 4 << 20,
             cuda_ipc_one_shot: 256 << 10,
+            cuda_ipc_host_barrier: None,
         }
     }
 }
@@ -230,7 +239,14 @@ impl Config {
             c.cuda_stage_chunk = parse_num("OXCCL_CUDA_STAGE_CHUNK", &v)?;
         }
         if let Some(v) = get("OXCCL_CUDA_STREAM_WAIT") {
-            c.cuda_stream_wait = parse_bool("OXCCL_CUDA_STREAM_WAIT", &v)?;
+            c.cuda_stream_wait = match v.trim().to_ascii_lowercase().as_str() {
+                "" | "auto" => None,
+                _ => Some(parse_bool("OXCCL_CUDA_STREAM_WAIT", &v).map_err(|_| {
+                    Error::Config(format!(
+                        "OXCCL_CUDA_STREAM_WAIT={v:?}: expected auto, 0 or 1"
+                    ))
+                })?),
+            };
         }
         if let Some(v) = get("OXCCL_CUDA_IPC") {
             c.cuda_ipc = match v.trim().to_ascii_lowercase().as_str() {
@@ -250,6 +266,18 @@ impl Config {
         }
         if let Some(v) = get("OXCCL_CUDA_IPC_ONE_SHOT") {
             c.cuda_ipc_one_shot = parse_num("OXCCL_CUDA_IPC_ONE_SHOT", &v)?;
+        }
+        if let Some(v) = get("OXCCL_CUDA_IPC_BARRIER") {
+            c.cuda_ipc_host_barrier = match v.trim().to_ascii_lowercase().as_str() {
+                "" | "auto" => None,
+                "host" => Some(true),
+                "device" => Some(false),
+                _ => {
+                    return Err(Error::Config(format!(
+                        "OXCCL_CUDA_IPC_BARRIER={v:?}: expected auto, host or device"
+                    )))
+                }
+            };
         }
         if let Some(v) = get("OXCCL_SPIN") {
             c.spin = match v.trim().to_ascii_lowercase().as_str() {
@@ -315,6 +343,19 @@ mod tests {
             Some(false)
         );
         assert_eq!(cfg(&[("OXCCL_CUDA_IPC", "auto")]).unwrap().cuda_ipc, None);
+        let pair = |k: &str, v: &str| {
+            let c = cfg(&[(k, v)]).unwrap();
+            (c.cuda_stream_wait, c.cuda_ipc_host_barrier)
+        };
+        assert_eq!(pair("OXCCL_CUDA_STREAM_WAIT", "auto"), (None, None));
+        assert_eq!(pair("OXCCL_CUDA_STREAM_WAIT", "0"), (Some(false), None));
+        assert_eq!(pair("OXCCL_CUDA_STREAM_WAIT", "on"), (Some(true), None));
+        assert_eq!(pair("OXCCL_CUDA_IPC_BARRIER", "host"), (None, Some(true)));
+        assert_eq!(
+            pair("OXCCL_CUDA_IPC_BARRIER", "Device"),
+            (None, Some(false))
+        );
+        assert_eq!(pair("OXCCL_CUDA_IPC_BARRIER", "auto"), (None, None));
     }
 
     #[test]
@@ -335,6 +376,7 @@ mod tests {
             ("OXCCL_CUDA_IPC_SLOT", "1000"),
             ("OXCCL_CUDA_IPC_SLOT", "2048"),
             ("OXCCL_CUDA_IPC_ONE_SHOT", "-5"),
+            ("OXCCL_CUDA_IPC_BARRIER", "gpu"),
         ] {
             let e = cfg(&[(k, v)]).unwrap_err().to_string();
             assert!(e.contains(k) || k == "OXCCL_ALGO", "{e}");

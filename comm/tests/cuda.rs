@@ -3,9 +3,11 @@
 //! (one-shot, two-shot and chunked, with small slots, and ring steps) and staged through host memory (in many
 //! pipelined parts, in both completion modes: stream waits on the flag, and
 //! `OXCCL_CUDA_STREAM_WAIT=0`); stream order without host synchronisation; mismatched calls and
-//! a missing rank reported by the IPC barrier instead of a hang. On the lent H100 (2026-11-24)
-//! the 2-rank tests pass; the 4- and 8-rank ones hang, staged and over IPC alike (open). Ranks in
-//! separate processes
+//! a missing rank reported by the IPC barrier instead of a hang, with barriers on the host (the
+//! default for threads) and on the device. On the lent H100 the 2-rank tests passed; the 4- and
+//! 8-rank ones hung, staged and over IPC alike, with the GPU-side waits (stream waits, the
+//! barrier kernel) that ranks as threads no longer use by default; the host waits are not yet
+//! run on a GPU. Ranks in separate processes
 //! (`cuIpcOpenMemHandle`) are covered by `oxccl perf --device cuda` in `scripts/gpu_run.sh`.
 //!
 //! Ignored by default (CI has no GPU). On a machine with one:
@@ -260,13 +262,19 @@ fn run_world(n: usize, cfg: Config) {
     }
 }
 
+/// The configuration from `OXCCL_*` variables (so `scripts/gpu_diag.sh` can vary what a test
+/// does not set itself), which the tests then override.
+fn base() -> Config {
+    Config::from_env().expect("OXCCL_* variables")
+}
+
 fn small_parts() -> Config {
     // Staged through host memory, in parts of 1 KiB: every element-wise collective above runs in
     // several pipelined parts.
     Config {
         cuda_stage_chunk: 1024,
         cuda_ipc: Some(false),
-        ..Config::default()
+        ..base()
     }
 }
 
@@ -278,7 +286,7 @@ fn small_slots() -> Config {
         cuda_ipc: Some(true),
         cuda_ipc_slot: 4096,
         cuda_ipc_one_shot: 2048,
-        ..Config::default()
+        ..base()
     }
 }
 
@@ -318,6 +326,22 @@ fn cuda_ipc_two_ranks_on_one_gpu_every_collective_and_dtype() {
 
 #[test]
 #[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored"]
+fn cuda_ipc_device_barrier_two_ranks_every_collective_and_dtype() {
+    // Ranks that are threads of one process meet on the host by default; the barrier kernel
+    // (the default between processes) here.
+    if gpu_or_skip() {
+        run_world(
+            2,
+            Config {
+                cuda_ipc_host_barrier: Some(false),
+                ..small_slots()
+            },
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored"]
 fn cuda_ipc_four_ranks_on_one_gpu_every_collective_and_dtype() {
     if gpu_or_skip() {
         run_world(4, small_slots());
@@ -348,38 +372,50 @@ fn cuda_ipc_eight_ranks_with_default_slots() {
             8,
             Config {
                 cuda_ipc: Some(true),
-                ..Config::default()
+                ..base()
             },
         );
     }
 }
 
-/// Two all-reduces over CUDA IPC on every rank, then `odd` on rank 1 only (with a 2 s time-out);
-/// returns each rank's error after synchronising, if any.
-fn ipc_fault(odd: impl Fn(&Communicator, &Arc<CudaStream>) -> Result<()> + Sync) -> Vec<String> {
+/// An all-reduce over CUDA IPC on every rank, then another on rank 0 and `odd` on rank 1 (with
+/// a 2 s time-out), with barriers on the host (`host_barrier` `None`: ranks are threads) or on the
+/// device; returns each rank's error, if any: the call's own (barriers on the host find it while
+/// enqueueing) or, after synchronising, the one the barrier kernel left.
+fn ipc_fault(
+    host_barrier: Option<bool>,
+    odd: impl Fn(&Communicator, &Arc<CudaStream>) -> Result<()> + Sync,
+) -> Vec<String> {
     let cfg = Config {
         cuda_ipc: Some(true),
+        cuda_ipc_host_barrier: host_barrier,
         timeout: std::time::Duration::from_secs(2),
-        ..Config::default()
+        ..base()
     };
     let results = spawn_world(2, cfg, |comm| {
         let s = stream();
         let mut d = upload(&s, &[1.0f32; 64]);
         comm.on_stream(&s)
             .all_reduce(&mut typed!(mut d, f32, 64), ReduceOp::Sum)?;
-        if comm.rank() == 0 {
+        let r = if comm.rank() == 0 {
             comm.on_stream(&s)
-                .all_reduce(&mut typed!(mut d, f32, 64), ReduceOp::Sum)?;
+                .all_reduce(&mut typed!(mut d, f32, 64), ReduceOp::Sum)
         } else {
-            odd(&comm, &s)?;
-        }
+            odd(&comm, &s)
+        };
         s.synchronize()
             .expect("the stream finishes: the barrier has a deadline");
-        Ok(comm.device_async_error().map(|e| e.to_string()))
+        Ok(match r {
+            Err(e) => e.to_string(),
+            Ok(()) => comm
+                .device_async_error()
+                .map(|e| e.to_string())
+                .unwrap_or_default(),
+        })
     });
     results
         .into_iter()
-        .map(|r| r.expect("calls are enqueued").unwrap_or_default())
+        .map(|r| r.expect("the first all-reduce works"))
         .collect()
 }
 
@@ -389,22 +425,24 @@ fn cuda_ipc_mismatched_collectives_are_reported_not_hung() {
     if !gpu_or_skip() {
         return;
     }
-    let errors = ipc_fault(|comm, s| {
-        let d = upload(s, &[1.0f32; 64]);
-        let mut o = zeros::<f32>(s, 128);
-        comm.on_stream(s)
-            .all_gather(&typed!(d, f32, 64), &mut typed!(mut o, f32, 128))
-    });
-    // Each names the other: as a mismatch, or as a rank that gave up (after seeing the mismatch
-    // first); at least one reports the mismatch itself.
-    for (rank, e) in errors.iter().enumerate() {
-        let other = format!("rank {}", 1 - rank);
-        assert!(
-            (e.contains("mismatch") || e.contains("gave up")) && e.contains(&other),
-            "rank {rank}: {e}"
-        );
+    for host_barrier in [None, Some(false)] {
+        let errors = ipc_fault(host_barrier, |comm, s| {
+            let d = upload(s, &[1.0f32; 64]);
+            let mut o = zeros::<f32>(s, 128);
+            comm.on_stream(s)
+                .all_gather(&typed!(d, f32, 64), &mut typed!(mut o, f32, 128))
+        });
+        // Each names the other: as a mismatch, or as a rank that gave up (after seeing the
+        // mismatch first); at least one reports the mismatch itself.
+        for (rank, e) in errors.iter().enumerate() {
+            let other = format!("rank {}", 1 - rank);
+            assert!(
+                (e.contains("mismatch") || e.contains("gave up")) && e.contains(&other),
+                "{host_barrier:?}: rank {rank}: {e}"
+            );
+        }
+        assert!(errors.iter().any(|e| e.contains("mismatch")), "{errors:?}");
     }
-    assert!(errors.iter().any(|e| e.contains("mismatch")), "{errors:?}");
 }
 
 #[test]
@@ -413,14 +451,16 @@ fn cuda_ipc_a_missing_rank_times_out_naming_it() {
     if !gpu_or_skip() {
         return;
     }
-    let errors = ipc_fault(|_, _| Ok(()));
-    assert!(
-        errors[0].contains("rank 1 did not reach device barrier")
-            && errors[0].contains("all_reduce"),
-        "{}",
-        errors[0]
-    );
-    assert!(errors[1].is_empty(), "{}", errors[1]);
+    for host_barrier in [None, Some(false)] {
+        let errors = ipc_fault(host_barrier, |_, _| Ok(()));
+        assert!(
+            errors[0].contains("rank 1 did not reach device barrier")
+                && errors[0].contains("all_reduce"),
+            "{host_barrier:?}: {}",
+            errors[0]
+        );
+        assert!(errors[1].is_empty(), "{host_barrier:?}: {}", errors[1]);
+    }
 }
 
 #[test]
@@ -430,7 +470,23 @@ fn calls_that_wait_for_their_host_collectives_give_the_same_results() {
         run_world(
             2,
             Config {
-                cuda_stream_wait: false,
+                cuda_stream_wait: Some(false),
+                ..small_parts()
+            },
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored"]
+fn staged_calls_with_stream_waits_give_the_same_results() {
+    // Ranks that are threads of one process wait on the host by default; forced stream waits
+    // (the default between processes) here.
+    if gpu_or_skip() {
+        run_world(
+            2,
+            Config {
+                cuda_stream_wait: Some(true),
                 ..small_parts()
             },
         );
@@ -448,7 +504,7 @@ fn back_to_back_operations_stay_in_stream_order() {
     for ipc in [false, true] {
         back_to_back(Config {
             cuda_ipc: Some(ipc),
-            ..Config::default()
+            ..base()
         });
     }
 }
@@ -477,7 +533,7 @@ fn a_bad_call_is_refused_before_anything_is_enqueued() {
     if !gpu_or_skip() {
         return;
     }
-    let results = spawn_world(2, Config::default(), |comm| {
+    let results = spawn_world(2, base(), |comm| {
         let s = stream();
         let a = zeros::<f32>(&s, 4);
         let mut b = zeros::<f32>(&s, 5);

@@ -327,6 +327,33 @@ impl std::fmt::Debug for CudaKernels {
     }
 }
 
+/// Loads every function onto the device now, not at its first launch.
+///
+/// Under lazy loading (`CUDA_MODULE_LOADING=LAZY`, the default since CUDA 12.2) a kernel is
+/// loaded at its first launch, and loading may wait for the whole context to go idle (NVIDIA's
+/// programming guide, "Lazy Loading", concurrent execution). Ranks that are threads of one
+/// process share that context: a rank launching a reduce kernel for the first time would wait
+/// for another rank's barrier, which waits for this rank. Loaded here, at set-up, before any
+/// kernel of a collective is in flight, no launch ever loads. Needs `cuFuncLoad` (driver 12.4 and
+/// later); an older driver loads eagerly only with `CUDA_MODULE_LOADING=EAGER`.
+fn load_now<'a>(funcs: impl Iterator<Item = &'a CudaFunction>) -> Result<(), KernelError> {
+    let mut version = 0;
+    // SAFETY: the driver writes its version into `version`.
+    let r = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) };
+    if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS || version < 12040 {
+        return Ok(());
+    }
+    for f in funcs {
+        // SAFETY: `f` is a live function handle of a module loaded in this context (which the
+        // caller made current); cuFuncLoad only loads it.
+        let r = unsafe { cudarc::driver::sys::cuFuncLoad(f.cu_function()) };
+        if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+            return Err(cuda_err("loading a kernel (cuFuncLoad)", r));
+        }
+    }
+    Ok(())
+}
+
 impl CudaKernels {
     /// Compiles (or takes from the per-process cache) the PTX for `ctx`'s device and loads every
     /// kernel.
@@ -352,6 +379,7 @@ impl CudaKernels {
                 .map_err(|e| cuda_err(&format!("kernel {name}"), e))?;
             funcs.insert(name, f);
         }
+        load_now(funcs.values())?;
         let sms = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| cuda_err("multiprocessor count", e))?;

@@ -16,7 +16,9 @@
 //! **An operation** is the steps of its [`IpcPlan`], enqueued on the caller's stream: copies
 //! (`cuMemcpyDtoDAsync`), the reduce kernels of `oxccl-kernels` with one input per rank's slot,
 //! and the barrier kernel (`oxccl_ipc_barrier`: device flags, a deadline, mismatch detection). The
-//! call returns once enqueued. Operations of one communicator on different streams are chained
+//! call returns once enqueued. When every rank is a thread of this process, the barriers are met
+//! on the host instead ([`ThreadSync`]: the same flag protocol in host memory, then CUDA events
+//! between the streams), and a barrier's failures come back from the call itself. Operations of one communicator on different streams are chained
 //! (each waits for the previous one's event), since the barrier protocol needs them in order.
 //!
 //! **Failures** the barrier detects (a rank that never arrives within `OXCCL_TIMEOUT`, a rank
@@ -31,7 +33,8 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::Hash;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::atomic::{AtomicU32, AtomicU64};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream};
@@ -39,11 +42,11 @@ use oxccl_kernels::cuda::CudaKernels;
 use oxccl_kernels::{DType, ReduceOp};
 
 use super::ipc_plan::{
-    execute, ipc_plan, Bases, Cursor, Exec, ERR_ABORTED, ERR_MISMATCH, ERR_TIMEOUT, FLAGS_BYTES,
-    MAX_RANKS,
+    execute, ipc_plan, Bases, Cursor, Exec, HostBarrier, ERR_ABORTED, ERR_MISMATCH, ERR_TIMEOUT,
+    FLAGS_BYTES, MAX_RANKS,
 };
 use super::plan::Kind;
-use super::staging::{wait_event, Flag};
+use super::staging::{wait_event, Backoff, Flag};
 use crate::bootstrap::Store;
 use crate::communicator::Communicator;
 use crate::error::{Error, Result};
@@ -155,13 +158,15 @@ fn process_nonce() -> u64 {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Record {
     /// Its scratch: process (nonce), device ordinal, address in its process, its slot and
-    /// one-shot sizes (every rank must use the same), IPC handle.
+    /// one-shot sizes and barrier setting (every rank must use the same), IPC handle.
     Ready {
         nonce: u64,
         ordinal: usize,
         ptr: u64,
         slot: usize,
         one_shot: usize,
+        /// `OXCCL_CUDA_IPC_BARRIER`: `None` auto, `Some(true)` host, `Some(false)` device.
+        host_barrier: Option<bool>,
         handle: [u8; 64],
     },
     /// Why it cannot take part.
@@ -177,10 +182,13 @@ impl Record {
                 ptr,
                 slot,
                 one_shot,
+                host_barrier,
                 handle,
             } => {
                 let hex: String = handle.iter().map(|b| format!("{b:02x}")).collect();
-                format!("ready {nonce:x} {ordinal} {ptr:x} {slot} {one_shot} {hex}").into_bytes()
+                let barrier = barrier_name(*host_barrier);
+                format!("ready {nonce:x} {ordinal} {ptr:x} {slot} {one_shot} {barrier} {hex}")
+                    .into_bytes()
             }
             Record::No(why) => format!("no {why}").into_bytes(),
         }
@@ -193,21 +201,37 @@ impl Record {
         }
         let bad = || format!("unreadable cuda_ipc record {s:?}");
         let f: Vec<&str> = s.split(' ').collect();
-        if f.len() != 7 || f[0] != "ready" || f[6].len() != 128 || !f[6].is_ascii() {
+        if f.len() != 8 || f[0] != "ready" || f[7].len() != 128 || !f[7].is_ascii() {
             return Err(bad());
         }
         let mut handle = [0u8; 64];
         for (i, h) in handle.iter_mut().enumerate() {
-            *h = u8::from_str_radix(&f[6][2 * i..2 * i + 2], 16).map_err(|_| bad())?;
+            *h = u8::from_str_radix(&f[7][2 * i..2 * i + 2], 16).map_err(|_| bad())?;
         }
+        let host_barrier = match f[6] {
+            "auto" => None,
+            "host" => Some(true),
+            "device" => Some(false),
+            _ => return Err(bad()),
+        };
         Ok(Record::Ready {
             nonce: u64::from_str_radix(f[1], 16).map_err(|_| bad())?,
             ordinal: f[2].parse().map_err(|_| bad())?,
             ptr: u64::from_str_radix(f[3], 16).map_err(|_| bad())?,
             slot: f[4].parse().map_err(|_| bad())?,
             one_shot: f[5].parse().map_err(|_| bad())?,
+            host_barrier,
             handle,
         })
+    }
+}
+
+/// `OXCCL_CUDA_IPC_BARRIER`'s value for a setting.
+fn barrier_name(host_barrier: Option<bool>) -> &'static str {
+    match host_barrier {
+        None => "auto",
+        Some(true) => "host",
+        Some(false) => "device",
     }
 }
 
@@ -225,6 +249,70 @@ pub(crate) fn shape_reason(size: usize, node_ids: &[&str]) -> Option<String> {
     } else {
         None
     }
+}
+
+/// The host barriers of a communicator whose ranks are all threads of this process
+/// (`OXCCL_CUDA_IPC_BARRIER=host`, the default there): every rank's flag words (the protocol of
+/// [`HostBarrier`], in host memory instead of device memory), its error word, and its two
+/// events, recorded on its stream at even and odd barriers.
+///
+/// At barrier `e` a rank records its event `e % 2` on its stream, then meets the others on the
+/// flags (its thread waits until every rank has recorded its event for `e`), then makes its
+/// stream wait for their events `e % 2`. Every wait on the GPU is then on work already enqueued,
+/// which CUDA sees and always drains: no kernel spins, and no ordering hides from the driver
+/// (a barrier kernel waits for a peer's kernel its thread may not have launched yet, which
+/// deadlocks when the two share a hardware queue, or when that launch waits for the context to go
+/// idle). An event is recorded again two barriers later, by which time every peer has enqueued
+/// its wait for it (ranks are never more than one barrier apart).
+pub(crate) struct ThreadSync {
+    flags: Vec<[AtomicU64; 2 * MAX_RANKS]>,
+    errors: Vec<AtomicU32>,
+    events: Vec<OnceLock<[CudaEvent; 2]>>,
+}
+
+impl ThreadSync {
+    fn new(size: usize) -> ThreadSync {
+        ThreadSync {
+            flags: (0..size)
+                .map(|_| std::array::from_fn(|_| AtomicU64::new(0)))
+                .collect(),
+            errors: (0..size).map(|_| AtomicU32::new(0)).collect(),
+            events: (0..size).map(|_| OnceLock::new()).collect(),
+        }
+    }
+
+    /// The barrier state the ranks of communicator `key` share, with `events` as rank `rank`'s.
+    /// The key names the ranks' scratch allocations too, which are unique while they live, so a
+    /// later communicator with the same id never meets an old one's state.
+    fn join(key: String, size: usize, rank: usize, events: [CudaEvent; 2]) -> Arc<ThreadSync> {
+        static SYNCS: OnceLock<Mutex<HashMap<String, Weak<ThreadSync>>>> = OnceLock::new();
+        let mut map = lock(SYNCS.get_or_init(|| Mutex::new(HashMap::new())));
+        let ts = join_in(
+            &mut map,
+            key,
+            |t| t.events.len() == size && t.events[rank].get().is_none(),
+            || ThreadSync::new(size),
+        );
+        let _ = ts.events[rank].set(events);
+        ts
+    }
+}
+
+/// The live value under `key` if `usable` says this rank may join it, else a fresh one (which
+/// replaces it); dead entries go.
+fn join_in<T>(
+    map: &mut HashMap<String, Weak<T>>,
+    key: String,
+    usable: impl Fn(&T) -> bool,
+    fresh: impl FnOnce() -> T,
+) -> Arc<T> {
+    map.retain(|_, w| w.strong_count() > 0);
+    if let Some(t) = map.get(&key).and_then(Weak::upgrade).filter(|t| usable(t)) {
+        return t;
+    }
+    let t = Arc::new(fresh());
+    map.insert(key, Arc::downgrade(&t));
+    t
 }
 
 /// This rank's own part: its scratch allocation, error word and kernels.
@@ -347,6 +435,8 @@ pub(crate) struct IpcState {
     opened: Vec<MapKey>,
     /// Contexts of other GPUs this rank's peers (threads of this process) use.
     _peer_ctxs: Vec<Arc<CudaContext>>,
+    /// Barriers on the host (every rank a thread of this process), else the barrier kernel.
+    host_barrier: Option<Arc<ThreadSync>>,
     /// This rank hosts the store server: it leaves tear-down last.
     hosts_store: bool,
     slot_bytes: usize,
@@ -421,6 +511,7 @@ pub(crate) fn setup(
             ptr: l.scratch,
             slot: cfg.cuda_ipc_slot,
             one_shot: cfg.cuda_ipc_one_shot,
+            host_barrier: cfg.cuda_ipc_host_barrier,
             handle: l.handle,
         },
         Err(why) => Record::No(why.clone()),
@@ -509,6 +600,27 @@ pub(crate) fn setup(
     if let Err(e) = ctx.bind_to_thread() {
         failure.get_or_insert(format!("binding the context: {e:?}"));
     }
+    // Every rank a thread of this process: barriers on the host (decided alike on every rank,
+    // from the records they all read).
+    let all_here = peers
+        .iter()
+        .all(|r| matches!(r, Record::Ready { nonce, .. } if *nonce == process_nonce()));
+    let mut events = None;
+    if all_here && cfg.cuda_ipc_host_barrier != Some(false) && failure.is_none() {
+        match ctx
+            .new_event(None)
+            .and_then(|a| Ok([a, ctx.new_event(None)?]))
+        {
+            Ok(e) => events = Some(e),
+            Err(e) => failure = Some(format!("creating the barrier events: {e:?}")),
+        }
+    } else if cfg.cuda_ipc_host_barrier == Some(true) {
+        tracing::info!(
+            rank,
+            "OXCCL_CUDA_IPC_BARRIER=host needs every rank in this process; barriers run on the \
+             device"
+        );
+    }
     let verdict = match &failure {
         None => b"ok".to_vec(),
         Some(why) => format!("no {why}").into_bytes(),
@@ -534,12 +646,24 @@ pub(crate) fn setup(
         return declined(why);
     }
     local.leak = false;
-    tracing::debug!(rank, size, "device collectives over cuda_ipc");
+    let host_barrier =
+        events.map(|e| ThreadSync::join(format!("{}/{bases:x?}", comm.id), size, rank, e));
+    tracing::debug!(
+        rank,
+        size,
+        barrier = if host_barrier.is_some() {
+            "host"
+        } else {
+            "device"
+        },
+        "device collectives over cuda_ipc"
+    );
     Ok(Some(IpcState {
         local,
         bases,
         opened,
         _peer_ctxs: peer_ctxs,
+        host_barrier,
         hosts_store: comm.hosts_store(),
         slot_bytes: cfg.cuda_ipc_slot,
         one_shot: cfg.cuda_ipc_one_shot,
@@ -564,13 +688,22 @@ fn first_refusal(records: &[Vec<u8>]) -> Option<String> {
         match Record::decode(b) {
             Ok(Record::No(why)) => return Some(format!("rank {q}: {why}")),
             Err(e) => return Some(format!("rank {q}: {e}")),
-            Ok(Record::Ready { slot, one_shot, .. }) => match sizes {
-                None => sizes = Some((slot, one_shot)),
-                Some(s) if s != (slot, one_shot) => {
+            Ok(Record::Ready {
+                slot,
+                one_shot,
+                host_barrier,
+                ..
+            }) => match sizes {
+                None => sizes = Some((slot, one_shot, host_barrier)),
+                Some(s) if s != (slot, one_shot, host_barrier) => {
                     return Some(format!(
-                        "rank {q} has OXCCL_CUDA_IPC_SLOT={slot} and OXCCL_CUDA_IPC_ONE_SHOT=\
-                         {one_shot}, rank 0 {} and {} (every rank must use the same)",
-                        s.0, s.1
+                        "rank {q} has OXCCL_CUDA_IPC_SLOT={slot}, OXCCL_CUDA_IPC_ONE_SHOT=\
+                         {one_shot} and OXCCL_CUDA_IPC_BARRIER={}, rank 0 {}, {} and {} (every \
+                         rank must use the same)",
+                        barrier_name(host_barrier),
+                        s.0,
+                        s.1,
+                        barrier_name(s.2)
                     ))
                 }
                 Some(_) => {}
@@ -628,6 +761,14 @@ fn close_handle(p: sys::CUdeviceptr) {
     let _ = unsafe { sys::cuIpcCloseMemHandle(p) };
 }
 
+/// Why enqueueing an IPC operation stopped.
+enum Stop {
+    /// A CUDA call failed.
+    Cuda(String),
+    /// A host barrier failed: its error word (`ERR_* | peer << 8`) and epoch.
+    Barrier(u32, u32),
+}
+
 /// The stream work of an IPC plan on a GPU.
 struct GpuExec<'a> {
     stream: &'a Arc<CudaStream>,
@@ -640,40 +781,76 @@ struct GpuExec<'a> {
     timeout_ns: u64,
     dev_error: u64,
     host_error: u64,
+    /// Barriers on the host, with these events and flags.
+    host: Option<&'a ThreadSync>,
+    timeout: Duration,
+}
+
+impl GpuExec<'_> {
+    /// A barrier met on the host (see [`ThreadSync`]).
+    fn host_barrier(&self, ts: &ThreadSync, epoch: u32, sig: u32) -> std::result::Result<(), Stop> {
+        let k = (epoch % 2) as usize;
+        let events = |q: usize| {
+            ts.events[q]
+                .get()
+                .ok_or_else(|| Stop::Cuda(format!("rank {q}'s barrier events are missing")))
+        };
+        events(self.rank)?[k]
+            .record(self.stream)
+            .map_err(|e| Stop::Cuda(format!("recording the barrier event: {e:?}")))?;
+        let at = HostBarrier {
+            rank: self.rank,
+            size: self.size,
+            error: &ts.errors[self.rank],
+            deadline: Instant::now() + self.timeout,
+        };
+        let mut backoff = Backoff::new();
+        at.wait(|q, i| &ts.flags[q][i], epoch, sig, || backoff.pause())
+            .map_err(|code| Stop::Barrier(code, epoch))?;
+        for q in (0..self.size).filter(|&q| q != self.rank) {
+            self.stream
+                .wait(&events(q)?[k])
+                .map_err(|e| Stop::Cuda(format!("waiting for rank {q}'s barrier event: {e:?}")))?;
+        }
+        Ok(())
+    }
 }
 
 impl Exec for GpuExec<'_> {
-    type Error = String;
+    type Error = Stop;
 
-    fn copy(&mut self, dst: u64, src: u64, len: usize) -> std::result::Result<(), String> {
+    fn copy(&mut self, dst: u64, src: u64, len: usize) -> std::result::Result<(), Stop> {
         // SAFETY: the plan addresses only the caller's buffers (lengths checked) and the mapped
         // scratch allocations, inside their bounds (`ipc_plan` keeps to the slots); the
         // barriers order every read of a peer's slot after its writes.
         unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, len, self.stream.cu_stream()) }
             .result()
-            .map_err(|e| format!("copy: {e:?}"))
+            .map_err(|e| Stop::Cuda(format!("copy: {e:?}")))
     }
 
-    fn reduce(&mut self, dst: u64, inputs: &[u64], len: usize) -> std::result::Result<(), String> {
+    fn reduce(&mut self, dst: u64, inputs: &[u64], len: usize) -> std::result::Result<(), Stop> {
         // SAFETY: as for `copy`; `dst` is the output or this rank's slot, and equals an input
         // at most (two-shot reduces its own shard in place).
         unsafe {
             self.kernels
                 .reduce_raw(self.stream, self.dt, self.op, dst, inputs, len)
         }
-        .map_err(|e| e.to_string())
+        .map_err(|e| Stop::Cuda(e.to_string()))
     }
 
-    fn avg(&mut self, dst: u64, len: usize) -> std::result::Result<(), String> {
+    fn avg(&mut self, dst: u64, len: usize) -> std::result::Result<(), Stop> {
         // SAFETY: as for `copy`.
         unsafe {
             self.kernels
                 .finish_avg_raw(self.stream, self.dt, dst, len, self.size)
         }
-        .map_err(|e| e.to_string())
+        .map_err(|e| Stop::Cuda(e.to_string()))
     }
 
-    fn barrier(&mut self, epoch: u32, sig: u32) -> std::result::Result<(), String> {
+    fn barrier(&mut self, epoch: u32, sig: u32) -> std::result::Result<(), Stop> {
+        if let Some(ts) = self.host {
+            return self.host_barrier(ts, epoch, sig);
+        }
         // SAFETY: every flag array is the start of a live scratch allocation mapped here; the
         // error words live as long as the communicator's IPC state, which outlives the kernel
         // (tear-down waits for the last operation's event, or leaks them).
@@ -689,7 +866,7 @@ impl Exec for GpuExec<'_> {
                 self.host_error,
             )
         }
-        .map_err(|e| e.to_string())
+        .map_err(|e| Stop::Cuda(e.to_string()))
     }
 }
 
@@ -700,7 +877,11 @@ impl IpcState {
         if code == 0 {
             return None;
         }
-        let epoch = self.local.error.word(1);
+        Some(self.barrier_error(code, self.local.error.word(1)))
+    }
+
+    /// The error for a barrier's error word `code` at barrier `epoch`.
+    fn barrier_error(&self, code: u32, epoch: u32) -> Error {
         let peer = (code >> 8) as usize;
         // The operation whose barriers include `epoch`: the last one that started at or before.
         let (seq, what) = self
@@ -712,7 +893,7 @@ impl IpcState {
                 (self.ops, "a device collective".to_string()),
                 |&(_, s, kind, dt, count)| (s, describe(kind, dt, count)),
             );
-        Some(match code & 0xff {
+        match code & 0xff {
             ERR_MISMATCH => Error::Mismatch {
                 rank: self.rank,
                 peer,
@@ -741,25 +922,37 @@ impl IpcState {
                      or a device older than sm_70)"
                 ),
             },
-        })
+        }
     }
 
-    /// Enqueues one collective on `stream`; `count` as [`ipc_plan`] takes it, `input` and
-    /// `output` the device addresses (0 where this rank has no such buffer).
+    /// Enqueues one collective on `stream`.
     ///
     /// # Errors
     /// `Cuda` when enqueueing fails (the communicator's device collectives are unusable after
-    /// that: ranks would disagree on the barrier count).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn run(
+    /// that: ranks would disagree on the barrier count); with barriers on the host, also what a
+    /// barrier found (`Timeout`, `Mismatch`, `Aborted`), as the barrier kernel reports it later.
+    pub(crate) fn run(&mut self, stream: &Arc<CudaStream>, call: &IpcCall) -> Result<()> {
+        self.enqueue(stream, call).map_err(|stop| match stop {
+            Stop::Cuda(msg) => Error::Cuda {
+                rank: self.rank,
+                op: call.kind.name().into(),
+                msg: format!("enqueueing over cuda_ipc: {msg}"),
+            },
+            Stop::Barrier(code, epoch) => self.barrier_error(code, epoch),
+        })
+    }
+
+    fn enqueue(
         &mut self,
         stream: &Arc<CudaStream>,
-        kind: Kind,
-        dt: DType,
-        count: usize,
-        input: u64,
-        output: u64,
-    ) -> std::result::Result<(), String> {
+        &IpcCall {
+            kind,
+            dt,
+            count,
+            input,
+            output,
+        }: &IpcCall,
+    ) -> std::result::Result<(), Stop> {
         let Some(plan) = ipc_plan(
             kind,
             dt,
@@ -770,7 +963,10 @@ impl IpcState {
             self.one_shot,
             kind.collective().and_then(|c| self.algo.get(c)),
         ) else {
-            return Err(format!("{} does not run over cuda_ipc", kind.name()));
+            return Err(Stop::Cuda(format!(
+                "{} does not run over cuda_ipc",
+                kind.name()
+            )));
         };
         let cu = stream.cu_stream();
         if self
@@ -781,7 +977,7 @@ impl IpcState {
             // The barrier protocol needs this communicator's operations in order on the GPU.
             stream
                 .wait(&self.local.done)
-                .map_err(|e| format!("ordering after the previous operation: {e:?}"))?;
+                .map_err(|e| Stop::Cuda(format!("ordering after the previous operation: {e:?}")))?;
         }
         self.history
             .push_back((self.cur.epoch.wrapping_add(1), self.ops, kind, dt, count));
@@ -805,6 +1001,8 @@ impl IpcState {
             timeout_ns: u64::try_from(self.timeout.as_nanos()).unwrap_or(u64::MAX),
             dev_error: self.local.scratch + DEV_ERROR_OFFSET as u64,
             host_error: self.local.error.device_ptr(),
+            host: self.host_barrier.as_deref(),
+            timeout: self.timeout,
         };
         let r = execute(&plan, &bases, &mut self.cur, &mut exec);
         self.ops += 1;
@@ -813,9 +1011,19 @@ impl IpcState {
             .local
             .done
             .record(stream)
-            .map_err(|e| format!("recording the done event: {e:?}"));
+            .map_err(|e| Stop::Cuda(format!("recording the done event: {e:?}")));
         r.and(recorded)
     }
+}
+
+/// One collective as [`IpcState::run`] takes it: `count` as [`ipc_plan`] takes it, `input` and
+/// `output` the device addresses (0 where this rank has no such buffer).
+pub(crate) struct IpcCall {
+    pub kind: Kind,
+    pub dt: DType,
+    pub count: usize,
+    pub input: u64,
+    pub output: u64,
 }
 
 /// An operation as errors name it.
@@ -896,15 +1104,20 @@ mod tests {
         for (i, h) in handle.iter_mut().enumerate() {
             *h = (i * 37) as u8;
         }
-        let r = Record::Ready {
+        let with_barrier = |host_barrier| Record::Ready {
             nonce: 0xfeed_f00d_1234_5678,
             ordinal: 3,
             ptr: 0x7f00_dead_beef,
             slot: 4 << 20,
             one_shot: 256 << 10,
+            host_barrier,
             handle,
         };
-        assert_eq!(Record::decode(&r.encode()), Ok(r.clone()));
+        let r = with_barrier(None);
+        for b in [None, Some(true), Some(false)] {
+            let r = with_barrier(b);
+            assert_eq!(Record::decode(&r.encode()), Ok(r));
+        }
         let no = Record::No("no CUDA driver (libcuda.so)".into());
         assert_eq!(Record::decode(&no.encode()), Ok(no.clone()));
         for bad in ["", "ready 1 2 3", "ready x 0 0 00", "maybe"] {
@@ -917,6 +1130,7 @@ mod tests {
             ptr: 0x1000,
             slot: 1 << 20,
             one_shot: 256 << 10,
+            host_barrier: None,
             handle,
         };
         let recs = |v: &[&Record]| v.iter().map(|r| r.encode()).collect::<Vec<_>>();
@@ -928,6 +1142,40 @@ mod tests {
             why.contains("rank 2") && why.contains("OXCCL_CUDA_IPC_SLOT=1048576"),
             "{why}"
         );
+        let device = with_barrier(Some(false));
+        let why = first_refusal(&recs(&[&r, &device])).unwrap();
+        assert!(
+            why.contains("rank 1") && why.contains("OXCCL_CUDA_IPC_BARRIER=device"),
+            "{why}"
+        );
+    }
+
+    #[test]
+    fn cuda_ipc_host_barrier_state_is_shared_by_one_world_only() {
+        // Each rank of a world takes its slot; the ranks of a world meet in one state, and a
+        // world whose key is still held by a full old one gets its own.
+        type Slots = Vec<OnceLock<()>>;
+        let mut map: HashMap<String, Weak<Slots>> = HashMap::new();
+        let take = |map: &mut HashMap<String, Weak<Slots>>, key: &str, rank: usize| {
+            let t = join_in(
+                map,
+                key.into(),
+                |t: &Slots| t.len() == 2 && t[rank].get().is_none(),
+                || vec![OnceLock::new(), OnceLock::new()],
+            );
+            t[rank].set(()).unwrap();
+            t
+        };
+        let a0 = take(&mut map, "w", 0);
+        let a1 = take(&mut map, "w", 1);
+        assert!(Arc::ptr_eq(&a0, &a1));
+        let b0 = take(&mut map, "w", 0);
+        assert!(!Arc::ptr_eq(&a0, &b0));
+        assert!(Arc::ptr_eq(&b0, &take(&mut map, "w", 1)));
+        assert!(!Arc::ptr_eq(&a0, &take(&mut map, "v", 0)));
+        drop((a0, a1, b0));
+        let _ = take(&mut map, "u", 0);
+        assert_eq!(map.len(), 1, "entries of dropped worlds go");
     }
 
     #[test]

@@ -41,6 +41,9 @@
 //! fails too rather than read a slot this rank will overwrite), and every later barrier of that
 //! rank returns at once, so a failed communicator never hangs a stream.
 
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::Instant;
+
 use oxccl_kernels::{DType, ReduceOp};
 
 use super::plan::Kind;
@@ -66,6 +69,86 @@ pub(crate) const ERR_ABORTED: u32 = 3;
 /// next one, so peers that have not passed them fail too instead of reading a slot the failed
 /// rank goes on to overwrite. [`ipc_plan`] never produces it.
 pub(crate) const POISON_SIG: u32 = u32::MAX;
+
+/// Index of the flag word rank `writer` sets at barrier `epoch` (in the flags of every rank), as
+/// `oxccl_ipc_barrier` computes it.
+pub(crate) fn flag_index(epoch: u32, writer: usize) -> usize {
+    (epoch % 2) as usize * MAX_RANKS + writer
+}
+
+/// The value a rank writes at barrier `epoch` of operation `sig`.
+pub(crate) fn flag_value(epoch: u32, sig: u32) -> u64 {
+    (u64::from(sig) << 32) | u64::from(epoch)
+}
+
+/// The barrier protocol above run by a host thread on flags in host memory, for one rank.
+///
+/// The tests' host model of the GPU uses it in place of the kernel; ranks that are threads of one
+/// process use it for real (`OXCCL_CUDA_IPC_BARRIER=host`, see `ipc.rs`): there the flags are
+/// host atomics, and stream order across ranks comes from CUDA events, so no kernel spins.
+pub(crate) struct HostBarrier<'a> {
+    pub rank: usize,
+    pub size: usize,
+    /// This rank's error word (0 while no barrier failed), as the kernel's.
+    pub error: &'a AtomicU32,
+    pub deadline: Instant,
+}
+
+impl HostBarrier<'_> {
+    /// Barrier number `epoch` of operation `sig`: `flag(owner, index)` is word `index` of rank
+    /// `owner`'s flags; `pause` runs between polls.
+    ///
+    /// # Errors
+    /// The error word's value (`ERR_* | peer << 8`) if this or an earlier barrier of this rank
+    /// failed; on a new failure the word is set and this rank's flags for `epoch` and `epoch + 1`
+    /// are poisoned in every rank's flags, as the kernel does.
+    pub(crate) fn wait<'f>(
+        &self,
+        flag: impl Fn(usize, usize) -> &'f AtomicU64,
+        epoch: u32,
+        sig: u32,
+        mut pause: impl FnMut(),
+    ) -> Result<(), u32> {
+        let err = self.error.load(Ordering::Acquire);
+        if err != 0 {
+            return Err(err);
+        }
+        let i = flag_index(epoch, self.rank);
+        for q in 0..self.size {
+            flag(q, i).store(flag_value(epoch, sig), Ordering::Release);
+        }
+        let mut code = 0;
+        'peers: for q in 0..self.size {
+            loop {
+                let v = flag(self.rank, flag_index(epoch, q)).load(Ordering::Acquire);
+                if v as u32 == epoch {
+                    match (v >> 32) as u32 {
+                        s if s == sig => break,
+                        POISON_SIG => code = ERR_ABORTED | (q as u32) << 8,
+                        _ => code = ERR_MISMATCH | (q as u32) << 8,
+                    }
+                    break 'peers;
+                }
+                if Instant::now() > self.deadline {
+                    code = ERR_TIMEOUT | (q as u32) << 8;
+                    break 'peers;
+                }
+                pause();
+            }
+        }
+        if code == 0 {
+            return Ok(());
+        }
+        for q in 0..self.size {
+            for e in [epoch, epoch.wrapping_add(1)] {
+                flag(q, flag_index(e, self.rank))
+                    .store(flag_value(e, POISON_SIG), Ordering::Release);
+            }
+        }
+        self.error.store(code, Ordering::Release);
+        Err(code)
+    }
+}
 
 /// A place in device memory, relative to the buffers of the current chunk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -619,20 +702,9 @@ mod tests {
 
     use super::*;
     use proptest::prelude::*;
-    use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+    use std::sync::atomic::{AtomicU32, AtomicU64};
     use std::sync::Arc;
     use std::time::{Duration, Instant};
-
-    /// Index of the flag word rank `writer` sets at barrier `epoch` (in the flags of every
-    /// rank), as `oxccl_ipc_barrier` computes it.
-    fn flag_index(epoch: u32, writer: usize) -> usize {
-        (epoch % 2) as usize * MAX_RANKS + writer
-    }
-
-    /// The value a rank writes at barrier `epoch` of operation `sig`.
-    fn flag_value(epoch: u32, sig: u32) -> u64 {
-        (u64::from(sig) << 32) | u64::from(epoch)
-    }
 
     /// One rank's view of the model GPU.
     struct Model<'a> {
@@ -678,49 +750,19 @@ mod tests {
             Ok(())
         }
         fn barrier(&mut self, epoch: u32, sig: u32) -> Result<(), u32> {
-            let err = self.error.load(Ordering::Acquire);
-            if err != 0 {
-                return Err(err);
-            }
-            let i = flag_index(epoch, self.rank);
-            for q in 0..self.size {
-                self.flag(q, i)
-                    .store(flag_value(epoch, sig), Ordering::Release);
-            }
-            let deadline = Instant::now() + self.timeout;
-            let mut code = 0;
-            'peers: for q in 0..self.size {
-                loop {
-                    let v = self
-                        .flag(self.rank, flag_index(epoch, q))
-                        .load(Ordering::Acquire);
-                    if v as u32 == epoch {
-                        match (v >> 32) as u32 {
-                            s if s == sig => break,
-                            POISON_SIG => code = ERR_ABORTED | (q as u32) << 8,
-                            _ => code = ERR_MISMATCH | (q as u32) << 8,
-                        }
-                        break 'peers;
-                    }
-                    if Instant::now() > deadline {
-                        code = ERR_TIMEOUT | (q as u32) << 8;
-                        break 'peers;
-                    }
-                    std::thread::yield_now();
-                }
-            }
-            if code == 0 {
-                return Ok(());
-            }
-            for q in 0..self.size {
-                for e in [epoch, epoch.wrapping_add(1)] {
-                    let poison = flag_value(e, POISON_SIG);
-                    self.flag(q, flag_index(e, self.rank))
-                        .store(poison, Ordering::Release);
-                }
-            }
-            self.error.store(code, Ordering::Release);
-            Err(code)
+            let this = &*self;
+            let at = HostBarrier {
+                rank: this.rank,
+                size: this.size,
+                error: this.error,
+                deadline: Instant::now() + this.timeout,
+            };
+            at.wait(
+                |owner, i| this.flag(owner, i),
+                epoch,
+                sig,
+                std::thread::yield_now,
+            )
         }
     }
 

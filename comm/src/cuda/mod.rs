@@ -37,10 +37,11 @@
 //! (`OXCCL_CUDA_IPC=auto`); if any rank cannot map the others, every rank stages instead
 //! (`OXCCL_CUDA_IPC=1` makes that an error). Send and
 //! receive are always staged. Operations of one communicator on different streams are chained
-//! in call order. The barrier spins on the GPU: with ranks as threads of one process and more
-//! busy streams than `CUDA_DEVICE_MAX_CONNECTIONS`, a spinning barrier can hold a hardware queue
-//! another rank needs until its time-out; ranks as processes on one GPU share it by time
-//! slices (without MPS), so each barrier may wait for a slice.
+//! in call order. Between processes the barrier is a kernel that spins on the GPU; ranks as
+//! processes on one GPU share it by time slices (without MPS), so each barrier may wait for a
+//! slice. When every rank is a thread of one process, the ranks meet at each barrier on the host
+//! instead (`OXCCL_CUDA_IPC_BARRIER`): a call then returns once every rank has enqueued its part
+//! up to that barrier, and the streams wait for each other's CUDA events (see below).
 //!
 //! **Staged through pinned host memory** (ranks on several nodes, more than 8 ranks, send and
 //! receive, or `OXCCL_CUDA_IPC=0`). Each call is checked like its host counterpart, then
@@ -64,12 +65,23 @@
 //! collective of part k starts as soon as its own copy has landed, while later parts are still
 //! being copied out, and part k's copy back runs while later parts are on the network.
 //!
-//! Where the driver refuses stream memory operations (or with `OXCCL_CUDA_STREAM_WAIT=0`), a
-//! call waits for its host collectives before it enqueues the copies back, and returns their
-//! errors itself. The stream wait is an ordering CUDA cannot see: when ranks are threads of one
-//! process and their streams outnumber the device's hardware queues
-//! (`CUDA_DEVICE_MAX_CONNECTIONS`, 8 by default), a waiting stream may hold up a queue another
-//! rank's input copy needs; use `OXCCL_CUDA_STREAM_WAIT=0` there.
+//! Where the driver refuses stream memory operations, where another rank of the communicator is
+//! a thread of this process, or with `OXCCL_CUDA_STREAM_WAIT=0`, a call waits for its host
+//! collectives before it enqueues the copies back, and returns their errors itself.
+//!
+//! # Ranks that are threads of one process
+//!
+//! Their streams share one CUDA context: its hardware queues (`CUDA_DEVICE_MAX_CONNECTIONS`),
+//! and driver calls that may wait for the whole context to go idle (loading a kernel lazily,
+//! some allocations). A wait on the GPU for work the host has not enqueued yet (a stream waiting
+//! on the flag, a barrier kernel spinning until a peer's kernel arrives) is an ordering CUDA
+//! cannot see, and can then wait for ever on the rank it waits for: the waiting stream holds a
+//! queue the peer's copy is behind, or the peer's thread sits in a driver call waiting for the
+//! waiting stream to drain. So by default (`auto`) such ranks never make the GPU wait for
+//! anything not yet enqueued: staged calls wait on the host, IPC barriers are met on the host
+//! with CUDA events between the streams, and every kernel is loaded at set-up (`cuFuncLoad`).
+//! What remains on the GPU waits only for work already enqueued, which always drains.
+//! `OXCCL_CUDA_STREAM_WAIT=1` and `OXCCL_CUDA_IPC_BARRIER=device` bring back the GPU-side waits.
 //!
 //! # Errors after a call returned
 //!
@@ -90,8 +102,9 @@
 //! Built and type-checked on every CI run; the staging plans and the IPC plans (on a concurrent
 //! host model of the slots and the barrier protocol) are unit-tested without a GPU, and the
 //! barrier kernel is compiled to PTX. The GPU paths themselves are exercised only by
-//! `comm/tests/cuda.rs`, whose tests are ignored without a GPU (on an H100 the 2-rank tests pass;
-//! the 4- and 8-rank ones hang, not yet diagnosed): run them with
+//! `comm/tests/cuda.rs`, whose tests are ignored without a GPU (on an H100 the 2-rank tests
+//! passed; the 4- and 8-rank ones hung, with stream waits and the barrier kernel, before ranks
+//! that are threads waited on the host; the host waits are not yet run on a GPU): run them with
 //! `cargo test -p oxccl-comm --features cuda --test cuda -- --ignored` on a machine with one.
 
 mod ipc;
@@ -156,13 +169,18 @@ impl DeviceState {
 }
 
 impl DeviceState {
-    fn new(ctx: &Arc<CudaContext>, cfg: &Config) -> std::result::Result<DeviceState, DriverError> {
+    /// `shares_process`: another rank of the communicator is a thread of this process.
+    fn new(
+        ctx: &Arc<CudaContext>,
+        cfg: &Config,
+        shares_process: bool,
+    ) -> std::result::Result<DeviceState, DriverError> {
         Ok(DeviceState {
             ctx: Arc::clone(ctx),
             pool: Arc::new(Pool::default()),
             flag: Arc::new(Flag::new(ctx)?),
             next: 0,
-            stream_wait: cfg.cuda_stream_wait,
+            stream_wait: stream_wait(cfg, shares_process),
             error: Arc::new(Mutex::new(None)),
             events: Arc::new(Mutex::new(Vec::new())),
             ipc: IpcMode::Untried,
@@ -179,6 +197,16 @@ impl Drop for DeviceState {
             std::mem::forget(Arc::clone(&self.flag));
         }
     }
+}
+
+/// Whether staged calls return once enqueued, their streams waiting on the flag
+/// (`OXCCL_CUDA_STREAM_WAIT`). `auto` says no when another rank is a thread of this process: a
+/// stream wait is an ordering on work the host has not enqueued yet, which CUDA cannot see, and
+/// streams of one context share its hardware queues, so a waiting stream could hold up the copy
+/// of the very rank it waits for. Calls that wait on the host leave on the GPU only work that
+/// depends on work already enqueued, which always drains.
+fn stream_wait(cfg: &Config, shares_process: bool) -> bool {
+    cfg.cuda_stream_wait.unwrap_or(!shares_process)
 }
 
 /// Publishes a part's number when dropped: after the part's job, even if it panicked, so no
@@ -456,7 +484,7 @@ impl StreamComm<'_> {
                 rank = comm.rank,
                 "cuda: allocating the pinned flag (cuMemHostAlloc)"
             );
-            let s = DeviceState::new(stream.context(), &comm.cfg)
+            let s = DeviceState::new(stream.context(), &comm.cfg, comm.shares_process())
                 .map_err(|e| self.cuda_err(op, "setting up pinned memory", e))?;
             tracing::trace!(rank = comm.rank, "cuda: pinned flag allocated");
             *guard = Some(s);
@@ -497,18 +525,19 @@ impl StreamComm<'_> {
                         _ => len(output),
                     };
                     let addr = |d: Dev| d.map_or(0, |x| x.0);
-                    let r = s.run(stream, kind, dt, count, addr(input), addr(output));
+                    let call = ipc::IpcCall {
+                        kind,
+                        dt,
+                        count,
+                        input: addr(input),
+                        output: addr(output),
+                    };
+                    let r = s.run(stream, &call);
                     tracing::trace!(rank = comm.rank, "cuda: {op} {dt}: enqueued over cuda_ipc");
-                    return r.map_err(|msg| {
-                        let e = Error::Cuda {
-                            rank: comm.rank,
-                            op: op.into(),
-                            msg: format!("enqueueing over cuda_ipc: {msg}"),
-                        };
-                        // The ranks now disagree on the barrier count: no further collective
-                        // on device buffers can work.
+                    return r.inspect_err(|e| {
+                        // The ranks now disagree on the barrier count (or a barrier failed): no
+                        // further collective on device buffers can work.
                         lock(&state.error).get_or_insert_with(|| e.clone());
-                        e
                     });
                 }
                 IpcMode::Untried | IpcMode::Off => {}
@@ -723,6 +752,21 @@ mod tests {
     use std::sync::atomic::{AtomicU32, Ordering};
     use std::sync::{Arc, Mutex};
     use std::time::{Duration, Instant};
+
+    #[test]
+    fn staged_calls_wait_on_the_host_where_ranks_share_a_process() {
+        // Threads of one process (the harness) share it; `auto` then waits on the host.
+        let shared = spawn_world(3, Config::default(), |c| Ok(c.shares_process()));
+        assert!(shared.into_iter().all(|r| r.unwrap()));
+        let cfg = |w| Config {
+            cuda_stream_wait: w,
+            ..Config::default()
+        };
+        assert!(!super::stream_wait(&cfg(None), true));
+        assert!(super::stream_wait(&cfg(None), false));
+        assert!(super::stream_wait(&cfg(Some(true)), true));
+        assert!(!super::stream_wait(&cfg(Some(false)), false));
+    }
 
     /// Runs `kind` the way `StreamComm::launch` does, with host buffers for device buffers.
     fn staged(

@@ -36,14 +36,14 @@ const ROUND: usize = 1 << 20;
 
 /// The pause between polls of the GPU or the pool: yields first, then sleeps, doubling up to
 /// 200 us.
-struct Backoff(Duration);
+pub(crate) struct Backoff(Duration);
 
 impl Backoff {
-    fn new() -> Backoff {
+    pub(crate) fn new() -> Backoff {
         Backoff(Duration::from_micros(1))
     }
 
-    fn pause(&mut self) {
+    pub(crate) fn pause(&mut self) {
         if self.0 < Duration::from_micros(50) {
             std::thread::yield_now();
         } else {
