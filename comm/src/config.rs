@@ -129,6 +129,22 @@ impl Default for Config {
 }
 
 /// Parses a boolean variable (`1/on/yes/true`, `0/off/no/false`).
+/// `OXCCL_CUDA_IPC_BARRIER`'s name for a [`Config::cuda_ipc_host_barrier`] setting.
+pub(crate) fn ipc_barrier_name(host_barrier: Option<bool>) -> &'static str {
+    match host_barrier {
+        None => "auto",
+        Some(true) => "host",
+        Some(false) => "device",
+    }
+}
+
+/// The setting an `OXCCL_CUDA_IPC_BARRIER` name stands for (`None`: not a name).
+pub(crate) fn ipc_barrier_from_name(name: &str) -> Option<Option<bool>> {
+    [None, Some(true), Some(false)]
+        .into_iter()
+        .find(|&b| ipc_barrier_name(b) == name)
+}
+
 fn parse_bool(name: &str, v: &str) -> Result<bool> {
     match v.trim().to_ascii_lowercase().as_str() {
         "1" | "on" | "yes" | "true" => Ok(true),
@@ -268,15 +284,14 @@ impl Config {
             c.cuda_ipc_one_shot = parse_num("OXCCL_CUDA_IPC_ONE_SHOT", &v)?;
         }
         if let Some(v) = get("OXCCL_CUDA_IPC_BARRIER") {
-            c.cuda_ipc_host_barrier = match v.trim().to_ascii_lowercase().as_str() {
-                "" | "auto" => None,
-                "host" => Some(true),
-                "device" => Some(false),
-                _ => {
-                    return Err(Error::Config(format!(
+            let name = v.trim().to_ascii_lowercase();
+            c.cuda_ipc_host_barrier = match name.as_str() {
+                "" => None,
+                _ => ipc_barrier_from_name(&name).ok_or_else(|| {
+                    Error::Config(format!(
                         "OXCCL_CUDA_IPC_BARRIER={v:?}: expected auto, host or device"
-                    )))
-                }
+                    ))
+                })?,
             };
         }
         if let Some(v) = get("OXCCL_SPIN") {

@@ -18,8 +18,9 @@
 //! and the barrier kernel (`oxccl_ipc_barrier`: device flags, a deadline, mismatch detection). The
 //! call returns once enqueued. When every rank is a thread of this process, the barriers are met
 //! on the host instead ([`ThreadSync`]: the same flag protocol in host memory, then CUDA events
-//! between the streams), and a barrier's failures come back from the call itself. Operations of one communicator on different streams are chained
-//! (each waits for the previous one's event), since the barrier protocol needs them in order.
+//! between the streams), and a barrier's failures come back from the call itself. Operations of
+//! one communicator on different streams are chained (each waits for the previous one's event),
+//! since the barrier protocol needs them in order.
 //!
 //! **Failures** the barrier detects (a rank that never arrives within `OXCCL_TIMEOUT`, a rank
 //! that called something else) land in a device-mapped host word; the next call, and
@@ -49,6 +50,7 @@ use super::plan::Kind;
 use super::staging::{wait_event, Backoff, Flag};
 use crate::bootstrap::Store;
 use crate::communicator::Communicator;
+use crate::config::{ipc_barrier_from_name, ipc_barrier_name};
 use crate::error::{Error, Result};
 use crate::tuning::AlgoOverride;
 
@@ -186,7 +188,7 @@ impl Record {
                 handle,
             } => {
                 let hex: String = handle.iter().map(|b| format!("{b:02x}")).collect();
-                let barrier = barrier_name(*host_barrier);
+                let barrier = ipc_barrier_name(*host_barrier);
                 format!("ready {nonce:x} {ordinal} {ptr:x} {slot} {one_shot} {barrier} {hex}")
                     .into_bytes()
             }
@@ -208,12 +210,7 @@ impl Record {
         for (i, h) in handle.iter_mut().enumerate() {
             *h = u8::from_str_radix(&f[7][2 * i..2 * i + 2], 16).map_err(|_| bad())?;
         }
-        let host_barrier = match f[6] {
-            "auto" => None,
-            "host" => Some(true),
-            "device" => Some(false),
-            _ => return Err(bad()),
-        };
+        let host_barrier = ipc_barrier_from_name(f[6]).ok_or_else(bad)?;
         Ok(Record::Ready {
             nonce: u64::from_str_radix(f[1], 16).map_err(|_| bad())?,
             ordinal: f[2].parse().map_err(|_| bad())?,
@@ -223,15 +220,6 @@ impl Record {
             host_barrier,
             handle,
         })
-    }
-}
-
-/// `OXCCL_CUDA_IPC_BARRIER`'s value for a setting.
-fn barrier_name(host_barrier: Option<bool>) -> &'static str {
-    match host_barrier {
-        None => "auto",
-        Some(true) => "host",
-        Some(false) => "device",
     }
 }
 
@@ -614,7 +602,7 @@ pub(crate) fn setup(
             Ok(e) => events = Some(e),
             Err(e) => failure = Some(format!("creating the barrier events: {e:?}")),
         }
-    } else if cfg.cuda_ipc_host_barrier == Some(true) {
+    } else if !all_here && cfg.cuda_ipc_host_barrier == Some(true) {
         tracing::info!(
             rank,
             "OXCCL_CUDA_IPC_BARRIER=host needs every rank in this process; barriers run on the \
@@ -700,10 +688,10 @@ fn first_refusal(records: &[Vec<u8>]) -> Option<String> {
                         "rank {q} has OXCCL_CUDA_IPC_SLOT={slot}, OXCCL_CUDA_IPC_ONE_SHOT=\
                          {one_shot} and OXCCL_CUDA_IPC_BARRIER={}, rank 0 {}, {} and {} (every \
                          rank must use the same)",
-                        barrier_name(host_barrier),
+                        ipc_barrier_name(host_barrier),
                         s.0,
                         s.1,
-                        barrier_name(s.2)
+                        ipc_barrier_name(s.2)
                     ))
                 }
                 Some(_) => {}
@@ -778,7 +766,6 @@ struct GpuExec<'a> {
     rank: usize,
     size: usize,
     flags: &'a [u64],
-    timeout_ns: u64,
     dev_error: u64,
     host_error: u64,
     /// Barriers on the host, with these events and flags.
@@ -861,7 +848,7 @@ impl Exec for GpuExec<'_> {
                 self.rank,
                 epoch,
                 sig,
-                self.timeout_ns,
+                u64::try_from(self.timeout.as_nanos()).unwrap_or(u64::MAX),
                 self.dev_error,
                 self.host_error,
             )
@@ -998,7 +985,6 @@ impl IpcState {
             rank: self.rank,
             size: self.size,
             flags: &self.bases,
-            timeout_ns: u64::try_from(self.timeout.as_nanos()).unwrap_or(u64::MAX),
             dev_error: self.local.scratch + DEV_ERROR_OFFSET as u64,
             host_error: self.local.error.device_ptr(),
             host: self.host_barrier.as_deref(),

@@ -72,12 +72,12 @@ pub(crate) const POISON_SIG: u32 = u32::MAX;
 
 /// Index of the flag word rank `writer` sets at barrier `epoch` (in the flags of every rank), as
 /// `oxccl_ipc_barrier` computes it.
-pub(crate) fn flag_index(epoch: u32, writer: usize) -> usize {
+fn flag_index(epoch: u32, writer: usize) -> usize {
     (epoch % 2) as usize * MAX_RANKS + writer
 }
 
 /// The value a rank writes at barrier `epoch` of operation `sig`.
-pub(crate) fn flag_value(epoch: u32, sig: u32) -> u64 {
+fn flag_value(epoch: u32, sig: u32) -> u64 {
     (u64::from(sig) << 32) | u64::from(epoch)
 }
 
