@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
 # Quick GPU checks for the open work (see scripts/gpu_run.sh for the full set), from the binaries
 # scripts/gpu_build.sh made. Usage: scripts/gpu_diag.sh [PHASE...], PHASE one of
-#   kernels  the kernel tests (fp8 included) and kernel bandwidth for f32 / bf16 / fp8;
+#   kernels  the kernel tests (fp8 included) and kernel bandwidth for f32 / bf16 / fp8, then the
+#            2-rank CUDA IPC tests of the barriers' failure paths and stream order (a peer whose
+#            stream is far behind, back-to-back calls) with barriers on the host and the device;
 #   hang     the 2- and 3-rank device collectives (ranks as threads), then the 4-rank ones,
 #            which hung with stream waits and the barrier kernel: traced (OXCCL_DEBUG=trace logs
 #            every CUDA step of oxccl's device path as "cuda: ..."), with the defaults for threads
 #            (waits on the host), then with OXCCL_CUDA_STREAM_WAIT=1 and
-#            OXCCL_CUDA_IPC_BARRIER=device (8 and 32 hardware queues), then 8 ranks, and the
-#            state of every thread 30 s into a 4-rank run with stream waits;
+#            OXCCL_CUDA_IPC_BARRIER=device (the barrier kernel also with 8 hardware queues instead
+#            of 32), then 8 ranks, and the state of every thread 30 s into a 4-rank run with
+#            stream waits; each 4-rank run shows the barrier every rank chose (barrier=...);
 #   mps      ranks as processes under MPS: 4 ranks (whose contexts failed with
 #            CUDA_ERROR_OUT_OF_MEMORY when CUDA_DEVICE_MAX_CONNECTIONS=32 was exported: MPS gives
 #            each client that many connections, and the server has a fixed number), fp8 device
 #            all-reduce, and 256 MiB / 1 GiB by slot size.
 # Default: all three. Every step has a time limit; each phase alone stays under the device tool's
-# 10 minutes per call even when every step runs to its limit, all three together do not (run
-# `hang`, then `kernels mps`). Logs go to $OUT.
+# 10 minutes per call even when every step runs to its limit (hang about 550 s, kernels 400 s,
+# mps 580 s), two together do not: run one phase per call. Logs go to $OUT.
 set -uo pipefail
 bin=target/gpu-bin
 phases=${*:-kernels hang mps}
@@ -36,7 +39,8 @@ run4() {
     local t0=$SECONDS
     env "$@" OXCCL_DEBUG=trace OXCCL_TEST_TRACE=1 timeout -k 5 "$secs" \
         $bin/comm_cuda --ignored --exact $t --nocapture > "$log" 2>&1
-    echo "### 4 ranks $name ($mode; $*): rc $? after $((SECONDS - t0)) s; last test step and last oxccl CUDA step of each rank:"
+    echo "### 4 ranks $name ($mode; $*): rc $? after $((SECONDS - t0)) s; the barrier chosen, then the last test step and last oxccl CUDA step of each rank:"
+    grep -E "barrier=" "$log" | head -4 | cut -c1-200
     for r in 0 1 2 3; do
         grep "rank $r/4" "$log" | tail -1 | cut -c1-160
         grep "cuda: " "$log" | grep -E "rank=${r}([^0-9]|\$)" | tail -2 | cut -c1-200
@@ -45,12 +49,17 @@ run4() {
     gzip -f "$log"
 }
 
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | head -2
 for phase in $phases; do
     echo; echo "#### phase $phase"
     case $phase in
     kernels)
         step timeout 200 $bin/kernels_cuda_gpu --test-threads 1 2>&1 | cut -c1-400 | grep -v '^\s*$' | tail -12
         step timeout 60 $bin/cuda_bench 256 f32,bf16,f8e4m3,f8e5m2
+        for t in cuda_ipc_barriers_wait_for_a_peer_whose_stream_is_behind back_to_back_operations_stay_in_stream_order \
+            cuda_ipc_mismatched_collectives_are_reported_not_hung cuda_ipc_a_missing_rank_times_out_naming_it; do
+            step timeout 35 $bin/comm_cuda --ignored --exact $t 2>&1 | cut -c1-300 | grep -v '^\s*$' | tail -4
+        done
         ;;
     hang)
         # Ranks as threads now wait on the host by default (staged: calls wait for their host
@@ -61,7 +70,7 @@ for phase in $phases; do
         for t in two_ranks_on_one_gpu_every_collective_and_dtype staged_calls_with_stream_waits_give_the_same_results \
             cuda_ipc_two_ranks_on_one_gpu_every_collective_and_dtype cuda_ipc_device_barrier_two_ranks_every_collective_and_dtype \
             cuda_ipc_ring_steps_two_ranks_every_collective_and_dtype; do
-            step timeout 40 $bin/comm_cuda --ignored --exact $t 2>&1 | cut -c1-300 | grep -v '^\s*$' | tail -4
+            step timeout 35 $bin/comm_cuda --ignored --exact $t 2>&1 | cut -c1-300 | grep -v '^\s*$' | tail -4
         done
         step timeout 40 $bin/comm_cuda --ignored --exact three_ranks_on_one_gpu_every_collective_and_dtype 2>&1 | cut -c1-300 | grep -v '^\s*$' | tail -4
         run4 staged staged 40

@@ -128,7 +128,6 @@ impl Default for Config {
     }
 }
 
-/// Parses a boolean variable (`1/on/yes/true`, `0/off/no/false`).
 /// `OXCCL_CUDA_IPC_BARRIER`'s name for a [`Config::cuda_ipc_host_barrier`] setting.
 pub(crate) fn ipc_barrier_name(host_barrier: Option<bool>) -> &'static str {
     match host_barrier {
@@ -145,6 +144,7 @@ pub(crate) fn ipc_barrier_from_name(name: &str) -> Option<Option<bool>> {
         .find(|&b| ipc_barrier_name(b) == name)
 }
 
+/// Parses a boolean variable (`1/on/yes/true`, `0/off/no/false`).
 fn parse_bool(name: &str, v: &str) -> Result<bool> {
     match v.trim().to_ascii_lowercase().as_str() {
         "1" | "on" | "yes" | "true" => Ok(true),

@@ -1,23 +1,25 @@
 //! Device collectives (feature `cuda`) on a real GPU: every collective and dtype, on 2, 4 and 8
 //! ranks (threads) sharing GPU 0, against the host calls on the same data, both over CUDA IPC
-//! (one-shot, two-shot and chunked, with small slots, and ring steps) and staged through host memory (in many
-//! pipelined parts, in both completion modes: stream waits on the flag, and
-//! `OXCCL_CUDA_STREAM_WAIT=0`); stream order without host synchronisation; mismatched calls and
-//! a missing rank reported by the IPC barrier instead of a hang, with barriers on the host (the
-//! default for threads) and on the device. On the lent H100 the 2-rank tests passed; the 4- and
-//! 8-rank ones hung, staged and over IPC alike, with the GPU-side waits (stream waits, the
-//! barrier kernel) that ranks as threads no longer use by default; the host waits are not yet
-//! run on a GPU. Ranks in separate processes
+//! (one-shot, two-shot and chunked, with small slots, and ring steps) and staged through host
+//! memory (in many pipelined parts, in both completion modes: stream waits on the flag, and
+//! waits on the host); stream order without host synchronisation, also against a peer whose
+//! stream is far behind; mismatched calls and a missing rank reported by the IPC barrier instead
+//! of a hang, with barriers on the host (the default for threads) and on the device. On the lent
+//! H100 the 2-rank tests passed; the 4- and 8-rank ones hung, staged and over IPC alike, with the
+//! GPU-side waits (stream waits, the barrier kernel) that ranks as threads no longer use by
+//! default; the host waits are not yet run on a GPU. Ranks in separate processes
 //! (`cuIpcOpenMemHandle`) are covered by `oxccl perf --device cuda` in `scripts/gpu_run.sh`.
 //!
 //! Ignored by default (CI has no GPU). On a machine with one:
 //!
 //! ```text
-//! cargo test -p oxccl-comm --features cuda --test cuda -- --ignored
+//! cargo test -p oxccl-comm --features cuda --test cuda -- --ignored --test-threads 1
 //! ```
 //!
-//! or build here with `cargo test -p oxccl-comm --features cuda --test cuda --no-run` and run the
-//! binary there with `--ignored`. Without a driver the tests print SKIPPED, and
+//! (one test at a time: every test's ranks share the device's primary context, and the tests
+//! that force GPU-side waits could hold up another test's ranks), or build here with
+//! `cargo test -p oxccl-comm --features cuda --test cuda --no-run` and run the binary there with
+//! `--ignored --test-threads 1`. Without a driver the tests print SKIPPED, and
 //! `OXCCL_REQUIRE_GPU=1` turns that into a failure.
 #![cfg(feature = "cuda")]
 
@@ -291,7 +293,7 @@ fn small_slots() -> Config {
 }
 
 #[test]
-#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored"]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored --test-threads 1"]
 fn two_ranks_on_one_gpu_every_collective_and_dtype() {
     if gpu_or_skip() {
         run_world(2, small_parts());
@@ -299,7 +301,7 @@ fn two_ranks_on_one_gpu_every_collective_and_dtype() {
 }
 
 #[test]
-#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored"]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored --test-threads 1"]
 fn three_ranks_on_one_gpu_every_collective_and_dtype() {
     // Between the 2 ranks that pass and the 4 that hang: a wait that needs a third rank to
     // close a cycle shows here first.
@@ -309,7 +311,7 @@ fn three_ranks_on_one_gpu_every_collective_and_dtype() {
 }
 
 #[test]
-#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored"]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored --test-threads 1"]
 fn four_ranks_on_one_gpu_every_collective_and_dtype() {
     if gpu_or_skip() {
         run_world(4, small_parts());
@@ -317,7 +319,7 @@ fn four_ranks_on_one_gpu_every_collective_and_dtype() {
 }
 
 #[test]
-#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored"]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored --test-threads 1"]
 fn cuda_ipc_two_ranks_on_one_gpu_every_collective_and_dtype() {
     if gpu_or_skip() {
         run_world(2, small_slots());
@@ -325,7 +327,7 @@ fn cuda_ipc_two_ranks_on_one_gpu_every_collective_and_dtype() {
 }
 
 #[test]
-#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored"]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored --test-threads 1"]
 fn cuda_ipc_device_barrier_two_ranks_every_collective_and_dtype() {
     // Ranks that are threads of one process meet on the host by default; the barrier kernel
     // (the default between processes) here.
@@ -341,7 +343,7 @@ fn cuda_ipc_device_barrier_two_ranks_every_collective_and_dtype() {
 }
 
 #[test]
-#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored"]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored --test-threads 1"]
 fn cuda_ipc_four_ranks_on_one_gpu_every_collective_and_dtype() {
     if gpu_or_skip() {
         run_world(4, small_slots());
@@ -349,7 +351,7 @@ fn cuda_ipc_four_ranks_on_one_gpu_every_collective_and_dtype() {
 }
 
 #[test]
-#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored"]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored --test-threads 1"]
 fn cuda_ipc_ring_steps_two_ranks_every_collective_and_dtype() {
     // OXCCL_ALGO=ring: all-reduce, reduce-scatter and all-gather read only the previous rank's
     // slot, in many chunks (4 KiB slots); the other collectives keep their plans.
@@ -365,7 +367,7 @@ fn cuda_ipc_ring_steps_two_ranks_every_collective_and_dtype() {
 }
 
 #[test]
-#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored"]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored --test-threads 1"]
 fn cuda_ipc_eight_ranks_with_default_slots() {
     if gpu_or_skip() {
         run_world(
@@ -380,12 +382,13 @@ fn cuda_ipc_eight_ranks_with_default_slots() {
 
 /// An all-reduce over CUDA IPC on every rank, then another on rank 0 and `odd` on rank 1 (with
 /// a 2 s time-out), with barriers on the host (`host_barrier` `None`: ranks are threads) or on the
-/// device; returns each rank's error, if any: the call's own (barriers on the host find it while
-/// enqueueing) or, after synchronising, the one the barrier kernel left.
+/// device; returns each rank's error, if any (empty if none), and whether the call itself
+/// returned it (barriers on the host find it while enqueueing) rather than leaving it for after
+/// synchronising (the barrier kernel's).
 fn ipc_fault(
     host_barrier: Option<bool>,
     odd: impl Fn(&Communicator, &Arc<CudaStream>) -> Result<()> + Sync,
-) -> Vec<String> {
+) -> Vec<(bool, String)> {
     let cfg = Config {
         cuda_ipc: Some(true),
         cuda_ipc_host_barrier: host_barrier,
@@ -406,11 +409,13 @@ fn ipc_fault(
         s.synchronize()
             .expect("the stream finishes: the barrier has a deadline");
         Ok(match r {
-            Err(e) => e.to_string(),
-            Ok(()) => comm
-                .device_async_error()
-                .map(|e| e.to_string())
-                .unwrap_or_default(),
+            Err(e) => (true, e.to_string()),
+            Ok(()) => (
+                false,
+                comm.device_async_error()
+                    .map(|e| e.to_string())
+                    .unwrap_or_default(),
+            ),
         })
     });
     results
@@ -420,7 +425,7 @@ fn ipc_fault(
 }
 
 #[test]
-#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored"]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored --test-threads 1"]
 fn cuda_ipc_mismatched_collectives_are_reported_not_hung() {
     if !gpu_or_skip() {
         return;
@@ -433,38 +438,96 @@ fn cuda_ipc_mismatched_collectives_are_reported_not_hung() {
                 .all_gather(&typed!(d, f32, 64), &mut typed!(mut o, f32, 128))
         });
         // Each names the other: as a mismatch, or as a rank that gave up (after seeing the
-        // mismatch first); at least one reports the mismatch itself.
-        for (rank, e) in errors.iter().enumerate() {
+        // mismatch first); at least one reports the mismatch itself. Barriers on the host
+        // (the default for threads) report from the call itself.
+        for (rank, (sync, e)) in errors.iter().enumerate() {
             let other = format!("rank {}", 1 - rank);
             assert!(
                 (e.contains("mismatch") || e.contains("gave up")) && e.contains(&other),
                 "{host_barrier:?}: rank {rank}: {e}"
             );
+            assert_eq!(
+                *sync,
+                host_barrier.is_none(),
+                "{host_barrier:?}: rank {rank}: {e}"
+            );
         }
-        assert!(errors.iter().any(|e| e.contains("mismatch")), "{errors:?}");
+        assert!(
+            errors.iter().any(|(_, e)| e.contains("mismatch")),
+            "{errors:?}"
+        );
     }
 }
 
 #[test]
-#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored"]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored --test-threads 1"]
 fn cuda_ipc_a_missing_rank_times_out_naming_it() {
     if !gpu_or_skip() {
         return;
     }
-    for host_barrier in [None, Some(false)] {
+    for (host_barrier, kind) in [(None, "host"), (Some(false), "device")] {
         let errors = ipc_fault(host_barrier, |_, _| Ok(()));
+        let (sync, e) = &errors[0];
         assert!(
-            errors[0].contains("rank 1 did not reach device barrier")
-                && errors[0].contains("all_reduce"),
-            "{host_barrier:?}: {}",
-            errors[0]
+            e.contains(&format!("rank 1 did not reach {kind} barrier")) && e.contains("all_reduce"),
+            "{host_barrier:?}: {e}"
         );
-        assert!(errors[1].is_empty(), "{host_barrier:?}: {}", errors[1]);
+        assert_eq!(*sync, host_barrier.is_none(), "{host_barrier:?}: {e}");
+        assert!(errors[1].1.is_empty(), "{host_barrier:?}: {}", errors[1].1);
     }
 }
 
 #[test]
-#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored"]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored --test-threads 1"]
+fn cuda_ipc_barriers_wait_for_a_peer_whose_stream_is_behind() {
+    if !gpu_or_skip() {
+        return;
+    }
+    // Rank 1's stream is kept busy (100 copies of 256 MiB, some 20 ms on an H100) before each
+    // all-reduce, while the ranks' threads meet at the barriers at once: only the barrier's
+    // ordering between the streams (events on the host, flags on the device) keeps rank 0 from
+    // reading rank 1's slot before rank 1's copy into it has run.
+    for host_barrier in [None, Some(false)] {
+        let cfg = Config {
+            cuda_ipc: Some(true),
+            cuda_ipc_host_barrier: host_barrier,
+            ..base()
+        };
+        let results = spawn_world(2, cfg, |comm| {
+            let s = stream();
+            let count = 1031;
+            let mut busy = (comm.rank() == 1)
+                .then(|| (zeros::<u8>(&s, 256 << 20), zeros::<u8>(&s, 256 << 20)));
+            let mut wrong = Vec::new();
+            for it in 0..3 {
+                let x = (comm.rank() + 1 + 10 * it) as f32;
+                let mut d = upload(&s, &vec![x; count]);
+                if let Some((a, b)) = busy.as_mut() {
+                    for _ in 0..100 {
+                        s.memcpy_dtod(&*a, b).expect("a copy on the stream");
+                    }
+                }
+                comm.on_stream(&s)
+                    .all_reduce(&mut typed!(mut d, f32, count), ReduceOp::Sum)?;
+                let want = (3 + 20 * it) as f32;
+                let out = download(&s, &d);
+                let v: &[f32] = bytemuck::cast_slice(&out);
+                wrong.push(v.iter().filter(|&&y| y != want).count());
+            }
+            Ok(wrong)
+        });
+        for (rank, r) in results.into_iter().enumerate() {
+            assert_eq!(
+                r.unwrap(),
+                vec![0; 3],
+                "{host_barrier:?}: rank {rank}: wrong elements per all-reduce"
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored --test-threads 1"]
 fn calls_that_wait_for_their_host_collectives_give_the_same_results() {
     if gpu_or_skip() {
         run_world(
@@ -478,7 +541,7 @@ fn calls_that_wait_for_their_host_collectives_give_the_same_results() {
 }
 
 #[test]
-#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored"]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored --test-threads 1"]
 fn staged_calls_with_stream_waits_give_the_same_results() {
     // Ranks that are threads of one process wait on the host by default; forced stream waits
     // (the default between processes) here.
@@ -494,7 +557,7 @@ fn staged_calls_with_stream_waits_give_the_same_results() {
 }
 
 #[test]
-#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored"]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored --test-threads 1"]
 fn back_to_back_operations_stay_in_stream_order() {
     if !gpu_or_skip() {
         return;
@@ -528,7 +591,7 @@ fn back_to_back(cfg: Config) {
 }
 
 #[test]
-#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored"]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored --test-threads 1"]
 fn a_bad_call_is_refused_before_anything_is_enqueued() {
     if !gpu_or_skip() {
         return;

@@ -334,8 +334,9 @@ impl std::fmt::Debug for CudaKernels {
 /// programming guide, "Lazy Loading", concurrent execution). Ranks that are threads of one
 /// process share that context: a rank launching a reduce kernel for the first time would wait
 /// for another rank's barrier, which waits for this rank. Loaded here, at set-up, before any
-/// kernel of a collective is in flight, no launch ever loads. Needs `cuFuncLoad` (driver 12.4 and
-/// later); an older driver loads eagerly only with `CUDA_MODULE_LOADING=EAGER`.
+/// kernel of a collective is in flight, no launch ever loads. (A handle from
+/// `cuModuleGetFunction` may already be loaded; `cuFuncLoad` then does nothing.) Needs driver 12.4
+/// or later; with an older one this does nothing, and only `CUDA_MODULE_LOADING=EAGER` makes sure.
 fn load_now<'a>(funcs: impl Iterator<Item = &'a CudaFunction>) -> Result<(), KernelError> {
     let mut version = 0;
     // SAFETY: the driver writes its version into `version`.

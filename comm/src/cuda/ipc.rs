@@ -34,7 +34,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::Hash;
-use std::sync::atomic::{AtomicU32, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -770,34 +770,45 @@ struct GpuExec<'a> {
     host_error: u64,
     /// Barriers on the host, with these events and flags.
     host: Option<&'a ThreadSync>,
+    /// `Communicator::abort`'s flag, which a host barrier's wait watches.
+    abort: &'a AtomicBool,
     timeout: Duration,
 }
 
 impl GpuExec<'_> {
     /// A barrier met on the host (see [`ThreadSync`]).
+    ///
+    /// A CUDA call that fails here poisons this rank's flags as a failed wait does, so that the
+    /// peers stop at this barrier or the next instead of waiting for their time-out.
     fn host_barrier(&self, ts: &ThreadSync, epoch: u32, sig: u32) -> std::result::Result<(), Stop> {
-        let k = (epoch % 2) as usize;
-        let events = |q: usize| {
-            ts.events[q]
-                .get()
-                .ok_or_else(|| Stop::Cuda(format!("rank {q}'s barrier events are missing")))
-        };
-        events(self.rank)?[k]
-            .record(self.stream)
-            .map_err(|e| Stop::Cuda(format!("recording the barrier event: {e:?}")))?;
         let at = HostBarrier {
             rank: self.rank,
             size: self.size,
             error: &ts.errors[self.rank],
             deadline: Instant::now() + self.timeout,
+            abort: Some(self.abort),
         };
+        let flag = |q: usize, i: usize| &ts.flags[q][i];
+        let fail = |msg: String| {
+            at.poison(&flag, epoch, ERR_ABORTED | (self.rank as u32) << 8);
+            Stop::Cuda(msg)
+        };
+        let k = (epoch % 2) as usize;
+        let events = |q: usize| {
+            ts.events[q]
+                .get()
+                .ok_or_else(|| fail(format!("rank {q}'s barrier events are missing")))
+        };
+        events(self.rank)?[k]
+            .record(self.stream)
+            .map_err(|e| fail(format!("recording the barrier event: {e:?}")))?;
         let mut backoff = Backoff::new();
-        at.wait(|q, i| &ts.flags[q][i], epoch, sig, || backoff.pause())
+        at.wait(flag, epoch, sig, || backoff.pause())
             .map_err(|code| Stop::Barrier(code, epoch))?;
         for q in (0..self.size).filter(|&q| q != self.rank) {
             self.stream
                 .wait(&events(q)?[k])
-                .map_err(|e| Stop::Cuda(format!("waiting for rank {q}'s barrier event: {e:?}")))?;
+                .map_err(|e| fail(format!("waiting for rank {q}'s barrier event: {e:?}")))?;
         }
         Ok(())
     }
@@ -870,6 +881,11 @@ impl IpcState {
     /// The error for a barrier's error word `code` at barrier `epoch`.
     fn barrier_error(&self, code: u32, epoch: u32) -> Error {
         let peer = (code >> 8) as usize;
+        let where_ = if self.host_barrier.is_some() {
+            "host"
+        } else {
+            "device"
+        };
         // The operation whose barriers include `epoch`: the last one that started at or before.
         let (seq, what) = self
             .history
@@ -891,7 +907,7 @@ impl IpcState {
             ERR_ABORTED => Error::Aborted {
                 rank: self.rank,
                 reason: format!(
-                    "rank {peer} gave up at device barrier {epoch} of {what} (cuda_ipc, device \
+                    "rank {peer} gave up at {where_} barrier {epoch} of {what} (cuda_ipc, device \
                      op #{seq}); this operation's results are undefined"
                 ),
             },
@@ -899,7 +915,7 @@ impl IpcState {
                 rank: self.rank,
                 op: format!("{what} (cuda_ipc, device op #{seq})"),
                 timeout: self.timeout,
-                detail: format!("rank {peer} did not reach device barrier {epoch}"),
+                detail: format!("rank {peer} did not reach {where_} barrier {epoch}"),
             },
             other => Error::Cuda {
                 rank: self.rank,
@@ -918,15 +934,22 @@ impl IpcState {
     /// `Cuda` when enqueueing fails (the communicator's device collectives are unusable after
     /// that: ranks would disagree on the barrier count); with barriers on the host, also what a
     /// barrier found (`Timeout`, `Mismatch`, `Aborted`), as the barrier kernel reports it later.
-    pub(crate) fn run(&mut self, stream: &Arc<CudaStream>, call: &IpcCall) -> Result<()> {
-        self.enqueue(stream, call).map_err(|stop| match stop {
-            Stop::Cuda(msg) => Error::Cuda {
-                rank: self.rank,
-                op: call.kind.name().into(),
-                msg: format!("enqueueing over cuda_ipc: {msg}"),
-            },
-            Stop::Barrier(code, epoch) => self.barrier_error(code, epoch),
-        })
+    /// `abort` is `Communicator::abort`'s flag: a barrier met on the host gives up when it is set.
+    pub(crate) fn run(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        call: &IpcCall,
+        abort: &AtomicBool,
+    ) -> Result<()> {
+        self.enqueue(stream, call, abort)
+            .map_err(|stop| match stop {
+                Stop::Cuda(msg) => Error::Cuda {
+                    rank: self.rank,
+                    op: call.kind.name().into(),
+                    msg: format!("enqueueing over cuda_ipc: {msg}"),
+                },
+                Stop::Barrier(code, epoch) => self.barrier_error(code, epoch),
+            })
     }
 
     fn enqueue(
@@ -939,6 +962,7 @@ impl IpcState {
             input,
             output,
         }: &IpcCall,
+        abort: &AtomicBool,
     ) -> std::result::Result<(), Stop> {
         let Some(plan) = ipc_plan(
             kind,
@@ -988,6 +1012,7 @@ impl IpcState {
             dev_error: self.local.scratch + DEV_ERROR_OFFSET as u64,
             host_error: self.local.error.device_ptr(),
             host: self.host_barrier.as_deref(),
+            abort,
             timeout: self.timeout,
         };
         let r = execute(&plan, &bases, &mut self.cur, &mut exec);

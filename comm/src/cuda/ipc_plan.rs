@@ -41,7 +41,7 @@
 //! fails too rather than read a slot this rank will overwrite), and every later barrier of that
 //! rank returns at once, so a failed communicator never hangs a stream.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Instant;
 
 use oxccl_kernels::{DType, ReduceOp};
@@ -92,6 +92,8 @@ pub(crate) struct HostBarrier<'a> {
     /// This rank's error word (0 while no barrier failed), as the kernel's.
     pub error: &'a AtomicU32,
     pub deadline: Instant,
+    /// Set by `Communicator::abort`: the wait gives up as on a time-out, naming this rank.
+    pub abort: Option<&'a AtomicBool>,
 }
 
 impl HostBarrier<'_> {
@@ -133,20 +135,41 @@ impl HostBarrier<'_> {
                     code = ERR_TIMEOUT | (q as u32) << 8;
                     break 'peers;
                 }
+                if self.abort.is_some_and(|a| a.load(Ordering::Relaxed)) {
+                    code = ERR_ABORTED | (self.rank as u32) << 8;
+                    break 'peers;
+                }
                 pause();
             }
         }
         if code == 0 {
             return Ok(());
         }
+        self.poison(&flag, epoch, code);
+        Err(code)
+    }
+
+    /// Gives up at barrier `epoch` with error word `code`: this rank's flags for `epoch` and
+    /// `epoch + 1` are poisoned in every rank's flags (peers waiting for either fail with
+    /// `ERR_ABORTED` naming this rank instead of waiting for their time-out) and later barriers
+    /// of this rank fail at once. Also for failures outside the flag protocol (a CUDA call of a
+    /// host barrier).
+    pub(crate) fn poison<'f>(
+        &self,
+        flag: &impl Fn(usize, usize) -> &'f AtomicU64,
+        epoch: u32,
+        code: u32,
+    ) {
         for q in 0..self.size {
             for e in [epoch, epoch.wrapping_add(1)] {
                 flag(q, flag_index(e, self.rank))
                     .store(flag_value(e, POISON_SIG), Ordering::Release);
             }
         }
-        self.error.store(code, Ordering::Release);
-        Err(code)
+        // The first failure's code stays.
+        let _ = self
+            .error
+            .compare_exchange(0, code, Ordering::AcqRel, Ordering::Acquire);
     }
 }
 
@@ -702,7 +725,7 @@ mod tests {
 
     use super::*;
     use proptest::prelude::*;
-    use std::sync::atomic::{AtomicU32, AtomicU64};
+    use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64};
     use std::sync::Arc;
     use std::time::{Duration, Instant};
 
@@ -756,6 +779,7 @@ mod tests {
                 size: this.size,
                 error: this.error,
                 deadline: Instant::now() + this.timeout,
+                abort: None,
             };
             at.wait(
                 |owner, i| this.flag(owner, i),
@@ -764,6 +788,76 @@ mod tests {
                 std::thread::yield_now,
             )
         }
+    }
+
+    /// Flags of `n` ranks in host memory, as `ThreadSync` keeps them.
+    fn host_flags(n: usize) -> Vec<Vec<AtomicU64>> {
+        (0..n)
+            .map(|_| (0..2 * MAX_RANKS).map(|_| AtomicU64::new(0)).collect())
+            .collect()
+    }
+
+    #[test]
+    fn cuda_ipc_host_barrier_gives_up_on_abort_and_its_peers_follow() {
+        let flags = host_flags(2);
+        let errors = [AtomicU32::new(0), AtomicU32::new(0)];
+        let abort = AtomicBool::new(false);
+        let flag = |q: usize, i: usize| &flags[q][i];
+        let at = |rank: usize, abort: Option<&'static AtomicBool>| HostBarrier {
+            rank,
+            size: 2,
+            error: &errors[rank],
+            deadline: Instant::now() + Duration::from_secs(30),
+            abort,
+        };
+        // Rank 0 never comes: rank 1 waits until its abort flag is set, not for 30 s.
+        let started = Instant::now();
+        let r = std::thread::scope(|sc| {
+            let h = sc.spawn(|| {
+                let at1 = HostBarrier {
+                    abort: Some(&abort),
+                    ..at(1, None)
+                };
+                at1.wait(flag, 1, 7, std::thread::yield_now)
+            });
+            std::thread::sleep(Duration::from_millis(50));
+            abort.store(true, Ordering::Relaxed);
+            h.join().unwrap()
+        });
+        let by_1 = Err(ERR_ABORTED | 1 << 8);
+        assert_eq!(r, by_1);
+        assert!(started.elapsed() < Duration::from_secs(20));
+        // Rank 0, arriving late at the same barrier, finds rank 1's poison and names it.
+        assert_eq!(at(0, None).wait(flag, 1, 7, std::thread::yield_now), by_1);
+        // Rank 1's later barriers fail at once with its first code.
+        assert_eq!(at(1, None).wait(flag, 2, 7, std::thread::yield_now), by_1);
+    }
+
+    #[test]
+    fn cuda_ipc_host_barrier_poisoned_after_passing_stops_the_peer_at_the_next_one() {
+        // A CUDA call failing after rank 1 passed barrier 1 (its stream wait on a peer's event):
+        // rank 0 must fail at barrier 2 naming rank 1 instead of waiting for its time-out.
+        let flags = host_flags(2);
+        let errors = [AtomicU32::new(0), AtomicU32::new(0)];
+        let flag = |q: usize, i: usize| &flags[q][i];
+        let at = |rank: usize| HostBarrier {
+            rank,
+            size: 2,
+            error: &errors[rank],
+            deadline: Instant::now() + Duration::from_secs(30),
+            abort: None,
+        };
+        std::thread::scope(|sc| {
+            let h = sc.spawn(|| at(1).wait(flag, 1, 7, std::thread::yield_now));
+            assert_eq!(at(0).wait(flag, 1, 7, std::thread::yield_now), Ok(()));
+            assert_eq!(h.join().unwrap(), Ok(()));
+        });
+        let code = ERR_ABORTED | 1 << 8;
+        at(1).poison(&flag, 1, code);
+        let started = Instant::now();
+        assert_eq!(at(0).wait(flag, 2, 7, std::thread::yield_now), Err(code));
+        assert!(started.elapsed() < Duration::from_secs(20));
+        assert_eq!(errors[1].load(Ordering::Relaxed), code);
     }
 
     /// A call of one rank: the operation, its input and its output length (elements).

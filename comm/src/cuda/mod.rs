@@ -83,6 +83,14 @@
 //! What remains on the GPU waits only for work already enqueued, which always drains.
 //! `OXCCL_CUDA_STREAM_WAIT=1` and `OXCCL_CUDA_IPC_BARRIER=device` bring back the GPU-side waits.
 //!
+//! Not covered: a world of several processes each running several ranks as threads. Staged
+//! calls there wait on the host (a peer shares the process), but CUDA IPC barriers need every
+//! rank in one process to be met on the host, so they run on the device, spinning, with the
+//! threads of each process sharing a context as above (untested; `OXCCL_CUDA_IPC=0` keeps such
+//! a world on the staged path). "Same process" for the staged choice means the same node id and
+//! process id, so ranks in separate PID namespaces that share a host name and a process id
+//! count as one process (they then wait on the host: slower, never wrong).
+//!
 //! # Errors after a call returned
 //!
 //! Over CUDA IPC, a rank that does not reach a barrier within `OXCCL_TIMEOUT`, or reaches it with
@@ -532,7 +540,7 @@ impl StreamComm<'_> {
                         input: addr(input),
                         output: addr(output),
                     };
-                    let r = s.run(stream, &call);
+                    let r = s.run(stream, &call, &comm.shared.abort);
                     tracing::trace!(rank = comm.rank, "cuda: {op} {dt}: enqueued over cuda_ipc");
                     return r.inspect_err(|e| {
                         // The ranks now disagree on the barrier count (or a barrier failed): no
