@@ -86,7 +86,8 @@
 //! aligned for the element type are processed through aligned stack blocks instead, with
 //! bit-identical results.
 
-// Only `copy.rs` (streaming-store intrinsics) opts in, with a SAFETY comment per block.
+// Only `copy.rs` (streaming-store intrinsics) and the AVX2 dispatch of `host.rs` opt in (and
+// `cuda`), with a SAFETY comment per block.
 #![deny(unsafe_code)]
 
 mod bytes;
