@@ -57,14 +57,15 @@ fn exec<R>(
         .map_or(tuning::Caps::default(), |w| tuning::Caps {
             staging: w.capacity(),
             single_copy: w.single_copy(),
-            nodes: false,
+            ..tuning::Caps::default()
         });
     let caps = tuning::Caps {
         nodes: shared.layout.is_some(),
+        sockets: shared.sockets,
         ..caps
     };
     let choice = tuning::choose(desc.coll, full, n, &shared.algo, caps);
-    tracing::info!(rank = shared.rank, seq, op = %desc, algo = %choice.algo, bytes = full, "collective");
+    tracing::info!(rank = shared.rank, seq, op = %desc, algo = %choice.algo, bytes = full, block = choice.chunk_bytes, "collective");
     let mut ctx = Ctx::new(
         shared.rank,
         n,

@@ -436,6 +436,9 @@ impl Communicator {
         }
         let mut shared = Shared::new(rank, size, spin, &cfg, links, store.clone(), &id);
         shared.layout = layout;
+        // From what every rank knows alike (not from this rank's own peers), so all pick the
+        // same ring blocks.
+        shared.sockets = (0..size).any(|a| (a + 1..size).any(|b| !shm_ok(a, b)));
         let shared = Arc::new(shared);
         Ok(Communicator {
             shared,

@@ -61,6 +61,9 @@ pub(crate) struct Shared {
     /// The ranks by node, when the communicator spans nodes of equal size (hierarchical
     /// algorithms).
     pub layout: Option<NodeLayout>,
+    /// Some ranks of the communicator reach each other over TCP (the same on every rank; the
+    /// tuner's [`crate::tuning::Caps::sockets`]).
+    pub sockets: bool,
     pub abort: AtomicBool,
     pub exec: Mutex<ExecState>,
     store: Arc<dyn Store>,
@@ -92,6 +95,7 @@ impl Shared {
             algo: cfg.algo.clone(),
             spin,
             layout: None,
+            sockets: false,
             abort: AtomicBool::new(false),
             exec: Mutex::new(ExecState {
                 links,

@@ -301,8 +301,20 @@ pub const SINGLE_COPY_MIN: Option<usize> = None;
 /// traffic. Measured with `oxccl perf broadcast|all-gather --np 2` (see docs/PERF.md).
 pub const STREAM_MIN: usize = 4 << 20;
 
-/// Ring block per rank and tree piece.
+/// Ring and hierarchical block per rank, where every rank reaches every other through shared
+/// memory.
 const CHUNK_BYTES: usize = 4 << 20;
+/// The same where some ranks talk over TCP ([`Caps::sockets`]). Smaller blocks keep what a
+/// rank has just reduced in cache for the all-gather's send and the kernel's copy out of it:
+/// 2 ranks over loopback TCP, 64 MiB all-reduce, 12 interleaved rounds of 1, 2 and 4 MiB, median
+/// busbw out of place / in place 2.55 / 2.78, 2.75 / 3.11 and 2.47 / 2.77 GB/s (2 MiB: 1.13x /
+/// 1.14x the 4 MiB figure, the median of per-round ratios); 16 and 256 MiB, all-gather and
+/// reduce-scatter alike (1.04-1.18x). Over shared memory the same sweep gave 0.93-1.06x (all-gather
+/// of 2 ranks 0.93x, 3-rank all-reduce 0.95-0.99x), so it keeps 4 MiB. docs/PERF.md, "Ring block
+/// size over TCP".
+const CHUNK_BYTES_TCP: usize = 2 << 20;
+/// Tree piece.
+const TREE_PIECE: usize = 512 << 10;
 
 fn log2_ceil(n: usize) -> f64 {
     (usize::BITS - (n.max(1) - 1).leading_zeros()) as f64
@@ -358,6 +370,10 @@ pub struct Caps {
     /// The communicator spans at least two nodes with the same number (at least two) of ranks
     /// each: the hierarchical algorithms can run.
     pub nodes: bool,
+    /// Some of the communicator's ranks reach each other over TCP (the same on every rank:
+    /// decided from the transport setting and the ranks' node ids): ring and hierarchical
+    /// blocks are 2 MiB instead of 4 MiB per rank.
+    pub sockets: bool,
 }
 
 /// All-reduce through the shared-memory window, when it beats slots (`None` otherwise).
@@ -407,7 +423,8 @@ pub fn choose(coll: Collective, bytes: usize, n: usize, over: &AlgoOverride, cap
         best
     });
     let chunk_bytes = match algo {
-        Algorithm::Tree => 512 << 10,
+        Algorithm::Tree => TREE_PIECE,
+        _ if caps.sockets => CHUNK_BYTES_TCP,
         _ => CHUNK_BYTES,
     };
     Choice { algo, chunk_bytes }
@@ -492,12 +509,91 @@ mod tests {
     }
 
     #[test]
+    fn ring_blocks_are_smaller_where_ranks_talk_over_tcp() {
+        let none = AlgoOverride::default();
+        let shm = Caps::default();
+        let tcp = Caps {
+            sockets: true,
+            ..Caps::default()
+        };
+        let nodes = Caps {
+            nodes: true,
+            sockets: true,
+            ..Caps::default()
+        };
+        let ring = |coll, caps| {
+            let c = choose(coll, 64 << 20, 2, &none, caps);
+            assert_eq!(c.algo, Algorithm::Ring);
+            c.chunk_bytes
+        };
+        for coll in [
+            Collective::AllReduce,
+            Collective::ReduceScatter,
+            Collective::AllGather,
+        ] {
+            assert_eq!(ring(coll, shm), CHUNK_BYTES);
+            assert_eq!(ring(coll, tcp), CHUNK_BYTES_TCP);
+            let h = choose(coll, 64 << 20, 4, &none, nodes);
+            assert_eq!(
+                (h.algo, h.chunk_bytes),
+                (Algorithm::Hierarchical, CHUNK_BYTES_TCP)
+            );
+        }
+        let tree = AlgoOverride::parse("all-reduce=tree").unwrap();
+        for caps in [shm, tcp] {
+            assert_eq!(
+                choose(Collective::AllReduce, 64 << 20, 4, &tree, caps).chunk_bytes,
+                TREE_PIECE
+            );
+        }
+    }
+
+    /// The all-reduce table of docs/ARCHITECTURE.md ("What the alpha-beta model picks"): the
+    /// algorithm from each power of two of bytes on, over TCP.
+    #[test]
+    fn the_documented_all_reduce_table_holds() {
+        use Algorithm::{HalvingDoubling as Hd, RecursiveDoubling as Rd, Ring};
+        let none = AlgoOverride::default();
+        let tcp = Caps {
+            sockets: true,
+            ..Caps::default()
+        };
+        // (rank counts, [(algorithm, from this many bytes on)])
+        type Row = (&'static [usize], &'static [(Algorithm, usize)]);
+        let table: &[Row] = &[
+            (&[2], &[(Rd, 8), (Ring, 4 << 20)]),
+            (&[3], &[(Rd, 8), (Ring, 16 << 10)]),
+            (&[4], &[(Rd, 8), (Ring, 256 << 10)]),
+            (&[5, 6], &[(Rd, 8), (Ring, 64 << 10)]),
+            (&[7, 9, 10, 11, 12], &[(Rd, 8), (Ring, 128 << 10)]),
+            (&[8], &[(Rd, 8), (Hd, 128 << 10), (Ring, 1 << 20)]),
+            (
+                &[13, 14, 15],
+                &[(Rd, 8), (Hd, 128 << 10), (Ring, 256 << 10)],
+            ),
+            (&[16], &[(Rd, 8), (Hd, 64 << 10), (Ring, 2 << 20)]),
+        ];
+        for &(ranks, rows) in table {
+            for &n in ranks {
+                let mut seen = Vec::new();
+                for p in 3..=28 {
+                    let a = choose(Collective::AllReduce, 1 << p, n, &none, tcp).algo;
+                    if seen.last().is_none_or(|&(b, _)| b != a) {
+                        seen.push((a, 1usize << p));
+                    }
+                }
+                assert_eq!(seen, rows, "{n} ranks");
+            }
+        }
+    }
+
+    #[test]
     fn window_thresholds() {
         let none = AlgoOverride::default();
         let shm = Caps {
             staging: 1 << 20,
             single_copy: true,
-            nodes: false,
+            ..Caps::default()
         };
         let pick = |bytes, n, caps| choose(Collective::AllReduce, bytes, n, &none, caps).algo;
         assert_eq!(pick(8, 2, shm), Algorithm::OneShot);
@@ -510,11 +606,7 @@ mod tests {
         assert_eq!(pick(64 << 20, 4, shm), Algorithm::TwoShot);
         // No window (TCP, or peers on other nodes), or staging off: the model decides.
         assert!(!pick(8, 2, Caps::default()).needs_window());
-        let off = Caps {
-            staging: 0,
-            single_copy: false,
-            nodes: false,
-        };
+        let off = Caps::default();
         assert!(!pick(1 << 20, 4, off).needs_window());
         // Other collectives never go through the window.
         assert!(!choose(Collective::Broadcast, 8, 4, &none, shm)
