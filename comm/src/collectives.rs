@@ -50,19 +50,12 @@ fn exec<R>(
         | Collective::Scatter => desc.count * n,
         _ => desc.count,
     } * desc.dtype.size();
-    let caps = st
-        .links
-        .window
-        .as_ref()
-        .map_or(tuning::Caps::default(), |w| tuning::Caps {
-            staging: w.capacity(),
-            single_copy: w.single_copy(),
-            ..tuning::Caps::default()
-        });
+    let window = st.links.window.as_ref();
     let caps = tuning::Caps {
+        staging: window.map_or(0, |w| w.capacity()),
+        single_copy: window.is_some_and(|w| w.single_copy()),
         nodes: shared.layout.is_some(),
         sockets: shared.sockets,
-        ..caps
     };
     let choice = tuning::choose(desc.coll, full, n, &shared.algo, caps);
     tracing::info!(rank = shared.rank, seq, op = %desc, algo = %choice.algo, bytes = full, block = choice.chunk_bytes, "collective");
