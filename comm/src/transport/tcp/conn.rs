@@ -235,6 +235,47 @@ impl TcpSend {
             }
         }
     }
+
+    /// Writes the rest of a direct frame whose payload has all been taken: only header and
+    /// padding bytes are left, none of the caller's, so it is finished here and not by a later
+    /// `send_direct` (the caller counts the message as sent and may never call again). Returns
+    /// whether bytes moved.
+    fn finish_direct(&mut self) -> Result<bool> {
+        let mut moved = false;
+        loop {
+            let Some(f) = self.direct.as_mut() else {
+                return Ok(moved);
+            };
+            if f.left > 0 {
+                return Ok(moved); // the caller's bytes come with its next send_direct
+            }
+            let r = self.socks[f.si].stream.write_vectored(&[
+                IoSlice::new(&f.hdr[f.hdr_off..f.hdr_len]),
+                IoSlice::new(&PAD[..f.pad]),
+            ]);
+            match r {
+                Ok(0) => {
+                    return Err(lost(
+                        self.rank,
+                        self.peer,
+                        "socket accepted no bytes".into(),
+                    ))
+                }
+                Ok(n) => {
+                    moved = true;
+                    let h = n.min(f.hdr_len - f.hdr_off);
+                    f.hdr_off += h;
+                    f.pad -= n - h;
+                    if f.hdr_off == f.hdr_len && f.pad == 0 {
+                        self.direct = None;
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(moved),
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(io_err(self.rank, self.peer, e)),
+            }
+        }
+    }
 }
 
 impl SendConn for TcpSend {
@@ -244,7 +285,10 @@ impl SendConn for TcpSend {
 
     fn try_slot(&mut self) -> Result<Option<&mut [u8]>> {
         if self.direct.is_some() {
-            return Ok(None); // the caller finishes its direct message first
+            self.finish_direct()?;
+            if self.direct.is_some() {
+                return Ok(None); // the caller finishes its direct message first
+            }
         }
         let s = (self.next % self.slots.len() as u64) as usize;
         if self.busy[s] {
@@ -288,7 +332,7 @@ impl SendConn for TcpSend {
     }
 
     fn progress(&mut self) -> Result<bool> {
-        let mut moved = false;
+        let mut moved = self.finish_direct()?;
         for si in 0..self.socks.len() {
             if !self.socks[si].queue.is_empty() {
                 moved |= self.write_socket(si)?;
@@ -366,8 +410,9 @@ impl SendConn for TcpSend {
     }
 
     fn poll_fds(&self, out: &mut Vec<(RawFd, PollDir)>) {
-        for s in &self.socks {
-            if !s.queue.is_empty() {
+        for (si, s) in self.socks.iter().enumerate() {
+            // A half-written direct frame waits for room on its socket like queued slots do.
+            if !s.queue.is_empty() || self.direct.as_ref().is_some_and(|d| d.si == si) {
                 out.push((s.stream.as_raw_fd(), PollDir::Write));
             }
         }
@@ -838,6 +883,80 @@ mod tests {
             }
         }
         assert_eq!(next_rx, n);
+    }
+
+    /// A direct frame whose payload the socket took but whose padding it did not: the caller
+    /// counts the message as sent, so `progress` must write the rest (it used to stay unwritten,
+    /// leaving the connection unflushed and its slots blocked until the operation timed out).
+    /// A fresh socket with small buffers takes a fixed number of bytes; the lengths just below
+    /// that number (less the header) end inside their padding.
+    #[test]
+    fn a_direct_frame_stopped_in_its_padding_is_finished_by_progress() {
+        let small_pair = || {
+            let (tx, rx) = socket_pair();
+            for s in [&tx, &rx] {
+                let r = SockRef::from(s);
+                r.set_send_buffer_size(4096).unwrap();
+                r.set_recv_buffer_size(4096).unwrap();
+            }
+            (TcpSend::new(0, 1, vec![tx], 128 << 10, 2), rx)
+        };
+        let big = payload(128 << 10, 3);
+        let (mut probe, _rx) = small_pair();
+        let cap = probe
+            .send_direct(&big, Tag::default(), big.len())
+            .unwrap()
+            .unwrap();
+        let mut cases = 0;
+        for len in cap.saturating_sub(256).max(65)..cap + 256 {
+            if len % 64 == 0 {
+                continue;
+            }
+            let (mut tx, mut rx) = small_pair();
+            let tag = Tag {
+                seq: len as u64,
+                ..Tag::default()
+            };
+            let took = tx.send_direct(&big[..len], tag, len).unwrap().unwrap();
+            if took != len || tx.flushed() {
+                continue; // not stopped in the padding: another length
+            }
+            cases += 1;
+            // What the receiver must get: header, payload, zeros to the next 64-byte line.
+            let mut frame = encode_hdr(len, KIND_DATA, &tag)[..64].to_vec();
+            frame.extend_from_slice(&big[..len]);
+            frame.resize(frame.len().next_multiple_of(64), 0);
+            let mut wire = vec![0u8; frame.len()];
+            let (mut got, deadline) = (0, Instant::now() + Duration::from_secs(5));
+            while got < wire.len() || !tx.flushed() {
+                tx.progress().unwrap();
+                match rx.read(&mut wire[got..]) {
+                    Ok(0) => panic!("socket closed after {got} bytes"),
+                    Ok(n) => got += n,
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => std::thread::yield_now(),
+                    Err(e) => panic!("{e}"),
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "frame of {len}: {got} of {} bytes arrived, flushed: {}",
+                    wire.len(),
+                    tx.flushed()
+                );
+            }
+            assert!(wire == frame, "frame of {len} bytes garbled");
+            // And the connection is usable again: a slot is free.
+            assert!(tx.try_slot().unwrap().is_some(), "frame of {len}: no slot");
+            if cases == 2 {
+                break;
+            }
+        }
+        eprintln!("{cases} direct frames stopped in their padding (socket took {cap} bytes)");
+        assert!(
+            cases > 0,
+            "no length in {}..{} stopped inside the padding: the test did not exercise the case",
+            cap.saturating_sub(256),
+            cap + 256
+        );
     }
 
     /// Whether the kernel acknowledges at once (`TCP_QUICKACK` reads 1 outside ping-pong mode).
