@@ -5,8 +5,6 @@
 //! collective: every rank publishes its address in the store, reads everyone else's, and opens its
 //! connections. The collectives themselves are in `collectives.rs`.
 
-use std::collections::hash_map::DefaultHasher;
-use std::hash::{Hash, Hasher};
 use std::net::{IpAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -39,7 +37,7 @@ pub struct Communicator {
     splits: AtomicU64,
     /// Reused working copy of out-of-place reduce-scatter inputs (8-byte aligned words), so a
     /// call does not allocate and fault in a fresh buffer every time.
-    pub(crate) scratch: std::sync::Mutex<Vec<u64>>,
+    pub(crate) scratch: Arc<std::sync::Mutex<Vec<u64>>>,
     /// State of device operations (pinned staging, the stream flag), made by the first one.
     #[cfg(feature = "cuda")]
     pub(crate) cuda: std::sync::Mutex<Option<crate::cuda::DeviceState>>,
@@ -51,10 +49,44 @@ pub struct Communicator {
 
 static WORLD_COUNTER: AtomicU64 = AtomicU64::new(0);
 
+/// FNV-1a (64 bits) of the communicator id: compared between processes (the TCP hello, shared
+/// memory names), so it must not depend on the Rust release or the build, as `DefaultHasher`
+/// may.
 fn hash_id(id: &str) -> u64 {
-    let mut h = DefaultHasher::new();
-    id.hash(&mut h);
-    h.finish()
+    id.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// An error of store operation `what` on `key` while creating the communicator, for rank
+/// `rank`. For a wait (`waiting_for` is `Some`, saying what for), running out of time (the
+/// store's own time-out, or the init deadline passed) becomes `Timeout`; any other failure (store
+/// unreachable, shut down) stays a store error, with its cause, the rank, `init` and the key.
+fn init_store_error(
+    rank: usize,
+    e: Error,
+    what: &str,
+    key: &str,
+    waiting_for: Option<&str>,
+    timeout: Duration,
+    deadline: Instant,
+) -> Error {
+    match (e, waiting_for) {
+        (Error::Store(msg), Some(waiting_for))
+            if bootstrap::is_wait_timeout(&msg) || Instant::now() >= deadline =>
+        {
+            Error::Timeout {
+                rank,
+                op: "init".into(),
+                timeout,
+                detail: format!("{waiting_for} ({msg})"),
+            }
+        }
+        (Error::Store(msg), _) => Error::Store(format!(
+            "rank {rank}: init: {what} on key '{key}' failed: {msg}"
+        )),
+        (other, _) => other,
+    }
 }
 
 fn resolve_ip(host: &str) -> Option<IpAddr> {
@@ -105,17 +137,29 @@ fn connect_shm(
     let mut segs: Vec<Option<Arc<Segment>>> = vec![None; peers.len()];
     segs[rank] = Some(own.clone());
     let mut can_read_all = cfg.single_copy;
+    let failed = |e: Error, what: &str, key: &str, waiting_for: Option<&str>| {
+        init_store_error(rank, e, what, key, waiting_for, cfg.timeout, deadline)
+    };
     let result = (|| {
-        store.set(
-            &format!("{id}/shm/{rank}"),
-            path.to_string_lossy().as_bytes(),
-        )?;
+        let key = format!("{id}/shm/{rank}");
+        store
+            .set(&key, path.to_string_lossy().as_bytes())
+            .map_err(|e| failed(e, "publishing the shared-memory segment", &key, None))?;
         for (ring, &p) in shm_peers.iter().enumerate() {
             let left = deadline
                 .saturating_duration_since(Instant::now())
                 .max(Duration::from_millis(1));
-            let peer_path =
-                String::from_utf8_lossy(&store.get(&format!("{id}/shm/{p}"), left)?).into_owned();
+            let key = format!("{id}/shm/{p}");
+            let rec = store.get(&key, left).map_err(|e| {
+                let waiting = format!("rank {p} never published its shared-memory segment");
+                failed(
+                    e,
+                    "reading a shared-memory segment name",
+                    &key,
+                    Some(&waiting),
+                )
+            })?;
+            let peer_path = String::from_utf8_lossy(&rec).into_owned();
             let peer_seg = Arc::new(Segment::open(rank, p, &peer_path)?);
             // Our ring in p's segment: our position among p's shared-memory peers.
             let ring_at_p = (0..peers.len())
@@ -156,12 +200,21 @@ fn connect_shm(
                 ring,
                 peer_seg,
             )));
-            store.add(&format!("{id}/shm_mapped/{p}"), 1)?;
+            let key = format!("{id}/shm_mapped/{p}");
+            store
+                .add(&key, 1)
+                .map_err(|e| failed(e, "counting a mapped segment", &key, None))?;
             tracing::info!(rank, peer = p, transport = "shm", segment = %peer_path, "connected");
         }
         // Unlink once every peer has mapped it: the mappings stay, the name goes.
         let mut backoff = Duration::from_micros(100);
-        while store.add(&format!("{id}/shm_mapped/{rank}"), 0)? < shm_peers.len() as i64 {
+        let key = format!("{id}/shm_mapped/{rank}");
+        let mapped = || {
+            store
+                .add(&key, 0)
+                .map_err(|e| failed(e, "reading the mapped-segment count", &key, None))
+        };
+        while mapped()? < shm_peers.len() as i64 {
             if Instant::now() >= deadline {
                 return Err(Error::Timeout {
                     rank,
@@ -177,16 +230,21 @@ fn connect_shm(
             return Ok(None);
         }
         // Single copy only if every rank can read every other (all ranks decide the same).
-        store.set(
-            &format!("{id}/single_copy/{rank}"),
-            if can_read_all { b"1" } else { b"0" },
-        )?;
+        let key = format!("{id}/single_copy/{rank}");
+        store
+            .set(&key, if can_read_all { b"1" } else { b"0" })
+            .map_err(|e| failed(e, "publishing the single-copy capability", &key, None))?;
         let mut single_copy = true;
         for p in 0..peers.len() {
             let left = deadline
                 .saturating_duration_since(Instant::now())
                 .max(Duration::from_millis(1));
-            single_copy &= store.get(&format!("{id}/single_copy/{p}"), left)? == b"1";
+            let key = format!("{id}/single_copy/{p}");
+            let v = store.get(&key, left).map_err(|e| {
+                let waiting = format!("rank {p} never published its single-copy capability");
+                failed(e, "reading a single-copy capability", &key, Some(&waiting))
+            })?;
+            single_copy &= v == b"1";
         }
         let segs: Vec<Arc<Segment>> =
             segs.iter().cloned().collect::<Option<_>>().ok_or_else(|| {
@@ -198,6 +256,27 @@ fn connect_shm(
     })();
     let _ = std::fs::remove_file(&path);
     result.map(|w| (own, w))
+}
+
+/// Compares the settings every rank must share (`PeerInfo::settings`) of this rank (`me`) with
+/// every peer's; the first difference is an `Error::Config` naming both ranks, the variable and
+/// both values.
+fn check_shared_settings(rank: usize, me: &PeerInfo, peers: &[PeerInfo]) -> Result<()> {
+    for p in peers.iter().filter(|p| p.rank != rank) {
+        for (name, mine) in &me.settings {
+            let theirs = p.settings.iter().find(|(n, _)| n == name).map(|(_, v)| v);
+            if theirs != Some(mine) {
+                let theirs =
+                    theirs.map_or_else(|| "(not reported)".to_owned(), |v| format!("{v:?}"));
+                return Err(Error::Config(format!(
+                    "rank {rank}: init: rank {} has {name}={theirs} but this rank has \
+                     {name}={mine:?}; every rank of a communicator must use the same value",
+                    p.rank
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 impl Communicator {
@@ -260,7 +339,13 @@ impl Communicator {
         crate::logging::init();
         // Each rank counts its own inits on this store, so the k-th init of every rank meets the
         // k-th init of the others under a fresh id (no stale peer records).
-        let generation = store.add(&format!("oxccl/inits/{rank}"), 1)?;
+        let key = format!("oxccl/inits/{rank}");
+        let generation = store.add(&key, 1).map_err(|e| match e {
+            Error::Store(msg) => Error::Store(format!(
+                "rank {rank}: init: counting this rank's inits on key '{key}' failed: {msg}"
+            )),
+            other => other,
+        })?;
         Self::init_inner(
             rank,
             size,
@@ -286,6 +371,11 @@ impl Communicator {
                 msg: format!("rank {rank} is not in 0..{size}"),
             });
         }
+        crate::config::check_timeout(cfg.timeout).map_err(|why| Error::InvalidArgument {
+            rank,
+            op: "init".into(),
+            msg: format!("Config::timeout: {why}"),
+        })?;
         let deadline = Instant::now() + cfg.timeout;
         let node_id = match &cfg.node_id {
             Some(n) => n.clone(),
@@ -298,33 +388,56 @@ impl Communicator {
             pid: std::process::id(),
             tcp_addr: tcp.addr(),
             cpus: crate::affinity::allowed_cpus(),
+            settings: cfg.shared_settings(),
         };
-        store.set(&format!("{id}/peer/{rank}"), &me.encode())?;
+        let key = format!("{id}/peer/{rank}");
+        store.set(&key, &me.encode()).map_err(|e| {
+            init_store_error(
+                rank,
+                e,
+                "publishing this rank's address",
+                &key,
+                None,
+                cfg.timeout,
+                deadline,
+            )
+        })?;
         let mut peers = Vec::with_capacity(size);
         for r in 0..size {
             let left = deadline
                 .saturating_duration_since(Instant::now())
                 .max(Duration::from_millis(1));
-            let rec = store
-                .get(&format!("{id}/peer/{r}"), left)
-                .map_err(|e| match e {
-                    Error::Store(msg) => Error::Timeout {
-                        rank,
-                        op: "init".into(),
-                        timeout: cfg.timeout,
-                        detail: format!("rank {r} never published its address ({msg})"),
-                    },
-                    other => other,
-                })?;
-            let p = PeerInfo::decode(&rec)?;
+            let key = format!("{id}/peer/{r}");
+            let rec = store.get(&key, left).map_err(|e| {
+                init_store_error(
+                    rank,
+                    e,
+                    &format!("reading rank {r}'s address"),
+                    &key,
+                    Some(&format!("rank {r} never published its address")),
+                    cfg.timeout,
+                    deadline,
+                )
+            })?;
+            let p = PeerInfo::decode(&rec).map_err(|e| {
+                let why = match e {
+                    Error::Store(msg) => msg,
+                    other => other.to_string(),
+                };
+                Error::Store(format!(
+                    "rank {rank}: init: the record under key '{key}' (rank {r}'s address): {why}"
+                ))
+            })?;
             if p.rank != r {
                 return Err(Error::Store(format!(
-                    "peer record {r} names rank {}",
+                    "rank {rank}: init: the record under key '{key}' should be rank {r}'s \
+                     address but names rank {}",
                     p.rank
                 )));
             }
             peers.push(p);
         }
+        check_shared_settings(rank, &me, &peers)?;
         let same_node: Vec<usize> = (0..size).filter(|&r| peers[r].node_id == node_id).collect();
         let local_rank = same_node.iter().position(|&r| r == rank).unwrap_or(0);
         let mut nodes: Vec<&str> = Vec::new();
@@ -454,7 +567,7 @@ impl Communicator {
             store_host,
             cfg,
             splits: AtomicU64::new(0),
-            scratch: std::sync::Mutex::new(Vec::new()),
+            scratch: Arc::new(std::sync::Mutex::new(Vec::new())),
             #[cfg(feature = "cuda")]
             cuda: std::sync::Mutex::new(None),
             transports,
@@ -592,5 +705,196 @@ impl std::fmt::Debug for Communicator {
             .field("local_size", &self.local_size)
             .field("node_id", &self.node_id)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bootstrap::MemStore;
+    use crate::harness::spawn_world_with;
+
+    #[test]
+    fn hash_id_is_fnv1a_64() {
+        assert_eq!(hash_id(""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(hash_id("a"), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(hash_id("oxccl/world0"), 0x6216_7b10_47cb_0e55);
+    }
+
+    #[test]
+    fn hand_built_timeout_out_of_range_is_refused_at_init() {
+        for t in [Duration::ZERO, Duration::from_secs(u64::MAX), Duration::MAX] {
+            let cfg = Config {
+                timeout: t,
+                ..Config::default()
+            };
+            let store: Arc<dyn Store> = Arc::new(MemStore::new());
+            match Communicator::init_with_config(0, 1, store, cfg) {
+                Err(e @ Error::InvalidArgument { .. }) => {
+                    let msg = e.to_string();
+                    assert!(msg.contains("rank 0") && msg.contains("init"), "{msg}");
+                    assert!(msg.contains("timeout") && msg.contains("31536000"), "{msg}");
+                }
+                other => panic!("timeout {t:?}: expected InvalidArgument, got {other:?}"),
+            }
+        }
+    }
+
+    /// Ranks with different shared settings fail at init with a `Config` error naming the
+    /// variable and both values (not later with a time-out).
+    #[test]
+    fn ranks_with_different_shared_settings_fail_at_init() {
+        type Tweak = fn(&mut Config);
+        let cases: [(&str, Tweak, &str, &str); 3] = [
+            (
+                "OXCCL_TRANSPORT",
+                |c| c.transport = TransportChoice::Tcp,
+                "\"tcp\"",
+                "\"auto\"",
+            ),
+            (
+                "OXCCL_ALGO",
+                |c| c.algo = crate::tuning::AlgoOverride::parse("all-reduce=ring").unwrap(),
+                "\"all-reduce=ring\"",
+                "\"\"",
+            ),
+            (
+                "OXCCL_CUDA_STAGE_CHUNK",
+                |c| c.cuda_stage_chunk = 1 << 20,
+                "\"1048576\"",
+                "\"4194304\"",
+            ),
+        ];
+        for (var, tweak, odd_value, usual_value) in cases {
+            let results = spawn_world_with(
+                3,
+                |rank| {
+                    let mut c = Config {
+                        timeout: Duration::from_secs(20),
+                        ..Config::default()
+                    };
+                    if rank == 2 {
+                        tweak(&mut c);
+                    }
+                    c
+                },
+                |_| Ok(()),
+            );
+            for (rank, r) in results.into_iter().enumerate() {
+                let msg = match r {
+                    Err(Error::Config(msg)) => msg,
+                    other => panic!("{var}: rank {rank}: expected Error::Config, got {other:?}"),
+                };
+                let (other, theirs, mine) = if rank == 2 {
+                    (0, usual_value, odd_value)
+                } else {
+                    (2, odd_value, usual_value)
+                };
+                for needle in [
+                    format!("rank {rank}: init"),
+                    format!("rank {other} has {var}={theirs}"),
+                    format!("this rank has {var}={mine}"),
+                    "every rank".to_owned(),
+                ] {
+                    assert!(msg.contains(&needle), "{var}: {msg:?} lacks {needle:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn equivalent_algo_overrides_compare_equal() {
+        let canon = |s: &str| crate::tuning::AlgoOverride::parse(s).unwrap().canonical();
+        assert_eq!(
+            canon("all-reduce=tree,all-reduce=ring"),
+            canon(" all-reduce=ring ")
+        );
+        assert_ne!(canon("all-reduce=ring"), canon(""));
+        assert!(!canon("ring").contains('\n'));
+    }
+
+    /// A store whose waits fail the way a store whose host died does.
+    #[derive(Debug)]
+    struct DeadGets(MemStore);
+
+    impl Store for DeadGets {
+        fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+            self.0.set(key, value)
+        }
+        fn get(&self, key: &str, _timeout: Duration) -> Result<Vec<u8>> {
+            Err(Error::Store(format!(
+                "get on key '{key}' at store 127.0.0.1:1: Connection refused (os error 111)"
+            )))
+        }
+        fn try_get(&self, key: &str) -> Result<Option<Vec<u8>>> {
+            self.0.try_get(key)
+        }
+        fn add(&self, key: &str, delta: i64) -> Result<i64> {
+            self.0.add(key, delta)
+        }
+        fn compare_set(&self, key: &str, exp: Option<&[u8]>, des: &[u8]) -> Result<Vec<u8>> {
+            self.0.compare_set(key, exp, des)
+        }
+        fn delete(&self, key: &str) -> Result<bool> {
+            self.0.delete(key)
+        }
+    }
+
+    fn short() -> Config {
+        Config {
+            timeout: Duration::from_secs(20),
+            ..Config::default()
+        }
+    }
+
+    #[test]
+    fn store_failure_at_init_keeps_its_cause() {
+        let store: Arc<dyn Store> = Arc::new(DeadGets(MemStore::new()));
+        match Communicator::init_with_config(1, 2, store, short()) {
+            Err(Error::Store(msg)) => {
+                for needle in ["rank 1: init", "Connection refused", "peer/0"] {
+                    assert!(msg.contains(needle), "{msg:?} lacks {needle:?}");
+                }
+            }
+            other => panic!("expected Error::Store, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn missing_peer_at_init_is_a_timeout() {
+        let store: Arc<dyn Store> = Arc::new(MemStore::new());
+        let cfg = Config {
+            timeout: Duration::from_millis(50),
+            ..Config::default()
+        };
+        match Communicator::init_with_config(0, 2, store, cfg) {
+            Err(Error::Timeout {
+                rank, op, detail, ..
+            }) => {
+                assert_eq!((rank, op.as_str()), (0, "init"));
+                assert!(detail.contains("rank 1 never published"), "{detail}");
+            }
+            other => panic!("expected Error::Timeout, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn bad_peer_records_name_this_rank_and_the_key() {
+        for (record, needle) in [
+            (&b"garbage"[..], "malformed peer record"),
+            (&b"5\nnode\n1\n127.0.0.1:1\n"[..], "names rank 5"),
+        ] {
+            let store: Arc<dyn Store> = Arc::new(MemStore::new());
+            // Rank 0's first init on this store uses id `oxccl/world1`.
+            store.set("oxccl/world1/peer/1", record).unwrap();
+            match Communicator::init_with_config(0, 2, store, short()) {
+                Err(Error::Store(msg)) => {
+                    for n in ["rank 0: init", "oxccl/world1/peer/1", needle] {
+                        assert!(msg.contains(n), "{msg:?} lacks {n:?}");
+                    }
+                }
+                other => panic!("expected Error::Store, got {other:?}"),
+            }
+        }
     }
 }

@@ -128,6 +128,32 @@ impl Default for Config {
     }
 }
 
+impl TransportChoice {
+    /// The `OXCCL_TRANSPORT` name of this choice (`auto`, `tcp` or `shm`).
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportChoice::Auto => "auto",
+            TransportChoice::Tcp => "tcp",
+            TransportChoice::Shm => "shm",
+        }
+    }
+}
+
+impl Config {
+    /// The settings every rank of a communicator must share, as `(variable, canonical value)`:
+    /// ranks that differ would wait on different things. Compared between ranks at init.
+    pub(crate) fn shared_settings(&self) -> Vec<(String, String)> {
+        vec![
+            ("OXCCL_TRANSPORT".into(), self.transport.name().into()),
+            ("OXCCL_ALGO".into(), self.algo.canonical()),
+            (
+                "OXCCL_CUDA_STAGE_CHUNK".into(),
+                self.cuda_stage_chunk.to_string(),
+            ),
+        ]
+    }
+}
+
 /// `OXCCL_CUDA_IPC_BARRIER`'s name for a [`Config::cuda_ipc_host_barrier`] setting.
 pub(crate) fn ipc_barrier_name(host_barrier: Option<bool>) -> &'static str {
     match host_barrier {
@@ -142,6 +168,42 @@ pub(crate) fn ipc_barrier_from_name(name: &str) -> Option<Option<bool>> {
     [None, Some(true), Some(false)]
         .into_iter()
         .find(|&b| ipc_barrier_name(b) == name)
+}
+
+/// Shortest timeout a communicator accepts (`OXCCL_TIMEOUT` or [`Config::timeout`]): 1 ms.
+pub const MIN_TIMEOUT: Duration = Duration::from_millis(1);
+/// Longest timeout a communicator accepts (`OXCCL_TIMEOUT` or [`Config::timeout`]): one year
+/// (31,536,000 s). Deadlines are `now + timeout` (times a queue length in places), which must
+/// not overflow.
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(31_536_000);
+/// Largest `OXCCL_SOCKET_BUFFER` (1 GiB): the kernel takes the size as a C `int`.
+pub const MAX_SOCKET_BUFFER: usize = 1 << 30;
+
+/// Checks that `t` is within [`MIN_TIMEOUT`]`..=`[`MAX_TIMEOUT`]; the error says the range.
+pub(crate) fn check_timeout(t: Duration) -> std::result::Result<(), String> {
+    if (MIN_TIMEOUT..=MAX_TIMEOUT).contains(&t) {
+        Ok(())
+    } else {
+        Err(format!(
+            "timeout {t:?} is outside 0.001..=31536000 seconds (1 ms to one year)"
+        ))
+    }
+}
+
+/// Parses `OXCCL_TIMEOUT` (seconds, fractions allowed) within [`MIN_TIMEOUT`]..=[`MAX_TIMEOUT`].
+fn parse_timeout(v: &str) -> Result<Duration> {
+    let secs: f64 = parse_num("OXCCL_TIMEOUT", v)?;
+    let out_of_range = || {
+        Error::Config(format!(
+            "OXCCL_TIMEOUT={v:?} must be between 0.001 and 31536000 seconds (1 ms to one year)"
+        ))
+    };
+    if !(secs >= MIN_TIMEOUT.as_secs_f64() && secs <= MAX_TIMEOUT.as_secs_f64()) {
+        return Err(out_of_range());
+    }
+    // Within the range, so the conversion cannot fail; rounding may not leave it either.
+    let t = Duration::try_from_secs_f64(secs).map_err(|_| out_of_range())?;
+    Ok(t.clamp(MIN_TIMEOUT, MAX_TIMEOUT))
 }
 
 /// Parses a boolean variable (`1/on/yes/true`, `0/off/no/false`).
@@ -175,13 +237,7 @@ impl Config {
     pub fn from_lookup(get: &dyn Fn(&str) -> Option<String>) -> Result<Config> {
         let mut c = Config::default();
         if let Some(v) = get("OXCCL_TIMEOUT") {
-            let secs: f64 = parse_num("OXCCL_TIMEOUT", &v)?;
-            if !(secs > 0.0 && secs.is_finite()) {
-                return Err(Error::Config(format!(
-                    "OXCCL_TIMEOUT={v:?} must be > 0 seconds"
-                )));
-            }
-            c.timeout = Duration::from_secs_f64(secs);
+            c.timeout = parse_timeout(&v)?;
         }
         if let Some(v) = get("OXCCL_ALGO") {
             c.algo = AlgoOverride::parse(&v)?;
@@ -207,6 +263,12 @@ impl Config {
         }
         if let Some(v) = get("OXCCL_SOCKET_BUFFER") {
             c.socket_buffer = parse_num("OXCCL_SOCKET_BUFFER", &v)?;
+            if c.socket_buffer > MAX_SOCKET_BUFFER {
+                return Err(Error::Config(format!(
+                    "OXCCL_SOCKET_BUFFER={v} must be at most {MAX_SOCKET_BUFFER} bytes (1 GiB; \
+                     0 = kernel default)"
+                )));
+            }
         }
         if let Some(v) = get("OXCCL_SOCKET_DELAYED_ACK") {
             c.socket_delayed_ack = parse_bool("OXCCL_SOCKET_DELAYED_ACK", &v)?;
@@ -392,9 +454,45 @@ mod tests {
             ("OXCCL_CUDA_IPC_SLOT", "2048"),
             ("OXCCL_CUDA_IPC_ONE_SHOT", "-5"),
             ("OXCCL_CUDA_IPC_BARRIER", "gpu"),
+            ("OXCCL_TIMEOUT", "1e20"),
+            ("OXCCL_TIMEOUT", "1e19"),
+            ("OXCCL_TIMEOUT", "31536000.5"),
+            ("OXCCL_TIMEOUT", "1e-12"),
+            ("OXCCL_TIMEOUT", "0.0009"),
+            ("OXCCL_TIMEOUT", "0"),
+            ("OXCCL_TIMEOUT", "inf"),
+            ("OXCCL_TIMEOUT", "NaN"),
+            ("OXCCL_SOCKET_BUFFER", "4294967296"),
+            ("OXCCL_SOCKET_BUFFER", "1073741825"),
         ] {
             let e = cfg(&[(k, v)]).unwrap_err().to_string();
             assert!(e.contains(k) || k == "OXCCL_ALGO", "{e}");
         }
+    }
+
+    #[test]
+    fn timeout_and_socket_buffer_limits() {
+        let t = |v: &str| cfg(&[("OXCCL_TIMEOUT", v)]).map(|c| c.timeout);
+        assert_eq!(t("0.001").unwrap(), MIN_TIMEOUT);
+        assert_eq!(t("31536000").unwrap(), MAX_TIMEOUT);
+        assert_eq!(t("1").unwrap(), Duration::from_secs(1));
+        for bad in ["1e20", "1e19", "1e-12"] {
+            let e = t(bad).unwrap_err().to_string();
+            assert!(
+                e.contains("OXCCL_TIMEOUT") && e.contains("0.001") && e.contains("31536000"),
+                "{e}"
+            );
+        }
+        assert!(check_timeout(MIN_TIMEOUT).is_ok() && check_timeout(MAX_TIMEOUT).is_ok());
+        assert!(check_timeout(Duration::ZERO).is_err());
+        assert!(check_timeout(MAX_TIMEOUT + Duration::from_nanos(1)).is_err());
+        let b = |v: &str| cfg(&[("OXCCL_SOCKET_BUFFER", v)]).map(|c| c.socket_buffer);
+        assert_eq!(b("1073741824").unwrap(), MAX_SOCKET_BUFFER);
+        assert_eq!(b("0").unwrap(), 0);
+        let e = b("4294967296").unwrap_err().to_string();
+        assert!(
+            e.contains("OXCCL_SOCKET_BUFFER") && e.contains("1 GiB"),
+            "{e}"
+        );
     }
 }

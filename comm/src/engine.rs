@@ -66,6 +66,11 @@ pub(crate) struct Shared {
     pub sockets: bool,
     pub abort: AtomicBool,
     pub exec: Mutex<ExecState>,
+    /// Set when an operation gave up waiting for its turn: it never ran, so this rank's sequence
+    /// numbers no longer match its peers'. The communicator breaks with `skipped` as the cause as
+    /// soon as the execution state is free (see [`Shared::break_when_free`]).
+    skipped_set: AtomicBool,
+    skipped: Mutex<Option<Error>>,
     store: Arc<dyn Store>,
     error_key: String,
     turn: Mutex<Turn>,
@@ -104,6 +109,8 @@ impl Shared {
                 p2p_recvd: vec![0; size],
                 broken: None,
             }),
+            skipped_set: AtomicBool::new(false),
+            skipped: Mutex::new(None),
             store,
             error_key: format!("{comm_id}/error"),
             turn: Mutex::new(Turn {
@@ -140,15 +147,23 @@ impl Shared {
                 let deadline = deadline.unwrap_or_else(Instant::now);
                 let left = deadline.saturating_duration_since(Instant::now());
                 if left.is_zero() {
-                    // Give up our place so the line keeps moving.
+                    // This operation never runs: peers would pair its sequence number with the
+                    // next one's data. Like NCCL after a time-out, the communicator is unusable
+                    // from here on (every later operation fails with this error); give up our
+                    // place so the line keeps moving.
                     drop(t);
-                    self.finish_turn(ticket);
-                    return Err(Error::Timeout {
+                    let e = Error::Timeout {
                         rank: self.rank,
                         op: "waiting for earlier operations".into(),
                         timeout: self.timeout,
-                        detail: format!("{ahead} operations were queued ahead"),
-                    });
+                        detail: format!(
+                            "{ahead} operations were queued ahead; this one never ran, so the \
+                             communicator is broken"
+                        ),
+                    };
+                    self.break_when_free(e.clone());
+                    self.finish_turn(ticket);
+                    return Err(e);
                 }
                 t.waiters += 1;
                 t = self
@@ -161,6 +176,7 @@ impl Shared {
         }
         let result = {
             let mut st = lock(&self.exec);
+            self.break_if_skipped(&mut st);
             match st.broken.clone() {
                 Some(e) => Err(e),
                 None if self.abort.load(Ordering::Relaxed) => {
@@ -173,8 +189,46 @@ impl Shared {
                 None => f(&mut st).map_err(|e| self.fail(&mut st, e)),
             }
         };
+        // A later operation may have timed out waiting for this one: break now, so peers learn
+        // at once rather than at this rank's next call.
+        self.try_break_if_skipped();
         self.finish_turn(ticket);
         result
+    }
+
+    /// Records that an operation was skipped (`e`: why) and breaks the communicator with it: at
+    /// once when no operation runs, else when the running one ends (see [`Shared::run_turn`]).
+    fn break_when_free(&self, e: Error) {
+        lock(&self.skipped).get_or_insert(e);
+        // SeqCst with the load in `try_break_if_skipped`: either the running operation sees the
+        // flag after releasing the state, or the `try_lock` here comes after that release.
+        self.skipped_set.store(true, Ordering::SeqCst);
+        self.try_break_if_skipped();
+    }
+
+    /// [`Shared::break_if_skipped`] unless another thread holds the execution state (it runs an
+    /// operation, which checks when it ends, or is breaking the communicator already).
+    fn try_break_if_skipped(&self) {
+        if !self.skipped_set.load(Ordering::SeqCst) {
+            return;
+        }
+        let st = match self.exec.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        };
+        if let Some(mut st) = st {
+            self.break_if_skipped(&mut st);
+        }
+    }
+
+    /// Breaks the communicator if an operation was skipped (one load when none was).
+    fn break_if_skipped(&self, st: &mut ExecState) {
+        if self.skipped_set.load(Ordering::SeqCst) {
+            if let Some(e) = lock(&self.skipped).take() {
+                self.fail(st, e);
+            }
+        }
     }
 
     fn finish_turn(&self, ticket: u64) {
@@ -410,6 +464,75 @@ impl<B> Work<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bootstrap::MemStore;
+
+    fn shared(timeout: Duration) -> (Arc<Shared>, Arc<MemStore>) {
+        let store = Arc::new(MemStore::new());
+        let cfg = Config {
+            timeout,
+            ..Config::default()
+        };
+        let sh = Shared::new(0, 2, false, &cfg, Links::default(), store.clone(), "t");
+        (Arc::new(sh), store)
+    }
+
+    fn is_turn_timeout(r: &Result<u64>) -> bool {
+        matches!(r, Err(Error::Timeout { op, .. }) if op == "waiting for earlier operations")
+    }
+
+    /// An operation that times out waiting for its turn never runs: the next one must not take
+    /// its sequence number (peers would pair different data), so the communicator breaks and
+    /// every later operation reports the time-out.
+    #[test]
+    fn a_turn_time_out_breaks_the_communicator() {
+        let (sh, store) = shared(Duration::from_millis(5));
+        let (go_tx, go_rx) = crossbeam_channel::bounded::<()>(1);
+        let (ran_tx, ran_rx) = crossbeam_channel::bounded::<()>(1);
+        let (t0, _) = sh.take_ticket();
+        let first = std::thread::spawn({
+            let sh = Arc::clone(&sh);
+            move || {
+                sh.run_turn(t0, 0, |st| {
+                    let _ = ran_tx.send(());
+                    // Held until the queued operation below gave up (bounded).
+                    let _ = go_rx.recv_timeout(Duration::from_secs(60));
+                    st.coll_seq += 1;
+                    Ok(())
+                })
+            }
+        });
+        ran_rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("first operation runs");
+        let (t1, ahead) = sh.take_ticket();
+        let skipped = sh.run_turn(t1, ahead, |st| {
+            st.coll_seq += 1;
+            Ok(st.coll_seq)
+        });
+        assert!(is_turn_timeout(&skipped), "{skipped:?}");
+        go_tx.send(()).unwrap();
+        first
+            .join()
+            .unwrap()
+            .expect("the operation ahead completes");
+        // The running operation broke the communicator as it ended: the cause is published.
+        assert!(store.try_get("t/error").unwrap().is_some());
+        let (t2, ahead) = sh.take_ticket();
+        let next = sh.run_turn(t2, ahead, |st| Ok(st.coll_seq));
+        assert!(is_turn_timeout(&next), "{next:?}");
+    }
+
+    /// With no operation running when the wait ends, the communicator breaks at once.
+    #[test]
+    fn a_turn_time_out_with_nothing_running_breaks_at_once() {
+        let (sh, store) = shared(Duration::from_millis(5));
+        let _never_runs = sh.take_ticket();
+        let (t1, ahead) = sh.take_ticket();
+        let r = sh.run_turn(t1, ahead, |st| Ok(st.coll_seq));
+        assert!(is_turn_timeout(&r), "{r:?}");
+        assert!(store.try_get("t/error").unwrap().is_some());
+        assert!(lock(&sh.exec).broken.is_some());
+    }
 
     #[test]
     fn errors_survive_the_store() {

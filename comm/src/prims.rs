@@ -188,6 +188,9 @@ pub(crate) struct Ctx<'a> {
     /// Set when the operation first waits (reading the clock costs; most small operations never
     /// wait long enough to need it).
     deadline: Option<Instant>,
+    /// In a sub-context ([`Ctx::sub`]): the communicator context's deadline, shared so the whole
+    /// operation (every sub-context and the parent) gives up at one deadline.
+    root_deadline: Option<&'a mut Option<Instant>>,
     timeout: Duration,
     abort: &'a AtomicBool,
     /// When this rank started waiting without progress (None while progressing).
@@ -321,6 +324,7 @@ impl<'a> Ctx<'a> {
             tag,
             op,
             deadline: None,
+            root_deadline: None,
             timeout,
             abort,
             idle_since: None,
@@ -336,20 +340,27 @@ impl<'a> Ctx<'a> {
     }
 
     /// A context over a subset of this one's ranks: `members` lists their ranks (this rank
-    /// included); inside it ranks and peers are indices into `members`. Same tag, deadline and
-    /// connections: the hierarchical algorithms run rings inside a node and across nodes with it.
-    /// Call it on a communicator's context (not on a sub-context): `members` are communicator
-    /// ranks.
+    /// included); inside it ranks and peers are indices into `members`. Same tag, deadline (one
+    /// for the whole operation: a deadline set inside is the parent's too) and connections: the
+    /// hierarchical algorithms run rings inside a node and across nodes with it. Call it on a
+    /// communicator's context (not on a sub-context): `members` are communicator ranks.
     pub(crate) fn sub<'b>(&'b mut self, members: &'b [usize]) -> Ctx<'b> {
         let me = self.me();
         let rank = members.iter().position(|&r| r == me).unwrap_or(0);
+        // The deadline lives in the outermost context; a sub-context sets it there (see
+        // `Ctx::deadline`), so time spent in one sub-context counts in the next.
+        let root = match self.root_deadline.as_deref_mut() {
+            Some(r) => r,
+            None => &mut self.deadline,
+        };
         Ctx {
             rank,
             size: members.len(),
             links: &mut *self.links,
             tag: self.tag,
             op: self.op,
-            deadline: self.deadline,
+            deadline: *root,
+            root_deadline: Some(root),
             timeout: self.timeout,
             abort: self.abort,
             idle_since: None,
@@ -362,6 +373,20 @@ impl<'a> Ctx<'a> {
             layout: None,
             map: Some(members),
         }
+    }
+
+    /// The operation's deadline, set `timeout` after `now` by its first wait (in the outermost
+    /// context, which sub-contexts share).
+    fn deadline(&mut self, now: Instant) -> Instant {
+        if let Some(d) = self.deadline {
+            return d;
+        }
+        let d = match self.root_deadline.as_deref_mut() {
+            Some(r) => *r.get_or_insert(now + self.timeout),
+            None => now + self.timeout,
+        };
+        self.deadline = Some(d);
+        d
     }
 
     /// The communicator rank of peer `p` of this context (see [`Ctx::sub`]).
@@ -453,7 +478,14 @@ impl<'a> Ctx<'a> {
                 std::hint::spin_loop();
                 continue;
             }
-            w.check(p).map_err(|e| retag(self.op, e))?;
+            if let Err(e) = w.check(p) {
+                // The peer may have published its last step and left after the load above: its
+                // step store comes before its goodbye (or exit), so an acquire reload sees it.
+                if w.step(p) < step {
+                    return Err(retag(self.op, e));
+                }
+                continue;
+            }
             self.idle(&|| format!("waiting for rank {p} to reach direct step {step}"))?;
         }
     }
@@ -525,7 +557,7 @@ impl<'a> Ctx<'a> {
             return Ok(());
         }
         let now = Instant::now();
-        if now >= *self.deadline.get_or_insert(now + self.timeout) {
+        if now >= self.deadline(now) {
             return Err(Error::Timeout {
                 rank: self.me(),
                 op: self.op.to_string(),
@@ -858,5 +890,51 @@ fn poll_fds(fds: &[(RawFd, PollDir)], ms: i32) {
     // the call; poll only writes their `revents` fields. Errors (EINTR) just end the sleep early.
     unsafe {
         libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, ms);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A deadline first set inside a sub-context is the whole operation's: the parent and later
+    /// sub-contexts (nested ones too) keep it instead of starting a fresh one.
+    #[test]
+    fn sub_contexts_share_the_operation_deadline() {
+        let mut links = Links::default();
+        let abort = AtomicBool::new(false);
+        let timeout = Duration::from_secs(3600);
+        let mut ctx = Ctx::new(0, 1, &mut links, Tag::default(), "t", timeout, &abort);
+        let members = [0usize];
+        {
+            let mut s = ctx.sub(&members);
+            s.idle(&String::new).unwrap();
+            assert!(s.deadline.is_some());
+        }
+        let d = ctx.deadline;
+        assert!(
+            d.is_some(),
+            "the parent keeps the deadline its sub-context set"
+        );
+        {
+            let mut s = ctx.sub(&members);
+            assert_eq!(s.deadline, d);
+            s.idle(&String::new).unwrap();
+            assert_eq!(s.deadline, d);
+        }
+        // Nested, with the deadline first set in the innermost context.
+        let mut links = Links::default();
+        let mut ctx = Ctx::new(0, 1, &mut links, Tag::default(), "t", timeout, &abort);
+        {
+            let mut s = ctx.sub(&members);
+            {
+                let mut s2 = s.sub(&members);
+                s2.idle(&String::new).unwrap();
+            }
+            let inner = s.deadline(Instant::now());
+            assert_eq!(s.root_deadline.as_deref().copied().flatten(), Some(inner));
+        }
+        let d = ctx.deadline.expect("set by the innermost context");
+        assert_eq!(ctx.deadline(Instant::now() + timeout), d);
     }
 }

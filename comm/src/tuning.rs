@@ -271,6 +271,16 @@ impl AlgoOverride {
     pub fn is_empty(&self) -> bool {
         self.rules.is_empty()
     }
+
+    /// The effective rules as `coll=algo` pairs in [`Collective::ALL`] order, comma-separated
+    /// (empty when nothing is forced): equal for overrides that force the same algorithms.
+    pub(crate) fn canonical(&self) -> String {
+        Collective::ALL
+            .iter()
+            .filter_map(|&c| self.get(c).map(|a| format!("{}={}", c.name(), a.name())))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
 }
 
 const ALPHA_US: f64 = 15.0;

@@ -328,10 +328,12 @@ fn slurm_tasks_per_node_and_derived_store() {
     e[3] = ("SLURM_NODEID", "3");
     assert_eq!(ok(&e).local_world_size, 1);
 
-    // A node id past the list is an error naming the variables.
+    // A node id past the list is only a warning (local sizes are advisory): the list is
+    // ignored, the size defaults to 1 and is raised to fit SLURM_LOCALID=1.
     let mut e = slurm_base();
     e[3] = ("SLURM_NODEID", "4");
-    config_err(&e, &["SLURM_NODEID=4", "SLURM_TASKS_PER_NODE"]);
+    let i = ok(&e);
+    assert_eq!((i.local_rank, i.local_world_size), (1, 2));
 
     let mut e = slurm_base();
     e[4] = ("SLURM_TASKS_PER_NODE", "2(y3)");
@@ -339,14 +341,54 @@ fn slurm_tasks_per_node_and_derived_store() {
 }
 
 #[test]
-fn slurm_ntasks_per_node_wins_and_rank0_hosts() {
+fn slurm_step_counts_win_over_the_job_and_rank0_hosts() {
+    // SLURM_NTASKS_PER_NODE is the job's --ntasks-per-node: the step's lists win over it.
     let mut e = slurm_base();
     e[0] = ("SLURM_PROCID", "0");
     e[2] = ("SLURM_LOCALID", "0");
     e.push(("SLURM_NTASKS_PER_NODE", "3"));
     let i = ok(&e);
-    assert_eq!(i.local_world_size, 3);
+    assert_eq!(i.local_world_size, 2);
     assert!(i.host_store);
+    e.push(("SLURM_STEP_TASKS_PER_NODE", "1,1,4,1"));
+    assert_eq!(ok(&e).local_world_size, 4);
+    // Only the job's value: used.
+    let e: Vec<_> = e
+        .into_iter()
+        .filter(|(k, _)| !k.contains("TASKS_PER_NODE") || *k == "SLURM_NTASKS_PER_NODE")
+        .collect();
+    assert_eq!(ok(&e).local_world_size, 3);
+    // A malformed step list is still an error naming it.
+    let mut e = slurm_base();
+    e.push(("SLURM_STEP_TASKS_PER_NODE", "2(x"));
+    config_err(&e, &["SLURM_STEP_TASKS_PER_NODE", "2(x"]);
+}
+
+#[test]
+fn slurm_step_smaller_than_the_jobs_tasks_per_node() {
+    // `sbatch --ntasks-per-node=8` then `srun -n 2`: the step sets its own counts.
+    let base = [
+        ("SLURM_PROCID", "1"),
+        ("SLURM_NTASKS", "2"),
+        ("SLURM_LOCALID", "1"),
+        ("SLURM_NODEID", "0"),
+        ("SLURM_NTASKS_PER_NODE", "8"),
+        ("SLURM_JOB_ID", "77"),
+        ("SLURM_NODELIST", "n[1-4]"),
+    ];
+    let mut e = base.to_vec();
+    e.extend([
+        ("SLURM_STEP_TASKS_PER_NODE", "2"),
+        ("SLURM_TASKS_PER_NODE", "2"),
+    ]);
+    let i = ok(&e);
+    assert_eq!(
+        (i.rank, i.world_size, i.local_rank, i.local_world_size),
+        (1, 2, 1, 2)
+    );
+    // Without the step variables the job's 8 exceeds the 2 tasks: a warning, clamped to 2.
+    let i = ok(&base);
+    assert_eq!((i.local_rank, i.local_world_size), (1, 2));
 }
 
 #[test]
@@ -396,15 +438,22 @@ fn slurm_minimal_defaults() {
         ],
         &["SLURM_PROCID=2", "SLURM_NTASKS=2"],
     );
-    config_err(
-        &[
-            ("SLURM_PROCID", "0"),
-            ("SLURM_NTASKS", "2"),
-            ("SLURM_LOCALID", "1"),
-            ("SLURM_NODELIST", "n1"),
-        ],
-        &["SLURM_LOCALID=1"],
-    );
+    // A local rank that does not fit the local size is a warning: the size is raised to fit.
+    let i = ok(&[
+        ("SLURM_PROCID", "0"),
+        ("SLURM_NTASKS", "2"),
+        ("SLURM_LOCALID", "1"),
+        ("SLURM_NODELIST", "n1"),
+    ]);
+    assert_eq!((i.local_rank, i.local_world_size), (1, 2));
+    // ... and clamped to the world size.
+    let i = ok(&[
+        ("SLURM_PROCID", "0"),
+        ("SLURM_NTASKS", "2"),
+        ("SLURM_LOCALID", "5"),
+        ("SLURM_NODELIST", "n1"),
+    ]);
+    assert_eq!((i.local_rank, i.local_world_size), (1, 2));
 }
 
 // --------------------------------------------------------------------------------- Open MPI

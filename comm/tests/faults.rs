@@ -434,7 +434,8 @@ fn window_and_slots_disagreeing_is_a_mismatch_not_a_hang() {
         t0.elapsed() < Duration::from_secs(15),
         "noticed, not timed out"
     );
-    // Same call, but ranks forced onto different algorithms (OXCCL_ALGO differs per rank).
+    // Ranks forced onto different algorithms (OXCCL_ALGO differs per rank): refused on every
+    // rank when the communicator is created, naming the variable, before any call can mispair.
     let algos = ["all-reduce=two-shot", "all-reduce=ring", "all-reduce=ring"];
     let cfgs = algos
         .iter()
@@ -449,9 +450,12 @@ fn window_and_slots_disagreeing_is_a_mismatch_not_a_hang() {
         Ok(c.all_reduce(&mut v, ReduceOp::Sum))
     });
     for (rank, r) in res.into_iter().enumerate() {
-        let e = r.unwrap().expect_err("different algorithms must fail");
-        assert!(matches!(e, Error::Mismatch { .. }), "rank {rank}: {e}");
-        assert!(e.to_string().contains("algorithm"), "rank {rank}: {e}");
+        let e = match r {
+            Err(e) => e,
+            Ok(_) => panic!("rank {rank}: different OXCCL_ALGO must fail at init"),
+        };
+        assert!(matches!(e, Error::Config(_)), "rank {rank}: {e}");
+        assert!(e.to_string().contains("OXCCL_ALGO"), "rank {rank}: {e}");
     }
     assert!(
         t0.elapsed() < Duration::from_secs(30),
@@ -470,5 +474,45 @@ fn direct_algorithms_fail_cleanly_without_a_window() {
     }) {
         let e = r.unwrap().expect_err("no window over TCP");
         assert!(e.to_string().contains("shared memory"), "{e}");
+    }
+}
+
+#[test]
+fn ranks_with_different_staging_sizes_agree() {
+    // Each rank sizes its staging halves from its own OXCCL_SHM_DIRECT_BYTES; the window uses
+    // the smallest everywhere, so every rank picks the same algorithm and the same pieces.
+    let sizes: [&[usize]; 2] = [&[4096, 65536, 1 << 20], &[1 << 20, 0, 8192]];
+    let algos = ["", "all-reduce=one-shot", "all-reduce=two-shot"];
+    for (sizes, algo) in sizes.iter().flat_map(|s| algos.iter().map(move |a| (s, a))) {
+        let staged = !sizes.contains(&0);
+        if !staged && !algo.is_empty() {
+            continue; // forcing a direct algorithm without staging is an error (tested above)
+        }
+        let cfgs = sizes
+            .iter()
+            .map(|&d| {
+                let mut c = tcfg(TransportChoice::Shm, 30);
+                c.direct_bytes = d;
+                c.algo = oxccl_comm::tuning::AlgoOverride::parse(algo).unwrap();
+                c
+            })
+            .collect();
+        let res = spawn_cfgs(cfgs, |c| {
+            let mut out = Vec::new();
+            for n in [1usize, 100, 3000, 40_000] {
+                let mut v: Vec<u32> = (0..n).map(|i| (i as u32) * 3 + c.rank() as u32).collect();
+                c.all_reduce(&mut v, ReduceOp::Sum)?;
+                out.push(v);
+            }
+            Ok(out)
+        });
+        for (rank, r) in res.into_iter().enumerate() {
+            let got = r.unwrap_or_else(|e| panic!("{sizes:?} {algo:?} rank {rank}: {e}"));
+            for v in got {
+                for (i, x) in v.iter().enumerate() {
+                    assert_eq!(*x, 9 * i as u32 + 3, "{sizes:?} {algo:?} rank {rank} [{i}]");
+                }
+            }
+        }
     }
 }

@@ -519,3 +519,34 @@ fn file_store_get_waits_for_other_instance() {
     setter.join().unwrap();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn file_store_lock_held_elsewhere_gives_up_naming_dir_and_key() {
+    let dir = temp_dir("lock");
+    let s = FileStore::new(&dir).unwrap();
+    // Someone else (here: another open file description) holds the directory lock.
+    let holder = std::fs::OpenOptions::new()
+        .write(true)
+        .open(dir.join(".lock"))
+        .unwrap();
+    holder.lock().unwrap();
+    // On a thread, so that a lock wait without a deadline fails the test instead of hanging it.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let s2 = s.clone();
+    thread::spawn(move || {
+        let r = s2.compare_set_within("ranks/0/lock", None, b"v", Duration::from_millis(100));
+        let _ = tx.send(r);
+    });
+    let r = rx
+        .recv_timeout(T)
+        .expect("compare_set_within waited past its timeout for the lock");
+    let msg = expect_store_err(r, "ranks/0/lock");
+    assert!(msg.contains(&dir.display().to_string()), "{msg}");
+    // Released: mutations work again.
+    drop(holder);
+    assert_eq!(
+        s.compare_set("ranks/0/lock", None, b"v").unwrap(),
+        b"v".to_vec()
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -12,8 +12,17 @@
 //! |----------|-------------|-------------------|-------|
 //! | oxccl    | `OXCCL_RANK`, `OXCCL_WORLD_SIZE` | `OXCCL_LOCAL_RANK` (default: rank), `OXCCL_LOCAL_WORLD_SIZE` (default: world) | `OXCCL_STORE` |
 //! | torchrun | `RANK`, `WORLD_SIZE` | `LOCAL_RANK` (default: rank), `LOCAL_WORLD_SIZE` (default: world) | `MASTER_ADDR`, `MASTER_PORT` |
-//! | Slurm    | `SLURM_PROCID`, `SLURM_NTASKS` | `SLURM_LOCALID` (default 0), `SLURM_NTASKS_PER_NODE`, else `SLURM_TASKS_PER_NODE` at `SLURM_NODEID`, else 1 | `MASTER_ADDR`/`MASTER_PORT`, else first node of the node list and a port derived from the job id |
+//! | Slurm    | `SLURM_PROCID`, `SLURM_NTASKS` | `SLURM_LOCALID` (default 0), `SLURM_STEP_TASKS_PER_NODE`, else `SLURM_TASKS_PER_NODE` (both at `SLURM_NODEID`), else `SLURM_NTASKS_PER_NODE`, else 1 | `MASTER_ADDR`/`MASTER_PORT`, else first node of the node list and a port derived from the job id |
 //! | Open MPI | `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE` | `OMPI_COMM_WORLD_LOCAL_RANK` (default: rank), `OMPI_COMM_WORLD_LOCAL_SIZE` (default: world) | `OXCCL_STORE`, else `MASTER_ADDR`/`MASTER_PORT` |
+//!
+//! **Slurm local size:** `srun` sets the step's own task counts (`SLURM_STEP_TASKS_PER_NODE`,
+//! and overwrites `SLURM_TASKS_PER_NODE` with them), while `SLURM_NTASKS_PER_NODE` is the job's
+//! `--ntasks-per-node`, inherited by every step (`sbatch --ntasks-per-node=8` then `srun -n 2`),
+//! so it comes last. The communicator works out local ranks from node ids anyway and only warns
+//! when the launcher disagrees, so under Slurm a local rank or size that does not fit (local
+//! size above the world size, local rank not below it, `SLURM_NODEID` past the list) is a
+//! warning, not an error: the values are clamped into range (local size at least local rank + 1,
+//! at most the world size). Malformed values are still errors.
 //!
 //! `OXCCL_STORE` is `host:port`, `[ipv6]:port` or `file:///absolute/dir`; when set it also
 //! overrides the store of torchrun and Slurm jobs. Under oxccl's and Open MPI's variables, a
@@ -40,7 +49,7 @@
 
 use std::path::PathBuf;
 
-use super::nodelist::{expand_nodelist, expand_tasks_per_node};
+use super::nodelist::{expand_nodelist, expand_tasks_per_node_of};
 use crate::error::{Error, Result};
 
 /// Which launcher started this process.
@@ -144,23 +153,29 @@ fn validate(rank: &Num, world: &Num, local_rank: &Num, local_world: &Num) -> Res
             rank.source, world.source
         )));
     }
+    validate_local(world, local_rank, local_world).map_err(Error::Config)
+}
+
+/// Checks the local rank and size against each other and the world size.
+fn validate_local(
+    world: &Num,
+    local_rank: &Num,
+    local_world: &Num,
+) -> std::result::Result<(), String> {
     if local_world.value == 0 {
-        return Err(Error::Config(format!(
+        return Err(format!(
             "{}: the local world size must be at least 1",
             local_world.source
-        )));
+        ));
     }
     if local_rank.value >= local_world.value {
-        return Err(Error::Config(format!(
+        return Err(format!(
             "{} is out of range: it must be below {}",
             local_rank.source, local_world.source
-        )));
+        ));
     }
     if local_world.value > world.value {
-        return Err(Error::Config(format!(
-            "{} exceeds {}",
-            local_world.source, world.source
-        )));
+        return Err(format!("{} exceeds {}", local_world.source, world.source));
     }
     Ok(())
 }
@@ -392,34 +407,24 @@ fn detect_slurm(get: Get<'_>, r: &str, w: &str) -> Result<LaunchInfo> {
         value: 0,
         source: String::new(),
     };
-    let local_rank = num_or(get, "SLURM_LOCALID", &zero, "0")?;
-    let local_world = if let Some(v) = var(get, "SLURM_NTASKS_PER_NODE") {
-        parse_num("SLURM_NTASKS_PER_NODE", &v)?
-    } else if let Some(tpn) = var(get, "SLURM_TASKS_PER_NODE") {
-        let counts = expand_tasks_per_node(&tpn)?;
-        let node = match var(get, "SLURM_NODEID") {
-            Some(v) => parse_num("SLURM_NODEID", &v)?,
-            None => zero_num("SLURM_NODEID (unset, defaulting to 0)"),
-        };
-        let value = *counts.get(node.value).ok_or_else(|| {
-            Error::Config(format!(
-                "{} is out of range for SLURM_TASKS_PER_NODE='{tpn}' ({} nodes)",
-                node.source,
-                counts.len()
-            ))
-        })?;
-        Num {
-            value,
-            source: format!("SLURM_TASKS_PER_NODE='{tpn}' at {}", node.source),
+    let mut local_rank = num_or(get, "SLURM_LOCALID", &zero, "0")?;
+    let mut local_world = slurm_local_world(get)?;
+    // Advisory only (see the module docs): a misfit is a warning, and the values are clamped.
+    if world.value > 0 && rank.value < world.value {
+        if let Err(why) = validate_local(&world, &local_rank, &local_world) {
+            let lw = local_world
+                .value
+                .max(local_rank.value.saturating_add(1))
+                .min(world.value);
+            let lr = local_rank.value.min(lw - 1);
+            tracing::warn!(
+                "Slurm local rank/size do not fit: {why}; using local rank {lr} of {lw} \
+                 (the communicator takes local ranks from node ids)"
+            );
+            local_world.value = lw;
+            local_rank.value = lr;
         }
-    } else {
-        Num {
-            value: 1,
-            source: "local world size (no SLURM_NTASKS_PER_NODE or SLURM_TASKS_PER_NODE; \
-                     defaulting to 1)"
-                .to_owned(),
-        }
-    };
+    }
     // The job number only matters for the default port; a non-numeric id is an error only then.
     let job_num = match var(get, "SLURM_JOB_ID") {
         Some(v) => match v.parse::<u64>() {
@@ -470,6 +475,42 @@ fn detect_slurm(get: Get<'_>, r: &str, w: &str) -> Result<LaunchInfo> {
         host,
         &job,
     )
+}
+
+/// The number of tasks on this node of a Slurm step: the step's per-node list, else the
+/// (step-overwritten) job list, both at `SLURM_NODEID`, else the job's `SLURM_NTASKS_PER_NODE`,
+/// else 1. A node id past a list is a warning (the next source is tried).
+fn slurm_local_world(get: Get<'_>) -> Result<Num> {
+    for name in ["SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"] {
+        let Some(tpn) = var(get, name) else { continue };
+        let counts = expand_tasks_per_node_of(name, &tpn)?;
+        let node = match var(get, "SLURM_NODEID") {
+            Some(v) => parse_num("SLURM_NODEID", &v)?,
+            None => zero_num("SLURM_NODEID (unset, defaulting to 0)"),
+        };
+        match counts.get(node.value) {
+            Some(&value) => {
+                return Ok(Num {
+                    value,
+                    source: format!("{name}='{tpn}' at {}", node.source),
+                })
+            }
+            None => tracing::warn!(
+                "{} is out of range for {name}='{tpn}' ({} nodes); ignoring {name}",
+                node.source,
+                counts.len()
+            ),
+        }
+    }
+    if let Some(v) = var(get, "SLURM_NTASKS_PER_NODE") {
+        return parse_num("SLURM_NTASKS_PER_NODE", &v);
+    }
+    Ok(Num {
+        value: 1,
+        source: "local world size (no usable SLURM_STEP_TASKS_PER_NODE, SLURM_TASKS_PER_NODE \
+                 or SLURM_NTASKS_PER_NODE; defaulting to 1)"
+            .to_owned(),
+    })
 }
 
 fn zero_num(source: &str) -> Num {

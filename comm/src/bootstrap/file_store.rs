@@ -5,9 +5,12 @@
 //! `[A-Za-z0-9_.-]` becomes `%XX`, so `ranks/3/addr` is `k_ranks%2F3%2Faddr`), plus a `.lock`
 //! file. Writes go to a hidden temporary file that is then renamed over the key file, so a
 //! reader sees either the old or the new value, never a partial one. Mutations (`set`, `add`,
-//! `compare_set`, `delete`) hold an exclusive lock on `.lock` (`File::lock`, i.e. `flock`), so
-//! read-modify-write operations are atomic across threads and processes. `get` polls for the
-//! key file with a backoff from 5 ms to 50 ms.
+//! `compare_set`, `delete`) hold an exclusive lock on `.lock` (`File::try_lock`, i.e. `flock`),
+//! so read-modify-write operations are atomic across threads and processes. Taking the lock
+//! polls (1 ms to 20 ms apart) until the operation's timeout (`compare_set_within`) or
+//! [`LOCK_TIMEOUT`], then fails naming the directory and key (a holder that never lets go,
+//! e.g. a stale lock on a network filesystem, must not hang every rank). `get` polls for the key
+//! file with a backoff from 5 ms to 50 ms.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
@@ -25,6 +28,10 @@ const LOCK_FILE: &str = ".lock";
 const KEY_PREFIX: &str = "k_";
 const POLL_MIN: Duration = Duration::from_millis(5);
 const POLL_MAX: Duration = Duration::from_millis(50);
+/// Longest wait for the directory lock of an operation without a timeout of its own.
+pub(crate) const LOCK_TIMEOUT: Duration = Duration::from_secs(30);
+const LOCK_POLL_MIN: Duration = Duration::from_millis(1);
+const LOCK_POLL_MAX: Duration = Duration::from_millis(20);
 /// Longest file name produced for a key (most filesystems allow 255 bytes).
 const MAX_NAME: usize = 250;
 
@@ -106,15 +113,39 @@ impl FileStore {
             .map_err(|e| Error::Store(format!("file store: cannot open {}: {e}", p.display())))
     }
 
+    /// The directory lock, waiting at most [`LOCK_TIMEOUT`].
     fn lock(&self, key: &str) -> Result<DirLock> {
+        self.lock_within(key, LOCK_TIMEOUT)
+    }
+
+    /// The directory lock, polling until `timeout` passes.
+    fn lock_within(&self, key: &str, timeout: Duration) -> Result<DirLock> {
         let f = self.open_lock_file()?;
-        f.lock().map_err(|e| {
-            Error::Store(format!(
-                "file store {}: cannot lock {LOCK_FILE} for key '{key}': {e}",
-                self.dir.display()
-            ))
-        })?;
-        Ok(DirLock { _file: f })
+        let deadline = Deadline::after(timeout);
+        let mut pause = LOCK_POLL_MIN;
+        loop {
+            match f.try_lock() {
+                Ok(()) => return Ok(DirLock { _file: f }),
+                Err(std::fs::TryLockError::WouldBlock) => {}
+                Err(std::fs::TryLockError::Error(e)) => {
+                    return Err(Error::Store(format!(
+                        "file store {}: cannot lock {LOCK_FILE} for key '{key}': {e}",
+                        self.dir.display()
+                    )))
+                }
+            }
+            let left = deadline.remaining();
+            if left.is_zero() {
+                return Err(Error::Store(format!(
+                    "file store {}: could not lock {LOCK_FILE} for key '{key}' within \
+                     {timeout:?}: another process holds it (a crashed holder on a network \
+                     filesystem can leave a stale lock)",
+                    self.dir.display()
+                )));
+            }
+            thread::sleep(pause.min(left));
+            pause = (pause * 2).min(LOCK_POLL_MAX);
+        }
     }
 
     fn read(&self, key: &str, path: &Path) -> Result<Option<Vec<u8>>> {
@@ -198,8 +229,18 @@ impl Store for FileStore {
     }
 
     fn compare_set(&self, key: &str, expected: Option<&[u8]>, desired: &[u8]) -> Result<Vec<u8>> {
+        self.compare_set_within(key, expected, desired, LOCK_TIMEOUT)
+    }
+
+    fn compare_set_within(
+        &self,
+        key: &str,
+        expected: Option<&[u8]>,
+        desired: &[u8],
+        timeout: Duration,
+    ) -> Result<Vec<u8>> {
         let path = self.path(key)?;
-        let _l = self.lock(key)?;
+        let _l = self.lock_within(key, timeout)?;
         let current = self.read(key, &path)?;
         let (store, reply) = compare_set_decision(current.as_deref(), expected, desired);
         if store {
@@ -246,6 +287,43 @@ mod tests {
         assert_eq!(s.add("n", 3).unwrap(), 3);
         assert!(s.delete("a/b").unwrap());
         assert!(!s.delete("a/b").unwrap());
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn held_lock_gives_an_error_naming_dir_and_key() {
+        let dir = std::env::temp_dir().join(format!("oxccl-fs-lock-{}", std::process::id()));
+        let s = FileStore::new(&dir).unwrap();
+        // Another open file description of `.lock` holds it (flock locks conflict between
+        // descriptions even within one process).
+        let holder = s.open_lock_file().unwrap();
+        holder.lock().unwrap();
+        // On a thread, so that a lock that blocks for ever fails the test instead of hanging it.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let s2 = s.clone();
+        thread::spawn(move || {
+            let _ = tx.send(
+                s2.lock_within("some/key", Duration::from_millis(50))
+                    .map(|_| ()),
+            );
+            let _ = tx.send(
+                s2.compare_set_within("other/key", None, b"v", Duration::from_millis(50))
+                    .map(|_| ()),
+            );
+        });
+        for key in ["some/key", "other/key"] {
+            let e = rx
+                .recv_timeout(Duration::from_secs(20))
+                .expect("taking a held lock did not give up")
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(&dir.display().to_string()) && e.contains(key),
+                "{e}"
+            );
+        }
+        drop(holder);
+        s.set("k", b"v").unwrap();
         let _ = fs::remove_dir_all(&dir);
     }
 }

@@ -22,6 +22,7 @@ pub use env::{detect, detect_from_env, LaunchInfo, Launcher, StoreAddr};
 pub use file_store::FileStore;
 pub use nodelist::{expand_nodelist, expand_tasks_per_node};
 pub use protocol::MAX_FRAME;
+pub(crate) use store::is_wait_timeout;
 pub use store::{MemStore, PrefixStore, Store};
 pub use tcp_server::TcpStoreServer;
 pub use tcp_store::TcpStore;

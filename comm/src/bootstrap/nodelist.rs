@@ -68,29 +68,53 @@ fn split_top_level(s: &str) -> Result<Vec<&str>> {
     Ok(items)
 }
 
-/// Expands one item (brackets already known to balance).
+/// Expands one item (brackets already known to balance). Iterative, so an item with any number
+/// of bracket groups (`a[1]a[1]...`) cannot exhaust the stack.
 fn expand_item(s: &str, item: &str) -> Result<Vec<String>> {
-    let Some(open) = item.find('[') else {
-        return Ok(vec![item.to_owned()]);
-    };
-    let close = open
-        + item[open..]
-            .find(']')
-            .ok_or_else(|| malformed(s, "unclosed '['"))?;
-    let prefix = &item[..open];
-    let values = expand_ranges(s, &item[open + 1..close])?;
-    let suffixes = expand_item(s, &item[close + 1..])?;
-    let total = values.len().saturating_mul(suffixes.len());
-    if total > MAX_HOSTS {
-        return Err(malformed(s, format!("more than {MAX_HOSTS} hosts")));
+    // The item as literal text and bracket groups: `lits[0] g[0] lits[1] g[1] ... lits[n]`.
+    let mut lits: Vec<&str> = Vec::new();
+    let mut groups: Vec<Vec<String>> = Vec::new();
+    let mut total: usize = 1;
+    let mut rest = item;
+    while let Some(open) = rest.find('[') {
+        let close = open
+            + rest[open..]
+                .find(']')
+                .ok_or_else(|| malformed(s, "unclosed '['"))?;
+        lits.push(&rest[..open]);
+        let values = expand_ranges(s, &rest[open + 1..close])?;
+        total = total.saturating_mul(values.len());
+        if total > MAX_HOSTS {
+            return Err(malformed(s, format!("more than {MAX_HOSTS} hosts")));
+        }
+        groups.push(values);
+        rest = &rest[close + 1..];
     }
+    lits.push(rest);
+    // Every combination, the first group varying slowest (an odometer over the groups).
     let mut out = Vec::with_capacity(total);
-    for v in &values {
-        for suf in &suffixes {
-            out.push(format!("{prefix}{v}{suf}"));
+    let mut idx = vec![0usize; groups.len()];
+    loop {
+        let mut host = String::from(lits[0]);
+        for (g, &i) in idx.iter().enumerate() {
+            host.push_str(&groups[g][i]);
+            host.push_str(lits[g + 1]);
+        }
+        out.push(host);
+        // Advance the odometer from the last group; done when every digit wrapped.
+        let mut g = groups.len();
+        loop {
+            if g == 0 {
+                return Ok(out);
+            }
+            g -= 1;
+            idx[g] += 1;
+            if idx[g] < groups[g].len() {
+                break;
+            }
+            idx[g] = 0;
         }
     }
-    Ok(out)
 }
 
 /// Expands the inside of one bracket group, e.g. `01-03,07`.
@@ -133,7 +157,12 @@ fn expand_ranges(s: &str, inner: &str) -> Result<Vec<String>> {
 /// # Errors
 /// [`Error::Config`] naming the variable and value when the format is not understood.
 pub fn expand_tasks_per_node(s: &str) -> Result<Vec<usize>> {
-    let bad = |why: &str| Error::Config(format!("SLURM_TASKS_PER_NODE='{s}' is malformed: {why}"));
+    expand_tasks_per_node_of("SLURM_TASKS_PER_NODE", s)
+}
+
+/// [`expand_tasks_per_node`] of the value `s` of variable `name` (named in errors).
+pub(crate) fn expand_tasks_per_node_of(name: &str, s: &str) -> Result<Vec<usize>> {
+    let bad = |why: &str| Error::Config(format!("{name}='{s}' is malformed: {why}"));
     let mut out = Vec::new();
     for item in s.trim().split(',') {
         let item = item.trim();
@@ -179,6 +208,21 @@ mod tests {
             expand_nodelist("n[098-101]").unwrap(),
             ["n098", "n099", "n100", "n101"]
         );
+    }
+
+    #[test]
+    fn several_groups_and_many_groups() {
+        assert_eq!(
+            expand_nodelist("r[1-2]n[1-2]x,a").unwrap(),
+            ["r1n1x", "r1n2x", "r2n1x", "r2n2x", "a"]
+        );
+        // 40 KB of bracket groups: no stack overflow (the recursive expansion overflowed).
+        let long = "a[1]".repeat(10_000);
+        let hosts = expand_nodelist(&long).unwrap();
+        assert_eq!(hosts, ["a1".repeat(10_000)]);
+        let long = format!("{}[", "a[1]".repeat(10_000));
+        assert!(expand_nodelist(&long).is_err());
+        assert!(expand_nodelist("n[1-1024][1-1024][1-2]").is_err());
     }
 
     #[test]

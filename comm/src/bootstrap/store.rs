@@ -171,6 +171,12 @@ pub(crate) fn timeout_error(key: &str, timeout: Duration) -> Error {
     ))
 }
 
+/// Whether a store error message is the standard wait time-out of [`timeout_error`] (a `get`
+/// whose key did not appear in time), as opposed to a store that failed or cannot be reached.
+pub(crate) fn is_wait_timeout(msg: &str) -> bool {
+    msg.starts_with("timed out after ") && msg.contains(" waiting for key '")
+}
+
 /// A view of another store in which every key `k` becomes `prefix/k`.
 ///
 /// Used to give each communicator (or job) its own namespace in a shared store.
@@ -407,6 +413,26 @@ mod tests {
             msg.contains("ranks/3/addr") && msg.contains("30ms"),
             "{msg}"
         );
+    }
+
+    #[test]
+    fn wait_timeouts_are_told_from_failures() {
+        let Error::Store(msg) = MemStore::new()
+            .get("k", Duration::from_millis(1))
+            .unwrap_err()
+        else {
+            panic!("not a store error")
+        };
+        assert!(is_wait_timeout(&msg), "{msg}");
+        let s = MemStore::new();
+        s.close();
+        let Error::Store(msg) = s.get("k", Duration::from_secs(5)).unwrap_err() else {
+            panic!("not a store error")
+        };
+        assert!(!is_wait_timeout(&msg), "{msg}");
+        assert!(!is_wait_timeout(
+            "get on key 'k' at store h:1: Connection refused"
+        ));
     }
 
     #[test]

@@ -250,46 +250,82 @@ pub struct PeerInfo {
     pub tcp_addr: String,
     /// CPUs the rank may run on (empty: unknown); see [`crate::affinity`].
     pub cpus: Vec<usize>,
+    /// Settings every rank of the communicator must share, as `(variable, canonical value)`
+    /// pairs (`OXCCL_TRANSPORT`, `OXCCL_ALGO`, `OXCCL_CUDA_STAGE_CHUNK`), compared at init.
+    /// Neither part may contain a newline, nor a variable name `=`.
+    pub settings: Vec<(String, String)>,
 }
 
 impl PeerInfo {
-    /// One-line encoding for the store.
+    /// Encoding for the store: one field a line (rank, node id, pid, TCP address, CPUs), then one
+    /// `variable=value` line per setting.
     pub fn encode(&self) -> Vec<u8> {
-        format!(
+        let mut s = format!(
             "{}\n{}\n{}\n{}\n{}",
             self.rank,
             self.node_id,
             self.pid,
             self.tcp_addr,
             crate::affinity::encode_cpus(&self.cpus)
-        )
-        .into_bytes()
+        );
+        for (name, value) in &self.settings {
+            s.push_str(&format!("\n{name}={value}"));
+        }
+        s.into_bytes()
     }
 
     /// Inverse of [`PeerInfo::encode`].
     ///
     /// # Errors
-    /// `Error::Store` if the bytes are not a peer record.
+    /// `Error::Store` if the bytes are not a peer record: the message names the field that is
+    /// missing or invalid, and the rank the record claims to be from when that much is readable.
     pub fn decode(b: &[u8]) -> Result<PeerInfo> {
-        let bad = || {
+        let text = String::from_utf8_lossy(b);
+        let whose = text
+            .split('\n')
+            .next()
+            .and_then(|v| v.parse::<usize>().ok())
+            .map_or_else(String::new, |r| format!(" of rank {r}"));
+        let bad = |field: &str| {
             crate::Error::Store(format!(
-                "malformed peer record {:?}",
-                String::from_utf8_lossy(b)
+                "malformed peer record{whose}: {field} missing or invalid in {text:?}"
             ))
         };
-        let s = std::str::from_utf8(b).map_err(|_| bad())?;
+        let s = std::str::from_utf8(b).map_err(|_| bad("UTF-8 text"))?;
         let mut it = s.split('\n');
-        let rank = it.next().and_then(|v| v.parse().ok()).ok_or_else(bad)?;
-        let node_id = it.next().ok_or_else(bad)?.to_string();
-        let pid = it.next().and_then(|v| v.parse().ok()).ok_or_else(bad)?;
-        let tcp_addr = it.next().ok_or_else(bad)?.to_string();
-        let cpus = crate::affinity::decode_cpus(it.next().ok_or_else(bad)?).ok_or_else(bad)?;
+        let rank = it
+            .next()
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| bad("rank (line 1)"))?;
+        let node_id = it
+            .next()
+            .ok_or_else(|| bad("node id (line 2)"))?
+            .to_string();
+        let pid = it
+            .next()
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| bad("process id (line 3)"))?;
+        let tcp_addr = it
+            .next()
+            .ok_or_else(|| bad("TCP address (line 4)"))?
+            .to_string();
+        let cpus = it
+            .next()
+            .and_then(crate::affinity::decode_cpus)
+            .ok_or_else(|| bad("CPU list (line 5)"))?;
+        let settings = it
+            .map(|line| match line.split_once('=') {
+                Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
+                _ => Err(bad(&format!("setting {line:?} (expected variable=value)"))),
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(PeerInfo {
             rank,
             node_id,
             pid,
             tcp_addr,
             cpus,
+            settings,
         })
     }
 }
@@ -332,8 +368,32 @@ mod tests {
             pid: 42,
             tcp_addr: "[::1]:5000".into(),
             cpus: vec![0, 1, 3],
+            settings: vec![
+                ("OXCCL_TRANSPORT".into(), "tcp".into()),
+                ("OXCCL_ALGO".into(), "all-reduce=ring,broadcast=tree".into()),
+                ("OXCCL_CUDA_STAGE_CHUNK".into(), "".into()),
+            ],
         };
         assert_eq!(PeerInfo::decode(&p.encode()).unwrap(), p);
+        let none = PeerInfo {
+            settings: Vec::new(),
+            ..p.clone()
+        };
+        assert_eq!(PeerInfo::decode(&none.encode()).unwrap(), none);
         assert!(PeerInfo::decode(b"garbage").is_err());
+    }
+
+    #[test]
+    fn malformed_peer_record_says_whose_and_what() {
+        let e = PeerInfo::decode(b"7\nnode\nnotapid\n1.2.3.4:5\n0-3").unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains("rank 7") && msg.contains("process id"),
+            "{msg}"
+        );
+        let e = PeerInfo::decode(b"7\nnode\n1\n1.2.3.4:5\n0-3\nno-equals-sign").unwrap_err();
+        assert!(e.to_string().contains("no-equals-sign"), "{e}");
+        let e = PeerInfo::decode(b"x").unwrap_err();
+        assert!(e.to_string().contains("rank (line 1)"), "{e}");
     }
 }
