@@ -414,3 +414,52 @@ fn library_api_reports_outcomes() {
     cfg.nnodes = 2;
     assert_eq!(launch(&cfg).unwrap_err().exit_code(), 2);
 }
+
+#[test]
+fn absurd_rank_counts_and_timeouts_are_refused() {
+    let m = marker("limits");
+    let (out, _, stderr, _) = run(oxccl(&m).args(["launch", "-n", "5000", "--", "true"]));
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("-n/--nproc-per-node 5000") && stderr.contains("4096"),
+        "{stderr}"
+    );
+    let (out, _, stderr, _) =
+        run(oxccl(&m).args(["launch", "-n", "1", "--timeout", "1e19", "--", "true"]));
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--timeout") && !stderr.contains("panicked"),
+        "{stderr}"
+    );
+    assert_no_survivors(&m);
+}
+
+#[test]
+fn a_signal_while_the_ranks_start_stops_the_job() {
+    // Every rank sends SIGTERM to the launcher as soon as it runs, usually while later ranks are
+    // still being started.
+    let m = marker("sigstart");
+    let (out, _, stderr, took) = run(oxccl(&m)
+        .args(["launch", "-n", "32", "--", "sh", "-c"])
+        .arg("kill -TERM $PPID; exec sleep 30"));
+    assert_eq!(out.status.code(), Some(128 + libc::SIGTERM), "{stderr}");
+    assert!(took < Duration::from_secs(20), "took {took:?}");
+    assert_no_survivors(&m);
+}
+
+#[test]
+fn a_rank_that_cannot_start_leaves_no_segments() {
+    // A stale segment of the attempt (as a rank started before the failing one could leave).
+    let job = format!("spawnfail-{}", marker("shm"));
+    let prefix = oxccl::comm::transport::shm::job_prefix(&format!("{job}-r0"));
+    let stale =
+        std::path::Path::new(oxccl::comm::transport::shm::SHM_DIR).join(format!("{prefix}stale"));
+    std::fs::write(&stale, b"x").unwrap();
+    let mut cfg = LaunchConfig::new(2, "/nonexistent/oxccl-no-such-cmd", Vec::<String>::new());
+    cfg.job_id = Some(job);
+    let err = launch(&cfg).unwrap_err();
+    let left = stale.exists();
+    let _ = std::fs::remove_file(&stale);
+    assert_eq!(err.exit_code(), 127, "{err}");
+    assert!(!left, "{} was left behind", stale.display());
+}

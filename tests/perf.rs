@@ -350,3 +350,57 @@ fn device_buffers_without_a_gpu_fail_clearly() {
     }
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
+
+#[test]
+fn huge_sweeps_and_rank_counts_are_refused() {
+    let (out, stdout, stderr) = run(&["perf", "all-reduce", "-b", "1", "-e", "4G", "-i", "1"]);
+    assert_eq!(out.status.code(), Some(2), "{stdout}{stderr}");
+    assert!(
+        stderr.contains("-i/--stepbytes") && stderr.contains("10000"),
+        "{stderr}"
+    );
+    let (out, stdout, stderr) = run(&["perf", "all-reduce", "--np", "5000"]);
+    assert_eq!(out.status.code(), Some(2), "{stdout}{stderr}");
+    assert!(
+        stderr.contains("--np 5000") && stderr.contains("4096"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn np_in_a_slurm_batch_script_starts_the_ranks() {
+    // sbatch sets SLURM_PROCID=0 and SLURM_NTASKS, yet srun started no task (no SLURM_STEP_ID):
+    // an explicit --np must start its ranks instead of rank 0 waiting for 3 absent peers.
+    let out = oxccl()
+        .args([
+            "perf",
+            "all-reduce",
+            "--np",
+            "2",
+            "-b",
+            "8",
+            "-e",
+            "8",
+            "-n",
+            "1",
+            "-w",
+            "0",
+        ])
+        .env("OXCCL_TIMEOUT", "10")
+        .env("SLURM_PROCID", "0")
+        .env("SLURM_NTASKS", "4")
+        .env("SLURM_JOB_ID", "4242")
+        .env("SLURM_NODELIST", "localhost")
+        .env_remove("SLURM_STEP_ID")
+        .env_remove("SLURM_STEPID")
+        .output()
+        .expect("run oxccl");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let rows = assert_all_correct("sbatch --np 2", &out, &stdout, &stderr);
+    assert_eq!(rows.len(), 1, "{stdout}");
+    assert!(
+        stderr.contains("warning") && stderr.contains("SLURM_PROCID=0"),
+        "{stderr}"
+    );
+}

@@ -88,3 +88,17 @@ fn bad_lists_are_clear_errors() {
     assert_eq!(code, 2);
     assert!(err.contains("must divide"), "{err}");
 }
+
+#[test]
+fn huge_placements_are_clear_errors() {
+    let (code, out, err) = topo(&["a:4294967296", "b:4294967296"]);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(err.contains("multiply to more than"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let (code, _, err) = topo(&["a:65536", "b:65536"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("4294967296 ranks, too many"), "{err}");
+    let (code, _, err) = topo(&["--world", "100000000000", "a:2"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--world"), "{err}");
+}

@@ -17,6 +17,24 @@ use crate::op::{Collective, OpDesc};
 use crate::prims::Ctx;
 use crate::tuning::{self, Algorithm, Choice};
 
+/// Runs `f` on `nbytes` of the communicator's reusable scratch (8-byte aligned words, so a call
+/// does not allocate and fault in a fresh buffer every time), or on a fresh zeroed buffer while
+/// another call of this rank holds it (it may be queued behind this one: never wait for it).
+fn with_scratch<R>(
+    scratch: &std::sync::Mutex<Vec<u64>>,
+    nbytes: usize,
+    f: impl FnOnce(&mut [u8]) -> R,
+) -> R {
+    let mut fresh = Vec::new();
+    let mut guard = scratch.try_lock().ok();
+    let words: &mut Vec<u64> = guard.as_deref_mut().unwrap_or(&mut fresh);
+    if words.len() < nbytes.div_ceil(8) {
+        words.resize(nbytes.div_ceil(8), 0);
+    }
+    let raw: &mut [u8] = bytemuck::cast_slice_mut(&mut words[..]);
+    f(&mut raw[..nbytes])
+}
+
 fn bytes<T: Element>(s: &[T]) -> &[u8] {
     bytemuck::cast_slice(s)
 }
@@ -326,6 +344,35 @@ impl Communicator {
         })
     }
 
+    /// Asynchronous out-of-place all-reduce: the job owns `input` and `output` until `wait()`,
+    /// which gives both back with `output` = reduction of every rank's `input`. The input is
+    /// read where it is (no copy into the output first), as in [`Communicator::all_reduce_into`].
+    pub fn all_reduce_into_async<T, I, O>(
+        &self,
+        input: I,
+        mut output: O,
+        op: ReduceOp,
+    ) -> Work<(I, O)>
+    where
+        T: Element,
+        I: AsRef<[T]> + Send + 'static,
+        O: AsMut<[T]> + Send + 'static,
+    {
+        let (ni, no) = (input.as_ref().len(), output.as_mut().len());
+        if ni != no {
+            let e = self.invalid(
+                "all_reduce",
+                format!("input has {ni} elements, output {no}"),
+            );
+            return self.failed_work(e, "all-reduce");
+        }
+        let desc = self.desc::<T>(Collective::AllReduce, no, op, 0);
+        self.run_async(desc, (input, output), move |ctx, ch, (i, o)| {
+            let src = bytes(i.as_ref());
+            all_reduce_body(ctx, ch, Some(src), bytes_mut(o.as_mut()), T::DTYPE, op)
+        })
+    }
+
     /// Reduce-scatter out of place: `input` holds `size()` shards of `output.len()` elements;
     /// rank r's `output` = reduction of every rank's shard r.
     ///
@@ -348,23 +395,9 @@ impl Communicator {
                 ),
             ));
         }
-        // Intermediate chunks go to the communicator's reusable scratch (the input is read
-        // where it is, never copied); if another thread of this rank holds the scratch (it may be
-        // queued behind this call), a fresh zeroed buffer instead of waiting.
-        let mut fresh = Vec::new();
-        let mut guard = self.scratch.try_lock().ok();
-        let words: &mut Vec<u64> = guard.as_deref_mut().unwrap_or(&mut fresh);
-        let nbytes = std::mem::size_of_val(input);
-        if words.len() < nbytes.div_ceil(8) {
-            words.resize(nbytes.div_ceil(8), 0);
-        }
-        let raw: &mut [u8] = bytemuck::cast_slice_mut(&mut words[..]);
-        self.reduce_scatter_run::<T>(
-            Some(bytes(input)),
-            &mut raw[..nbytes],
-            Some(bytes_mut(output)),
-            op,
-        )
+        with_scratch(&self.scratch, std::mem::size_of_val(input), |buf| {
+            self.reduce_scatter_run::<T>(Some(bytes(input)), buf, Some(bytes_mut(output)), op)
+        })
     }
 
     /// Reduce-scatter in place: `buf` holds `size()` shards; shard `rank()` ends reduced (the
@@ -435,6 +468,46 @@ impl Communicator {
             reduce_scatter_body(ctx, ch, None, b, T::DTYPE, op)?;
             let sb = b.len() / ctx.size;
             finish(ctx, &mut b[rank * sb..(rank + 1) * sb], T::DTYPE, op)
+        })
+    }
+
+    /// Asynchronous out-of-place reduce-scatter (see [`Communicator::reduce_scatter`]): the job
+    /// owns `input` and `output` until `wait()` gives both back. Partial results go to the
+    /// communicator's reusable scratch buffer (a fresh one while another call holds it).
+    pub fn reduce_scatter_into_async<T, I, O>(
+        &self,
+        input: I,
+        mut output: O,
+        op: ReduceOp,
+    ) -> Work<(I, O)>
+    where
+        T: Element,
+        I: AsRef<[T]> + Send + 'static,
+        O: AsMut<[T]> + Send + 'static,
+    {
+        let (ni, no) = (input.as_ref().len(), output.as_mut().len());
+        if ni != no * self.size {
+            let e = self.invalid(
+                "reduce_scatter",
+                format!(
+                    "input has {ni} elements; it must be output length {no} x world size {}",
+                    self.size
+                ),
+            );
+            return self.failed_work(e, "reduce-scatter");
+        }
+        let desc = self.desc::<T>(Collective::ReduceScatter, no, op, 0);
+        let (rank, scratch) = (self.rank, Arc::clone(&self.scratch));
+        self.run_async(desc, (input, output), move |ctx, ch, (i, o)| {
+            let src = bytes(i.as_ref());
+            with_scratch(&scratch, src.len(), |buf| {
+                reduce_scatter_body(ctx, ch, Some(src), buf, T::DTYPE, op)?;
+                let sb = buf.len() / ctx.size;
+                let mine = &mut buf[rank * sb..(rank + 1) * sb];
+                finish(ctx, mine, T::DTYPE, op)?;
+                crate::prims::copy(ctx.stream, bytes_mut(o.as_mut()), mine);
+                Ok(())
+            })
         })
     }
 
@@ -509,6 +582,32 @@ impl Communicator {
         })
     }
 
+    /// Asynchronous out-of-place all-gather (see [`Communicator::all_gather`]): the job owns
+    /// `input` and `output` until `wait()` gives both back.
+    pub fn all_gather_into_async<T, I, O>(&self, input: I, mut output: O) -> Work<(I, O)>
+    where
+        T: Element,
+        I: AsRef<[T]> + Send + 'static,
+        O: AsMut<[T]> + Send + 'static,
+    {
+        let (ni, no) = (input.as_ref().len(), output.as_mut().len());
+        if no != ni * self.size {
+            let e = self.invalid(
+                "all_gather",
+                format!(
+                    "output has {no} elements; it must be input length {ni} x world size {}",
+                    self.size
+                ),
+            );
+            return self.failed_work(e, "all-gather");
+        }
+        let desc = self.desc::<T>(Collective::AllGather, ni, ReduceOp::Sum, 0);
+        self.run_async(desc, (input, output), move |ctx, ch, (i, o)| {
+            let es = T::DTYPE.size();
+            all_gather_body(ctx, ch, bytes_mut(o.as_mut()), es, Some(bytes(i.as_ref())))
+        })
+    }
+
     /// Broadcast in place: every rank's `buf` ends equal to the root's.
     ///
     /// # Errors
@@ -566,6 +665,35 @@ impl Communicator {
         );
         self.run_async(desc, buf, move |ctx, ch, b| {
             broadcast_body(ctx, ch, None, bytes_mut(b.as_mut()), T::DTYPE.size(), root)
+        })
+    }
+
+    /// Asynchronous out-of-place broadcast (see [`Communicator::broadcast_into`]): the job owns
+    /// `input` (read only on the root) and `output` until `wait()` gives both back.
+    pub fn broadcast_into_async<T, I, O>(
+        &self,
+        input: I,
+        mut output: O,
+        root: usize,
+    ) -> Work<(I, O)>
+    where
+        T: Element,
+        I: AsRef<[T]> + Send + 'static,
+        O: AsMut<[T]> + Send + 'static,
+    {
+        if let Err(e) = self.check_root("broadcast", root) {
+            return self.failed_work(e, "broadcast");
+        }
+        let (ni, no) = (input.as_ref().len(), output.as_mut().len());
+        if self.rank == root && ni != no {
+            let e = self.invalid("broadcast", format!("input has {ni} elements, output {no}"));
+            return self.failed_work(e, "broadcast");
+        }
+        let desc = self.desc::<T>(Collective::Broadcast, no, ReduceOp::Sum, root);
+        let at_root = self.rank == root;
+        self.run_async(desc, (input, output), move |ctx, ch, (i, o)| {
+            let src = at_root.then(|| bytes(i.as_ref()));
+            broadcast_body(ctx, ch, src, bytes_mut(o.as_mut()), T::DTYPE.size(), root)
         })
     }
 

@@ -374,6 +374,135 @@ fn world_8() {
     world(8);
 }
 
+/// Every async form (in place and out of place) of all-reduce, reduce-scatter, all-gather and
+/// broadcast for dtype `T`, several queued before the first wait, against the serial reference.
+fn async_forms<T: Element>(comm: &Communicator, count: usize, op: ReduceOp) -> Result<()> {
+    let (n, me) = (comm.size(), comm.rank());
+    let tag = format!("{} {op} count {count} n {n}", T::DTYPE);
+    let root = (count + 1) % n;
+    let junk = || vec![T::from_f64(99.0); count];
+    let junk_n = || vec![T::from_f64(99.0); count * n];
+    let ar = comm.all_reduce_into_async(input::<T>(me, count, op), junk(), op);
+    let rs = comm.reduce_scatter_into_async(input::<T>(me, count * n, op), junk(), op);
+    let ag = comm.all_gather_into_async(input::<T>(me, count, op), junk_n());
+    let bc = comm.broadcast_into_async(input::<T>(me, count, op), junk(), root);
+    let rs_in = comm.reduce_scatter_async(input::<T>(me, count * n, op), op);
+    let mut gathered = junk_n();
+    gathered[me * count..(me + 1) * count].copy_from_slice(&input::<T>(me, count, op));
+    let ag_in = comm.all_gather_async(gathered);
+    let bc_in = comm.broadcast_async(input::<T>(me, count, op), root);
+    let (inp, out) = ar.wait()?;
+    assert!(
+        inp == input::<T>(me, count, op),
+        "all_reduce_into_async changed its input"
+    );
+    check(&format!("all_reduce_into_async {tag}"), me, &out, |i| {
+        expect::<T>(n, i, op)
+    });
+    let (_, out) = rs.wait()?;
+    check(&format!("reduce_scatter_into_async {tag}"), me, &out, |j| {
+        expect::<T>(n, me * count + j, op)
+    });
+    let (_, out) = ag.wait()?;
+    check(&format!("all_gather_into_async {tag}"), me, &out, |k| {
+        val::<T>(k / count.max(1), k % count.max(1), op)
+    });
+    let (_, out) = bc.wait()?;
+    check(&format!("broadcast_into_async {tag}"), me, &out, |i| {
+        val::<T>(root, i, op)
+    });
+    let buf = rs_in.wait()?;
+    check(
+        &format!("reduce_scatter_async {tag}"),
+        me,
+        &buf[me * count..(me + 1) * count],
+        |j| expect::<T>(n, me * count + j, op),
+    );
+    let buf = ag_in.wait()?;
+    check(&format!("all_gather_async {tag}"), me, &buf, |k| {
+        val::<T>(k / count.max(1), k % count.max(1), op)
+    });
+    let buf = bc_in.wait()?;
+    check(&format!("broadcast_async {tag}"), me, &buf, |i| {
+        val::<T>(root, i, op)
+    });
+    Ok(())
+}
+
+/// The async forms on 1 to 4 ranks over both transports, with a blocking reduce-scatter on
+/// another thread of each rank holding the communicator's scratch buffer at the same time as
+/// the async one (which then works in a fresh buffer), and bad lengths refused by name.
+#[test]
+fn async_forms_in_place_and_out_of_place() {
+    for t in [TransportChoice::Shm, TransportChoice::Tcp] {
+        for n in 1..=4 {
+            for r in spawn_world(n, config("", t), |c| {
+                for &count in &COUNTS {
+                    for op in ReduceOp::ALL {
+                        async_forms::<f32>(&c, count, op)?;
+                    }
+                    async_forms::<bf16>(&c, count, ReduceOp::Sum)?;
+                    async_forms::<u8>(&c, count, ReduceOp::Max)?;
+                }
+                let (me, size) = (c.rank(), c.size());
+                std::thread::scope(|s| {
+                    let blocking = s.spawn(|| {
+                        let mut out = vec![0u32; BIG];
+                        c.reduce_scatter(
+                            &input::<u32>(me, BIG * size, ReduceOp::Sum),
+                            &mut out,
+                            ReduceOp::Sum,
+                        )?;
+                        check("blocking reduce_scatter", me, &out, |j| {
+                            expect::<u32>(size, me * BIG + j, ReduceOp::Sum)
+                        });
+                        Ok::<_, oxccl_comm::Error>(())
+                    });
+                    let w = c.reduce_scatter_into_async(
+                        input::<u32>(me, BIG * size, ReduceOp::Sum),
+                        vec![0u32; BIG],
+                        ReduceOp::Sum,
+                    );
+                    let (_, out) = w.wait()?;
+                    check("async reduce_scatter", me, &out, |j| {
+                        expect::<u32>(size, me * BIG + j, ReduceOp::Sum)
+                    });
+                    blocking.join().expect("blocking reduce-scatter thread")
+                })?;
+                let bad = [
+                    c.all_reduce_into_async(vec![1.0f32; 4], vec![0.0f32; 5], ReduceOp::Sum)
+                        .wait()
+                        .map(|_| ()),
+                    c.reduce_scatter_into_async(
+                        vec![1.0f32; 4 * size + 1],
+                        vec![0.0; 4],
+                        ReduceOp::Sum,
+                    )
+                    .wait()
+                    .map(|_| ()),
+                    c.all_gather_into_async(vec![1.0f32; 4], vec![0.0f32; 4 * size + 1])
+                        .wait()
+                        .map(|_| ()),
+                    c.broadcast_into_async(vec![1.0f32; 4], vec![0.0f32; 4], size)
+                        .wait()
+                        .map(|_| ()),
+                ];
+                for (e, what) in
+                    bad.into_iter()
+                        .zip(["all_reduce", "reduce_scatter", "all_gather", "broadcast"])
+                {
+                    let e = e.expect_err(what).to_string();
+                    assert!(e.contains(&format!("rank {me}")) && e.contains(what), "{e}");
+                }
+                // Refused calls queue nothing: the communicator still works.
+                async_forms::<f32>(&c, 7, ReduceOp::Sum)
+            }) {
+                r.unwrap();
+            }
+        }
+    }
+}
+
 /// The hierarchical all-reduce, reduce-scatter and all-gather on `nodes` simulated nodes of
 /// `per_node` ranks (shared memory inside a node, TCP across), every dtype, op and count; and
 /// the tuner's own choice on the same layout.

@@ -53,7 +53,7 @@ struct TopoArgs {
     #[arg(value_name = "NAME:SIZE", required = true)]
     dims: Vec<String>,
 
-    /// World size [default: the product of the sizes].
+    /// World size, at most 1048576 [default: the product of the sizes].
     #[arg(long, value_name = "N")]
     world: Option<usize>,
 
@@ -68,12 +68,44 @@ struct TopoArgs {
     moe_ep: Option<usize>,
 }
 
+/// The largest world `oxccl topo` prints (its plan and text grow with the world).
+const MAX_TOPO_WORLD: usize = 1 << 20;
+
+/// The world `oxccl topo` plans for: `--world`, else the product of the sizes; an error when the
+/// product does not fit in a `usize` or the world is larger than [`MAX_TOPO_WORLD`].
+fn topo_world(dims: &[(String, usize)], world: Option<usize>) -> Result<usize, String> {
+    let list = || {
+        let words: Vec<String> = dims.iter().map(|(n, s)| format!("{n}:{s}")).collect();
+        words.join(" ")
+    };
+    let product = dims
+        .iter()
+        .try_fold(1usize, |p, (_, s)| p.checked_mul(*s))
+        .ok_or_else(|| {
+            format!(
+                "the sizes {} multiply to more than {} ranks",
+                list(),
+                usize::MAX
+            )
+        })?;
+    match world {
+        Some(w) if w > MAX_TOPO_WORLD => Err(format!(
+            "--world {w} is too large: oxccl topo prints at most {MAX_TOPO_WORLD} ranks"
+        )),
+        Some(w) => Ok(w),
+        None if product > MAX_TOPO_WORLD => Err(format!(
+            "the sizes {} multiply to {product} ranks, too many: oxccl topo prints at most \
+             {MAX_TOPO_WORLD} ranks",
+            list()
+        )),
+        None => Ok(product),
+    }
+}
+
 fn run_topo(args: TopoArgs) -> u8 {
     use oxccl::comm::topology;
     let result = topology::parse_dims(&args.dims).and_then(|dims| {
-        let world = args
-            .world
-            .unwrap_or_else(|| dims.iter().map(|(_, s)| *s).product());
+        let world = topo_world(&dims, args.world).map_err(oxccl::comm::Error::Config)?;
         let dims: Vec<(&str, usize)> = dims.iter().map(|(n, s)| (n.as_str(), *s)).collect();
         let mut plans = topology::plan_groups(0, world, &dims)?;
         if let Some(ep) = args.moe_ep {
@@ -106,7 +138,7 @@ fn run_topo(args: TopoArgs) -> u8 {
 
 #[derive(Debug, Args)]
 struct LaunchArgs {
-    /// Ranks (processes) to start on this node.
+    /// Ranks (processes) to start on this node, 1 to 4096.
     #[arg(
         short = 'n',
         long = "nproc-per-node",

@@ -62,6 +62,8 @@
 //!   signal) to every group, waits [`LaunchConfig::failure_grace`] (or
 //!   [`LaunchConfig::signal_grace`]), then SIGKILLs what is left. A second signal to the launcher
 //!   skips the grace period. Leftover processes of ranks that exited 0 are terminated likewise.
+//!   This holds while the ranks are still being started too: a signal, the time-out or a rank
+//!   that already failed stops the start, and the ranks started so far are stopped and reaped.
 //! * On Linux every rank gets `PR_SET_PDEATHSIG = SIGKILL`, and a small watchdog process forked
 //!   by the launcher SIGKILLs every rank's process group if the launcher itself dies (even by
 //!   SIGKILL), so grandchildren do not survive either.
@@ -104,13 +106,18 @@ use oxccl_comm::bootstrap::TcpStoreServer;
 use self::proc::{AttemptEnd, Job, RankSpec, Subreaper, SupervisorCtx};
 use self::watchdog::Watchdog;
 
+/// The most ranks one launcher starts on its node ([`LaunchConfig::nproc_per_node`]); also the
+/// number of process groups the orphan watchdog can track.
+pub const MAX_NPROC_PER_NODE: usize = 4096;
+
 /// Everything [`launch`] needs to start a job on this node.
 ///
 /// Build it with [`LaunchConfig::new`] and adjust the public fields.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct LaunchConfig {
-    /// Ranks started on this node (`-n`, `--nproc-per-node`, `--np`).
+    /// Ranks started on this node (`-n`, `--nproc-per-node`, `--np`), 1 to
+    /// [`MAX_NPROC_PER_NODE`].
     pub nproc_per_node: usize,
     /// Nodes in the job (`--nnodes`, default 1).
     pub nnodes: usize,
@@ -214,7 +221,14 @@ impl LaunchConfig {
     pub fn validate(&self) -> Result<(), LaunchError> {
         let bad = |m: String| Err(LaunchError::InvalidConfig(m));
         if self.nproc_per_node == 0 {
-            return bad("--nproc-per-node must be at least 1".into());
+            return bad("-n/--nproc-per-node must be at least 1".into());
+        }
+        if self.nproc_per_node > MAX_NPROC_PER_NODE {
+            return bad(format!(
+                "-n/--nproc-per-node {} is too large: at most {MAX_NPROC_PER_NODE} ranks per node \
+                 are supported",
+                self.nproc_per_node
+            ));
         }
         if self.nnodes == 0 {
             return bad("--nnodes must be at least 1".into());
@@ -248,6 +262,11 @@ impl LaunchConfig {
         if self.timeout == Some(Duration::ZERO) {
             return bad("--timeout must be greater than 0".into());
         }
+        if let Some(t) = self.timeout {
+            if Instant::now().checked_add(t).is_none() {
+                return bad(timeout_too_large(t));
+            }
+        }
         if self.program.is_empty() {
             return bad("no command given (usage: oxccl launch -n N -- CMD [ARGS...])".into());
         }
@@ -258,6 +277,13 @@ impl LaunchConfig {
         }
         Ok(())
     }
+}
+
+fn timeout_too_large(t: Duration) -> String {
+    format!(
+        "--timeout {}s is too large for this system's clock; leave --timeout out for no limit",
+        t.as_secs_f64()
+    )
 }
 
 /// How a rank's process ended.
@@ -494,7 +520,14 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
     } else {
         None
     };
-    let deadline = cfg.timeout.map(|t| Instant::now() + t);
+    let deadline = match cfg.timeout {
+        None => None,
+        Some(t) => Some(
+            Instant::now()
+                .checked_add(t)
+                .ok_or_else(|| LaunchError::InvalidConfig(timeout_too_large(t)))?,
+        ),
+    };
 
     let store = host_store(cfg)?;
     let job_base = job_id_base(cfg, store.port);
@@ -520,7 +553,14 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
     loop {
         let job_id = format!("{job_base}-r{attempt}");
         let specs = rank_specs(cfg, &store, &job_id, attempt);
-        let mut job = Job::spawn(cfg, specs, watchdog.as_mut(), &ctx)?;
+        let mut job = match Job::spawn(cfg, specs, watchdog.as_mut(), &ctx) {
+            Ok(job) => job,
+            Err(e) => {
+                // The ranks that did start are gone; they may have created segments.
+                remove_shm_segments(&job_id);
+                return Err(e);
+            }
+        };
         let end = job.supervise(&ctx);
         job.finish();
         drop(job);

@@ -18,6 +18,15 @@ const KILL_WAIT: Duration = Duration::from_secs(5);
 /// How long output threads get to see end-of-file once every process is gone.
 const DRAIN_WAIT: Duration = Duration::from_secs(2);
 
+/// `now + d`, or a moment a century away when that does not fit in an `Instant` (a huge grace
+/// period set through the library), or `now` if even that does not fit.
+fn deadline_in(d: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(d)
+        .or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 86_400)))
+        .unwrap_or(now)
+}
+
 /// The affinity set of local rank `local_rank` under `--bind core`: the launcher's
 /// `local_rank % n`-th allowed CPU; `None` if the launcher's CPUs cannot be read.
 #[cfg(target_os = "linux")]
@@ -53,6 +62,7 @@ impl SupervisorCtx<'_> {
 }
 
 /// How one attempt ended.
+#[derive(Debug, PartialEq, Eq)]
 pub(super) enum AttemptEnd {
     Success,
     Failed(RankFailure),
@@ -85,6 +95,12 @@ pub(super) struct Job<'w> {
     readers: Vec<JoinHandle<()>>,
     watchdog: Option<&'w mut Watchdog>,
     cleaned: bool,
+    /// Ranks this attempt is to start.
+    expected: usize,
+    /// How the attempt ended while its ranks were being started (a launcher signal, the
+    /// deadline, a failed rank); every started rank is gone already. [`Job::supervise`]
+    /// returns it.
+    ended_early: Option<AttemptEnd>,
 }
 
 fn kill(pid: i32, sig: libc::c_int) -> io::Result<()> {
@@ -99,27 +115,67 @@ fn kill(pid: i32, sig: libc::c_int) -> io::Result<()> {
 
 impl<'w> Job<'w> {
     /// Starts every rank. If one cannot be started, the ranks already running are terminated
-    /// and reaped before the error is returned.
+    /// and reaped before the error is returned (unless a launcher signal arrives meanwhile: the
+    /// error is then reported on stderr and the attempt ends as interrupted by that signal).
+    ///
+    /// Between two starts, a launcher signal, the deadline or a rank that already failed stops
+    /// the start: the ranks started so far are stopped and reaped, and [`Job::supervise`]
+    /// returns how the attempt ended without waiting for anything.
     pub(super) fn spawn(
         cfg: &LaunchConfig,
         specs: Vec<RankSpec>,
         watchdog: Option<&'w mut Watchdog>,
         ctx: &SupervisorCtx<'_>,
     ) -> Result<Self, LaunchError> {
-        let mut job = Job {
-            ranks: Vec::with_capacity(specs.len()),
+        let mut job = Job::new(watchdog, specs.len());
+        job.start(cfg, specs, ctx)?;
+        Ok(job)
+    }
+
+    fn new(watchdog: Option<&'w mut Watchdog>, expected: usize) -> Self {
+        Job {
+            ranks: Vec::with_capacity(expected),
             readers: Vec::new(),
             watchdog,
             cleaned: false,
-        };
+            expected,
+            ended_early: None,
+        }
+    }
+
+    /// The starting loop of [`Job::spawn`].
+    fn start(
+        &mut self,
+        cfg: &LaunchConfig,
+        specs: Vec<RankSpec>,
+        ctx: &SupervisorCtx<'_>,
+    ) -> Result<(), LaunchError> {
+        // Collecting exits costs a few system calls per started rank: do it at most every POLL
+        // (as the supervision loop does), not before every start.
+        let mut last_reap: Option<Instant> = None;
         for spec in specs {
-            if let Err(e) = job.spawn_one(cfg, spec) {
-                job.shutdown(libc::SIGTERM, ctx.failure_grace, ctx);
-                job.finish();
+            let reap = last_reap.is_none_or(|t| t.elapsed() >= POLL);
+            if reap {
+                last_reap = Some(Instant::now());
+            }
+            if let Some(end) = self.check(ctx, reap) {
+                self.ended_early = Some(end);
+                return Ok(());
+            }
+            if let Err(e) = self.spawn_one(cfg, spec) {
+                let sig = self
+                    .shutdown(libc::SIGTERM, ctx.failure_grace, ctx)
+                    .or_else(|| ctx.take_signal());
+                self.finish();
+                if let Some(sig) = sig {
+                    note!("error: {e}");
+                    self.ended_early = Some(AttemptEnd::Interrupted(sig));
+                    return Ok(());
+                }
                 return Err(e);
             }
         }
-        Ok(job)
+        Ok(())
     }
 
     fn spawn_one(&mut self, cfg: &LaunchConfig, spec: RankSpec) -> Result<(), LaunchError> {
@@ -295,7 +351,7 @@ impl<'w> Job<'w> {
         self.reap();
         if !self.all_gone() {
             self.signal_all(sig);
-            let deadline = Instant::now() + grace;
+            let deadline = deadline_in(grace);
             loop {
                 self.reap();
                 if self.all_gone() {
@@ -339,50 +395,12 @@ impl<'w> Job<'w> {
     /// Watches the ranks until the attempt ends; on any failure, every rank is terminated and
     /// reaped before this returns.
     pub(super) fn supervise(&mut self, ctx: &SupervisorCtx<'_>) -> AttemptEnd {
+        if let Some(end) = self.ended_early.take() {
+            return end;
+        }
         loop {
-            if let Some(sig) = ctx.take_signal() {
-                note!(
-                    "received {}; forwarding it to all {} local ranks",
-                    signal_name(sig).unwrap_or("a signal"),
-                    self.ranks.len()
-                );
-                self.shutdown(sig, ctx.signal_grace, ctx);
-                return AttemptEnd::Interrupted(sig);
-            }
-            if ctx.deadline.is_some_and(|d| Instant::now() >= d) {
-                note!("time-out reached; terminating all ranks");
-                if let Some(sig) = self.shutdown(libc::SIGTERM, ctx.failure_grace, ctx) {
-                    return AttemptEnd::Interrupted(sig);
-                }
-                return AttemptEnd::TimedOut;
-            }
-
-            self.reap();
-            let mut first_failure = None;
-            for r in &mut self.ranks {
-                let (Some(st), false) = (r.status, r.seen) else {
-                    continue;
-                };
-                r.seen = true;
-                let termination = Termination::from_status(st);
-                if termination.success() {
-                    tracing::debug!(rank = r.rank, "oxccl launch: rank exited cleanly");
-                    continue;
-                }
-                let f = RankFailure {
-                    rank: r.rank,
-                    local_rank: r.local_rank,
-                    pid: r.pid,
-                    termination,
-                };
-                note!("{f}");
-                first_failure.get_or_insert(f);
-            }
-            if let Some(f) = first_failure {
-                if let Some(sig) = self.shutdown(libc::SIGTERM, ctx.failure_grace, ctx) {
-                    return AttemptEnd::Interrupted(sig);
-                }
-                return AttemptEnd::Failed(f);
+            if let Some(end) = self.check(ctx, true) {
+                return end;
             }
             if self.ranks.iter().all(|r| r.status.is_some()) {
                 if !self.all_gone() {
@@ -398,6 +416,69 @@ impl<'w> Job<'w> {
             }
             thread::sleep(POLL);
         }
+    }
+
+    /// `"all 4 local ranks"`, or `"the 3 local ranks started so far (of 8)"` while starting.
+    fn started(&self) -> String {
+        let n = self.ranks.len();
+        if n < self.expected {
+            format!("the {n} local ranks started so far (of {})", self.expected)
+        } else {
+            format!("all {n} local ranks")
+        }
+    }
+
+    /// One look at the attempt: a launcher signal, the deadline, a rank that failed (after
+    /// collecting exits when `reap` is set). On any of them every rank started is stopped and
+    /// reaped, and how the attempt ended is returned.
+    fn check(&mut self, ctx: &SupervisorCtx<'_>, reap: bool) -> Option<AttemptEnd> {
+        if let Some(sig) = ctx.take_signal() {
+            note!(
+                "received {}; forwarding it to {}",
+                signal_name(sig).unwrap_or("a signal"),
+                self.started()
+            );
+            self.shutdown(sig, ctx.signal_grace, ctx);
+            return Some(AttemptEnd::Interrupted(sig));
+        }
+        if ctx.deadline.is_some_and(|d| Instant::now() >= d) {
+            note!("time-out reached; terminating {}", self.started());
+            if let Some(sig) = self.shutdown(libc::SIGTERM, ctx.failure_grace, ctx) {
+                return Some(AttemptEnd::Interrupted(sig));
+            }
+            return Some(AttemptEnd::TimedOut);
+        }
+
+        if reap {
+            self.reap();
+        }
+        let mut first_failure = None;
+        for r in &mut self.ranks {
+            let (Some(st), false) = (r.status, r.seen) else {
+                continue;
+            };
+            r.seen = true;
+            let termination = Termination::from_status(st);
+            if termination.success() {
+                tracing::debug!(rank = r.rank, "oxccl launch: rank exited cleanly");
+                continue;
+            }
+            let f = RankFailure {
+                rank: r.rank,
+                local_rank: r.local_rank,
+                pid: r.pid,
+                termination,
+            };
+            note!("{f}");
+            first_failure.get_or_insert(f);
+        }
+        if let Some(f) = first_failure {
+            if let Some(sig) = self.shutdown(libc::SIGTERM, ctx.failure_grace, ctx) {
+                return Some(AttemptEnd::Interrupted(sig));
+            }
+            return Some(AttemptEnd::Failed(f));
+        }
+        None
     }
 
     /// Waits for the output threads (after the processes are gone).
@@ -493,3 +574,136 @@ fn get_subreaper() -> bool {
 
 #[cfg(not(target_os = "linux"))]
 fn set_subreaper(_on: bool) {}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    use super::*;
+
+    fn specs(ranks: std::ops::Range<usize>) -> Vec<RankSpec> {
+        ranks
+            .map(|rank| RankSpec {
+                rank,
+                local_rank: rank,
+                env: vec![("OXCCL_RANK", rank.to_string())],
+            })
+            .collect()
+    }
+
+    fn cfg(script: &str) -> LaunchConfig {
+        let mut cfg = LaunchConfig::new(1, "sh", ["-c", script]);
+        cfg.prefix_output = false;
+        cfg
+    }
+
+    /// Signals with a flag for SIGTERM (no handler is installed).
+    fn sigterm_flag() -> (Signals, Arc<AtomicBool>) {
+        let flag = Arc::new(AtomicBool::new(false));
+        let signals = Signals {
+            flags: vec![(libc::SIGTERM, Arc::clone(&flag))],
+            ids: Vec::new(),
+        };
+        (signals, flag)
+    }
+
+    fn ctx(signals: Option<&Signals>, deadline: Option<Instant>) -> SupervisorCtx<'_> {
+        SupervisorCtx {
+            signals,
+            deadline,
+            failure_grace: Duration::from_secs(30),
+            signal_grace: Duration::from_secs(30),
+        }
+    }
+
+    #[test]
+    fn a_pending_signal_stops_the_start() {
+        let (signals, flag) = sigterm_flag();
+        flag.store(true, Ordering::SeqCst);
+        let ctx = ctx(Some(&signals), None);
+        let mut job = Job::spawn(&cfg("exec sleep 30"), specs(0..4), None, &ctx).unwrap();
+        assert_eq!(job.ranks.len(), 0, "ranks were started despite the signal");
+        assert_eq!(job.supervise(&ctx), AttemptEnd::Interrupted(libc::SIGTERM));
+        job.finish();
+    }
+
+    #[test]
+    fn the_deadline_stops_the_start() {
+        let ctx = ctx(None, Some(Instant::now()));
+        let mut job = Job::spawn(&cfg("exec sleep 30"), specs(0..4), None, &ctx).unwrap();
+        assert_eq!(job.ranks.len(), 0, "ranks were started after the deadline");
+        assert_eq!(job.supervise(&ctx), AttemptEnd::TimedOut);
+        job.finish();
+    }
+
+    #[test]
+    fn a_failed_rank_stops_the_start() {
+        let ctx = ctx(None, None);
+        let cfg = cfg("if [ \"$OXCCL_RANK\" = 0 ]; then exit 3; fi; exec sleep 30");
+        let mut job = Job::new(None, 3);
+        job.start(&cfg, specs(0..1), &ctx).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while job.ranks[0].status.is_none() {
+            assert!(Instant::now() < deadline, "rank 0 did not exit");
+            thread::sleep(Duration::from_millis(5));
+            job.reap();
+        }
+        job.start(&cfg, specs(1..3), &ctx).unwrap();
+        assert_eq!(job.ranks.len(), 1, "ranks were started after rank 0 failed");
+        match job.supervise(&ctx) {
+            AttemptEnd::Failed(f) => {
+                assert_eq!((f.rank, f.termination), (0, Termination::Exited(3)))
+            }
+            other => panic!("{other:?}"),
+        }
+        job.finish();
+    }
+
+    #[test]
+    fn a_signal_while_stopping_after_a_spawn_error_is_the_outcome() {
+        let (signals, flag) = sigterm_flag();
+        let ctx = ctx(Some(&signals), None);
+        let mut job = Job::new(None, 2);
+        // Rank 0 ignores SIGTERM, so stopping it takes the whole (30 s) grace period unless the
+        // launcher gets a signal meanwhile.
+        job.start(&cfg("trap '' TERM; exec sleep 30"), specs(0..1), &ctx)
+            .unwrap();
+        // Wait until the trap is in place (SigIgn has SIGTERM's bit).
+        let status = format!("/proc/{}/status", job.ranks[0].pid);
+        let term_bit = 1u64 << (libc::SIGTERM - 1);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let ignored = std::fs::read_to_string(&status)
+                .ok()
+                .and_then(|s| {
+                    let line = s.lines().find(|l| l.starts_with("SigIgn:"))?.to_owned();
+                    u64::from_str_radix(line.trim_start_matches("SigIgn:").trim(), 16).ok()
+                })
+                .unwrap_or(0);
+            if ignored & term_bit != 0 {
+                break;
+            }
+            assert!(Instant::now() < deadline, "rank 0 never ignored SIGTERM");
+            thread::sleep(Duration::from_millis(5));
+        }
+        let setter = {
+            let flag = Arc::clone(&flag);
+            thread::spawn(move || {
+                thread::sleep(Duration::from_millis(200));
+                flag.store(true, Ordering::SeqCst);
+            })
+        };
+        let missing = LaunchConfig::new(1, "/nonexistent/oxccl-no-such-cmd", Vec::<String>::new());
+        let started = job.start(&missing, specs(1..2), &ctx);
+        setter.join().unwrap();
+        assert!(
+            started.is_ok(),
+            "the signal was dropped: {:?}",
+            started.err()
+        );
+        assert_eq!(job.supervise(&ctx), AttemptEnd::Interrupted(libc::SIGTERM));
+        assert!(job.ranks.iter().all(RankProc::gone));
+        job.finish();
+    }
+}

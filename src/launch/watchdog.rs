@@ -12,9 +12,19 @@
 use std::io::{self, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
+use std::thread;
+use std::time::{Duration, Instant};
 
-/// Groups one watchdog can track; further groups are covered by `PR_SET_PDEATHSIG` only.
-const MAX_WATCHED: usize = 4096;
+/// Groups one watchdog can track: every rank of the largest job a launcher accepts
+/// ([`super::MAX_NPROC_PER_NODE`]); further groups would be covered by `PR_SET_PDEATHSIG` only.
+const MAX_WATCHED: usize = super::MAX_NPROC_PER_NODE;
+
+/// How long a disarmed watchdog gets to exit before it is SIGKILLed.
+const EXIT_WAIT: Duration = Duration::from_secs(2);
+/// How long a SIGKILLed watchdog gets to disappear before the launcher gives up reaping it.
+const KILL_WAIT: Duration = Duration::from_secs(5);
+/// How often the watchdog's exit is polled.
+const POLL: Duration = Duration::from_millis(2);
 
 /// Handle held by the launcher; dropping it disarms the watchdog and reaps it.
 pub(super) struct Watchdog {
@@ -67,17 +77,51 @@ impl Watchdog {
     }
 }
 
+impl Watchdog {
+    /// Polls (never blocks) until the watchdog was reaped or `wait` is over; true once reaped
+    /// (or when it is no longer our child to reap).
+    fn reap_within(&self, wait: Duration) -> bool {
+        let deadline = Instant::now() + wait;
+        loop {
+            let mut status = 0;
+            // SAFETY: waitpid on our own child with a valid out-pointer.
+            let r = unsafe { libc::waitpid(self.pid, &mut status, libc::WNOHANG) };
+            if r == self.pid {
+                return true;
+            }
+            if r < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    tracing::debug!("oxccl launch: waitpid on the watchdog: {e}");
+                    return true;
+                }
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            thread::sleep(POLL);
+        }
+    }
+}
+
 impl Drop for Watchdog {
     fn drop(&mut self) {
         self.send(0);
         self.tx = None;
-        let mut status = 0;
-        loop {
-            // SAFETY: waitpid on our own child with a valid out-pointer.
-            let r = unsafe { libc::waitpid(self.pid, &mut status, 0) };
-            if r >= 0 || io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
-                break;
-            }
+        if self.reap_within(EXIT_WAIT) {
+            return;
+        }
+        tracing::warn!(
+            pid = self.pid,
+            "oxccl launch: the watchdog did not exit when disarmed; killing it"
+        );
+        // SAFETY: kill(2) on our own child, which has not been reaped (so its pid is not reused).
+        unsafe { libc::kill(self.pid, libc::SIGKILL) };
+        if !self.reap_within(KILL_WAIT) {
+            tracing::warn!(
+                pid = self.pid,
+                "oxccl launch: the watchdog did not die after SIGKILL; leaving it"
+            );
         }
     }
 }
@@ -189,5 +233,36 @@ fn close_other_fds(keep: libc::c_int) {
             // SAFETY: closing descriptors of this (forked) process; EBADF is harmless.
             unsafe { libc::close(fd) };
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+
+    /// A watchdog that cannot exit (stopped) must not block the launcher forever: dropping the
+    /// handle kills and reaps it.
+    #[test]
+    fn a_stuck_watchdog_is_killed_and_reaped() {
+        let w = Watchdog::start().expect("start the watchdog");
+        let pid = w.pid;
+        // SAFETY: kill(2) on the child just forked, not yet reaped.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+        let (tx, rx) = mpsc::channel();
+        thread::spawn(move || {
+            drop(w);
+            let _ = tx.send(());
+        });
+        let dropped = rx.recv_timeout(Duration::from_secs(30));
+        if dropped.is_err() {
+            // SAFETY: as above; the handle's thread is stuck in waitpid on it.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        assert!(dropped.is_ok(), "dropping the watchdog handle blocked");
+        let mut status = 0;
+        // SAFETY: waitpid with a valid out-pointer; the pid must no longer be our child.
+        let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+        assert_eq!(r, -1, "the watchdog was not reaped");
     }
 }

@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use oxccl_comm::{Collective, Communicator, Element, ReduceOp, Result};
+use oxccl_comm::{Collective, Communicator, Element, Error, ReduceOp, Result};
 
 use super::data::{fill, mismatches, Pattern};
 use super::sweep::{geometry, has_in_place, Geometry};
@@ -61,11 +61,25 @@ pub fn sets_for(rotate_bytes: usize, full_bytes: usize) -> usize {
         .clamp(2, MAX_SETS)
 }
 
+/// `MemAvailable` of `/proc/meminfo` in bytes (`None` where it cannot be read).
+fn mem_available() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 /// An owned window into an arena, so an async call can own the arena while it runs.
 struct Window<T> {
     v: Vec<T>,
     off: usize,
     len: usize,
+}
+
+impl<T> AsRef<[T]> for Window<T> {
+    fn as_ref(&self) -> &[T] {
+        &self.v[self.off..self.off + self.len]
+    }
 }
 
 impl<T> AsMut<[T]> for Window<T> {
@@ -86,13 +100,12 @@ pub fn has_async(c: Collective) -> bool {
 }
 
 /// The buffers of one dtype: input arena `a`, output (and in-place) arena `b`, both holding
-/// `sets` consecutive full-size buffers, and the reduce-scatter scratch for async calls.
+/// `sets` consecutive full-size buffers.
 pub struct Bench<'c, T> {
     comm: &'c Communicator,
     spec: Spec,
     a: Vec<T>,
     b: Vec<T>,
-    scratch: Vec<T>,
     /// The device mirror of `a` and `b` (`--device cuda`).
     #[cfg(feature = "cuda")]
     dev: Option<super::device::DevArenas>,
@@ -109,24 +122,49 @@ impl<'c, T: Element> Bench<'c, T> {
     /// `Cuda` when the device arenas cannot be made.
     pub fn new(comm: &'c Communicator, spec: Spec, sizes: &[u64]) -> Result<Bench<'c, T>> {
         let ts = T::DTYPE.size();
+        let invalid = |msg: String| Error::InvalidArgument {
+            rank: comm.rank(),
+            op: format!("perf {}", spec.coll),
+            msg,
+        };
         let mut arena = 0usize;
-        let mut max_full = 0usize;
         for &s in sizes {
             let g = geometry(spec.coll, s, ts, comm.size());
-            arena = arena.max(g.full * sets_for(spec.rotate_bytes, g.bytes));
-            max_full = max_full.max(g.full);
+            let sets = sets_for(spec.rotate_bytes, g.bytes);
+            let elems = g
+                .full
+                .checked_mul(sets)
+                .filter(|e| e.checked_mul(2 * ts).is_some())
+                .ok_or_else(|| invalid(format!("{sets} buffer sets of {s} bytes overflow")))?;
+            arena = arena.max(elems);
+        }
+        // Input and output arenas, each `arena` elements: refuse what this node cannot hold
+        // instead of dying in the allocator or the OOM killer half-way through the fill.
+        let need = arena * ts * 2;
+        if let Some(avail) = mem_available() {
+            let node = need.saturating_mul(comm.local_size());
+            if node > avail {
+                return Err(invalid(format!(
+                    "the buffers need {need} bytes per rank (input and output arenas: the largest \
+                     size, -e, times the buffer sets of --rotate), {node} for the {} ranks of \
+                     this node, but only {avail} bytes are available",
+                    comm.local_size()
+                )));
+            }
         }
         let zero = T::from_f64(0.0);
-        let mut a = vec![zero; arena];
-        let mut b = vec![zero; arena];
+        let alloc = |n: usize| -> Result<Vec<T>> {
+            let mut v = Vec::new();
+            v.try_reserve_exact(n)
+                .map_err(|e| invalid(format!("cannot allocate {} bytes: {e}", n * ts)))?;
+            v.resize(n, zero);
+            Ok(v)
+        };
+        let mut a = alloc(arena)?;
+        let mut b = alloc(arena)?;
         // First touch outside any timing (vec! of zeros may hand out untouched pages).
         a.fill(T::from_f64(1.0));
         b.fill(zero);
-        let scratch = if spec.coll == Collective::ReduceScatter && !spec.blocking {
-            vec![zero; max_full]
-        } else {
-            Vec::new()
-        };
         #[cfg(feature = "cuda")]
         let dev = if spec.cuda {
             let bytes = arena * ts;
@@ -139,7 +177,6 @@ impl<'c, T: Element> Bench<'c, T> {
             spec,
             a,
             b,
-            scratch,
             #[cfg(feature = "cuda")]
             dev,
         })
@@ -301,56 +338,40 @@ impl<'c, T: Element> Bench<'c, T> {
         }
     }
 
-    /// The async form: issue, then wait (the buffer travels into the call and back).
-    /// Out of place, the input is first copied into the output (as the blocking forms do).
+    /// The async form: issue, then wait. The arenas travel into the call and back (as windows
+    /// on them), so nothing is copied around the call: out of place, the input is read where it
+    /// is, as the blocking forms do.
     fn call_async(&mut self, g: &Geometry, set: usize, in_place: bool, op: ReduceOp) -> Result<()> {
-        let comm = self.comm;
-        let (rank, root, coll) = (comm.rank(), self.spec.root, self.spec.coll);
+        let (comm, coll, root) = (self.comm, self.spec.coll, self.spec.root);
         let base = set * g.full;
-        let per = g.count;
-        let rs_out = coll == Collective::ReduceScatter && !in_place;
-        if !in_place {
-            let (a, b) = (&self.a, &mut self.b);
-            match coll {
-                Collective::AllReduce => {
-                    b[base..base + g.full].copy_from_slice(&a[base..base + g.full]);
-                }
-                Collective::AllGather => {
-                    let at = base + rank * per;
-                    b[at..at + per].copy_from_slice(&a[base..base + per]);
-                }
-                Collective::Broadcast if rank == root => {
-                    b[base..base + g.full].copy_from_slice(&a[base..base + g.full]);
-                }
-                Collective::ReduceScatter => {
-                    self.scratch[..g.full].copy_from_slice(&a[base..base + g.full]);
-                }
-                _ => {}
-            }
-        }
-        let (v, off) = if rs_out {
-            (std::mem::take(&mut self.scratch), 0)
-        } else {
-            (std::mem::take(&mut self.b), base)
+        let window = |v: &mut Vec<T>, len: usize| Window {
+            v: std::mem::take(v),
+            off: base,
+            len,
         };
-        let w = Window {
-            v,
-            off,
-            len: g.full,
-        };
-        let w = match coll {
-            Collective::AllReduce => comm.all_reduce_async::<T, _>(w, op).wait()?,
-            Collective::ReduceScatter => comm.reduce_scatter_async::<T, _>(w, op).wait()?,
-            Collective::AllGather => comm.all_gather_async::<T, _>(w).wait()?,
-            _ => comm.broadcast_async::<T, _>(w, root).wait()?,
-        };
-        if rs_out {
-            self.scratch = w.v;
-            let s = rank * per;
-            self.b[base..base + per].copy_from_slice(&self.scratch[s..s + per]);
-        } else {
+        if in_place {
+            let w = window(&mut self.b, g.full);
+            let w = match coll {
+                Collective::AllReduce => comm.all_reduce_async::<T, _>(w, op).wait()?,
+                Collective::ReduceScatter => comm.reduce_scatter_async::<T, _>(w, op).wait()?,
+                Collective::AllGather => comm.all_gather_async::<T, _>(w).wait()?,
+                _ => comm.broadcast_async::<T, _>(w, root).wait()?,
+            };
             self.b = w.v;
+            return Ok(());
         }
+        let (inp, out) = (window(&mut self.a, g.input), window(&mut self.b, g.output));
+        let (inp, out) = match coll {
+            Collective::AllReduce => comm.all_reduce_into_async::<T, _, _>(inp, out, op).wait()?,
+            Collective::ReduceScatter => comm
+                .reduce_scatter_into_async::<T, _, _>(inp, out, op)
+                .wait()?,
+            Collective::AllGather => comm.all_gather_into_async::<T, _, _>(inp, out).wait()?,
+            _ => comm
+                .broadcast_into_async::<T, _, _>(inp, out, root)
+                .wait()?,
+        };
+        (self.a, self.b) = (inp.v, out.v);
         Ok(())
     }
 

@@ -11,7 +11,10 @@
 //! Without a launcher in the environment (`OXCCL_RANK`, `RANK`, `SLURM_PROCID`,
 //! `OMPI_COMM_WORLD_RANK` all unset) the process is a parent: it re-executes its own binary with
 //! the same arguments on `--np` ranks through [`crate::launch::launch`] and exits with the job's
-//! exit code. Each rank builds `Communicator::from_env()`; rank 0 prints.
+//! exit code. Each rank builds `Communicator::from_env()`; rank 0 prints. An explicit `--np` also
+//! makes a parent, with a warning naming the launcher variables it ignores, when it differs from
+//! the launcher's world size or the variables come from a Slurm batch script (`SLURM_PROCID`
+//! without `SLURM_STEP_ID`); `--np` is 1 to [`MAX_NPROC_PER_NODE`].
 //!
 //! Modules: `sweep` (sizes, geometry, busbw factors), `format` (the text table), `data`
 //! (exact check patterns), `bench` (buffers, calls, timing), `rank` (the rank side),
@@ -32,12 +35,15 @@ use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 
 use clap::Args;
+use oxccl_comm::bootstrap::{detect, Launcher};
 use oxccl_comm::{Collective, DType, ReduceOp};
 
-use crate::launch::{launch, Bind, JobEnd, LaunchConfig};
+use crate::launch::{launch, Bind, JobEnd, LaunchConfig, MAX_NPROC_PER_NODE};
 
 pub use format::{Measure, Row};
-pub use sweep::{busbw_factor, geometry, parse_size, step_from, sweep, Geometry, Step};
+pub use sweep::{
+    busbw_factor, geometry, parse_size, step_from, sweep, Geometry, Step, MAX_SWEEP_SIZES,
+};
 
 pub use bench::Average;
 
@@ -123,7 +129,7 @@ pub struct PerfArgs {
     pub root: usize,
 
     /// 1: blocking calls; 0: async calls waited every iteration where oxccl has them
-    /// (all-reduce, reduce-scatter, all-gather, broadcast).
+    /// (all-reduce, reduce-scatter, all-gather, broadcast; in place and out of place).
     #[arg(short = 'z', long = "blocking", value_name = "0/1", default_value_t = 0,
           value_parser = clap::value_parser!(u8).range(0..=1))]
     pub blocking: u8,
@@ -133,8 +139,12 @@ pub struct PerfArgs {
           value_parser = clap::value_parser!(u8).range(0..=3))]
     pub average: u8,
 
-    /// Start this many local ranks [default: available cores, 2 to 8]; ignored under a
-    /// launcher (oxccl launch, torchrun, srun, mpirun).
+    /// Start this many local ranks, 1 to 4096 [default: available cores, 2 to 8]. Under a
+    /// launcher (oxccl launch, torchrun, srun, mpirun) every process is one rank and --np is not
+    /// needed; an --np equal to the launcher's world size is accepted. An --np that differs from
+    /// it, or given in a Slurm batch script (SLURM_PROCID set but no SLURM_STEP_ID: not a task
+    /// started by srun), wins like torchrun's --nproc-per-node: this process starts --np local
+    /// ranks itself and ignores the launcher's variables, with a warning naming them.
     #[arg(long = "np", value_name = "N")]
     pub np: Option<usize>,
 
@@ -331,11 +341,111 @@ fn note(msg: &str) {
     let _ = writeln!(std::io::stderr().lock(), "oxccl perf: {msg}");
 }
 
+/// The rank variables of the launchers `oxccl perf` runs under.
+const RANK_VARS: [&str; 4] = ["OXCCL_RANK", "RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"];
+
+/// The launchers' rank and world-size variables, as named in warnings.
+const LAUNCHER_VARS: [&str; 8] = [
+    "OXCCL_RANK",
+    "OXCCL_WORLD_SIZE",
+    "RANK",
+    "WORLD_SIZE",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+];
+
 /// Whether a launcher started this process as one rank of a job.
 pub fn under_launcher() -> bool {
-    ["OXCCL_RANK", "RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"]
+    RANK_VARS
         .iter()
         .any(|k| std::env::var_os(k).is_some_and(|v| !v.is_empty()))
+}
+
+/// How this process takes part in the run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Role {
+    /// One rank of a job a launcher started; `warning`: why the job may never assemble.
+    Rank { warning: Option<String> },
+    /// The parent that starts `--np` local ranks; `ignored`: the launcher variables an explicit
+    /// `--np` overrides, and why.
+    Parent { ignored: Option<String> },
+}
+
+type Lookup<'a> = &'a dyn Fn(&str) -> Option<String>;
+
+/// Decides the [`Role`] from `--np` and the environment (`get`).
+///
+/// Without launcher variables this process is the parent. With them and no `--np`, it is a
+/// rank. With them and an explicit `--np`, it is a rank only when the launcher's world size is
+/// `--np` and the launcher really started it as a rank; otherwise `--np` wins (as torchrun's
+/// `--nproc-per-node` does): the launcher's variables are ignored, with a warning.
+fn role(np: Option<usize>, get: Lookup<'_>) -> Role {
+    let set = |k: &str| get(k).filter(|v| !v.trim().is_empty());
+    if !RANK_VARS.iter().any(|k| set(k).is_some()) {
+        return Role::Parent { ignored: None };
+    }
+    let found: Vec<String> = LAUNCHER_VARS
+        .iter()
+        .filter_map(|k| set(k).map(|v| format!("{k}={v}")))
+        .collect();
+    let found = found.join(", ");
+    let info = detect(get);
+    let batch = info
+        .as_ref()
+        .is_ok_and(|i| slurm_batch_script(get, &i.launcher));
+    let Some(np) = np else {
+        let warning = match (&info, batch) {
+            (Ok(i), true) if i.world_size > 1 => Some(format!(
+                "{found} are set but SLURM_STEP_ID is not: this looks like a Slurm batch script, \
+                 not a task started by srun, so rank {} may wait (up to OXCCL_TIMEOUT) for {} \
+                 peers that never start; start the ranks with srun, or give --np N to start N \
+                 local ranks here",
+                i.rank,
+                i.world_size - 1
+            )),
+            _ => None,
+        };
+        return Role::Rank { warning };
+    };
+    let why = match &info {
+        Ok(_) if batch => "SLURM_STEP_ID is not set, so this is a Slurm batch script, not a \
+                           task started by srun"
+            .to_owned(),
+        Ok(i) if i.world_size == np => return Role::Rank { warning: None },
+        Ok(i) => format!(
+            "they describe a job of {} ranks, not {np} (to run as one of those ranks, leave out \
+             --np)",
+            i.world_size
+        ),
+        Err(e) => format!("they do not describe a whole job ({e})"),
+    };
+    Role::Parent {
+        ignored: Some(format!(
+            "--np {np} was given but launcher variables are set ({found}); {why}: starting {np} \
+             local ranks here and ignoring them"
+        )),
+    }
+}
+
+/// Whether the Slurm variables come from a batch script (`sbatch`), where `SLURM_PROCID` is 0
+/// and `SLURM_NTASKS` the allocation's task count although srun started no task: srun sets
+/// `SLURM_STEP_ID` in every task it starts.
+fn slurm_batch_script(get: Lookup<'_>, launcher: &Launcher) -> bool {
+    let set = |k: &str| get(k).is_some_and(|v| !v.trim().is_empty());
+    *launcher == Launcher::Slurm && !set("SLURM_STEP_ID") && !set("SLURM_STEPID")
+}
+
+/// Checks an explicit `--np`.
+fn check_np(np: Option<usize>) -> Result<(), String> {
+    match np {
+        Some(0) => Err("--np must be at least 1".into()),
+        Some(n) if n > MAX_NPROC_PER_NODE => Err(format!(
+            "--np {n} is too large: at most {MAX_NPROC_PER_NODE} local ranks are supported"
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// The default `--np`: the available cores, at least 2 and at most 8.
@@ -348,27 +458,33 @@ pub fn default_np() -> usize {
 /// Runs `oxccl perf` and returns the process exit code: 0 success, 1 a failed check or an
 /// error on a rank, 2 bad arguments, else the launcher's code.
 pub fn run(args: PerfArgs) -> u8 {
-    let plan = match Plan::from_args(&args) {
+    let plan = match Plan::from_args(&args).and_then(|p| check_np(args.np).map(|()| p)) {
         Ok(p) => p,
         Err(e) => {
             note(&format!("error: {e}"));
             return 2;
         }
     };
-    if under_launcher() {
-        rank::rank_main(&args, &plan)
-    } else {
-        parent(&args, &plan)
+    match role(args.np, &|k| std::env::var(k).ok()) {
+        Role::Rank { warning } => {
+            if let Some(w) = warning {
+                note(&format!("warning: {w}"));
+            }
+            rank::rank_main(&args, &plan)
+        }
+        Role::Parent { ignored } => {
+            if let Some(w) = &ignored {
+                note(&format!("warning: {w}"));
+            }
+            parent(&args, &plan, ignored.is_some())
+        }
     }
 }
 
 /// The `--np` parent: re-executes this binary on `np` local ranks and waits for the job.
-fn parent(args: &PerfArgs, plan: &Plan) -> u8 {
+/// `overriding`: launcher variables are present and ignored.
+fn parent(args: &PerfArgs, plan: &Plan, overriding: bool) -> u8 {
     let np = args.np.unwrap_or_else(default_np);
-    if np == 0 {
-        note("error: --np must be at least 1");
-        return 2;
-    }
     if let Err(e) = plan.check_ranks(args.root, np) {
         note(&format!("error: {e}"));
         return 2;
@@ -385,6 +501,14 @@ fn parent(args: &PerfArgs, plan: &Plan) -> u8 {
     let argv: Vec<OsString> = std::env::args_os().skip(1).collect();
     let mut cfg = LaunchConfig::new(np, exe, argv);
     cfg.prefix_output = false;
+    if overriding {
+        // Not the launcher's OXCCL_JOB_ID: other processes of that job may do the same, and
+        // their ranks must not share shared-memory segment names with ours.
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        cfg.job_id = Some(format!("perf-{}-{nanos}", std::process::id()));
+    }
     cfg.bind = args.bind.unwrap_or_else(|| {
         if np <= oxccl_comm::affinity::allowed_cpus().len() {
             Bind::Core
@@ -420,5 +544,119 @@ fn parent(args: &PerfArgs, plan: &Plan) -> u8 {
             note(&format!("error: cannot start the ranks: {e}"));
             u8::try_from(e.exit_code()).unwrap_or(1)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn role_in(np: Option<usize>, vars: &[(&str, &str)]) -> Role {
+        let vars: Vec<(String, String)> = vars
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        role(np, &|k| {
+            vars.iter()
+                .find(|(name, _)| name == k)
+                .map(|(_, v)| v.clone())
+        })
+    }
+
+    const SBATCH: [(&str, &str); 4] = [
+        ("SLURM_PROCID", "0"),
+        ("SLURM_NTASKS", "4"),
+        ("SLURM_JOB_ID", "77"),
+        ("SLURM_NODELIST", "node1"),
+    ];
+
+    fn ignored(r: &Role) -> &str {
+        match r {
+            Role::Parent { ignored: Some(w) } => w,
+            other => panic!("expected a parent overriding the launcher, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn no_launcher_makes_a_parent() {
+        assert_eq!(role_in(None, &[]), Role::Parent { ignored: None });
+        assert_eq!(role_in(Some(4), &[]), Role::Parent { ignored: None });
+        assert_eq!(
+            role_in(Some(4), &[("RANK", " ")]),
+            Role::Parent { ignored: None }
+        );
+    }
+
+    #[test]
+    fn an_explicit_np_in_a_batch_script_starts_the_ranks() {
+        // sbatch: SLURM_PROCID=0 and SLURM_NTASKS are set, but srun started nothing.
+        for np in [2, 4] {
+            let r = role_in(Some(np), &SBATCH);
+            let w = ignored(&r);
+            assert!(
+                w.contains("SLURM_PROCID=0") && w.contains("SLURM_NTASKS=4"),
+                "{w}"
+            );
+            assert!(
+                w.contains("batch script") && w.contains(&format!("--np {np}")),
+                "{w}"
+            );
+        }
+        // Without --np it stays a rank, but says why it may wait for peers.
+        match role_in(None, &SBATCH) {
+            Role::Rank { warning: Some(w) } => {
+                assert!(w.contains("SLURM_STEP_ID") && w.contains("srun"), "{w}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn an_np_that_matches_the_launcher_is_a_rank() {
+        let mut srun = SBATCH.to_vec();
+        srun.push(("SLURM_STEP_ID", "0"));
+        assert_eq!(role_in(Some(4), &srun), Role::Rank { warning: None });
+        assert_eq!(role_in(None, &srun), Role::Rank { warning: None });
+        let oxccl = [
+            ("OXCCL_RANK", "1"),
+            ("OXCCL_WORLD_SIZE", "2"),
+            ("OXCCL_STORE", "127.0.0.1:5"),
+        ];
+        assert_eq!(role_in(Some(2), &oxccl), Role::Rank { warning: None });
+        // The ranks a parent started in a batch script: oxccl's variables come first.
+        let mut child = SBATCH.to_vec();
+        child.extend([
+            ("OXCCL_RANK", "1"),
+            ("OXCCL_WORLD_SIZE", "2"),
+            ("OXCCL_STORE", "127.0.0.1:5"),
+        ]);
+        assert_eq!(role_in(Some(2), &child), Role::Rank { warning: None });
+    }
+
+    #[test]
+    fn an_np_that_contradicts_the_launcher_wins_with_a_warning() {
+        let mut srun = SBATCH.to_vec();
+        srun.push(("SLURM_STEP_ID", "0"));
+        let w = ignored(&role_in(Some(2), &srun)).to_owned();
+        assert!(w.contains("job of 4 ranks, not 2"), "{w}");
+        let torch = [("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "h")];
+        let r = role_in(
+            Some(3),
+            &[torch[0], torch[1], torch[2], ("MASTER_PORT", "9")],
+        );
+        assert!(ignored(&r).contains("RANK=0, WORLD_SIZE=1"), "{r:?}");
+        // RANK without WORLD_SIZE is no whole job.
+        let r = role_in(Some(2), &[("RANK", "0")]);
+        assert!(ignored(&r).contains("do not describe a whole job"), "{r:?}");
+    }
+
+    #[test]
+    fn np_must_be_in_range() {
+        assert!(check_np(None).is_ok());
+        assert!(check_np(Some(1)).is_ok());
+        assert!(check_np(Some(MAX_NPROC_PER_NODE)).is_ok());
+        assert!(check_np(Some(0)).unwrap_err().contains("--np"));
+        let e = check_np(Some(MAX_NPROC_PER_NODE + 1)).unwrap_err();
+        assert!(e.contains("--np") && e.contains("4096"), "{e}");
     }
 }

@@ -61,11 +61,15 @@ pub fn step_from(factor: Option<u64>, step_bytes: Option<u64>) -> Result<Step, S
     }
 }
 
+/// The most sizes one sweep may have (each is measured, so more would take days anyway).
+pub const MAX_SWEEP_SIZES: u64 = 10_000;
+
 /// The sizes of a sweep, `min` to `max` inclusive (as nccl-tests: `max` itself appears only if
 /// the steps land on it).
 ///
 /// # Errors
-/// When `min > max`, or `min == 0` with a multiplicative step (it would never grow).
+/// When `min > max`, `min == 0` with a multiplicative step (it would never grow), or the sweep
+/// would have more than [`MAX_SWEEP_SIZES`] sizes.
 pub fn sweep(min: u64, max: u64, step: Step) -> Result<Vec<u64>, String> {
     if min > max {
         return Err(format!(
@@ -74,6 +78,17 @@ pub fn sweep(min: u64, max: u64, step: Step) -> Result<Vec<u64>, String> {
     }
     if min == 0 && matches!(step, Step::Factor(_)) {
         return Err("-b/--minbytes must be at least 1 with a step factor".into());
+    }
+    if let Step::Bytes(b) = step {
+        // A multiplicative step has at most 64 sizes; an additive one can have billions.
+        let count = ((max - min) / b.max(1)).saturating_add(1);
+        if count > MAX_SWEEP_SIZES {
+            return Err(format!(
+                "-b/--minbytes {min} to -e/--maxbytes {max} in steps of -i/--stepbytes {b} is \
+                 {count} sizes, more than the {MAX_SWEEP_SIZES} a sweep may have: use a larger \
+                 -i/--stepbytes, a -f/--stepfactor above 1, or a narrower -b/-e range"
+            ));
+        }
     }
     let mut out = Vec::new();
     let mut s = min;
@@ -207,6 +222,20 @@ mod tests {
         assert!(step_from(None, Some(0)).is_err());
         let s = sweep(u64::MAX / 2, u64::MAX, Step::Factor(4)).unwrap();
         assert_eq!(s.len(), 1);
+    }
+
+    #[test]
+    fn sweeps_with_too_many_sizes_are_refused() {
+        // -b 1 -e 4G -i 1: four billion sizes.
+        let e = sweep(1, 4 << 30, Step::Bytes(1)).unwrap_err();
+        for flag in ["-b/", "-e/", "-i/", "-f/", "10000"] {
+            assert!(e.contains(flag), "{flag} not in {e:?}");
+        }
+        assert!(sweep(0, u64::MAX, Step::Bytes(1)).is_err());
+        let n = MAX_SWEEP_SIZES;
+        assert_eq!(sweep(1, n, Step::Bytes(1)).unwrap().len() as u64, n);
+        assert!(sweep(1, n + 1, Step::Bytes(1)).is_err());
+        assert_eq!(sweep(1, u64::MAX, Step::Factor(2)).unwrap().len(), 64);
     }
 
     #[test]
