@@ -463,3 +463,148 @@ fn a_rank_that_cannot_start_leaves_no_segments() {
     assert_eq!(err.exit_code(), 127, "{err}");
     assert!(!left, "{} was left behind", stale.display());
 }
+
+/// A free TCP port on loopback for a multi-node store (released before the launchers bind it).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The launcher of node `node` of a 2-node job on loopback, `n` ranks running `sh -c script`.
+fn node_launcher(marker: &str, port: u16, node: usize, n: usize, script: &str) -> Child {
+    oxccl(marker)
+        .args(["launch", "--nnodes", "2", "--node-rank", &node.to_string()])
+        .args(["--master-port", &port.to_string(), "-n", &n.to_string()])
+        .args(["--", "sh", "-c", script])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Waits for a launcher with a limit and returns its exit code, stdout and stderr.
+fn finish_within(child: Child, limit: Duration) -> (Option<i32>, String, String) {
+    let pid = child.id();
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    let Ok(out) = rx.recv_timeout(limit) else {
+        // SAFETY: kill(2) on the launcher this test started; its output thread still holds it.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        panic!("launcher {pid} did not exit within {limit:?}");
+    };
+    let out = out.unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A rank failing on node 1 stops the ranks of node 0 at once (they would otherwise sleep for
+/// two minutes), and both launchers exit with the failed rank's code.
+#[test]
+fn a_failure_on_one_node_stops_every_node() {
+    let m = marker("nodefail");
+    let port = free_port();
+    let script = "if [ \"$OXCCL_NODE_RANK\" = 1 ]; then sleep 1; exit 3; fi; sleep 120";
+    let started = Instant::now();
+    let n0 = node_launcher(&m, port, 0, 2, script);
+    let n1 = node_launcher(&m, port, 1, 2, script);
+    let (c1, _, e1) = finish_within(n1, Duration::from_secs(30));
+    let (c0, _, e0) = finish_within(n0, Duration::from_secs(30));
+    let took = started.elapsed();
+    assert_eq!(c1, Some(3), "node 1:\n{e1}");
+    assert_eq!(c0, Some(3), "node 0:\n{e0}");
+    assert!(took < Duration::from_secs(30), "took {took:?}");
+    assert!(
+        e0.contains("node 1: rank ") && e0.contains("failed: exited with code 3; stopping all 2"),
+        "node 0:\n{e0}"
+    );
+    assert!(e0.contains("job failed on another node"), "node 0:\n{e0}");
+    assert_no_survivors(&m);
+}
+
+/// Node 0's ranks finish at once, node 1's three seconds later: node 0's launcher (which hosts
+/// the store node 1's ranks may still use) waits for node 1, and both succeed.
+#[test]
+fn node_0_keeps_the_store_until_every_node_is_done() {
+    let m = marker("nodewait");
+    let port = free_port();
+    let script = "if [ \"$OXCCL_NODE_RANK\" = 1 ]; then sleep 3; fi; echo done";
+    let started = Instant::now();
+    let n0 = node_launcher(&m, port, 0, 1, script);
+    let n1 = node_launcher(&m, port, 1, 1, script);
+    let (c0, out0, e0) = finish_within(n0, Duration::from_secs(30));
+    let node0_took = started.elapsed();
+    let (c1, out1, e1) = finish_within(n1, Duration::from_secs(30));
+    assert_eq!((c0, c1), (Some(0), Some(0)), "node 0:\n{e0}\nnode 1:\n{e1}");
+    assert!(out0.contains("[0] done") && out1.contains("[1] done"));
+    assert!(
+        node0_took >= Duration::from_millis(2900),
+        "node 0 exited after {node0_took:?}, before node 1's ranks were done\n{e0}"
+    );
+    assert!(e0.contains("keeping the store up until nodes [1]"), "{e0}");
+    assert_no_survivors(&m);
+}
+
+/// Node 0's launcher killed with SIGKILL (its ranks die with it): node 1 sees its store refuse
+/// connections and stops its own ranks instead of letting them sleep for two minutes.
+#[test]
+fn losing_node_0_stops_the_other_nodes() {
+    let m = marker("node0lost");
+    let port = free_port();
+    let script = "echo ready; sleep 120";
+    let mut n0 = node_launcher(&m, port, 0, 1, script);
+    let mut n1 = node_launcher(&m, port, 1, 1, script);
+    for child in [&mut n0, &mut n1] {
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        out.read_line(&mut line).unwrap();
+        assert!(line.ends_with("ready\n"), "{line:?}");
+    }
+    // Let node 1's launcher reach the store before node 0 goes.
+    thread::sleep(Duration::from_millis(1500));
+    n0.kill().unwrap();
+    n0.wait().unwrap();
+    let killed = Instant::now();
+    let (c1, _, e1) = finish_within(n1, Duration::from_secs(30));
+    assert_eq!(c1, Some(1), "node 1:\n{e1}");
+    assert!(killed.elapsed() < Duration::from_secs(20), "{e1}");
+    assert!(
+        e1.contains("node 0: its launcher is gone: nothing listens on its store's port"),
+        "{e1}"
+    );
+    assert_no_survivors(&m);
+}
+
+/// SIGTERM to node 1's launcher ends the job on node 0 too, with the same code.
+#[test]
+fn a_signal_to_one_node_ends_the_job_everywhere() {
+    let m = marker("nodesig");
+    let port = free_port();
+    let script = "echo ready; sleep 120";
+    let mut n0 = node_launcher(&m, port, 0, 1, script);
+    let mut n1 = node_launcher(&m, port, 1, 1, script);
+    for child in [&mut n0, &mut n1] {
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        out.read_line(&mut line).unwrap();
+        assert!(line.ends_with("ready\n"), "{line:?}");
+    }
+    // SAFETY: kill(2) on the launcher this test spawned and has not reaped.
+    unsafe { libc::kill(n1.id() as i32, libc::SIGTERM) };
+    let (c1, _, e1) = finish_within(n1, Duration::from_secs(30));
+    let (c0, _, e0) = finish_within(n0, Duration::from_secs(30));
+    assert_eq!(c1, Some(143), "node 1:\n{e1}");
+    assert_eq!(c0, Some(143), "node 0:\n{e0}");
+    assert!(
+        e0.contains("node 1: its launcher received SIGTERM"),
+        "node 0:\n{e0}"
+    );
+    assert_no_survivors(&m);
+}

@@ -147,7 +147,8 @@ struct LaunchArgs {
     )]
     nproc_per_node: usize,
 
-    /// Number of nodes in the job.
+    /// Number of nodes in the job. With more than one, the launchers keep in touch through the
+    /// store: a failure on one node stops every node, and node 0 waits for the others to finish.
     #[arg(long, value_name = "M", default_value_t = 1)]
     nnodes: usize,
 
@@ -236,6 +237,9 @@ fn run_launch(args: LaunchArgs) -> u8 {
                     "job failed after {} attempt(s): {f}; exiting with code {code}",
                     outcome.attempts
                 ),
+                JobEnd::NodeFailed(f) => {
+                    note!("job failed on another node: {f}; exiting with code {code}")
+                }
                 JobEnd::Interrupted { .. } => {
                     note!("job interrupted; exiting with code {code}")
                 }

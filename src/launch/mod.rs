@@ -43,6 +43,7 @@
 //! |---|---|
 //! | `0` | every rank exited with status 0 |
 //! | `c` (1..=255) | the first rank seen failing exited with code `c` (after `max_restarts` restarts) |
+//! | `c` | another node reported the job's first failure with code `c` ([`JobEnd::NodeFailed`]); `1` when node 0's launcher was lost |
 //! | `128 + s` | the first rank seen failing was killed by signal `s` (e.g. 137 for SIGKILL) |
 //! | `128 + s` | the launcher itself received signal `s` (130 SIGINT, 143 SIGTERM, 129 SIGHUP) and forwarded it |
 //! | `124` | [`LaunchConfig::timeout`] expired |
@@ -72,6 +73,31 @@
 //! * Processes that leave their rank's process group on purpose (`setsid`, `setpgid`) are out of
 //!   reach, as they are for any launcher without cgroups.
 //!
+//! # Several nodes
+//!
+//! With [`LaunchConfig::nnodes`] > 1, the launchers keep in touch through the store node 0 hosts
+//! (as torchrun's agents do through their rendezvous), each with a thread that polls it every
+//! 200 ms:
+//!
+//! * The first node whose ranks fail, whose `--timeout` expires or whose launcher gets a signal
+//!   records that in the store (first one wins). Every other launcher sees it within a poll,
+//!   says `oxccl launch: node 1: rank 3 (pid 1234) failed: exited with code 3; stopping all 8
+//!   local ranks`, stops its ranks as after a local failure, and exits with that node's code
+//!   ([`JobEnd::NodeFailed`]). Without this, the other nodes' ranks would wait for the failed
+//!   ones until `OXCCL_TIMEOUT` (10 minutes by default) when the failure came before or between
+//!   their collectives.
+//! * Node 0 keeps the store up until every other node's ranks are done (they may still create
+//!   communicators), saying so after 2 s; it stops waiting for a node whose launcher has not
+//!   been heard from for 30 s, on a signal, or at `--timeout`.
+//! * A node whose store refuses connections for 3 s (nothing listens on its port: node 0's
+//!   launcher is gone), or does not answer for 60 s, stops its ranks and exits with code 1.
+//! * A node whose ranks all succeeded still exits with the failing node's code if a failure
+//!   was recorded by the time its ranks were done, so every node's exit code tells the job's
+//!   outcome.
+//!
+//! Every store request of the launchers has a 5 s reply time-out. The keys are described in
+//! `src/launch/nodes.rs`.
+//!
 //! Note that `PR_SET_PDEATHSIG` fires when the *thread* that spawned the ranks exits: call
 //! [`launch`] from a thread that outlives the call (it always does, since [`launch`] blocks
 //! until every rank is gone).
@@ -89,6 +115,7 @@ macro_rules! note {
     }};
 }
 
+mod nodes;
 mod output;
 mod proc;
 mod watchdog;
@@ -103,6 +130,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use oxccl_comm::bootstrap::TcpStoreServer;
 
+use self::nodes::{NodeLink, NodesEnd};
 use self::proc::{AttemptEnd, Job, RankSpec, Subreaper, SupervisorCtx};
 use self::watchdog::Watchdog;
 
@@ -371,6 +399,25 @@ impl fmt::Display for RankFailure {
     }
 }
 
+/// The end of a multi-node job that another node caused: what its launcher reported through the
+/// store (a failed rank, its time-out, a signal), or the loss of node 0's launcher.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeFailure {
+    /// The node it happened on.
+    pub node: usize,
+    /// That node's exit code (the failed rank's, 124 for a time-out, 128 + s for a signal; 1
+    /// when node 0 was lost).
+    pub exit_code: i32,
+    /// What happened there, e.g. `rank 3 (pid 1234) failed: exited with code 3`.
+    pub what: String,
+}
+
+impl fmt::Display for NodeFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "node {}: {}", self.node, self.what)
+    }
+}
+
 /// How a job ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum JobEnd {
@@ -378,6 +425,10 @@ pub enum JobEnd {
     Success,
     /// A rank failed and no restart was left.
     RankFailed(RankFailure),
+    /// Another node of a multi-node job failed (its ranks, its time-out, a signal to its
+    /// launcher) or node 0's launcher was lost; this node's ranks were stopped, or had already
+    /// succeeded.
+    NodeFailed(NodeFailure),
     /// The launcher received this signal and forwarded it to the ranks.
     Interrupted {
         /// Signal number (SIGINT, SIGTERM or SIGHUP).
@@ -410,6 +461,10 @@ impl LaunchOutcome {
         match &self.end {
             JobEnd::Success => 0,
             JobEnd::RankFailed(f) => match f.termination.exit_code() {
+                c @ 1..=255 => c,
+                _ => 1,
+            },
+            JobEnd::NodeFailed(f) => match f.exit_code {
                 c @ 1..=255 => c,
                 _ => 1,
             },
@@ -542,11 +597,28 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
         }
     };
 
+    let nodes = if cfg.nnodes > 1 {
+        let link = NodeLink::start(
+            cfg.node_rank,
+            cfg.nnodes,
+            store.client_host.clone(),
+            store.port,
+            &job_base,
+        )
+        .map_err(|source| LaunchError::Io {
+            context: "starting the thread that watches the other nodes",
+            source,
+        })?;
+        Some(link)
+    } else {
+        None
+    };
     let ctx = SupervisorCtx {
         signals: signals.as_ref(),
         deadline,
         failure_grace: cfg.failure_grace,
         signal_grace: cfg.signal_grace,
+        nodes: nodes.as_ref(),
     };
 
     let mut attempt: u32 = 0;
@@ -588,12 +660,83 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
                 continue;
             }
             AttemptEnd::Failed(f) => JobEnd::RankFailed(f),
+            AttemptEnd::OtherNode(f) => JobEnd::NodeFailed(f),
+        };
+        let end = match &nodes {
+            Some(link) => end_with_other_nodes(cfg, link, &ctx, end),
+            None => end,
         };
         break Ok(LaunchOutcome {
             attempts: attempt + 1,
             end,
         });
     }
+}
+
+/// A multi-node job's end on this node: tells the other nodes how this node's ranks ended; node 0
+/// then keeps the store up until the other nodes are done. A job whose local ranks all
+/// succeeded still ends as [`JobEnd::NodeFailed`] if another node has reported a failure by then.
+fn end_with_other_nodes(
+    cfg: &LaunchConfig,
+    link: &NodeLink,
+    ctx: &SupervisorCtx<'_>,
+    end: JobEnd,
+) -> JobEnd {
+    let own_failure = match &end {
+        JobEnd::Success | JobEnd::NodeFailed(_) => None,
+        JobEnd::RankFailed(f) => Some((
+            LaunchOutcome {
+                attempts: 1,
+                end: end.clone(),
+            }
+            .exit_code(),
+            f.to_string(),
+        )),
+        JobEnd::TimedOut { after } => Some((
+            124,
+            format!(
+                "its launcher's --timeout of {}s expired",
+                after.as_secs_f64()
+            ),
+        )),
+        JobEnd::Interrupted { signal } => Some((
+            128 + signal,
+            format!(
+                "its launcher received {}",
+                signal_name(*signal).unwrap_or("a signal")
+            ),
+        )),
+    };
+    link.publish_end(own_failure);
+    let mut end = end;
+    if cfg.node_rank == 0 {
+        match link.wait_for_nodes(ctx) {
+            NodesEnd::AllDone => {}
+            NodesEnd::Interrupted(signal) if end == JobEnd::Success => {
+                end = JobEnd::Interrupted { signal }
+            }
+            NodesEnd::TimedOut if end == JobEnd::Success => {
+                end = JobEnd::TimedOut {
+                    after: cfg.timeout.unwrap_or_default(),
+                }
+            }
+            NodesEnd::Silent(nodes) if end == JobEnd::Success => {
+                end = JobEnd::NodeFailed(NodeFailure {
+                    node: nodes[0],
+                    exit_code: 1,
+                    what: "its launcher stopped answering before its ranks were done".into(),
+                })
+            }
+            NodesEnd::Interrupted(_) | NodesEnd::TimedOut | NodesEnd::Silent(_) => {}
+        }
+    }
+    if end == JobEnd::Success {
+        if let Some(f) = link.reported_failure() {
+            note!("this node's ranks succeeded, but {f}");
+            end = JobEnd::NodeFailed(f);
+        }
+    }
+    end
 }
 
 /// Removes whatever shared-memory segments of this job are left in `/dev/shm` (a rank killed
@@ -624,6 +767,8 @@ pub(crate) struct HostedStore {
     _server: Option<TcpStoreServer>,
     /// `host:port` given to the ranks as `OXCCL_STORE`.
     rank_addr: String,
+    /// The host part of `rank_addr`, without brackets (the launchers' own connections).
+    client_host: String,
     /// The store's port (`MASTER_PORT`).
     port: u16,
 }
@@ -648,6 +793,7 @@ fn host_store(cfg: &LaunchConfig) -> Result<HostedStore, LaunchError> {
         return Ok(HostedStore {
             _server: None,
             rank_addr: join_host_port(host, cfg.master_port),
+            client_host: host.to_owned(),
             port: cfg.master_port,
         });
     }
@@ -679,6 +825,7 @@ fn host_store(cfg: &LaunchConfig) -> Result<HostedStore, LaunchError> {
     Ok(HostedStore {
         _server: Some(server),
         rank_addr: bound.to_string(),
+        client_host: bound.ip().to_string(),
         port: bound.port(),
     })
 }

@@ -7,9 +7,12 @@ use std::sync::Mutex;
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
+use super::nodes::NodeLink;
 use super::output::{self, Sink};
 use super::watchdog::Watchdog;
-use super::{signal_name, LaunchConfig, LaunchError, RankFailure, Signals, Termination};
+use super::{
+    signal_name, LaunchConfig, LaunchError, NodeFailure, RankFailure, Signals, Termination,
+};
 
 /// How often children are polled.
 const POLL: Duration = Duration::from_millis(10);
@@ -53,10 +56,12 @@ pub(super) struct SupervisorCtx<'a> {
     pub(super) deadline: Option<Instant>,
     pub(super) failure_grace: Duration,
     pub(super) signal_grace: Duration,
+    /// The other nodes of a multi-node job.
+    pub(super) nodes: Option<&'a NodeLink>,
 }
 
 impl SupervisorCtx<'_> {
-    fn take_signal(&self) -> Option<libc::c_int> {
+    pub(super) fn take_signal(&self) -> Option<libc::c_int> {
         self.signals.and_then(Signals::take)
     }
 }
@@ -68,6 +73,8 @@ pub(super) enum AttemptEnd {
     Failed(RankFailure),
     Interrupted(libc::c_int),
     TimedOut,
+    /// Another node reported a failure (or node 0 was lost); the local ranks were stopped.
+    OtherNode(NodeFailure),
 }
 
 struct RankProc {
@@ -478,6 +485,13 @@ impl<'w> Job<'w> {
             }
             return Some(AttemptEnd::Failed(f));
         }
+        if let Some(f) = ctx.nodes.and_then(NodeLink::failure) {
+            note!("{f}; stopping {}", self.started());
+            if let Some(sig) = self.shutdown(libc::SIGTERM, ctx.failure_grace, ctx) {
+                return Some(AttemptEnd::Interrupted(sig));
+            }
+            return Some(AttemptEnd::OtherNode(f));
+        }
         None
     }
 
@@ -614,6 +628,7 @@ mod tests {
             deadline,
             failure_grace: Duration::from_secs(30),
             signal_grace: Duration::from_secs(30),
+            nodes: None,
         }
     }
 

@@ -532,7 +532,7 @@ fn parent(args: &PerfArgs, plan: &Plan, overriding: bool) -> u8 {
             let code = outcome.exit_code();
             match &outcome.end {
                 // The launcher has already reported the failed rank.
-                JobEnd::Success | JobEnd::RankFailed(_) => {}
+                JobEnd::Success | JobEnd::RankFailed(_) | JobEnd::NodeFailed(_) => {}
                 JobEnd::Interrupted { .. } => {
                     note(&format!("interrupted; exiting with code {code}"))
                 }

@@ -40,6 +40,8 @@ pub struct TcpStore {
     port: u16,
     idle: Mutex<Vec<TcpStream>>,
     reconnect_timeout: Duration,
+    /// Reply time-out of requests that do not wait for a key ([`OP_TIMEOUT`] unless set).
+    op_timeout: Duration,
 }
 
 impl fmt::Debug for TcpStore {
@@ -82,7 +84,19 @@ impl TcpStore {
             port,
             idle: Mutex::new(vec![stream]),
             reconnect_timeout: timeout.min(Duration::from_secs(30)),
+            op_timeout: OP_TIMEOUT,
         })
+    }
+
+    /// Limits how long a request that does not wait for a key (everything but
+    /// [`get`](Store::get) and [`wait`](Store::wait)) waits for its reply, 60 s by default, and
+    /// how long reconnecting after a failure may take. A watcher that must notice a silent
+    /// server quickly (the launchers of a multi-node job) sets a few seconds. At least 1 ms.
+    pub fn with_op_timeout(mut self, timeout: Duration) -> TcpStore {
+        let t = timeout.max(Duration::from_millis(1));
+        self.op_timeout = t;
+        self.reconnect_timeout = self.reconnect_timeout.min(t);
+        self
     }
 
     /// If `is_server`, hosts a [`TcpStoreServer`] on all interfaces (`[::]`, falling back to
@@ -179,6 +193,7 @@ impl TcpStore {
         };
         let res = (|| {
             stream.set_read_timeout(read_timeout)?;
+            stream.set_write_timeout(Some(self.op_timeout))?;
             stream.write_all(&frame)?;
             match read_frame(&mut stream)? {
                 Some(body) => Ok((body[0], body[1..].to_vec())),
@@ -311,7 +326,7 @@ impl Store for TcpStore {
         let mut f = start_frame(OP_SET);
         put_bytes(&mut f, key.as_bytes());
         put_bytes(&mut f, value);
-        match self.request("set", key, f, Some(OP_TIMEOUT))? {
+        match self.request("set", key, f, Some(self.op_timeout))? {
             (ST_OK, _) => Ok(()),
             (st, p) => Err(self.unexpected("set", key, st, &p)),
         }
@@ -347,7 +362,7 @@ impl Store for TcpStore {
     fn try_get(&self, key: &str) -> Result<Option<Vec<u8>>> {
         let mut f = start_frame(OP_TRY_GET);
         put_bytes(&mut f, key.as_bytes());
-        match self.request("try_get", key, f, Some(OP_TIMEOUT))? {
+        match self.request("try_get", key, f, Some(self.op_timeout))? {
             (ST_OK, v) => Ok(Some(v)),
             (ST_NOT_FOUND, _) => Ok(None),
             (st, p) => Err(self.unexpected("try_get", key, st, &p)),
@@ -358,7 +373,7 @@ impl Store for TcpStore {
         let mut f = start_frame(OP_ADD);
         put_bytes(&mut f, key.as_bytes());
         f.extend_from_slice(&delta.to_le_bytes());
-        match self.request("add", key, f, Some(OP_TIMEOUT))? {
+        match self.request("add", key, f, Some(self.op_timeout))? {
             (ST_OK, v) if v.len() == 8 => {
                 let mut a = [0u8; 8];
                 a.copy_from_slice(&v);
@@ -369,7 +384,7 @@ impl Store for TcpStore {
     }
 
     fn compare_set(&self, key: &str, expected: Option<&[u8]>, desired: &[u8]) -> Result<Vec<u8>> {
-        self.compare_set_within(key, expected, desired, OP_TIMEOUT)
+        self.compare_set_within(key, expected, desired, self.op_timeout)
     }
 
     fn compare_set_within(
@@ -389,7 +404,7 @@ impl Store for TcpStore {
             }
         }
         put_bytes(&mut f, desired);
-        let timeout = timeout.clamp(Duration::from_millis(1), OP_TIMEOUT);
+        let timeout = timeout.clamp(Duration::from_millis(1), self.op_timeout);
         match self.request_within("compare_set", key, f, timeout)? {
             (ST_OK, v) => Ok(v),
             (st, p) => Err(self.unexpected("compare_set", key, st, &p)),
@@ -399,7 +414,7 @@ impl Store for TcpStore {
     fn delete(&self, key: &str) -> Result<bool> {
         let mut f = start_frame(OP_DELETE);
         put_bytes(&mut f, key.as_bytes());
-        match self.request("delete", key, f, Some(OP_TIMEOUT))? {
+        match self.request("delete", key, f, Some(self.op_timeout))? {
             (ST_OK, v) if v.len() == 1 => Ok(v[0] != 0),
             (st, p) => Err(self.unexpected("delete", key, st, &p)),
         }
@@ -433,5 +448,39 @@ mod tests {
         assert_eq!(c.add("n", 5).unwrap(), 5);
         let e = c.get("missing", Duration::from_millis(20)).unwrap_err();
         assert!(e.to_string().contains("missing"), "{e}");
+    }
+
+    /// A server that answers the handshake and then never replies: requests end with an error
+    /// after the op time-out set, not after the default minute.
+    #[test]
+    fn op_timeout_bounds_requests_to_a_silent_server() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let server = thread::spawn(move || {
+            let mut held = Vec::new();
+            for _ in 0..2 {
+                let (mut s, _) = listener.accept().unwrap();
+                read_frame(&mut s).unwrap();
+                s.write_all(&finish_frame(status(ST_OK, MAGIC)).unwrap())
+                    .unwrap();
+                held.push(s); // open, silent
+            }
+            thread::sleep(Duration::from_secs(3));
+        });
+        let c = TcpStore::connect("127.0.0.1", port, Duration::from_secs(10))
+            .unwrap()
+            .with_op_timeout(Duration::from_millis(300));
+        for what in ["try_get", "set"] {
+            let t = std::time::Instant::now();
+            let e = if what == "set" {
+                c.set("k", b"v").unwrap_err()
+            } else {
+                c.try_get("k").unwrap_err()
+            };
+            let took = t.elapsed();
+            assert!(took < Duration::from_secs(2), "{what} took {took:?}");
+            assert!(e.to_string().contains(what), "{e}");
+        }
+        server.join().unwrap();
     }
 }
