@@ -33,8 +33,9 @@
 #       the current directory, so relative paths work as they do outside.
 #       Waits for every node. Exit status: 0 if every node's launcher exited 0, else the code
 #       of the first node seen failing (e.g. 124 for --timeout). Once a node has failed, the
-#       others get --fail-grace seconds (default 10) to finish on their own (their ranks see
-#       the failure and report it), then their processes are stopped. The namespaces are
+#       others get --fail-grace seconds (default 10) to finish on their own (their launchers
+#       learn of the failure through the store and stop their ranks), then their processes are
+#       stopped. The namespaces are
 #       removed when the script exits, whether it succeeds, fails or gets SIGINT/SIGTERM/SIGHUP
 #       (not after SIGKILL: then run `down`).
 #   scripts/netns.sh link-down --node k [--prefix P]

@@ -133,6 +133,9 @@ fn connect_shm(
         cfg.nslots,
         direct,
     )?;
+    // The name goes when this function returns (every peer has mapped the segment, or set-up
+    // failed), also when it unwinds: the mappings stay.
+    let _unlink = shm::UnlinkGuard::new(path.clone());
     let own = Arc::new(seg);
     let mut segs: Vec<Option<Arc<Segment>>> = vec![None; peers.len()];
     segs[rank] = Some(own.clone());
@@ -254,7 +257,6 @@ fn connect_shm(
         tracing::info!(rank, staging = direct, single_copy, "shared-memory window");
         Ok(Some(ShmWindow::new(rank, segs, pids, single_copy)))
     })();
-    let _ = std::fs::remove_file(&path);
     result.map(|w| (own, w))
 }
 
@@ -371,10 +373,10 @@ impl Communicator {
                 msg: format!("rank {rank} is not in 0..{size}"),
             });
         }
-        crate::config::check_timeout(cfg.timeout).map_err(|why| Error::InvalidArgument {
+        cfg.check().map_err(|msg| Error::InvalidArgument {
             rank,
             op: "init".into(),
-            msg: format!("Config::timeout: {why}"),
+            msg,
         })?;
         let deadline = Instant::now() + cfg.timeout;
         let node_id = match &cfg.node_id {
@@ -719,6 +721,37 @@ mod tests {
         assert_eq!(hash_id(""), 0xcbf2_9ce4_8422_2325);
         assert_eq!(hash_id("a"), 0xaf63_dc4c_8601_ec8c);
         assert_eq!(hash_id("oxccl/world0"), 0x6216_7b10_47cb_0e55);
+    }
+
+    /// Every numeric field of a hand-built `Config` out of its range fails init with the field
+    /// and its variable named (zero sockets or slots used to divide by zero later).
+    #[test]
+    fn hand_built_fields_out_of_range_are_refused_at_init() {
+        type Tweak = fn(&mut Config);
+        let cases: [(&str, Tweak); 8] = [
+            ("nsocks", |c| c.nsocks = 0),
+            ("nsocks", |c| c.nsocks = 17),
+            ("socket_buffer", |c| c.socket_buffer = 4 << 30),
+            ("slot_bytes", |c| c.slot_bytes = 100),
+            ("nslots", |c| c.nslots = 0),
+            ("direct_bytes", |c| c.direct_bytes = 1000),
+            ("cuda_ipc_slot", |c| c.cuda_ipc_slot = 0),
+            ("timeout", |c| c.timeout = Duration::ZERO),
+        ];
+        for (field, tweak) in cases {
+            let mut cfg = Config::default();
+            tweak(&mut cfg);
+            let store: Arc<dyn Store> = Arc::new(MemStore::new());
+            match Communicator::init_with_config(0, 1, store, cfg) {
+                Err(e @ Error::InvalidArgument { .. }) => {
+                    let msg = e.to_string();
+                    assert!(msg.contains("rank 0") && msg.contains("init"), "{msg}");
+                    assert!(msg.contains(&format!("Config::{field}")), "{msg}");
+                }
+                other => panic!("{field}: expected InvalidArgument, got {other:?}"),
+            }
+        }
+        assert!(Config::default().check().is_ok());
     }
 
     #[test]

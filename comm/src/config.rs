@@ -190,6 +190,78 @@ pub(crate) fn check_timeout(t: Duration) -> std::result::Result<(), String> {
     }
 }
 
+/// `OXCCL_NSOCKS` / [`Config::nsocks`].
+const NSOCKS: std::ops::RangeInclusive<usize> = 1..=16;
+/// `OXCCL_NSLOTS` / [`Config::nslots`].
+const NSLOTS: std::ops::RangeInclusive<usize> = 1..=64;
+
+/// `OXCCL_SLOT_BYTES` / [`Config::slot_bytes`]: a multiple of 64 from 64 B to 64 MiB.
+fn slot_bytes_ok(b: usize) -> bool {
+    (64..=64 << 20).contains(&b) && b.is_multiple_of(64)
+}
+
+/// `OXCCL_SHM_DIRECT_BYTES` / [`Config::direct_bytes`]: 0, or a multiple of 64 from 4 KiB to 1 GiB.
+fn direct_bytes_ok(b: usize) -> bool {
+    b == 0 || ((4096..=1 << 30).contains(&b) && b.is_multiple_of(64))
+}
+
+/// `OXCCL_CUDA_IPC_SLOT` / [`Config::cuda_ipc_slot`]: a multiple of 256 from 4 KiB to 1 GiB.
+fn ipc_slot_ok(b: usize) -> bool {
+    (4096..=1 << 30).contains(&b) && b.is_multiple_of(256)
+}
+
+impl Config {
+    /// Checks every numeric field against the range its variable accepts (a `Config` built by
+    /// hand skips [`Config::from_env`]'s checks); the error names the first field out of range,
+    /// its variable and the range. Communicator creation calls this.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        check_timeout(self.timeout).map_err(|why| format!("Config::timeout: {why}"))?;
+        let bad = |field: &str, var: &str, v: usize, want: &str| {
+            Err(format!(
+                "Config::{field} = {v} is out of range ({var}): it must be {want}"
+            ))
+        };
+        if !NSOCKS.contains(&self.nsocks) {
+            return bad("nsocks", "OXCCL_NSOCKS", self.nsocks, "in 1..=16");
+        }
+        if self.socket_buffer > MAX_SOCKET_BUFFER {
+            let want = "at most 1 GiB (0 = kernel default)";
+            return bad(
+                "socket_buffer",
+                "OXCCL_SOCKET_BUFFER",
+                self.socket_buffer,
+                want,
+            );
+        }
+        if !slot_bytes_ok(self.slot_bytes) {
+            let want = "a multiple of 64 between 64 and 64 MiB";
+            return bad("slot_bytes", "OXCCL_SLOT_BYTES", self.slot_bytes, want);
+        }
+        if !NSLOTS.contains(&self.nslots) {
+            return bad("nslots", "OXCCL_NSLOTS", self.nslots, "in 1..=64");
+        }
+        if !direct_bytes_ok(self.direct_bytes) {
+            let want = "0 or a multiple of 64 between 4 KiB and 1 GiB";
+            return bad(
+                "direct_bytes",
+                "OXCCL_SHM_DIRECT_BYTES",
+                self.direct_bytes,
+                want,
+            );
+        }
+        if !ipc_slot_ok(self.cuda_ipc_slot) {
+            let want = "a multiple of 256 between 4 KiB and 1 GiB";
+            return bad(
+                "cuda_ipc_slot",
+                "OXCCL_CUDA_IPC_SLOT",
+                self.cuda_ipc_slot,
+                want,
+            );
+        }
+        Ok(())
+    }
+}
+
 /// Parses `OXCCL_TIMEOUT` (seconds, fractions allowed) within [`MIN_TIMEOUT`]..=[`MAX_TIMEOUT`].
 fn parse_timeout(v: &str) -> Result<Duration> {
     let secs: f64 = parse_num("OXCCL_TIMEOUT", v)?;
@@ -244,7 +316,7 @@ impl Config {
         }
         if let Some(v) = get("OXCCL_NSOCKS") {
             c.nsocks = parse_num("OXCCL_NSOCKS", &v)?;
-            if !(1..=16).contains(&c.nsocks) {
+            if !NSOCKS.contains(&c.nsocks) {
                 return Err(Error::Config(format!("OXCCL_NSOCKS={v} must be in 1..=16")));
             }
         }
@@ -275,7 +347,7 @@ impl Config {
         }
         if let Some(v) = get("OXCCL_SLOT_BYTES") {
             c.slot_bytes = parse_num("OXCCL_SLOT_BYTES", &v)?;
-            if c.slot_bytes < 64 || c.slot_bytes % 64 != 0 || c.slot_bytes > (64 << 20) {
+            if !slot_bytes_ok(c.slot_bytes) {
                 return Err(Error::Config(format!(
                     "OXCCL_SLOT_BYTES={v} must be a multiple of 64 between 64 and 64 MiB"
                 )));
@@ -283,7 +355,7 @@ impl Config {
         }
         if let Some(v) = get("OXCCL_NSLOTS") {
             c.nslots = parse_num("OXCCL_NSLOTS", &v)?;
-            if !(1..=64).contains(&c.nslots) {
+            if !NSLOTS.contains(&c.nslots) {
                 return Err(Error::Config(format!("OXCCL_NSLOTS={v} must be in 1..=64")));
             }
         }
@@ -302,9 +374,7 @@ impl Config {
         }
         if let Some(v) = get("OXCCL_SHM_DIRECT_BYTES") {
             c.direct_bytes = parse_num("OXCCL_SHM_DIRECT_BYTES", &v)?;
-            if c.direct_bytes != 0
-                && (c.direct_bytes < 4096 || c.direct_bytes % 64 != 0 || c.direct_bytes > (1 << 30))
-            {
+            if !direct_bytes_ok(c.direct_bytes) {
                 return Err(Error::Config(format!(
                     "OXCCL_SHM_DIRECT_BYTES={v} must be 0 or a multiple of 64 between 4 KiB and 1 GiB"
                 )));
@@ -336,7 +406,7 @@ impl Config {
         }
         if let Some(v) = get("OXCCL_CUDA_IPC_SLOT") {
             c.cuda_ipc_slot = parse_num("OXCCL_CUDA_IPC_SLOT", &v)?;
-            if c.cuda_ipc_slot < 4096 || c.cuda_ipc_slot % 256 != 0 || c.cuda_ipc_slot > (1 << 30) {
+            if !ipc_slot_ok(c.cuda_ipc_slot) {
                 return Err(Error::Config(format!(
                     "OXCCL_CUDA_IPC_SLOT={v} must be a multiple of 256 between 4 KiB and 1 GiB"
                 )));

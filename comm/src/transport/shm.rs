@@ -360,9 +360,14 @@ impl Segment {
 
 /// Removes a freshly created segment file when dropped, unless disarmed: an error (or a panic)
 /// between creating and handing out the segment leaves nothing in `/dev/shm`.
-struct UnlinkGuard(Option<PathBuf>);
+pub(crate) struct UnlinkGuard(Option<PathBuf>);
 
 impl UnlinkGuard {
+    /// Removes `path` when dropped, unless disarmed.
+    pub(crate) fn new(path: PathBuf) -> Self {
+        UnlinkGuard(Some(path))
+    }
+
     /// Keeps the file (removing it is now the caller's job).
     fn disarm(mut self) {
         self.0 = None;
