@@ -2,6 +2,7 @@
 //! the algorithms. Out-of-place forms copy into the output (or a scratch buffer) and run the
 //! in-place algorithm there; the caller's input is never modified.
 
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -834,6 +835,90 @@ impl Communicator {
         );
         self.run(desc, |ctx, _| {
             pairwise::all_to_all(ctx, bytes(input), bytes_mut(output))
+        })
+    }
+
+    /// All-to-all with a block length per pair, like torch's `all_to_all_single` with split
+    /// sizes or `MPI_Alltoallv` with packed blocks (the dispatch and combine of mixture-of-experts
+    /// layers): rank r's `input` holds `send_counts[j]` elements for each rank j, in rank order,
+    /// and its `output` receives `recv_counts[j]` elements from each rank j, in rank order.
+    /// `send_counts[j]` on rank r must equal `recv_counts[r]` on rank j; ranks usually learn
+    /// their `recv_counts` first with an [`all_to_all`](Self::all_to_all) of the send counts.
+    ///
+    /// ```no_run
+    /// # fn f(comm: &oxccl_comm::Communicator, tokens: &[f32], send_counts: &[usize])
+    /// #     -> oxccl_comm::Result<()> {
+    /// let counts: Vec<u64> = send_counts.iter().map(|&c| c as u64).collect();
+    /// let mut theirs = vec![0u64; comm.size()];
+    /// comm.all_to_all(&counts, &mut theirs)?; // what every rank will send me
+    /// let recv_counts: Vec<usize> = theirs.iter().map(|&c| c as usize).collect();
+    /// let mut received = vec![0f32; recv_counts.iter().sum()];
+    /// comm.all_to_all_v(tokens, send_counts, &mut received, &recv_counts)?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// Every pair exchanges one message, empty or not, tagged with its count.
+    ///
+    /// # Errors
+    /// `InvalidArgument` unless both count lists have `size()` entries, they sum to the input
+    /// and output lengths, and `send_counts[rank] == recv_counts[rank]`. Two ranks that disagree
+    /// on the count between them fail with `Mismatch` naming both counts.
+    pub fn all_to_all_v<T: Element>(
+        &self,
+        input: &[T],
+        send_counts: &[usize],
+        output: &mut [T],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let op = "all_to_all_v";
+        let elem = std::mem::size_of::<T>();
+        let ranges = |counts: &[usize], what: &str, len: usize| -> Result<Vec<Range<usize>>> {
+            if counts.len() != self.size {
+                return Err(self.invalid(
+                    op,
+                    format!(
+                        "{what} has {} entries; it must have one per rank ({})",
+                        counts.len(),
+                        self.size
+                    ),
+                ));
+            }
+            let mut at = 0usize;
+            let mut out = Vec::with_capacity(counts.len());
+            for &c in counts {
+                let end = at.checked_add(c).filter(|&e| e <= len).ok_or_else(|| {
+                    self.invalid(
+                        op,
+                        format!("{what} add up to more than the buffer's {len} elements"),
+                    )
+                })?;
+                out.push(at * elem..end * elem);
+                at = end;
+            }
+            if at != len {
+                return Err(self.invalid(
+                    op,
+                    format!("{what} add up to {at} elements but the buffer has {len}"),
+                ));
+            }
+            Ok(out)
+        };
+        let sends = ranges(send_counts, "send_counts", input.len())?;
+        let recvs = ranges(recv_counts, "recv_counts", output.len())?;
+        let me = self.rank;
+        if send_counts[me] != recv_counts[me] {
+            return Err(self.invalid(
+                op,
+                format!(
+                    "send_counts[{me}] = {} but recv_counts[{me}] = {}: the block a rank sends \
+                     itself must fit the block it receives from itself",
+                    send_counts[me], recv_counts[me]
+                ),
+            ));
+        }
+        let desc = self.desc::<T>(Collective::AllToAllV, input.len(), ReduceOp::Sum, 0);
+        self.run(desc, |ctx, _| {
+            pairwise::all_to_all_v(ctx, bytes(input), &sends, bytes_mut(output), &recvs, elem)
         })
     }
 

@@ -30,11 +30,13 @@ pub enum Collective {
     Barrier,
     /// Point-to-point send/recv.
     SendRecv,
+    /// Like [`Collective::AllToAll`] with a block length per pair (tags carry the pair's count).
+    AllToAllV,
 }
 
 impl Collective {
     /// Every collective, in a fixed order.
-    pub const ALL: [Collective; 10] = [
+    pub const ALL: [Collective; 11] = [
         Collective::AllReduce,
         Collective::ReduceScatter,
         Collective::AllGather,
@@ -45,6 +47,7 @@ impl Collective {
         Collective::AllToAll,
         Collective::Barrier,
         Collective::SendRecv,
+        Collective::AllToAllV,
     ];
 
     /// The name used in logs, `OXCCL_ALGO` and `oxccl perf` (`all-reduce`, ...).
@@ -60,6 +63,7 @@ impl Collective {
             Collective::AllToAll => "all-to-all",
             Collective::Barrier => "barrier",
             Collective::SendRecv => "send-recv",
+            Collective::AllToAllV => "all-to-all-v",
         }
     }
 

@@ -191,7 +191,7 @@ pub fn algorithms_for(coll: Collective) -> &'static [Algorithm] {
         }
         Collective::Broadcast | Collective::Reduce => &[Algorithm::Tree, Algorithm::Chain],
         Collective::Gather | Collective::Scatter => &[Algorithm::Linear],
-        Collective::AllToAll => &[Algorithm::Pairwise],
+        Collective::AllToAll | Collective::AllToAllV => &[Algorithm::Pairwise],
         Collective::Barrier => &[Algorithm::Dissemination],
         Collective::SendRecv => &[Algorithm::Direct],
     }
@@ -361,7 +361,7 @@ pub fn cost_us(coll: Collective, algo: Algorithm, bytes: usize, n: usize) -> f64
             (nf - 1.0 + slots, b)
         }
         (Collective::ReduceScatter | Collective::AllGather, _) => (nf - 1.0, (nf - 1.0) / nf * b),
-        (Collective::AllToAll, _) => (nf - 1.0, (nf - 1.0) / nf * b),
+        (Collective::AllToAll | Collective::AllToAllV, _) => (nf - 1.0, (nf - 1.0) / nf * b),
         (Collective::Gather | Collective::Scatter, _) => (nf - 1.0, (nf - 1.0) / nf * b),
         (Collective::Barrier, _) => (lg, 0.0),
         _ => (1.0, b),

@@ -335,6 +335,7 @@ impl<'c, T: Element> Bench<'c, T> {
             Collective::AllToAll => comm.all_to_all(inp, out),
             Collective::SendRecv => comm.send_recv(inp, (rank + 1) % n, out, (rank + n - 1) % n),
             Collective::Barrier => comm.barrier(),
+            Collective::AllToAllV => Ok(()), // not `sweep::supported`
         }
     }
 

@@ -206,6 +206,7 @@ impl DevArenas {
                 }
             }
             Collective::Barrier => comm.barrier(),
+            Collective::AllToAllV => Ok(()), // not `sweep::supported`
         }
     }
 }

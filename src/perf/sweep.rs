@@ -150,9 +150,10 @@ pub fn has_in_place(c: Collective) -> bool {
     )
 }
 
-/// Whether `oxccl perf` can run the collective (everything but the barrier).
+/// Whether `oxccl perf` can run the collective (everything but the barrier and all-to-all-v,
+/// whose per-pair counts have no nccl-tests geometry).
 pub fn supported(c: Collective) -> bool {
-    c != Collective::Barrier
+    !matches!(c, Collective::Barrier | Collective::AllToAllV)
 }
 
 /// The geometry of a row of nominal size `size` bytes for elements of `ts` bytes on `n` ranks.
