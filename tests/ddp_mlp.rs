@@ -10,7 +10,7 @@
 #[allow(dead_code)]
 mod mlp;
 
-use std::process::Command;
+mod common;
 
 use mlp::{Mode, Shape};
 use oxccl::comm::harness::spawn_world;
@@ -85,33 +85,6 @@ fn rank_entry() {
 
 #[test]
 fn ddp_matches_one_process_on_the_concatenated_batch_processes() {
-    let me = std::env::current_exe().unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_oxccl"))
-        .args(["launch", "-n", &WORLD.to_string(), "--timeout", "120", "--"])
-        .arg(me)
-        .args([
-            "rank_entry",
-            "--exact",
-            "--nocapture",
-            "--test-threads=1",
-            "-q",
-        ])
-        .env("OXCCL_TEST_DDP", "1")
-        .env("OXCCL_TIMEOUT", "60")
-        .env_remove("OXCCL_DEBUG")
-        .output()
-        .expect("running oxccl launch");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let report = format!(
-        "status {:?}\nstdout:\n{stdout}\nstderr:\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "{report}");
-    for rank in 0..WORLD {
-        assert!(
-            stdout.contains(&format!("RESULT rank={rank} ok")),
-            "rank {rank} did not report success\n{report}"
-        );
-    }
+    let out = common::launch_self(WORLD, &[("OXCCL_TEST_DDP", "1")]);
+    common::assert_all_ok(&out, WORLD);
 }

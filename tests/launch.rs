@@ -8,6 +8,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use oxccl::launch::{launch, JobEnd, LaunchConfig, Termination};
 
+mod common;
+
 const MARKER_VAR: &str = "OXCCL_LAUNCH_TEST_MARKER";
 
 /// A marker unique to one test, inherited by every process of the job it launches.
@@ -464,15 +466,6 @@ fn a_rank_that_cannot_start_leaves_no_segments() {
     assert!(!left, "{} was left behind", stale.display());
 }
 
-/// A free TCP port on loopback for a multi-node store (released before the launchers bind it).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// The launcher of node `node` of a 2-node job on loopback, `n` ranks running `sh -c script`.
 fn node_launcher(marker: &str, port: u16, node: usize, n: usize, script: &str) -> Child {
     oxccl(marker)
@@ -483,6 +476,22 @@ fn node_launcher(marker: &str, port: u16, node: usize, n: usize, script: &str) -
         .stderr(Stdio::piped())
         .spawn()
         .unwrap()
+}
+
+/// The launchers of a 2-node job on loopback with one rank each, once both ranks run (and then
+/// sleep for two minutes).
+fn two_sleeping_nodes(marker: &str) -> (Child, Child) {
+    let port = common::free_port();
+    let script = "echo ready; sleep 120";
+    let mut nodes = [0, 1].map(|k| node_launcher(marker, port, k, 1, script));
+    for child in &mut nodes {
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        out.read_line(&mut line).unwrap();
+        assert!(line.ends_with("ready\n"), "{line:?}");
+    }
+    let [n0, n1] = nodes;
+    (n0, n1)
 }
 
 /// Waits for a launcher with a limit and returns its exit code, stdout and stderr.
@@ -510,7 +519,7 @@ fn finish_within(child: Child, limit: Duration) -> (Option<i32>, String, String)
 #[test]
 fn a_failure_on_one_node_stops_every_node() {
     let m = marker("nodefail");
-    let port = free_port();
+    let port = common::free_port();
     let script = "if [ \"$OXCCL_NODE_RANK\" = 1 ]; then sleep 1; exit 3; fi; sleep 120";
     let started = Instant::now();
     let n0 = node_launcher(&m, port, 0, 2, script);
@@ -534,7 +543,7 @@ fn a_failure_on_one_node_stops_every_node() {
 #[test]
 fn node_0_keeps_the_store_until_every_node_is_done() {
     let m = marker("nodewait");
-    let port = free_port();
+    let port = common::free_port();
     let script = "if [ \"$OXCCL_NODE_RANK\" = 1 ]; then sleep 3; fi; echo done";
     let started = Instant::now();
     let n0 = node_launcher(&m, port, 0, 1, script);
@@ -557,16 +566,7 @@ fn node_0_keeps_the_store_until_every_node_is_done() {
 #[test]
 fn losing_node_0_stops_the_other_nodes() {
     let m = marker("node0lost");
-    let port = free_port();
-    let script = "echo ready; sleep 120";
-    let mut n0 = node_launcher(&m, port, 0, 1, script);
-    let mut n1 = node_launcher(&m, port, 1, 1, script);
-    for child in [&mut n0, &mut n1] {
-        let mut out = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        out.read_line(&mut line).unwrap();
-        assert!(line.ends_with("ready\n"), "{line:?}");
-    }
+    let (mut n0, n1) = two_sleeping_nodes(&m);
     // Let node 1's launcher reach the store before node 0 goes.
     thread::sleep(Duration::from_millis(1500));
     n0.kill().unwrap();
@@ -586,16 +586,7 @@ fn losing_node_0_stops_the_other_nodes() {
 #[test]
 fn a_signal_to_one_node_ends_the_job_everywhere() {
     let m = marker("nodesig");
-    let port = free_port();
-    let script = "echo ready; sleep 120";
-    let mut n0 = node_launcher(&m, port, 0, 1, script);
-    let mut n1 = node_launcher(&m, port, 1, 1, script);
-    for child in [&mut n0, &mut n1] {
-        let mut out = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        out.read_line(&mut line).unwrap();
-        assert!(line.ends_with("ready\n"), "{line:?}");
-    }
+    let (n0, n1) = two_sleeping_nodes(&m);
     // SAFETY: kill(2) on the launcher this test spawned and has not reaped.
     unsafe { libc::kill(n1.id() as i32, libc::SIGTERM) };
     let (c1, _, e1) = finish_within(n1, Duration::from_secs(30));

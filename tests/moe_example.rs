@@ -7,7 +7,7 @@
 #[allow(dead_code)]
 mod moe;
 
-use std::process::Command;
+mod common;
 
 use oxccl::comm::harness::{spawn_world, spawn_world_on_nodes};
 use oxccl::comm::{Communicator, Config};
@@ -69,34 +69,6 @@ fn rank_entry() {
 
 #[test]
 fn moe_exchange_as_processes() {
-    const WORLD: usize = 3;
-    let me = std::env::current_exe().unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_oxccl"))
-        .args(["launch", "-n", &WORLD.to_string(), "--timeout", "120", "--"])
-        .arg(me)
-        .args([
-            "rank_entry",
-            "--exact",
-            "--nocapture",
-            "--test-threads=1",
-            "-q",
-        ])
-        .env("OXCCL_TEST_MOE", "1")
-        .env("OXCCL_TIMEOUT", "60")
-        .env_remove("OXCCL_DEBUG")
-        .output()
-        .expect("running oxccl launch");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let report = format!(
-        "status {:?}\nstdout:\n{stdout}\nstderr:\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "{report}");
-    for rank in 0..WORLD {
-        assert!(
-            stdout.contains(&format!("RESULT rank={rank} ok")),
-            "rank {rank} did not report success\n{report}"
-        );
-    }
+    let out = common::launch_self(3, &[("OXCCL_TEST_MOE", "1")]);
+    common::assert_all_ok(&out, 3);
 }

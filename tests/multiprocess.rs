@@ -10,7 +10,7 @@ mod common;
 
 use std::process::{Command, Output, Stdio};
 
-use common::{rank_cmd, results, show, SCENARIO};
+use common::{free_port, rank_cmd, results, show, SCENARIO};
 
 /// The rank program (see `common::rank_entry`). A no-op in normal test runs.
 #[test]
@@ -143,14 +143,6 @@ fn mismatch(transport: &str) {
             "rank {r}: {line}"
         );
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// Starts `n` ranks by hand with the variables `vars(rank)` (and no oxccl/torch/slurm/mpi ones

@@ -1,5 +1,6 @@
-//! Shared by the multi-process test files (`tests/multiprocess.rs`, `tests/multinode.rs`): the
-//! rank side of their scenarios and helpers to read what the ranks printed.
+//! Shared by the multi-process test files (`tests/multiprocess.rs`, `tests/multinode.rs`,
+//! `tests/ddp_mlp.rs`, `tests/moe_example.rs`, `tests/launch.rs`): the rank side of their
+//! scenarios and helpers to start ranks and read what they printed.
 //!
 //! A test binary is its own rank program: each file has a `#[test] fn rank_entry()` calling
 //! [`rank_entry`], which does nothing in a normal test run and plays a rank when
@@ -213,6 +214,43 @@ pub fn rank_cmd() -> Vec<String> {
         "--test-threads=1".into(),
         "-q".into(),
     ]
+}
+
+/// A free TCP port on loopback (released again: whoever binds it next races other programs,
+/// which is fine for tests).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Runs this test binary as `n` ranks through `oxccl launch -n n --timeout 120` with `env` set
+/// for them (`OXCCL_TIMEOUT=60`, no `OXCCL_DEBUG`), and returns once every rank is gone.
+pub fn launch_self(n: usize, env: &[(&str, &str)]) -> Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_oxccl"))
+        .args(["launch", "-n", &n.to_string(), "--timeout", "120", "--"])
+        .args(rank_cmd())
+        .envs(env.iter().copied())
+        .env("OXCCL_TIMEOUT", "60")
+        .env_remove("OXCCL_DEBUG")
+        .output()
+        .expect("running oxccl launch")
+}
+
+/// Asserts that `out` succeeded and that ranks `0..n` each printed `RESULT rank=R ok`.
+pub fn assert_all_ok(out: &Output, n: usize) {
+    assert!(out.status.success(), "{}", show(out));
+    let res = results(out);
+    for rank in 0..n {
+        assert!(
+            res.get(&rank)
+                .is_some_and(|l| l.starts_with(&format!("{rank} ok"))),
+            "rank {rank} did not report success\n{}",
+            show(out)
+        );
+    }
 }
 
 /// `RESULT` lines of `stdout` by rank: what follows `RESULT rank=` (`"3 ok"`, `"1 err=..."`).
