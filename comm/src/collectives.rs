@@ -36,6 +36,9 @@ fn with_scratch<R>(
     f(&mut raw[..nbytes])
 }
 
+/// The byte range of every rank's block in an all-to-all-v buffer, in rank order.
+type Blocks = Vec<Range<usize>>;
+
 fn bytes<T: Element>(s: &[T]) -> &[u8] {
     bytemuck::cast_slice(s)
 }
@@ -810,23 +813,28 @@ impl Communicator {
         })
     }
 
+    /// Checks the lengths of an all-to-all: equal, and divisible by the world size.
+    fn check_all_to_all(&self, ni: usize, no: usize) -> Result<()> {
+        if ni != no || !ni.is_multiple_of(self.size) {
+            return Err(self.invalid(
+                "all_to_all",
+                format!(
+                    "input ({ni}) and output ({no}) must have the same length, divisible by the \
+                     world size {}",
+                    self.size
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// All-to-all: block j of rank r's `input` becomes block r of rank j's `output` (both
     /// `size()` blocks of equal length).
     ///
     /// # Errors
     /// `InvalidArgument` unless both lengths are equal and divisible by `size()`.
     pub fn all_to_all<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
-        if input.len() != output.len() || !input.len().is_multiple_of(self.size) {
-            return Err(self.invalid(
-                "all_to_all",
-                format!(
-                    "input ({}) and output ({}) must have the same length, divisible by the world size {}",
-                    input.len(),
-                    output.len(),
-                    self.size
-                ),
-            ));
-        }
+        self.check_all_to_all(input.len(), output.len())?;
         let desc = self.desc::<T>(
             Collective::AllToAll,
             input.len() / self.size,
@@ -836,6 +844,82 @@ impl Communicator {
         self.run(desc, |ctx, _| {
             pairwise::all_to_all(ctx, bytes(input), bytes_mut(output))
         })
+    }
+
+    /// Asynchronous [`all_to_all`](Self::all_to_all): the job owns `input` and `output` until
+    /// `wait()`, which gives both back.
+    pub fn all_to_all_async<T, I, O>(&self, input: I, mut output: O) -> Work<(I, O)>
+    where
+        T: Element,
+        I: AsRef<[T]> + Send + 'static,
+        O: AsMut<[T]> + Send + 'static,
+    {
+        let (ni, no) = (input.as_ref().len(), output.as_mut().len());
+        if let Err(e) = self.check_all_to_all(ni, no) {
+            return self.failed_work(e, "all-to-all");
+        }
+        let desc = self.desc::<T>(Collective::AllToAll, ni / self.size, ReduceOp::Sum, 0);
+        self.run_async(desc, (input, output), |ctx, _, (i, o)| {
+            pairwise::all_to_all(ctx, bytes(i.as_ref()), bytes_mut(o.as_mut()))
+        })
+    }
+
+    /// The byte ranges of every rank's block in the input and the output of an all-to-all-v
+    /// with `ni` input and `no` output elements of `elem` bytes; `InvalidArgument` for count
+    /// lists that do not fit (see [`all_to_all_v`](Self::all_to_all_v)).
+    fn all_to_all_v_blocks(
+        &self,
+        send_counts: &[usize],
+        recv_counts: &[usize],
+        (ni, no): (usize, usize),
+        elem: usize,
+    ) -> Result<(Blocks, Blocks)> {
+        let op = "all_to_all_v";
+        let ranges = |counts: &[usize], what: &str, len: usize| -> Result<Blocks> {
+            if counts.len() != self.size {
+                return Err(self.invalid(
+                    op,
+                    format!(
+                        "{what} has {} entries; it must have one per rank ({})",
+                        counts.len(),
+                        self.size
+                    ),
+                ));
+            }
+            let mut at = 0usize;
+            let mut out = Vec::with_capacity(counts.len());
+            for &c in counts {
+                let end = at.checked_add(c).filter(|&e| e <= len).ok_or_else(|| {
+                    self.invalid(
+                        op,
+                        format!("{what} add up to more than the buffer's {len} elements"),
+                    )
+                })?;
+                out.push(at * elem..end * elem);
+                at = end;
+            }
+            if at != len {
+                return Err(self.invalid(
+                    op,
+                    format!("{what} add up to {at} elements but the buffer has {len}"),
+                ));
+            }
+            Ok(out)
+        };
+        let sends = ranges(send_counts, "send_counts", ni)?;
+        let recvs = ranges(recv_counts, "recv_counts", no)?;
+        let me = self.rank;
+        if send_counts[me] != recv_counts[me] {
+            return Err(self.invalid(
+                op,
+                format!(
+                    "send_counts[{me}] = {} but recv_counts[{me}] = {}: the block a rank sends \
+                     itself must fit the block it receives from itself",
+                    send_counts[me], recv_counts[me]
+                ),
+            ));
+        }
+        Ok((sends, recvs))
     }
 
     /// All-to-all with a block length per pair, like torch's `all_to_all_single` with split
@@ -870,55 +954,41 @@ impl Communicator {
         output: &mut [T],
         recv_counts: &[usize],
     ) -> Result<()> {
-        let op = "all_to_all_v";
         let elem = std::mem::size_of::<T>();
-        let ranges = |counts: &[usize], what: &str, len: usize| -> Result<Vec<Range<usize>>> {
-            if counts.len() != self.size {
-                return Err(self.invalid(
-                    op,
-                    format!(
-                        "{what} has {} entries; it must have one per rank ({})",
-                        counts.len(),
-                        self.size
-                    ),
-                ));
-            }
-            let mut at = 0usize;
-            let mut out = Vec::with_capacity(counts.len());
-            for &c in counts {
-                let end = at.checked_add(c).filter(|&e| e <= len).ok_or_else(|| {
-                    self.invalid(
-                        op,
-                        format!("{what} add up to more than the buffer's {len} elements"),
-                    )
-                })?;
-                out.push(at * elem..end * elem);
-                at = end;
-            }
-            if at != len {
-                return Err(self.invalid(
-                    op,
-                    format!("{what} add up to {at} elements but the buffer has {len}"),
-                ));
-            }
-            Ok(out)
-        };
-        let sends = ranges(send_counts, "send_counts", input.len())?;
-        let recvs = ranges(recv_counts, "recv_counts", output.len())?;
-        let me = self.rank;
-        if send_counts[me] != recv_counts[me] {
-            return Err(self.invalid(
-                op,
-                format!(
-                    "send_counts[{me}] = {} but recv_counts[{me}] = {}: the block a rank sends \
-                     itself must fit the block it receives from itself",
-                    send_counts[me], recv_counts[me]
-                ),
-            ));
-        }
+        let lens = (input.len(), output.len());
+        let (sends, recvs) = self.all_to_all_v_blocks(send_counts, recv_counts, lens, elem)?;
         let desc = self.desc::<T>(Collective::AllToAllV, input.len(), ReduceOp::Sum, 0);
         self.run(desc, |ctx, _| {
             pairwise::all_to_all_v(ctx, bytes(input), &sends, bytes_mut(output), &recvs, elem)
+        })
+    }
+
+    /// Asynchronous [`all_to_all_v`](Self::all_to_all_v) (torch's `all_to_all_single` with
+    /// `async_op=True`: an MoE layer can compute while its tokens travel): the job owns `input`
+    /// and `output` until `wait()`, which gives both back. The counts are checked here and
+    /// copied.
+    pub fn all_to_all_v_async<T, I, O>(
+        &self,
+        input: I,
+        send_counts: &[usize],
+        mut output: O,
+        recv_counts: &[usize],
+    ) -> Work<(I, O)>
+    where
+        T: Element,
+        I: AsRef<[T]> + Send + 'static,
+        O: AsMut<[T]> + Send + 'static,
+    {
+        let elem = std::mem::size_of::<T>();
+        let lens = (input.as_ref().len(), output.as_mut().len());
+        let (sends, recvs) = match self.all_to_all_v_blocks(send_counts, recv_counts, lens, elem) {
+            Ok(b) => b,
+            Err(e) => return self.failed_work(e, "all-to-all-v"),
+        };
+        let desc = self.desc::<T>(Collective::AllToAllV, lens.0, ReduceOp::Sum, 0);
+        self.run_async(desc, (input, output), move |ctx, _, (i, o)| {
+            let (i, o) = (bytes(i.as_ref()), bytes_mut(o.as_mut()));
+            pairwise::all_to_all_v(ctx, i, &sends, o, &recvs, elem)
         })
     }
 

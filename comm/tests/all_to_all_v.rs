@@ -37,6 +37,12 @@ fn run_rank(c: &Communicator, counts: &[Vec<usize>], seed: u64) -> Result<()> {
         .flat_map(|from| (0..recv[from]).map(move |i| val(from, me, i, seed)))
         .collect();
     assert_eq!(output, want, "rank {me} of {n}, counts {counts:?}");
+    // The async form: owns both buffers until `wait()`; a blocking call issued meanwhile on
+    // another thread would queue behind it, so the caller computes instead.
+    let work = c.all_to_all_v_async(input.clone(), &send, vec![-1i64; want.len()], &recv);
+    let (back_in, out) = work.wait()?;
+    assert_eq!(back_in, input);
+    assert_eq!(out, want, "rank {me} of {n}, async");
     // One-byte elements too, same matrix.
     let input: Vec<u8> = input.iter().map(|&v| v as u8).collect();
     let mut output = vec![0u8; want.len()];
@@ -71,6 +77,42 @@ proptest! {
         };
         for (rank, r) in res.into_iter().enumerate() {
             prop_assert!(r.is_ok(), "rank {}: {:?}", rank, r);
+        }
+    }
+}
+
+/// `all_to_all_async` gives the same blocks as `all_to_all`, and both async forms refuse bad
+/// lengths through `wait()` with the blocking form's error.
+#[test]
+fn async_all_to_all_and_bad_lengths() {
+    for t in [TransportChoice::Auto, TransportChoice::Tcp] {
+        let res = spawn_world(3, cfg(t), |c| {
+            let me = c.rank() as i32;
+            let inp: Vec<i32> = (0..12).map(|i| me * 100 + i).collect();
+            let (_, out) = c.all_to_all_async(inp, vec![0i32; 12]).wait()?;
+            let want: Vec<i32> = (0..3)
+                .flat_map(|r| (0..4).map(move |i| r * 100 + me * 4 + i))
+                .collect();
+            assert_eq!(out, want, "rank {me}");
+            let bad = c.all_to_all_async(vec![0i32; 12], vec![0i32; 11]).wait();
+            let bad_v = c
+                .all_to_all_v_async(vec![0i32; 6], &[2, 2, 2], vec![0i32; 6], &[2, 2])
+                .wait();
+            c.barrier()?;
+            Ok((bad.err(), bad_v.err()))
+        });
+        for (rank, r) in res.into_iter().enumerate() {
+            let (bad, bad_v) = r.unwrap();
+            for (e, want) in [
+                (bad, "must have the same length"),
+                (bad_v, "recv_counts has 2 entries"),
+            ] {
+                let msg = e.expect("an error").to_string();
+                assert!(
+                    msg.contains(&format!("rank {rank}")) && msg.contains(want),
+                    "{msg}"
+                );
+            }
         }
     }
 }
