@@ -352,25 +352,6 @@ fn bad_arguments_are_rejected() {
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("--master-port is required"), "{stderr}");
 
-    let (out, _, stderr, _) = run(oxccl(&m).args([
-        "launch",
-        "-n",
-        "2",
-        "--nnodes",
-        "2",
-        "--master-port",
-        "29999",
-        "--max-restarts",
-        "1",
-        "--",
-        "true",
-    ]));
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
-    assert!(
-        stderr.contains("--max-restarts is only supported with --nnodes 1"),
-        "{stderr}"
-    );
-
     let (out, _, stderr, _) = run(oxccl(&m).args(["launch", "--", "true"]));
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("--nproc-per-node"), "{stderr}");
@@ -557,7 +538,7 @@ fn node_0_keeps_the_store_until_every_node_is_done() {
         node0_took >= Duration::from_millis(2900),
         "node 0 exited after {node0_took:?}, before node 1's ranks were done\n{e0}"
     );
-    assert!(e0.contains("keeping the store up until nodes [1]"), "{e0}");
+    assert!(e0.contains("waiting for nodes [1] to finish"), "{e0}");
     assert_no_survivors(&m);
 }
 
@@ -596,6 +577,44 @@ fn a_signal_to_one_node_ends_the_job_everywhere() {
     assert!(
         e0.contains("node 1: its launcher received SIGTERM"),
         "node 0:\n{e0}"
+    );
+    assert_no_survivors(&m);
+}
+
+/// `--max-restarts 2` on both nodes and a rank of node 1 that always fails: every node runs 3
+/// attempts (node 0's ranks, which would sleep for two minutes, are stopped and restarted each
+/// time), then both launchers exit with the failed rank's code.
+#[test]
+fn restarts_across_nodes_end_together() {
+    let m = marker("noderestart");
+    let port = common::free_port();
+    let script = "echo \"attempt $OXCCL_RESTART_COUNT\"; \
+                  if [ \"$OXCCL_NODE_RANK\" = 1 ]; then sleep 0.5; exit 3; fi; sleep 120";
+    let launcher = |k: usize| {
+        oxccl(&m)
+            .args(["launch", "--nnodes", "2", "--node-rank", &k.to_string()])
+            .args(["--master-port", &port.to_string(), "--max-restarts", "2"])
+            .args(["-n", "1", "--", "sh", "-c", script])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let (n0, n1) = (launcher(0), launcher(1));
+    let (c1, out1, e1) = finish_within(n1, Duration::from_secs(60));
+    let (c0, out0, e0) = finish_within(n0, Duration::from_secs(60));
+    assert_eq!((c0, c1), (Some(3), Some(3)), "node 0:\n{e0}\nnode 1:\n{e1}");
+    for (k, out) in [out0, out1].iter().enumerate() {
+        for a in 0..3 {
+            assert!(
+                out.contains(&format!("[{k}] attempt {a}")),
+                "node {k}:\n{out}"
+            );
+        }
+    }
+    assert!(
+        e0.contains("restarting all 1 local ranks (restart 2 of 2) after node 1: rank 1"),
+        "{e0}"
     );
     assert_no_survivors(&m);
 }

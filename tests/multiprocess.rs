@@ -197,6 +197,54 @@ fn kv(pairs: &[(&str, String)]) -> Vec<(String, String)> {
         .collect()
 }
 
+/// Two launchers on loopback (nodes `node0` and `node1`, 2 ranks each, TCP between them) with
+/// `--max-restarts 1`: rank 2 on node 1 exits with code 3 in the first attempt; node 0's
+/// launcher learns it through the store and restarts its ranks too, and the second attempt of
+/// all 4 ranks succeeds with a fresh job id.
+#[test]
+fn a_rank_failing_on_one_node_restarts_every_node() {
+    let port = free_port().to_string();
+    let job = format!("mp-restart-{}", std::process::id());
+    let node = |k: usize| {
+        Command::new(env!("CARGO_BIN_EXE_oxccl"))
+            .args(["launch", "--nnodes", "2", "--node-rank", &k.to_string()])
+            .args(["--master-port", &port, "--max-restarts", "1", "-n", "2"])
+            .args(["--timeout", "120", "--job-id", &job, "--"])
+            .args(rank_cmd())
+            .env(SCENARIO, "fail-once")
+            .env("OXCCL_NODE_ID", format!("node{k}"))
+            .env("OXCCL_TIMEOUT", "30")
+            .env_remove("OXCCL_DEBUG")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("starting oxccl launch")
+    };
+    let nodes = [node(0), node(1)];
+    let outs: Vec<Output> = nodes
+        .into_iter()
+        .map(|n| n.wait_with_output().expect("waiting for oxccl launch"))
+        .collect();
+    for (k, out) in outs.iter().enumerate() {
+        assert!(out.status.success(), "node {k}: {}", show(out));
+        let res = results(out);
+        for r in [2 * k, 2 * k + 1] {
+            // The last report of each rank is the second attempt's.
+            assert!(
+                res.get(&r).is_some_and(|l| l.ends_with(" ok")),
+                "node {k} rank {r}: {}",
+                show(out)
+            );
+        }
+    }
+    let node0 = String::from_utf8_lossy(&outs[0].stderr);
+    assert!(
+        node0.contains("restarting all 2 local ranks (restart 1 of 1) after node 1: rank 2"),
+        "{}",
+        show(&outs[0])
+    );
+}
+
 #[test]
 fn torchrun_style_variables() {
     let port = free_port();

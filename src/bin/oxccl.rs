@@ -164,7 +164,8 @@ struct LaunchArgs {
     #[arg(long, value_name = "P")]
     master_port: Option<u16>,
 
-    /// Restart all local ranks up to R times when one fails (--nnodes 1 only).
+    /// Restart all ranks up to R times when one fails (with several nodes, every node restarts
+    /// its ranks; give every node the same R).
     #[arg(long, value_name = "R", default_value_t = 0)]
     max_restarts: u32,
 

@@ -80,20 +80,24 @@
 //! 200 ms:
 //!
 //! * The first node whose ranks fail, whose `--timeout` expires or whose launcher gets a signal
-//!   records that in the store (first one wins). Every other launcher sees it within a poll,
-//!   says `oxccl launch: node 1: rank 3 (pid 1234) failed: exited with code 3; stopping all 8
-//!   local ranks`, stops its ranks as after a local failure, and exits with that node's code
-//!   ([`JobEnd::NodeFailed`]). Without this, the other nodes' ranks would wait for the failed
-//!   ones until `OXCCL_TIMEOUT` (10 minutes by default) when the failure came before or between
-//!   their collectives.
-//! * Node 0 keeps the store up until every other node's ranks are done (they may still create
-//!   communicators), saying so after 2 s; it stops waiting for a node whose launcher has not
-//!   been heard from for 30 s, on a signal, or at `--timeout`.
+//!   in an attempt records that in the store (first one wins). Every other launcher sees it
+//!   within a poll, says `oxccl launch: node 1: rank 3 (pid 1234) failed: exited with code 3;
+//!   stopping all 8 local ranks`, and stops its ranks as after a local failure. Without this,
+//!   the other nodes' ranks would wait for the failed ones until `OXCCL_TIMEOUT` (10 minutes by
+//!   default) when the failure came before or between their collectives.
+//! * With `--max-restarts R` (the same on every node) every node then restarts its ranks, up to
+//!   R times, each attempt with a fresh job id (`<base>-r<attempt>`), like torchrun's restarts
+//!   of the whole worker group. A signal or `--timeout` is never restarted. Once the restarts
+//!   are used up, every launcher exits with the failing node's code ([`JobEnd::NodeFailed`] on
+//!   the other nodes).
+//! * A node whose ranks all succeeded waits for the attempt's outcome: it ends once every node's
+//!   ranks are done, and if one node failed meanwhile, this node restarts with the others (or
+//!   exits with that node's code), so every node's exit code tells the job's outcome.
+//! * Node 0 keeps the store up until every other node's launcher is done (their ranks may still
+//!   create communicators). Waits for other nodes say so after 2 s and stop waiting for a node
+//!   whose launcher has not been heard from for 30 s, on a signal, or at `--timeout`.
 //! * A node whose store refuses connections for 3 s (nothing listens on its port: node 0's
 //!   launcher is gone), or does not answer for 60 s, stops its ranks and exits with code 1.
-//! * A node whose ranks all succeeded still exits with the failing node's code if a failure
-//!   was recorded by the time its ranks were done, so every node's exit code tells the job's
-//!   outcome.
 //!
 //! Every store request of the launchers has a 5 s reply time-out. The keys are described in
 //! `src/launch/nodes.rs`.
@@ -157,7 +161,8 @@ pub struct LaunchConfig {
     /// Store port (`--master-port`); 0 picks a free port, which is only allowed with one node.
     pub master_port: u16,
     /// How many times the whole local job is restarted after a rank fails (`--max-restarts`,
-    /// default 0). Only supported with `nnodes == 1` for now.
+    /// default 0). With several nodes, every node restarts its ranks when any node's fail
+    /// (every node must be given the same value).
     pub max_restarts: u32,
     /// Prefix every forwarded output line with `[R] ` (default on; `--no-prefix` turns it off).
     pub prefix_output: bool,
@@ -276,13 +281,6 @@ impl LaunchConfig {
                  same store port; a free port (0) can only be picked with --nnodes 1",
                 self.nnodes
             ));
-        }
-        if self.max_restarts > 0 && self.nnodes > 1 {
-            return bad(
-                "--max-restarts is only supported with --nnodes 1 for now (restarting needs \
-                 every node's launcher to agree on a new attempt)"
-                    .into(),
-            );
         }
         if strip_brackets(&self.master_addr).is_empty() {
             return bad("--master-addr must not be empty".into());
@@ -460,10 +458,7 @@ impl LaunchOutcome {
     pub fn exit_code(&self) -> i32 {
         match &self.end {
             JobEnd::Success => 0,
-            JobEnd::RankFailed(f) => match f.termination.exit_code() {
-                c @ 1..=255 => c,
-                _ => 1,
-            },
+            JobEnd::RankFailed(f) => failure_code(f),
             JobEnd::NodeFailed(f) => match f.exit_code {
                 c @ 1..=255 => c,
                 _ => 1,
@@ -638,105 +633,186 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
         drop(job);
         remove_shm_segments(&job_id);
 
-        let end = match end {
-            AttemptEnd::Success => JobEnd::Success,
-            AttemptEnd::Interrupted(signal) => JobEnd::Interrupted { signal },
-            AttemptEnd::TimedOut => JobEnd::TimedOut {
-                after: cfg.timeout.unwrap_or_default(),
-            },
-            AttemptEnd::Failed(f) if attempt < cfg.max_restarts => {
+        let next = match &nodes {
+            Some(link) => after_attempt_on_nodes(cfg, link, &ctx, attempt, end),
+            None => after_attempt(cfg, attempt, end),
+        };
+        match next {
+            Next::Restart(why) => {
                 if let Some(sig) = signals.as_ref().and_then(Signals::take) {
+                    let mut end = JobEnd::Interrupted { signal: sig };
+                    if let Some(link) = &nodes {
+                        link.record_failure(128 + sig, interrupted_text(sig));
+                        end = finish_on_nodes(cfg, link, &ctx, end);
+                    }
                     break Ok(LaunchOutcome {
                         attempts: attempt + 1,
-                        end: JobEnd::Interrupted { signal: sig },
+                        end,
                     });
                 }
                 attempt += 1;
+                if let Some(link) = &nodes {
+                    link.start_attempt(attempt);
+                }
                 note!(
-                    "restarting all {} local ranks (restart {attempt} of {}) after {f}",
+                    "restarting all {} local ranks (restart {attempt} of {}) after {why}",
                     cfg.nproc_per_node,
                     cfg.max_restarts
                 );
-                continue;
             }
-            AttemptEnd::Failed(f) => JobEnd::RankFailed(f),
-            AttemptEnd::OtherNode(f) => JobEnd::NodeFailed(f),
-        };
-        let end = match &nodes {
-            Some(link) => end_with_other_nodes(cfg, link, &ctx, end),
-            None => end,
-        };
-        break Ok(LaunchOutcome {
-            attempts: attempt + 1,
-            end,
-        });
+            Next::Finish(end) => {
+                let end = match &nodes {
+                    Some(link) => finish_on_nodes(cfg, link, &ctx, end),
+                    None => end,
+                };
+                break Ok(LaunchOutcome {
+                    attempts: attempt + 1,
+                    end,
+                });
+            }
+        }
     }
 }
 
-/// A multi-node job's end on this node: tells the other nodes how this node's ranks ended; node 0
-/// then keeps the store up until the other nodes are done. A job whose local ranks all
-/// succeeded still ends as [`JobEnd::NodeFailed`] if another node has reported a failure by then.
-fn end_with_other_nodes(
+/// What to do after an attempt.
+enum Next {
+    /// Start the next attempt; why the last one failed.
+    Restart(String),
+    /// The job ends so.
+    Finish(JobEnd),
+}
+
+fn interrupted_text(sig: libc::c_int) -> String {
+    format!(
+        "its launcher received {}",
+        signal_name(sig).unwrap_or("a signal")
+    )
+}
+
+/// After an attempt of a single-node job: restart after a failed rank while restarts are left.
+fn after_attempt(cfg: &LaunchConfig, attempt: u32, end: AttemptEnd) -> Next {
+    match end {
+        AttemptEnd::Success => Next::Finish(JobEnd::Success),
+        AttemptEnd::Interrupted(signal) => Next::Finish(JobEnd::Interrupted { signal }),
+        AttemptEnd::TimedOut => Next::Finish(JobEnd::TimedOut {
+            after: cfg.timeout.unwrap_or_default(),
+        }),
+        AttemptEnd::Failed(f) if attempt < cfg.max_restarts => Next::Restart(f.to_string()),
+        AttemptEnd::Failed(f) => Next::Finish(JobEnd::RankFailed(f)),
+        AttemptEnd::OtherNode(f) => Next::Finish(JobEnd::NodeFailed(f)),
+    }
+}
+
+/// After an attempt of a multi-node job: records this node's failure (a rank, `--timeout`, a
+/// signal) for the other nodes, and this node's end of the attempt. Every node restarts its
+/// ranks after a failure anywhere while restarts are left; a node whose ranks all succeeded
+/// waits for the attempt's outcome first (the others may still fail, and restart it).
+fn after_attempt_on_nodes(
+    cfg: &LaunchConfig,
+    link: &NodeLink,
+    ctx: &SupervisorCtx<'_>,
+    attempt: u32,
+    end: AttemptEnd,
+) -> Next {
+    let restarts_left = || attempt < cfg.max_restarts && !link.lost_node_0();
+    let timed_out = || JobEnd::TimedOut {
+        after: cfg.timeout.unwrap_or_default(),
+    };
+    let expired = |after: Option<Duration>| {
+        format!(
+            "its launcher's --timeout of {}s expired",
+            after.unwrap_or_default().as_secs_f64()
+        )
+    };
+    match end {
+        AttemptEnd::Failed(f) => {
+            link.record_failure(failure_code(&f), f.to_string());
+            link.end_attempt();
+            if restarts_left() {
+                Next::Restart(f.to_string())
+            } else {
+                Next::Finish(JobEnd::RankFailed(f))
+            }
+        }
+        AttemptEnd::OtherNode(f) => {
+            link.end_attempt();
+            if restarts_left() {
+                Next::Restart(f.to_string())
+            } else {
+                Next::Finish(JobEnd::NodeFailed(f))
+            }
+        }
+        AttemptEnd::Interrupted(signal) => {
+            link.record_failure(128 + signal, interrupted_text(signal));
+            link.end_attempt();
+            Next::Finish(JobEnd::Interrupted { signal })
+        }
+        AttemptEnd::TimedOut => {
+            link.record_failure(124, expired(cfg.timeout));
+            link.end_attempt();
+            Next::Finish(timed_out())
+        }
+        AttemptEnd::Success => {
+            link.end_attempt();
+            match link.wait_attempt(ctx) {
+                NodesEnd::AllDone => Next::Finish(JobEnd::Success),
+                NodesEnd::Failed(f) if restarts_left() => Next::Restart(f.to_string()),
+                NodesEnd::Failed(f) => {
+                    note!("this node's ranks succeeded, but {f}");
+                    Next::Finish(JobEnd::NodeFailed(f))
+                }
+                NodesEnd::Silent(nodes) => Next::Finish(JobEnd::NodeFailed(NodeFailure {
+                    node: nodes[0],
+                    exit_code: 1,
+                    what: "its launcher stopped answering before its ranks were done".into(),
+                })),
+                NodesEnd::Interrupted(signal) => {
+                    link.record_failure(128 + signal, interrupted_text(signal));
+                    Next::Finish(JobEnd::Interrupted { signal })
+                }
+                NodesEnd::TimedOut => {
+                    link.record_failure(124, expired(cfg.timeout));
+                    Next::Finish(timed_out())
+                }
+            }
+        }
+    }
+}
+
+/// The end of a multi-node job on this node: its launcher says it is done; node 0 then keeps
+/// the store up until every other node's launcher is done too (or silent for 30 s, a signal,
+/// `--timeout`).
+fn finish_on_nodes(
     cfg: &LaunchConfig,
     link: &NodeLink,
     ctx: &SupervisorCtx<'_>,
     end: JobEnd,
 ) -> JobEnd {
-    let own_failure = match &end {
-        JobEnd::Success | JobEnd::NodeFailed(_) => None,
-        JobEnd::RankFailed(f) => Some((
-            LaunchOutcome {
-                attempts: 1,
-                end: end.clone(),
-            }
-            .exit_code(),
-            f.to_string(),
-        )),
-        JobEnd::TimedOut { after } => Some((
-            124,
-            format!(
-                "its launcher's --timeout of {}s expired",
-                after.as_secs_f64()
-            ),
-        )),
-        JobEnd::Interrupted { signal } => Some((
-            128 + signal,
-            format!(
-                "its launcher received {}",
-                signal_name(*signal).unwrap_or("a signal")
-            ),
-        )),
-    };
-    link.publish_end(own_failure);
-    let mut end = end;
-    if cfg.node_rank == 0 {
-        match link.wait_for_nodes(ctx) {
-            NodesEnd::AllDone => {}
-            NodesEnd::Interrupted(signal) if end == JobEnd::Success => {
-                end = JobEnd::Interrupted { signal }
-            }
-            NodesEnd::TimedOut if end == JobEnd::Success => {
-                end = JobEnd::TimedOut {
-                    after: cfg.timeout.unwrap_or_default(),
-                }
-            }
-            NodesEnd::Silent(nodes) if end == JobEnd::Success => {
-                end = JobEnd::NodeFailed(NodeFailure {
-                    node: nodes[0],
-                    exit_code: 1,
-                    what: "its launcher stopped answering before its ranks were done".into(),
-                })
-            }
-            NodesEnd::Interrupted(_) | NodesEnd::TimedOut | NodesEnd::Silent(_) => {}
-        }
+    link.publish_done();
+    if cfg.node_rank != 0 {
+        return end;
     }
-    if end == JobEnd::Success {
-        if let Some(f) = link.reported_failure() {
-            note!("this node's ranks succeeded, but {f}");
-            end = JobEnd::NodeFailed(f);
-        }
+    match link.wait_for_nodes(ctx) {
+        NodesEnd::Interrupted(signal) if end == JobEnd::Success => JobEnd::Interrupted { signal },
+        NodesEnd::TimedOut if end == JobEnd::Success => JobEnd::TimedOut {
+            after: cfg.timeout.unwrap_or_default(),
+        },
+        NodesEnd::Silent(nodes) if end == JobEnd::Success => JobEnd::NodeFailed(NodeFailure {
+            node: nodes[0],
+            exit_code: 1,
+            what: "its launcher stopped answering before it was done".into(),
+        }),
+        _ => end,
     }
-    end
+}
+
+/// The launcher's exit code for a failed rank (its code, `128 + s` for signal `s`, 1 if out of
+/// range), as [`LaunchOutcome::exit_code`] gives it.
+fn failure_code(f: &RankFailure) -> i32 {
+    match f.termination.exit_code() {
+        c @ 1..=255 => c,
+        _ => 1,
+    }
 }
 
 /// Removes whatever shared-memory segments of this job are left in `/dev/shm` (a rank killed
@@ -1007,11 +1083,7 @@ mod tests {
             .contains("--master-port"));
         cfg.master_port = 29500;
         assert!(cfg.validate().is_ok());
-        cfg.max_restarts = 1;
-        assert!(cfg
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("--max-restarts"));
+        cfg.max_restarts = 1; // restarts across nodes are coordinated through the store
+        assert!(cfg.validate().is_ok());
     }
 }

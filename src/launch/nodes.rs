@@ -1,13 +1,15 @@
 //! The launchers of a multi-node job keep in touch through the store node 0 hosts, as
-//! torchrun's agents do through their rendezvous: a failure on one node stops the ranks of every
-//! node, and node 0 keeps the store up until every node is done.
+//! torchrun's agents do through their rendezvous: a failure on one node stops (or, with
+//! `--max-restarts`, restarts) the ranks of every node, and node 0 keeps the store up until
+//! every node is done.
 //!
 //! Keys, under `<job id base>/launch/`:
 //!
 //! | key | written | by | read by |
 //! |---|---|---|---|
-//! | `fail` | once, compare-and-set, so the first failure wins: `node`, exit code and text, one per line | the node whose ranks failed, timed out or were interrupted | every launcher, every [`POLL`] |
-//! | `end/<k>` | when node `k`'s ranks are all gone | node `k` | node 0, before it stops the store |
+//! | `fail/<a>` | once per attempt `a`, compare-and-set, so the first failure wins: `node`, exit code and text, one per line | the node whose ranks failed, timed out or were interrupted in attempt `a` | every launcher in attempt `a`, every [`POLL`] |
+//! | `end/<a>/<k>` | when node `k`'s ranks of attempt `a` are all gone (after its `fail/<a>` if they failed) | node `k` | nodes whose ranks succeeded in attempt `a`: the attempt succeeded once every node's end is there without a failure |
+//! | `done/<k>` | when node `k`'s launcher is about to exit | node `k` | node 0, before it stops the store |
 //! | `beat/<k>` | a counter, every [`BEAT`] | node `k` | node 0, to stop waiting for a node whose launcher is gone |
 //!
 //! Every request has a reply time-out of [`REQUEST_TIMEOUT`], so a silent store (a cut link)
@@ -15,7 +17,7 @@
 
 use std::collections::HashMap;
 use std::net::{TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
@@ -44,6 +46,8 @@ const NODE_SILENT_AFTER: Duration = Duration::from_secs(30);
 const PUBLISH_CONNECT: Duration = Duration::from_secs(10);
 /// How long each connection attempt of the watcher lasts before it checks whether to stop.
 const CONNECT_TRY: Duration = Duration::from_secs(1);
+/// The attempt number under which the loss of node 0 is recorded: it ends every attempt.
+const LOST: u32 = u32::MAX;
 /// Node 0 says why it has not exited yet once it has waited this long for the other nodes.
 const WAIT_NOTE_AFTER: Duration = Duration::from_secs(2);
 
@@ -53,11 +57,14 @@ struct Keys {
 }
 
 impl Keys {
-    fn fail(&self) -> String {
-        format!("{}/launch/fail", self.base)
+    fn fail(&self, attempt: u32) -> String {
+        format!("{}/launch/fail/{attempt}", self.base)
     }
-    fn end(&self, node: usize) -> String {
-        format!("{}/launch/end/{node}", self.base)
+    fn end(&self, attempt: u32, node: usize) -> String {
+        format!("{}/launch/end/{attempt}/{node}", self.base)
+    }
+    fn done(&self, node: usize) -> String {
+        format!("{}/launch/done/{node}", self.base)
     }
     fn beat(&self, node: usize) -> String {
         format!("{}/launch/beat/{node}", self.base)
@@ -87,29 +94,45 @@ impl NodeFailure {
 struct Shared {
     stop: AtomicBool,
     store: OnceLock<Arc<TcpStore>>,
-    /// The first failure seen on another node (or the loss of node 0).
-    failure: Mutex<Option<NodeFailure>>,
+    /// The attempt this node's ranks are in (0, then 1 after the first restart, ...).
+    attempt: AtomicU32,
+    /// When the watcher last got an answer from the store (node 0's launcher hosts it).
+    last_answer: Mutex<Option<Instant>>,
+    /// The first failure seen on another node in an attempt, or the loss of node 0 (attempt
+    /// [`LOST`]: it ends every attempt from then on).
+    failure: Mutex<Option<(u32, NodeFailure)>>,
 }
 
 impl Shared {
-    fn note_failure(&self, f: NodeFailure) {
+    fn note_failure(&self, attempt: u32, f: NodeFailure) {
         let mut slot = self.failure.lock().unwrap_or_else(|p| p.into_inner());
-        if slot.is_none() {
-            *slot = Some(f);
+        if slot.as_ref().is_none_or(|(a, _)| *a < attempt) {
+            *slot = Some((attempt, f));
         }
     }
 }
 
-/// How node 0's wait for the other nodes ended.
+/// How a wait for the other nodes ended.
 pub(super) enum NodesEnd {
     /// Every other node reported its end.
     AllDone,
+    /// Another node recorded a failure in this attempt (or node 0 was lost).
+    Failed(NodeFailure),
     /// These nodes' launchers stopped beating before they reported their end.
     Silent(Vec<usize>),
     /// The launcher received this signal meanwhile.
     Interrupted(libc::c_int),
     /// `--timeout` expired meanwhile.
     TimedOut,
+}
+
+/// What the waits have heard of the other nodes' launchers, kept from one wait to the next.
+#[derive(Default)]
+struct Heard {
+    /// Per node: the last beat value seen and when it last changed.
+    beats: HashMap<usize, (Option<Vec<u8>>, Instant)>,
+    /// Nodes whose launchers were silent for [`NODE_SILENT_AFTER`]: no longer waited for.
+    gone: Vec<usize>,
 }
 
 /// One launcher's link to the others: a watcher thread polling the store, and the requests
@@ -122,6 +145,7 @@ pub(super) struct NodeLink {
     keys: Arc<Keys>,
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
+    heard: Mutex<Heard>,
 }
 
 impl NodeLink {
@@ -140,6 +164,8 @@ impl NodeLink {
         let shared = Arc::new(Shared {
             stop: AtomicBool::new(false),
             store: OnceLock::new(),
+            attempt: AtomicU32::new(0),
+            last_answer: Mutex::new(None),
             failure: Mutex::new(None),
         });
         let thread = {
@@ -156,16 +182,59 @@ impl NodeLink {
             keys,
             shared,
             thread: Some(thread),
+            heard: Mutex::new(Heard::default()),
         })
     }
 
-    /// The first failure another node reported (or the loss of node 0), if any yet.
+    /// The first failure another node reported in the current attempt (or the loss of node 0),
+    /// if any yet.
     pub(super) fn failure(&self) -> Option<NodeFailure> {
-        self.shared
+        let now = self.shared.attempt.load(Ordering::SeqCst);
+        let slot = self
+            .shared
             .failure
             .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+            .unwrap_or_else(|p| p.into_inner());
+        slot.as_ref()
+            .filter(|(a, _)| *a == now || *a == LOST)
+            .map(|(_, f)| f.clone())
+    }
+
+    /// Whether node 0's launcher is gone (its store stopped answering).
+    pub(super) fn lost_node_0(&self) -> bool {
+        let slot = self
+            .shared
+            .failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        slot.as_ref().is_some_and(|(a, _)| *a == LOST)
+    }
+
+    /// This node's ranks start attempt `attempt` (after a restart): from now on the watcher
+    /// looks for that attempt's failure.
+    pub(super) fn start_attempt(&self, attempt: u32) {
+        self.shared.attempt.store(attempt, Ordering::SeqCst);
+    }
+
+    /// Records this node's failure in the current attempt (exit code and what happened), unless
+    /// another node's came first: the other nodes stop (or restart) their ranks. Bounded by
+    /// [`REQUEST_TIMEOUT`].
+    pub(super) fn record_failure(&self, exit_code: i32, what: String) {
+        if self.lost_node_0() {
+            return; // node 0 is gone: nobody to tell
+        }
+        let Some(store) = self.store() else {
+            return;
+        };
+        let attempt = self.shared.attempt.load(Ordering::SeqCst);
+        let f = NodeFailure {
+            node: self.node,
+            exit_code,
+            what,
+        };
+        if let Err(e) = store.compare_set(&self.keys.fail(attempt), None, &f.encode()) {
+            note!("cannot tell the other nodes about this node's failure: {e}");
+        }
     }
 
     fn addr(&self) -> String {
@@ -198,58 +267,82 @@ impl NodeLink {
         }
     }
 
-    /// Reports that this node's ranks are all gone: `failure` (exit code and what happened) is
-    /// set as the job's failure unless another node's came first. Each request is bounded by
-    /// [`REQUEST_TIMEOUT`].
-    pub(super) fn publish_end(&self, failure: Option<(i32, String)>) {
+    /// Reports that this node's launcher is about to exit. Bounded by [`REQUEST_TIMEOUT`].
+    pub(super) fn publish_done(&self) {
         // Node 0 may stop its store as soon as it has every end: the watcher must not take that
         // for a loss.
         self.shared.stop.store(true, Ordering::SeqCst);
-        if self.node != 0 && self.failure().is_some_and(|f| f.node == 0) {
-            return; // node 0 is gone: nobody to tell
+        if self.lost_node_0() {
+            return;
         }
         let Some(store) = self.store() else {
             return;
         };
-        if let Some((exit_code, what)) = failure {
-            let f = NodeFailure {
-                node: self.node,
-                exit_code,
-                what,
-            };
-            if let Err(e) = store.compare_set(&self.keys.fail(), None, &f.encode()) {
-                note!("cannot tell the other nodes about this node's failure: {e}");
-                return;
-            }
-        }
-        if let Err(e) = store.set(&self.keys.end(self.node), b"1") {
+        if let Err(e) = store.set(&self.keys.done(self.node), b"1") {
             note!("cannot tell node 0 this node's ranks are done: {e}");
         }
     }
 
-    /// The job's failure as the store has it now, unless it is this node's own.
-    pub(super) fn reported_failure(&self) -> Option<NodeFailure> {
-        if let Some(f) = self.failure() {
-            return Some(f);
+    /// This node's ranks of the current attempt are all gone (after [`record_failure`] if one
+    /// of them failed): the nodes waiting for the attempt's outcome see it.
+    ///
+    /// [`record_failure`]: NodeLink::record_failure
+    pub(super) fn end_attempt(&self) {
+        let attempt = self.shared.attempt.load(Ordering::SeqCst);
+        if self.lost_node_0() {
+            return;
         }
-        let store = self.shared.store.get()?;
-        let v = store.try_get(&self.keys.fail()).ok()??;
-        NodeFailure::decode(&v).filter(|f| f.node != self.node)
+        if let Some(store) = self.store() {
+            if let Err(e) = store.set(&self.keys.end(attempt, self.node), b"1") {
+                note!("cannot tell the other nodes this node's ranks are done: {e}");
+            }
+        }
     }
 
-    /// Node 0, once its own ranks are gone: keeps the store up until every other node has
-    /// reported its end (their ranks may still need the store), a node's launcher has been
-    /// silent for [`NODE_SILENT_AFTER`], a signal arrives or `--timeout` expires.
+    /// Once this node's ranks of the current attempt all succeeded: waits for the attempt's
+    /// outcome, that is until every other node's ranks are done too ([`NodesEnd::AllDone`]) or
+    /// one node reports a failure in this attempt ([`NodesEnd::Failed`]: the job restarts or
+    /// ends with it).
+    pub(super) fn wait_attempt(&self, ctx: &SupervisorCtx<'_>) -> NodesEnd {
+        let attempt = self.shared.attempt.load(Ordering::SeqCst);
+        self.wait_nodes(ctx, |k| self.keys.end(attempt, k), Some(attempt), "finish")
+    }
+
+    /// Node 0, before it exits: keeps the store up until every other node's launcher has
+    /// published its end (their ranks may still need the store).
     pub(super) fn wait_for_nodes(&self, ctx: &SupervisorCtx<'_>) -> NodesEnd {
+        self.wait_nodes(ctx, |k| self.keys.done(k), None, "exit")
+    }
+
+    /// Waits until `key(k)` is set for every other node `k`, giving up on a node whose
+    /// launcher has been silent for [`NODE_SILENT_AFTER`]; with `attempt`, a failure another
+    /// node records in it ends the wait. A signal or `--timeout` ends it too. `what` the other
+    /// nodes are waited to do, for the note printed after [`WAIT_NOTE_AFTER`].
+    fn wait_nodes(
+        &self,
+        ctx: &SupervisorCtx<'_>,
+        key: impl Fn(usize) -> String,
+        attempt: Option<u32>,
+        what: &str,
+    ) -> NodesEnd {
         let start = Instant::now();
-        let mut pending: Vec<usize> = (0..self.nnodes).filter(|&k| k != self.node).collect();
-        // Per node: the last beat value seen and when it last changed.
-        let mut beats: HashMap<usize, (Option<Vec<u8>>, Instant)> =
-            pending.iter().map(|&k| (k, (None, start))).collect();
-        let mut silent = Vec::new();
+        let mut heard = self.heard.lock().unwrap_or_else(|p| p.into_inner());
+        // Nodes found silent in an earlier wait are not waited for again.
+        let mut silent = heard.gone.clone();
+        let mut pending: Vec<usize> = (0..self.nnodes)
+            .filter(|&k| k != self.node && !silent.contains(&k))
+            .collect();
         let mut told = false;
         let Some(store) = self.store() else {
             return NodesEnd::AllDone;
+        };
+        let failed = || {
+            let a = attempt?;
+            if let Some(f) = self.failure() {
+                return Some(f);
+            }
+            let v = store.try_get(&self.keys.fail(a)).ok()??;
+            NodeFailure::decode(&v).filter(|f| f.node != self.node)
         };
         loop {
             if let Some(sig) = ctx.take_signal() {
@@ -260,13 +353,26 @@ impl NodeLink {
                 return NodesEnd::Interrupted(sig);
             }
             if ctx.deadline.is_some_and(|d| Instant::now() >= d) {
-                note!("time-out reached while waiting for nodes {pending:?} to finish");
+                note!("time-out reached while waiting for nodes {pending:?} to {what}");
                 return NodesEnd::TimedOut;
             }
-            pending.retain(|&k| !matches!(store.try_get(&self.keys.end(k)), Ok(Some(_))));
+            if let Some(f) = failed() {
+                return NodesEnd::Failed(f);
+            }
+            pending.retain(|&k| !matches!(store.try_get(&key(k)), Ok(Some(_))));
             let now = Instant::now();
+            // Node 0 hosts the store: it has been heard from when the store last answered.
+            let store_answered = *self
+                .shared
+                .last_answer
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
             pending.retain(|&k| {
-                let (last, since) = beats.entry(k).or_insert((None, start));
+                let first = match store_answered {
+                    Some(t) if k == 0 => t.min(start),
+                    _ => start,
+                };
+                let (last, since) = heard.beats.entry(k).or_insert((None, first));
                 if let Ok(Some(v)) = store.try_get(&self.keys.beat(k)) {
                     if last.as_deref() != Some(v.as_slice()) {
                         *last = Some(v);
@@ -282,20 +388,26 @@ impl NodeLink {
                     NODE_SILENT_AFTER.as_secs()
                 );
                 silent.push(k);
+                heard.gone.push(k);
                 false
             });
             if pending.is_empty() {
-                return if silent.is_empty() {
-                    NodesEnd::AllDone
-                } else {
-                    NodesEnd::Silent(silent)
+                // A failing node records its failure before its end: one more look.
+                return match (failed(), silent.is_empty()) {
+                    (Some(f), _) => NodesEnd::Failed(f),
+                    (None, true) => NodesEnd::AllDone,
+                    (None, false) => NodesEnd::Silent(silent),
                 };
             }
             if !told && start.elapsed() >= WAIT_NOTE_AFTER {
-                note!(
-                    "this node's ranks are done; keeping the store up until nodes {pending:?} \
-                     are done too"
-                );
+                if attempt.is_some() {
+                    note!("this node's ranks are done; waiting for nodes {pending:?} to finish");
+                } else {
+                    note!(
+                        "keeping the store up until the launchers of nodes {pending:?} exit \
+                         too"
+                    );
+                }
                 told = true;
             }
             thread::sleep(POLL);
@@ -352,20 +464,23 @@ fn watch(shared: &Shared, keys: &Keys, node: usize, host: &str, port: u16) {
     let mut refused_since: Option<Instant> = None;
     let mut next_beat = Instant::now();
     while !stopped() {
+        let attempt = shared.attempt.load(Ordering::SeqCst);
         let res = (|| {
             if Instant::now() >= next_beat {
                 store.add(&keys.beat(node), 1)?;
                 next_beat = Instant::now() + BEAT;
             }
-            store.try_get(&keys.fail())
+            store.try_get(&keys.fail(attempt))
         })();
         match res {
             Ok(v) => {
                 failing_since = None;
                 refused_since = None;
+                *shared.last_answer.lock().unwrap_or_else(|p| p.into_inner()) =
+                    Some(Instant::now());
                 if let Some(f) = v.as_deref().and_then(NodeFailure::decode) {
                     if f.node != node {
-                        shared.note_failure(f);
+                        shared.note_failure(attempt, f);
                     }
                 }
             }
@@ -390,11 +505,14 @@ fn watch(shared: &Shared, keys: &Keys, node: usize, host: &str, port: u16) {
                     None
                 };
                 if let (Some(why), true) = (lost, node != 0) {
-                    shared.note_failure(NodeFailure {
-                        node: 0,
-                        exit_code: 1,
-                        what: format!("its launcher is gone: {why}"),
-                    });
+                    shared.note_failure(
+                        LOST,
+                        NodeFailure {
+                            node: 0,
+                            exit_code: 1,
+                            what: format!("its launcher is gone: {why}"),
+                        },
+                    );
                 }
             }
         }

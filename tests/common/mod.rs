@@ -157,7 +157,9 @@ pub fn report(c: &Communicator, r: Result<(), Error>, t0: Instant) {
 ///
 /// Scenarios: `all` ([`scenario_all`]), `hello` (one all-reduce and a barrier), `loop` (1 MiB
 /// all-reduces until one fails), `kill` (rank 2 SIGKILLs itself in the 4th of a series of
-/// 1 MiB all-reduces), `mismatch` (rank 1 all-reduces 10 elements, the others 20).
+/// 1 MiB all-reduces), `mismatch` (rank 1 all-reduces 10 elements, the others 20),
+/// `fail-once` (first attempt, `OXCCL_RESTART_COUNT=0`: one all-reduce, then rank 2 exits with
+/// code 3 while the others go on all-reducing until they fail; later attempts: `hello`).
 pub fn rank_entry() {
     let Ok(scenario) = std::env::var(SCENARIO) else {
         return;
@@ -195,6 +197,21 @@ pub fn rank_entry() {
             let mut v = vec![0.5f32; if c.rank() == 1 { 10 } else { 20 }];
             c.all_reduce(&mut v, ReduceOp::Sum)
         }
+        "fail-once" if std::env::var("OXCCL_RESTART_COUNT").as_deref() == Ok("0") => {
+            let mut v = vec![1.0f32; 1024];
+            let mut result = c.all_reduce(&mut v, ReduceOp::Sum);
+            if c.rank() == 2 {
+                std::process::exit(3);
+            }
+            for _ in 0..1000 {
+                if result.is_err() {
+                    break;
+                }
+                result = c.all_reduce(&mut v, ReduceOp::Sum);
+            }
+            result
+        }
+        "fail-once" => scenario_hello(&c),
         other => panic!("unknown scenario {other}"),
     };
     report(&c, r, t0);
