@@ -4,7 +4,7 @@
 
 use std::ops::Range;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use oxccl_kernels::{finish_avg_bytes, DType, Element, ReduceOp};
 
@@ -287,13 +287,16 @@ impl Communicator {
             let _ = tx.send(r.map(|()| buf));
         };
         let (_, ahead) = self.shared.submit_ticketed(job);
-        let deadline =
-            Instant::now() + self.shared.timeout * (ahead as u32 + 2) + Duration::from_secs(1);
-        Work::new(rx, deadline, self.rank, desc.coll.name())
+        Work::new(
+            rx,
+            self.shared.work_deadline(ahead),
+            self.rank,
+            desc.coll.name(),
+        )
     }
 
     /// Fails an async call before anything is queued.
-    fn failed_work<B>(&self, e: Error, op: &'static str) -> Work<B> {
+    pub(crate) fn failed_work<B>(&self, e: Error, op: &'static str) -> Work<B> {
         let (tx, rx) = crossbeam_channel::bounded(1);
         let _ = tx.send(Err(e));
         Work::new(rx, Instant::now(), self.rank, op)

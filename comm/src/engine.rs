@@ -310,6 +310,12 @@ impl Shared {
         (ticket, ahead)
     }
 
+    /// The deadline of an async operation queued with `ahead` operations before it: each of them
+    /// and this one have their own time-out.
+    pub(crate) fn work_deadline(&self, ahead: u64) -> Instant {
+        Instant::now() + self.timeout * (ahead as u32 + 2) + Duration::from_secs(1)
+    }
+
     /// Lets queued jobs finish and stops the progress thread.
     pub(crate) fn stop_worker(&self) {
         let w = lock(&self.worker).take();

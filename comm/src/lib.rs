@@ -53,6 +53,6 @@ pub use engine::Work;
 pub use error::{Error, Result};
 pub use op::Collective;
 pub use oxccl_kernels::{DType, Element, ReduceOp};
-pub use p2p::P2pOp;
+pub use p2p::{OwnedP2pOp, P2pOp};
 pub use topology::Topology;
 pub use tuning::Algorithm;
