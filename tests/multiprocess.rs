@@ -28,6 +28,17 @@ fn launch(scenario: &str, n: usize, transport: &str) -> Output {
 }
 
 fn launch_job(scenario: &str, n: usize, transport: &str, job: &str) -> Output {
+    launch_job_timeout(scenario, n, transport, job, 60)
+}
+
+/// [`launch_job`] with the ranks' `OXCCL_TIMEOUT` set to `timeout_s`.
+fn launch_job_timeout(
+    scenario: &str,
+    n: usize,
+    transport: &str,
+    job: &str,
+    timeout_s: u32,
+) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_oxccl"));
     cmd.args([
         "launch",
@@ -41,7 +52,7 @@ fn launch_job(scenario: &str, n: usize, transport: &str, job: &str) -> Output {
     ])
     .args(rank_cmd());
     cmd.env(SCENARIO, scenario)
-        .env("OXCCL_TIMEOUT", "60")
+        .env("OXCCL_TIMEOUT", timeout_s.to_string())
         .env("OXCCL_TRANSPORT", transport)
         .env_remove("OXCCL_DEBUG");
     cmd.output().expect("running oxccl launch")
@@ -142,6 +153,30 @@ fn mismatch(transport: &str) {
             line.contains("err=mismatch") && line.contains("count=10") && line.contains("count=20"),
             "rank {r}: {line}"
         );
+    }
+}
+
+/// A rank that is busy elsewhere past the time-out: every other rank's `Timeout` carries the
+/// stall reports (written and read through the launcher's TCP store by separate processes),
+/// which name it as the one not waiting.
+#[test]
+fn a_hang_names_the_rank_that_never_came() {
+    for transport in ["tcp", "shm"] {
+        let job = format!("mp-{}-stall-{transport}", std::process::id());
+        let out = launch_job_timeout("stall", 4, transport, &job, 3);
+        let res = results(&out);
+        for r in [0, 2, 3] {
+            let line = res
+                .get(&r)
+                .unwrap_or_else(|| panic!("rank {r} reported nothing: {}", show(&out)));
+            assert!(
+                line.contains("timed out after 3s")
+                    && line.contains("stall reports: ")
+                    && line.contains("wait in this all-reduce(count=4096")
+                    && line.contains("rank 1 posted no stall"),
+                "{transport}: rank {r}: {line}"
+            );
+        }
     }
 }
 

@@ -94,6 +94,7 @@ fn exec<R>(
     ctx.spin = shared.spin;
     ctx.stream = full >= tuning::STREAM_MIN;
     ctx.layout = shared.layout.as_ref();
+    ctx.stalls = Some(&shared.stalls);
     let r = body(&mut ctx, choice)?;
     ctx.flush()?;
     Ok(r)

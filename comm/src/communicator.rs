@@ -303,7 +303,7 @@ impl Communicator {
             };
         let n = WORLD_COUNTER.fetch_add(1, Ordering::Relaxed);
         let id = format!("{}/world{n}", info.job_id);
-        let mut c = Self::init_inner(info.rank, info.world_size, store, cfg, id, store_host)?;
+        let mut c = Self::init_inner(info.rank, info.world_size, store, cfg, id, store_host, None)?;
         c._server = server;
         if c.local_rank != info.local_rank || c.local_size != info.local_world_size {
             tracing::warn!(
@@ -355,6 +355,7 @@ impl Communicator {
             cfg,
             format!("oxccl/world{generation}"),
             None,
+            None,
         )
     }
 
@@ -365,6 +366,7 @@ impl Communicator {
         cfg: Config,
         id: String,
         store_host: Option<IpAddr>,
+        root: Option<(String, Vec<usize>)>,
     ) -> Result<Communicator> {
         if size == 0 || rank >= size {
             return Err(Error::InvalidArgument {
@@ -551,6 +553,9 @@ impl Communicator {
         }
         let mut shared = Shared::new(rank, size, spin, &cfg, links, store.clone(), &id);
         shared.layout = layout;
+        if let Some((root_id, root_ranks)) = root {
+            shared.stalls.set_root(root_id, root_ranks);
+        }
         // From what every rank knows alike (not from this rank's own peers), so all pick the
         // same ring blocks.
         shared.sockets = (0..size).any(|a| (a + 1..size).any(|b| !shm_ok(a, b)));
@@ -653,6 +658,7 @@ impl Communicator {
         let id = format!("{}/split{k}/c{c}", self.id);
         let mut cfg = self.cfg.clone();
         cfg.node_id = Some(self.node_id.clone());
+        let ranks: Vec<usize> = members.iter().map(|&(_, r)| r).collect();
         Self::init_inner(
             new_rank,
             members.len(),
@@ -660,6 +666,7 @@ impl Communicator {
             cfg,
             id,
             self.store_host,
+            Some(self.shared.stalls.lineage(&ranks)),
         )
         .map(Some)
     }

@@ -24,6 +24,7 @@ use crate::bootstrap::Store;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::prims::{Links, NodeLayout};
+use crate::stall::Stalls;
 use crate::tuning::AlgoOverride;
 
 /// State that only the running operation touches.
@@ -66,6 +67,8 @@ pub(crate) struct Shared {
     pub sockets: bool,
     pub abort: AtomicBool,
     pub exec: Mutex<ExecState>,
+    /// What this rank posts when a wait stalls, and reads when one times out.
+    pub stalls: Stalls,
     /// Set when an operation gave up waiting for its turn: it never ran, so this rank's sequence
     /// numbers no longer match its peers'. The communicator breaks with `skipped` as the cause as
     /// soon as the execution state is free (see [`Shared::break_when_free`]).
@@ -109,6 +112,7 @@ impl Shared {
                 p2p_recvd: vec![0; size],
                 broken: None,
             }),
+            stalls: Stalls::new(Arc::clone(&store), comm_id, rank, size, cfg.timeout),
             skipped_set: AtomicBool::new(false),
             skipped: Mutex::new(None),
             store,
@@ -189,6 +193,7 @@ impl Shared {
                 None => f(&mut st).map_err(|e| self.fail(&mut st, e)),
             }
         };
+        self.stalls.operation_ended(result.is_ok());
         // A later operation may have timed out waiting for this one: break now, so peers learn
         // at once rather than at this rank's next call.
         self.try_break_if_skipped();

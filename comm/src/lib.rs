@@ -43,6 +43,7 @@ pub mod logging;
 pub mod op;
 mod p2p;
 mod prims;
+mod stall;
 pub mod topology;
 pub mod transport;
 pub mod tuning;

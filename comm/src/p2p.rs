@@ -525,5 +525,6 @@ fn p2p_ctx<'a>(shared: &'a Shared, links: &'a mut Links, name: &'static str) -> 
         &shared.abort,
     );
     ctx.spin = shared.spin;
+    ctx.stalls = Some(&shared.stalls);
     ctx
 }

@@ -16,6 +16,7 @@ use oxccl_kernels::{DType, ReduceOp};
 
 use crate::error::{Error, Result};
 use crate::op::OpDesc;
+use crate::stall::Stalls;
 use crate::transport::shm::Segment;
 use crate::transport::{PollDir, RecvConn, SendConn, Tag, Window};
 use std::sync::Arc;
@@ -213,6 +214,9 @@ pub(crate) struct Ctx<'a> {
     /// In a sub-context ([`Ctx::sub`]): the communicator rank of every member; peers are member
     /// indices. `None`: peers are communicator ranks.
     map: Option<&'a [usize]>,
+    /// Where a stalled wait is posted and a timed-out one reads the others' posts (see
+    /// `crate::stall`); `None` in unit tests.
+    pub stalls: Option<&'a Stalls>,
 }
 
 /// The communicator's ranks by node, when every node has the same number of them (at least two
@@ -336,6 +340,7 @@ impl<'a> Ctx<'a> {
             stream: false,
             layout: None,
             map: None,
+            stalls: None,
         }
     }
 
@@ -372,6 +377,7 @@ impl<'a> Ctx<'a> {
             stream: self.stream,
             layout: None,
             map: Some(members),
+            stalls: self.stalls,
         }
     }
 
@@ -544,6 +550,14 @@ impl<'a> Ctx<'a> {
         }
     }
 
+    /// The operation as stall reports name it, and its collective sequence number.
+    fn stall_label(&self) -> (String, Option<u64>) {
+        match OpDesc::from_tag(&self.tag).filter(|_| self.collective) {
+            Some(d) => (d.to_string(), Some(self.tag.seq)),
+            None => (self.op.to_string(), None),
+        }
+    }
+
     /// Nothing moved: keep every connection going, then wait a little.
     fn idle(&mut self, waiting: &dyn Fn() -> String) -> Result<()> {
         if self.abort.load(Ordering::Relaxed) {
@@ -558,17 +572,26 @@ impl<'a> Ctx<'a> {
         }
         let now = Instant::now();
         if now >= self.deadline(now) {
+            let mut detail = waiting();
+            if let Some(s) = self.stalls {
+                let (op, seq) = self.stall_label();
+                detail = format!("{detail}; {}", s.report(&op, seq));
+            }
             return Err(Error::Timeout {
                 rank: self.me(),
                 op: self.op.to_string(),
                 timeout: self.timeout,
-                detail: waiting(),
+                detail,
             });
         }
         // Busy-poll briefly (a peer's reply usually lands within microseconds), then yield the
         // core to other ranks, then sleep in poll(2) until a socket is ready.
         let since = *self.idle_since.get_or_insert(now);
         let waited = now - since;
+        if let Some(s) = self.stalls.filter(|s| waited >= s.after && !s.posted()) {
+            let (op, seq) = self.stall_label();
+            s.post(op, seq, waited, waiting());
+        }
         let spin = if self.spin { SPIN } else { Duration::ZERO };
         if waited < spin {
             std::hint::spin_loop();

@@ -159,7 +159,9 @@ pub fn report(c: &Communicator, r: Result<(), Error>, t0: Instant) {
 /// all-reduces until one fails), `kill` (rank 2 SIGKILLs itself in the 4th of a series of
 /// 1 MiB all-reduces), `mismatch` (rank 1 all-reduces 10 elements, the others 20),
 /// `fail-once` (first attempt, `OXCCL_RESTART_COUNT=0`: one all-reduce, then rank 2 exits with
-/// code 3 while the others go on all-reducing until they fail; later attempts: `hello`).
+/// code 3 while the others go on all-reducing until they fail; later attempts: `hello`),
+/// `stall` (rank 1 sleeps 7 s before an all-reduce the others wait in: past a short
+/// `OXCCL_TIMEOUT`).
 pub fn rank_entry() {
     let Ok(scenario) = std::env::var(SCENARIO) else {
         return;
@@ -212,6 +214,13 @@ pub fn rank_entry() {
             result
         }
         "fail-once" => scenario_hello(&c),
+        "stall" => {
+            if c.rank() == 1 {
+                std::thread::sleep(Duration::from_secs(7));
+            }
+            let mut v = vec![1.0f32; 4096];
+            c.all_reduce(&mut v, ReduceOp::Sum)
+        }
         other => panic!("unknown scenario {other}"),
     };
     report(&c, r, t0);
