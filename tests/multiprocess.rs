@@ -183,6 +183,22 @@ fn a_hang_names_the_rank_that_never_came() {
 /// Starts `n` ranks by hand with the variables `vars(rank)` (and no oxccl/torch/slurm/mpi ones
 /// inherited from this process) and checks every one ran the "all" scenario.
 fn by_hand(n: usize, vars: impl Fn(usize) -> Vec<(String, String)>) {
+    for (r, out) in by_hand_outputs(n, "all", vars).into_iter().enumerate() {
+        let res = results(&out);
+        assert!(
+            out.status.success() && res.get(&r).is_some_and(|l| l.ends_with(" ok")),
+            "rank {r}: {}",
+            show(&out)
+        );
+    }
+}
+
+/// Runs `n` ranks of `scenario` by hand (as [`by_hand`]) and returns their outputs by rank.
+fn by_hand_outputs(
+    n: usize,
+    scenario: &str,
+    vars: impl Fn(usize) -> Vec<(String, String)>,
+) -> Vec<Output> {
     let cmdline = rank_cmd();
     let children: Vec<_> = (0..n)
         .map(|r| {
@@ -207,21 +223,50 @@ fn by_hand(n: usize, vars: impl Fn(usize) -> Vec<(String, String)>) {
                     cmd.env_remove(k);
                 }
             }
-            cmd.env(SCENARIO, "all").env("OXCCL_TIMEOUT", "60");
+            cmd.env(SCENARIO, scenario).env("OXCCL_TIMEOUT", "60");
             for (k, v) in vars(r) {
                 cmd.env(k, v);
             }
             cmd.spawn().expect("spawning a rank")
         })
         .collect();
-    for (r, ch) in children.into_iter().enumerate() {
-        let out = ch.wait_with_output().unwrap();
-        let res = results(&out);
+    children
+        .into_iter()
+        .map(|ch| ch.wait_with_output().unwrap())
+        .collect()
+}
+
+/// Ranks started by hand (rank 0 hosts the store), TCP and shared memory: rank 2 is killed
+/// (SIGKILL) in the middle of a series of all-reduces; the others get `PeerLost` naming it,
+/// shrink it away and run all-reduces and an all-gather as ranks 0-2 of 3.
+#[test]
+fn survivors_of_a_killed_rank_shrink_and_go_on() {
+    for transport in ["tcp", "shm"] {
+        let port = free_port();
+        let job = format!("mp-shrink-{}-{transport}", std::process::id());
+        let outs = by_hand_outputs(4, "shrink", |r| {
+            kv(&[
+                ("OXCCL_RANK", r.to_string()),
+                ("OXCCL_WORLD_SIZE", "4".into()),
+                ("OXCCL_STORE", format!("127.0.0.1:{port}")),
+                ("OXCCL_TRANSPORT", transport.into()),
+                ("OXCCL_JOB_ID", job.clone()),
+            ])
+        });
         assert!(
-            out.status.success() && res.get(&r).is_some_and(|l| l.ends_with(" ok")),
-            "rank {r}: {}",
-            show(&out)
+            leftover_segments(&job).is_empty(),
+            "{transport}: segments left: {:?}",
+            leftover_segments(&job)
         );
+        assert!(!outs[2].status.success(), "rank 2 must have been killed");
+        for r in [0, 1, 3] {
+            let res = results(&outs[r]);
+            assert!(
+                outs[r].status.success() && res.get(&r).is_some_and(|l| l.ends_with(" ok")),
+                "{transport}: rank {r}: {}",
+                show(&outs[r])
+            );
+        }
     }
 }
 

@@ -35,6 +35,7 @@ pub struct Communicator {
     store_host: Option<IpAddr>,
     pub(crate) cfg: Config,
     splits: AtomicU64,
+    shrinks: AtomicU64,
     /// Reused working copy of out-of-place reduce-scatter inputs (8-byte aligned words), so a
     /// call does not allocate and fault in a fresh buffer every time.
     pub(crate) scratch: Arc<std::sync::Mutex<Vec<u64>>>,
@@ -574,6 +575,7 @@ impl Communicator {
             store_host,
             cfg,
             splits: AtomicU64::new(0),
+            shrinks: AtomicU64::new(0),
             scratch: Arc::new(std::sync::Mutex::new(Vec::new())),
             #[cfg(feature = "cuda")]
             cuda: std::sync::Mutex::new(None),
@@ -669,6 +671,115 @@ impl Communicator {
             Some(self.shared.stalls.lineage(&ranks)),
         )
         .map(Some)
+    }
+
+    /// Makes a communicator of this one's ranks without `exclude`, like NCCL's `ncclCommShrink`:
+    /// the ranks a `PeerLost` named (dead processes), or ranks that leave. It does not use this
+    /// communicator's connections, so it works after a failure broke it: survivors of a lost rank
+    /// go on with one rank less instead of restarting the job. The ranks keep their order and are
+    /// numbered again from 0; this communicator stays as it is (broken, if it was).
+    ///
+    /// Every rank not in `exclude` must call it with the same list (in any order), and the
+    /// excluded ranks must not. The rendezvous goes through the store, so the store must outlive
+    /// the lost ranks: under `oxccl launch` and torchrun the launcher hosts it; without a launcher
+    /// rank 0 does, and it cannot be excluded by losing it.
+    ///
+    /// ```no_run
+    /// # use oxccl_comm::{Communicator, ReduceOp};
+    /// # fn f(comm: Communicator, grads: &mut [f32]) -> oxccl_comm::Result<()> {
+    /// let comm = match comm.all_reduce(grads, ReduceOp::Sum) {
+    ///     Err(e) if e.lost_peer().is_some() => {
+    ///         let fewer = comm.shrink(&[e.lost_peer().unwrap()])?;
+    ///         // ... redo the step with fewer.size() ranks ...
+    ///         fewer
+    ///     }
+    ///     other => { other?; comm }
+    /// };
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// `InvalidArgument` when `exclude` holds a rank outside the communicator or this rank;
+    /// `Mismatch` (on every rank that compares) when another rank passed a
+    /// different list; `Timeout` naming a rank that did not call `shrink` within the time-out
+    /// (lost too?); errors of creating the new communicator.
+    pub fn shrink(&self, exclude: &[usize]) -> Result<Communicator> {
+        let mut ex = exclude.to_vec();
+        ex.sort_unstable();
+        ex.dedup();
+        if let Some(&r) = ex.iter().find(|&&r| r >= self.size) {
+            return Err(self.invalid(
+                "shrink",
+                format!(
+                    "rank {r} in the exclude list is not a rank of this communicator (size {})",
+                    self.size
+                ),
+            ));
+        }
+        if ex.binary_search(&self.rank).is_ok() {
+            return Err(self.invalid(
+                "shrink",
+                format!(
+                    "this rank ({}) is in the exclude list: excluded ranks do not call shrink",
+                    self.rank
+                ),
+            ));
+        }
+        let kept: Vec<usize> = (0..self.size)
+            .filter(|r| ex.binary_search(r).is_err())
+            .collect();
+        let k = self.shrinks.fetch_add(1, Ordering::Relaxed);
+        let id = format!("{}/shrink{k}", self.id);
+        // Agree on the list first: ranks with different lists would otherwise wait for
+        // different communicators until their time-out.
+        let list = format!("{ex:?}");
+        let key = |r: usize| format!("{id}/exclude/{r}");
+        self.store
+            .set(&key(self.rank), list.as_bytes())
+            .map_err(|e| {
+                Error::Store(format!(
+                "rank {}: shrink: publishing the exclude list: {e} (without a launcher the store \
+                 lives in rank 0's process and goes with it)",
+                self.rank
+            ))
+            })?;
+        let deadline = Instant::now() + self.cfg.timeout;
+        for &r in kept.iter().filter(|&&r| r != self.rank) {
+            let left = deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1));
+            let theirs = self.store.get(&key(r), left).map_err(|e| Error::Timeout {
+                rank: self.rank,
+                op: "shrink".into(),
+                timeout: self.cfg.timeout,
+                detail: format!(
+                    "rank {r} did not call shrink (lost too? every rank not excluded must call \
+                     it): {e}"
+                ),
+            })?;
+            if theirs != list.as_bytes() {
+                return Err(Error::Mismatch {
+                    rank: self.rank,
+                    peer: r,
+                    seq: k,
+                    local: format!("shrink(exclude={list})"),
+                    remote: format!("shrink(exclude={})", String::from_utf8_lossy(&theirs)),
+                });
+            }
+        }
+        let new_rank = kept.iter().position(|&r| r == self.rank).unwrap_or(0);
+        let mut cfg = self.cfg.clone();
+        cfg.node_id = Some(self.node_id.clone());
+        tracing::info!(rank = self.rank, new_rank, size = kept.len(), exclude = %list, "shrink");
+        Self::init_inner(
+            new_rank,
+            kept.len(),
+            self.store.clone(),
+            cfg,
+            id,
+            self.store_host,
+            Some(self.shared.stalls.lineage(&kept)),
+        )
     }
 
     /// Fails the operation in progress and every later one with `Aborted`, and tells the peers

@@ -160,7 +160,8 @@ pub fn report(c: &Communicator, r: Result<(), Error>, t0: Instant) {
 /// 1 MiB all-reduces), `mismatch` (rank 1 all-reduces 10 elements, the others 20),
 /// `fail-once` (first attempt, `OXCCL_RESTART_COUNT=0`: one all-reduce, then rank 2 exits with
 /// code 3 while the others go on all-reducing until they fail; later attempts: `hello`),
-/// `stall` (rank 1 sleeps 7 s before an all-reduce the others wait in: past a short
+/// `shrink` (rank 2 SIGKILLs itself in the 3rd of a series of 1 MiB all-reduces; the others
+/// shrink it away and check the 3-rank communicator), `stall` (rank 1 sleeps 7 s before an all-reduce the others wait in: past a short
 /// `OXCCL_TIMEOUT`).
 pub fn rank_entry() {
     let Ok(scenario) = std::env::var(SCENARIO) else {
@@ -214,6 +215,7 @@ pub fn rank_entry() {
             result
         }
         "fail-once" => scenario_hello(&c),
+        "shrink" => scenario_shrink(&c),
         "stall" => {
             if c.rank() == 1 {
                 std::thread::sleep(Duration::from_secs(7));
@@ -224,6 +226,45 @@ pub fn rank_entry() {
         other => panic!("unknown scenario {other}"),
     };
     report(&c, r, t0);
+}
+
+/// The `shrink` scenario: see [`rank_entry`].
+fn scenario_shrink(c: &Communicator) -> Result<(), Error> {
+    let me = c.rank();
+    let mut v = vec![1.0f32; 1 << 18];
+    for i in 0..100 {
+        if i == 2 && me == 2 {
+            // SAFETY: sending SIGKILL to our own pid; no memory is involved.
+            unsafe {
+                libc::kill(libc::getpid(), libc::SIGKILL);
+            }
+        }
+        if let Err(e) = c.all_reduce(&mut v, ReduceOp::Sum) {
+            if e.lost_peer() != Some(2) {
+                return Err(e);
+            }
+            let fewer = c.shrink(&[2])?;
+            let want = [0usize, 1, 3];
+            if (fewer.size(), want[fewer.rank()]) != (3, me) {
+                panic!(
+                    "old rank {me}: new rank {} of {}",
+                    fewer.rank(),
+                    fewer.size()
+                );
+            }
+            for _ in 0..3 {
+                v.fill(1.0);
+                fewer.all_reduce(&mut v, ReduceOp::Sum)?;
+                assert!(v.iter().all(|&x| x == 3.0), "old rank {me}");
+            }
+            let mut all = vec![0u32; 3];
+            fewer.all_gather(&[me as u32], &mut all)?;
+            assert_eq!(all, [0, 1, 3], "old rank {me}");
+            return Ok(());
+        }
+        v.fill(1.0);
+    }
+    panic!("old rank {me}: the all-reduces went on without rank 2");
 }
 
 /// The command line that makes this test binary play a rank (with `OXCCL_TEST_SCENARIO` set).
