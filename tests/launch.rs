@@ -245,6 +245,40 @@ fn a_failing_rank_is_named_with_its_code() {
     assert_no_survivors(&m);
 }
 
+/// With `--keep-going` a failed rank stops nothing: the other ranks finish their work (without
+/// it they are terminated at once, see above), and the launcher exits with the failed rank's
+/// code once they are done.
+#[test]
+fn keep_going_lets_the_other_ranks_finish() {
+    let m = marker("keepgoing");
+    let (out, stdout, stderr, _) = run(oxccl(&m)
+        .args(["launch", "-n", "3", "--keep-going", "--", "sh", "-c"])
+        .arg("if [ \"$OXCCL_RANK\" = 1 ]; then exit 3; fi; sleep 2; echo finished $OXCCL_RANK"));
+    assert_eq!(out.status.code(), Some(3), "stderr:\n{stderr}");
+    assert!(
+        stdout.contains("finished 0") && stdout.contains("finished 2"),
+        "stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    assert!(
+        stderr.contains("failed: exited with code 3")
+            && stderr.contains("--keep-going: the other 2 local ranks go on"),
+        "{stderr}"
+    );
+    assert_no_survivors(&m);
+    let (out, _, stderr, _) = run(oxccl(&m).args([
+        "launch",
+        "-n",
+        "2",
+        "--keep-going",
+        "--max-restarts",
+        "1",
+        "--",
+        "true",
+    ]));
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("exclude each other"), "{stderr}");
+}
+
 #[test]
 fn sigterm_is_forwarded_and_nothing_survives() {
     let m = marker("sigterm");
@@ -449,9 +483,22 @@ fn a_rank_that_cannot_start_leaves_no_segments() {
 
 /// The launcher of node `node` of a 2-node job on loopback, `n` ranks running `sh -c script`.
 fn node_launcher(marker: &str, port: u16, node: usize, n: usize, script: &str) -> Child {
+    node_launcher_with(marker, port, node, n, &[], script)
+}
+
+/// [`node_launcher`] with `extra` launcher options.
+fn node_launcher_with(
+    marker: &str,
+    port: u16,
+    node: usize,
+    n: usize,
+    extra: &[&str],
+    script: &str,
+) -> Child {
     oxccl(marker)
         .args(["launch", "--nnodes", "2", "--node-rank", &node.to_string()])
         .args(["--master-port", &port.to_string(), "-n", &n.to_string()])
+        .args(extra)
         .args(["--", "sh", "-c", script])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -516,6 +563,28 @@ fn a_failure_on_one_node_stops_every_node() {
         "node 0:\n{e0}"
     );
     assert!(e0.contains("job failed on another node"), "node 0:\n{e0}");
+    assert_no_survivors(&m);
+}
+
+/// With `--keep-going` on both nodes, a rank failing on node 1 stops neither its node's other
+/// rank nor node 0's ranks: all finish, node 0 exits 0 and node 1 with the failed rank's code.
+#[test]
+fn keep_going_across_nodes() {
+    let m = marker("nodekeep");
+    let port = common::free_port();
+    let script =
+        "if [ \"$OXCCL_RANK\" = 3 ]; then sleep 1; exit 3; fi; sleep 3; echo finished $OXCCL_RANK";
+    let n0 = node_launcher_with(&m, port, 0, 2, &["--keep-going"], script);
+    let n1 = node_launcher_with(&m, port, 1, 2, &["--keep-going"], script);
+    let (c1, o1, e1) = finish_within(n1, Duration::from_secs(60));
+    let (c0, o0, e0) = finish_within(n0, Duration::from_secs(60));
+    assert_eq!(c1, Some(3), "node 1:\n{e1}");
+    assert_eq!(c0, Some(0), "node 0:\n{e0}");
+    assert!(
+        o0.contains("finished 0") && o0.contains("finished 1"),
+        "node 0:\n{o0}\n{e0}"
+    );
+    assert!(o1.contains("finished 2"), "node 1:\n{o1}\n{e1}");
     assert_no_survivors(&m);
 }
 

@@ -180,6 +180,39 @@ fn a_hang_names_the_rank_that_never_came() {
     }
 }
 
+/// The same under `oxccl launch --keep-going` (the launcher hosts the store and does not stop
+/// the survivors): they shrink rank 2 away and finish; the launcher exits with rank 2's code
+/// (137, SIGKILL) once they are done.
+#[test]
+fn keep_going_survivors_shrink_under_the_launcher() {
+    for transport in ["tcp", "shm"] {
+        let job = format!("mp-keep-{}-{transport}", std::process::id());
+        let out = Command::new(env!("CARGO_BIN_EXE_oxccl"))
+            .args(["launch", "-n", "4", "--keep-going", "--timeout", "120"])
+            .args(["--job-id", &job, "--"])
+            .args(rank_cmd())
+            .env(SCENARIO, "shrink")
+            .env("OXCCL_TIMEOUT", "60")
+            .env("OXCCL_TRANSPORT", transport)
+            .env_remove("OXCCL_DEBUG")
+            .output()
+            .expect("running oxccl launch");
+        assert_eq!(out.status.code(), Some(137), "{transport}: {}", show(&out));
+        let res = results(&out);
+        for r in [0, 1, 3] {
+            assert!(
+                res.get(&r).is_some_and(|l| l.ends_with(" ok")),
+                "{transport}: rank {r}: {}",
+                show(&out)
+            );
+        }
+        assert!(
+            leftover_segments(&job).is_empty(),
+            "{transport}: segments left"
+        );
+    }
+}
+
 /// Starts `n` ranks by hand with the variables `vars(rank)` (and no oxccl/torch/slurm/mpi ones
 /// inherited from this process) and checks every one ran the "all" scenario.
 fn by_hand(n: usize, vars: impl Fn(usize) -> Vec<(String, String)>) {

@@ -169,6 +169,12 @@ struct LaunchArgs {
     #[arg(long, value_name = "R", default_value_t = 0)]
     max_restarts: u32,
 
+    /// A failed rank does not stop the others (on any node): they may shrink their
+    /// communicators and go on. Exits with the first failed rank's code once every rank is done.
+    /// Not with --max-restarts.
+    #[arg(long)]
+    keep_going: bool,
+
     /// Do not prefix the ranks' output lines with "[RANK] ".
     #[arg(long)]
     no_prefix: bool,
@@ -223,6 +229,7 @@ fn run_launch(args: LaunchArgs) -> u8 {
     cfg.master_addr = args.master_addr;
     cfg.master_port = args.master_port.unwrap_or(0);
     cfg.max_restarts = args.max_restarts;
+    cfg.keep_going = args.keep_going;
     cfg.prefix_output = !args.no_prefix;
     cfg.timeout = args.timeout;
     cfg.job_id = args.job_id;

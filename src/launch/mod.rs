@@ -42,7 +42,7 @@
 //! | code | meaning |
 //! |---|---|
 //! | `0` | every rank exited with status 0 |
-//! | `c` (1..=255) | the first rank seen failing exited with code `c` (after `max_restarts` restarts) |
+//! | `c` (1..=255) | the first rank seen failing exited with code `c` (after `max_restarts` restarts; with `keep_going`, once every rank is done) |
 //! | `c` | another node reported the job's first failure with code `c` ([`JobEnd::NodeFailed`]); `1` when node 0's launcher was lost |
 //! | `128 + s` | the first rank seen failing was killed by signal `s` (e.g. 137 for SIGKILL) |
 //! | `128 + s` | the launcher itself received signal `s` (130 SIGINT, 143 SIGTERM, 129 SIGHUP) and forwarded it |
@@ -93,6 +93,9 @@
 //! * A node whose ranks all succeeded waits for the attempt's outcome: it ends once every node's
 //!   ranks are done, and if one node failed meanwhile, this node restarts with the others (or
 //!   exits with that node's code), so every node's exit code tells the job's outcome.
+//! * With `--keep-going` a failed rank stops nothing: not its node's other ranks, not the other
+//!   nodes (its failure is not recorded for them). Each launcher exits with its own first
+//!   failed rank's code once every node's ranks are done.
 //! * Node 0 keeps the store up until every other node's launcher is done (their ranks may still
 //!   create communicators). Waits for other nodes say so after 2 s and stop waiting for a node
 //!   whose launcher has not been heard from for 30 s, on a signal, or at `--timeout`.
@@ -164,6 +167,11 @@ pub struct LaunchConfig {
     /// default 0). With several nodes, every node restarts its ranks when any node's fail
     /// (every node must be given the same value).
     pub max_restarts: u32,
+    /// A failed rank does not stop the others (`--keep-going`, default off): they may shrink
+    /// their communicators (`Communicator::shrink`) and go on. The launcher waits for every rank
+    /// and exits with the first failed rank's code; on several nodes, a rank failing does not
+    /// stop the other nodes either. Not with `max_restarts`.
+    pub keep_going: bool,
     /// Prefix every forwarded output line with `[R] ` (default on; `--no-prefix` turns it off).
     pub prefix_output: bool,
     /// Kill the job if it runs longer than this, restarts included (`--timeout`).
@@ -231,6 +239,7 @@ impl LaunchConfig {
             master_addr: "127.0.0.1".to_owned(),
             master_port: 0,
             max_restarts: 0,
+            keep_going: false,
             prefix_output: true,
             timeout: None,
             job_id: None,
@@ -280,6 +289,13 @@ impl LaunchConfig {
                 "--master-port is required when --nnodes is {} (> 1): every node must be told the \
                  same store port; a free port (0) can only be picked with --nnodes 1",
                 self.nnodes
+            ));
+        }
+        if self.keep_going && self.max_restarts > 0 {
+            return bad(format!(
+                "--keep-going and --max-restarts {} exclude each other: with --keep-going a failed \
+                 rank's peers go on without it instead of restarting",
+                self.max_restarts
             ));
         }
         if strip_brackets(&self.master_addr).is_empty() {
@@ -614,6 +630,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
         failure_grace: cfg.failure_grace,
         signal_grace: cfg.signal_grace,
         nodes: nodes.as_ref(),
+        keep_going: cfg.keep_going,
     };
 
     let mut attempt: u32 = 0;
@@ -724,6 +741,15 @@ fn after_attempt_on_nodes(
             after.unwrap_or_default().as_secs_f64()
         )
     };
+    let (end, local_failure) = match end {
+        // Kept going: every local rank is done; the other nodes are not stopped.
+        AttemptEnd::Failed(f) if cfg.keep_going => (AttemptEnd::Success, Some(f)),
+        end => (end, None),
+    };
+    let done = || match &local_failure {
+        Some(f) => JobEnd::RankFailed(f.clone()),
+        None => JobEnd::Success,
+    };
     match end {
         AttemptEnd::Failed(f) => {
             link.record_failure(failure_code(&f), f.to_string());
@@ -755,7 +781,7 @@ fn after_attempt_on_nodes(
         AttemptEnd::Success => {
             link.end_attempt();
             match link.wait_attempt(ctx) {
-                NodesEnd::AllDone => Next::Finish(JobEnd::Success),
+                NodesEnd::AllDone => Next::Finish(done()),
                 NodesEnd::Failed(f) if restarts_left() => Next::Restart(f.to_string()),
                 NodesEnd::Failed(f) => {
                     note!("this node's ranks succeeded, but {f}");

@@ -58,6 +58,8 @@ pub(super) struct SupervisorCtx<'a> {
     pub(super) signal_grace: Duration,
     /// The other nodes of a multi-node job.
     pub(super) nodes: Option<&'a NodeLink>,
+    /// A failed rank does not stop the others (`--keep-going`).
+    pub(super) keep_going: bool,
 }
 
 impl SupervisorCtx<'_> {
@@ -108,6 +110,8 @@ pub(super) struct Job<'w> {
     /// deadline, a failed rank); every started rank is gone already. [`Job::supervise`]
     /// returns it.
     ended_early: Option<AttemptEnd>,
+    /// With `--keep-going`: the first rank that failed, reported once every rank is done.
+    kept_failure: Option<RankFailure>,
 }
 
 fn kill(pid: i32, sig: libc::c_int) -> io::Result<()> {
@@ -147,6 +151,7 @@ impl<'w> Job<'w> {
             cleaned: false,
             expected,
             ended_early: None,
+            kept_failure: None,
         }
     }
 
@@ -419,7 +424,10 @@ impl<'w> Job<'w> {
                     }
                 }
                 self.cleaned = true;
-                return AttemptEnd::Success;
+                return match self.kept_failure.take() {
+                    Some(f) => AttemptEnd::Failed(f),
+                    None => AttemptEnd::Success,
+                };
             }
             thread::sleep(POLL);
         }
@@ -478,6 +486,18 @@ impl<'w> Job<'w> {
             };
             note!("{f}");
             first_failure.get_or_insert(f);
+        }
+        if let (Some(f), true) = (&first_failure, ctx.keep_going) {
+            if self.kept_failure.is_none() {
+                let left = self.ranks.iter().filter(|r| r.status.is_none()).count();
+                note!(
+                    "--keep-going: the other {left} local ranks go on (the launcher exits with \
+                     rank {}'s code once they are done)",
+                    f.rank
+                );
+                self.kept_failure = Some(f.clone());
+            }
+            first_failure = None;
         }
         if let Some(f) = first_failure {
             if let Some(sig) = self.shutdown(libc::SIGTERM, ctx.failure_grace, ctx) {
@@ -629,6 +649,7 @@ mod tests {
             failure_grace: Duration::from_secs(30),
             signal_grace: Duration::from_secs(30),
             nodes: None,
+            keep_going: false,
         }
     }
 
