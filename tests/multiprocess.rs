@@ -172,7 +172,7 @@ fn a_hang_names_the_rank_that_never_came() {
             assert!(
                 line.contains("timed out after 3s")
                     && line.contains("stall reports: ")
-                    && line.contains("wait in this all-reduce(count=4096")
+                    && line.contains(" in this all-reduce(count=4096")
                     && line.contains("rank 1 posted no stall"),
                 "{transport}: rank {r}: {line}"
             );

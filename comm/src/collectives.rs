@@ -77,6 +77,7 @@ fn exec<R>(
         staging: window.map_or(0, |w| w.capacity()),
         single_copy: window.is_some_and(|w| w.single_copy()),
         nodes: shared.layout.is_some(),
+        even_nodes: shared.layout.as_ref().is_some_and(|l| l.even),
         sockets: shared.sockets,
     };
     let choice = tuning::choose(desc.coll, full, n, &shared.algo, caps);

@@ -549,6 +549,7 @@ impl Communicator {
                 rank,
                 nodes = l.ranks.len(),
                 local = l.local_group.len(),
+                even = l.even,
                 "hierarchical layout"
             );
         }
@@ -625,8 +626,9 @@ impl Communicator {
         self.transports.get(peer).copied()
     }
 
-    /// Whether the hierarchical algorithms can run: the communicator spans at least two nodes,
-    /// each with the same number (at least two) of its ranks.
+    /// Whether the hierarchical all-reduce can run: the communicator spans at least two nodes,
+    /// each with at least two of its ranks (the hierarchical reduce-scatter and all-gather also
+    /// need the same number of ranks on every node).
     pub fn is_hierarchical(&self) -> bool {
         self.shared.layout.is_some()
     }
@@ -680,9 +682,11 @@ impl Communicator {
     /// numbered again from 0; this communicator stays as it is (broken, if it was).
     ///
     /// Every rank not in `exclude` must call it with the same list (in any order), and the
-    /// excluded ranks must not. The rendezvous goes through the store, so the store must outlive
-    /// the lost ranks: under `oxccl launch` and torchrun the launcher hosts it; without a launcher
-    /// rank 0 does, and it cannot be excluded by losing it.
+    /// excluded ranks must not; after a failed `shrink` every survivor calls it again (each call
+    /// counts, on every rank, so attempts stay paired). The rendezvous goes through the store, so
+    /// the store must outlive the lost ranks: `oxccl launch` hosts it in the launcher (with
+    /// `--keep-going` it also leaves the survivors running); under torchrun, Slurm, mpirun or by
+    /// hand rank 0 hosts it, and losing rank 0 loses the store.
     ///
     /// ```no_run
     /// # use oxccl_comm::{Communicator, ReduceOp};
@@ -704,6 +708,8 @@ impl Communicator {
     /// different list; `Timeout` naming a rank that did not call `shrink` within the time-out
     /// (lost too?); errors of creating the new communicator.
     pub fn shrink(&self, exclude: &[usize]) -> Result<Communicator> {
+        // Counted before anything can fail, so every call of every rank takes a number.
+        let k = self.shrinks.fetch_add(1, Ordering::Relaxed);
         let mut ex = exclude.to_vec();
         ex.sort_unstable();
         ex.dedup();
@@ -728,7 +734,6 @@ impl Communicator {
         let kept: Vec<usize> = (0..self.size)
             .filter(|r| ex.binary_search(r).is_err())
             .collect();
-        let k = self.shrinks.fetch_add(1, Ordering::Relaxed);
         let id = format!("{}/shrink{k}", self.id);
         // Agree on the list first: ranks with different lists would otherwise wait for
         // different communicators until their time-out.
@@ -738,24 +743,31 @@ impl Communicator {
             .set(&key(self.rank), list.as_bytes())
             .map_err(|e| {
                 Error::Store(format!(
-                "rank {}: shrink: publishing the exclude list: {e} (without a launcher the store \
-                 lives in rank 0's process and goes with it)",
-                self.rank
-            ))
+                    "rank {}: shrink: publishing the exclude list: {e} (unless oxccl launch hosts \
+                 the store, it lives in rank 0's process and goes with it)",
+                    self.rank
+                ))
             })?;
         let deadline = Instant::now() + self.cfg.timeout;
         for &r in kept.iter().filter(|&&r| r != self.rank) {
             let left = deadline
                 .saturating_duration_since(Instant::now())
                 .max(Duration::from_millis(1));
-            let theirs = self.store.get(&key(r), left).map_err(|e| Error::Timeout {
-                rank: self.rank,
-                op: "shrink".into(),
-                timeout: self.cfg.timeout,
-                detail: format!(
-                    "rank {r} did not call shrink (lost too? every rank not excluded must call \
-                     it): {e}"
-                ),
+            let theirs = self.store.get(&key(r), left).map_err(|e| match e {
+                Error::Store(msg) if bootstrap::is_wait_timeout(&msg) => Error::Timeout {
+                    rank: self.rank,
+                    op: "shrink".into(),
+                    timeout: self.cfg.timeout,
+                    detail: format!(
+                        "rank {r} did not call shrink (lost too? every rank not excluded must \
+                         call it): {msg}"
+                    ),
+                },
+                Error::Store(msg) => Error::Store(format!(
+                    "rank {}: shrink: reading rank {r}'s exclude list: {msg}",
+                    self.rank
+                )),
+                other => other,
             })?;
             if theirs != list.as_bytes() {
                 return Err(Error::Mismatch {

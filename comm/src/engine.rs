@@ -59,8 +59,8 @@ pub(crate) struct Shared {
     pub algo: AlgoOverride,
     /// Waiting ranks busy-poll before yielding (off when ranks outnumber cores).
     pub spin: bool,
-    /// The ranks by node, when the communicator spans nodes of equal size (hierarchical
-    /// algorithms).
+    /// The ranks by node, when the communicator spans nodes of at least two ranks each
+    /// (hierarchical algorithms).
     pub layout: Option<NodeLayout>,
     /// Some ranks of the communicator reach each other over TCP (the same on every rank; the
     /// tuner's [`crate::tuning::Caps::sockets`]).
@@ -316,9 +316,13 @@ impl Shared {
     }
 
     /// The deadline of an async operation queued with `ahead` operations before it: each of them
-    /// and this one have their own time-out.
+    /// and this one have their own time-out (and may read a stall report).
     pub(crate) fn work_deadline(&self, ahead: u64) -> Instant {
-        Instant::now() + self.timeout * (ahead as u32 + 2) + Duration::from_secs(1)
+        // Slack: a second, and the stall report a timed-out operation reads.
+        Instant::now()
+            + self.timeout * (ahead as u32 + 2)
+            + Duration::from_secs(1)
+            + crate::stall::READ_BUDGET_MAX
     }
 
     /// Lets queued jobs finish and stops the progress thread.

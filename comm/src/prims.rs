@@ -209,7 +209,7 @@ pub(crate) struct Ctx<'a> {
     /// Copies into the user's buffer use streaming stores (set for buffers beyond the caches,
     /// see `tuning::STREAM_MIN`).
     pub stream: bool,
-    /// Where the communicator's ranks sit (nodes of equal size), when it spans several nodes.
+    /// Where the communicator's ranks sit, when it spans nodes of at least two ranks each.
     pub layout: Option<&'a NodeLayout>,
     /// In a sub-context ([`Ctx::sub`]): the communicator rank of every member; peers are member
     /// indices. `None`: peers are communicator ranks.
@@ -219,8 +219,9 @@ pub(crate) struct Ctx<'a> {
     pub stalls: Option<&'a Stalls>,
 }
 
-/// The communicator's ranks by node, when every node has the same number of them (at least two
-/// nodes of at least two ranks): what the hierarchical algorithms need.
+/// The communicator's ranks by node, when it spans at least two nodes of at least two ranks
+/// each: what the hierarchical algorithms need (all three when every node has the same number of
+/// ranks, all-reduce alone otherwise).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct NodeLayout {
     /// `ranks[k][l]`: the communicator rank of local rank `l` on node `k` (nodes in order of first
@@ -232,14 +233,19 @@ pub(crate) struct NodeLayout {
     pub local: usize,
     /// The ranks of this node (`ranks[node]`).
     pub local_group: Vec<usize>,
-    /// The ranks with this local rank on every node (`ranks[k][local]` for every `k`).
+    /// The number of ranks of the smallest node: the hierarchical all-reduce's pieces per
+    /// block (local ranks `0..pieces` of every node carry one each across nodes).
+    pub pieces: usize,
+    /// Every node has the same number of ranks (hierarchical reduce-scatter and all-gather).
+    pub even: bool,
+    /// The ranks with this local rank on every node (`ranks[k][local]` for every `k`); empty
+    /// when this local rank is `pieces` or more (a larger node's extra ranks carry no piece).
     pub cross_group: Vec<usize>,
 }
 
 impl NodeLayout {
     /// The layout of ranks whose node ids are `nodes` (indexed by rank), seen from `rank`;
-    /// `None` unless there are at least two nodes, each with the same number (at least two) of
-    /// ranks.
+    /// `None` unless there are at least two nodes, each with at least two ranks.
     pub fn new(nodes: &[&str], rank: usize) -> Option<NodeLayout> {
         let mut ids: Vec<&str> = Vec::new();
         let mut ranks: Vec<Vec<usize>> = Vec::new();
@@ -252,17 +258,25 @@ impl NodeLayout {
                 }
             }
         }
-        let l = ranks.first()?.len();
-        if ranks.len() < 2 || l < 2 || ranks.iter().any(|g| g.len() != l) {
+        let pieces = ranks.iter().map(Vec::len).min()?;
+        if ranks.len() < 2 || pieces < 2 {
             return None;
         }
+        let even = ranks.iter().all(|g| g.len() == pieces);
         let (node, local) = ranks
             .iter()
             .enumerate()
             .find_map(|(k, g)| g.iter().position(|&r| r == rank).map(|l| (k, l)))?;
+        let cross_group = if local < pieces {
+            ranks.iter().map(|g| g[local]).collect()
+        } else {
+            Vec::new()
+        };
         Some(NodeLayout {
             local_group: ranks[node].clone(),
-            cross_group: ranks.iter().map(|g| g[local]).collect(),
+            cross_group,
+            pieces,
+            even,
             ranks,
             node,
             local,
@@ -575,7 +589,9 @@ impl<'a> Ctx<'a> {
             let mut detail = waiting();
             if let Some(s) = self.stalls {
                 let (op, seq) = self.stall_label();
-                detail = format!("{detail}; {}", s.report(&op, seq));
+                if let Some(report) = s.report(&op, seq) {
+                    detail = format!("{detail}; {report}");
+                }
             }
             return Err(Error::Timeout {
                 rank: self.me(),

@@ -1,19 +1,23 @@
 //! Stall reports: what every rank of a hung communicator is waiting for, in the `Timeout` error.
 //!
-//! A rank whose wait has made no progress for a quarter of its time-out posts what it waits for
-//! in the store, under `<root id>/stall/<root rank>` (the rank in the communicator every other
-//! one was split from: one entry per rank of the job, whichever communicator it waits in). A rank
-//! whose wait times out reads the entries of its communicator's ranks and adds them to its
-//! `Timeout`, which every rank then reports (the first published error wins):
+//! A rank whose wait in an operation has made no progress for a quarter of its time-out posts
+//! what it waits for in the store, under `<root id>/stall/<root rank>` (the rank in the
+//! communicator every other one was split from: one key per rank of the job, holding one record
+//! per communicator of it that is stalled, updated with compare-and-set). A rank whose wait times
+//! out reads the keys of its communicator's ranks and adds them to its `Timeout`, which every
+//! rank then reports (the first published error wins):
 //! - the ranks waiting in the same operation;
 //! - those waiting somewhere else: an earlier operation, point-to-point, or an operation of
 //!   another communicator (two communicators waiting on each other in opposite orders);
-//! - those that posted nothing: not waiting in any communicator, so busy in their own code or
-//!   stuck before the call. Usually the culprit.
+//! - those that posted nothing: not stalled in an operation of any communicator, so busy in their
+//!   own code, stuck before the call, or waiting where nothing is posted (creating a
+//!   communicator, behind operations queued on the same communicator, on the device). Usually
+//!   the culprit.
 //!
 //! Like torch's desync debugging, but always on and free while operations make progress: nothing
-//! is written until a wait stalls. Store requests run on a helper thread, so a store that cannot
-//! be reached never holds up a wait or its error.
+//! is written until a wait stalls. Posts are written by a helper thread, so a store that cannot be
+//! reached never holds up a wait; reading the report adds at most 3 s to a time-out (none when
+//! another rank's error is published already: that error wins anyway).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -30,7 +34,14 @@ const LIST_MAX: usize = 8;
 const STALE_SLACK_MS: u64 = 5_000;
 
 /// Longest a timed-out rank waits for the store to hand over the other ranks' entries.
-const READ_BUDGET_MAX: Duration = Duration::from_secs(3);
+pub(crate) const READ_BUDGET_MAX: Duration = Duration::from_secs(3);
+
+/// Separates the records of one key (one per stalled communicator of a rank).
+const RECORD_SEP: char = '\x1e';
+
+/// Most compare-and-set rounds of one post or clear (other communicators of the rank may be
+/// updating the key at the same moment).
+const CAS_ROUNDS: usize = 16;
 
 /// Where a communicator's ranks post their stalls, and this rank's post.
 pub(crate) struct Stalls {
@@ -47,17 +58,54 @@ pub(crate) struct Stalls {
     timeout: Duration,
     /// Whether this rank posted during the running operation (checked after every operation).
     posted: AtomicBool,
-    /// The posted entry, to take it back only if it is still ours.
-    entry: Mutex<Option<Vec<u8>>>,
+    /// The posted entry, to take it back.
+    entry: Mutex<Option<Entry>>,
+    /// Where a communicator's first error is published (see `engine.rs`).
+    error_key: String,
     /// The helper thread that writes posts, started by the first one.
     writer: Mutex<Option<Sender<Write>>>,
 }
 
 enum Write {
-    Post(String, Vec<u8>),
-    /// Empty the key if it still holds this entry (another communicator's wait may have
-    /// replaced it).
-    Clear(String, Vec<u8>),
+    /// Put this communicator's record into the key (replacing an older one of it).
+    Post(String, Entry),
+    /// Take this record out of the key (the other communicators' records stay).
+    Clear(String, Entry),
+}
+
+/// Every record of a key's value (empty or unreadable records are skipped).
+fn records(value: Option<&[u8]>) -> Vec<Entry> {
+    let Some(v) = value.and_then(|v| std::str::from_utf8(v).ok()) else {
+        return Vec::new();
+    };
+    v.split(RECORD_SEP)
+        .filter_map(|r| Entry::decode(r.as_bytes()))
+        .collect()
+}
+
+/// Rewrites the records under `key` with `change`, by compare-and-set (records of other
+/// communicators of this rank may be written meanwhile).
+fn update(store: &dyn Store, key: &str, change: impl Fn(&mut Vec<Entry>)) -> crate::Result<()> {
+    for _ in 0..CAS_ROUNDS {
+        let cur = store.try_get(key)?;
+        let mut recs = records(cur.as_deref());
+        change(&mut recs);
+        let desired: Vec<u8> = recs
+            .iter()
+            .map(|e| String::from_utf8_lossy(&e.encode()).into_owned())
+            .collect::<Vec<_>>()
+            .join(&RECORD_SEP.to_string())
+            .into_bytes();
+        if cur.is_none() && desired.is_empty() {
+            return Ok(());
+        }
+        if store.compare_set(key, cur.as_deref(), &desired)? == desired {
+            return Ok(());
+        }
+    }
+    Err(crate::Error::Store(format!(
+        "{key}: still changing after {CAS_ROUNDS} compare-and-set rounds"
+    )))
 }
 
 /// One rank's post.
@@ -80,7 +128,7 @@ struct Entry {
 
 impl Entry {
     fn encode(&self) -> Vec<u8> {
-        let one_line = |s: &str| s.replace('\n', " ");
+        let one_line = |s: &str| s.replace(['\n', RECORD_SEP], " ");
         format!(
             "{}\n{}\n{}\n{}\n{}\n{}\n{}\n{}",
             one_line(&self.comm),
@@ -193,6 +241,7 @@ impl Stalls {
             timeout,
             posted: AtomicBool::new(false),
             entry: Mutex::new(None),
+            error_key: format!("{comm_id}/error"),
             writer: Mutex::new(None),
         }
     }
@@ -229,8 +278,13 @@ impl Stalls {
                 .spawn(move || {
                     for w in rx {
                         let r = match &w {
-                            Write::Post(k, v) => store.set(k, v),
-                            Write::Clear(k, v) => store.compare_set(k, Some(v), b"").map(|_| ()),
+                            Write::Post(k, e) => update(&*store, k, |recs| {
+                                recs.retain(|r| r.comm != e.comm);
+                                recs.push(e.clone());
+                            }),
+                            Write::Clear(k, e) => {
+                                update(&*store, k, |recs| recs.retain(|r| r != e))
+                            }
                         };
                         if let Err(e) = r {
                             tracing::debug!("stall report not written: {e}");
@@ -270,8 +324,7 @@ impl Stalls {
             since_ms: unix_ms(SystemTime::now() - waited),
             timeout_ms: u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX),
             waiting,
-        }
-        .encode();
+        };
         tracing::info!(rank = self.rank, after = ?waited, "wait stalled; posting a stall report");
         *self.entry.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.clone());
         self.send(Write::Post(self.key(self.rank), e));
@@ -292,8 +345,9 @@ impl Stalls {
     }
 
     /// The report a timed-out rank adds to its error: what every other rank of the communicator
-    /// posted, read within a few seconds. `op` and `seq`: this rank's operation.
-    pub(crate) fn report(&self, op: &str, seq: Option<u64>) -> String {
+    /// posted, read within a few seconds. `op` and `seq`: this rank's operation. `None` when
+    /// another rank's error is published already (it is the one every rank reports).
+    pub(crate) fn report(&self, op: &str, seq: Option<u64>) -> Option<String> {
         let keys: Vec<String> = (0..self.size)
             .filter(|&r| r != self.rank)
             .map(|r| self.key(r))
@@ -303,10 +357,15 @@ impl Stalls {
             .clamp(Duration::from_millis(200), READ_BUDGET_MAX);
         let (tx, rx) = crossbeam_channel::bounded(1);
         let store = Arc::clone(&self.store);
+        let error_key = self.error_key.clone();
         let read = std::thread::Builder::new()
             .name(format!("oxccl-stall-read-r{}", self.rank))
             .spawn(move || {
                 let deadline = Instant::now() + budget;
+                if let Ok(Some(_)) = store.try_get(&error_key) {
+                    let _ = tx.send(None);
+                    return;
+                }
                 let mut got = Vec::with_capacity(keys.len());
                 for k in &keys {
                     if Instant::now() >= deadline {
@@ -314,56 +373,55 @@ impl Stalls {
                     }
                     got.push(store.try_get(k).ok().flatten());
                 }
-                let _ = tx.send(got);
+                let _ = tx.send(Some(got));
             });
         let got = match read.ok().and(rx.recv_timeout(budget).ok()) {
-            Some(g) => g,
+            Some(Some(g)) => g,
+            Some(None) => return None,
             None => {
-                return format!(
+                return Some(format!(
                     "stall reports: the store did not answer within {budget:?}, so what the \
                      other ranks wait for is unknown"
-                )
+                ))
             }
         };
         let others: Vec<usize> = (0..self.size).filter(|&r| r != self.rank).collect();
-        let entries: Vec<(usize, Option<Entry>)> = others
+        let entries: Vec<(usize, Vec<Entry>)> = others
             .iter()
             .enumerate()
-            .map(|(i, &r)| {
-                (
-                    r,
-                    got.get(i)
-                        .cloned()
-                        .flatten()
-                        .and_then(|b| Entry::decode(&b)),
-                )
-            })
+            .map(|(i, &r)| (r, records(got.get(i).and_then(|v| v.as_deref()))))
             .collect();
-        self.summarize(
+        Some(self.summarize(
             op,
             seq,
             &entries,
             got.len() < others.len(),
             unix_ms(SystemTime::now()),
-        )
+        ))
     }
 
-    /// The report from the entries read (`None`: nothing posted); `cut`: the read stopped early.
+    /// The report from the records read for each other rank (none: nothing posted); `cut`: the
+    /// read stopped early.
     fn summarize(
         &self,
         op: &str,
         seq: Option<u64>,
-        entries: &[(usize, Option<Entry>)],
+        entries: &[(usize, Vec<Entry>)],
         cut: bool,
         now_ms: u64,
     ) -> String {
         let (mut same, mut silent, mut elsewhere) = (Vec::new(), Vec::new(), Vec::new());
-        for (r, e) in entries {
-            match e {
-                None => silent.push(*r),
-                Some(e) if e.stale(now_ms) => silent.push(*r),
-                Some(e) if e.comm == self.comm_id && e.seq == seq && e.op == op => same.push(*r),
-                Some(e) => elsewhere.push((*r, e)),
+        for (r, recs) in entries {
+            let live: Vec<&Entry> = recs.iter().filter(|e| !e.stale(now_ms)).collect();
+            if live
+                .iter()
+                .any(|e| e.comm == self.comm_id && e.seq == seq && e.op == op)
+            {
+                same.push(*r);
+            } else if live.is_empty() {
+                silent.push(*r);
+            } else {
+                elsewhere.extend(live.into_iter().map(|e| (*r, e)));
             }
         }
         let mut parts = Vec::new();
@@ -391,8 +449,9 @@ impl Stalls {
         }
         if !silent.is_empty() {
             parts.push(format!(
-                "{} {} posted no stall (not waiting in any communicator for {:.1} s or more: \
-                 busy outside oxccl, or not yet at this call)",
+                "{} {} posted no stall (not stalled in an operation of any communicator for \
+                 {:.1} s or more: busy outside oxccl, not yet at this call, or waiting where \
+                 nothing is posted)",
                 plural(silent.len(), "rank", "ranks"),
                 ranges(&silent),
                 self.after.as_secs_f64()
@@ -452,23 +511,23 @@ mod tests {
             Duration::from_secs(8),
         );
         let op = "all-reduce(count=4, dtype=f32, op=sum)";
+        let stale = 20_000 - 8000 - STALE_SLACK_MS - 1;
         let entries = vec![
-            (1, Some(entry("job", op, Some(3), 17_000))),
-            (2, Some(entry("job", op, Some(3), 17_000))),
-            (3, None),
+            (1, vec![entry("job", op, Some(3), 17_000)]),
+            // Stalled in this operation and in another communicator (another thread).
+            (
+                2,
+                vec![
+                    entry("job/split0/c1", "barrier()", Some(0), 18_500),
+                    entry("job", op, Some(3), 17_000),
+                ],
+            ),
+            (3, vec![]),
             (
                 4,
-                Some(entry("job/split0/c1", "barrier()", Some(0), 18_500)),
+                vec![entry("job/split0/c1", "barrier()", Some(0), 18_500)],
             ),
-            (
-                5,
-                Some(entry(
-                    "job",
-                    op,
-                    Some(1),
-                    20_000 - 8000 - STALE_SLACK_MS - 1,
-                )),
-            ),
+            (5, vec![entry("job", op, Some(1), stale)]),
         ];
         let text = s.summarize(op, Some(3), &entries, false, 20_000);
         assert_eq!(
@@ -476,9 +535,25 @@ mod tests {
             "stall reports: ranks 1-2 wait in this all-reduce(count=4, dtype=f32, op=sum) too; \
              rank 4 waits in barrier() #0 of communicator job/split0/c1 (as its rank 1 of 2) \
              (receiving from rank 0: 0/64 bytes) for 1.5 s; ranks 3, 5 posted no stall (not \
-             waiting in any communicator for 2.0 s or more: busy outside oxccl, or not yet at \
-             this call)"
+             stalled in an operation of any communicator for 2.0 s or more: busy outside oxccl, \
+             not yet at this call, or waiting where nothing is posted)"
         );
+    }
+
+    /// Waits until `key` holds exactly the records of the given communicators.
+    fn wait_for_records(store: &MemStore, key: &str, comms: &[&str]) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let got: Vec<String> = records(store.try_get(key).unwrap().as_deref())
+                .into_iter()
+                .map(|e| e.comm)
+                .collect();
+            if got == comms {
+                return;
+            }
+            assert!(Instant::now() < deadline, "{key}: {got:?}, want {comms:?}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     #[test]
@@ -493,19 +568,46 @@ mod tests {
             "x".into(),
         );
         assert!(s.posted());
-        let wrote = store.get("job/stall/5", Duration::from_secs(5)).unwrap();
-        let e = Entry::decode(&wrote).unwrap();
-        assert_eq!(
-            (e.comm.as_str(), e.rank, e.seq),
-            ("job/split0/c0", 1, Some(2))
-        );
+        wait_for_records(&store, "job/stall/5", &["job/split0/c0"]);
+        let e = records(store.try_get("job/stall/5").unwrap().as_deref()).remove(0);
+        assert_eq!((e.rank, e.seq, e.waiting.as_str()), (1, Some(2), "x"));
         s.operation_ended(true);
         assert!(!s.posted());
+        wait_for_records(&store, "job/stall/5", &[]);
+        assert_eq!(s.lineage(&[1]), ("job".to_string(), vec![5]));
+    }
+
+    /// Two communicators of one rank stalled at once keep a record each, whatever order their
+    /// writes land in; each takes back only its own.
+    #[test]
+    fn communicators_of_one_rank_keep_their_own_records() {
+        let store = Arc::new(MemStore::new());
+        let a = Stalls::new(store.clone(), "job", 0, 2, Duration::from_secs(4));
+        let mut b = Stalls::new(store.clone(), "job/split0/c0", 0, 2, Duration::from_secs(4));
+        b.set_root("job".into(), vec![0, 1]);
+        a.post(
+            "barrier()".into(),
+            Some(0),
+            Duration::from_secs(1),
+            "a".into(),
+        );
+        b.post(
+            "barrier()".into(),
+            Some(0),
+            Duration::from_secs(1),
+            "b".into(),
+        );
+        let key = "job/stall/0";
         let deadline = Instant::now() + Duration::from_secs(5);
-        while store.try_get("job/stall/5").unwrap() != Some(Vec::new()) {
-            assert!(Instant::now() < deadline, "the post was not taken back");
+        while records(store.try_get(key).unwrap().as_deref()).len() < 2 {
+            assert!(Instant::now() < deadline, "both records must land");
             std::thread::sleep(Duration::from_millis(5));
         }
-        assert_eq!(s.lineage(&[1]), ("job".to_string(), vec![5]));
+        a.operation_ended(true);
+        wait_for_records(&store, key, &["job/split0/c0"]);
+        b.operation_ended(false);
+        // A failed operation leaves its record (stale once its time-out has passed).
+        std::thread::sleep(Duration::from_millis(50));
+        wait_for_records(&store, key, &["job/split0/c0"]);
     }
 }

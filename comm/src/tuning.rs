@@ -59,8 +59,8 @@ pub enum Algorithm {
     HalvingDoubling,
     /// Recursive doubling: whole buffers at every step (small all-reduces).
     RecursiveDoubling,
-    /// Rings inside each node and across nodes (all-reduce, reduce-scatter, all-gather on
-    /// communicators spanning nodes of equal size).
+    /// Rings inside each node and across nodes (all-reduce on communicators spanning nodes of at
+    /// least two ranks; reduce-scatter and all-gather when the nodes are of equal size).
     Hierarchical,
     /// Pipelined chain (broadcast, reduce).
     Chain,
@@ -294,7 +294,8 @@ const BETA_US_PER_BYTE: f64 = 1.0 / 1500.0;
 /// ring's second step waits for the first's last frame.)
 const COPY_BETA_RATIO: f64 = 0.01;
 /// Hierarchical all-reduce, reduce-scatter and all-gather from this many bytes on, when the
-/// communicator spans nodes of equal size (see the module documentation for the measurement).
+/// layout allows them (see [`Caps`]; the module documentation has the measurement, made on nodes
+/// of equal size).
 pub const HIERARCHICAL_MIN: usize = 256 << 10;
 /// One-shot all-reduce while each rank reads at most this many bytes of peers' inputs
 /// (`bytes x (n - 1)`); measured, see the module documentation.
@@ -377,9 +378,12 @@ pub struct Caps {
     pub staging: usize,
     /// Every rank can read every other's memory with `process_vm_readv`.
     pub single_copy: bool,
-    /// The communicator spans at least two nodes with the same number (at least two) of ranks
-    /// each: the hierarchical algorithms can run.
+    /// The communicator spans at least two nodes with at least two ranks each: the hierarchical
+    /// all-reduce can run.
     pub nodes: bool,
+    /// ... and every node has the same number of ranks: the hierarchical reduce-scatter and
+    /// all-gather can run too.
+    pub even_nodes: bool,
     /// Some of the communicator's ranks reach each other over TCP (the same on every rank:
     /// decided from the transport setting and the ranks' node ids): ring and hierarchical
     /// blocks are 2 MiB instead of 4 MiB per rank.
@@ -404,10 +408,11 @@ fn direct_all_reduce(bytes: usize, n: usize, caps: Caps) -> Option<Algorithm> {
 pub fn choose(coll: Collective, bytes: usize, n: usize, over: &AlgoOverride, caps: Caps) -> Choice {
     let hierarchical = caps.nodes
         && bytes >= HIERARCHICAL_MIN
-        && matches!(
-            coll,
-            Collective::AllReduce | Collective::ReduceScatter | Collective::AllGather
-        );
+        && match coll {
+            Collective::AllReduce => true,
+            Collective::ReduceScatter | Collective::AllGather => caps.even_nodes,
+            _ => false,
+        };
     let direct = match coll {
         Collective::AllReduce if n > 1 => direct_all_reduce(bytes, n, caps),
         _ => None,
@@ -497,8 +502,20 @@ mod tests {
         );
         let nodes = Caps {
             nodes: true,
+            even_nodes: true,
             ..Caps::default()
         };
+        let uneven = Caps {
+            nodes: true,
+            ..Caps::default()
+        };
+        assert_eq!(
+            pick(Collective::AllReduce, 64 << 20, 5, uneven),
+            Algorithm::Hierarchical
+        );
+        for coll in [Collective::ReduceScatter, Collective::AllGather] {
+            assert_ne!(pick(coll, 64 << 20, 5, uneven), Algorithm::Hierarchical);
+        }
         for coll in [
             Collective::AllReduce,
             Collective::ReduceScatter,
@@ -528,6 +545,7 @@ mod tests {
         };
         let nodes = Caps {
             nodes: true,
+            even_nodes: true,
             sockets: true,
             ..Caps::default()
         };

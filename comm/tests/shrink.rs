@@ -136,3 +136,42 @@ fn bad_shrinks_are_named() {
         );
     }
 }
+
+/// A failed attempt counts on every rank: rank 0 passes a bad list (refused at once), so ranks
+/// 1 and 2 time out waiting for its list, naming it; then all three try again and succeed.
+#[test]
+fn a_failed_shrink_can_be_tried_again() {
+    let short = Config {
+        timeout: Duration::from_secs(2),
+        ..Config::default()
+    };
+    let res = spawn_world(3, short, |c| {
+        let me = c.rank();
+        let first = if me == 0 {
+            c.shrink(&[0]).err()
+        } else {
+            c.shrink(&[]).err()
+        };
+        // Ranks 1 and 2 time out after 2 s; rank 0 waits that long before trying again.
+        if me == 0 {
+            std::thread::sleep(Duration::from_millis(2500));
+        }
+        let again = c.shrink(&[])?;
+        check_members(&again, me, &[0, 1, 2])?;
+        Ok(first)
+    });
+    for (rank, r) in res.into_iter().enumerate() {
+        let e = r
+            .unwrap_or_else(|e| panic!("rank {rank}: {e}"))
+            .expect("the first attempt must fail");
+        let text = e.to_string();
+        if rank == 0 {
+            assert!(matches!(e, Error::InvalidArgument { .. }), "{text}");
+        } else {
+            assert!(
+                matches!(e, Error::Timeout { .. }) && text.contains("rank 0 did not call shrink"),
+                "rank {rank}: {text}"
+            );
+        }
+    }
+}

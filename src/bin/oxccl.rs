@@ -169,9 +169,9 @@ struct LaunchArgs {
     #[arg(long, value_name = "R", default_value_t = 0)]
     max_restarts: u32,
 
-    /// A failed rank does not stop the others (on any node): they may shrink their
-    /// communicators and go on. Exits with the first failed rank's code once every rank is done.
-    /// Not with --max-restarts.
+    /// A failed rank does not stop the others (on any node; give it to every node): they may
+    /// shrink their communicators and go on. Exits with this node's first failed rank's code once
+    /// every rank is done. Not with --max-restarts.
     #[arg(long)]
     keep_going: bool,
 

@@ -783,10 +783,16 @@ fn after_attempt_on_nodes(
             match link.wait_attempt(ctx) {
                 NodesEnd::AllDone => Next::Finish(done()),
                 NodesEnd::Failed(f) if restarts_left() => Next::Restart(f.to_string()),
+                // Kept going past a local failure: this node's own failure is its outcome.
+                NodesEnd::Failed(f) if local_failure.is_some() => {
+                    note!("{f}");
+                    Next::Finish(done())
+                }
                 NodesEnd::Failed(f) => {
                     note!("this node's ranks succeeded, but {f}");
                     Next::Finish(JobEnd::NodeFailed(f))
                 }
+                NodesEnd::Silent(_) if local_failure.is_some() => Next::Finish(done()),
                 NodesEnd::Silent(nodes) => Next::Finish(JobEnd::NodeFailed(NodeFailure {
                     node: nodes[0],
                     exit_code: 1,

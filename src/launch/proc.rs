@@ -489,10 +489,9 @@ impl<'w> Job<'w> {
         }
         if let (Some(f), true) = (&first_failure, ctx.keep_going) {
             if self.kept_failure.is_none() {
-                let left = self.ranks.iter().filter(|r| r.status.is_none()).count();
                 note!(
-                    "--keep-going: the other {left} local ranks go on (the launcher exits with \
-                     rank {}'s code once they are done)",
+                    "--keep-going: the other local ranks go on (the launcher exits with rank {}'s \
+                     code once they are done)",
                     f.rank
                 );
                 self.kept_failure = Some(f.clone());

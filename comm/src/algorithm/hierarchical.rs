@@ -1,7 +1,6 @@
 //! Hierarchical all-reduce, reduce-scatter and all-gather for communicators spanning nodes.
 //!
-//! The communicator's ranks sit on `N` nodes of `L` ranks each (`NodeLayout`; the tuner only
-//! offers these algorithms when every node has the same number of ranks, `N >= 2`, `L >= 2`).
+//! The communicator's ranks sit on `N >= 2` nodes of `L >= 2` ranks each (`NodeLayout`).
 //! Ranks talk through two kinds of sub-rings: the **local ring** of the `L` ranks of a node
 //! (shared memory) and the **cross ring** of the `N` ranks with the same local rank (TCP between
 //! nodes). Every local rank runs its own cross ring, so the `L` shards cross the network in
@@ -11,7 +10,13 @@
 //!   ends with the node's sum of piece `l`), cross ring all-reduce of piece `l`, local ring
 //!   all-gather. Bytes leaving a node: `2 (N-1)/N * B` over `L` connections together, against the
 //!   flat ring's `2 (N*L-1)/(N*L) * B` through the one connection each ring direction has
-//!   between two nodes.
+//!   between two nodes. **Nodes of different sizes** (a node that lost a rank and was shrunk,
+//!   8 + 7 GPUs): `L` is the smallest node's size, so a block has `L` pieces; on a larger node the
+//!   local ranks from `L` on own an empty piece (they pass pieces on in the local rings, and run
+//!   no cross ring), and local rank `l < L` of every node still meets its peers in cross ring `l`.
+//!   The local rings then carry `B / L` per step instead of `B / L_k`.
+//!
+//! The reduce-scatter and all-gather need nodes of equal size (their shards are per rank).
 //! - **Reduce-scatter** (`n = N*L` shards, shard `r` for rank `r`): for each node `k` a local ring
 //!   reduce-scatter over the shards of node `k`'s ranks (local rank `l` ends with the node's sum of
 //!   the shards of local rank `l` on every node), then a cross ring reduce-scatter of those `N`
@@ -33,9 +38,25 @@ fn layout<'c>(ctx: &Ctx<'c>) -> Result<&'c NodeLayout> {
     ctx.layout.ok_or_else(|| Error::InvalidArgument {
         rank: ctx.rank,
         op: ctx.op.into(),
-        msg: "hierarchical algorithms need at least two nodes with the same number (at least two) \
-              of ranks each"
-            .into(),
+        msg: "hierarchical algorithms need at least two nodes with at least two ranks each".into(),
+    })
+}
+
+/// The layout of the hierarchical reduce-scatter and all-gather: nodes of equal size.
+fn even_layout<'c>(ctx: &Ctx<'c>) -> Result<&'c NodeLayout> {
+    let lay = layout(ctx)?;
+    if lay.even {
+        return Ok(lay);
+    }
+    let sizes: Vec<usize> = lay.ranks.iter().map(Vec::len).collect();
+    Err(Error::InvalidArgument {
+        rank: ctx.rank,
+        op: ctx.op.into(),
+        msg: format!(
+            "hierarchical {} needs nodes with the same number of ranks, but they have {sizes:?} \
+             (only the hierarchical all-reduce takes nodes of different sizes)",
+            ctx.op
+        ),
     })
 }
 
@@ -53,6 +74,24 @@ struct Step {
     /// Out of place: the received piece is combined with the input into the buffer (every
     /// reduce-scatter step of the local ring).
     recv_src: bool,
+    /// Moves nothing: a cross-ring step of a local rank without a piece (nodes of different
+    /// sizes), kept so its local-ring steps come in the same order as its node's other ranks'.
+    idle: bool,
+}
+
+impl Step {
+    fn idle() -> Step {
+        Step {
+            to: 0,
+            send: 0..0,
+            from: 0,
+            recv: 0..0,
+            reduce: false,
+            from_src: false,
+            recv_src: false,
+            idle: true,
+        }
+    }
 }
 
 /// The reduce-scatter steps of a ring over `members` (communicator ranks; this rank is member
@@ -69,6 +108,7 @@ fn ring_rs(members: &[usize], me: usize, chunk: &dyn Fn(usize) -> Range<usize>) 
             reduce: true,
             from_src: s == 0,
             recv_src: true,
+            idle: false,
         })
         .collect()
 }
@@ -86,6 +126,7 @@ fn ring_ag(members: &[usize], me: usize, chunk: &dyn Fn(usize) -> Range<usize>) 
             reduce: false,
             from_src: false,
             recv_src: false,
+            idle: false,
         })
         .collect()
 }
@@ -99,6 +140,10 @@ fn carve<'b>(buf: &'b mut [u8], ranges: &[Range<usize>]) -> Vec<&'b mut [u8]> {
     let mut at = 0;
     for i in order {
         let r = &ranges[i];
+        if r.is_empty() {
+            // Anywhere, even inside another range: nothing to carve.
+            continue;
+        }
         debug_assert!(r.start >= at, "overlapping ranges {ranges:?}");
         let tail = std::mem::take(&mut rest);
         let (_, tail) = tail.split_at_mut(r.start - at);
@@ -141,16 +186,22 @@ pub(crate) fn all_reduce(
     let lay = layout(ctx)?;
     let es = dt.size();
     let count = buf.len() / es;
-    let l = lay.local_group.len();
+    let pieces = lay.pieces;
     let n = lay.cross_group.len();
-    if count < l {
-        // Too few elements to give every local rank a piece: flat ring.
+    if count < pieces {
+        // Too few elements to give every piece one: flat ring.
         return ring::all_reduce(ctx, src, buf, dt, op, chunk_bytes);
     }
     let mut sched: Vec<Block> = Vec::new();
-    for (start, len) in blocks(count, (chunk_bytes / es).max(1) * l) {
+    for (start, len) in blocks(count, (chunk_bytes / es).max(1) * pieces) {
+        // Local ranks `pieces` and up (on nodes larger than the smallest) own an empty piece:
+        // they only pass pieces on in the local rings.
         let chunk = |i: usize| {
-            let p = partition(len, l, i);
+            let p = if i < pieces {
+                partition(len, pieces, i)
+            } else {
+                len..len
+            };
             (start + p.start) * es..(start + p.end) * es
         };
         let mine = chunk(lay.local);
@@ -159,12 +210,20 @@ pub(crate) fn all_reduce(
             let p = partition(piece, n, k);
             mine.start + p.start * es..mine.start + p.end * es
         };
-        let mut cross = ring_rs(&lay.cross_group, lay.node, &cross_chunk);
-        for s in &mut cross {
-            // The piece is in the buffer by then.
-            (s.from_src, s.recv_src) = (false, false);
-        }
-        cross.extend(ring_ag(&lay.cross_group, lay.node, &cross_chunk));
+        let cross = if n > 0 {
+            let mut cross = ring_rs(&lay.cross_group, lay.node, &cross_chunk);
+            for s in &mut cross {
+                // The piece is in the buffer by then.
+                (s.from_src, s.recv_src) = (false, false);
+            }
+            cross.extend(ring_ag(&lay.cross_group, lay.node, &cross_chunk));
+            cross
+        } else {
+            // No piece, no cross ring; as many idle steps as the others' cross rings take, so
+            // the schedule below interleaves this rank's local steps as it does theirs.
+            let nodes = lay.ranks.len();
+            (0..2 * (nodes - 1)).map(|_| Step::idle()).collect()
+        };
         sched.push(Block {
             phases: [
                 ring_rs(&lay.local_group, lay.local, &chunk),
@@ -194,6 +253,7 @@ pub(crate) fn all_reduce(
         let todo: Vec<Step> = steps
             .iter()
             .map(|&(b, p)| sched[b].phases[p][sched[b].done[p]].clone())
+            .filter(|st| !st.idle)
             .collect();
         // Buffer ranges: every receive, and the sends that read the buffer.
         let mut ranges = Vec::new();
@@ -243,7 +303,7 @@ pub(crate) fn reduce_scatter(
     op: ReduceOp,
     chunk_bytes: usize,
 ) -> Result<()> {
-    let lay = layout(ctx)?;
+    let lay = even_layout(ctx)?;
     let es = dt.size();
     let shard = buf.len() / ctx.size;
     if shard == 0 {
@@ -270,7 +330,7 @@ pub(crate) fn all_gather(
     chunk_bytes: usize,
     own: Option<&[u8]>,
 ) -> Result<()> {
-    let lay = layout(ctx)?;
+    let lay = even_layout(ctx)?;
     let shard = buf.len() / ctx.size;
     if shard == 0 {
         return Ok(());
