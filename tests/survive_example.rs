@@ -1,0 +1,106 @@
+//! examples/04_survive_a_lost_rank.rs: data-parallel steps that shrink a lost rank away and go
+//! on. Ranks as threads (one node, and two simulated nodes, which the shrink leaves uneven) and
+//! as processes under `oxccl launch --keep-going` (this test binary: `rank_entry` does nothing
+//! in a normal run and plays a rank when `OXCCL_TEST_SURVIVE` is set).
+
+#[path = "../examples/04_survive_a_lost_rank.rs"]
+#[allow(dead_code)]
+mod survive;
+
+mod common;
+
+use std::process::Command;
+
+use oxccl::comm::harness::{spawn_world, spawn_world_on_nodes};
+use oxccl::comm::{Communicator, Config};
+
+/// Rank 2 of 4 leaves at step 3 of 8; checks the survivors' histories and weights.
+fn check_survivors(outcomes: Vec<Option<survive::Outcome>>) {
+    assert!(outcomes[2].is_none(), "rank 2 must have left");
+    let survivors: Vec<survive::Outcome> = [0, 1, 3]
+        .iter()
+        .map(|&r| outcomes[r].clone().expect("a survivor's outcome"))
+        .collect();
+    let history = &survivors[0].history;
+    assert_eq!(history.len(), 8);
+    for (step, ranks) in history.iter().enumerate() {
+        let want: &[usize] = if step < 3 { &[0, 1, 2, 3] } else { &[0, 1, 3] };
+        assert_eq!(ranks, want, "step {step}");
+    }
+    for o in &survivors {
+        assert_eq!(o, &survivors[0], "every survivor ends the same");
+        assert!(survive::matches_reference(o));
+    }
+}
+
+#[test]
+fn survivors_go_on_as_threads() {
+    let run = |c: Communicator| survive::train(c, Some((2, 3)), 8, || ());
+    let out: Vec<_> = spawn_world(4, Config::default(), run)
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect();
+    check_survivors(out);
+    // Two simulated nodes of 2: after the shrink node 1 holds one rank.
+    let out: Vec<_> = spawn_world_on_nodes(4, 2, Config::default(), run)
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect();
+    check_survivors(out);
+    // Without a failure nothing changes.
+    for r in spawn_world(3, Config::default(), |c| survive::train(c, None, 4, || ())) {
+        let o = r.unwrap().expect("an outcome");
+        assert!(o.history.iter().all(|h| h == &[0, 1, 2]));
+        assert!(survive::matches_reference(&o));
+    }
+}
+
+/// Plays one rank when started by `oxccl launch` from the test below: rank 2 exits with code 3
+/// at step 3 (a crash, its communicator not closed), the others go on.
+#[test]
+fn rank_entry() {
+    if std::env::var("OXCCL_TEST_SURVIVE").is_err() {
+        return;
+    }
+    let comm = Communicator::from_env().expect("communicator from the environment");
+    let me = comm.rank();
+    match survive::train(comm, Some((2, 3)), 8, || std::process::exit(3)) {
+        Ok(Some(o)) if survive::matches_reference(&o) && o.history[7] == [0, 1, 3] => {
+            println!("RESULT rank={me} ok")
+        }
+        other => {
+            println!("RESULT rank={me} FAILED {other:?}");
+            std::process::exit(1);
+        }
+    }
+}
+
+#[test]
+fn survivors_go_on_under_oxccl_launch_keep_going() {
+    let out = Command::new(env!("CARGO_BIN_EXE_oxccl"))
+        .args([
+            "launch",
+            "-n",
+            "4",
+            "--keep-going",
+            "--timeout",
+            "120",
+            "--",
+        ])
+        .args(common::rank_cmd())
+        .env("OXCCL_TEST_SURVIVE", "1")
+        .env("OXCCL_TIMEOUT", "60")
+        .env_remove("OXCCL_DEBUG")
+        .output()
+        .expect("running oxccl launch");
+    let res = common::results(&out);
+    assert_eq!(out.status.code(), Some(3), "{}", common::show(&out));
+    for r in [0, 1, 3] {
+        assert!(
+            res.get(&r).is_some_and(|l| l.ends_with(" ok")),
+            "rank {r}: {}",
+            common::show(&out)
+        );
+    }
+    assert!(!res.contains_key(&2), "{}", common::show(&out));
+}
