@@ -124,6 +124,7 @@ fn every_collective_dtype_and_op_checks_exactly() {
         "gather",
         "scatter",
         "all-to-all",
+        "all-to-all-v",
         "send-recv",
     ];
     for coll in colls {
@@ -297,7 +298,7 @@ fn runs_as_ranks_under_oxccl_launch() {
 
 #[test]
 fn bad_flags_fail_clearly() {
-    let cases: [(&[&str], &str); 9] = [
+    let cases: [(&[&str], &str); 11] = [
         (&["perf", "all-shuffle"], "unknown collective"),
         (
             &["perf", "all-reduce", "-b", "1M", "-e", "1K"],
@@ -316,6 +317,8 @@ fn bad_flags_fail_clearly() {
             "--transport",
         ),
         (&["perf", "all-reduce", "--device", "tpu"], "--device"),
+        (&["perf", "all-to-all-v", "--skew", "2"], "--skew"),
+        (&["perf", "barrier"], "cannot measure barrier"),
     ];
     for (args, needle) in cases {
         let (out, stdout, stderr) = run(args);

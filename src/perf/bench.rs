@@ -48,6 +48,29 @@ pub struct Spec {
     pub rotate_bytes: usize,
     /// Buffers in GPU memory (`--device cuda`).
     pub cuda: bool,
+    /// all-to-all-v: how uneven the blocks are (`--skew`, 0 to 1).
+    pub skew: f64,
+}
+
+/// all-to-all-v's block sizes: the block a rank sends the rank `k` places after it (mod `n`)
+/// holds `per + delta[k]` elements. `delta` is `per x skew x (1 - 2k/(n-1))` rounded down for
+/// `k < (n-1)/2` and the negative of its mirror `delta[n-1-k]` above, so it sums to 0: every
+/// rank sends and receives `per x n` elements, in blocks from about `per x (1 - skew)` to
+/// `per x (1 + skew)`.
+pub fn skewed_counts(per: usize, n: usize, skew: f64) -> Vec<usize> {
+    let mut delta = vec![0i64; n];
+    if n > 1 {
+        let half = (n - 1) as f64 / 2.0;
+        for k in 0..n / 2 {
+            let d = (per as f64 * skew.clamp(0.0, 1.0) * (half - k as f64) / half).floor() as i64;
+            delta[k] = d;
+            delta[n - 1 - k] = -d;
+        }
+    }
+    delta
+        .iter()
+        .map(|&d| usize::try_from(per as i64 + d).unwrap_or(0))
+        .collect()
 }
 
 /// Buffer sets used for a buffer of `full_bytes` (input and output each that large) when the
@@ -335,7 +358,12 @@ impl<'c, T: Element> Bench<'c, T> {
             Collective::AllToAll => comm.all_to_all(inp, out),
             Collective::SendRecv => comm.send_recv(inp, (rank + 1) % n, out, (rank + n - 1) % n),
             Collective::Barrier => comm.barrier(),
-            Collective::AllToAllV => Ok(()), // not `sweep::supported`
+            Collective::AllToAllV => {
+                let block = skewed_counts(g.count, n, self.spec.skew);
+                let send: Vec<usize> = (0..n).map(|d| block[(d + n - rank) % n]).collect();
+                let recv: Vec<usize> = (0..n).map(|s| block[(rank + n - s) % n]).collect();
+                comm.all_to_all_v(inp, &send, out, &recv)
+            }
         }
     }
 
@@ -430,6 +458,20 @@ impl<'c, T: Element> Bench<'c, T> {
             Collective::AllToAll => (0..n)
                 .map(|r| mismatches(&b[r * per..(r + 1) * per], pat.rank(r), rank * per))
                 .sum(),
+            Collective::AllToAllV => {
+                // Rank s's block for this rank starts, in s's input, after its blocks for the
+                // ranks before this one; here, after the blocks of the ranks before s.
+                let block = skewed_counts(per, n, self.spec.skew);
+                let mut at = 0;
+                let mut wrong = 0;
+                for s in 0..n {
+                    let len = block[(rank + n - s) % n];
+                    let from: usize = (0..rank).map(|d| block[(d + n - s) % n]).sum();
+                    wrong += mismatches(&b[at..at + len], pat.rank(s), from);
+                    at += len;
+                }
+                wrong
+            }
             Collective::SendRecv => mismatches(&b[..g.count], pat.rank((rank + n - 1) % n), 0),
             _ => 0,
         }
@@ -439,6 +481,29 @@ impl<'c, T: Element> Bench<'c, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn skewed_blocks_keep_every_rank_s_total() {
+        for (per, n, skew) in [
+            (1000, 4, 0.5),
+            (7, 3, 1.0),
+            (0, 5, 0.5),
+            (341, 1, 0.5),
+            (10, 8, 0.0),
+        ] {
+            let b = skewed_counts(per, n, skew);
+            assert_eq!(b.len(), n);
+            assert_eq!(b.iter().sum::<usize>(), per * n, "{per} {n} {skew}: {b:?}");
+            let (lo, hi) = (per as f64 * (1.0 - skew), per as f64 * (1.0 + skew));
+            assert!(
+                b.iter()
+                    .all(|&c| (lo - 1.0..=hi + 1.0).contains(&(c as f64))),
+                "{per} {n} {skew}: {b:?}"
+            );
+        }
+        assert_eq!(skewed_counts(1000, 4, 0.5), vec![1500, 1166, 834, 500]);
+        assert_eq!(skewed_counts(10, 3, 0.0), vec![10, 10, 10]);
+    }
 
     #[test]
     fn rotation_covers_64_mib_with_2_to_64_sets() {

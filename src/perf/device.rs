@@ -206,7 +206,7 @@ impl DevArenas {
                 }
             }
             Collective::Barrier => comm.barrier(),
-            Collective::AllToAllV => Ok(()), // not `sweep::supported`
+            Collective::AllToAllV => Ok(()), // refused with --device cuda (`Plan::from_args`)
         }
     }
 }

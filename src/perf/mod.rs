@@ -176,6 +176,13 @@ pub struct PerfArgs {
     #[arg(long, value_name = "host|cuda", default_value = "host")]
     pub device: String,
 
+    /// all-to-all-v: how uneven the blocks are, from 0 (all equal, as all-to-all) to 1: the
+    /// block a rank sends the rank k places after it holds `per x (1 + F x (1 - 2k/(n-1)))`
+    /// elements, rounded in pairs so every rank still sends and receives `size` bytes
+    /// (`per = size / n` elements).
+    #[arg(long, value_name = "F", default_value_t = 0.5)]
+    pub skew: f64,
+
     /// With --np: bind rank i to the i-th CPU (core, as mpirun does by default) or not (none)
     /// [default: core when the ranks have a CPU each, else none]; ignored under a launcher.
     #[arg(long, value_name = "none|core")]
@@ -205,6 +212,8 @@ pub struct Plan {
     pub rotate_bytes: usize,
     /// `--device cuda`: buffers in GPU memory.
     pub cuda: bool,
+    /// `--skew` (all-to-all-v).
+    pub skew: f64,
 }
 
 fn parse_list<T>(
@@ -299,6 +308,12 @@ impl Plan {
             }
             d => return Err(format!("--device {d:?}: expected host or cuda")),
         };
+        if coll == Collective::AllToAllV && cuda {
+            return Err("oxccl perf all-to-all-v runs on host buffers only (--device host)".into());
+        }
+        if !(0.0..=1.0).contains(&a.skew) {
+            return Err(format!("--skew {}: expected 0 to 1", a.skew));
+        }
         let average = match a.average {
             0 => Average::Rank0,
             2 => Average::Min,
@@ -316,6 +331,7 @@ impl Plan {
             average,
             rotate_bytes,
             cuda,
+            skew: a.skew,
         })
     }
 

@@ -183,6 +183,7 @@ fn run_all(comm: &Communicator, args: &PerfArgs, plan: &Plan) -> Result<u64, Err
         average: plan.average,
         rotate_bytes: plan.rotate_bytes,
         cuda: plan.cuda,
+        skew: plan.skew,
     };
     let per_cycle = (plan.dtypes.len() * plan.ops.len() * plan.sizes.len()) as u64;
     let mut sink = Sink {

@@ -150,10 +150,10 @@ pub fn has_in_place(c: Collective) -> bool {
     )
 }
 
-/// Whether `oxccl perf` can run the collective (everything but the barrier and all-to-all-v,
-/// whose per-pair counts have no nccl-tests geometry).
+/// Whether `oxccl perf` can run the collective (everything but the barrier; all-to-all-v on
+/// host buffers, with the block sizes `--skew` gives, see `bench::skewed_counts`).
 pub fn supported(c: Collective) -> bool {
-    !matches!(c, Collective::Barrier | Collective::AllToAllV)
+    !matches!(c, Collective::Barrier)
 }
 
 /// The geometry of a row of nominal size `size` bytes for elements of `ts` bytes on `n` ranks.
@@ -164,7 +164,7 @@ pub fn geometry(c: Collective, size: u64, ts: usize, n: usize) -> Geometry {
         Collective::ReduceScatter => (per, per * n, per * n, per),
         Collective::AllGather | Collective::Gather => (per, per * n, per, per * n),
         Collective::Scatter => (per, per * n, per * n, per),
-        Collective::AllToAll => (per, per * n, per * n, per * n),
+        Collective::AllToAll | Collective::AllToAllV => (per, per * n, per * n, per * n),
         _ => (count, count, count, count),
     };
     Geometry {
@@ -184,6 +184,7 @@ pub fn busbw_factor(c: Collective, n: usize) -> f64 {
         Collective::ReduceScatter
         | Collective::AllGather
         | Collective::AllToAll
+        | Collective::AllToAllV
         | Collective::Gather
         | Collective::Scatter => (n - 1.0) / n,
         _ => 1.0,
