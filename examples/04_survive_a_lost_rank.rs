@@ -16,6 +16,11 @@
 //! Each survivor checks its weights against a serial recomputation over the ranks that took part
 //! in each step, and that every survivor holds the same weights; the launcher exits with the lost
 //! rank's code (3).
+//!
+//! Kept simple on purpose: one failure at a time, before the step's all-reduce (so no survivor
+//! has finished the step another redoes). A real trainer would retry `shrink` with the union of
+//! the ranks lost (a second rank may die meanwhile) and agree on the step to redo after it, e.g.
+//! with an all-reduce (min) of each survivor's last finished step.
 
 use oxccl::comm::{Communicator, ReduceOp, Result};
 

@@ -1,5 +1,5 @@
 //! examples/04_survive_a_lost_rank.rs: data-parallel steps that shrink a lost rank away and go
-//! on. Ranks as threads (one node, and two simulated nodes, which the shrink leaves uneven) and
+//! on. Ranks as threads (one node, and two simulated nodes: shared memory and TCP) and
 //! as processes under `oxccl launch --keep-going` (this test binary: `rank_entry` does nothing
 //! in a normal run and plays a rank when `OXCCL_TEST_SURVIVE` is set).
 
@@ -29,7 +29,11 @@ fn check_survivors(outcomes: Vec<Option<survive::Outcome>>) {
     }
     for o in &survivors {
         assert_eq!(o, &survivors[0], "every survivor ends the same");
-        assert!(survive::matches_reference(o));
+        assert!(
+            survive::matches_reference(o),
+            "weights differ from the serial recomputation over {:?}",
+            o.history
+        );
     }
 }
 
@@ -41,7 +45,7 @@ fn survivors_go_on_as_threads() {
         .map(|r| r.unwrap())
         .collect();
     check_survivors(out);
-    // Two simulated nodes of 2: after the shrink node 1 holds one rank.
+    // Two simulated nodes of 2 (after the shrink node 1 holds one rank: a flat communicator).
     let out: Vec<_> = spawn_world_on_nodes(4, 2, Config::default(), run)
         .into_iter()
         .map(|r| r.unwrap())

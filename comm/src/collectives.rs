@@ -15,7 +15,7 @@ use crate::communicator::Communicator;
 use crate::engine::{ExecState, Shared, Work};
 use crate::error::{Error, Result};
 use crate::op::{Collective, OpDesc};
-use crate::prims::Ctx;
+use crate::prims::{Ctx, NodeLayout};
 use crate::tuning::{self, Algorithm, Choice};
 
 /// Runs `f` on `nbytes` of the communicator's reusable scratch (8-byte aligned words, so a call
@@ -76,7 +76,7 @@ fn exec<R>(
     let caps = tuning::Caps {
         staging: window.map_or(0, |w| w.capacity()),
         single_copy: window.is_some_and(|w| w.single_copy()),
-        nodes: shared.layout.is_some(),
+        nodes: shared.layout.as_ref().is_some_and(NodeLayout::balanced),
         even_nodes: shared.layout.as_ref().is_some_and(|l| l.even),
         sockets: shared.sockets,
     };

@@ -244,6 +244,16 @@ pub(crate) struct NodeLayout {
 }
 
 impl NodeLayout {
+    /// Whether the tuner may pick the hierarchical all-reduce by itself: every node's local
+    /// ring has at most `pieces` steps per phase (its size at most `pieces + 1`), as on nodes of
+    /// equal size. Each local step moves a piece of `B / pieces` bytes, so a node much larger
+    /// than the smallest would make the local rings slower than the flat ring.
+    pub fn balanced(&self) -> bool {
+        self.ranks.iter().all(|g| g.len() <= self.pieces + 1)
+    }
+}
+
+impl NodeLayout {
     /// The layout of ranks whose node ids are `nodes` (indexed by rank), seen from `rank`;
     /// `None` unless there are at least two nodes, each with at least two ranks.
     pub fn new(nodes: &[&str], rank: usize) -> Option<NodeLayout> {
@@ -935,6 +945,31 @@ fn poll_fds(fds: &[(RawFd, PollDir)], ms: i32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn node_layouts_of_equal_and_different_sizes() {
+        let even = NodeLayout::new(&["a", "b", "a", "b"], 2).unwrap();
+        assert_eq!(even.ranks, vec![vec![0, 2], vec![1, 3]]);
+        assert_eq!(
+            (even.node, even.local, even.pieces, even.even),
+            (0, 1, 2, true)
+        );
+        assert_eq!(even.cross_group, vec![2, 3]);
+        assert!(even.balanced());
+        // 4 + 3: local rank 3 of node a carries no piece, so it is in no cross ring.
+        let nodes = ["a", "a", "a", "a", "b", "b", "b"];
+        let extra = NodeLayout::new(&nodes, 3).unwrap();
+        assert_eq!((extra.pieces, extra.even, extra.local), (3, false, 3));
+        assert!(extra.cross_group.is_empty());
+        assert_eq!(NodeLayout::new(&nodes, 5).unwrap().cross_group, vec![1, 5]);
+        assert!(extra.balanced());
+        // 2 + 5: allowed (OXCCL_ALGO), but the tuner leaves it flat.
+        let skewed = ["a", "a", "b", "b", "b", "b", "b"];
+        assert!(!NodeLayout::new(&skewed, 0).unwrap().balanced());
+        // No layout: one node, or a node with a single rank.
+        assert_eq!(NodeLayout::new(&["a", "a", "a"], 0), None);
+        assert_eq!(NodeLayout::new(&["a", "a", "b"], 0), None);
+    }
 
     /// A deadline first set inside a sub-context is the whole operation's: the parent and later
     /// sub-contexts (nested ones too) keep it instead of starting a fresh one.

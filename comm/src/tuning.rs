@@ -378,8 +378,8 @@ pub struct Caps {
     pub staging: usize,
     /// Every rank can read every other's memory with `process_vm_readv`.
     pub single_copy: bool,
-    /// The communicator spans at least two nodes with at least two ranks each: the hierarchical
-    /// all-reduce can run.
+    /// The communicator spans at least two nodes with at least two ranks each, no node more
+    /// than one rank larger than the smallest: the hierarchical all-reduce pays off.
     pub nodes: bool,
     /// ... and every node has the same number of ranks: the hierarchical reduce-scatter and
     /// all-gather can run too.

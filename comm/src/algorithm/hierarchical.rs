@@ -1,10 +1,10 @@
 //! Hierarchical all-reduce, reduce-scatter and all-gather for communicators spanning nodes.
 //!
-//! The communicator's ranks sit on `N >= 2` nodes of `L >= 2` ranks each (`NodeLayout`).
-//! Ranks talk through two kinds of sub-rings: the **local ring** of the `L` ranks of a node
-//! (shared memory) and the **cross ring** of the `N` ranks with the same local rank (TCP between
-//! nodes). Every local rank runs its own cross ring, so the `L` shards cross the network in
-//! parallel, on `L` connections.
+//! The communicator's ranks sit on `N >= 2` nodes of `L >= 2` ranks each (`NodeLayout`; nodes
+//! of different sizes below). Ranks talk through two kinds of sub-rings: the **local ring** of
+//! the `L` ranks of a node (shared memory) and the **cross ring** of the `N` ranks with the same
+//! local rank (TCP between nodes). Every local rank runs its own cross ring, so the `L` shards
+//! cross the network in parallel, on `L` connections.
 //!
 //! - **All-reduce**, per block of `L * chunk` elements: local ring reduce-scatter (local rank `l`
 //!   ends with the node's sum of piece `l`), cross ring all-reduce of piece `l`, local ring
@@ -14,14 +14,13 @@
 //!   8 + 7 GPUs): `L` is the smallest node's size, so a block has `L` pieces; on a larger node the
 //!   local ranks from `L` on own an empty piece (they pass pieces on in the local rings, and run
 //!   no cross ring), and local rank `l < L` of every node still meets its peers in cross ring `l`.
-//!   The local rings then carry `B / L` per step instead of `B / L_k`.
-//!
-//! The reduce-scatter and all-gather need nodes of equal size (their shards are per rank).
-//! - **Reduce-scatter** (`n = N*L` shards, shard `r` for rank `r`): for each node `k` a local ring
+//!   The local rings then carry `B / L` per step instead of `B / L_k` (the tuner picks this only
+//!   while no node has more than `L + 1` ranks, `NodeLayout::balanced`).
+//! - **Reduce-scatter** (nodes of equal size only: the shards are per rank) (`n = N*L` shards, shard `r` for rank `r`): for each node `k` a local ring
 //!   reduce-scatter over the shards of node `k`'s ranks (local rank `l` ends with the node's sum of
 //!   the shards of local rank `l` on every node), then a cross ring reduce-scatter of those `N`
 //!   shards: `(N-1)/N` of a rank's `N` shards leave the node, against `(n-1)/n * B` in the flat ring.
-//! - **All-gather**: the reverse: a cross ring all-gather of the shards of local rank `l` on every
+//! - **All-gather** (nodes of equal size only): the reverse: a cross ring all-gather of the shards of local rank `l` on every
 //!   node, then for each node a local ring all-gather of its ranks' shards.
 //!
 //! The tuner picks these from `tuning::HIERARCHICAL_MIN` bytes on, when the layout allows.
@@ -173,8 +172,10 @@ impl Block {
 ///
 /// Blocks are pipelined: while the ranks of a node reduce-scatter (or all-gather) one block
 /// through shared memory, the cross rings carry the previous block between nodes; every step of
-/// both kinds runs in one `exchange_many`, so the network is busy while the node works. Every
-/// rank computes the same schedule, so messages between any two ranks keep one order.
+/// both kinds runs in one `exchange_many`, so the network is busy while the node works. The
+/// ranks of a node have phases of the same lengths (idle cross steps for ranks without a piece),
+/// so they take their local steps in one order; cross steps go in block order on every rank.
+/// So messages between any two ranks keep one order.
 pub(crate) fn all_reduce(
     ctx: &mut Ctx<'_>,
     src: Option<&[u8]>,
@@ -263,11 +264,11 @@ pub(crate) fn all_reduce(
                 ranges.push(st.send.clone());
             }
         }
-        let mut pieces = carve(buf, &ranges).into_iter();
+        let mut parts = carve(buf, &ranges).into_iter();
         let mut sends = Vec::with_capacity(todo.len());
         let mut recvs = Vec::with_capacity(todo.len());
         for st in &todo {
-            let dst = pieces.next().unwrap_or_default();
+            let dst = parts.next().unwrap_or_default();
             let mode = match (st.reduce, src) {
                 (false, _) => RecvMode::Copy,
                 // Local reduce-scatter out of place: combine with the input where it is.
@@ -276,7 +277,7 @@ pub(crate) fn all_reduce(
             };
             let data: &[u8] = match src {
                 Some(x) if st.from_src => &x[st.send.clone()],
-                _ => pieces.next().unwrap_or_default(),
+                _ => parts.next().unwrap_or_default(),
             };
             sends.push(SendPart::new(st.to, data, tag));
             recvs.push(RecvPart::new(st.from, dst, mode, tag));
