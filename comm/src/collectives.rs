@@ -279,21 +279,11 @@ impl Communicator {
         buf: B,
         body: impl FnOnce(&mut Ctx<'_>, Choice, &mut B) -> Result<()> + Send + 'static,
     ) -> Work<B> {
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        let shared = Arc::clone(&self.shared);
-        let job = move |ticket: u64, ahead: u64| {
-            let mut buf = buf;
-            let r = shared.run_turn(ticket, ahead, |st| {
-                exec(&shared, st, desc, |ctx, ch| body(ctx, ch, &mut buf))
-            });
-            let _ = tx.send(r.map(|()| buf));
-        };
-        let (_, ahead) = self.shared.submit_ticketed(job);
-        Work::new(
-            rx,
-            self.shared.work_deadline(ahead),
-            self.rank,
+        self.shared.submit_work(
             desc.coll.name(),
+            buf,
+            move |shared, st, buf| exec(shared, st, desc, |ctx, ch| body(ctx, ch, buf)),
+            |buf| buf,
         )
     }
 

@@ -655,14 +655,17 @@ impl Communicator {
             .map(|r| (all[2 * r + 1], r))
             .collect();
         members.sort();
-        let new_rank = members
-            .iter()
-            .position(|&(_, r)| r == self.rank)
-            .unwrap_or(0);
-        let id = format!("{}/split{k}/c{c}", self.id);
+        let ranks: Vec<usize> = members.iter().map(|&(_, r)| r).collect();
+        self.child(&ranks, format!("{}/split{k}/c{c}", self.id))
+            .map(Some)
+    }
+
+    /// Makes the communicator `id` of `members` (ranks of this one, in their new order; this
+    /// rank among them) through the store: this one's configuration, node id and stall lineage.
+    fn child(&self, members: &[usize], id: String) -> Result<Communicator> {
+        let new_rank = members.iter().position(|&r| r == self.rank).unwrap_or(0);
         let mut cfg = self.cfg.clone();
         cfg.node_id = Some(self.node_id.clone());
-        let ranks: Vec<usize> = members.iter().map(|&(_, r)| r).collect();
         Self::init_inner(
             new_rank,
             members.len(),
@@ -670,9 +673,8 @@ impl Communicator {
             cfg,
             id,
             self.store_host,
-            Some(self.shared.stalls.lineage(&ranks)),
+            Some(self.shared.stalls.lineage(members)),
         )
-        .map(Some)
     }
 
     /// Makes a communicator of this one's ranks without `exclude`, like NCCL's `ncclCommShrink`:
@@ -779,19 +781,8 @@ impl Communicator {
                 });
             }
         }
-        let new_rank = kept.iter().position(|&r| r == self.rank).unwrap_or(0);
-        let mut cfg = self.cfg.clone();
-        cfg.node_id = Some(self.node_id.clone());
-        tracing::info!(rank = self.rank, new_rank, size = kept.len(), exclude = %list, "shrink");
-        Self::init_inner(
-            new_rank,
-            kept.len(),
-            self.store.clone(),
-            cfg,
-            id,
-            self.store_host,
-            Some(self.shared.stalls.lineage(&kept)),
-        )
+        tracing::info!(rank = self.rank, size = kept.len(), exclude = %list, "shrink");
+        self.child(&kept, id)
     }
 
     /// Fails the operation in progress and every later one with `Aborted`, and tells the peers

@@ -315,6 +315,32 @@ impl Shared {
         (ticket, ahead)
     }
 
+    /// Queues `run` on the progress thread as the next operation: it gets the execution state
+    /// and `buf` when its turn comes, and the returned [`Work`] (named `op`) gives back what
+    /// `finish` makes of `buf`.
+    pub(crate) fn submit_work<B, R, F>(
+        self: &Arc<Self>,
+        op: &'static str,
+        buf: B,
+        run: F,
+        finish: fn(B) -> R,
+    ) -> Work<R>
+    where
+        B: Send + 'static,
+        R: Send + 'static,
+        F: FnOnce(&Shared, &mut ExecState, &mut B) -> Result<()> + Send + 'static,
+    {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        let shared = Arc::clone(self);
+        let job = move |ticket: u64, ahead: u64| {
+            let mut buf = buf;
+            let r = shared.run_turn(ticket, ahead, |st| run(&shared, st, &mut buf));
+            let _ = tx.send(r.map(|()| finish(buf)));
+        };
+        let (_, ahead) = self.submit_ticketed(job);
+        Work::new(rx, self.work_deadline(ahead), self.rank, op)
+    }
+
     /// The deadline of an async operation queued with `ahead` operations before it: each of them
     /// and this one have their own time-out (and may read a stall report).
     pub(crate) fn work_deadline(&self, ahead: u64) -> Instant {

@@ -8,8 +8,6 @@
 
 use oxccl_kernels::{DType, Element, ReduceOp};
 
-use std::sync::Arc;
-
 use crate::communicator::Communicator;
 use crate::engine::{ExecState, Shared, Work};
 use crate::error::{Error, Result};
@@ -250,23 +248,16 @@ impl Communicator {
 
     /// Checks `ops` and queues them on the progress thread as one batch.
     fn queue_batch<T: Element, O: OwnedOps<T>>(&self, name: &'static str, ops: O) -> Work<O::Out> {
-        let (rank, size) = (self.rank, self.size);
+        let (rank, size, es) = (self.rank, self.size, T::DTYPE.size());
         let mut ops = ops;
-        if let Err(e) = sort_batch((rank, size), T::DTYPE.size(), ops.parts()) {
+        if let Err(e) = sort_batch((rank, size), es, ops.parts()) {
             return self.failed_work(e, name);
         }
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        let shared = Arc::clone(&self.shared);
-        let job = move |ticket: u64, ahead: u64| {
-            let mut ops = ops;
-            let r = shared.run_turn(ticket, ahead, |st| {
-                let batch = sort_batch((rank, size), T::DTYPE.size(), ops.parts())?;
-                run_batch(&shared, st, batch, T::DTYPE)
-            });
-            let _ = tx.send(r.map(|()| ops.give_back()));
+        let run = move |shared: &Shared, st: &mut ExecState, ops: &mut O| {
+            let batch = sort_batch((rank, size), es, ops.parts())?;
+            run_batch(shared, st, batch, T::DTYPE)
         };
-        let (_, ahead) = self.shared.submit_ticketed(job);
-        Work::new(rx, self.shared.work_deadline(ahead), self.rank, name)
+        self.shared.submit_work(name, ops, run, O::give_back)
     }
 }
 

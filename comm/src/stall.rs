@@ -193,23 +193,9 @@ fn unix_ms(t: SystemTime) -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
-/// `1-3, 5, 7-8`.
+/// `1-3, 5, 7-8`: the cpulist format of [`crate::affinity::encode_cpus`], spaced for a message.
 fn ranges(ranks: &[usize]) -> String {
-    let mut out: Vec<String> = Vec::new();
-    let mut i = 0;
-    while i < ranks.len() {
-        let mut j = i;
-        while j + 1 < ranks.len() && ranks[j + 1] == ranks[j] + 1 {
-            j += 1;
-        }
-        out.push(if j > i {
-            format!("{}-{}", ranks[i], ranks[j])
-        } else {
-            ranks[i].to_string()
-        });
-        i = j + 1;
-    }
-    out.join(", ")
+    crate::affinity::encode_cpus(ranks).replace(',', ", ")
 }
 
 fn plural(n: usize, one: &str, many: &str) -> String {

@@ -129,6 +129,9 @@ pub struct Bench<'c, T> {
     spec: Spec,
     a: Vec<T>,
     b: Vec<T>,
+    /// all-to-all-v: this rank's send and receive counts for blocks of `.0` elements, made once
+    /// per size so the timed calls do not allocate.
+    v_counts: (usize, Vec<usize>, Vec<usize>),
     /// The device mirror of `a` and `b` (`--device cuda`).
     #[cfg(feature = "cuda")]
     dev: Option<super::device::DevArenas>,
@@ -200,6 +203,7 @@ impl<'c, T: Element> Bench<'c, T> {
             spec,
             a,
             b,
+            v_counts: (usize::MAX, Vec::new(), Vec::new()),
             #[cfg(feature = "cuda")]
             dev,
         })
@@ -344,6 +348,12 @@ impl<'c, T: Element> Bench<'c, T> {
                 _ => Ok(()),
             };
         }
+        if coll == Collective::AllToAllV && self.v_counts.0 != g.count {
+            let block = skewed_counts(g.count, n, self.spec.skew);
+            let send = (0..n).map(|d| block[(d + n - rank) % n]).collect();
+            let recv = (0..n).map(|s| block[(rank + n - s) % n]).collect();
+            self.v_counts = (g.count, send, recv);
+        }
         let inp = &self.a[base..base + g.input];
         let out = &mut self.b[base..base + g.output];
         let at_root = rank == root;
@@ -359,10 +369,7 @@ impl<'c, T: Element> Bench<'c, T> {
             Collective::SendRecv => comm.send_recv(inp, (rank + 1) % n, out, (rank + n - 1) % n),
             Collective::Barrier => comm.barrier(),
             Collective::AllToAllV => {
-                let block = skewed_counts(g.count, n, self.spec.skew);
-                let send: Vec<usize> = (0..n).map(|d| block[(d + n - rank) % n]).collect();
-                let recv: Vec<usize> = (0..n).map(|s| block[(rank + n - s) % n]).collect();
-                comm.all_to_all_v(inp, &send, out, &recv)
+                comm.all_to_all_v(inp, &self.v_counts.1, out, &self.v_counts.2)
             }
         }
     }
