@@ -279,6 +279,83 @@ fn keep_going_lets_the_other_ranks_finish() {
     assert!(stderr.contains("exclude each other"), "{stderr}");
 }
 
+/// With `--respawn N` a failed rank is replaced by a process with its variables and
+/// `OXCCL_JOIN=1`, while the others go on; a replaced failure does not count (exit 0). Once the
+/// replacements are spent a failure is kept as with `--keep-going`; `--respawn` and
+/// `--max-restarts` exclude each other.
+#[test]
+fn respawn_replaces_failed_ranks_while_replacements_last() {
+    let m = marker("respawn");
+    // Rank 1 fails at once; its replacement reports what it was given and succeeds.
+    let script = "if [ \"$OXCCL_RANK\" = 1 ] && [ -z \"$OXCCL_JOIN\" ]; then exit 3; fi; \
+                  sleep 1; echo finished $OXCCL_RANK join=${OXCCL_JOIN:-0} respawn=$OXCCL_RESPAWN";
+    let (out, stdout, stderr, _) = run(oxccl(&m)
+        .args(["launch", "-n", "3", "--respawn", "1", "--", "sh", "-c"])
+        .arg(script));
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    for want in [
+        "finished 0 join=0 respawn=1",
+        "finished 2 join=0 respawn=1",
+        "finished 1 join=1 respawn=1",
+    ] {
+        assert!(
+            stdout.contains(want),
+            "{want}\nstdout:\n{stdout}\nstderr:\n{stderr}"
+        );
+    }
+    assert!(
+        stderr.contains("rank 1 (pid ")
+            && stderr.contains("--respawn: starting a replacement for rank 1 (replacement 1 of 1)"),
+        "{stderr}"
+    );
+    assert_no_survivors(&m);
+
+    // Rank 1 and its replacements always fail: two replacements, then the third failure is
+    // kept and the others still finish.
+    let (out, stdout, stderr, _) = run(oxccl(&m)
+        .args(["launch", "-n", "2", "--respawn", "2", "--", "sh", "-c"])
+        .arg("if [ \"$OXCCL_RANK\" = 1 ]; then exit 5; fi; sleep 1; echo finished $OXCCL_RANK"));
+    assert_eq!(
+        out.status.code(),
+        Some(5),
+        "stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    assert!(
+        stdout.contains("finished 0"),
+        "stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    assert_eq!(
+        stderr.matches("launch: rank 1 (pid ").count(),
+        3,
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("(replacement 2 of 2)")
+            && !stderr.contains("(replacement 3")
+            && stderr.contains("--respawn: no replacement left: the other local ranks go on"),
+        "{stderr}"
+    );
+    assert_no_survivors(&m);
+
+    let (out, _, stderr, _) = run(oxccl(&m).args([
+        "launch",
+        "-n",
+        "2",
+        "--respawn",
+        "1",
+        "--max-restarts",
+        "1",
+        "--",
+        "true",
+    ]));
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("exclude each other"), "{stderr}");
+}
+
 #[test]
 fn sigterm_is_forwarded_and_nothing_survives() {
     let m = marker("sigterm");

@@ -14,6 +14,18 @@ use std::process::Command;
 use oxccl::comm::harness::{spawn_world, spawn_world_on_nodes};
 use oxccl::comm::{Communicator, Config};
 
+/// Whether `history` is that of 8 steps where rank 2 of 4 left at step 3. A rank that exits
+/// (processes) may have finished step 2's all-reduce while the others still wait for its last
+/// data, in a socket it closes: they then lose it in step 2 and redo that step without it.
+fn expected_history(history: &[Vec<usize>]) -> bool {
+    let lost_at = history.iter().position(|m| m != &[0, 1, 2, 3]);
+    history.len() == 8
+        && matches!(lost_at, Some(2 | 3))
+        && history[lost_at.unwrap_or(0)..]
+            .iter()
+            .all(|m| m == &[0, 1, 3])
+}
+
 /// Rank 2 of 4 leaves at step 3 of 8; checks the survivors' histories and weights.
 fn check_survivors(outcomes: Vec<Option<survive::Outcome>>) {
     assert!(outcomes[2].is_none(), "rank 2 must have left");
@@ -21,12 +33,11 @@ fn check_survivors(outcomes: Vec<Option<survive::Outcome>>) {
         .iter()
         .map(|&r| outcomes[r].clone().expect("a survivor's outcome"))
         .collect();
-    let history = &survivors[0].history;
-    assert_eq!(history.len(), 8);
-    for (step, ranks) in history.iter().enumerate() {
-        let want: &[usize] = if step < 3 { &[0, 1, 2, 3] } else { &[0, 1, 3] };
-        assert_eq!(ranks, want, "step {step}");
-    }
+    assert!(
+        expected_history(&survivors[0].history),
+        "{:?}",
+        survivors[0].history
+    );
     for o in &survivors {
         assert_eq!(o, &survivors[0], "every survivor ends the same");
         assert!(
@@ -39,7 +50,10 @@ fn check_survivors(outcomes: Vec<Option<survive::Outcome>>) {
 
 #[test]
 fn survivors_go_on_as_threads() {
-    let run = |c: Communicator| survive::train(c, Some((2, 3)), 8, || ());
+    let run = |c: Communicator| {
+        let state = survive::State::start(c.size());
+        survive::train(c, state, Some((2, 3)), 8, survive::Recovery::Shrink, || ())
+    };
     let out: Vec<_> = spawn_world(4, Config::default(), run)
         .into_iter()
         .map(|r| r.unwrap())
@@ -52,7 +66,11 @@ fn survivors_go_on_as_threads() {
         .collect();
     check_survivors(out);
     // Without a failure nothing changes.
-    for r in spawn_world(3, Config::default(), |c| survive::train(c, None, 4, || ())) {
+    let healthy = |c: Communicator| {
+        let state = survive::State::start(c.size());
+        survive::train(c, state, None, 4, survive::Recovery::Shrink, || ())
+    };
+    for r in spawn_world(3, Config::default(), healthy) {
         let o = r.unwrap().expect("an outcome");
         assert!(o.history.iter().all(|h| h == &[0, 1, 2]));
         assert!(survive::matches_reference(&o));
@@ -68,8 +86,17 @@ fn rank_entry() {
     }
     let comm = Communicator::from_env().expect("communicator from the environment");
     let me = comm.rank();
-    match survive::train(comm, Some((2, 3)), 8, || std::process::exit(3)) {
-        Ok(Some(o)) if survive::matches_reference(&o) && o.history[7] == [0, 1, 3] => {
+    let state = survive::State::start(comm.size());
+    let crash = || std::process::exit(3);
+    match survive::train(
+        comm,
+        state,
+        Some((2, 3)),
+        8,
+        survive::Recovery::Shrink,
+        crash,
+    ) {
+        Ok(Some(o)) if survive::matches_reference(&o) && expected_history(&o.history) => {
             println!("RESULT rank={me} ok")
         }
         other => {

@@ -1,7 +1,8 @@
 //! The communicator: a group of ranks that run collectives together.
 //!
 //! Created from launcher variables ([`Communicator::from_env`]), explicitly
-//! ([`Communicator::init`]) or by splitting another one ([`Communicator::split`]). Creating one is
+//! ([`Communicator::init`]), by splitting another one ([`Communicator::split`]), or by changing
+//! another one's ranks ([`Communicator::shrink`], [`Communicator::grow`], in `elastic.rs`). Creating one is
 //! collective: every rank publishes its address in the store, reads everyone else's, and opens its
 //! connections. The collectives themselves are in `collectives.rs`.
 
@@ -27,15 +28,19 @@ pub struct Communicator {
     pub(crate) size: usize,
     local_rank: usize,
     local_size: usize,
-    node_id: String,
+    pub(crate) node_id: String,
     node_index: usize,
     pub(crate) peers: Vec<PeerInfo>,
     pub(crate) id: String,
     pub(crate) store: Arc<dyn Store>,
-    store_host: Option<IpAddr>,
+    pub(crate) store_host: Option<IpAddr>,
     pub(crate) cfg: Config,
     splits: AtomicU64,
-    shrinks: AtomicU64,
+    pub(crate) shrinks: AtomicU64,
+    pub(crate) grows: AtomicU64,
+    /// Store key prefix under which `grow` offers places to joining processes: the job id
+    /// (`from_env`) or `oxccl` (`init`); children inherit it.
+    pub(crate) join_prefix: String,
     /// Reused working copy of out-of-place reduce-scatter inputs (8-byte aligned words), so a
     /// call does not allocate and fault in a fresh buffer every time.
     pub(crate) scratch: Arc<std::sync::Mutex<Vec<u64>>>,
@@ -284,7 +289,10 @@ fn check_shared_settings(rank: usize, me: &PeerInfo, peers: &[PeerInfo]) -> Resu
 
 impl Communicator {
     /// Creates the world communicator from launcher variables: `oxccl launch`, torchrun, Slurm or
-    /// OpenMPI (see docs/ENV.md for the order and the variables).
+    /// OpenMPI (see docs/ENV.md for the order and the variables). With `OXCCL_JOIN=1` (set by
+    /// `oxccl launch --respawn` for a replacement rank) the process joins a communicator of the
+    /// job that is growing instead ([`Communicator::grow`], [`Communicator::join`]); its rank
+    /// and size are then the grown communicator's.
     ///
     /// # Errors
     /// `Error::Config` when no launcher variables are found or they are inconsistent; store and
@@ -293,19 +301,28 @@ impl Communicator {
         crate::logging::init();
         let info = bootstrap::detect_from_env()?;
         let cfg = Config::from_env()?;
+        let join = match std::env::var("OXCCL_JOIN") {
+            Ok(v) if !v.trim().is_empty() => crate::config::parse_bool("OXCCL_JOIN", &v)?,
+            _ => false,
+        };
+        // A joining process never hosts the store: the job's is running already.
+        let host = info.host_store && !join;
         let (store, server, store_host): (Arc<dyn Store>, Option<TcpStoreServer>, Option<IpAddr>) =
             match &info.store {
-                StoreAddr::Tcp { host, port } => {
-                    let (client, server) =
-                        TcpStore::host_or_connect(host, *port, info.host_store, cfg.timeout)?;
-                    (Arc::new(client), server, resolve_ip(host))
+                StoreAddr::Tcp { host: h, port } => {
+                    let (client, server) = TcpStore::host_or_connect(h, *port, host, cfg.timeout)?;
+                    (Arc::new(client), server, resolve_ip(h))
                 }
                 StoreAddr::File(path) => (Arc::new(FileStore::new(path.clone())?), None, None),
             };
+        if join {
+            return Self::join_inner(store, cfg, &info.job_id, store_host, Some(info.rank));
+        }
         let n = WORLD_COUNTER.fetch_add(1, Ordering::Relaxed);
         let id = format!("{}/world{n}", info.job_id);
         let mut c = Self::init_inner(info.rank, info.world_size, store, cfg, id, store_host, None)?;
         c._server = server;
+        c.join_prefix.clone_from(&info.job_id);
         if c.local_rank != info.local_rank || c.local_size != info.local_world_size {
             tracing::warn!(
                 rank = c.rank,
@@ -360,7 +377,7 @@ impl Communicator {
         )
     }
 
-    fn init_inner(
+    pub(crate) fn init_inner(
         rank: usize,
         size: usize,
         store: Arc<dyn Store>,
@@ -577,6 +594,8 @@ impl Communicator {
             cfg,
             splits: AtomicU64::new(0),
             shrinks: AtomicU64::new(0),
+            grows: AtomicU64::new(0),
+            join_prefix: "oxccl".into(),
             scratch: Arc::new(std::sync::Mutex::new(Vec::new())),
             #[cfg(feature = "cuda")]
             cuda: std::sync::Mutex::new(None),
@@ -662,7 +681,7 @@ impl Communicator {
 
     /// Makes the communicator `id` of `members` (ranks of this one, in their new order; this
     /// rank among them) through the store: this one's configuration, node id and stall lineage.
-    fn child(&self, members: &[usize], id: String) -> Result<Communicator> {
+    pub(crate) fn child(&self, members: &[usize], id: String) -> Result<Communicator> {
         let new_rank = members.iter().position(|&r| r == self.rank).unwrap_or(0);
         let mut cfg = self.cfg.clone();
         cfg.node_id = Some(self.node_id.clone());
@@ -675,114 +694,10 @@ impl Communicator {
             self.store_host,
             Some(self.shared.stalls.lineage(members)),
         )
-    }
-
-    /// Makes a communicator of this one's ranks without `exclude`, like NCCL's `ncclCommShrink`:
-    /// the ranks a `PeerLost` named (dead processes), or ranks that leave. It does not use this
-    /// communicator's connections, so it works after a failure broke it: survivors of a lost rank
-    /// go on with one rank less instead of restarting the job. The ranks keep their order and are
-    /// numbered again from 0; this communicator stays as it is (broken, if it was).
-    ///
-    /// Every rank not in `exclude` must call it with the same list (in any order), and the
-    /// excluded ranks must not; after a failed `shrink` every survivor calls it again (each call
-    /// counts, on every rank, so attempts stay paired). The rendezvous goes through the store, so
-    /// the store must outlive the lost ranks: `oxccl launch` hosts it in the launcher (with
-    /// `--keep-going` it also leaves the survivors running); under torchrun, Slurm, mpirun or by
-    /// hand rank 0 hosts it, and losing rank 0 loses the store.
-    ///
-    /// ```no_run
-    /// # use oxccl_comm::{Communicator, ReduceOp};
-    /// # fn f(comm: Communicator, grads: &mut [f32]) -> oxccl_comm::Result<()> {
-    /// let comm = match comm.all_reduce(grads, ReduceOp::Sum) {
-    ///     Err(e) if e.lost_peer().is_some() => {
-    ///         let fewer = comm.shrink(&[e.lost_peer().unwrap()])?;
-    ///         // ... redo the step with fewer.size() ranks ...
-    ///         fewer
-    ///     }
-    ///     other => { other?; comm }
-    /// };
-    /// # Ok(()) }
-    /// ```
-    ///
-    /// # Errors
-    /// `InvalidArgument` when `exclude` holds a rank outside the communicator or this rank;
-    /// `Mismatch` (on every rank that compares) when another rank passed a
-    /// different list; `Timeout` naming a rank that did not call `shrink` within the time-out
-    /// (lost too?); errors of creating the new communicator.
-    pub fn shrink(&self, exclude: &[usize]) -> Result<Communicator> {
-        // Counted before anything can fail, so every call of every rank takes a number.
-        let k = self.shrinks.fetch_add(1, Ordering::Relaxed);
-        let mut ex = exclude.to_vec();
-        ex.sort_unstable();
-        ex.dedup();
-        if let Some(&r) = ex.iter().find(|&&r| r >= self.size) {
-            return Err(self.invalid(
-                "shrink",
-                format!(
-                    "rank {r} in the exclude list is not a rank of this communicator (size {})",
-                    self.size
-                ),
-            ));
-        }
-        if ex.binary_search(&self.rank).is_ok() {
-            return Err(self.invalid(
-                "shrink",
-                format!(
-                    "this rank ({}) is in the exclude list: excluded ranks do not call shrink",
-                    self.rank
-                ),
-            ));
-        }
-        let kept: Vec<usize> = (0..self.size)
-            .filter(|r| ex.binary_search(r).is_err())
-            .collect();
-        let id = format!("{}/shrink{k}", self.id);
-        // Agree on the list first: ranks with different lists would otherwise wait for
-        // different communicators until their time-out.
-        let list = format!("{ex:?}");
-        let key = |r: usize| format!("{id}/exclude/{r}");
-        self.store
-            .set(&key(self.rank), list.as_bytes())
-            .map_err(|e| {
-                Error::Store(format!(
-                    "rank {}: shrink: publishing the exclude list: {e} (unless oxccl launch hosts \
-                 the store, it lives in rank 0's process and goes with it)",
-                    self.rank
-                ))
-            })?;
-        let deadline = Instant::now() + self.cfg.timeout;
-        for &r in kept.iter().filter(|&&r| r != self.rank) {
-            let left = deadline
-                .saturating_duration_since(Instant::now())
-                .max(Duration::from_millis(1));
-            let theirs = self.store.get(&key(r), left).map_err(|e| match e {
-                Error::Store(msg) if bootstrap::is_wait_timeout(&msg) => Error::Timeout {
-                    rank: self.rank,
-                    op: "shrink".into(),
-                    timeout: self.cfg.timeout,
-                    detail: format!(
-                        "rank {r} did not call shrink (lost too? every rank not excluded must \
-                         call it): {msg}"
-                    ),
-                },
-                Error::Store(msg) => Error::Store(format!(
-                    "rank {}: shrink: reading rank {r}'s exclude list: {msg}",
-                    self.rank
-                )),
-                other => other,
-            })?;
-            if theirs != list.as_bytes() {
-                return Err(Error::Mismatch {
-                    rank: self.rank,
-                    peer: r,
-                    seq: k,
-                    local: format!("shrink(exclude={list})"),
-                    remote: format!("shrink(exclude={})", String::from_utf8_lossy(&theirs)),
-                });
-            }
-        }
-        tracing::info!(rank = self.rank, size = kept.len(), exclude = %list, "shrink");
-        self.child(&kept, id)
+        .map(|mut c| {
+            c.join_prefix.clone_from(&self.join_prefix);
+            c
+        })
     }
 
     /// Fails the operation in progress and every later one with `Aborted`, and tells the peers

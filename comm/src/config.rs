@@ -279,7 +279,7 @@ fn parse_timeout(v: &str) -> Result<Duration> {
 }
 
 /// Parses a boolean variable (`1/on/yes/true`, `0/off/no/false`).
-fn parse_bool(name: &str, v: &str) -> Result<bool> {
+pub(crate) fn parse_bool(name: &str, v: &str) -> Result<bool> {
     match v.trim().to_ascii_lowercase().as_str() {
         "1" | "on" | "yes" | "true" => Ok(true),
         "0" | "off" | "no" | "false" => Ok(false),

@@ -85,3 +85,53 @@ pub fn spawn_world_with<R: Send>(
             .collect()
     })
 }
+
+/// [`spawn_world_with`] plus `joiners` threads that each call `on_joiner(j, store, cfg)` with
+/// the world's store and the configuration of rank `n + j` (`cfg_of(n + j)`), e.g. to
+/// [`Communicator::join`](crate::Communicator::join) a communicator the ranks grow. Returns the
+/// ranks' results in rank order, then the joiners' in order.
+pub fn spawn_world_and_joiners<R: Send>(
+    n: usize,
+    joiners: usize,
+    cfg_of: impl Fn(usize) -> Config + Sync,
+    f: impl Fn(Communicator) -> Result<R> + Sync,
+    on_joiner: impl Fn(usize, Arc<dyn Store>, Config) -> Result<R> + Sync,
+) -> Vec<Result<R>> {
+    let store: Arc<dyn Store> = Arc::new(MemStore::new());
+    std::thread::scope(|s| {
+        let mut handles = Vec::with_capacity(n + joiners);
+        for i in 0..n + joiners {
+            let store = Arc::clone(&store);
+            let cfg = cfg_of(i);
+            let (f, on_joiner) = (&f, &on_joiner);
+            let (name, body): (String, Box<dyn FnOnce() -> Result<R> + Send + '_>) = if i < n {
+                (
+                    format!("rank{i}"),
+                    Box::new(move || Communicator::init_with_config(i, n, store, cfg).and_then(f)),
+                )
+            } else {
+                (
+                    format!("joiner{}", i - n),
+                    Box::new(move || on_joiner(i - n, store, cfg)),
+                )
+            };
+            let h = std::thread::Builder::new()
+                .name(name)
+                .spawn_scoped(s, body)
+                .expect("spawning a rank thread");
+            handles.push(h);
+        }
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(i, h)| {
+                h.join().unwrap_or_else(|_| {
+                    Err(crate::Error::Aborted {
+                        rank: i,
+                        reason: "rank or joiner thread panicked".into(),
+                    })
+                })
+            })
+            .collect()
+    })
+}

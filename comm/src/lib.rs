@@ -36,6 +36,7 @@ mod communicator;
 pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod elastic;
 pub mod engine;
 pub mod error;
 pub mod harness;

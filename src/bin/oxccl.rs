@@ -175,6 +175,13 @@ struct LaunchArgs {
     #[arg(long)]
     keep_going: bool,
 
+    /// Start up to N replacement processes for failed ranks on this node (implies --keep-going):
+    /// a replacement gets the failed rank's variables plus OXCCL_JOIN=1, and joins when the
+    /// survivors grow their communicator back (Communicator::shrink, then ::grow). Not with
+    /// --max-restarts.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    respawn: u32,
+
     /// Do not prefix the ranks' output lines with "[RANK] ".
     #[arg(long)]
     no_prefix: bool,
@@ -230,6 +237,7 @@ fn run_launch(args: LaunchArgs) -> u8 {
     cfg.master_port = args.master_port.unwrap_or(0);
     cfg.max_restarts = args.max_restarts;
     cfg.keep_going = args.keep_going;
+    cfg.respawn = args.respawn;
     cfg.prefix_output = !args.no_prefix;
     cfg.timeout = args.timeout;
     cfg.job_id = args.job_id;

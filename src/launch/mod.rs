@@ -20,6 +20,8 @@
 //! | `OXCCL_JOB_ID` | `<base>-r<attempt>`, see below; distinct per attempt, so stale store keys are never reused |
 //! | `OXCCL_RESTART_COUNT` | the attempt number, `0` for the first start, `1` after the first restart, ... |
 //! | `OXCCL_MAX_RESTARTS` | [`LaunchConfig::max_restarts`] |
+//! | `OXCCL_RESPAWN` | [`LaunchConfig::respawn`]: how many failed ranks this node's launcher replaces |
+//! | `OXCCL_JOIN` | `1` in a replacement for a failed rank only ([`LaunchConfig::respawn`]); its other variables are the failed rank's |
 //! | `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` | the torchrun equivalents, for programs that read those |
 //!
 //! The job id base is [`LaunchConfig::job_id`] if set, else `OXCCL_JOB_ID` from the launcher's
@@ -172,6 +174,13 @@ pub struct LaunchConfig {
     /// and exits with the first failed rank's code; on several nodes, a rank failing does not
     /// stop the other nodes either. Not with `max_restarts`.
     pub keep_going: bool,
+    /// How many replacement processes this launcher may start for failed ranks (`--respawn`,
+    /// default 0). A replacement runs the same command with the failed rank's variables plus
+    /// `OXCCL_JOIN=1`: `Communicator::from_env` then joins the communicator the survivors grow
+    /// (`Communicator::grow`) instead of creating the world. Implies `keep_going`; not with
+    /// `max_restarts`. Once they are spent, further failures are kept as with `keep_going`; a
+    /// failure that was replaced does not count in the exit code.
+    pub respawn: u32,
     /// Prefix every forwarded output line with `[R] ` (default on; `--no-prefix` turns it off).
     pub prefix_output: bool,
     /// Kill the job if it runs longer than this, restarts included (`--timeout`).
@@ -240,6 +249,7 @@ impl LaunchConfig {
             master_port: 0,
             max_restarts: 0,
             keep_going: false,
+            respawn: 0,
             prefix_output: true,
             timeout: None,
             job_id: None,
@@ -252,6 +262,11 @@ impl LaunchConfig {
             signal_grace: Duration::from_secs(5),
             bind: Bind::None,
         }
+    }
+
+    /// Whether a failed rank leaves the others running (`keep_going`, or `respawn`).
+    pub fn keeps_going(&self) -> bool {
+        self.keep_going || self.respawn > 0
     }
 
     /// Total number of ranks, `nnodes * nproc_per_node`.
@@ -289,6 +304,13 @@ impl LaunchConfig {
                 "--master-port is required when --nnodes is {} (> 1): every node must be told the \
                  same store port; a free port (0) can only be picked with --nnodes 1",
                 self.nnodes
+            ));
+        }
+        if self.respawn > 0 && self.max_restarts > 0 {
+            return bad(format!(
+                "--respawn {} and --max-restarts {} exclude each other: --respawn replaces a \
+                 failed rank while the others go on, --max-restarts restarts every rank",
+                self.respawn, self.max_restarts
             ));
         }
         if self.keep_going && self.max_restarts > 0 {
@@ -630,7 +652,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
         failure_grace: cfg.failure_grace,
         signal_grace: cfg.signal_grace,
         nodes: nodes.as_ref(),
-        keep_going: cfg.keep_going,
+        keep_going: cfg.keeps_going(),
     };
 
     let mut attempt: u32 = 0;
@@ -743,7 +765,7 @@ fn after_attempt_on_nodes(
     };
     let (end, local_failure) = match end {
         // Kept going: every local rank is done; the other nodes are not stopped.
-        AttemptEnd::Failed(f) if cfg.keep_going => (AttemptEnd::Success, Some(f)),
+        AttemptEnd::Failed(f) if cfg.keeps_going() => (AttemptEnd::Success, Some(f)),
         end => (end, None),
     };
     let done = || match &local_failure {
@@ -978,6 +1000,7 @@ fn rank_specs(
                 ("OXCCL_JOB_ID", job_id.to_owned()),
                 ("OXCCL_RESTART_COUNT", attempt.to_string()),
                 ("OXCCL_MAX_RESTARTS", cfg.max_restarts.to_string()),
+                ("OXCCL_RESPAWN", cfg.respawn.to_string()),
                 ("RANK", rank.to_string()),
                 ("WORLD_SIZE", world.to_string()),
                 ("LOCAL_RANK", local.to_string()),

@@ -44,6 +44,7 @@ fn core_set(local_rank: usize) -> Option<libc::cpu_set_t> {
 }
 
 /// One rank to start.
+#[derive(Clone)]
 pub(super) struct RankSpec {
     pub(super) rank: usize,
     pub(super) local_rank: usize,
@@ -112,6 +113,10 @@ pub(super) struct Job<'w> {
     ended_early: Option<AttemptEnd>,
     /// With `--keep-going`: the first rank that failed, reported once every rank is done.
     kept_failure: Option<RankFailure>,
+    /// With `--respawn`: what replacements are started from (the configuration and every
+    /// rank's spec), and how many were started.
+    respawn: Option<(LaunchConfig, Vec<RankSpec>)>,
+    respawned: u32,
 }
 
 fn kill(pid: i32, sig: libc::c_int) -> io::Result<()> {
@@ -139,6 +144,9 @@ impl<'w> Job<'w> {
         ctx: &SupervisorCtx<'_>,
     ) -> Result<Self, LaunchError> {
         let mut job = Job::new(watchdog, specs.len());
+        if cfg.respawn > 0 {
+            job.respawn = Some((cfg.clone(), specs.clone()));
+        }
         job.start(cfg, specs, ctx)?;
         Ok(job)
     }
@@ -152,6 +160,8 @@ impl<'w> Job<'w> {
             expected,
             ended_early: None,
             kept_failure: None,
+            respawn: None,
+            respawned: 0,
         }
     }
 
@@ -439,7 +449,7 @@ impl<'w> Job<'w> {
         if n < self.expected {
             format!("the {n} local ranks started so far (of {})", self.expected)
         } else {
-            format!("all {n} local ranks")
+            format!("all {} local ranks", self.expected)
         }
     }
 
@@ -467,7 +477,7 @@ impl<'w> Job<'w> {
         if reap {
             self.reap();
         }
-        let mut first_failure = None;
+        let mut failures = Vec::new();
         for r in &mut self.ranks {
             let (Some(st), false) = (r.status, r.seen) else {
                 continue;
@@ -485,13 +495,25 @@ impl<'w> Job<'w> {
                 termination,
             };
             note!("{f}");
-            first_failure.get_or_insert(f);
+            failures.push(f);
+        }
+        // With --respawn, failed ranks are replaced while replacements are left.
+        let mut first_failure = None;
+        for f in failures {
+            if self.replace(&f).is_err() {
+                first_failure.get_or_insert(f);
+            }
         }
         if let (Some(f), true) = (&first_failure, ctx.keep_going) {
             if self.kept_failure.is_none() {
+                let why = if self.respawn.is_some() {
+                    "--respawn: no replacement left"
+                } else {
+                    "--keep-going"
+                };
                 note!(
-                    "--keep-going: the other local ranks go on (the launcher exits with rank {}'s \
-                     code once they are done)",
+                    "{why}: the other local ranks go on (the launcher exits with rank {}'s code \
+                     once they are done)",
                     f.rank
                 );
                 self.kept_failure = Some(f.clone());
@@ -512,6 +534,38 @@ impl<'w> Job<'w> {
             return Some(AttemptEnd::OtherNode(f));
         }
         None
+    }
+
+    /// With `--respawn` and replacements left: starts one for the failed rank `f` (its
+    /// variables plus `OXCCL_JOIN=1`). `Err` when none was started (none left, or the start
+    /// failed), so the failure counts as before.
+    fn replace(&mut self, f: &RankFailure) -> Result<(), ()> {
+        let Some((cfg, specs)) = self.respawn.take() else {
+            return Err(());
+        };
+        let result = match specs.iter().find(|s| s.rank == f.rank) {
+            Some(spec) if self.respawned < cfg.respawn => {
+                self.respawned += 1;
+                let mut spec = spec.clone();
+                spec.env.push(("OXCCL_JOIN", "1".to_owned()));
+                note!(
+                    "--respawn: starting a replacement for rank {} (replacement {} of {}); it \
+                     joins when the others grow their communicator",
+                    f.rank,
+                    self.respawned,
+                    cfg.respawn
+                );
+                self.spawn_one(&cfg, spec).map_err(|e| {
+                    note!(
+                        "error: the replacement for rank {} did not start: {e}",
+                        f.rank
+                    );
+                })
+            }
+            _ => Err(()),
+        };
+        self.respawn = Some((cfg, specs));
+        result
     }
 
     /// Waits for the output threads (after the processes are gone).

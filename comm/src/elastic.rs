@@ -1,0 +1,443 @@
+//! Changing who is in a communicator: [`Communicator::shrink`] (ranks leave or were lost),
+//! [`Communicator::grow`] and [`Communicator::join`] (new processes come in, e.g. a replacement
+//! for a lost rank that `oxccl launch --respawn` started).
+//!
+//! Both go through the store only, never through the old communicator's connections, so they work
+//! on a communicator a failure broke. The ranks first compare their arguments (one key per rank
+//! under the new communicator's id), so ranks that disagree get `Mismatch` at once instead of
+//! waiting for different communicators until their time-out.
+//!
+//! **Places for joining processes.** A joining process does not know its rank: the ranks that
+//! grow decide it. Rank 0 of a growing communicator offers one place per new rank under
+//! `<prefix>/join/offer/<n>`, numbering offers with the counter `<prefix>/join/posted`; a joining
+//! process takes a ticket `n` from the counter `<prefix>/join/taken` and waits for offer `n`. So
+//! the n-th joining process gets the n-th place offered, whichever comes first. Each offer key is
+//! settled by compare-and-set, once: by the offer (`<id>\n<size>\n<rank>`), by the joining
+//! process giving its ticket up after its time-out (`abandoned`; rank 0 then offers the place
+//! under the next number), or by rank 0 withdrawing an offer of a grow that failed (`cancelled`;
+//! the joining process then takes the next ticket). The prefix is the job id under a launcher
+//! ([`Communicator::from_env`]) and `oxccl` for [`Communicator::init`]; communicators made from
+//! one keep its prefix.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::bootstrap::{self, Store};
+use crate::communicator::Communicator;
+use crate::config::Config;
+use crate::error::{Error, Result};
+
+/// What a joining process writes into an offer key it gives up on.
+const ABANDONED: &[u8] = b"abandoned";
+/// What rank 0 writes into an offer key of a grow that failed.
+const CANCELLED: &[u8] = b"cancelled";
+
+fn offer_key(prefix: &str, n: i64) -> String {
+    format!("{prefix}/join/offer/{n}")
+}
+
+/// A place offered to a joining process: the communicator id, its size and the rank.
+#[derive(Debug, PartialEq, Eq)]
+struct Offer {
+    id: String,
+    size: usize,
+    rank: usize,
+}
+
+impl Offer {
+    fn encode(&self) -> Vec<u8> {
+        format!("{}\n{}\n{}", self.id, self.size, self.rank).into_bytes()
+    }
+
+    fn decode(b: &[u8]) -> Option<Offer> {
+        let s = std::str::from_utf8(b).ok()?;
+        let mut it = s.split('\n');
+        let (id, size, rank) = (it.next()?, it.next()?, it.next()?);
+        if it.next().is_some() || id.is_empty() {
+            return None;
+        }
+        let (size, rank) = (size.parse().ok()?, rank.parse().ok()?);
+        (rank < size).then(|| Offer {
+            id: id.to_string(),
+            size,
+            rank,
+        })
+    }
+}
+
+impl Communicator {
+    /// Makes a communicator of this one's ranks without `exclude`, like NCCL's `ncclCommShrink`:
+    /// the ranks a `PeerLost` named (dead processes), or ranks that leave. It does not use this
+    /// communicator's connections, so it works after a failure broke it: survivors of a lost rank
+    /// go on with one rank less instead of restarting the job. The ranks keep their order and are
+    /// numbered again from 0; this communicator stays as it is (broken, if it was).
+    ///
+    /// Every rank not in `exclude` must call it with the same list (in any order), and the
+    /// excluded ranks must not; after a failed `shrink` every survivor calls it again (each call
+    /// counts, on every rank, so attempts stay paired). The rendezvous goes through the store, so
+    /// the store must outlive the lost ranks: `oxccl launch` hosts it in the launcher (with
+    /// `--keep-going` it also leaves the survivors running); under torchrun, Slurm, mpirun or by
+    /// hand rank 0 hosts it, and losing rank 0 loses the store.
+    ///
+    /// ```no_run
+    /// # use oxccl_comm::{Communicator, ReduceOp};
+    /// # fn f(comm: Communicator, grads: &mut [f32]) -> oxccl_comm::Result<()> {
+    /// let comm = match comm.all_reduce(grads, ReduceOp::Sum) {
+    ///     Err(e) if e.lost_peer().is_some() => {
+    ///         let fewer = comm.shrink(&[e.lost_peer().unwrap()])?;
+    ///         // ... redo the step with fewer.size() ranks ...
+    ///         fewer
+    ///     }
+    ///     other => { other?; comm }
+    /// };
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// `InvalidArgument` when `exclude` holds a rank outside the communicator or this rank;
+    /// `Mismatch` (on every rank that compares) when another rank passed a
+    /// different list; `Timeout` naming a rank that did not call `shrink` within the time-out
+    /// (lost too?); errors of creating the new communicator.
+    pub fn shrink(&self, exclude: &[usize]) -> Result<Communicator> {
+        // Counted before anything can fail, so every call of every rank takes a number.
+        let k = self.shrinks.fetch_add(1, Ordering::Relaxed);
+        let mut ex = exclude.to_vec();
+        ex.sort_unstable();
+        ex.dedup();
+        if let Some(&r) = ex.iter().find(|&&r| r >= self.size) {
+            return Err(self.invalid(
+                "shrink",
+                format!(
+                    "rank {r} in the exclude list is not a rank of this communicator (size {})",
+                    self.size
+                ),
+            ));
+        }
+        if ex.binary_search(&self.rank).is_ok() {
+            return Err(self.invalid(
+                "shrink",
+                format!(
+                    "this rank ({}) is in the exclude list: excluded ranks do not call shrink",
+                    self.rank
+                ),
+            ));
+        }
+        let kept: Vec<usize> = (0..self.size)
+            .filter(|r| ex.binary_search(r).is_err())
+            .collect();
+        let id = format!("{}/shrink{k}", self.id);
+        // Agree on the list first: ranks with different lists would otherwise wait for
+        // different communicators until their time-out.
+        let list = format!("{ex:?}");
+        self.agree(
+            "shrink",
+            k,
+            &id,
+            &format!("exclude={list}"),
+            &kept,
+            "every rank not excluded must call it",
+        )?;
+        tracing::info!(rank = self.rank, size = kept.len(), exclude = %list, "shrink");
+        self.child(&kept, id)
+    }
+
+    /// Makes a communicator of this one's ranks and `new_size - size()` new ones, like NCCL's
+    /// `ncclCommGrow`: the ranks keep their numbers and the new ranks get `size()..new_size`, in
+    /// the order their processes call [`Communicator::join`] (or start from the environment with
+    /// `OXCCL_JOIN=1`). Used to bring a job back to its size after [`Communicator::shrink`], with
+    /// a process `oxccl launch --respawn` started in place of the lost one, or to add ranks.
+    ///
+    /// Every rank must call it with the same `new_size`; it returns once the joining processes
+    /// have come and every connection is made, or fails after the time-out (`OXCCL_TIMEOUT`)
+    /// when too few came. After a failed `grow` every rank calls it again (each call counts, on
+    /// every rank). This communicator stays as it is. Like `shrink`, it works on a communicator
+    /// a failure broke, and the store must outlive lost ranks (see [`Communicator::shrink`]).
+    ///
+    /// A joining process has none of the job's state: broadcast it from a rank that has it, as
+    /// at the start (examples/04_survive_a_lost_rank.rs does).
+    ///
+    /// # Errors
+    /// `InvalidArgument` when `new_size` is not larger than `size()`; `Mismatch` when another
+    /// rank passed a different size; `Timeout` naming a rank that did not call `grow`, or a new
+    /// rank whose process did not join in time; errors of creating the new communicator.
+    pub fn grow(&self, new_size: usize) -> Result<Communicator> {
+        // Counted before anything can fail, so every call of every rank takes a number.
+        let k = self.grows.fetch_add(1, Ordering::Relaxed);
+        if new_size <= self.size {
+            return Err(self.invalid(
+                "grow",
+                format!(
+                    "the new size {new_size} is not larger than this communicator's {} (shrink \
+                     removes ranks)",
+                    self.size
+                ),
+            ));
+        }
+        let id = format!("{}/grow{k}", self.id);
+        let all: Vec<usize> = (0..self.size).collect();
+        self.agree(
+            "grow",
+            k,
+            &id,
+            &format!("new_size={new_size}"),
+            &all,
+            "every rank must call it",
+        )?;
+        let offered = if self.rank == 0 {
+            self.offer_places(&id, new_size)?
+        } else {
+            Vec::new()
+        };
+        tracing::info!(rank = self.rank, from = self.size, to = new_size, "grow");
+        let mut cfg = self.cfg.clone();
+        cfg.node_id = Some(self.node_id.clone());
+        let made = Self::init_inner(
+            self.rank,
+            new_size,
+            self.store.clone(),
+            cfg,
+            id,
+            self.store_host,
+            None,
+        );
+        match made {
+            Ok(mut c) => {
+                c.join_prefix.clone_from(&self.join_prefix);
+                Ok(c)
+            }
+            Err(e) => {
+                // Withdraw the places nobody took, so a process joining later does not wait
+                // for a communicator that no longer forms.
+                for (key, offer) in offered {
+                    let _ = self.store.compare_set(&key, Some(&offer), CANCELLED);
+                }
+                Err(match e {
+                    Error::Timeout {
+                        rank,
+                        timeout,
+                        detail,
+                        ..
+                    } => Error::Timeout {
+                        rank,
+                        op: "grow".into(),
+                        timeout,
+                        detail: format!(
+                            "{detail}; ranks {}..{new_size} are new: each needs a process that \
+                             calls Communicator::join (or starts with OXCCL_JOIN=1)",
+                            self.size
+                        ),
+                    },
+                    other => other,
+                })
+            }
+        }
+    }
+
+    /// Joins a communicator that is growing ([`Communicator::grow`]) as one of its new ranks,
+    /// meeting it through `store`, with configuration from the environment. Waits up to the
+    /// time-out for a place; the rank and size are the communicator's (`rank()`, `size()`).
+    ///
+    /// # Errors
+    /// `Store` when no place was offered within the time-out (no rank called `grow`, or it
+    /// wanted fewer ranks than came); errors of creating the communicator.
+    pub fn join(store: Arc<dyn Store>) -> Result<Communicator> {
+        Self::join_with_config(store, Config::from_env()?)
+    }
+
+    /// [`Communicator::join`] with an explicit configuration.
+    ///
+    /// # Errors
+    /// As [`Communicator::join`]; `Config` for a configuration out of range.
+    pub fn join_with_config(store: Arc<dyn Store>, cfg: Config) -> Result<Communicator> {
+        crate::logging::init();
+        Self::join_inner(store, cfg, "oxccl", None, None)
+    }
+
+    /// Takes a place offered under `prefix` and makes the communicator. `launched_as` is the
+    /// rank a launcher gave this process, for messages only.
+    pub(crate) fn join_inner(
+        store: Arc<dyn Store>,
+        cfg: Config,
+        prefix: &str,
+        store_host: Option<std::net::IpAddr>,
+        launched_as: Option<usize>,
+    ) -> Result<Communicator> {
+        let who = match launched_as {
+            Some(r) => format!(
+                "joining process {} (launched as rank {r})",
+                std::process::id()
+            ),
+            None => format!("joining process {}", std::process::id()),
+        };
+        cfg.check()
+            .map_err(|msg| Error::Config(format!("{who}: {msg}")))?;
+        let store_err = |what: &str, e: Error| Error::Store(format!("{who}: join: {what}: {e}"));
+        let deadline = Instant::now() + cfg.timeout;
+        let offer = loop {
+            let n = store
+                .add(&format!("{prefix}/join/taken"), 1)
+                .map_err(|e| store_err("taking a ticket", e))?;
+            let key = offer_key(prefix, n);
+            let left = deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1));
+            let got = match store.get(&key, left) {
+                Ok(v) => v,
+                Err(Error::Store(msg)) if bootstrap::is_wait_timeout(&msg) => {
+                    // Give the ticket up, unless the offer came meanwhile.
+                    let now = store
+                        .compare_set(&key, None, ABANDONED)
+                        .map_err(|e| store_err("giving the ticket up", e))?;
+                    if now == ABANDONED {
+                        return Err(Error::Store(format!(
+                            "{who}: join: no place was offered within {:?} (ticket {n}, key \
+                             '{key}'): no rank called Communicator::grow, or it wanted fewer new \
+                             ranks than came",
+                            cfg.timeout
+                        )));
+                    }
+                    now
+                }
+                Err(e) => return Err(store_err(&format!("waiting for offer '{key}'"), e)),
+            };
+            if got == CANCELLED {
+                tracing::debug!("{who}: offer {n} was withdrawn (its grow failed); next ticket");
+                continue;
+            }
+            let _ = store.delete(&key);
+            break Offer::decode(&got).ok_or_else(|| {
+                Error::Store(format!(
+                    "{who}: join: the offer under key '{key}' is not one: {:?}",
+                    String::from_utf8_lossy(&got)
+                ))
+            })?;
+        };
+        tracing::info!(rank = offer.rank, size = offer.size, comm = %offer.id, "{who}: joining");
+        let mut c = Self::init_inner(
+            offer.rank, offer.size, store, cfg, offer.id, store_host, None,
+        )?;
+        c.join_prefix = prefix.to_string();
+        Ok(c)
+    }
+
+    /// Rank 0 of a growing communicator: offers the places of ranks `size()..new_size` of `id`,
+    /// in order. Returns each offer's key and value.
+    fn offer_places(&self, id: &str, new_size: usize) -> Result<Vec<(String, Vec<u8>)>> {
+        let posted = format!("{}/join/posted", self.join_prefix);
+        let mut offered = Vec::with_capacity(new_size - self.size);
+        for rank in self.size..new_size {
+            let offer = Offer {
+                id: id.to_string(),
+                size: new_size,
+                rank,
+            }
+            .encode();
+            loop {
+                let store_err = |e: Error| {
+                    Error::Store(format!(
+                        "rank {}: grow: offering rank {rank}'s place: {e}",
+                        self.rank
+                    ))
+                };
+                let n = self.store.add(&posted, 1).map_err(store_err)?;
+                let key = offer_key(&self.join_prefix, n);
+                // A joining process that gave this number up wrote `abandoned`: next number.
+                if self
+                    .store
+                    .compare_set(&key, None, &offer)
+                    .map_err(store_err)?
+                    == offer
+                {
+                    offered.push((key, offer));
+                    break;
+                }
+            }
+        }
+        Ok(offered)
+    }
+
+    /// Publishes this rank's arguments `args` of call `k` of `op` (new communicator `id`) and
+    /// compares them with those of `ranks` (ranks of this communicator).
+    fn agree(
+        &self,
+        op: &str,
+        k: u64,
+        id: &str,
+        args: &str,
+        ranks: &[usize],
+        who_calls: &str,
+    ) -> Result<()> {
+        let key = |r: usize| format!("{id}/args/{r}");
+        self.store
+            .set(&key(self.rank), args.as_bytes())
+            .map_err(|e| {
+                Error::Store(format!(
+                    "rank {}: {op}: publishing its arguments: {e} (unless oxccl launch hosts \
+                     the store, it lives in rank 0's process and goes with it)",
+                    self.rank
+                ))
+            })?;
+        let deadline = Instant::now() + self.cfg.timeout;
+        for &r in ranks.iter().filter(|&&r| r != self.rank) {
+            let left = deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1));
+            let theirs = self.store.get(&key(r), left).map_err(|e| match e {
+                Error::Store(msg) if bootstrap::is_wait_timeout(&msg) => Error::Timeout {
+                    rank: self.rank,
+                    op: op.into(),
+                    timeout: self.cfg.timeout,
+                    detail: format!("rank {r} did not call {op} (lost too? {who_calls}): {msg}"),
+                },
+                Error::Store(msg) => Error::Store(format!(
+                    "rank {}: {op}: reading rank {r}'s arguments: {msg}",
+                    self.rank
+                )),
+                other => other,
+            })?;
+            if theirs != args.as_bytes() {
+                return Err(Error::Mismatch {
+                    rank: self.rank,
+                    peer: r,
+                    seq: k,
+                    local: format!("{op}({args})"),
+                    remote: format!("{op}({})", String::from_utf8_lossy(&theirs)),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn offers_round_trip_and_bad_ones_are_refused() {
+        let o = Offer {
+            id: "job/world0/grow1".into(),
+            size: 4,
+            rank: 3,
+        };
+        assert_eq!(Offer::decode(&o.encode()), Some(o));
+        for bad in [
+            &b"cancelled"[..],
+            b"abandoned",
+            b"id\n4",
+            b"id\n4\n4",
+            b"\n4\n3",
+            b"id\nx\n3",
+            b"id\n4\n3\nmore",
+            b"\xff\n4\n3",
+        ] {
+            assert_eq!(
+                Offer::decode(bad),
+                None,
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+    }
+}
