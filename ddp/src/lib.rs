@@ -62,6 +62,17 @@
 //! different place in each rank's sequence. `Ddp::new` checks that every rank has the same
 //! parameters and `DdpConfig`.
 
+//!
+//! # After a lost rank
+//!
+//! A rank that dies makes the step fail on the others with [`DdpError::Comm`] holding a
+//! `PeerLost` (`e.lost_peer()`), from `grad_ready`, `sync` or `finish`. The `Ddp` is then done
+//! with: drop it, shrink the lost rank away (`ddp.comm().shrink(&[lost])`, and `grow` back with a
+//! replacement if one comes), agree on the step to redo (e.g. rank 0's), and build a new `Ddp` on
+//! the new communicator. [`Ddp::new`] broadcasts rank 0's parameters, so a replacement starts
+//! with the same replica as everyone. `ddp/tests/elastic.rs` does this, on 3 ranks with one lost
+//! and, in a second test, a replacement joining.
+
 #![forbid(unsafe_code)]
 
 mod config;
