@@ -42,8 +42,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     // With OXCCL_JOIN=1 (a replacement `oxccl launch --respawn` started) this joins the
     // communicator the others grow.
     let comm = Communicator::from_env()?;
-    let replacement = std::env::var("OXCCL_JOIN").is_ok_and(|v| v.trim() == "1");
-    let outcome = if replacement {
+    let outcome = if comm.joined() {
         println!(
             "replacement: joined as rank {} of {}",
             comm.rank(),

@@ -286,12 +286,14 @@ fn keep_going_lets_the_other_ranks_finish() {
 #[test]
 fn respawn_replaces_failed_ranks_while_replacements_last() {
     let m = marker("respawn");
-    // Rank 1 fails at once; its replacement reports what it was given and succeeds.
-    let script = "if [ \"$OXCCL_RANK\" = 1 ] && [ -z \"$OXCCL_JOIN\" ]; then exit 3; fi; \
-                  sleep 1; echo finished $OXCCL_RANK join=${OXCCL_JOIN:-0} respawn=$OXCCL_RESPAWN";
+    // Rank 1 fails at once; its replacement reports what it was given and succeeds. The
+    // launcher's own OXCCL_JOIN=1 does not reach the other ranks.
+    let script = "if [ \"$OXCCL_RANK\" = 1 ] && [ \"$OXCCL_JOIN\" = 0 ]; then exit 3; fi; \
+                  sleep 1; echo finished $OXCCL_RANK join=$OXCCL_JOIN respawn=$OXCCL_RESPAWN";
     let (out, stdout, stderr, _) = run(oxccl(&m)
         .args(["launch", "-n", "3", "--respawn", "1", "--", "sh", "-c"])
-        .arg(script));
+        .arg(script)
+        .env("OXCCL_JOIN", "1"));
     assert_eq!(
         out.status.code(),
         Some(0),
@@ -337,6 +339,26 @@ fn respawn_replaces_failed_ranks_while_replacements_last() {
         stderr.contains("(replacement 2 of 2)")
             && !stderr.contains("(replacement 3")
             && stderr.contains("--respawn: no replacement left: the other local ranks go on"),
+        "{stderr}"
+    );
+    assert_no_survivors(&m);
+
+    // A lone rank that fails has nobody left to take a replacement in: none is started.
+    let (out, _, stderr, _) = run(oxccl(&m).args([
+        "launch",
+        "-n",
+        "1",
+        "--respawn",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        "exit 4",
+    ]));
+    assert_eq!(out.status.code(), Some(4), "{stderr}");
+    assert!(
+        stderr.contains("--respawn: no other local rank runs to take a replacement in")
+            && !stderr.contains("starting a replacement"),
         "{stderr}"
     );
     assert_no_survivors(&m);

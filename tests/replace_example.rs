@@ -74,8 +74,8 @@ fn rank_entry() {
         return;
     }
     let launched_as: usize = std::env::var("OXCCL_RANK").unwrap().parse().unwrap();
-    let joining = std::env::var("OXCCL_JOIN").is_ok_and(|v| v == "1");
     let comm = Communicator::from_env().expect("communicator from the environment");
+    let joining = comm.joined();
     let got = if joining {
         replace::joined(comm, 8)
     } else {

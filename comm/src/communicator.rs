@@ -41,6 +41,8 @@ pub struct Communicator {
     /// Store key prefix under which `grow` offers places to joining processes: the job id
     /// (`from_env`) or `oxccl` (`init`); children inherit it.
     pub(crate) join_prefix: String,
+    /// Made by joining a growing communicator ([`Communicator::join`]).
+    pub(crate) joined: bool,
     /// Reused working copy of out-of-place reduce-scatter inputs (8-byte aligned words), so a
     /// call does not allocate and fault in a fresh buffer every time.
     pub(crate) scratch: Arc<std::sync::Mutex<Vec<u64>>>,
@@ -386,11 +388,14 @@ impl Communicator {
         store_host: Option<IpAddr>,
         root: Option<(String, Vec<usize>)>,
     ) -> Result<Communicator> {
-        if size == 0 || rank >= size {
+        if size == 0 || rank >= size || size > crate::elastic::MAX_RANKS {
             return Err(Error::InvalidArgument {
                 rank,
                 op: "init".into(),
-                msg: format!("rank {rank} is not in 0..{size}"),
+                msg: format!(
+                    "rank {rank} is not in 0..{size}, or the size is above {}",
+                    crate::elastic::MAX_RANKS
+                ),
             });
         }
         cfg.check().map_err(|msg| Error::InvalidArgument {
@@ -596,6 +601,7 @@ impl Communicator {
             shrinks: AtomicU64::new(0),
             grows: AtomicU64::new(0),
             join_prefix: "oxccl".into(),
+            joined: false,
             scratch: Arc::new(std::sync::Mutex::new(Vec::new())),
             #[cfg(feature = "cuda")]
             cuda: std::sync::Mutex::new(None),
@@ -612,6 +618,13 @@ impl Communicator {
     /// Number of ranks.
     pub fn size(&self) -> usize {
         self.size
+    }
+
+    /// Whether this process came in by joining a growing communicator ([`Communicator::join`],
+    /// or [`Communicator::from_env`] with `OXCCL_JOIN=1`): it has none of the job's state yet,
+    /// and takes it from the ranks that grew (e.g. a broadcast from rank 0).
+    pub fn joined(&self) -> bool {
+        self.joined
     }
 
     /// Rank among the ranks on this node (same node id), in rank order.

@@ -8,18 +8,20 @@
 //! waiting for different communicators until their time-out.
 //!
 //! **Places for joining processes.** A joining process does not know its rank: the ranks that
-//! grow decide it. Rank 0 of a growing communicator offers one place per new rank under
-//! `<prefix>/join/offer/<n>`, numbering offers with the counter `<prefix>/join/posted`; a joining
-//! process takes a ticket `n` from the counter `<prefix>/join/taken` and waits for offer `n`. So
-//! the n-th joining process gets the n-th place offered, whichever comes first. Each offer key is
-//! settled by compare-and-set, once: by the offer (`<id>\n<size>\n<rank>`), by the joining
-//! process giving its ticket up after its time-out (`abandoned`; rank 0 then offers the place
-//! under the next number), or by rank 0 withdrawing an offer of a grow that failed (`cancelled`;
-//! the joining process then takes the next ticket). The prefix is the job id under a launcher
-//! ([`Communicator::from_env`]) and `oxccl` for [`Communicator::init`]; communicators made from
-//! one keep its prefix.
+//! grow decide it. Rank 0 of a growing communicator offers one place per new rank: it numbers
+//! each with the counter `<prefix>/join/posted` and writes `<id>\n<size>\n<rank>` under
+//! `<prefix>/join/offer/<n>`. A joining process reads the counter and claims the lowest open place
+//! by compare-and-set of `<prefix>/join/claim/<n>`, then runs the rendezvous as that rank; with
+//! no open place it looks again every [`POLL`] until its time-out. Nothing is held before a claim,
+//! so a joining process that dies before claiming blocks nobody (one that dies after claiming is a
+//! new rank lost during creation, and the grow fails with a time-out naming it). Rank 0 settles its
+//! offers once the grow is over: `done`, or `cancelled` when it failed; a process that claimed a
+//! cancelled place goes back to looking for another until its time-out. The prefix is the job id
+//! under a launcher ([`Communicator::from_env`]) and `oxccl` for [`Communicator::init`];
+//! communicators made from one keep its prefix, so their grows share one list of places: grow
+//! them one at a time, or the joining processes may take places in either.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -28,13 +30,21 @@ use crate::communicator::Communicator;
 use crate::config::Config;
 use crate::error::{Error, Result};
 
-/// What a joining process writes into an offer key it gives up on.
-const ABANDONED: &[u8] = b"abandoned";
-/// What rank 0 writes into an offer key of a grow that failed.
+/// What rank 0 writes over an offer of a grow that failed.
 const CANCELLED: &[u8] = b"cancelled";
+/// What rank 0 writes over an offer of a grow that succeeded.
+const DONE: &[u8] = b"done";
+/// How often a joining process without a place looks for one.
+pub(crate) const POLL: Duration = Duration::from_millis(20);
+/// The most ranks a communicator may have (creating, growing or joining a larger one is refused).
+pub(crate) const MAX_RANKS: usize = 1 << 20;
 
 fn offer_key(prefix: &str, n: i64) -> String {
     format!("{prefix}/join/offer/{n}")
+}
+
+fn claim_key(prefix: &str, n: i64) -> String {
+    format!("{prefix}/join/claim/{n}")
 }
 
 /// A place offered to a joining process: the communicator id, its size and the rank.
@@ -57,8 +67,8 @@ impl Offer {
         if it.next().is_some() || id.is_empty() {
             return None;
         }
-        let (size, rank) = (size.parse().ok()?, rank.parse().ok()?);
-        (rank < size).then(|| Offer {
+        let (size, rank): (usize, usize) = (size.parse().ok()?, rank.parse().ok()?);
+        (rank < size && size <= MAX_RANKS).then(|| Offer {
             id: id.to_string(),
             size,
             rank,
@@ -139,13 +149,20 @@ impl Communicator {
             "every rank not excluded must call it",
         )?;
         tracing::info!(rank = self.rank, size = kept.len(), exclude = %list, "shrink");
-        self.child(&kept, id)
+        let c = self.child(&kept, id)?;
+        if c.rank == 0 {
+            // Every rank agreed before it joined the rendezvous that just completed.
+            for &r in &kept {
+                let _ = self.store.delete(&format!("{}/args/{r}", c.id));
+            }
+        }
+        Ok(c)
     }
 
     /// Makes a communicator of this one's ranks and `new_size - size()` new ones, like NCCL's
-    /// `ncclCommGrow`: the ranks keep their numbers and the new ranks get `size()..new_size`, in
-    /// the order their processes call [`Communicator::join`] (or start from the environment with
-    /// `OXCCL_JOIN=1`). Used to bring a job back to its size after [`Communicator::shrink`], with
+    /// `ncclCommGrow`: the ranks keep their numbers and the new ranks get `size()..new_size`, one
+    /// per process that claims a place ([`Communicator::join`], or [`Communicator::from_env`]
+    /// with `OXCCL_JOIN=1`; see the module docs). Used to bring a job back to its size after [`Communicator::shrink`], with
     /// a process `oxccl launch --respawn` started in place of the lost one, or to add ranks.
     ///
     /// Every rank must call it with the same `new_size`; it returns once the joining processes
@@ -154,8 +171,8 @@ impl Communicator {
     /// every rank). This communicator stays as it is. Like `shrink`, it works on a communicator
     /// a failure broke, and the store must outlive lost ranks (see [`Communicator::shrink`]).
     ///
-    /// A joining process has none of the job's state: broadcast it from a rank that has it, as
-    /// at the start (examples/04_survive_a_lost_rank.rs does).
+    /// A joining process has none of the job's state ([`Communicator::joined`] tells it so):
+    /// broadcast it from a rank that has it (examples/04_survive_a_lost_rank.rs does).
     ///
     /// # Errors
     /// `InvalidArgument` when `new_size` is not larger than `size()`; `Mismatch` when another
@@ -164,12 +181,12 @@ impl Communicator {
     pub fn grow(&self, new_size: usize) -> Result<Communicator> {
         // Counted before anything can fail, so every call of every rank takes a number.
         let k = self.grows.fetch_add(1, Ordering::Relaxed);
-        if new_size <= self.size {
+        if new_size <= self.size || new_size > MAX_RANKS {
             return Err(self.invalid(
                 "grow",
                 format!(
                     "the new size {new_size} is not larger than this communicator's {} (shrink \
-                     removes ranks)",
+                     removes ranks), or above {MAX_RANKS}",
                     self.size
                 ),
             ));
@@ -184,11 +201,13 @@ impl Communicator {
             &all,
             "every rank must call it",
         )?;
-        let offered = if self.rank == 0 {
-            self.offer_places(&id, new_size)?
-        } else {
-            Vec::new()
-        };
+        let mut offered = Vec::new();
+        if self.rank == 0 {
+            if let Err(e) = self.offer_places(&id, new_size, &mut offered) {
+                self.settle(&offered, CANCELLED);
+                return Err(e);
+            }
+        }
         tracing::info!(rank = self.rank, from = self.size, to = new_size, "grow");
         let mut cfg = self.cfg.clone();
         cfg.node_id = Some(self.node_id.clone());
@@ -203,15 +222,20 @@ impl Communicator {
         );
         match made {
             Ok(mut c) => {
+                self.settle(&offered, DONE);
+                if self.rank == 0 {
+                    // Every rank agreed before it joined the rendezvous that just completed.
+                    for r in 0..self.size {
+                        let _ = self.store.delete(&format!("{}/args/{r}", c.id));
+                    }
+                }
                 c.join_prefix.clone_from(&self.join_prefix);
                 Ok(c)
             }
             Err(e) => {
-                // Withdraw the places nobody took, so a process joining later does not wait
-                // for a communicator that no longer forms.
-                for (key, offer) in offered {
-                    let _ = self.store.compare_set(&key, Some(&offer), CANCELLED);
-                }
+                // Withdraw the places, so a process joining later does not wait for a
+                // communicator that no longer forms, and one that claimed a place looks again.
+                self.settle(&offered, CANCELLED);
                 Err(match e {
                     Error::Timeout {
                         rank,
@@ -236,11 +260,15 @@ impl Communicator {
 
     /// Joins a communicator that is growing ([`Communicator::grow`]) as one of its new ranks,
     /// meeting it through `store`, with configuration from the environment. Waits up to the
-    /// time-out for a place; the rank and size are the communicator's (`rank()`, `size()`).
+    /// time-out for a place; the rank and size are the communicator's (`rank()`, `size()`), and
+    /// [`Communicator::joined`] is true. It finds the places of communicators made by
+    /// [`Communicator::init`] (and those made from them); a process of a job started by a
+    /// launcher joins through [`Communicator::from_env`] with `OXCCL_JOIN=1` instead.
     ///
     /// # Errors
-    /// `Store` when no place was offered within the time-out (no rank called `grow`, or it
-    /// wanted fewer ranks than came); errors of creating the communicator.
+    /// `Config` for a bad `OXCCL_*` variable; `Store` when no place was offered within the
+    /// time-out (no rank called `grow`, or it wanted fewer ranks than came); errors of creating
+    /// the communicator (`Timeout` with op `join` naming the grown communicator).
     pub fn join(store: Arc<dyn Store>) -> Result<Communicator> {
         Self::join_with_config(store, Config::from_env()?)
     }
@@ -274,87 +302,148 @@ impl Communicator {
             .map_err(|msg| Error::Config(format!("{who}: {msg}")))?;
         let store_err = |what: &str, e: Error| Error::Store(format!("{who}: join: {what}: {e}"));
         let deadline = Instant::now() + cfg.timeout;
-        let offer = loop {
-            let n = store
-                .add(&format!("{prefix}/join/taken"), 1)
-                .map_err(|e| store_err("taking a ticket", e))?;
-            let key = offer_key(prefix, n);
-            let left = deadline
-                .saturating_duration_since(Instant::now())
-                .max(Duration::from_millis(1));
-            let got = match store.get(&key, left) {
-                Ok(v) => v,
-                Err(Error::Store(msg)) if bootstrap::is_wait_timeout(&msg) => {
-                    // Give the ticket up, unless the offer came meanwhile.
-                    let now = store
-                        .compare_set(&key, None, ABANDONED)
-                        .map_err(|e| store_err("giving the ticket up", e))?;
-                    if now == ABANDONED {
-                        return Err(Error::Store(format!(
-                            "{who}: join: no place was offered within {:?} (ticket {n}, key \
-                             '{key}'): no rank called Communicator::grow, or it wanted fewer new \
-                             ranks than came",
-                            cfg.timeout
-                        )));
-                    }
-                    now
-                }
-                Err(e) => return Err(store_err(&format!("waiting for offer '{key}'"), e)),
+        static JOINS: AtomicU64 = AtomicU64::new(0);
+        let token = format!("{who} #{}", JOINS.fetch_add(1, Ordering::Relaxed)).into_bytes();
+        // Offers below `next` are settled, or claimed by another process, or were tried.
+        let mut next: i64 = 1;
+        loop {
+            let Some((n, offer)) = Self::claim_place(&*store, prefix, &token, &mut next, deadline)
+                .map_err(|e| store_err("looking for a place", e))?
+            else {
+                return Err(Error::Store(format!(
+                    "{who}: join: no place was offered within {:?} (store keys \
+                     '{prefix}/join/...'): no rank called Communicator::grow, or it wanted fewer \
+                     new ranks than came",
+                    cfg.timeout
+                )));
             };
-            if got == CANCELLED {
-                tracing::debug!("{who}: offer {n} was withdrawn (its grow failed); next ticket");
-                continue;
+            tracing::info!(rank = offer.rank, size = offer.size, comm = %offer.id, "{who}: joining");
+            let made = Self::init_inner(
+                offer.rank,
+                offer.size,
+                store.clone(),
+                cfg.clone(),
+                offer.id.clone(),
+                store_host,
+                None,
+            );
+            match made {
+                Ok(mut c) => {
+                    c.join_prefix = prefix.to_string();
+                    c.joined = true;
+                    return Ok(c);
+                }
+                Err(e) => {
+                    // The grow failed for everyone (rank 0 withdrew the place): look again.
+                    let key = offer_key(prefix, n);
+                    if Instant::now() < deadline
+                        && store.try_get(&key).ok().flatten().as_deref() == Some(CANCELLED)
+                    {
+                        tracing::info!(
+                            "{who}: the grow of {} failed ({e}); looking again",
+                            offer.id
+                        );
+                        continue;
+                    }
+                    return Err(match e {
+                        Error::Timeout {
+                            rank,
+                            timeout,
+                            detail,
+                            ..
+                        } => Error::Timeout {
+                            rank,
+                            op: "join".into(),
+                            timeout,
+                            detail: format!("{who}, rank {rank} of {}: {detail}", offer.id),
+                        },
+                        other => other,
+                    });
+                }
             }
-            let _ = store.delete(&key);
-            break Offer::decode(&got).ok_or_else(|| {
-                Error::Store(format!(
-                    "{who}: join: the offer under key '{key}' is not one: {:?}",
-                    String::from_utf8_lossy(&got)
-                ))
-            })?;
-        };
-        tracing::info!(rank = offer.rank, size = offer.size, comm = %offer.id, "{who}: joining");
-        let mut c = Self::init_inner(
-            offer.rank, offer.size, store, cfg, offer.id, store_host, None,
-        )?;
-        c.join_prefix = prefix.to_string();
-        Ok(c)
+        }
+    }
+
+    /// Claims the lowest open place under `prefix` from offer `next` on, looking every [`POLL`]
+    /// until `deadline`; `None` when none came. Advances `next` past the offers it saw settled,
+    /// claimed or tried.
+    fn claim_place(
+        store: &dyn Store,
+        prefix: &str,
+        token: &[u8],
+        next: &mut i64,
+        deadline: Instant,
+    ) -> Result<Option<(i64, Offer)>> {
+        let posted = format!("{prefix}/join/posted");
+        loop {
+            let last = store.add(&posted, 0)?;
+            while *next <= last {
+                let n = *next;
+                *next += 1;
+                // Rank 0 numbers an offer before it writes it: wait a little for the value.
+                let left = deadline
+                    .saturating_duration_since(Instant::now())
+                    .clamp(Duration::from_millis(1), Duration::from_secs(5));
+                let value = match store.get(&offer_key(prefix, n), left) {
+                    Ok(v) => v,
+                    Err(Error::Store(msg)) if bootstrap::is_wait_timeout(&msg) => continue,
+                    Err(e) => return Err(e),
+                };
+                let Some(offer) = Offer::decode(&value) else {
+                    continue; // settled (done, cancelled) or not an offer
+                };
+                if store.compare_set(&claim_key(prefix, n), None, token)? == token {
+                    return Ok(Some((n, offer)));
+                }
+            }
+            if Instant::now() >= deadline {
+                return Ok(None);
+            }
+            std::thread::sleep(POLL.min(deadline.saturating_duration_since(Instant::now())));
+        }
+    }
+
+    /// Rank 0 of a grow: writes `status` over its offers that still hold what it offered, and
+    /// removes their claims.
+    fn settle(&self, offered: &[(i64, Vec<u8>)], status: &[u8]) {
+        for (n, offer) in offered {
+            let key = offer_key(&self.join_prefix, *n);
+            if let Err(e) = self.store.compare_set(&key, Some(offer), status) {
+                tracing::debug!(rank = self.rank, "grow: settling offer {key}: {e}");
+            }
+            let _ = self.store.delete(&claim_key(&self.join_prefix, *n));
+        }
     }
 
     /// Rank 0 of a growing communicator: offers the places of ranks `size()..new_size` of `id`,
-    /// in order. Returns each offer's key and value.
-    fn offer_places(&self, id: &str, new_size: usize) -> Result<Vec<(String, Vec<u8>)>> {
+    /// in order, adding each offer's number and value to `offered` as it goes.
+    fn offer_places(
+        &self,
+        id: &str,
+        new_size: usize,
+        offered: &mut Vec<(i64, Vec<u8>)>,
+    ) -> Result<()> {
         let posted = format!("{}/join/posted", self.join_prefix);
-        let mut offered = Vec::with_capacity(new_size - self.size);
         for rank in self.size..new_size {
+            let store_err = |e: Error| {
+                Error::Store(format!(
+                    "rank {}: grow: offering rank {rank}'s place: {e}",
+                    self.rank
+                ))
+            };
             let offer = Offer {
                 id: id.to_string(),
                 size: new_size,
                 rank,
             }
             .encode();
-            loop {
-                let store_err = |e: Error| {
-                    Error::Store(format!(
-                        "rank {}: grow: offering rank {rank}'s place: {e}",
-                        self.rank
-                    ))
-                };
-                let n = self.store.add(&posted, 1).map_err(store_err)?;
-                let key = offer_key(&self.join_prefix, n);
-                // A joining process that gave this number up wrote `abandoned`: next number.
-                if self
-                    .store
-                    .compare_set(&key, None, &offer)
-                    .map_err(store_err)?
-                    == offer
-                {
-                    offered.push((key, offer));
-                    break;
-                }
-            }
+            let n = self.store.add(&posted, 1).map_err(store_err)?;
+            self.store
+                .set(&offer_key(&self.join_prefix, n), &offer)
+                .map_err(store_err)?;
+            offered.push((n, offer));
         }
-        Ok(offered)
+        Ok(())
     }
 
     /// Publishes this rank's arguments `args` of call `k` of `op` (new communicator `id`) and
@@ -424,7 +513,6 @@ mod tests {
         assert_eq!(Offer::decode(&o.encode()), Some(o));
         for bad in [
             &b"cancelled"[..],
-            b"abandoned",
             b"id\n4",
             b"id\n4\n4",
             b"\n4\n3",

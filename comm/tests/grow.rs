@@ -160,7 +160,7 @@ fn bad_and_mismatched_sizes_are_named() {
         1,
         |_| cfg(TransportChoice::Auto, 30),
         |c| {
-            for n in [0, 1, 2] {
+            for n in [0, 1, 2, 1 << 21, usize::MAX] {
                 match c.grow(n) {
                     Err(e @ Error::InvalidArgument { .. }) => {
                         let msg = e.to_string();
@@ -195,9 +195,9 @@ fn bad_and_mismatched_sizes_are_named() {
 
 /// A process joins while nobody grows: it gives up after its time-out with an error that says
 /// so. Then a grow whose second new rank never comes times out on every rank, naming the missing
-/// rank as a new one; the joiner that did come fails too. Neither leaves anything that disturbs
-/// the next grow: the given-up ticket and the withdrawn offer are skipped, and a later joiner
-/// gets the place.
+/// rank as a new one; the joiner that did come (it was waiting before the grow began) fails too.
+/// Neither leaves anything that disturbs the next grow: the withdrawn places are skipped, and a
+/// later joiner gets the new one.
 #[test]
 fn joiners_nobody_wanted_and_failed_grows_leave_nothing_behind() {
     let store: Arc<dyn Store> = Arc::new(MemStore::new());
@@ -211,6 +211,9 @@ fn joiners_nobody_wanted_and_failed_grows_leave_nothing_behind() {
 
     let (failed_tx, failed_rx) = std::sync::mpsc::channel::<()>();
     std::thread::scope(|s| {
+        // Waiting for a place before the grow starts: it claims the first one offered.
+        let (st, c) = (store.clone(), short.clone());
+        let first = s.spawn(move || Communicator::join_with_config(st, c).map(|_| ()));
         let old: Vec<_> = (0..2)
             .map(|rank| {
                 let (store, failed_tx) = (store.clone(), failed_tx.clone());
@@ -238,8 +241,6 @@ fn joiners_nobody_wanted_and_failed_grows_leave_nothing_behind() {
             })
             .collect();
         drop(failed_tx);
-        let (st, c) = (store.clone(), short.clone());
-        let first = s.spawn(move || Communicator::join_with_config(st, c).map(|_| ()));
         failed_rx.recv().expect("rank 0 reports its failed grow");
         assert!(
             first.join().unwrap().is_err(),
@@ -253,4 +254,18 @@ fn joiners_nobody_wanted_and_failed_grows_leave_nothing_behind() {
             h.join().unwrap().unwrap();
         }
     });
+}
+
+/// Sizes beyond what a communicator may have are refused by name, not by a failed allocation.
+#[test]
+fn absurd_sizes_are_refused() {
+    for size in [1 << 21, usize::MAX] {
+        let store: Arc<dyn Store> = Arc::new(MemStore::new());
+        match Communicator::init_with_config(0, size, store, Config::default()) {
+            Err(e @ Error::InvalidArgument { .. }) => {
+                assert!(e.to_string().contains("above 1048576"), "{e}");
+            }
+            other => panic!("size {size}: expected InvalidArgument, got {other:?}"),
+        }
+    }
 }

@@ -21,7 +21,7 @@
 //! | `OXCCL_RESTART_COUNT` | the attempt number, `0` for the first start, `1` after the first restart, ... |
 //! | `OXCCL_MAX_RESTARTS` | [`LaunchConfig::max_restarts`] |
 //! | `OXCCL_RESPAWN` | [`LaunchConfig::respawn`]: how many failed ranks this node's launcher replaces |
-//! | `OXCCL_JOIN` | `1` in a replacement for a failed rank only ([`LaunchConfig::respawn`]); its other variables are the failed rank's |
+//! | `OXCCL_JOIN` | `1` in a replacement for a failed rank ([`LaunchConfig::respawn`]; its other variables are the failed rank's), `0` in every other rank |
 //! | `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` | the torchrun equivalents, for programs that read those |
 //!
 //! The job id base is [`LaunchConfig::job_id`] if set, else `OXCCL_JOB_ID` from the launcher's
@@ -43,8 +43,8 @@
 //!
 //! | code | meaning |
 //! |---|---|
-//! | `0` | every rank exited with status 0 |
-//! | `c` (1..=255) | the first rank seen failing exited with code `c` (after `max_restarts` restarts; with `keep_going`, once every rank is done) |
+//! | `0` | every rank exited with status 0 (with `respawn`: every rank a replacement took over from aside) |
+//! | `c` (1..=255) | the first rank seen failing exited with code `c` (after `max_restarts` restarts; with `keep_going`, once every rank is done; with `respawn`, the first failure not replaced) |
 //! | `c` | another node reported the job's first failure with code `c` ([`JobEnd::NodeFailed`]); `1` when node 0's launcher was lost |
 //! | `128 + s` | the first rank seen failing was killed by signal `s` (e.g. 137 for SIGKILL) |
 //! | `128 + s` | the launcher itself received signal `s` (130 SIGINT, 143 SIGTERM, 129 SIGHUP) and forwarded it |
@@ -179,7 +179,9 @@ pub struct LaunchConfig {
     /// `OXCCL_JOIN=1`: `Communicator::from_env` then joins the communicator the survivors grow
     /// (`Communicator::grow`) instead of creating the world. Implies `keep_going`; not with
     /// `max_restarts`. Once they are spent, further failures are kept as with `keep_going`; a
-    /// failure that was replaced does not count in the exit code.
+    /// failure that was replaced does not count in the exit code. On a single node a failed rank
+    /// is only replaced while another local rank still runs (nobody is left to grow otherwise);
+    /// a replacement nobody grows for waits out its `OXCCL_TIMEOUT` and fails.
     pub respawn: u32,
     /// Prefix every forwarded output line with `[R] ` (default on; `--no-prefix` turns it off).
     pub prefix_output: bool,
@@ -1001,6 +1003,9 @@ fn rank_specs(
                 ("OXCCL_RESTART_COUNT", attempt.to_string()),
                 ("OXCCL_MAX_RESTARTS", cfg.max_restarts.to_string()),
                 ("OXCCL_RESPAWN", cfg.respawn.to_string()),
+                // A replacement gets "1" instead; "0" keeps a value from the launcher's own
+                // environment from making every rank join.
+                ("OXCCL_JOIN", "0".to_owned()),
                 ("RANK", rank.to_string()),
                 ("WORLD_SIZE", world.to_string()),
                 ("LOCAL_RANK", local.to_string()),

@@ -445,7 +445,8 @@ impl<'w> Job<'w> {
 
     /// `"all 4 local ranks"`, or `"the 3 local ranks started so far (of 8)"` while starting.
     fn started(&self) -> String {
-        let n = self.ranks.len();
+        // Replacements are not ranks of their own.
+        let n = self.ranks.len() - self.respawned as usize;
         if n < self.expected {
             format!("the {n} local ranks started so far (of {})", self.expected)
         } else {
@@ -499,21 +500,20 @@ impl<'w> Job<'w> {
         }
         // With --respawn, failed ranks are replaced while replacements are left.
         let mut first_failure = None;
+        let mut why_kept = "--keep-going";
         for f in failures {
-            if self.replace(&f).is_err() {
+            if let Err(why) = self.replace(&f) {
+                if first_failure.is_none() {
+                    why_kept = why;
+                }
                 first_failure.get_or_insert(f);
             }
         }
         if let (Some(f), true) = (&first_failure, ctx.keep_going) {
             if self.kept_failure.is_none() {
-                let why = if self.respawn.is_some() {
-                    "--respawn: no replacement left"
-                } else {
-                    "--keep-going"
-                };
                 note!(
-                    "{why}: the other local ranks go on (the launcher exits with rank {}'s code \
-                     once they are done)",
+                    "{why_kept}: the other local ranks go on (the launcher exits with rank {}'s \
+                     code once they are done)",
                     f.rank
                 );
                 self.kept_failure = Some(f.clone());
@@ -537,32 +537,43 @@ impl<'w> Job<'w> {
     }
 
     /// With `--respawn` and replacements left: starts one for the failed rank `f` (its
-    /// variables plus `OXCCL_JOIN=1`). `Err` when none was started (none left, or the start
-    /// failed), so the failure counts as before.
-    fn replace(&mut self, f: &RankFailure) -> Result<(), ()> {
+    /// variables plus `OXCCL_JOIN=1`). On a single node only while another local process still
+    /// runs: with nobody left to grow, a replacement would only wait out its time-out. `Err`
+    /// says why none was started; the failure then counts as with `--keep-going`.
+    fn replace(&mut self, f: &RankFailure) -> Result<(), &'static str> {
         let Some((cfg, specs)) = self.respawn.take() else {
-            return Err(());
+            return Err("--keep-going");
         };
+        let others_run = cfg.nnodes > 1 || self.ranks.iter().any(|r| r.status.is_none());
         let result = match specs.iter().find(|s| s.rank == f.rank) {
-            Some(spec) if self.respawned < cfg.respawn => {
-                self.respawned += 1;
+            _ if self.respawned >= cfg.respawn => Err("--respawn: no replacement left"),
+            _ if !others_run => Err("--respawn: no other local rank runs to take a replacement in"),
+            None => Err("--respawn: no spec for this rank"),
+            Some(spec) => {
                 let mut spec = spec.clone();
+                spec.env.retain(|(k, _)| *k != "OXCCL_JOIN");
                 spec.env.push(("OXCCL_JOIN", "1".to_owned()));
                 note!(
                     "--respawn: starting a replacement for rank {} (replacement {} of {}); it \
                      joins when the others grow their communicator",
                     f.rank,
-                    self.respawned,
+                    self.respawned + 1,
                     cfg.respawn
                 );
-                self.spawn_one(&cfg, spec).map_err(|e| {
-                    note!(
-                        "error: the replacement for rank {} did not start: {e}",
-                        f.rank
-                    );
-                })
+                match self.spawn_one(&cfg, spec) {
+                    Ok(()) => {
+                        self.respawned += 1;
+                        Ok(())
+                    }
+                    Err(e) => {
+                        note!(
+                            "error: the replacement for rank {} did not start: {e}",
+                            f.rank
+                        );
+                        Err("--respawn: the replacement did not start")
+                    }
+                }
             }
-            _ => Err(()),
         };
         self.respawn = Some((cfg, specs));
         result
