@@ -256,7 +256,8 @@ pub fn matches_reference(o: &Outcome) -> bool {
         .all(|(&got, &want)| (f64::from(got) - want).abs() <= 1e-4 * want.abs().max(1.0))
 }
 
-fn arg(name: &str) -> Option<usize> {
+/// The number after `name` on the command line.
+pub fn arg(name: &str) -> Option<usize> {
     let args: Vec<String> = std::env::args().collect();
     let i = args.iter().position(|a| a == name)?;
     args.get(i + 1)?.parse().ok()
@@ -267,19 +268,23 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let steps = arg("--steps").unwrap_or(8);
     let fail = arg("--fail-rank").map(|r| (r, arg("--fail-step").unwrap_or(3)));
     let comm = Communicator::from_env()?;
-    let me = comm.rank();
-    let crash = || {
-        eprintln!(
-            "rank {me}: exiting at step {} (simulated crash)",
-            fail.map_or(0, |f| f.1)
-        );
-        std::process::exit(3);
-    };
+    let crash = crash(comm.rank(), fail);
     let state = State::start(comm.size());
     if let Some(o) = train(comm, state, fail, steps, Recovery::Shrink, crash)? {
         report(steps, &o)?;
     }
     Ok(())
+}
+
+/// The simulated crash of rank `me`: exits with code 3.
+pub fn crash(me: usize, fail: Option<(usize, usize)>) -> impl FnOnce() {
+    move || {
+        eprintln!(
+            "rank {me}: exiting at step {} (simulated crash)",
+            fail.map_or(0, |f| f.1)
+        );
+        std::process::exit(3);
+    }
 }
 
 /// Prints how the run ended; an error if the weights do not match the recomputation.

@@ -27,13 +27,7 @@
 mod survive;
 
 use oxccl::comm::Communicator;
-pub use survive::{joined, matches_reference, train, Outcome, Recovery, State};
-
-fn arg(name: &str) -> Option<usize> {
-    let args: Vec<String> = std::env::args().collect();
-    let i = args.iter().position(|a| a == name)?;
-    args.get(i + 1)?.parse().ok()
-}
+pub use survive::{arg, crash, joined, matches_reference, train, Outcome, Recovery, State};
 
 #[allow(dead_code)]
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
@@ -50,15 +44,8 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         );
         joined(comm, steps)?
     } else {
-        let me = comm.rank();
+        let crash = crash(comm.rank(), fail);
         let state = State::start(comm.size());
-        let crash = move || {
-            eprintln!(
-                "rank {me}: exiting at step {} (simulated crash)",
-                fail.map_or(0, |f| f.1)
-            );
-            std::process::exit(3);
-        };
         train(comm, state, fail, steps, Recovery::Replace, crash)?
     };
     if let Some(o) = outcome {

@@ -15,17 +15,8 @@ use std::process::Command;
 use oxccl::comm::harness::spawn_world_and_joiners;
 use oxccl::comm::{Communicator, Config};
 
-/// Whether `history` is that of 8 steps where member 2 of 4 was lost at step 3 and replaced by
-/// member 4. Member 2 stops at the start of step 3, but it may have finished step 2's
-/// all-reduce while the others still wait for its last data (in a socket it closes): they then
-/// lose it in step 2 and redo that step with the replacement.
 fn expected_history(history: &[Vec<usize>]) -> bool {
-    let lost_at = history.iter().position(|m| m != &[0, 1, 2, 3]);
-    history.len() == 8
-        && matches!(lost_at, Some(2 | 3))
-        && history[lost_at.unwrap_or(0)..]
-            .iter()
-            .all(|m| m == &[0, 1, 3, 4])
+    common::lost_member_2_at_step_3(history, &[0, 1, 3, 4])
 }
 
 fn check(outcome: &replace::Outcome, first: &replace::Outcome) {

@@ -14,16 +14,8 @@ use std::process::Command;
 use oxccl::comm::harness::{spawn_world, spawn_world_on_nodes};
 use oxccl::comm::{Communicator, Config};
 
-/// Whether `history` is that of 8 steps where rank 2 of 4 left at step 3. A rank that exits
-/// (processes) may have finished step 2's all-reduce while the others still wait for its last
-/// data, in a socket it closes: they then lose it in step 2 and redo that step without it.
 fn expected_history(history: &[Vec<usize>]) -> bool {
-    let lost_at = history.iter().position(|m| m != &[0, 1, 2, 3]);
-    history.len() == 8
-        && matches!(lost_at, Some(2 | 3))
-        && history[lost_at.unwrap_or(0)..]
-            .iter()
-            .all(|m| m == &[0, 1, 3])
+    common::lost_member_2_at_step_3(history, &[0, 1, 3])
 }
 
 /// Rank 2 of 4 leaves at step 3 of 8; checks the survivors' histories and weights.

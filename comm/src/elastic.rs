@@ -76,6 +76,25 @@ impl Offer {
     }
 }
 
+/// A `Timeout` of creating a communicator, as one of `op`, with its detail rewritten by `detail`
+/// (given the rank and the old detail); other errors as they are.
+fn retitle_timeout(e: Error, op: &str, detail: impl FnOnce(usize, &str) -> String) -> Error {
+    match e {
+        Error::Timeout {
+            rank,
+            timeout,
+            detail: old,
+            ..
+        } => Error::Timeout {
+            rank,
+            op: op.into(),
+            timeout,
+            detail: detail(rank, &old),
+        },
+        other => other,
+    }
+}
+
 impl Communicator {
     /// Makes a communicator of this one's ranks without `exclude`, like NCCL's `ncclCommShrink`:
     /// the ranks a `PeerLost` named (dead processes), or ranks that leave. It does not use this
@@ -236,24 +255,13 @@ impl Communicator {
                 // Withdraw the places, so a process joining later does not wait for a
                 // communicator that no longer forms, and one that claimed a place looks again.
                 self.settle(&offered, CANCELLED);
-                Err(match e {
-                    Error::Timeout {
-                        rank,
-                        timeout,
-                        detail,
-                        ..
-                    } => Error::Timeout {
-                        rank,
-                        op: "grow".into(),
-                        timeout,
-                        detail: format!(
-                            "{detail}; ranks {}..{new_size} are new: each needs a process that \
-                             calls Communicator::join (or starts with OXCCL_JOIN=1)",
-                            self.size
-                        ),
-                    },
-                    other => other,
-                })
+                Err(retitle_timeout(e, "grow", |_, detail| {
+                    format!(
+                        "{detail}; ranks {}..{new_size} are new: each needs a process that \
+                         calls Communicator::join (or starts with OXCCL_JOIN=1)",
+                        self.size
+                    )
+                }))
             }
         }
     }
@@ -345,20 +353,9 @@ impl Communicator {
                         );
                         continue;
                     }
-                    return Err(match e {
-                        Error::Timeout {
-                            rank,
-                            timeout,
-                            detail,
-                            ..
-                        } => Error::Timeout {
-                            rank,
-                            op: "join".into(),
-                            timeout,
-                            detail: format!("{who}, rank {rank} of {}: {detail}", offer.id),
-                        },
-                        other => other,
-                    });
+                    return Err(retitle_timeout(e, "join", |rank, detail| {
+                        format!("{who}, rank {rank} of {}: {detail}", offer.id)
+                    }));
                 }
             }
         }

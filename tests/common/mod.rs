@@ -348,3 +348,15 @@ pub fn show(out: &Output) -> String {
         String::from_utf8_lossy(&out.stderr)
     )
 }
+
+/// Whether `history` (the members of each step) is that of 8 steps of examples 04 and 05 where
+/// member 2 of 4 stopped at step 3, and the steps from the loss on ran on `after`. Member 2 stops
+/// at the start of step 3, but it may have finished step 2's all-reduce while the others still
+/// wait for its last data (in a socket it closes): they then lose it in step 2 and redo that
+/// step.
+pub fn lost_member_2_at_step_3(history: &[Vec<usize>], after: &[usize]) -> bool {
+    let lost_at = history.iter().position(|m| m != &[0, 1, 2, 3]);
+    history.len() == 8
+        && matches!(lost_at, Some(2 | 3))
+        && history[lost_at.unwrap_or(0)..].iter().all(|m| m == after)
+}
