@@ -15,11 +15,12 @@
 //! no open place it looks again every [`POLL`] until its time-out. Nothing is held before a claim,
 //! so a joining process that dies before claiming blocks nobody (one that dies after claiming is a
 //! new rank lost during creation, and the grow fails with a time-out naming it). Rank 0 settles its
-//! offers once the grow is over: `done`, or `cancelled` when it failed; a process that claimed a
-//! cancelled place goes back to looking for another until its time-out. The prefix is the job id
-//! under a launcher ([`Communicator::from_env`]) and `oxccl` for [`Communicator::init`];
-//! communicators made from one keep its prefix, so their grows share one list of places: grow
-//! them one at a time, or the joining processes may take places in either.
+//! offers once the grow is over: `done`, or `cancelled` when it failed (a process that claimed a
+//! place of a failed grow fails too; `oxccl launch --respawn` then starts another while it has
+//! replacements left). Before it offers, rank 0 withdraws open places of earlier grows that nobody
+//! claimed (left by a rank 0 that died mid-grow). The prefix is the job id under a launcher
+//! ([`Communicator::from_env`]) and `oxccl` for [`Communicator::init`]; communicators made from
+//! one keep its prefix, so their grows share one list of places: grow them one at a time.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -194,7 +195,8 @@ impl Communicator {
     /// broadcast it from a rank that has it (examples/04_survive_a_lost_rank.rs does).
     ///
     /// # Errors
-    /// `InvalidArgument` when `new_size` is not larger than `size()`; `Mismatch` when another
+    /// `InvalidArgument` when `new_size` is not larger than `size()` or above 2^20; `Mismatch`
+    /// when another
     /// rank passed a different size; `Timeout` naming a rank that did not call `grow`, or a new
     /// rank whose process did not join in time; errors of creating the new communicator.
     pub fn grow(&self, new_size: usize) -> Result<Communicator> {
@@ -268,7 +270,8 @@ impl Communicator {
 
     /// Joins a communicator that is growing ([`Communicator::grow`]) as one of its new ranks,
     /// meeting it through `store`, with configuration from the environment. Waits up to the
-    /// time-out for a place; the rank and size are the communicator's (`rank()`, `size()`), and
+    /// time-out for a place, then up to the time-out again for the communicator to form; the
+    /// rank and size are the communicator's (`rank()`, `size()`), and
     /// [`Communicator::joined`] is true. It finds the places of communicators made by
     /// [`Communicator::init`] (and those made from them); a process of a job started by a
     /// launcher joins through [`Communicator::from_env`] with `OXCCL_JOIN=1` instead.
@@ -310,89 +313,99 @@ impl Communicator {
             .map_err(|msg| Error::Config(format!("{who}: {msg}")))?;
         let store_err = |what: &str, e: Error| Error::Store(format!("{who}: join: {what}: {e}"));
         let deadline = Instant::now() + cfg.timeout;
+        // Unique across processes, hosts and calls: whoever reads it back from a claim key won.
         static JOINS: AtomicU64 = AtomicU64::new(0);
-        let token = format!("{who} #{}", JOINS.fetch_add(1, Ordering::Relaxed)).into_bytes();
-        // Offers below `next` are settled, or claimed by another process, or were tried.
-        let mut next: i64 = 1;
-        loop {
-            let Some((n, offer)) = Self::claim_place(&*store, prefix, &token, &mut next, deadline)
-                .map_err(|e| store_err("looking for a place", e))?
-            else {
-                return Err(Error::Store(format!(
-                    "{who}: join: no place was offered within {:?} (store keys \
-                     '{prefix}/join/...'): no rank called Communicator::grow, or it wanted fewer \
-                     new ranks than came",
-                    cfg.timeout
-                )));
-            };
-            tracing::info!(rank = offer.rank, size = offer.size, comm = %offer.id, "{who}: joining");
-            let made = Self::init_inner(
-                offer.rank,
-                offer.size,
-                store.clone(),
-                cfg.clone(),
-                offer.id.clone(),
-                store_host,
-                None,
-            );
-            match made {
-                Ok(mut c) => {
-                    c.join_prefix = prefix.to_string();
-                    c.joined = true;
-                    return Ok(c);
-                }
-                Err(e) => {
-                    // The grow failed for everyone (rank 0 withdrew the place): look again.
-                    let key = offer_key(prefix, n);
-                    if Instant::now() < deadline
-                        && store.try_get(&key).ok().flatten().as_deref() == Some(CANCELLED)
-                    {
-                        tracing::info!(
-                            "{who}: the grow of {} failed ({e}); looking again",
-                            offer.id
-                        );
-                        continue;
-                    }
-                    return Err(retitle_timeout(e, "join", |rank, detail| {
-                        format!("{who}, rank {rank} of {}: {detail}", offer.id)
-                    }));
-                }
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let token = format!(
+            "{who} on {} #{} at {nanos}",
+            gethostname::gethostname().to_string_lossy(),
+            JOINS.fetch_add(1, Ordering::Relaxed)
+        )
+        .into_bytes();
+        let Some((n, offer)) = Self::claim_place(&*store, prefix, &token, deadline)
+            .map_err(|e| store_err("looking for a place", e))?
+        else {
+            return Err(Error::Store(format!(
+                "{who}: join: no place was offered within {:?} (store keys '{prefix}/join/...'): \
+                 no rank called Communicator::grow, or it wanted fewer new ranks than came",
+                cfg.timeout
+            )));
+        };
+        tracing::info!(rank = offer.rank, size = offer.size, comm = %offer.id, "{who}: joining");
+        let made = Self::init_inner(
+            offer.rank,
+            offer.size,
+            store.clone(),
+            cfg,
+            offer.id.clone(),
+            store_host,
+            None,
+        );
+        match made {
+            Ok(mut c) => {
+                c.join_prefix = prefix.to_string();
+                c.joined = true;
+                Ok(c)
+            }
+            Err(e) => {
+                let withdrawn = store
+                    .try_get(&offer_key(prefix, n))
+                    .ok()
+                    .flatten()
+                    .as_deref()
+                    == Some(CANCELLED);
+                Err(retitle_timeout(e, "join", |rank, detail| {
+                    format!(
+                        "{who}, rank {rank} of {}{}: {detail}",
+                        offer.id,
+                        if withdrawn {
+                            " (the grow failed: rank 0 withdrew the place)"
+                        } else {
+                            ""
+                        }
+                    )
+                }))
             }
         }
     }
 
-    /// Claims the lowest open place under `prefix` from offer `next` on, looking every [`POLL`]
-    /// until `deadline`; `None` when none came. Advances `next` past the offers it saw settled,
-    /// claimed or tried.
+    /// Claims the lowest open place under `prefix`, looking every [`POLL`] until `deadline`;
+    /// `None` when none came. Numbers whose offer is not written yet are looked at again.
     fn claim_place(
         store: &dyn Store,
         prefix: &str,
         token: &[u8],
-        next: &mut i64,
         deadline: Instant,
     ) -> Result<Option<(i64, Offer)>> {
         let posted = format!("{prefix}/join/posted");
+        // Numbers below `next` were seen; `pending` ones had no value yet (rank 0 numbers an
+        // offer before it writes it).
+        let mut next: i64 = 1;
+        let mut pending: Vec<i64> = Vec::new();
         loop {
             let last = store.add(&posted, 0)?;
-            while *next <= last {
-                let n = *next;
-                *next += 1;
-                // Rank 0 numbers an offer before it writes it: wait a little for the value.
-                let left = deadline
-                    .saturating_duration_since(Instant::now())
-                    .clamp(Duration::from_millis(1), Duration::from_secs(5));
-                let value = match store.get(&offer_key(prefix, n), left) {
-                    Ok(v) => v,
-                    Err(Error::Store(msg)) if bootstrap::is_wait_timeout(&msg) => continue,
-                    Err(e) => return Err(e),
+            pending.extend(next..=last);
+            next = next.max(last + 1);
+            let mut still = Vec::new();
+            for n in std::mem::take(&mut pending) {
+                let Some(value) = store.try_get(&offer_key(prefix, n))? else {
+                    still.push(n);
+                    continue;
                 };
                 let Some(offer) = Offer::decode(&value) else {
                     continue; // settled (done, cancelled) or not an offer
                 };
                 if store.compare_set(&claim_key(prefix, n), None, token)? == token {
-                    return Ok(Some((n, offer)));
+                    // Rank 0 settles an offer before it removes the claim, so a claim won after
+                    // the grow was over finds the offer settled here.
+                    if store.try_get(&offer_key(prefix, n))?.as_deref() == Some(&value[..]) {
+                        return Ok(Some((n, offer)));
+                    }
                 }
             }
+            pending = still;
             if Instant::now() >= deadline {
                 return Ok(None);
             }
@@ -400,16 +413,49 @@ impl Communicator {
         }
     }
 
-    /// Rank 0 of a grow: writes `status` over its offers that still hold what it offered, and
-    /// removes their claims.
+    /// Rank 0 of a grow: writes `status` over its offers (over what it offered, or where the
+    /// value was never written), and removes their claims.
     fn settle(&self, offered: &[(i64, Vec<u8>)], status: &[u8]) {
         for (n, offer) in offered {
             let key = offer_key(&self.join_prefix, *n);
-            if let Err(e) = self.store.compare_set(&key, Some(offer), status) {
-                tracing::debug!(rank = self.rank, "grow: settling offer {key}: {e}");
+            let settled = self
+                .store
+                .compare_set(&key, None, status)
+                .and_then(|_| self.store.compare_set(&key, Some(offer), status));
+            match settled {
+                // Only once the offer is settled: a claim made after that must find it so.
+                Ok(_) => {
+                    let _ = self.store.delete(&claim_key(&self.join_prefix, *n));
+                }
+                Err(e) => tracing::debug!(rank = self.rank, "grow: settling offer {key}: {e}"),
             }
-            let _ = self.store.delete(&claim_key(&self.join_prefix, *n));
         }
+    }
+
+    /// Rank 0 of a grow: withdraws the open places of earlier grows under this prefix that
+    /// nobody claimed (their rank 0 died before settling them), so joining processes do not
+    /// take them instead of this grow's.
+    fn withdraw_stale_offers(&self) -> Result<()> {
+        let prefix = &self.join_prefix;
+        let last = self.store.add(&format!("{prefix}/join/posted"), 0)?;
+        for n in 1..=last {
+            let key = offer_key(prefix, n);
+            let Some(value) = self.store.try_get(&key)? else {
+                let _ = self.store.compare_set(&key, None, CANCELLED)?;
+                continue;
+            };
+            if Offer::decode(&value).is_none() {
+                continue;
+            }
+            // Claim it ourselves: a process that claimed it first keeps it (it is joining a
+            // communicator that may still form).
+            let mine = format!("rank 0 of a grow, withdrawing stale offer {n}").into_bytes();
+            if self.store.compare_set(&claim_key(prefix, n), None, &mine)? == mine {
+                self.store.compare_set(&key, Some(&value), CANCELLED)?;
+                tracing::info!(rank = self.rank, "grow: withdrew stale offer {key}");
+            }
+        }
+        Ok(())
     }
 
     /// Rank 0 of a growing communicator: offers the places of ranks `size()..new_size` of `id`,
@@ -420,6 +466,12 @@ impl Communicator {
         new_size: usize,
         offered: &mut Vec<(i64, Vec<u8>)>,
     ) -> Result<()> {
+        self.withdraw_stale_offers().map_err(|e| {
+            Error::Store(format!(
+                "rank {}: grow: withdrawing stale offers: {e}",
+                self.rank
+            ))
+        })?;
         let posted = format!("{}/join/posted", self.join_prefix);
         for rank in self.size..new_size {
             let store_err = |e: Error| {
@@ -435,10 +487,10 @@ impl Communicator {
             }
             .encode();
             let n = self.store.add(&posted, 1).map_err(store_err)?;
+            offered.push((n, offer.clone()));
             self.store
                 .set(&offer_key(&self.join_prefix, n), &offer)
                 .map_err(store_err)?;
-            offered.push((n, offer));
         }
         Ok(())
     }

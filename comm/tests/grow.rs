@@ -269,3 +269,53 @@ fn absurd_sizes_are_refused() {
         }
     }
 }
+
+/// What a rank 0 that died in the middle of a grow leaves in the store (an open place nobody
+/// will settle, and a number it took but never wrote an offer under) does not catch a process
+/// that joins once the next grow has offered its place: that grow withdrew the dead one's place
+/// first, and the joining process does not wait on the missing number. (A process already
+/// waiting when the dead grow's place was open may take it, and fails after its time-out.)
+#[test]
+fn places_left_by_a_dead_grow_are_withdrawn() {
+    let results = spawn_world_and_joiners_with_leftovers();
+    for (i, r) in results.into_iter().enumerate() {
+        r.unwrap_or_else(|e| panic!("thread {i}: {e}"));
+    }
+}
+
+fn spawn_world_and_joiners_with_leftovers() -> Vec<Result<()>> {
+    let store: Arc<dyn Store> = Arc::new(MemStore::new());
+    // A dead grow's leftovers under the prefix of `init` communicators.
+    store.add("oxccl/join/posted", 2).unwrap();
+    store
+        .set("oxccl/join/offer/1", b"oxccl/world9/grow0\n3\n2")
+        .unwrap();
+    std::thread::scope(|s| {
+        let mut handles = Vec::new();
+        // The joining process comes once the grow has offered its place (number 3).
+        let st = store.clone();
+        handles.push(s.spawn(move || -> Result<()> {
+            let t0 = std::time::Instant::now();
+            while st.try_get("oxccl/join/offer/3")?.is_none() {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(30),
+                    "the grow never offered"
+                );
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let c = Communicator::join_with_config(st, cfg(TransportChoice::Auto, 30))?;
+            assert_eq!((c.rank(), c.size()), (2, 3));
+            check_works(&c, 5, &[0, 1, 5])
+        }));
+        for rank in 0..2 {
+            let st = store.clone();
+            handles.push(s.spawn(move || -> Result<()> {
+                let c =
+                    Communicator::init_with_config(rank, 2, st, cfg(TransportChoice::Auto, 30))?;
+                let big = c.grow(3)?;
+                check_works(&big, rank as u64, &[0, 1, 5])
+            }));
+        }
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}

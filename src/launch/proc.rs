@@ -560,9 +560,16 @@ impl<'w> Job<'w> {
                     self.respawned + 1,
                     cfg.respawn
                 );
-                match self.spawn_one(&cfg, spec) {
-                    Ok(()) => {
-                        self.respawned += 1;
+                let before = self.ranks.len();
+                let started = self.spawn_one(&cfg, spec);
+                // A process that started counts, even if forwarding its output failed after.
+                if self.ranks.len() > before {
+                    self.respawned += 1;
+                }
+                match started {
+                    Ok(()) => Ok(()),
+                    Err(e) if self.ranks.len() > before => {
+                        note!("error: the replacement for rank {} runs, but: {e}", f.rank);
                         Ok(())
                     }
                     Err(e) => {
