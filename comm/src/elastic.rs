@@ -12,7 +12,8 @@
 //! each with the counter `<prefix>/join/posted` and writes `<id>\n<size>\n<rank>` under
 //! `<prefix>/join/offer/<n>`. A joining process reads the counter and claims the lowest open place
 //! by compare-and-set of `<prefix>/join/claim/<n>`, then runs the rendezvous as that rank; with
-//! no open place it looks again every [`POLL`] until its time-out. Nothing is held before a claim,
+//! no open place it waits for the next offer to be written (looking at every number again at
+//! least every [`POLL`]) until its time-out. Nothing is held before a claim,
 //! so a joining process that dies before claiming blocks nobody (one that dies after claiming is a
 //! new rank lost during creation, and the grow fails with a time-out naming it). Rank 0 settles its
 //! offers once the grow is over: `done`, or `cancelled` when it failed (a process that claimed a
@@ -35,8 +36,9 @@ use crate::error::{Error, Result};
 const CANCELLED: &[u8] = b"cancelled";
 /// What rank 0 writes over an offer of a grow that succeeded.
 const DONE: &[u8] = b"done";
-/// How often a joining process without a place looks for one.
-pub(crate) const POLL: Duration = Duration::from_millis(20);
+/// The longest a joining process without a place waits for the next offer before it looks at
+/// every open number again.
+pub(crate) const POLL: Duration = Duration::from_secs(1);
 /// The most ranks a communicator may have (creating, growing or joining a larger one is refused).
 pub(crate) const MAX_RANKS: usize = 1 << 20;
 
@@ -371,8 +373,8 @@ impl Communicator {
         }
     }
 
-    /// Claims the lowest open place under `prefix`, looking every [`POLL`] until `deadline`;
-    /// `None` when none came. Numbers whose offer is not written yet are looked at again.
+    /// Claims the lowest open place under `prefix`, waiting for offers until `deadline`; `None`
+    /// when none came. Numbers whose offer is not written yet are looked at again.
     fn claim_place(
         store: &dyn Store,
         prefix: &str,
@@ -406,10 +408,17 @@ impl Communicator {
                 }
             }
             pending = still;
-            if Instant::now() >= deadline {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
                 return Ok(None);
             }
-            std::thread::sleep(POLL.min(deadline.saturating_duration_since(Instant::now())));
+            // Wake as soon as the next offer is written; look at everything again at least
+            // every POLL (numbers taken but not written yet, several offers at once).
+            match store.get(&offer_key(prefix, next), POLL.min(left)) {
+                Ok(_) => {}
+                Err(Error::Store(msg)) if bootstrap::is_wait_timeout(&msg) => {}
+                Err(e) => return Err(e),
+            }
         }
     }
 
