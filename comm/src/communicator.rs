@@ -2,9 +2,9 @@
 //!
 //! Created from launcher variables ([`Communicator::from_env`]), explicitly
 //! ([`Communicator::init`]), by splitting another one ([`Communicator::split`]), or by changing
-//! another one's ranks ([`Communicator::shrink`], [`Communicator::grow`], in `elastic.rs`). Creating one is
-//! collective: every rank publishes its address in the store, reads everyone else's, and opens its
-//! connections. The collectives themselves are in `collectives.rs`.
+//! another one's ranks ([`Communicator::shrink`], [`Communicator::grow`], in `elastic.rs`).
+//! Creating one is collective: every rank publishes its address in the store, reads everyone
+//! else's, and opens its connections. The collectives themselves are in `collectives.rs`.
 
 use std::net::{IpAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -696,21 +696,33 @@ impl Communicator {
     /// rank among them) through the store: this one's configuration, node id and stall lineage.
     pub(crate) fn child(&self, members: &[usize], id: String) -> Result<Communicator> {
         let new_rank = members.iter().position(|&r| r == self.rank).unwrap_or(0);
+        let lineage = self.shared.stalls.lineage(members);
+        self.derive(new_rank, members.len(), id, Some(lineage))
+    }
+
+    /// Makes the communicator `id` of `size` ranks, this process being `rank`, through the store,
+    /// with this one's configuration, node id and join prefix; `lineage` is its stall root and
+    /// root ranks (`None`: a root of its own).
+    pub(crate) fn derive(
+        &self,
+        rank: usize,
+        size: usize,
+        id: String,
+        lineage: Option<(String, Vec<usize>)>,
+    ) -> Result<Communicator> {
         let mut cfg = self.cfg.clone();
         cfg.node_id = Some(self.node_id.clone());
-        Self::init_inner(
-            new_rank,
-            members.len(),
+        let mut c = Self::init_inner(
+            rank,
+            size,
             self.store.clone(),
             cfg,
             id,
             self.store_host,
-            Some(self.shared.stalls.lineage(members)),
-        )
-        .map(|mut c| {
-            c.join_prefix.clone_from(&self.join_prefix);
-            c
-        })
+            lineage,
+        )?;
+        c.join_prefix.clone_from(&self.join_prefix);
+        Ok(c)
     }
 
     /// Fails the operation in progress and every later one with `Aborted`, and tells the peers

@@ -172,20 +172,16 @@ impl Communicator {
         )?;
         tracing::info!(rank = self.rank, size = kept.len(), exclude = %list, "shrink");
         let c = self.child(&kept, id)?;
-        if c.rank == 0 {
-            // Every rank agreed before it joined the rendezvous that just completed.
-            for &r in &kept {
-                let _ = self.store.delete(&format!("{}/args/{r}", c.id));
-            }
-        }
+        self.forget_args(&c, &kept);
         Ok(c)
     }
 
     /// Makes a communicator of this one's ranks and `new_size - size()` new ones, like NCCL's
     /// `ncclCommGrow`: the ranks keep their numbers and the new ranks get `size()..new_size`, one
     /// per process that claims a place ([`Communicator::join`], or [`Communicator::from_env`]
-    /// with `OXCCL_JOIN=1`; see the module docs). Used to bring a job back to its size after [`Communicator::shrink`], with
-    /// a process `oxccl launch --respawn` started in place of the lost one, or to add ranks.
+    /// with `OXCCL_JOIN=1`; see the module docs). Used to bring a job back to its size after
+    /// [`Communicator::shrink`], with a process `oxccl launch --respawn` started in place of the
+    /// lost one, or to add ranks.
     ///
     /// Every rank must call it with the same `new_size`; it returns once the joining processes
     /// have come and every connection is made, or fails after the time-out (`OXCCL_TIMEOUT`)
@@ -198,9 +194,9 @@ impl Communicator {
     ///
     /// # Errors
     /// `InvalidArgument` when `new_size` is not larger than `size()` or above 2^20; `Mismatch`
-    /// when another
-    /// rank passed a different size; `Timeout` naming a rank that did not call `grow`, or a new
-    /// rank whose process did not join in time; errors of creating the new communicator.
+    /// when another rank passed a different size; `Timeout` naming a rank that did not call
+    /// `grow`, or a new rank whose process did not join in time; errors of creating the new
+    /// communicator.
     pub fn grow(&self, new_size: usize) -> Result<Communicator> {
         // Counted before anything can fail, so every call of every rank takes a number.
         let k = self.grows.fetch_add(1, Ordering::Relaxed);
@@ -232,32 +228,16 @@ impl Communicator {
             }
         }
         tracing::info!(rank = self.rank, from = self.size, to = new_size, "grow");
-        let mut cfg = self.cfg.clone();
-        cfg.node_id = Some(self.node_id.clone());
-        let made = Self::init_inner(
-            self.rank,
-            new_size,
-            self.store.clone(),
-            cfg,
-            id,
-            self.store_host,
-            None,
-        );
-        match made {
-            Ok(mut c) => {
+        // A root of its own for stall reports: its new ranks have no place in the old root.
+        match self.derive(self.rank, new_size, id, None) {
+            Ok(c) => {
                 self.settle(&offered, DONE);
-                if self.rank == 0 {
-                    // Every rank agreed before it joined the rendezvous that just completed.
-                    for r in 0..self.size {
-                        let _ = self.store.delete(&format!("{}/args/{r}", c.id));
-                    }
-                }
-                c.join_prefix.clone_from(&self.join_prefix);
+                self.forget_args(&c, &all);
                 Ok(c)
             }
             Err(e) => {
                 // Withdraw the places, so a process joining later does not wait for a
-                // communicator that no longer forms, and one that claimed a place looks again.
+                // communicator that no longer forms.
                 self.settle(&offered, CANCELLED);
                 Err(retitle_timeout(e, "grow", |_, detail| {
                     format!(
@@ -502,6 +482,16 @@ impl Communicator {
                 .map_err(store_err)?;
         }
         Ok(())
+    }
+
+    /// Rank 0 of the new communicator `c` removes the argument keys of `ranks` (ranks of this
+    /// one): every rank compared them before it joined the rendezvous that made `c`.
+    fn forget_args(&self, c: &Communicator, ranks: &[usize]) {
+        if c.rank == 0 {
+            for &r in ranks {
+                let _ = self.store.delete(&format!("{}/args/{r}", c.id));
+            }
+        }
     }
 
     /// Publishes this rank's arguments `args` of call `k` of `op` (new communicator `id`) and

@@ -56,33 +56,8 @@ pub fn spawn_world_with<R: Send>(
     cfg_of: impl Fn(usize) -> Config + Sync,
     f: impl Fn(Communicator) -> Result<R> + Sync,
 ) -> Vec<Result<R>> {
-    let store: Arc<dyn Store> = Arc::new(MemStore::new());
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (0..n)
-            .map(|rank| {
-                let store = Arc::clone(&store);
-                let cfg = cfg_of(rank);
-                let f = &f;
-                std::thread::Builder::new()
-                    .name(format!("rank{rank}"))
-                    .spawn_scoped(s, move || {
-                        Communicator::init_with_config(rank, n, store, cfg).and_then(f)
-                    })
-                    .expect("spawning a rank thread")
-            })
-            .collect();
-        handles
-            .into_iter()
-            .enumerate()
-            .map(|(rank, h)| {
-                h.join().unwrap_or_else(|_| {
-                    Err(crate::Error::Aborted {
-                        rank,
-                        reason: "rank thread panicked".into(),
-                    })
-                })
-            })
-            .collect()
+    spawn_world_and_joiners(n, 0, cfg_of, f, |_, _, _| {
+        Err(crate::Error::Config("no joiners in this world".into()))
     })
 }
 
