@@ -2,7 +2,8 @@
 //!
 //! Every operation takes a ticket when it is issued. Blocking calls wait for their turn and run on
 //! the caller's thread (so they can borrow the caller's slices); `*_async` calls send a job to the
-//! communicator's progress thread, which runs it when its turn comes. Async jobs own their
+//! communicator's progress thread, which runs it when its turn comes, unless [`Work::wait`] gets
+//! to a host operation's job first and runs it on the waiting thread. Async jobs own their
 //! buffers (any `AsMut<[T]> + Send + 'static`) and hand them back through [`Work::wait`], so no
 //! borrow ever crosses threads.
 //!
@@ -47,6 +48,10 @@ struct Turn {
 }
 
 type Job = Box<dyn FnOnce() + Send>;
+/// The body of an async operation, given its ticket and how many operations were ahead.
+type TicketedJob = Box<dyn FnOnce(u64, u64) + Send>;
+/// An async operation's body until the progress thread or a waiter takes it.
+type JobSlot = Arc<Mutex<Option<TicketedJob>>>;
 
 /// Longest wait for the store while publishing a failure.
 const PUBLISH_BUDGET: Duration = Duration::from_secs(3);
@@ -332,13 +337,24 @@ impl Shared {
     {
         let (tx, rx) = crossbeam_channel::bounded(1);
         let shared = Arc::clone(self);
-        let job = move |ticket: u64, ahead: u64| {
+        let body: TicketedJob = Box::new(move |ticket: u64, ahead: u64| {
             let mut buf = buf;
             let r = shared.run_turn(ticket, ahead, |st| run(&shared, st, &mut buf));
             let _ = tx.send(r.map(|()| finish(buf)));
-        };
-        let (_, ahead) = self.submit_ticketed(job);
-        Work::new(rx, self.work_deadline(ahead), self.rank, op)
+        });
+        // Whoever takes the body first runs it: the progress thread when its turn comes, or the
+        // thread that waits on the operation before the progress thread got to it.
+        let slot: JobSlot = Arc::new(Mutex::new(Some(body)));
+        let queued = Arc::clone(&slot);
+        let (ticket, ahead) = self.submit_ticketed(move |ticket, ahead| {
+            let body = lock(&queued).take();
+            if let Some(body) = body {
+                body(ticket, ahead);
+            }
+        });
+        let mut work = Work::new(rx, self.work_deadline(ahead), self.rank, op);
+        work.pending = Some((slot, ticket, ahead));
+        work
     }
 
     /// The deadline of an async operation queued with `ahead` operations before it: each of them
@@ -436,6 +452,9 @@ pub struct Work<B> {
     deadline: Instant,
     rank: usize,
     op: &'static str,
+    /// The operation's body while it may not have started, with its ticket and how many
+    /// operations were ahead: `wait` runs it itself if the progress thread has not taken it yet.
+    pending: Option<(JobSlot, u64, u64)>,
 }
 
 impl<B> Work<B> {
@@ -450,15 +469,28 @@ impl<B> Work<B> {
             deadline,
             rank,
             op,
+            pending: None,
         }
     }
 
     /// Waits for the operation and returns its buffers. The wait is bounded: every operation ahead
     /// of this one and this one have their own deadlines (`OXCCL_TIMEOUT`).
     ///
+    /// A host operation the progress thread has not started yet runs on this thread instead
+    /// (when its turn comes, as it would there): a small operation waited for right away then
+    /// costs no thread hand-over.
+    ///
     /// # Errors
     /// The operation's error, or `Timeout` if it did not finish in time.
-    pub fn wait(self) -> Result<B> {
+    pub fn wait(mut self) -> Result<B> {
+        if let Some((slot, ticket, ahead)) = self.pending.take() {
+            // Not started yet: run it on this thread instead of handing it over and back (two
+            // thread wake-ups, most of a small operation's time).
+            let body = lock(&slot).take();
+            if let Some(body) = body {
+                body(ticket, ahead);
+            }
+        }
         let left = self.deadline.saturating_duration_since(Instant::now());
         self.recv(left)
     }
@@ -573,6 +605,91 @@ mod tests {
         assert!(is_turn_timeout(&r), "{r:?}");
         assert!(store.try_get("t/error").unwrap().is_some());
         assert!(lock(&sh.exec).broken.is_some());
+    }
+
+    /// Holds the progress thread (after serving its own turn, so later turns are free) until
+    /// the returned sender is used or dropped.
+    fn hold_progress_thread(sh: &Arc<Shared>) -> Sender<()> {
+        let (gate_tx, gate_rx) = crossbeam_channel::bounded::<()>(1);
+        let (held_tx, held_rx) = crossbeam_channel::bounded::<()>(1);
+        let s = Arc::clone(sh);
+        sh.submit_ticketed(move |ticket, ahead| {
+            let _ = s.run_turn(ticket, ahead, |_| Ok(()));
+            let _ = held_tx.send(());
+            let _ = gate_rx.recv_timeout(Duration::from_secs(60));
+        });
+        held_rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the progress thread runs the holding job");
+        gate_tx
+    }
+
+    /// Queues an operation that appends `tag` and the thread it ran on to `log`.
+    fn logged(
+        sh: &Arc<Shared>,
+        log: &Arc<Mutex<Vec<(u32, std::thread::ThreadId)>>>,
+        tag: u32,
+    ) -> Work<u32> {
+        let log = Arc::clone(log);
+        sh.submit_work(
+            "logged",
+            tag,
+            move |_, st, tag| {
+                st.coll_seq += 1;
+                lock(&log).push((*tag, std::thread::current().id()));
+                Ok(())
+            },
+            |tag| tag,
+        )
+    }
+
+    /// `wait()` on an operation the progress thread has not taken runs it on the waiting
+    /// thread; one the progress thread has finished is only collected.
+    #[test]
+    fn wait_runs_an_operation_the_progress_thread_has_not_taken() {
+        let (sh, _store) = shared(Duration::from_millis(200));
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let gate = hold_progress_thread(&sh);
+        let w = logged(&sh, &log, 1);
+        // The progress thread is held: without the waiter running it, this times out.
+        assert_eq!(w.wait().expect("runs on the waiting thread"), 1);
+        assert_eq!(lock(&log)[0], (1, std::thread::current().id()));
+        drop(gate);
+        let w = logged(&sh, &log, 2);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !w.is_done() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(w.wait().expect("done on the progress thread"), 2);
+        let (tag, thread) = lock(&log)[1];
+        assert_eq!(tag, 2);
+        assert_ne!(thread, std::thread::current().id());
+        sh.stop_worker();
+    }
+
+    /// A waiter that takes a later operation still runs it after the earlier ones, which the
+    /// progress thread runs once it is free: the order on the wire is the issue order.
+    #[test]
+    fn a_waiter_keeps_the_turn_order() {
+        let (sh, _store) = shared(Duration::from_secs(30));
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let gate = hold_progress_thread(&sh);
+        let first = logged(&sh, &log, 1);
+        let second = logged(&sh, &log, 2);
+        let release = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            drop(gate);
+        });
+        // Taken by this thread, it waits for its turn until the progress thread ran `first`.
+        assert_eq!(second.wait().unwrap(), 2);
+        assert_eq!(first.wait().unwrap(), 1);
+        release.join().unwrap();
+        let log = lock(&log).clone();
+        assert_eq!(log.iter().map(|e| e.0).collect::<Vec<_>>(), [1, 2]);
+        assert_ne!(log[0].1, std::thread::current().id());
+        assert_eq!(log[1].1, std::thread::current().id());
+        assert_eq!(lock(&sh.exec).coll_seq, 2);
+        sh.stop_worker();
     }
 
     #[test]

@@ -429,6 +429,50 @@ fn async_forms<T: Element>(comm: &Communicator, count: usize, op: ReduceOp) -> R
     Ok(())
 }
 
+/// Async operations waited for in an order that differs between ranks (and one never waited
+/// for): whether the waiting thread or the progress thread runs each, every rank runs them in
+/// the order they were issued, so the results and the next blocking call agree.
+#[test]
+fn async_waits_in_any_order() {
+    for t in [TransportChoice::Shm, TransportChoice::Tcp] {
+        for r in spawn_world(3, config("", t), |c| {
+            let (me, size) = (c.rank(), c.size());
+            let count = 1000;
+            let mut works: Vec<Option<oxccl_comm::Work<Vec<u32>>>> = (0..6)
+                .map(|k| {
+                    Some(c.all_reduce_async(
+                        input::<u32>(me + k, count, ReduceOp::Sum),
+                        ReduceOp::Sum,
+                    ))
+                })
+                .collect();
+            let dropped = c.broadcast_async(input::<u32>(me, count, ReduceOp::Sum), 0);
+            drop(dropped);
+            // Rank r waits for operation (k * (r + 1) + r) % 6 at its k-th wait: a different
+            // order on every rank, the last issued first on some.
+            for k in 0..6 {
+                let j = (k * (me + 1) + me) % 6;
+                let j = (0..6)
+                    .map(|d| (j + d) % 6)
+                    .find(|&j| works[j].is_some())
+                    .unwrap();
+                let got = works[j].take().unwrap().wait()?;
+                check(&format!("all_reduce_async #{j}"), me, &got, |i| {
+                    (0..size).map(|r| val::<u32>(r + j, i, ReduceOp::Sum)).sum()
+                });
+            }
+            let mut buf = input::<u32>(me, count, ReduceOp::Sum);
+            c.all_reduce(&mut buf, ReduceOp::Sum)?;
+            check("all_reduce after the async ones", me, &buf, |i| {
+                expect::<u32>(size, i, ReduceOp::Sum)
+            });
+            Ok(())
+        }) {
+            r.unwrap();
+        }
+    }
+}
+
 /// The async forms on 1 to 4 ranks over both transports, with a blocking reduce-scatter on
 /// another thread of each rank holding the communicator's scratch buffer at the same time as
 /// the async one (which then works in a fresh buffer), and bad lengths refused by name.
