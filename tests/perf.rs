@@ -125,6 +125,8 @@ fn every_collective_dtype_and_op_checks_exactly() {
         "scatter",
         "all-to-all",
         "all-to-all-v",
+        "all-gather-v",
+        "reduce-scatter-v",
         "send-recv",
     ];
     for coll in colls {
@@ -133,7 +135,10 @@ fn every_collective_dtype_and_op_checks_exactly() {
             "-c", "1", "-d", "all", "-o", "all",
         ]);
         let rows = assert_all_correct(coll, &out, &stdout, &stderr);
-        let with_op = matches!(coll, "all-reduce" | "reduce-scatter" | "reduce");
+        let with_op = matches!(
+            coll,
+            "all-reduce" | "reduce-scatter" | "reduce-scatter-v" | "reduce"
+        );
         // 4 sizes x 12 dtypes (x 5 ops where there is an op).
         assert_eq!(
             rows.len(),

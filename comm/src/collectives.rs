@@ -14,7 +14,7 @@ use crate::algorithm::{
 use crate::communicator::Communicator;
 use crate::engine::{ExecState, Shared, Work};
 use crate::error::{Error, Result};
-use crate::op::{Collective, OpDesc};
+use crate::op::{counts_fingerprint, Collective, OpDesc};
 use crate::prims::{Ctx, NodeLayout};
 use crate::tuning::{self, Algorithm, Choice};
 
@@ -152,6 +152,25 @@ fn reduce_scatter_body(
         }
         a => Err(no_algo(ctx, a)),
     }
+}
+
+/// Reduce-scatter-v of `src` (elements of `dt`) through `buf` (scratch as long as `src`);
+/// copies this rank's reduced shard into `out` and returns it (`Avg` is finished by the caller).
+fn reduce_scatter_v_body<'o>(
+    ctx: &mut Ctx<'_>,
+    ch: Choice,
+    (src, buf, out): (&[u8], &mut [u8], &'o mut [u8]),
+    counts: &[usize],
+    dt: DType,
+    op: ReduceOp,
+) -> Result<&'o mut [u8]> {
+    match ch.algo {
+        Algorithm::Ring => ring::reduce_scatter_v(ctx, src, buf, dt, op, ch.chunk_bytes, counts)?,
+        a => return Err(no_algo(ctx, a)),
+    }
+    let at = counts[..ctx.rank].iter().sum::<usize>() * dt.size();
+    crate::prims::copy(ctx.stream, out, &buf[at..at + out.len()]);
+    Ok(out)
 }
 
 /// All-gather into `buf` (`size` shards; this rank's shard in place, or `own`).
@@ -984,6 +1003,180 @@ impl Communicator {
         self.run_async(desc, (input, output), move |ctx, _, (i, o)| {
             let (i, o) = (bytes(i.as_ref()), bytes_mut(o.as_mut()));
             pairwise::all_to_all_v(ctx, i, &sends, o, &recvs, elem)
+        })
+    }
+
+    /// Checks the per-rank `counts` of an all-gather-v or reduce-scatter-v (`op`) whose shard
+    /// side has `shard` elements and whose full side has `full`; returns the descriptor.
+    fn v_desc<T: Element>(
+        &self,
+        coll: Collective,
+        counts: &[usize],
+        (shard, full): (usize, usize),
+        op: ReduceOp,
+    ) -> Result<OpDesc> {
+        let name = match coll {
+            Collective::AllGatherV => "all_gather_v",
+            _ => "reduce_scatter_v",
+        };
+        if counts.len() != self.size {
+            return Err(self.invalid(
+                name,
+                format!(
+                    "counts has {} entries; it must have one per rank ({})",
+                    counts.len(),
+                    self.size
+                ),
+            ));
+        }
+        let total = counts
+            .iter()
+            .try_fold(0usize, |a, &c| a.checked_add(c))
+            .ok_or_else(|| self.invalid(name, "counts add up to more than usize::MAX".into()))?;
+        let (shard_side, full_side) = match coll {
+            Collective::AllGatherV => ("input", "output"),
+            _ => ("output", "input"),
+        };
+        let me = self.rank;
+        if shard != counts[me] {
+            return Err(self.invalid(
+                name,
+                format!(
+                    "{shard_side} has {shard} elements but counts[{me}] = {}",
+                    counts[me]
+                ),
+            ));
+        }
+        if full != total {
+            return Err(self.invalid(
+                name,
+                format!("{full_side} has {full} elements but counts add up to {total}"),
+            ));
+        }
+        Ok(self.desc::<T>(coll, total, op, counts_fingerprint(counts)))
+    }
+
+    /// All-gather with a shard length per rank, like `MPI_Allgatherv` or torch's `all_gather`
+    /// with tensors of different sizes (variable-length sequences, uneven parameter shards):
+    /// rank r's `input` has `counts[r]` elements, and every rank's `output` receives every rank's
+    /// input in rank order (`counts` summed). Every rank passes the same `counts`.
+    ///
+    /// ```no_run
+    /// # fn f(comm: &oxccl_comm::Communicator, mine: &[f32]) -> oxccl_comm::Result<()> {
+    /// let mut counts = vec![0u64; comm.size()];
+    /// comm.all_gather(&[mine.len() as u64], &mut counts)?; // every rank's length
+    /// let counts: Vec<usize> = counts.iter().map(|&c| c as usize).collect();
+    /// let mut all = vec![0f32; counts.iter().sum()];
+    /// comm.all_gather_v(mine, &mut all, &counts)?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// Ring algorithm, pipelined in blocks; shards run out at their own length.
+    ///
+    /// # Errors
+    /// `InvalidArgument` unless `counts` has `size()` entries, `input.len() == counts[rank]` and
+    /// `output.len()` is their sum. Ranks that pass different `counts` fail with `Mismatch`.
+    pub fn all_gather_v<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        counts: &[usize],
+    ) -> Result<()> {
+        let desc = self.v_desc::<T>(
+            Collective::AllGatherV,
+            counts,
+            (input.len(), output.len()),
+            ReduceOp::Sum,
+        )?;
+        self.run(desc, |ctx, ch| {
+            let (es, out) = (T::DTYPE.size(), bytes_mut(output));
+            ring::all_gather_v(ctx, out, es, ch.chunk_bytes, bytes(input), counts)
+        })
+    }
+
+    /// Asynchronous [`all_gather_v`](Self::all_gather_v): the job owns `input` and `output`
+    /// until `wait()`, which gives both back. The counts are checked here and copied.
+    pub fn all_gather_v_async<T, I, O>(
+        &self,
+        input: I,
+        mut output: O,
+        counts: &[usize],
+    ) -> Work<(I, O)>
+    where
+        T: Element,
+        I: AsRef<[T]> + Send + 'static,
+        O: AsMut<[T]> + Send + 'static,
+    {
+        let lens = (input.as_ref().len(), output.as_mut().len());
+        let desc = match self.v_desc::<T>(Collective::AllGatherV, counts, lens, ReduceOp::Sum) {
+            Ok(d) => d,
+            Err(e) => return self.failed_work(e, "all-gather-v"),
+        };
+        let counts = counts.to_vec();
+        self.run_async(desc, (input, output), move |ctx, ch, (i, o)| {
+            let (es, out) = (T::DTYPE.size(), bytes_mut(o.as_mut()));
+            ring::all_gather_v(ctx, out, es, ch.chunk_bytes, bytes(i.as_ref()), &counts)
+        })
+    }
+
+    /// Reduce-scatter with a shard length per rank, like `MPI_Reduce_scatter` or torch's
+    /// `reduce_scatter` with outputs of different sizes (parameters sharded unevenly): `input`
+    /// holds every rank's shard in rank order (`counts` summed), and rank r's `output` (of
+    /// `counts[r]` elements) receives the reduction of every rank's shard r. Every rank passes
+    /// the same `counts`. Partial results go to the communicator's reusable scratch buffer.
+    ///
+    /// # Errors
+    /// `InvalidArgument` unless `counts` has `size()` entries, `output.len() == counts[rank]`
+    /// and `input.len()` is their sum. Ranks that pass different `counts` fail with `Mismatch`.
+    pub fn reduce_scatter_v<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let desc = self.v_desc::<T>(
+            Collective::ReduceScatterV,
+            counts,
+            (output.len(), input.len()),
+            op,
+        )?;
+        with_scratch(&self.scratch, std::mem::size_of_val(input), |buf| {
+            self.run(desc, |ctx, ch| {
+                let bufs = (bytes(input), buf, bytes_mut(output));
+                reduce_scatter_v_body(ctx, ch, bufs, counts, T::DTYPE, op)
+                    .and_then(|mine| finish(ctx, mine, T::DTYPE, op))
+            })
+        })
+    }
+
+    /// Asynchronous [`reduce_scatter_v`](Self::reduce_scatter_v): the job owns `input` and
+    /// `output` until `wait()`, which gives both back. The counts are checked here and copied.
+    pub fn reduce_scatter_v_async<T, I, O>(
+        &self,
+        input: I,
+        mut output: O,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Work<(I, O)>
+    where
+        T: Element,
+        I: AsRef<[T]> + Send + 'static,
+        O: AsMut<[T]> + Send + 'static,
+    {
+        let lens = (output.as_mut().len(), input.as_ref().len());
+        let desc = match self.v_desc::<T>(Collective::ReduceScatterV, counts, lens, op) {
+            Ok(d) => d,
+            Err(e) => return self.failed_work(e, "reduce-scatter-v"),
+        };
+        let (counts, scratch) = (counts.to_vec(), Arc::clone(&self.scratch));
+        self.run_async(desc, (input, output), move |ctx, ch, (i, o)| {
+            let src = bytes(i.as_ref());
+            with_scratch(&scratch, src.len(), |buf| {
+                let bufs = (src, buf, bytes_mut(o.as_mut()));
+                reduce_scatter_v_body(ctx, ch, bufs, &counts, T::DTYPE, op)
+                    .and_then(|mine| finish(ctx, mine, T::DTYPE, op))
+            })
         })
     }
 

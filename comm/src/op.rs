@@ -32,11 +32,15 @@ pub enum Collective {
     SendRecv,
     /// Like [`Collective::AllToAll`] with a block length per pair (tags carry the pair's count).
     AllToAllV,
+    /// Like [`Collective::AllGather`] with a shard length per rank (`MPI_Allgatherv`).
+    AllGatherV,
+    /// Like [`Collective::ReduceScatter`] with a shard length per rank (`MPI_Reduce_scatter`).
+    ReduceScatterV,
 }
 
 impl Collective {
     /// Every collective, in a fixed order.
-    pub const ALL: [Collective; 11] = [
+    pub const ALL: [Collective; 13] = [
         Collective::AllReduce,
         Collective::ReduceScatter,
         Collective::AllGather,
@@ -48,6 +52,8 @@ impl Collective {
         Collective::Barrier,
         Collective::SendRecv,
         Collective::AllToAllV,
+        Collective::AllGatherV,
+        Collective::ReduceScatterV,
     ];
 
     /// The name used in logs, `OXCCL_ALGO` and `oxccl perf` (`all-reduce`, ...).
@@ -64,6 +70,8 @@ impl Collective {
             Collective::Barrier => "barrier",
             Collective::SendRecv => "send-recv",
             Collective::AllToAllV => "all-to-all-v",
+            Collective::AllGatherV => "all-gather-v",
+            Collective::ReduceScatterV => "reduce-scatter-v",
         }
     }
 
@@ -110,9 +118,11 @@ pub struct OpDesc {
     pub dtype: DType,
     /// Reduction (Sum where none applies).
     pub op: ReduceOp,
-    /// Root rank (0 where none applies).
+    /// Root rank (0 where none applies; for all-gather-v and reduce-scatter-v a 32-bit
+    /// fingerprint of the per-rank counts, see [`counts_fingerprint`]).
     pub root: usize,
-    /// Element count as called (per-rank count for gather/scatter/all-gather/reduce-scatter output).
+    /// Element count as called (per-rank count for gather/scatter/all-gather/reduce-scatter
+    /// output; the total of every rank's shard for all-gather-v and reduce-scatter-v).
     pub count: usize,
 }
 
@@ -166,9 +176,26 @@ impl fmt::Display for OpDesc {
             Collective::Broadcast | Collective::Gather | Collective::Scatter => {
                 write!(f, ", root={})", self.root)
             }
+            Collective::AllGatherV => write!(f, ", counts={:08x})", self.root),
+            Collective::ReduceScatterV => {
+                write!(f, ", op={}, counts={:08x})", self.op, self.root)
+            }
             _ => write!(f, ")"),
         }
     }
+}
+
+/// A 32-bit fingerprint of a list of per-rank counts (FNV-1a over their little-endian bytes):
+/// ranks that pass different lists to an all-gather-v or reduce-scatter-v carry different tags,
+/// so the call fails with `Mismatch` instead of pairing blocks of different lengths.
+pub fn counts_fingerprint(counts: &[usize]) -> usize {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &c in counts {
+        for b in (c as u64).to_le_bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    ((h >> 32) ^ (h & 0xffff_ffff)) as usize
 }
 
 #[cfg(test)]
@@ -195,5 +222,15 @@ mod tests {
             Collective::AllReduce
         );
         assert!(Collective::parse("all-shuffle").is_err());
+    }
+
+    #[test]
+    fn counts_fingerprints_tell_lists_apart() {
+        let f = counts_fingerprint;
+        assert_eq!(f(&[3, 5, 0]), f(&[3, 5, 0]));
+        assert_ne!(f(&[3, 5, 0]), f(&[5, 3, 0]));
+        assert_ne!(f(&[3, 5, 0]), f(&[3, 5]));
+        assert_ne!(f(&[4, 4]), f(&[8, 0]));
+        assert!(f(&[1 << 40, 7]) <= 0xffff_ffff);
     }
 }

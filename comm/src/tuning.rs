@@ -189,6 +189,7 @@ pub fn algorithms_for(coll: Collective) -> &'static [Algorithm] {
         Collective::ReduceScatter | Collective::AllGather => {
             &[Algorithm::Ring, Algorithm::Hierarchical]
         }
+        Collective::ReduceScatterV | Collective::AllGatherV => &[Algorithm::Ring],
         Collective::Broadcast | Collective::Reduce => &[Algorithm::Tree, Algorithm::Chain],
         Collective::Gather | Collective::Scatter => &[Algorithm::Linear],
         Collective::AllToAll | Collective::AllToAllV => &[Algorithm::Pairwise],
@@ -361,7 +362,13 @@ pub fn cost_us(coll: Collective, algo: Algorithm, bytes: usize, n: usize) -> f64
             let slots = (bytes / (512 << 10)).max(1) as f64;
             (nf - 1.0 + slots, b)
         }
-        (Collective::ReduceScatter | Collective::AllGather, _) => (nf - 1.0, (nf - 1.0) / nf * b),
+        (
+            Collective::ReduceScatter
+            | Collective::AllGather
+            | Collective::ReduceScatterV
+            | Collective::AllGatherV,
+            _,
+        ) => (nf - 1.0, (nf - 1.0) / nf * b),
         (Collective::AllToAll | Collective::AllToAllV, _) => (nf - 1.0, (nf - 1.0) / nf * b),
         (Collective::Gather | Collective::Scatter, _) => (nf - 1.0, (nf - 1.0) / nf * b),
         (Collective::Barrier, _) => (lg, 0.0),

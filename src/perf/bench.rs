@@ -73,6 +73,13 @@ pub fn skewed_counts(per: usize, n: usize, skew: f64) -> Vec<usize> {
         .collect()
 }
 
+/// all-gather-v's and reduce-scatter-v's shard of rank `r` (`skewed_counts(per, n, skew)[r]`
+/// elements): where it starts in the full buffer, and its length.
+fn v_shard(per: usize, n: usize, skew: f64, r: usize) -> (usize, usize) {
+    let counts = skewed_counts(per, n, skew);
+    (counts[..r].iter().sum(), counts[r])
+}
+
 /// Buffer sets used for a buffer of `full_bytes` (input and output each that large) when the
 /// sets are to cover `rotate_bytes` (0: a single set, no rotation).
 pub fn sets_for(rotate_bytes: usize, full_bytes: usize) -> usize {
@@ -354,6 +361,16 @@ impl<'c, T: Element> Bench<'c, T> {
             let recv = (0..n).map(|s| block[(rank + n - s) % n]).collect();
             self.v_counts = (g.count, send, recv);
         }
+        if matches!(coll, Collective::AllGatherV | Collective::ReduceScatterV)
+            && self.v_counts.0 != g.count
+        {
+            self.v_counts = (
+                g.count,
+                skewed_counts(g.count, n, self.spec.skew),
+                Vec::new(),
+            );
+        }
+        let mine = self.v_counts.1.get(rank).copied().unwrap_or(0);
         let inp = &self.a[base..base + g.input];
         let out = &mut self.b[base..base + g.output];
         let at_root = rank == root;
@@ -370,6 +387,10 @@ impl<'c, T: Element> Bench<'c, T> {
             Collective::Barrier => comm.barrier(),
             Collective::AllToAllV => {
                 comm.all_to_all_v(inp, &self.v_counts.1, out, &self.v_counts.2)
+            }
+            Collective::AllGatherV => comm.all_gather_v(&inp[..mine], out, &self.v_counts.1),
+            Collective::ReduceScatterV => {
+                comm.reduce_scatter_v(inp, &mut out[..mine], &self.v_counts.1, op)
             }
         }
     }
@@ -434,6 +455,10 @@ impl<'c, T: Element> Bench<'c, T> {
             Collective::AllGather | Collective::Gather => {
                 fill(&mut self.a[..g.input], mine, rank * per)
             }
+            Collective::AllGatherV => {
+                let (at, len) = v_shard(per, self.comm.size(), self.spec.skew, rank);
+                fill(&mut self.a[..len], mine, at)
+            }
             _ => fill(&mut self.a[..g.input], mine, 0),
         }
         self.b[..g.output].fill(zero);
@@ -465,6 +490,16 @@ impl<'c, T: Element> Bench<'c, T> {
             Collective::AllToAll => (0..n)
                 .map(|r| mismatches(&b[r * per..(r + 1) * per], pat.rank(r), rank * per))
                 .sum(),
+            Collective::AllGatherV => (0..n)
+                .map(|r| {
+                    let (at, len) = v_shard(per, n, self.spec.skew, r);
+                    mismatches(&b[at..at + len], pat.rank(r), at)
+                })
+                .sum(),
+            Collective::ReduceScatterV => {
+                let (at, len) = v_shard(per, n, self.spec.skew, rank);
+                mismatches(&b[..len], pat.reduced(), at)
+            }
             Collective::AllToAllV => {
                 // Rank s's block for this rank starts, in s's input, after its blocks for the
                 // ranks before this one; here, after the blocks of the ranks before s.

@@ -206,7 +206,8 @@ impl DevArenas {
                 }
             }
             Collective::Barrier => comm.barrier(),
-            Collective::AllToAllV => Ok(()), // refused with --device cuda (`Plan::from_args`)
+            // Refused with --device cuda (`Plan::from_args`).
+            Collective::AllToAllV | Collective::AllGatherV | Collective::ReduceScatterV => Ok(()),
         }
     }
 }

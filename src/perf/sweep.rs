@@ -126,7 +126,10 @@ pub struct Geometry {
 pub fn has_op(c: Collective) -> bool {
     matches!(
         c,
-        Collective::AllReduce | Collective::ReduceScatter | Collective::Reduce
+        Collective::AllReduce
+            | Collective::ReduceScatter
+            | Collective::ReduceScatterV
+            | Collective::Reduce
     )
 }
 
@@ -150,8 +153,9 @@ pub fn has_in_place(c: Collective) -> bool {
     )
 }
 
-/// Whether `oxccl perf` can run the collective (everything but the barrier; all-to-all-v on
-/// host buffers, with the block sizes `--skew` gives, see `bench::skewed_counts`).
+/// Whether `oxccl perf` can run the collective (everything but the barrier; all-to-all-v,
+/// all-gather-v and reduce-scatter-v on host buffers, with the block sizes `--skew` gives, see
+/// `bench::skewed_counts`).
 pub fn supported(c: Collective) -> bool {
     !matches!(c, Collective::Barrier)
 }
@@ -165,6 +169,9 @@ pub fn geometry(c: Collective, size: u64, ts: usize, n: usize) -> Geometry {
         Collective::AllGather | Collective::Gather => (per, per * n, per, per * n),
         Collective::Scatter => (per, per * n, per * n, per),
         Collective::AllToAll | Collective::AllToAllV => (per, per * n, per * n, per * n),
+        // Shards of `bench::skewed_counts(per, n, skew)` elements: at most 2 x per each, so the
+        // full buffer bounds both sides.
+        Collective::AllGatherV | Collective::ReduceScatterV => (per, per * n, per * n, per * n),
         _ => (count, count, count, count),
     };
     Geometry {
@@ -185,6 +192,8 @@ pub fn busbw_factor(c: Collective, n: usize) -> f64 {
         | Collective::AllGather
         | Collective::AllToAll
         | Collective::AllToAllV
+        | Collective::AllGatherV
+        | Collective::ReduceScatterV
         | Collective::Gather
         | Collective::Scatter => (n - 1.0) / n,
         _ => 1.0,
@@ -248,6 +257,9 @@ mod tests {
             Collective::ReduceScatter,
             Collective::AllGather,
             Collective::AllToAll,
+            Collective::AllToAllV,
+            Collective::AllGatherV,
+            Collective::ReduceScatterV,
             Collective::Gather,
             Collective::Scatter,
         ] {

@@ -10,6 +10,9 @@
 //! - **All-gather**, `n-1` steps: at step `s` rank `r` sends chunk `r-s` and receives chunk
 //!   `r-s-1`, copied from the slot into place.
 //! - **All-reduce** = reduce-scatter then all-gather on each block.
+//! - **All-gather-v / reduce-scatter-v**: the same steps on shards of different lengths; block
+//!   `k` takes elements `[k*b, (k+1)*b)` of every shard, clipped to its length (empty once a
+//!   shard is used up), so every rank computes the same chunks from the same counts.
 //!
 //! Every step streams its chunk slot by slot while receiving the other chunk (both directions
 //! interleaved), so a step is pipelined at slot granularity. Bytes sent per rank: all-reduce
@@ -176,4 +179,87 @@ pub(crate) fn all_gather(
         let own = own.map(|o| &o[mine.start - base..mine.end - base]);
         ag_steps(ctx, buf, chunk, own)
     })
+}
+
+/// Byte ranges of the chunks of block `k` of a sharded buffer whose shards have `counts`
+/// elements of `es` bytes, starting at element `disp[i]`: `[k*block, (k+1)*block)` of each
+/// shard, clipped to its length.
+fn v_chunk<'a>(
+    counts: &'a [usize],
+    disp: &'a [usize],
+    es: usize,
+    block: usize,
+    k: usize,
+) -> impl Fn(usize) -> Range<usize> + 'a {
+    move |i| {
+        let (a, b) = ((k * block).min(counts[i]), ((k + 1) * block).min(counts[i]));
+        (disp[i] + a) * es..(disp[i] + b) * es
+    }
+}
+
+/// Element offsets of shards of `counts` elements laid one after another.
+fn displacements(counts: &[usize]) -> Vec<usize> {
+    counts
+        .iter()
+        .scan(0, |at, &c| {
+            let d = *at;
+            *at += c;
+            Some(d)
+        })
+        .collect()
+}
+
+/// Ring all-gather-v: `buf` receives every rank's shard (`counts[i]` elements of `es` bytes for
+/// rank i, in rank order); `own` is this rank's shard, put in place as it is sent.
+pub(crate) fn all_gather_v(
+    ctx: &mut Ctx<'_>,
+    buf: &mut [u8],
+    es: usize,
+    chunk_bytes: usize,
+    own: &[u8],
+    counts: &[usize],
+) -> Result<()> {
+    let disp = displacements(counts);
+    let r = ctx.rank;
+    let at = disp[r] * es;
+    if ctx.size == 1 {
+        buf[at..at + own.len()].copy_from_slice(own);
+        return Ok(());
+    }
+    let block = (chunk_bytes / es).max(1);
+    let longest = counts.iter().copied().max().unwrap_or(0);
+    for k in 0..longest.div_ceil(block) {
+        let chunk = v_chunk(counts, &disp, es, block, k);
+        let mine = chunk(r);
+        let own = &own[mine.start - at..mine.end - at];
+        ag_steps(ctx, buf, &chunk, Some(own))?;
+    }
+    Ok(())
+}
+
+/// Ring reduce-scatter-v: `src` holds every rank's shard (`counts[i]` elements for rank i, in
+/// rank order) and `buf` (as long as `src`) receives partial results; afterwards this rank's
+/// shard of `buf` holds the reduction.
+pub(crate) fn reduce_scatter_v(
+    ctx: &mut Ctx<'_>,
+    src: &[u8],
+    buf: &mut [u8],
+    dt: DType,
+    op: ReduceOp,
+    chunk_bytes: usize,
+    counts: &[usize],
+) -> Result<()> {
+    let es = dt.size();
+    let disp = displacements(counts);
+    if ctx.size == 1 {
+        buf.copy_from_slice(src);
+        return Ok(());
+    }
+    let block = (chunk_bytes / es).max(1);
+    let longest = counts.iter().copied().max().unwrap_or(0);
+    for k in 0..longest.div_ceil(block) {
+        let chunk = v_chunk(counts, &disp, es, block, k);
+        rs_steps(ctx, buf, Some(src), &chunk, dt, op)?;
+    }
+    Ok(())
 }

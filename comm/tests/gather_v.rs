@@ -1,0 +1,293 @@
+//! `Communicator::all_gather_v` and `reduce_scatter_v`: random shard lengths (empty shards
+//! included) against a serial reference over shared memory, TCP and two simulated nodes, blocking
+//! and async; shards longer than a ring block; bad count lists; ranks that disagree on the counts.
+
+use std::time::Duration;
+
+use oxccl_comm::config::TransportChoice;
+use oxccl_comm::harness::{spawn_world, spawn_world_on_nodes};
+use oxccl_comm::{Communicator, Config, Error, ReduceOp, Result};
+use proptest::prelude::*;
+
+fn cfg(t: TransportChoice) -> Config {
+    Config {
+        transport: t,
+        timeout: Duration::from_secs(60),
+        ..Config::default()
+    }
+}
+
+/// Element `i` of rank `r`'s shard (all-gather-v), or of its contribution to shard `i`'s owner
+/// (reduce-scatter-v: `i` indexes the whole input).
+fn val(r: usize, i: usize, seed: u64) -> i64 {
+    ((r as u64 * 1_000_003 + i as u64 * 31 + seed) % 10_007) as i64
+}
+
+/// One rank's calls for shard lengths `counts`, checked against the serial reference.
+fn run_rank(c: &Communicator, counts: &[usize], seed: u64) -> Result<()> {
+    let (me, n) = (c.rank(), c.size());
+    let total: usize = counts.iter().sum();
+    let at: usize = counts[..me].iter().sum();
+    let shard = |r: usize| -> Vec<i64> { (0..counts[r]).map(|i| val(r, i, seed)).collect() };
+
+    // All-gather-v: every rank's shard, in rank order.
+    let want: Vec<i64> = (0..n).flat_map(shard).collect();
+    let mut out = vec![-1i64; total];
+    c.all_gather_v(&shard(me), &mut out, counts)?;
+    assert_eq!(
+        out, want,
+        "all_gather_v: rank {me} of {n}, counts {counts:?}"
+    );
+    let (back, out) = c
+        .all_gather_v_async(shard(me), vec![-1i64; total], counts)
+        .wait()?;
+    assert_eq!(back, shard(me));
+    assert_eq!(out, want, "all_gather_v_async: rank {me} of {n}");
+    let small: Vec<u8> = shard(me).iter().map(|&v| v as u8).collect();
+    let mut out8 = vec![0u8; total];
+    c.all_gather_v(&small, &mut out8, counts)?;
+    let want8: Vec<u8> = want.iter().map(|&v| v as u8).collect();
+    assert_eq!(out8, want8, "all_gather_v u8: rank {me} of {n}");
+
+    // Reduce-scatter-v: this rank's shard of the sum (and max) over ranks.
+    let input: Vec<i64> = (0..total).map(|i| val(me, i, seed)).collect();
+    for op in [ReduceOp::Sum, ReduceOp::Max] {
+        let want: Vec<i64> = (at..at + counts[me])
+            .map(|i| {
+                let vals = (0..n).map(|r| val(r, i, seed));
+                match op {
+                    ReduceOp::Sum => vals.sum(),
+                    _ => vals.max().unwrap_or(0),
+                }
+            })
+            .collect();
+        let mut out = vec![-1i64; counts[me]];
+        c.reduce_scatter_v(&input, &mut out, counts, op)?;
+        assert_eq!(
+            out, want,
+            "reduce_scatter_v {op}: rank {me} of {n}, counts {counts:?}"
+        );
+        let (back, out) = c
+            .reduce_scatter_v_async(input.clone(), vec![-1i64; counts[me]], counts, op)
+            .wait()?;
+        assert_eq!(back, input);
+        assert_eq!(out, want, "reduce_scatter_v_async {op}: rank {me} of {n}");
+    }
+    // Avg of floats holding small integers: exact whatever the order.
+    let input: Vec<f32> = (0..total)
+        .map(|i| ((me + i) % 4) as f32 * n as f32)
+        .collect();
+    let mut out = vec![-1.0f32; counts[me]];
+    c.reduce_scatter_v(&input, &mut out, counts, ReduceOp::Avg)?;
+    let want: Vec<f32> = (at..at + counts[me])
+        .map(|i| (0..n).map(|r| ((r + i) % 4) as f32).sum())
+        .collect();
+    assert_eq!(out, want, "reduce_scatter_v avg: rank {me} of {n}");
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 16, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_shard_lengths_match_a_serial_reference(
+        n in 1usize..=5,
+        // Shards of up to 70,000 elements (beyond a 512 KiB slot) are rare; most are small and
+        // a quarter empty.
+        raw in prop::collection::vec(prop_oneof![
+            1 => Just(0usize),
+            2 => 1usize..200,
+            1 => 200usize..70_000,
+        ], 5),
+        transport in prop::sample::select(vec!["shm", "tcp", "nodes"]),
+        seed in any::<u64>(),
+    ) {
+        let counts = raw[..n].to_vec();
+        let f = |c: Communicator| run_rank(&c, &counts, seed);
+        let res = match transport {
+            "shm" => spawn_world(n, cfg(TransportChoice::Auto), f),
+            "tcp" => spawn_world(n, cfg(TransportChoice::Tcp), f),
+            _ => spawn_world_on_nodes(n, 2, cfg(TransportChoice::Auto), f),
+        };
+        for (rank, r) in res.into_iter().enumerate() {
+            prop_assert!(r.is_ok(), "rank {}: {:?}", rank, r);
+        }
+    }
+}
+
+/// A shard longer than the ring's block (4 MiB over shared memory, 2 MiB over TCP) next to a
+/// short and an empty one: several blocks, in which the short shards run out first.
+#[test]
+fn shards_longer_than_a_block() {
+    let counts = [(4 << 20) + 3, 0, 1000];
+    for t in [TransportChoice::Auto, TransportChoice::Tcp] {
+        for r in spawn_world(3, cfg(t), |c| {
+            let me = c.rank();
+            let total: usize = counts.iter().sum();
+            let at: usize = counts[..me].iter().sum();
+            let byte = |r: usize, i: usize| ((r * 3 + i * 7) % 41) as u8;
+            let mine: Vec<u8> = (0..counts[me]).map(|i| byte(me, i)).collect();
+            let mut all = vec![0u8; total];
+            c.all_gather_v(&mine, &mut all, &counts)?;
+            for (r, &len) in counts.iter().enumerate() {
+                let from: usize = counts[..r].iter().sum();
+                let ok = (0..len).all(|i| all[from + i] == byte(r, i));
+                assert!(
+                    ok,
+                    "all_gather_v: rank {me}, shard {r} of {len} differs ({t:?})"
+                );
+            }
+            let input: Vec<u8> = (0..total).map(|i| byte(me, i)).collect();
+            let mut out = vec![0u8; counts[me]];
+            c.reduce_scatter_v(&input, &mut out, &counts, ReduceOp::Sum)?;
+            let ok = (0..counts[me]).all(|i| out[i] == (0..3).map(|r| byte(r, at + i)).sum());
+            assert!(ok, "reduce_scatter_v: rank {me} ({t:?})");
+            Ok(())
+        }) {
+            r.unwrap();
+        }
+    }
+}
+
+/// Count lists of the wrong length, buffers that do not fit them, and lists that overflow are
+/// `InvalidArgument`s naming the rank, the call and the problem; nothing was sent, so the
+/// communicator still works.
+#[test]
+fn bad_count_lists_are_named() {
+    let res = spawn_world(3, cfg(TransportChoice::Auto), |c| {
+        let me = c.rank();
+        let mut errs = Vec::new();
+        let mut out = vec![0.0f32; 6];
+        errs.push(c.all_gather_v(&[1.0f32; 2], &mut out, &[2, 2]).err());
+        errs.push(c.all_gather_v(&[1.0f32; 3], &mut out, &[2, 2, 2]).err());
+        let mut seven = vec![2, 2, 2];
+        seven[(me + 1) % 3] = 3;
+        errs.push(c.all_gather_v(&[1.0f32; 2], &mut out, &seven).err());
+        errs.push(
+            c.all_gather_v(&[1.0f32; 2], &mut out, &[usize::MAX, 2, 2])
+                .err(),
+        );
+        let mut shard = vec![0.0f32; 2];
+        errs.push(
+            c.reduce_scatter_v(&[1.0f32; 6], &mut shard, &[2, 2], ReduceOp::Sum)
+                .err(),
+        );
+        let mut big = vec![0.0f32; 3];
+        errs.push(
+            c.reduce_scatter_v(&[1.0f32; 6], &mut big, &[2, 2, 2], ReduceOp::Sum)
+                .err(),
+        );
+        errs.push(
+            c.reduce_scatter_v(&[1.0f32; 7], &mut shard, &[2, 2, 2], ReduceOp::Sum)
+                .err(),
+        );
+        errs.push(
+            c.all_gather_v_async(vec![1.0f32; 2], vec![0.0f32; 6], &[2, 2])
+                .wait()
+                .err(),
+        );
+        errs.push(
+            c.reduce_scatter_v_async(vec![1.0f32; 6], vec![0.0f32; 3], &[2, 2, 2], ReduceOp::Sum)
+                .wait()
+                .err(),
+        );
+        let mut ok = vec![0.0f32; 6];
+        let after = c.all_gather_v(&[me as f32; 2], &mut ok, &[2, 2, 2]);
+        Ok((errs, after, ok))
+    });
+    for (rank, r) in res.into_iter().enumerate() {
+        let (errs, after, ok) = r.unwrap();
+        let wants = [
+            (
+                "all_gather_v",
+                "counts has 2 entries; it must have one per rank (3)".to_string(),
+            ),
+            (
+                "all_gather_v",
+                format!("input has 3 elements but counts[{rank}] = 2"),
+            ),
+            (
+                "all_gather_v",
+                "output has 6 elements but counts add up to 7".to_string(),
+            ),
+            (
+                "all_gather_v",
+                "counts add up to more than usize::MAX".to_string(),
+            ),
+            ("reduce_scatter_v", "counts has 2 entries".to_string()),
+            (
+                "reduce_scatter_v",
+                format!("output has 3 elements but counts[{rank}] = 2"),
+            ),
+            (
+                "reduce_scatter_v",
+                "input has 7 elements but counts add up to 6".to_string(),
+            ),
+            ("all_gather_v", "counts has 2 entries".to_string()),
+            (
+                "reduce_scatter_v",
+                format!("output has 3 elements but counts[{rank}] = 2"),
+            ),
+        ];
+        assert_eq!(errs.len(), wants.len());
+        for (e, (op, want)) in errs.iter().zip(wants) {
+            let e = e.as_ref().expect("an error");
+            let msg = e.to_string();
+            assert!(
+                matches!(e, Error::InvalidArgument { .. }),
+                "rank {rank}: {msg}"
+            );
+            assert!(
+                msg.contains(&format!("rank {rank}")) && msg.contains(op) && msg.contains(&want),
+                "rank {rank}: {msg} (wanted {op}: {want:?})"
+            );
+        }
+        after.unwrap();
+        assert_eq!(ok, [0.0, 0.0, 1.0, 1.0, 2.0, 2.0], "rank {rank}");
+    }
+}
+
+/// Rank 0 passes counts [2, 4, 3] while the others pass [3, 3, 3] (the same total): a `Mismatch`
+/// naming both lists' fingerprints, never a time-out or blocks of different lengths paired.
+#[test]
+fn ranks_disagreeing_on_the_counts_get_a_mismatch() {
+    for t in [TransportChoice::Auto, TransportChoice::Tcp] {
+        for gather in [true, false] {
+            let res = spawn_world(3, cfg(t), |c| {
+                let counts: &[usize] = if c.rank() == 0 {
+                    &[2, 4, 3]
+                } else {
+                    &[3, 3, 3]
+                };
+                let mine = counts[c.rank()];
+                let first = if gather {
+                    c.all_gather_v(&vec![1i32; mine], &mut [0i32; 9], counts)
+                } else {
+                    c.reduce_scatter_v(&[1i32; 9], &mut vec![0i32; mine], counts, ReduceOp::Sum)
+                };
+                Ok((first, c.barrier()))
+            });
+            let mut mismatches = 0;
+            for (rank, r) in res.into_iter().enumerate() {
+                let (first, then) = r.unwrap();
+                if let Err(e @ Error::Mismatch { .. }) = &first {
+                    let msg = e.to_string();
+                    assert!(msg.contains("counts="), "rank {rank}: {msg}");
+                    mismatches += 1;
+                }
+                assert!(
+                    !matches!(first, Err(Error::Timeout { .. })),
+                    "rank {rank} ({t:?}): {first:?}"
+                );
+                assert!(
+                    first.is_err() || then.is_err(),
+                    "rank {rank} ({t:?}, gather {gather}): the disagreement went unnoticed"
+                );
+            }
+            assert!(
+                mismatches >= 1,
+                "{t:?}, gather {gather}: no rank reported it"
+            );
+        }
+    }
+}
