@@ -41,6 +41,7 @@ pub mod engine;
 pub mod error;
 pub mod harness;
 pub mod logging;
+mod objects;
 pub mod op;
 mod p2p;
 mod prims;

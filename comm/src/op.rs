@@ -176,9 +176,9 @@ impl fmt::Display for OpDesc {
             Collective::Broadcast | Collective::Gather | Collective::Scatter => {
                 write!(f, ", root={})", self.root)
             }
-            Collective::AllGatherV => write!(f, ", counts={:08x})", self.root),
+            Collective::AllGatherV => write!(f, ", counts-hash={:08x})", self.root),
             Collective::ReduceScatterV => {
-                write!(f, ", op={}, counts={:08x})", self.op, self.root)
+                write!(f, ", op={}, counts-hash={:08x})", self.op, self.root)
             }
             _ => write!(f, ")"),
         }

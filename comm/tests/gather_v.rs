@@ -248,7 +248,8 @@ fn bad_count_lists_are_named() {
 }
 
 /// Rank 0 passes counts [2, 4, 3] while the others pass [3, 3, 3] (the same total): a `Mismatch`
-/// naming both lists' fingerprints, never a time-out or blocks of different lengths paired.
+/// naming both lists' fingerprints (`counts-hash=`), never a time-out or blocks of different
+/// lengths paired.
 #[test]
 fn ranks_disagreeing_on_the_counts_get_a_mismatch() {
     for t in [TransportChoice::Auto, TransportChoice::Tcp] {
@@ -272,7 +273,7 @@ fn ranks_disagreeing_on_the_counts_get_a_mismatch() {
                 let (first, then) = r.unwrap();
                 if let Err(e @ Error::Mismatch { .. }) = &first {
                     let msg = e.to_string();
-                    assert!(msg.contains("counts="), "rank {rank}: {msg}");
+                    assert!(msg.contains("counts-hash="), "rank {rank}: {msg}");
                     mismatches += 1;
                 }
                 assert!(
@@ -288,6 +289,42 @@ fn ranks_disagreeing_on_the_counts_get_a_mismatch() {
                 mismatches >= 1,
                 "{t:?}, gather {gather}: no rank reported it"
             );
+        }
+    }
+}
+
+/// `all_gather_bytes` and `broadcast_bytes`: byte strings of any length (empty ones and one
+/// longer than a slot included) from every rank or from a root; a bad root is named.
+#[test]
+fn bytes_of_any_length() {
+    let text = |r: usize| -> Vec<u8> {
+        let len = [0, 1, 100_003, 7][r];
+        (0..len).map(|i| (r * 13 + i * 7) as u8).collect()
+    };
+    for t in [TransportChoice::Auto, TransportChoice::Tcp] {
+        for r in spawn_world(4, cfg(t), |c| {
+            let me = c.rank();
+            let all = c.all_gather_bytes(&text(me))?;
+            assert_eq!(
+                all,
+                (0..4).map(text).collect::<Vec<_>>(),
+                "rank {me} ({t:?})"
+            );
+            let mine = if me == 2 { text(2) } else { Vec::new() };
+            let from2 = c.broadcast_bytes(&mine, 2)?;
+            assert_eq!(from2, text(2), "rank {me} ({t:?})");
+            // Non-root ranks' data is ignored, and an empty root's string arrives empty.
+            let from0 = c.broadcast_bytes(&text(me), 0)?;
+            assert!(from0.is_empty(), "rank {me} ({t:?})");
+            let bad = c.broadcast_bytes(b"x", 4).expect_err("root 4 of 4");
+            let msg = bad.to_string();
+            assert!(
+                msg.contains(&format!("rank {me}")) && msg.contains("root 4"),
+                "{msg}"
+            );
+            Ok(())
+        }) {
+            r.unwrap();
         }
     }
 }
