@@ -155,19 +155,27 @@ impl Shared {
             while t.serving != ticket {
                 let deadline = deadline.unwrap_or_else(Instant::now);
                 let left = deadline.saturating_duration_since(Instant::now());
-                if left.is_zero() {
+                // A later ticket that gave up first moved the line past this one: it cannot
+                // come, and the communicator is broken already.
+                let passed = t.serving > ticket;
+                if left.is_zero() || passed {
                     // This operation never runs: peers would pair its sequence number with the
                     // next one's data. Like NCCL after a time-out, the communicator is unusable
                     // from here on (every later operation fails with this error); give up our
                     // place so the line keeps moving.
                     drop(t);
+                    let why = if passed {
+                        "a later operation gave up waiting for its turn first"
+                    } else {
+                        "this one never ran"
+                    };
                     let e = Error::Timeout {
                         rank: self.rank,
                         op: "waiting for earlier operations".into(),
                         timeout: self.timeout,
                         detail: format!(
-                            "{ahead} operations were queued ahead; this one never ran, so the \
-                             communicator is broken"
+                            "{ahead} operations were queued ahead; {why}, so the communicator \
+                             is broken"
                         ),
                     };
                     self.break_when_free(e.clone());
@@ -367,12 +375,35 @@ impl Shared {
             + crate::stall::READ_BUDGET_MAX
     }
 
-    /// Lets queued jobs finish and stops the progress thread.
+    /// Lets queued jobs finish and stops the progress thread, then waits (bounded) until every
+    /// operation issued so far has had its turn: one that a waiting thread took over from the
+    /// progress thread (see [`Work::wait`]) may still be running there.
     pub(crate) fn stop_worker(&self) {
         let w = lock(&self.worker).take();
         if let Some((tx, h)) = w {
             drop(tx);
             let _ = h.join();
+        }
+        let mut t = lock(&self.turn);
+        let outstanding = u32::try_from(t.next_ticket - t.serving).unwrap_or(u32::MAX);
+        // Each of them may take its own time-out (as `run_turn` allows), and a second of slack.
+        let budget = self
+            .timeout
+            .saturating_mul(outstanding.saturating_add(1))
+            .saturating_add(Duration::from_secs(1));
+        let deadline = Instant::now().checked_add(budget);
+        while t.serving < t.next_ticket {
+            let left = deadline.map_or(budget, |d| d.saturating_duration_since(Instant::now()));
+            if left.is_zero() {
+                break;
+            }
+            t.waiters += 1;
+            t = self
+                .turn_cv
+                .wait_timeout(t, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+            t.waiters -= 1;
         }
     }
 
@@ -478,7 +509,9 @@ impl<B> Work<B> {
     ///
     /// A host operation the progress thread has not started yet runs on this thread instead
     /// (when its turn comes, as it would there): a small operation waited for right away then
-    /// costs no thread hand-over.
+    /// costs no thread hand-over. Its waits then follow a blocking call's: the turn's deadline
+    /// counts from this call, and a time-out (or a panic) happens on this thread; a time-out
+    /// waiting for the turn breaks the communicator, as it would on the progress thread.
     ///
     /// # Errors
     /// The operation's error, or `Timeout` if it did not finish in time.
@@ -595,6 +628,50 @@ mod tests {
         assert!(is_turn_timeout(&next), "{next:?}");
     }
 
+    /// A ticket that a later one passed over (it gave up waiting first) fails as soon as it
+    /// sees the line has moved past it, instead of waiting out its own deadline.
+    #[test]
+    fn a_passed_over_ticket_fails_at_once() {
+        let (sh, _store) = shared(Duration::from_millis(50));
+        let (go_tx, go_rx) = crossbeam_channel::bounded::<()>(1);
+        let (ran_tx, ran_rx) = crossbeam_channel::bounded::<()>(1);
+        let (t0, _) = sh.take_ticket();
+        let first = std::thread::spawn({
+            let sh = Arc::clone(&sh);
+            move || {
+                sh.run_turn(t0, 0, |_| {
+                    let _ = ran_tx.send(());
+                    let _ = go_rx.recv_timeout(Duration::from_secs(60));
+                    Ok(0)
+                })
+            }
+        });
+        ran_rx.recv_timeout(Duration::from_secs(60)).unwrap();
+        let (t1, a1) = sh.take_ticket();
+        let (t2, a2) = sh.take_ticket();
+        // Ticket 2 starts waiting now (deadline 3 x 50 ms + 1 s); ticket 1 half a second later
+        // (deadline 2 x 50 ms + 1 s from then), so ticket 2 gives up first.
+        let third = std::thread::spawn({
+            let sh = Arc::clone(&sh);
+            move || sh.run_turn(t2, a2, |_| Ok(2))
+        });
+        std::thread::sleep(Duration::from_millis(500));
+        let second = sh.run_turn(t1, a1, |_| Ok(1));
+        let third = third.join().unwrap();
+        assert!(is_turn_timeout(&third), "{third:?}");
+        match &second {
+            Err(Error::Timeout { detail, .. }) => {
+                assert!(detail.contains("a later operation gave up"), "{detail}")
+            }
+            other => panic!("{other:?}"),
+        }
+        go_tx.send(()).unwrap();
+        first
+            .join()
+            .unwrap()
+            .expect("the running operation completes");
+    }
+
     /// With no operation running when the wait ends, the communicator breaks at once.
     #[test]
     fn a_turn_time_out_with_nothing_running_breaks_at_once() {
@@ -676,8 +753,13 @@ mod tests {
         let gate = hold_progress_thread(&sh);
         let first = logged(&sh, &log, 1);
         let second = logged(&sh, &log, 2);
+        let parked = Arc::clone(&sh);
         let release = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(50));
+            // Open the gate once this thread waits for its turn in `second` (it took the job).
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while lock(&parked.turn).waiters == 0 && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
             drop(gate);
         });
         // Taken by this thread, it waits for its turn until the progress thread ran `first`.
@@ -690,6 +772,40 @@ mod tests {
         assert_eq!(log[1].1, std::thread::current().id());
         assert_eq!(lock(&sh.exec).coll_seq, 2);
         sh.stop_worker();
+    }
+
+    /// Dropping a communicator stops its progress thread; an operation a waiting thread took
+    /// over is still running then, and must end before the connections close.
+    #[test]
+    fn stopping_waits_for_an_operation_a_waiter_runs() {
+        let (sh, _store) = shared(Duration::from_secs(30));
+        let gate = hold_progress_thread(&sh);
+        let (started_tx, started_rx) = crossbeam_channel::bounded::<()>(1);
+        let done = Arc::new(AtomicBool::new(false));
+        let finished = Arc::clone(&done);
+        let w = sh.submit_work(
+            "slow",
+            (),
+            move |_, _, _| {
+                let _ = started_tx.send(());
+                std::thread::sleep(Duration::from_millis(100));
+                finished.store(true, Ordering::SeqCst);
+                Ok(())
+            },
+            |b| b,
+        );
+        let waiter = std::thread::spawn(move || w.wait());
+        // The progress thread is held, so the waiter is the one running it.
+        started_rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the waiter runs the operation");
+        drop(gate);
+        sh.stop_worker();
+        assert!(
+            done.load(Ordering::SeqCst),
+            "stop_worker returned while the operation was running"
+        );
+        waiter.join().unwrap().unwrap();
     }
 
     #[test]
