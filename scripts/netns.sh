@@ -207,8 +207,12 @@ do_up() {
 }
 
 do_link() {
-    local prefix="$1" node="$2" state="$3"
-    list_ns "$prefix" | grep -qxF "$prefix-sw" ||
+    local prefix="$1" node="$2" state="$3" found
+    # Listed first, then searched: `list_ns | grep -q` under pipefail fails whenever grep stops
+    # reading before list_ns has written everything (SIGPIPE), e.g. while other jobs' namespaces
+    # exist.
+    found="$(list_ns "$prefix")"
+    grep -qxF "$prefix-sw" <<<"$found" ||
         die "no namespace $prefix-sw (is a job with --prefix $prefix running?)"
     ip -n "$prefix-sw" link set "v$node" "$state" ||
         die "cannot set v$node in $prefix-sw $state (is there a node $node?)"

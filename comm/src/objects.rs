@@ -21,7 +21,9 @@ impl Communicator {
     ///
     /// # Errors
     /// Those of the two collectives; `InvalidArgument` if the lengths add up to more than this
-    /// process can address or allocate (the other ranks then time out in the second call).
+    /// process can address or allocate (the communicator is then aborted, so the other ranks
+    /// fail at once). The bytes are received in one buffer and copied out: the peak memory is
+    /// twice the total.
     pub fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
         let mut lens = vec![0u64; self.size()];
         self.all_gather(&[mine.len() as u64], &mut lens)?;
@@ -36,7 +38,7 @@ impl Communicator {
                     .is_some()
             })
             .ok_or_else(|| {
-                self.invalid(
+                self.give_up(
                     "all_gather_bytes",
                     format!(
                         "the ranks' lengths {lens:?} add up to more than this process can address"
@@ -45,14 +47,21 @@ impl Communicator {
             })?;
         let mut all = self.zeroed("all_gather_bytes", counts.iter().sum())?;
         self.all_gather_v(mine, &mut all, &counts)?;
+        let mut out = Vec::with_capacity(counts.len());
         let mut at = 0;
-        Ok(counts
-            .iter()
-            .map(|&c| {
-                at += c;
-                all[at - c..at].to_vec()
-            })
-            .collect())
+        for &c in &counts {
+            let mut piece = Vec::new();
+            piece.try_reserve_exact(c).map_err(|e| {
+                self.invalid(
+                    "all_gather_bytes",
+                    format!("cannot allocate {c} bytes: {e}"),
+                )
+            })?;
+            piece.extend_from_slice(&all[at..at + c]);
+            out.push(piece);
+            at += c;
+        }
+        Ok(out)
     }
 
     /// The root's `data` on every rank, whatever its length (a configuration, a run id, a
@@ -61,13 +70,22 @@ impl Communicator {
     ///
     /// # Errors
     /// `InvalidArgument` for a root outside the communicator, or on a rank that cannot address
-    /// or allocate the root's length (the other ranks then time out in the second broadcast);
-    /// those of the two broadcasts.
+    /// or allocate the root's length (the communicator is then aborted, so the other ranks fail
+    /// at once); those of the two broadcasts.
     pub fn broadcast_bytes(&self, data: &[u8], root: usize) -> Result<Vec<u8>> {
+        if root >= self.size() {
+            return Err(self.invalid(
+                "broadcast_bytes",
+                format!(
+                    "root {root} is not a rank of this communicator (size {})",
+                    self.size()
+                ),
+            ));
+        }
         let mut len = [data.len() as u64];
         self.broadcast(&mut len, root)?;
         let n = usize::try_from(len[0]).map_err(|_| {
-            self.invalid(
+            self.give_up(
                 "broadcast_bytes",
                 format!(
                     "the root's {} bytes are more than this process can address",
@@ -85,8 +103,16 @@ impl Communicator {
     fn zeroed(&self, op: &str, n: usize) -> Result<Vec<u8>> {
         let mut v = Vec::new();
         v.try_reserve_exact(n)
-            .map_err(|e| self.invalid(op, format!("cannot allocate {n} bytes: {e}")))?;
+            .map_err(|e| self.give_up(op, format!("cannot allocate {n} bytes: {e}")))?;
         v.resize(n, 0);
         Ok(v)
+    }
+
+    /// The error of a rank that cannot take part in its call's second collective: the
+    /// communicator is aborted, so the peers learn at once instead of waiting for it until their
+    /// time-out (and this rank's later calls fail instead of being paired with the wrong ones).
+    fn give_up(&self, op: &str, msg: String) -> crate::Error {
+        self.abort();
+        self.invalid(op, msg)
     }
 }

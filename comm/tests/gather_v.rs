@@ -247,24 +247,31 @@ fn bad_count_lists_are_named() {
     }
 }
 
-/// Rank 0 passes counts [2, 4, 3] while the others pass [3, 3, 3] (the same total): a `Mismatch`
-/// naming both lists' fingerprints (`counts-hash=`), never a time-out or blocks of different
-/// lengths paired.
+/// Rank 0 passes counts [2, 4, 3] while the others pass [3, 3, 3] (the same total), or rank 0
+/// passes all-empty counts while the others do not: a `Mismatch` naming both lists'
+/// fingerprints (`counts-hash=`), never a time-out or blocks of different lengths paired.
 #[test]
 fn ranks_disagreeing_on_the_counts_get_a_mismatch() {
+    let cases: [(&[usize], &[usize]); 2] = [(&[2, 4, 3], &[3, 3, 3]), (&[0, 0, 0], &[0, 3, 0])];
     for t in [TransportChoice::Auto, TransportChoice::Tcp] {
-        for gather in [true, false] {
+        for (gather, (rank0, others)) in [
+            (true, cases[0]),
+            (true, cases[1]),
+            (false, cases[0]),
+            (false, cases[1]),
+        ] {
             let res = spawn_world(3, cfg(t), |c| {
-                let counts: &[usize] = if c.rank() == 0 {
-                    &[2, 4, 3]
-                } else {
-                    &[3, 3, 3]
-                };
-                let mine = counts[c.rank()];
+                let counts = if c.rank() == 0 { rank0 } else { others };
+                let (mine, total) = (counts[c.rank()], counts.iter().sum());
                 let first = if gather {
-                    c.all_gather_v(&vec![1i32; mine], &mut [0i32; 9], counts)
+                    c.all_gather_v(&vec![1i32; mine], &mut vec![0i32; total], counts)
                 } else {
-                    c.reduce_scatter_v(&[1i32; 9], &mut vec![0i32; mine], counts, ReduceOp::Sum)
+                    c.reduce_scatter_v(
+                        &vec![1i32; total],
+                        &mut vec![0i32; mine],
+                        counts,
+                        ReduceOp::Sum,
+                    )
                 };
                 Ok((first, c.barrier()))
             });
@@ -283,6 +290,12 @@ fn ranks_disagreeing_on_the_counts_get_a_mismatch() {
                 assert!(
                     first.is_err() || then.is_err(),
                     "rank {rank} ({t:?}, gather {gather}): the disagreement went unnoticed"
+                );
+                // Rank 0 (the odd one out, even with nothing to send) learns in this call, not
+                // at its next one.
+                assert!(
+                    rank != 0 || first.is_err(),
+                    "rank 0 ({t:?}, gather {gather}, counts {rank0:?}): the call succeeded"
                 );
             }
             assert!(

@@ -126,6 +126,8 @@ pub fn has_async(c: Collective) -> bool {
             | Collective::ReduceScatter
             | Collective::AllGather
             | Collective::Broadcast
+            | Collective::AllGatherV
+            | Collective::ReduceScatterV
     )
 }
 
@@ -337,11 +339,20 @@ impl<'c, T: Element> Bench<'c, T> {
         if let Some(d) = &mut self.dev {
             return d.call::<T>(self.comm, coll, g, set, in_place, op, self.spec.root);
         }
+        let comm = self.comm;
+        let (rank, n, root) = (comm.rank(), comm.size(), self.spec.root);
+        if matches!(coll, Collective::AllGatherV | Collective::ReduceScatterV)
+            && self.v_counts.0 != g.count
+        {
+            self.v_counts = (
+                g.count,
+                skewed_counts(g.count, n, self.spec.skew),
+                Vec::new(),
+            );
+        }
         if !self.spec.blocking && has_async(coll) {
             return self.call_async(g, set, in_place, op);
         }
-        let comm = self.comm;
-        let (rank, n, root) = (comm.rank(), comm.size(), self.spec.root);
         let base = set * g.full;
         if in_place {
             debug_assert!(has_in_place(coll));
@@ -360,15 +371,6 @@ impl<'c, T: Element> Bench<'c, T> {
             let send = (0..n).map(|d| block[(d + n - rank) % n]).collect();
             let recv = (0..n).map(|s| block[(rank + n - s) % n]).collect();
             self.v_counts = (g.count, send, recv);
-        }
-        if matches!(coll, Collective::AllGatherV | Collective::ReduceScatterV)
-            && self.v_counts.0 != g.count
-        {
-            self.v_counts = (
-                g.count,
-                skewed_counts(g.count, n, self.spec.skew),
-                Vec::new(),
-            );
         }
         let mine = self.v_counts.1.get(rank).copied().unwrap_or(0);
         let inp = &self.a[base..base + g.input];
@@ -417,13 +419,27 @@ impl<'c, T: Element> Bench<'c, T> {
             self.b = w.v;
             return Ok(());
         }
-        let (inp, out) = (window(&mut self.a, g.input), window(&mut self.b, g.output));
+        // all-gather-v's input and reduce-scatter-v's output: this rank's shard.
+        let mine = self.v_counts.1.get(comm.rank()).copied().unwrap_or(0);
+        let (ni, no) = match coll {
+            Collective::AllGatherV => (mine, g.output),
+            Collective::ReduceScatterV => (g.input, mine),
+            _ => (g.input, g.output),
+        };
+        let (inp, out) = (window(&mut self.a, ni), window(&mut self.b, no));
+        let counts = &self.v_counts.1;
         let (inp, out) = match coll {
             Collective::AllReduce => comm.all_reduce_into_async::<T, _, _>(inp, out, op).wait()?,
             Collective::ReduceScatter => comm
                 .reduce_scatter_into_async::<T, _, _>(inp, out, op)
                 .wait()?,
             Collective::AllGather => comm.all_gather_into_async::<T, _, _>(inp, out).wait()?,
+            Collective::AllGatherV => comm
+                .all_gather_v_async::<T, _, _>(inp, out, counts)
+                .wait()?,
+            Collective::ReduceScatterV => comm
+                .reduce_scatter_v_async::<T, _, _>(inp, out, counts, op)
+                .wait()?,
             _ => comm
                 .broadcast_into_async::<T, _, _>(inp, out, root)
                 .wait()?,

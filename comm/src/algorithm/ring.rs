@@ -12,7 +12,9 @@
 //! - **All-reduce** = reduce-scatter then all-gather on each block.
 //! - **All-gather-v / reduce-scatter-v**: the same steps on shards of different lengths; block
 //!   `k` takes elements `[k*b, (k+1)*b)` of every shard, clipped to its length (empty once a
-//!   shard is used up), so every rank computes the same chunks from the same counts.
+//!   shard is used up), so every rank computes the same chunks from the same counts. Every step
+//!   lasts as long as the longest chunk in flight, so a call takes about `n-1` times as long as
+//!   moving the longest shard once (even shards: `n-1` times one shard).
 //!
 //! Every step streams its chunk slot by slot while receiving the other chunk (both directions
 //! interleaved), so a step is pipelined at slot granularity. Bytes sent per rank: all-reduce
@@ -197,6 +199,19 @@ fn v_chunk<'a>(
     }
 }
 
+/// Blocks of an all-gather-v or reduce-scatter-v: enough for the longest shard, and at least
+/// one, so that even a call whose shards are all empty sends its tag (a rank that passed other
+/// counts then gets `Mismatch` at once, not a time-out or a mismatch at its next call).
+fn v_blocks(counts: &[usize], block: usize) -> usize {
+    counts
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or(0)
+        .div_ceil(block)
+        .max(1)
+}
+
 /// Element offsets of shards of `counts` elements laid one after another.
 fn displacements(counts: &[usize]) -> Vec<usize> {
     counts
@@ -227,8 +242,7 @@ pub(crate) fn all_gather_v(
         return Ok(());
     }
     let block = (chunk_bytes / es).max(1);
-    let longest = counts.iter().copied().max().unwrap_or(0);
-    for k in 0..longest.div_ceil(block) {
+    for k in 0..v_blocks(counts, block) {
         let chunk = v_chunk(counts, &disp, es, block, k);
         let mine = chunk(r);
         let own = &own[mine.start - at..mine.end - at];
@@ -256,8 +270,7 @@ pub(crate) fn reduce_scatter_v(
         return Ok(());
     }
     let block = (chunk_bytes / es).max(1);
-    let longest = counts.iter().copied().max().unwrap_or(0);
-    for k in 0..longest.div_ceil(block) {
+    for k in 0..v_blocks(counts, block) {
         let chunk = v_chunk(counts, &disp, es, block, k);
         rs_steps(ctx, buf, Some(src), &chunk, dt, op)?;
     }
