@@ -191,6 +191,11 @@ impl Shared {
                 t.waiters -= 1;
             }
         }
+        let mut end = TurnEnd {
+            shared: self,
+            ticket,
+            ok: false,
+        };
         let result = {
             let mut st = lock(&self.exec);
             self.break_if_skipped(&mut st);
@@ -206,11 +211,8 @@ impl Shared {
                 None => f(&mut st).map_err(|e| self.fail(&mut st, e)),
             }
         };
-        self.stalls.operation_ended(result.is_ok());
-        // A later operation may have timed out waiting for this one: break now, so peers learn
-        // at once rather than at this rank's next call.
-        self.try_break_if_skipped();
-        self.finish_turn(ticket);
+        end.ok = result.is_ok();
+        drop(end);
         result
     }
 
@@ -417,6 +419,33 @@ impl Shared {
             };
             self.fail(&mut st, e);
         }
+    }
+}
+
+/// The end of a turn, also when the operation panics (a bug, or a caller's `AsMut` or hook that
+/// panics): the communicator is then broken with `Aborted`, so peers learn at once, and the
+/// next ticket may go, instead of every later operation waiting out its deadline for a turn
+/// that never ends.
+struct TurnEnd<'a> {
+    shared: &'a Shared,
+    ticket: u64,
+    ok: bool,
+}
+
+impl Drop for TurnEnd<'_> {
+    fn drop(&mut self) {
+        let sh = self.shared;
+        if std::thread::panicking() {
+            sh.break_when_free(Error::Aborted {
+                rank: sh.rank,
+                reason: "an operation panicked on this rank".into(),
+            });
+        }
+        sh.stalls.operation_ended(self.ok);
+        // A later operation may have timed out waiting for this one: break now, so peers learn
+        // at once rather than at this rank's next call.
+        sh.try_break_if_skipped();
+        sh.finish_turn(self.ticket);
     }
 }
 
@@ -806,6 +835,31 @@ mod tests {
             "stop_worker returned while the operation was running"
         );
         waiter.join().unwrap().unwrap();
+    }
+
+    /// An operation that panics (here on the thread that waits for it) still ends its turn:
+    /// the next operation fails at once with the cause instead of waiting out its deadline.
+    #[test]
+    fn a_panicking_operation_breaks_the_communicator_and_ends_its_turn() {
+        let (sh, store) = shared(Duration::from_secs(2));
+        let w = sh.submit_work(
+            "boom",
+            (),
+            |_, _, _| -> Result<()> { panic!("a bug in an operation") },
+            |b| b,
+        );
+        let waited = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| w.wait()));
+        // Run on this thread (the panic reaches the caller) or on the progress thread (its
+        // result channel is dropped): either way an error, never a result.
+        assert!(!matches!(waited, Ok(Ok(()))), "{waited:?}");
+        let (t, ahead) = sh.take_ticket();
+        let next = sh.run_turn(t, ahead, |_| Ok(()));
+        match &next {
+            Err(Error::Aborted { reason, .. }) => assert!(reason.contains("panicked"), "{reason}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(store.try_get("t/error").unwrap().is_some());
+        sh.stop_worker();
     }
 
     #[test]
