@@ -127,6 +127,8 @@ fn every_collective_dtype_and_op_checks_exactly() {
         "all-to-all-v",
         "all-gather-v",
         "reduce-scatter-v",
+        "gather-v",
+        "scatter-v",
         "send-recv",
     ];
     for coll in colls {

@@ -827,6 +827,122 @@ impl Communicator {
         })
     }
 
+    /// Checks a gather-v (`gather`) or scatter-v: `counts` has one entry per rank, this rank's
+    /// own side has `counts[rank]` elements, and at the root the full side has their sum.
+    /// Returns every rank's byte range in the full buffer (of `elem`-byte elements).
+    fn rooted_v_blocks(
+        &self,
+        gather: bool,
+        counts: &[usize],
+        (own, full): (usize, usize),
+        root: usize,
+        elem: usize,
+    ) -> Result<Blocks> {
+        let (name, own_side, full_side) = if gather {
+            ("gather_v", "input", "output")
+        } else {
+            ("scatter_v", "output", "input")
+        };
+        self.check_root(name, root)?;
+        if counts.len() != self.size {
+            return Err(self.invalid(
+                name,
+                format!(
+                    "counts has {} entries; it must have one per rank ({})",
+                    counts.len(),
+                    self.size
+                ),
+            ));
+        }
+        let me = self.rank;
+        if own != counts[me] {
+            return Err(self.invalid(
+                name,
+                format!(
+                    "{own_side} has {own} elements but counts[{me}] = {}",
+                    counts[me]
+                ),
+            ));
+        }
+        let mut blocks = Vec::with_capacity(counts.len());
+        let mut at = 0usize;
+        for &c in counts {
+            let end = at
+                .checked_add(c)
+                .filter(|e| e.checked_mul(elem).is_some())
+                .ok_or_else(|| {
+                    self.invalid(name, "counts add up to more than usize::MAX".into())
+                })?;
+            blocks.push(at * elem..end * elem);
+            at = end;
+        }
+        if me == root && full != at {
+            return Err(self.invalid(
+                name,
+                format!("{full_side} has {full} elements but counts add up to {at}"),
+            ));
+        }
+        Ok(blocks)
+    }
+
+    /// Gather with a block length per rank, like `MPI_Gatherv`: rank r's `input` has
+    /// `counts[r]` elements, and the root's `output` receives every rank's input in rank order
+    /// (`counts` summed; other ranks may pass an empty `output`). Every rank passes the same
+    /// `counts`, or at least agrees with the root on its own entry.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a bad root, a `counts` without one entry per rank, an `input` of
+    /// other than `counts[rank]` elements, or a root `output` of other than their sum. A rank
+    /// and the root that disagree on the rank's count fail with `Mismatch` naming both.
+    pub fn gather_v<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        counts: &[usize],
+        root: usize,
+    ) -> Result<()> {
+        let elem = std::mem::size_of::<T>();
+        let lens = (input.len(), output.len());
+        let blocks = self.rooted_v_blocks(true, counts, lens, root, elem)?;
+        if self.rank == root {
+            bytes_mut(output)[blocks[root].clone()].copy_from_slice(bytes(input));
+        }
+        let total = counts.iter().sum();
+        let desc = self.desc::<T>(Collective::GatherV, total, ReduceOp::Sum, root);
+        self.run(desc, |ctx, _| {
+            linear::gather_v(ctx, bytes(input), bytes_mut(output), &blocks, root, elem)
+        })
+    }
+
+    /// Scatter with a block length per rank, like `MPI_Scatterv`: the root's `input` holds
+    /// every rank's block in rank order (`counts` summed; read only on the root), and rank r's
+    /// `output` (of `counts[r]` elements) receives block r. Every rank passes the same `counts`,
+    /// or at least agrees with the root on its own entry.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a bad root, a `counts` without one entry per rank, an `output` of
+    /// other than `counts[rank]` elements, or a root `input` of other than their sum. A rank
+    /// and the root that disagree on the rank's count fail with `Mismatch` naming both.
+    pub fn scatter_v<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        counts: &[usize],
+        root: usize,
+    ) -> Result<()> {
+        let elem = std::mem::size_of::<T>();
+        let lens = (output.len(), input.len());
+        let blocks = self.rooted_v_blocks(false, counts, lens, root, elem)?;
+        if self.rank == root {
+            bytes_mut(output).copy_from_slice(&bytes(input)[blocks[root].clone()]);
+        }
+        let total = counts.iter().sum();
+        let desc = self.desc::<T>(Collective::ScatterV, total, ReduceOp::Sum, root);
+        self.run(desc, |ctx, _| {
+            linear::scatter_v(ctx, bytes(input), &blocks, bytes_mut(output), root, elem)
+        })
+    }
+
     /// Checks the lengths of an all-to-all: equal, and divisible by the world size.
     fn check_all_to_all(&self, ni: usize, no: usize) -> Result<()> {
         if ni != no || !ni.is_multiple_of(self.size) {

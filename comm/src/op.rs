@@ -36,11 +36,17 @@ pub enum Collective {
     AllGatherV,
     /// Like [`Collective::ReduceScatter`] with a shard length per rank (`MPI_Reduce_scatter`).
     ReduceScatterV,
+    /// Like [`Collective::Gather`] with a block length per rank (`MPI_Gatherv`; tags carry each
+    /// block's count).
+    GatherV,
+    /// Like [`Collective::Scatter`] with a block length per rank (`MPI_Scatterv`; tags carry
+    /// each block's count).
+    ScatterV,
 }
 
 impl Collective {
     /// Every collective, in a fixed order.
-    pub const ALL: [Collective; 13] = [
+    pub const ALL: [Collective; 15] = [
         Collective::AllReduce,
         Collective::ReduceScatter,
         Collective::AllGather,
@@ -54,6 +60,8 @@ impl Collective {
         Collective::AllToAllV,
         Collective::AllGatherV,
         Collective::ReduceScatterV,
+        Collective::GatherV,
+        Collective::ScatterV,
     ];
 
     /// The name used in logs, `OXCCL_ALGO` and `oxccl perf` (`all-reduce`, ...).
@@ -72,6 +80,8 @@ impl Collective {
             Collective::AllToAllV => "all-to-all-v",
             Collective::AllGatherV => "all-gather-v",
             Collective::ReduceScatterV => "reduce-scatter-v",
+            Collective::GatherV => "gather-v",
+            Collective::ScatterV => "scatter-v",
         }
     }
 
@@ -173,9 +183,11 @@ impl fmt::Display for OpDesc {
         match self.coll {
             Collective::AllReduce | Collective::ReduceScatter => write!(f, ", op={})", self.op),
             Collective::Reduce => write!(f, ", op={}, root={})", self.op, self.root),
-            Collective::Broadcast | Collective::Gather | Collective::Scatter => {
-                write!(f, ", root={})", self.root)
-            }
+            Collective::Broadcast
+            | Collective::Gather
+            | Collective::Scatter
+            | Collective::GatherV
+            | Collective::ScatterV => write!(f, ", root={})", self.root),
             Collective::AllGatherV => write!(f, ", counts-hash={:08x})", self.root),
             Collective::ReduceScatterV => {
                 write!(f, ", op={}, counts-hash={:08x})", self.op, self.root)

@@ -191,7 +191,9 @@ pub fn algorithms_for(coll: Collective) -> &'static [Algorithm] {
         }
         Collective::ReduceScatterV | Collective::AllGatherV => &[Algorithm::Ring],
         Collective::Broadcast | Collective::Reduce => &[Algorithm::Tree, Algorithm::Chain],
-        Collective::Gather | Collective::Scatter => &[Algorithm::Linear],
+        Collective::Gather | Collective::Scatter | Collective::GatherV | Collective::ScatterV => {
+            &[Algorithm::Linear]
+        }
         Collective::AllToAll | Collective::AllToAllV => &[Algorithm::Pairwise],
         Collective::Barrier => &[Algorithm::Dissemination],
         Collective::SendRecv => &[Algorithm::Direct],
@@ -370,7 +372,10 @@ pub fn cost_us(coll: Collective, algo: Algorithm, bytes: usize, n: usize) -> f64
             _,
         ) => (nf - 1.0, (nf - 1.0) / nf * b),
         (Collective::AllToAll | Collective::AllToAllV, _) => (nf - 1.0, (nf - 1.0) / nf * b),
-        (Collective::Gather | Collective::Scatter, _) => (nf - 1.0, (nf - 1.0) / nf * b),
+        (
+            Collective::Gather | Collective::Scatter | Collective::GatherV | Collective::ScatterV,
+            _,
+        ) => (nf - 1.0, (nf - 1.0) / nf * b),
         (Collective::Barrier, _) => (lg, 0.0),
         _ => (1.0, b),
     };

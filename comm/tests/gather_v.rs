@@ -1,6 +1,7 @@
-//! `Communicator::all_gather_v` and `reduce_scatter_v`: random shard lengths (empty shards
-//! included) against a serial reference over shared memory, TCP and two simulated nodes, blocking
-//! and async; shards longer than a ring block; bad count lists; ranks that disagree on the counts.
+//! `Communicator::all_gather_v`, `reduce_scatter_v`, `gather_v` and `scatter_v`: random shard
+//! lengths (empty shards included) against a serial reference over shared memory, TCP and two
+//! simulated nodes, blocking and async; shards longer than a ring block; bad count lists; ranks
+//! that disagree on the counts; `all_gather_bytes` and `broadcast_bytes`.
 
 use std::time::Duration;
 
@@ -83,6 +84,23 @@ fn run_rank(c: &Communicator, counts: &[usize], seed: u64) -> Result<()> {
         .map(|i| (0..n).map(|r| ((r + i) % 4) as f32).sum())
         .collect();
     assert_eq!(out, want, "reduce_scatter_v avg: rank {me} of {n}");
+
+    // Gather-v and scatter-v, to and from the first and the last rank.
+    let all: Vec<i64> = (0..n).flat_map(shard).collect();
+    for root in [0, n - 1] {
+        let mut got = vec![-1i64; if me == root { total } else { 0 }];
+        c.gather_v(&shard(me), &mut got, counts, root)?;
+        if me == root {
+            assert_eq!(
+                got, all,
+                "gather_v to {root}: rank {me} of {n}, counts {counts:?}"
+            );
+        }
+        let input = if me == root { all.clone() } else { Vec::new() };
+        let mut mine = vec![-1i64; counts[me]];
+        c.scatter_v(&input, &mut mine, counts, root)?;
+        assert_eq!(mine, shard(me), "scatter_v from {root}: rank {me} of {n}");
+    }
     Ok(())
 }
 
@@ -191,6 +209,13 @@ fn bad_count_lists_are_named() {
                 .wait()
                 .err(),
         );
+        let mut root_out = vec![0.0f32; if me == 0 { 5 } else { 0 }];
+        errs.push(c.gather_v(&[1.0f32; 2], &mut root_out, &[2, 2, 2], 3).err());
+        errs.push(c.gather_v(&[1.0f32; 3], &mut root_out, &[2, 2, 2], 0).err());
+        errs.push(
+            c.scatter_v(&[1.0f32; 2], &mut [0.0f32; 2], &[2, 2], 0)
+                .err(),
+        );
         let mut ok = vec![0.0f32; 6];
         let after = c.all_gather_v(&[me as f32; 2], &mut ok, &[2, 2, 2]);
         Ok((errs, after, ok))
@@ -228,6 +253,12 @@ fn bad_count_lists_are_named() {
                 "reduce_scatter_v",
                 format!("output has 3 elements but counts[{rank}] = 2"),
             ),
+            ("gather_v", "root 3 is not a rank".to_string()),
+            (
+                "gather_v",
+                format!("input has 3 elements but counts[{rank}] = 2"),
+            ),
+            ("scatter_v", "counts has 2 entries".to_string()),
         ];
         assert_eq!(errs.len(), wants.len());
         for (e, (op, want)) in errs.iter().zip(wants) {
@@ -302,6 +333,62 @@ fn ranks_disagreeing_on_the_counts_get_a_mismatch() {
                 mismatches >= 1,
                 "{t:?}, gather {gather}: no rank reported it"
             );
+        }
+    }
+}
+
+/// Rank 1 and the root disagree on rank 1's count in a gather-v or scatter-v: the receiving side
+/// (the root of a gather, rank 1 of a scatter) gets a `Mismatch` naming both counts in that
+/// call, the sending side at the latest at its next call, and nobody times out.
+#[test]
+fn gather_v_and_scatter_v_disagreeing_on_a_count_get_a_mismatch() {
+    for t in [TransportChoice::Auto, TransportChoice::Tcp] {
+        for gather in [true, false] {
+            let res = spawn_world(3, cfg(t), |c| {
+                let counts: &[usize] = if c.rank() == 1 {
+                    &[2, 5, 2]
+                } else {
+                    &[2, 3, 2]
+                };
+                let (me, total) = (c.rank(), counts.iter().sum::<usize>());
+                let root_len = if me == 0 { total } else { 0 };
+                let first = if gather {
+                    c.gather_v(
+                        &vec![1i32; counts[me]],
+                        &mut vec![0i32; root_len],
+                        counts,
+                        0,
+                    )
+                } else {
+                    c.scatter_v(
+                        &vec![1i32; root_len],
+                        &mut vec![0i32; counts[me]],
+                        counts,
+                        0,
+                    )
+                };
+                Ok((first, c.barrier()))
+            });
+            for (rank, r) in res.into_iter().enumerate() {
+                let (first, then) = r.unwrap();
+                assert!(
+                    !matches!(first, Err(Error::Timeout { .. })),
+                    "rank {rank} ({t:?}, gather {gather}): {first:?}"
+                );
+                if rank == usize::from(!gather) {
+                    match &first {
+                        Err(e @ Error::Mismatch { .. }) => {
+                            let msg = e.to_string();
+                            assert!(
+                                msg.contains("count=3") && msg.contains("count=5"),
+                                "rank {rank}: {msg}"
+                            );
+                        }
+                        other => panic!("rank {rank} ({t:?}, gather {gather}): {other:?}"),
+                    }
+                }
+                assert!(first.is_err() || then.is_err(), "rank {rank}: unnoticed");
+            }
         }
     }
 }

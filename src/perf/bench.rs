@@ -341,8 +341,13 @@ impl<'c, T: Element> Bench<'c, T> {
         }
         let comm = self.comm;
         let (rank, n, root) = (comm.rank(), comm.size(), self.spec.root);
-        if matches!(coll, Collective::AllGatherV | Collective::ReduceScatterV)
-            && self.v_counts.0 != g.count
+        if matches!(
+            coll,
+            Collective::AllGatherV
+                | Collective::ReduceScatterV
+                | Collective::GatherV
+                | Collective::ScatterV
+        ) && self.v_counts.0 != g.count
         {
             self.v_counts = (
                 g.count,
@@ -391,6 +396,14 @@ impl<'c, T: Element> Bench<'c, T> {
                 comm.all_to_all_v(inp, &self.v_counts.1, out, &self.v_counts.2)
             }
             Collective::AllGatherV => comm.all_gather_v(&inp[..mine], out, &self.v_counts.1),
+            Collective::GatherV => {
+                let out = if at_root { out } else { &mut [] };
+                comm.gather_v(&inp[..mine], out, &self.v_counts.1, root)
+            }
+            Collective::ScatterV => {
+                let inp = if at_root { inp } else { &[] };
+                comm.scatter_v(inp, &mut out[..mine], &self.v_counts.1, root)
+            }
             Collective::ReduceScatterV => {
                 comm.reduce_scatter_v(inp, &mut out[..mine], &self.v_counts.1, op)
             }
@@ -471,7 +484,7 @@ impl<'c, T: Element> Bench<'c, T> {
             Collective::AllGather | Collective::Gather => {
                 fill(&mut self.a[..g.input], mine, rank * per)
             }
-            Collective::AllGatherV => {
+            Collective::AllGatherV | Collective::GatherV => {
                 let (at, len) = v_shard(per, self.comm.size(), self.spec.skew, rank);
                 fill(&mut self.a[..len], mine, at)
             }
@@ -515,6 +528,16 @@ impl<'c, T: Element> Bench<'c, T> {
             Collective::ReduceScatterV => {
                 let (at, len) = v_shard(per, n, self.spec.skew, rank);
                 mismatches(&b[..len], pat.reduced(), at)
+            }
+            Collective::GatherV if rank == root => (0..n)
+                .map(|r| {
+                    let (at, len) = v_shard(per, n, self.spec.skew, r);
+                    mismatches(&b[at..at + len], pat.rank(r), at)
+                })
+                .sum(),
+            Collective::ScatterV => {
+                let (at, len) = v_shard(per, n, self.spec.skew, rank);
+                mismatches(&b[..len], pat.rank(root), at)
             }
             Collective::AllToAllV => {
                 // Rank s's block for this rank starts, in s's input, after its blocks for the

@@ -207,7 +207,11 @@ impl DevArenas {
             }
             Collective::Barrier => comm.barrier(),
             // Refused with --device cuda (`Plan::from_args`).
-            Collective::AllToAllV | Collective::AllGatherV | Collective::ReduceScatterV => Ok(()),
+            Collective::AllToAllV
+            | Collective::AllGatherV
+            | Collective::ReduceScatterV
+            | Collective::GatherV
+            | Collective::ScatterV => Ok(()),
         }
     }
 }

@@ -52,8 +52,8 @@ pub use bench::Average;
 #[derive(Debug, Clone, Args)]
 pub struct PerfArgs {
     /// Collective: all-reduce, reduce-scatter, all-gather, broadcast, reduce, gather, scatter,
-    /// all-to-all, send-recv, all-to-all-v, all-gather-v, reduce-scatter-v (nccl-tests names
-    /// such as all_reduce or allreduce work too).
+    /// all-to-all, send-recv, all-to-all-v, all-gather-v, reduce-scatter-v, gather-v,
+    /// scatter-v (nccl-tests names such as all_reduce or allreduce work too).
     #[arg(value_name = "COLLECTIVE")]
     pub collective: String,
 
@@ -180,8 +180,8 @@ pub struct PerfArgs {
     /// all-to-all-v: how uneven the blocks are, from 0 (all equal, as all-to-all) to 1: the
     /// block a rank sends the rank k places after it holds `per x (1 + F x (1 - 2k/(n-1)))`
     /// elements, rounded in pairs so every rank still sends and receives `size` bytes
-    /// (`per = size / n` elements). all-gather-v and reduce-scatter-v: rank k's shard has
-    /// that many elements (the full buffer stays `size` bytes).
+    /// (`per = size / n` elements). all-gather-v, reduce-scatter-v, gather-v and scatter-v:
+    /// rank k's shard has that many elements (the full buffer stays `size` bytes).
     #[arg(long, value_name = "F", default_value_t = 0.5)]
     pub skew: f64,
 
@@ -214,7 +214,7 @@ pub struct Plan {
     pub rotate_bytes: usize,
     /// `--device cuda`: buffers in GPU memory.
     pub cuda: bool,
-    /// `--skew` (all-to-all-v, all-gather-v, reduce-scatter-v).
+    /// `--skew` (the `-v` collectives).
     pub skew: f64,
 }
 
@@ -314,6 +314,8 @@ impl Plan {
             Collective::AllToAllV,
             Collective::AllGatherV,
             Collective::ReduceScatterV,
+            Collective::GatherV,
+            Collective::ScatterV,
         ];
         if uneven.contains(&coll) && cuda {
             return Err(format!(

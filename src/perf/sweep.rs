@@ -137,7 +137,12 @@ pub fn has_op(c: Collective) -> bool {
 pub fn has_root(c: Collective) -> bool {
     matches!(
         c,
-        Collective::Broadcast | Collective::Reduce | Collective::Gather | Collective::Scatter
+        Collective::Broadcast
+            | Collective::Reduce
+            | Collective::Gather
+            | Collective::Scatter
+            | Collective::GatherV
+            | Collective::ScatterV
     )
 }
 
@@ -153,9 +158,8 @@ pub fn has_in_place(c: Collective) -> bool {
     )
 }
 
-/// Whether `oxccl perf` can run the collective (everything but the barrier; all-to-all-v,
-/// all-gather-v and reduce-scatter-v on host buffers, with the block sizes `--skew` gives, see
-/// `bench::skewed_counts`).
+/// Whether `oxccl perf` can run the collective (everything but the barrier; the `-v` forms on
+/// host buffers, with the block sizes `--skew` gives, see `bench::skewed_counts`).
 pub fn supported(c: Collective) -> bool {
     !matches!(c, Collective::Barrier)
 }
@@ -171,7 +175,10 @@ pub fn geometry(c: Collective, size: u64, ts: usize, n: usize) -> Geometry {
         Collective::AllToAll | Collective::AllToAllV => (per, per * n, per * n, per * n),
         // Shards of `bench::skewed_counts(per, n, skew)` elements: at most 2 x per each, so the
         // full buffer bounds both sides.
-        Collective::AllGatherV | Collective::ReduceScatterV => (per, per * n, per * n, per * n),
+        Collective::AllGatherV
+        | Collective::ReduceScatterV
+        | Collective::GatherV
+        | Collective::ScatterV => (per, per * n, per * n, per * n),
         _ => (count, count, count, count),
     };
     Geometry {
@@ -194,6 +201,8 @@ pub fn busbw_factor(c: Collective, n: usize) -> f64 {
         | Collective::AllToAllV
         | Collective::AllGatherV
         | Collective::ReduceScatterV
+        | Collective::GatherV
+        | Collective::ScatterV
         | Collective::Gather
         | Collective::Scatter => (n - 1.0) / n,
         _ => 1.0,
@@ -260,6 +269,8 @@ mod tests {
             Collective::AllToAllV,
             Collective::AllGatherV,
             Collective::ReduceScatterV,
+            Collective::GatherV,
+            Collective::ScatterV,
             Collective::Gather,
             Collective::Scatter,
         ] {
