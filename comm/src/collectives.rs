@@ -827,23 +827,18 @@ impl Communicator {
         })
     }
 
-    /// Checks a gather-v (`gather`) or scatter-v: `counts` has one entry per rank, this rank's
-    /// own side has `counts[rank]` elements, and at the root the full side has their sum.
-    /// Returns every rank's byte range in the full buffer (of `elem`-byte elements).
-    fn rooted_v_blocks(
+    /// Checks the per-rank `counts` of a `-v` collective (`name`): one entry per rank, a sum
+    /// that fits in bytes of `elem`, this rank's own side (`own_side`, `own` elements) holding
+    /// `counts[rank]`, and the full side (`full_side`) holding their sum where its length is
+    /// given. Returns every rank's byte range in the full buffer.
+    fn v_blocks(
         &self,
-        gather: bool,
+        name: &str,
         counts: &[usize],
-        (own, full): (usize, usize),
-        root: usize,
         elem: usize,
+        (own_side, own): (&str, usize),
+        (full_side, full): (&str, Option<usize>),
     ) -> Result<Blocks> {
-        let (name, own_side, full_side) = if gather {
-            ("gather_v", "input", "output")
-        } else {
-            ("scatter_v", "output", "input")
-        };
-        self.check_root(name, root)?;
         if counts.len() != self.size {
             return Err(self.invalid(
                 name,
@@ -851,16 +846,6 @@ impl Communicator {
                     "counts has {} entries; it must have one per rank ({})",
                     counts.len(),
                     self.size
-                ),
-            ));
-        }
-        let me = self.rank;
-        if own != counts[me] {
-            return Err(self.invalid(
-                name,
-                format!(
-                    "{own_side} has {own} elements but counts[{me}] = {}",
-                    counts[me]
                 ),
             ));
         }
@@ -876,13 +861,43 @@ impl Communicator {
             blocks.push(at * elem..end * elem);
             at = end;
         }
-        if me == root && full != at {
+        let me = self.rank;
+        if own != counts[me] {
+            return Err(self.invalid(
+                name,
+                format!(
+                    "{own_side} has {own} elements but counts[{me}] = {}",
+                    counts[me]
+                ),
+            ));
+        }
+        if let Some(full) = full.filter(|&f| f != at) {
             return Err(self.invalid(
                 name,
                 format!("{full_side} has {full} elements but counts add up to {at}"),
             ));
         }
         Ok(blocks)
+    }
+
+    /// Checks a gather-v (`gather`) or scatter-v ([`Communicator::v_blocks`], the full side on
+    /// the root only) and its root.
+    fn rooted_v_blocks(
+        &self,
+        gather: bool,
+        counts: &[usize],
+        (own, full): (usize, usize),
+        root: usize,
+        elem: usize,
+    ) -> Result<Blocks> {
+        let (name, own_side, full_side) = if gather {
+            ("gather_v", "input", "output")
+        } else {
+            ("scatter_v", "output", "input")
+        };
+        self.check_root(name, root)?;
+        let full = (self.rank == root).then_some(full);
+        self.v_blocks(name, counts, elem, (own_side, own), (full_side, full))
     }
 
     /// Gather with a block length per rank, like `MPI_Gatherv`: rank r's `input` has
@@ -1122,8 +1137,8 @@ impl Communicator {
         })
     }
 
-    /// Checks the per-rank `counts` of an all-gather-v or reduce-scatter-v (`op`) whose shard
-    /// side has `shard` elements and whose full side has `full`; returns the descriptor.
+    /// Checks an all-gather-v or reduce-scatter-v ([`Communicator::v_blocks`]) whose shard side
+    /// has `shard` elements and whose full side has `full`; returns the descriptor.
     fn v_desc<T: Element>(
         &self,
         coll: Collective,
@@ -1131,44 +1146,19 @@ impl Communicator {
         (shard, full): (usize, usize),
         op: ReduceOp,
     ) -> Result<OpDesc> {
-        let name = match coll {
-            Collective::AllGatherV => "all_gather_v",
-            _ => "reduce_scatter_v",
+        let (name, shard_side, full_side) = match coll {
+            Collective::AllGatherV => ("all_gather_v", "input", "output"),
+            _ => ("reduce_scatter_v", "output", "input"),
         };
-        if counts.len() != self.size {
-            return Err(self.invalid(
-                name,
-                format!(
-                    "counts has {} entries; it must have one per rank ({})",
-                    counts.len(),
-                    self.size
-                ),
-            ));
-        }
-        let total = counts
-            .iter()
-            .try_fold(0usize, |a, &c| a.checked_add(c))
-            .ok_or_else(|| self.invalid(name, "counts add up to more than usize::MAX".into()))?;
-        let (shard_side, full_side) = match coll {
-            Collective::AllGatherV => ("input", "output"),
-            _ => ("output", "input"),
-        };
-        let me = self.rank;
-        if shard != counts[me] {
-            return Err(self.invalid(
-                name,
-                format!(
-                    "{shard_side} has {shard} elements but counts[{me}] = {}",
-                    counts[me]
-                ),
-            ));
-        }
-        if full != total {
-            return Err(self.invalid(
-                name,
-                format!("{full_side} has {full} elements but counts add up to {total}"),
-            ));
-        }
+        let elem = T::DTYPE.size();
+        self.v_blocks(
+            name,
+            counts,
+            elem,
+            (shard_side, shard),
+            (full_side, Some(full)),
+        )?;
+        let total = counts.iter().sum();
         Ok(self.desc::<T>(coll, total, op, counts_fingerprint(counts)))
     }
 

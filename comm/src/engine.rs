@@ -615,21 +615,17 @@ mod tests {
         matches!(r, Err(Error::Timeout { op, .. }) if op == "waiting for earlier operations")
     }
 
-    /// An operation that times out waiting for its turn never runs: the next one must not take
-    /// its sequence number (peers would pair different data), so the communicator breaks and
-    /// every later operation reports the time-out.
-    #[test]
-    fn a_turn_time_out_breaks_the_communicator() {
-        let (sh, store) = shared(Duration::from_millis(5));
+    /// Runs the first ticket's operation on another thread and holds it there (bounded) until
+    /// the returned sender is used; returns once it runs.
+    fn hold_first_turn(sh: &Arc<Shared>) -> (Sender<()>, std::thread::JoinHandle<Result<()>>) {
         let (go_tx, go_rx) = crossbeam_channel::bounded::<()>(1);
         let (ran_tx, ran_rx) = crossbeam_channel::bounded::<()>(1);
         let (t0, _) = sh.take_ticket();
         let first = std::thread::spawn({
-            let sh = Arc::clone(&sh);
+            let sh = Arc::clone(sh);
             move || {
                 sh.run_turn(t0, 0, |st| {
                     let _ = ran_tx.send(());
-                    // Held until the queued operation below gave up (bounded).
                     let _ = go_rx.recv_timeout(Duration::from_secs(60));
                     st.coll_seq += 1;
                     Ok(())
@@ -639,6 +635,16 @@ mod tests {
         ran_rx
             .recv_timeout(Duration::from_secs(60))
             .expect("first operation runs");
+        (go_tx, first)
+    }
+
+    /// An operation that times out waiting for its turn never runs: the next one must not take
+    /// its sequence number (peers would pair different data), so the communicator breaks and
+    /// every later operation reports the time-out.
+    #[test]
+    fn a_turn_time_out_breaks_the_communicator() {
+        let (sh, store) = shared(Duration::from_millis(5));
+        let (go_tx, first) = hold_first_turn(&sh);
         let (t1, ahead) = sh.take_ticket();
         let skipped = sh.run_turn(t1, ahead, |st| {
             st.coll_seq += 1;
@@ -662,20 +668,7 @@ mod tests {
     #[test]
     fn a_passed_over_ticket_fails_at_once() {
         let (sh, _store) = shared(Duration::from_millis(50));
-        let (go_tx, go_rx) = crossbeam_channel::bounded::<()>(1);
-        let (ran_tx, ran_rx) = crossbeam_channel::bounded::<()>(1);
-        let (t0, _) = sh.take_ticket();
-        let first = std::thread::spawn({
-            let sh = Arc::clone(&sh);
-            move || {
-                sh.run_turn(t0, 0, |_| {
-                    let _ = ran_tx.send(());
-                    let _ = go_rx.recv_timeout(Duration::from_secs(60));
-                    Ok(0)
-                })
-            }
-        });
-        ran_rx.recv_timeout(Duration::from_secs(60)).unwrap();
+        let (go_tx, first) = hold_first_turn(&sh);
         let (t1, a1) = sh.take_ticket();
         let (t2, a2) = sh.take_ticket();
         // Ticket 2 starts waiting now (deadline 3 x 50 ms + 1 s); ticket 1 half a second later

@@ -505,6 +505,15 @@ impl<'c, T: Element> Bench<'c, T> {
                 .map(|r| mismatches(&b[r * per..(r + 1) * per], pat.rank(r), r * per))
                 .sum()
         };
+        // The same with shards of `skewed_counts` elements (all-gather-v, gather-v).
+        let gathered_v = || -> u64 {
+            (0..n)
+                .map(|r| {
+                    let (at, len) = v_shard(per, n, self.spec.skew, r);
+                    mismatches(&b[at..at + len], pat.rank(r), at)
+                })
+                .sum()
+        };
         match coll {
             Collective::AllReduce => mismatches(&b[..g.count], pat.reduced(), 0),
             Collective::ReduceScatter => {
@@ -519,22 +528,12 @@ impl<'c, T: Element> Bench<'c, T> {
             Collective::AllToAll => (0..n)
                 .map(|r| mismatches(&b[r * per..(r + 1) * per], pat.rank(r), rank * per))
                 .sum(),
-            Collective::AllGatherV => (0..n)
-                .map(|r| {
-                    let (at, len) = v_shard(per, n, self.spec.skew, r);
-                    mismatches(&b[at..at + len], pat.rank(r), at)
-                })
-                .sum(),
+            Collective::AllGatherV => gathered_v(),
+            Collective::GatherV if rank == root => gathered_v(),
             Collective::ReduceScatterV => {
                 let (at, len) = v_shard(per, n, self.spec.skew, rank);
                 mismatches(&b[..len], pat.reduced(), at)
             }
-            Collective::GatherV if rank == root => (0..n)
-                .map(|r| {
-                    let (at, len) = v_shard(per, n, self.spec.skew, r);
-                    mismatches(&b[at..at + len], pat.rank(r), at)
-                })
-                .sum(),
             Collective::ScatterV => {
                 let (at, len) = v_shard(per, n, self.spec.skew, rank);
                 mismatches(&b[..len], pat.rank(root), at)
