@@ -182,13 +182,7 @@ impl Shared {
                     self.finish_turn(ticket);
                     return Err(e);
                 }
-                t.waiters += 1;
-                t = self
-                    .turn_cv
-                    .wait_timeout(t, left)
-                    .unwrap_or_else(|p| p.into_inner())
-                    .0;
-                t.waiters -= 1;
+                t = self.wait_for_turns(t, left);
             }
         }
         let mut end = TurnEnd {
@@ -249,6 +243,23 @@ impl Shared {
                 self.fail(st, e);
             }
         }
+    }
+
+    /// Waits at most `left` for the line of turns to move (counted in `waiters`, so that
+    /// `finish_turn` knows to notify).
+    fn wait_for_turns<'t>(
+        &self,
+        mut t: MutexGuard<'t, Turn>,
+        left: Duration,
+    ) -> MutexGuard<'t, Turn> {
+        t.waiters += 1;
+        t = self
+            .turn_cv
+            .wait_timeout(t, left)
+            .unwrap_or_else(|p| p.into_inner())
+            .0;
+        t.waiters -= 1;
+        t
     }
 
     fn finish_turn(&self, ticket: u64) {
@@ -399,13 +410,7 @@ impl Shared {
             if left.is_zero() {
                 break;
             }
-            t.waiters += 1;
-            t = self
-                .turn_cv
-                .wait_timeout(t, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-            t.waiters -= 1;
+            t = self.wait_for_turns(t, left);
         }
     }
 
