@@ -6,7 +6,9 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
-use oxccl_kernels::{finish_avg_bytes, DType, Element, ReduceOp};
+use oxccl_kernels::{
+    check_factor, finish_avg_bytes, scale_bytes, scale_into_bytes, DType, Element, ReduceOp,
+};
 
 use crate::algorithm::{
     chain, direct, dissemination, halving_doubling, hierarchical, linear, pairwise, ring, tree,
@@ -101,6 +103,37 @@ fn exec<R>(
     Ok(r)
 }
 
+/// The first step of a pre-multiplied sum ([`ReduceOp::PreMulSum`]): this rank's input (`src`,
+/// or `buf` in place) times its factor, into `buf`; the algorithm then sums `buf` in place.
+/// Other operations pass through untouched, and so does a pre-multiplied sum that the ring
+/// runs on two ranks or more: it scales each chunk as it first uses it, while the chunk is in
+/// cache (`ring::rs_steps`), instead of in a pass of its own here.
+fn premultiply<'s>(
+    ctx: &Ctx<'_>,
+    ch: Choice,
+    src: Option<&'s [u8]>,
+    buf: &mut [u8],
+    dt: DType,
+    op: ReduceOp,
+) -> Result<(Option<&'s [u8]>, ReduceOp)> {
+    let Some(factor) = op.factor() else {
+        return Ok((src, op));
+    };
+    if ch.algo == Algorithm::Ring && ctx.size > 1 {
+        return Ok((src, op));
+    }
+    match src {
+        Some(s) => scale_into_bytes(dt, buf, s, factor),
+        None => scale_bytes(dt, buf, factor),
+    }
+    .map_err(|e| Error::InvalidArgument {
+        rank: ctx.rank,
+        op: ctx.op.into(),
+        msg: e.to_string(),
+    })?;
+    Ok((None, ReduceOp::Sum))
+}
+
 /// All-reduce of `buf` (in place, or `buf = reduce(src)`: the ring and the direct algorithms
 /// read `src` where it is, the others start from a copy).
 fn all_reduce_body(
@@ -111,6 +144,7 @@ fn all_reduce_body(
     dt: DType,
     op: ReduceOp,
 ) -> Result<()> {
+    let (src, op) = premultiply(ctx, ch, src, buf, dt, op)?;
     if let (Some(s), false) = (src, ch.algo.reads_input()) {
         buf.copy_from_slice(s);
     }
@@ -133,6 +167,10 @@ fn all_reduce_body(
     } else if let Some(s) = src {
         buf.copy_from_slice(s);
     }
+    if ch.algo == Algorithm::Ring && ctx.size > 1 {
+        // The ring divided each rank's chunk for `Avg` before its all-gather.
+        return Ok(());
+    }
     finish(ctx, buf, dt, op)
 }
 
@@ -145,6 +183,7 @@ fn reduce_scatter_body(
     dt: DType,
     op: ReduceOp,
 ) -> Result<()> {
+    let (src, op) = premultiply(ctx, ch, src, buf, dt, op)?;
     match ch.algo {
         Algorithm::Ring => ring::reduce_scatter(ctx, src, buf, dt, op, ch.chunk_bytes),
         Algorithm::Hierarchical => {
@@ -164,6 +203,7 @@ fn reduce_scatter_v_body<'o>(
     dt: DType,
     op: ReduceOp,
 ) -> Result<&'o mut [u8]> {
+    let (src, op) = premultiply(ctx, ch, Some(src), buf, dt, op)?;
     match ch.algo {
         Algorithm::Ring => ring::reduce_scatter_v(ctx, src, buf, dt, op, ch.chunk_bytes, counts)?,
         a => return Err(no_algo(ctx, a)),
@@ -229,6 +269,7 @@ fn reduce_body(
     op: ReduceOp,
     root: usize,
 ) -> Result<()> {
+    let (_, op) = premultiply(ctx, ch, None, buf, dt, op)?;
     if ctx.size > 1 && !buf.is_empty() {
         match ch.algo {
             Algorithm::Tree => tree::reduce(ctx, buf, dt, op, root, ch.chunk_bytes)?,
@@ -280,12 +321,23 @@ impl Communicator {
         }
     }
 
+    /// Checks what the operation of `desc` needs of its data type (a pre-multiplied sum's factor)
+    /// before the call takes its turn, so a bad factor fails on its rank alone, at once.
+    pub(crate) fn check_op(&self, desc: &OpDesc) -> Result<()> {
+        match desc.op.factor() {
+            Some(f) => check_factor(desc.dtype, f)
+                .map_err(|e| self.invalid(desc.coll.name(), format!("op={}: {e}", desc.op))),
+            None => Ok(()),
+        }
+    }
+
     /// Runs a blocking collective on the caller's thread when its turn comes.
     fn run<R>(
         &self,
         desc: OpDesc,
         body: impl FnOnce(&mut Ctx<'_>, Choice) -> Result<R>,
     ) -> Result<R> {
+        self.check_op(&desc)?;
         let (ticket, ahead) = self.shared.take_ticket();
         let shared = &self.shared;
         shared.run_turn(ticket, ahead, |st| exec(shared, st, desc, body))
@@ -298,6 +350,9 @@ impl Communicator {
         buf: B,
         body: impl FnOnce(&mut Ctx<'_>, Choice, &mut B) -> Result<()> + Send + 'static,
     ) -> Work<B> {
+        if let Err(e) = self.check_op(&desc) {
+            return self.failed_work(e, desc.coll.name());
+        }
         self.shared.submit_work(
             desc.coll.name(),
             buf,

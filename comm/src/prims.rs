@@ -115,6 +115,10 @@ pub(crate) enum RecvMode<'s> {
     /// `dst = src (op) slot`, `src` as long as the destination (out-of-place input read where
     /// it is, instead of a copy into the destination first).
     ReduceFrom(DType, ReduceOp, &'s [u8]),
+    /// `dst = src * factor + slot` (`dst * factor + slot` without `src`): this rank's own input
+    /// entering a pre-multiplied sum, scaled piece by piece as the slots arrive (while the piece
+    /// is in cache) instead of in a pass of its own over the whole buffer.
+    ScaleReduce(DType, f64, Option<&'s [u8]>),
 }
 
 /// One send of [`Ctx::exchange_many`]: `data` to `peer`, tagged `tag`.
@@ -124,6 +128,8 @@ pub(crate) struct SendPart<'d> {
     tag: Tag,
     /// Copy of what is sent, made piece by piece as it goes out (see [`Ctx::exchange_mirrored`]).
     mirror: Option<&'d mut [u8]>,
+    /// Elements of this type leave multiplied by this factor (see [`Ctx::exchange_scaled`]).
+    scale: Option<(DType, f64)>,
     sent: usize,
     /// At least one frame went out (an empty message is one empty frame).
     done: bool,
@@ -136,6 +142,7 @@ impl<'d> SendPart<'d> {
             data,
             tag,
             mirror: None,
+            scale: None,
             sent: 0,
             done: false,
         }
@@ -691,6 +698,22 @@ impl<'a> Ctx<'a> {
         self.exchange_many(send.as_mut_slice(), recv.as_mut_slice())
     }
 
+    /// [`Ctx::exchange`] whose sent elements (of `scale.0`) leave multiplied by `scale.1`, scaled
+    /// piece by piece into the slots (never straight from `data`): a rank's own input entering a
+    /// pre-multiplied sum, without a pass of its own over the input first.
+    pub(crate) fn exchange_scaled(
+        &mut self,
+        send: (usize, &[u8]),
+        scale: (DType, f64),
+        recv: Option<(usize, &mut [u8], RecvMode<'_>)>,
+    ) -> Result<()> {
+        let tag = self.tag;
+        let mut send = SendPart::new(send.0, send.1, tag);
+        send.scale = Some(scale);
+        let mut recv = recv.map(|(peer, buf, mode)| RecvPart::new(peer, buf, mode, tag));
+        self.exchange_many(std::slice::from_mut(&mut send), recv.as_mut_slice())
+    }
+
     /// Several sends and receives at once (to and from different peers, or the same), all
     /// streamed slot by slot and interleaved so none can block another; returns when every one is
     /// complete. Peers are ranks of this context.
@@ -761,7 +784,7 @@ impl<'a> Ctx<'a> {
         let (data, sent) = (s.data, s.sent);
         // Large messages leave straight from the caller's memory where the backend can (TCP);
         // the rest is staged in slots.
-        let direct = if data.len() >= DIRECT_SEND_MIN {
+        let direct = if data.len() >= DIRECT_SEND_MIN && s.scale.is_none() {
             conn.send_direct(&data[sent..], s.tag, direct_frame(data.len()))
                 .map_err(|e| retag(self.op, e))?
         } else {
@@ -771,8 +794,30 @@ impl<'a> Ctx<'a> {
             Some(n) => (n, n > 0),
             None => match conn.try_slot().map_err(|e| retag(self.op, e))? {
                 Some(slot) => {
-                    let n = slot.len().min(data.len() - sent);
-                    slot[..n].copy_from_slice(&data[sent..sent + n]);
+                    let n = match s.scale {
+                        Some((dt, factor)) => {
+                            // Whole elements per slot (slots hold thousands of them).
+                            let whole = slot.len() / dt.size() * dt.size();
+                            let n = whole.min(data.len() - sent);
+                            oxccl_kernels::scale_into_bytes(
+                                dt,
+                                &mut slot[..n],
+                                &data[sent..sent + n],
+                                factor,
+                            )
+                            .map_err(|e| Error::InvalidArgument {
+                                rank: me,
+                                op: self.op.into(),
+                                msg: e.to_string(),
+                            })?;
+                            n
+                        }
+                        None => {
+                            let n = slot.len().min(data.len() - sent);
+                            slot[..n].copy_from_slice(&data[sent..sent + n]);
+                            n
+                        }
+                    };
                     conn.post(n, s.tag).map_err(|e| retag(self.op, e))?;
                     (n, true)
                 }
@@ -839,6 +884,17 @@ impl<'a> Ctx<'a> {
             RecvMode::ReduceFrom(dt, rop, src) => {
                 let own = &src[*got..*got + n];
                 oxccl_kernels::reduce_into_bytes(dt, rop, dst, own, data).map_err(kerr)?
+            }
+            RecvMode::ScaleReduce(dt, factor, src) => {
+                match src {
+                    Some(src) => {
+                        let own = &src[*got..*got + n];
+                        oxccl_kernels::scale_into_bytes(dt, dst, own, factor)
+                    }
+                    None => oxccl_kernels::scale_bytes(dt, dst, factor),
+                }
+                .map_err(kerr)?;
+                oxccl_kernels::reduce_bytes(dt, ReduceOp::Sum, dst, data).map_err(kerr)?
             }
         }
         *got += n;

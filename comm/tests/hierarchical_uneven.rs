@@ -44,6 +44,8 @@ fn reference(n: usize, i: usize, op: ReduceOp) -> f64 {
         ReduceOp::Min => v.min().unwrap_or(0) as f64,
         ReduceOp::Max => v.max().unwrap_or(0) as f64,
         ReduceOp::Avg => v.sum::<i64>() as f64 / n as f64,
+        // The same factor on every rank here (`premul.rs` gives each rank its own).
+        ReduceOp::PreMulSum(f) => f.get() * v.sum::<i64>() as f64,
     }
 }
 
@@ -77,7 +79,14 @@ fn check<T: Element + Copy + PartialEq + std::fmt::Debug>(
 fn all_reduces(c: &Communicator) -> Result<()> {
     assert!(c.is_hierarchical(), "rank {}: no node layout", c.rank());
     for count in [0, 1, 2, 5, 1000, 70_001] {
-        for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min, ReduceOp::Avg] {
+        let premul = ReduceOp::premul_sum(0.5);
+        for op in [
+            ReduceOp::Sum,
+            ReduceOp::Max,
+            ReduceOp::Min,
+            ReduceOp::Avg,
+            premul,
+        ] {
             check(c, count, op, |v| v as f32)?;
         }
         check(c, count, ReduceOp::Sum, |v| v as i64)?;

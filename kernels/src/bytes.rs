@@ -6,7 +6,7 @@
 //! stack buffers of [`UNALIGNED_BLOCK`] elements, reduced there, and copied back. Both paths
 //! perform the same element operations, so their results are bit-identical.
 
-use crate::host::check_len;
+use crate::host::{check_factor, check_len};
 use crate::{DType, Element, KernelError, ReduceOp};
 
 /// Elements per aligned stack block on the unaligned path.
@@ -76,6 +76,62 @@ pub fn finish_avg_bytes(dtype: DType, dst: &mut [u8], n: usize) -> Result<(), Ke
     check_multiple(dtype, dst.len())?;
     crate::with_dtype!(dtype, finish_avg_typed(dst, n));
     Ok(())
+}
+
+/// Byte form of [`scale`](crate::scale): `dst[i] = dst[i] * factor` with elements of type
+/// `dtype` (the first step of a [`ReduceOp::PreMulSum`]). The slice need not be aligned for the
+/// element type.
+///
+/// # Errors
+///
+/// [`KernelError::NotMultiple`] if the length is not a multiple of `dtype.size()`, or
+/// [`KernelError::BadFactor`] for an integer type and a factor it cannot take.
+pub fn scale_bytes(dtype: DType, dst: &mut [u8], factor: f64) -> Result<(), KernelError> {
+    check_multiple(dtype, dst.len())?;
+    check_factor(dtype, factor)?;
+    crate::with_dtype!(dtype, scale_typed(dst, None, factor));
+    Ok(())
+}
+
+/// Byte form of [`scale_into`](crate::scale_into): `dst[i] = src[i] * factor`. The slices need
+/// not be aligned for the element type.
+///
+/// # Errors
+///
+/// [`KernelError::LengthMismatch`] (in bytes) if the lengths differ, and as [`scale_bytes`].
+pub fn scale_into_bytes(
+    dtype: DType,
+    dst: &mut [u8],
+    src: &[u8],
+    factor: f64,
+) -> Result<(), KernelError> {
+    check_len(dst.len(), src.len())?;
+    check_multiple(dtype, dst.len())?;
+    check_factor(dtype, factor)?;
+    crate::with_dtype!(dtype, scale_typed(dst, Some(src), factor));
+    Ok(())
+}
+
+/// `dst = src * factor`, or `dst *= factor` without `src`.
+fn scale_typed<T: Element>(dst: &mut [u8], src: Option<&[u8]>, factor: f64) {
+    let typed = (
+        bytemuck::try_cast_slice_mut::<u8, T>(dst),
+        src.map(bytemuck::try_cast_slice::<u8, T>),
+    );
+    match typed {
+        (Ok(d), None) => return T::scale_slice(d, factor),
+        (Ok(d), Some(Ok(s))) => return T::scale_into_slice(d, s, factor),
+        _ => {}
+    }
+    let mut da = [T::zeroed(); UNALIGNED_BLOCK];
+    let step = UNALIGNED_BLOCK * size_of::<T>();
+    for (k, dc) in dst.chunks_mut(step).enumerate() {
+        let d = &mut da[..dc.len() / size_of::<T>()];
+        let from = src.map_or(&*dc, |s| &s[k * step..k * step + dc.len()]);
+        bytemuck::cast_slice_mut::<T, u8>(d).copy_from_slice(from);
+        T::scale_slice(d, factor);
+        dc.copy_from_slice(bytemuck::cast_slice::<T, u8>(d));
+    }
 }
 
 fn reduce_typed<T: Element>(dst: &mut [u8], src: &[u8], op: ReduceOp) {

@@ -98,11 +98,11 @@ fn check_whole(dt: DType, bytes: usize) -> Result<(), KernelError> {
     }
 }
 
+/// The kernel an operation runs: `Avg` and `PreMulSum` combine as `Sum`.
 fn kernel_op(op: ReduceOp) -> ReduceOp {
-    if op == ReduceOp::Avg {
-        ReduceOp::Sum
-    } else {
-        op
+    match op {
+        ReduceOp::Avg | ReduceOp::PreMulSum(_) => ReduceOp::Sum,
+        op => op,
     }
 }
 
@@ -115,7 +115,7 @@ fn op_struct(op: ReduceOp) -> &'static str {
     }
 }
 
-/// Name of the reduce kernel for `(dt, op)` (`Avg` shares the sum kernel).
+/// Name of the reduce kernel for `(dt, op)` (`Avg` and `PreMulSum` share the sum kernel).
 pub fn reduce_kernel_name(dt: DType, op: ReduceOp) -> String {
     format!("oxccl_reduce_{}_{}", dt.short_name(), kernel_op(op).name())
 }

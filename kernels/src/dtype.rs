@@ -155,9 +155,45 @@ impl FromStr for DType {
     }
 }
 
+/// The factor of a [`ReduceOp::PreMulSum`]: an `f64`, kept as its bits so that operations
+/// compare and hash exactly (two factors are equal when their bits are).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Factor(u64);
+
+impl Factor {
+    /// The factor `v`.
+    pub const fn new(v: f64) -> Factor {
+        Factor(v.to_bits())
+    }
+
+    /// Its value.
+    pub const fn get(self) -> f64 {
+        f64::from_bits(self.0)
+    }
+}
+
+impl From<f64> for Factor {
+    fn from(v: f64) -> Factor {
+        Factor::new(v)
+    }
+}
+
+impl fmt::Debug for Factor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&self.get(), f)
+    }
+}
+
+impl fmt::Display for Factor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.get(), f)
+    }
+}
+
 /// Reduction operations.
 ///
-/// The wire code of each variant ([`ReduceOp::to_u8`]) is its position in [`ReduceOp::ALL`].
+/// The wire code of each variant ([`ReduceOp::to_u8`]) is its position in [`ReduceOp::ALL`], and
+/// 5 for [`ReduceOp::PreMulSum`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ReduceOp {
     /// Sum (wrapping for integers).
@@ -171,10 +207,20 @@ pub enum ReduceOp {
     /// Average: reduced as [`ReduceOp::Sum`], then divided by the contributor count with
     /// [`finish_avg`](crate::finish_avg).
     Avg,
+    /// Pre-multiplied sum (NCCL's `ncclRedOpCreatePreMulSum`, torch's `PREMUL_SUM`): every rank
+    /// multiplies its own input by its own factor, then the products are summed, so the result
+    /// is `sum over r of factor_r * x_r` (a gradient pre-divided by the world size, or weighted
+    /// by each rank's share of the batch). Ranks may pass different factors; they must agree on
+    /// the operation only. Make one with [`ReduceOp::premul_sum`].
+    ///
+    /// The multiplication is [`scale`](crate::scale): floats in `f32` (`f64` for `f64`) and
+    /// rounded back, integers by a whole factor, wrapping. The reduce kernels of this crate treat
+    /// the operation as [`ReduceOp::Sum`]; scale each input first.
+    PreMulSum(Factor),
 }
 
 impl ReduceOp {
-    /// Every operation, in wire-code order.
+    /// Every operation without a parameter, in wire-code order.
     pub const ALL: [ReduceOp; 5] = [
         ReduceOp::Sum,
         ReduceOp::Prod,
@@ -183,7 +229,30 @@ impl ReduceOp {
         ReduceOp::Avg,
     ];
 
-    /// Lower-case name: `sum`, `prod`, `min`, `max`, `avg`.
+    /// Wire code of [`ReduceOp::PreMulSum`] (the factor is local to each rank, never sent).
+    const PREMUL_SUM_CODE: u8 = 5;
+
+    /// A pre-multiplied sum with this rank's `factor` ([`ReduceOp::PreMulSum`]).
+    ///
+    /// ```
+    /// use oxccl_kernels::ReduceOp;
+    /// let op = ReduceOp::premul_sum(0.25);
+    /// assert_eq!(op.factor(), Some(0.25));
+    /// assert_eq!(op.name(), "premul_sum");
+    /// ```
+    pub const fn premul_sum(factor: f64) -> ReduceOp {
+        ReduceOp::PreMulSum(Factor::new(factor))
+    }
+
+    /// The factor of a [`ReduceOp::PreMulSum`]; `None` for the other operations.
+    pub const fn factor(self) -> Option<f64> {
+        match self {
+            ReduceOp::PreMulSum(f) => Some(f.get()),
+            _ => None,
+        }
+    }
+
+    /// Lower-case name: `sum`, `prod`, `min`, `max`, `avg`, `premul_sum`.
     pub const fn name(self) -> &'static str {
         match self {
             ReduceOp::Sum => "sum",
@@ -191,16 +260,29 @@ impl ReduceOp {
             ReduceOp::Min => "min",
             ReduceOp::Max => "max",
             ReduceOp::Avg => "avg",
+            ReduceOp::PreMulSum(_) => "premul_sum",
         }
     }
 
-    /// Stable wire code, `0..=4` (the position in [`ReduceOp::ALL`]).
+    /// Stable wire code, `0..=5`: the position in [`ReduceOp::ALL`], 5 for
+    /// [`ReduceOp::PreMulSum`] (without its factor).
     pub fn to_u8(self) -> u8 {
-        self as u8
+        match self {
+            ReduceOp::Sum => 0,
+            ReduceOp::Prod => 1,
+            ReduceOp::Min => 2,
+            ReduceOp::Max => 3,
+            ReduceOp::Avg => 4,
+            ReduceOp::PreMulSum(_) => Self::PREMUL_SUM_CODE,
+        }
     }
 
-    /// Inverse of [`ReduceOp::to_u8`]; `None` for codes above 4.
+    /// Inverse of [`ReduceOp::to_u8`]; `None` for codes above 5. Code 5 gives a
+    /// [`ReduceOp::PreMulSum`] with factor 1 (the wire does not carry the factor).
     pub fn from_u8(v: u8) -> Option<ReduceOp> {
+        if v == Self::PREMUL_SUM_CODE {
+            return Some(ReduceOp::premul_sum(1.0));
+        }
         ReduceOp::ALL.get(usize::from(v)).copied()
     }
 }
@@ -214,9 +296,14 @@ impl fmt::Display for ReduceOp {
 impl FromStr for ReduceOp {
     type Err = KernelError;
 
-    /// Accepts [`ReduceOp::name`], ignoring ASCII case and surrounding whitespace.
+    /// Accepts [`ReduceOp::name`], ignoring ASCII case and surrounding whitespace; `premul_sum`
+    /// (also `premulsum` and nccl-tests' `mulsum`) gives factor 1: set the factor with
+    /// [`ReduceOp::premul_sum`].
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let lower = s.trim().to_ascii_lowercase();
+        if matches!(lower.as_str(), "premul_sum" | "premulsum" | "mulsum") {
+            return Ok(ReduceOp::premul_sum(1.0));
+        }
         ReduceOp::ALL
             .into_iter()
             .find(|o| o.name() == lower)

@@ -21,6 +21,12 @@ pub(crate) mod sealed {
         fn scalar_op(a: Self, b: Self, op: ReduceOp) -> Self;
         /// Scalar `a / n`, rounded exactly as [`Sealed::div_slice`] rounds.
         fn scalar_div(a: Self, n: usize) -> Self;
+        /// `dst[i] *= factor`; the factor is already checked for the type.
+        fn scale_slice(dst: &mut [Self], factor: f64);
+        /// `dst[i] = src[i] * factor`; lengths already checked equal, the factor for the type.
+        fn scale_into_slice(dst: &mut [Self], src: &[Self], factor: f64);
+        /// Scalar `a * factor`, rounded exactly as [`Sealed::scale_slice`] rounds.
+        fn scalar_scale(a: Self, factor: f64) -> Self;
     }
 }
 

@@ -29,7 +29,7 @@ pub enum KernelError {
     )]
     UnknownDType(String),
     /// A string did not name a known reduction operation.
-    #[error("unknown reduction op {0:?} (expected one of sum, prod, min, max, avg)")]
+    #[error("unknown reduction op {0:?} (expected one of sum, prod, min, max, avg, premul_sum)")]
     UnknownOp(String),
     /// `finish_avg_bytes` was asked to divide by zero contributors.
     #[error("cannot average over zero contributors")]
@@ -44,6 +44,18 @@ pub enum KernelError {
         dtype: crate::DType,
         /// The operation asked for.
         what: &'static str,
+    },
+    /// A [`ReduceOp::PreMulSum`](crate::ReduceOp::PreMulSum) factor that an integer type cannot
+    /// multiply by.
+    #[error(
+        "premul_sum factor {factor} for {dtype}: integer types take a whole factor from -2^63 \
+         up to 2^64"
+    )]
+    BadFactor {
+        /// The data type.
+        dtype: crate::DType,
+        /// The factor given.
+        factor: crate::Factor,
     },
     /// A CUDA library (driver or NVRTC) or device is missing: CUDA paths cannot run here.
     #[error("CUDA unavailable: {0}")]

@@ -1,5 +1,5 @@
-//! Typed host kernels: element-wise reduce, out-of-place reduce, average finishing and the
-//! scalar reference.
+//! Typed host kernels: element-wise reduce, out-of-place reduce, average finishing, scaling (the
+//! first step of a pre-multiplied sum) and the scalar reference.
 //!
 //! Every kernel dispatches on the [`ReduceOp`] once, then runs a branch-free zip loop over the
 //! slices that LLVM auto-vectorizes. `f16` is widened to `f32` in stack blocks of
@@ -17,7 +17,7 @@ use half::{bf16, f16};
 use crate::element::sealed::Sealed;
 use crate::fp8::{Fp8, F8E4M3, F8E5M2};
 use crate::half16::{bf16_narrow, bf16_widen};
-use crate::{Element, KernelError, ReduceOp};
+use crate::{DType, Element, Factor, KernelError, ReduceOp};
 
 /// Elements per stack block when widening `f16` to `f32`.
 const HALF_BLOCK: usize = 256;
@@ -81,6 +81,16 @@ fn unary<T: Copy>(dst: &mut [T], f: impl Fn(T) -> T) {
     dispatch_avx2!(true, unary_avx2, <T>, (dst: &mut [T], f: impl Fn(T) -> T), {
         for d in dst {
             *d = f(*d);
+        }
+    })
+}
+
+/// `dst[i] = f(src[i])` over the common length.
+#[inline(always)]
+fn map_into<T: Copy>(dst: &mut [T], src: &[T], f: impl Fn(T) -> T) {
+    dispatch_avx2!(true, map_into_avx2, <T>, (dst: &mut [T], src: &[T], f: impl Fn(T) -> T), {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = f(s);
         }
     })
 }
@@ -155,7 +165,7 @@ int_arith!(i8, u8, i32, u32, i64, u64);
 macro_rules! with_op {
     ($t:ty, $op:expr, |$f:ident, $wide:ident| $body:expr) => {
         match $op {
-            ReduceOp::Sum | ReduceOp::Avg => {
+            ReduceOp::Sum | ReduceOp::Avg | ReduceOp::PreMulSum(_) => {
                 let ($f, $wide) = (<$t as Arith>::add, true);
                 $body
             }
@@ -205,11 +215,36 @@ macro_rules! float_sealed {
             fn scalar_div(a: $t, n: usize) -> $t {
                 a / n as $t
             }
+            #[inline]
+            fn scale_slice(dst: &mut [$t], factor: f64) {
+                let k = factor as $t;
+                unary(dst, |x| x * k);
+            }
+            #[inline]
+            fn scale_into_slice(dst: &mut [$t], src: &[$t], factor: f64) {
+                let k = factor as $t;
+                map_into(dst, src, |x| x * k);
+            }
+            #[inline]
+            fn scalar_scale(a: $t, factor: f64) -> $t {
+                a * factor as $t
+            }
         }
     )*};
 }
 
 float_sealed!(f32, f64);
+
+/// A whole `factor` (checked by [`check_factor`]) modulo 2^64; cast to a narrower integer it is
+/// the factor modulo 2^bits, so a wrapping multiplication by it equals one by the factor.
+#[inline]
+fn int_factor(factor: f64) -> u64 {
+    if factor >= 0.0 {
+        factor as u64
+    } else {
+        factor as i64 as u64
+    }
+}
 
 macro_rules! int_sealed {
     ($($t:ty),*) => {$(
@@ -227,6 +262,20 @@ macro_rules! int_sealed {
             fn scalar_div(a: $t, n: usize) -> $t {
                 // Exact truncating division in i128; |a / n| <= |a| always fits back.
                 (a as i128 / n as i128) as $t
+            }
+            #[inline]
+            fn scale_slice(dst: &mut [$t], factor: f64) {
+                let k = int_factor(factor) as $t;
+                unary(dst, |x| x.wrapping_mul(k));
+            }
+            #[inline]
+            fn scale_into_slice(dst: &mut [$t], src: &[$t], factor: f64) {
+                let k = int_factor(factor) as $t;
+                map_into(dst, src, |x| x.wrapping_mul(k));
+            }
+            #[inline]
+            fn scalar_scale(a: $t, factor: f64) -> $t {
+                a.wrapping_mul(int_factor(factor) as $t)
             }
         }
     )*};
@@ -302,6 +351,32 @@ macro_rules! half_sealed {
             fn scalar_div(a: $t, n: usize) -> $t {
                 <$t>::from_f32(a.to_f32() / n as f32)
             }
+            #[inline]
+            fn scale_slice(dst: &mut [$t], factor: f64) {
+                let k = factor as f32;
+                let mut buf = [0f32; HALF_BLOCK];
+                for dc in dst.chunks_mut(HALF_BLOCK) {
+                    let buf = &mut buf[..dc.len()];
+                    dc.convert_to_f32_slice(buf);
+                    unary(buf, |x| x * k);
+                    dc.convert_from_f32_slice(buf);
+                }
+            }
+            #[inline]
+            fn scale_into_slice(dst: &mut [$t], src: &[$t], factor: f64) {
+                let k = factor as f32;
+                let mut buf = [0f32; HALF_BLOCK];
+                for (dc, sc) in dst.chunks_mut(HALF_BLOCK).zip(src.chunks(HALF_BLOCK)) {
+                    let buf = &mut buf[..dc.len()];
+                    sc.convert_to_f32_slice(buf);
+                    unary(buf, |x| x * k);
+                    dc.convert_from_f32_slice(buf);
+                }
+            }
+            #[inline]
+            fn scalar_scale(a: $t, factor: f64) -> $t {
+                <$t>::from_f32(a.to_f32() * factor as f32)
+            }
         }
     )*};
 }
@@ -341,6 +416,20 @@ macro_rules! widened_ops {
         fn scalar_div(a: $t, n: usize) -> $t {
             $narrow($widen(a) / n as f32)
         }
+        #[inline]
+        fn scale_slice(dst: &mut [$t], factor: f64) {
+            let k = factor as f32;
+            unary(dst, |x| $narrow($widen(x) * k));
+        }
+        #[inline]
+        fn scale_into_slice(dst: &mut [$t], src: &[$t], factor: f64) {
+            let k = factor as f32;
+            map_into(dst, src, |x| $narrow($widen(x) * k));
+        }
+        #[inline]
+        fn scalar_scale(a: $t, factor: f64) -> $t {
+            $narrow($widen(a) * factor as f32)
+        }
     };
 }
 
@@ -376,7 +465,7 @@ type OpTable = [u8; 1 << 16];
 fn fp8_op_table<H: Fp8 + Sealed>(op: ReduceOp) -> &'static OpTable {
     static TABLES: [[OnceLock<Box<OpTable>>; 4]; 2] = [const { [const { OnceLock::new() }; 4] }; 2];
     let k = match op {
-        ReduceOp::Sum | ReduceOp::Avg => 0,
+        ReduceOp::Sum | ReduceOp::Avg | ReduceOp::PreMulSum(_) => 0,
         ReduceOp::Prod => 1,
         ReduceOp::Min => 2,
         ReduceOp::Max => 3,
@@ -472,21 +561,88 @@ pub fn finish_avg<T: Element>(dst: &mut [T], n: usize) {
     T::div_slice(dst, n);
 }
 
+/// Checks that `T` can multiply by `factor` ([`ReduceOp::PreMulSum`]): any factor for the float
+/// types, a whole number from -2^63 up to 2^64 for the integers.
+///
+/// # Errors
+///
+/// [`KernelError::BadFactor`] otherwise.
+pub fn check_factor(dtype: DType, factor: f64) -> Result<(), KernelError> {
+    // 2^63 and 2^64 are exact in f64.
+    const LOW: f64 = -9_223_372_036_854_775_808.0;
+    const HIGH: f64 = 18_446_744_073_709_551_616.0;
+    let whole = factor.fract() == 0.0 && (LOW..HIGH).contains(&factor);
+    if dtype.is_float() || whole {
+        Ok(())
+    } else {
+        Err(KernelError::BadFactor {
+            dtype,
+            factor: Factor::new(factor),
+        })
+    }
+}
+
+/// In place: `dst[i] = dst[i] * factor`, the step a rank applies to its own input before the
+/// sum of a [`ReduceOp::PreMulSum`].
+///
+/// Floats multiply in `f64` for `f64` and in `f32` for the other float types (the factor
+/// rounded to `f32`; the narrow types are widened and rounded back to nearest even, fp8
+/// saturating), as the CUDA scale kernel does. Integers multiply by a whole factor, wrapping
+/// (the factor taken modulo 2^bits, so `-1` negates and `2^bits + 3` multiplies by 3).
+///
+/// # Errors
+///
+/// [`KernelError::BadFactor`] for an integer type and a factor that is not a whole number from
+/// -2^63 up to 2^64.
+pub fn scale<T: Element>(dst: &mut [T], factor: f64) -> Result<(), KernelError> {
+    check_factor(T::DTYPE, factor)?;
+    T::scale_slice(dst, factor);
+    Ok(())
+}
+
+/// Out of place: `dst[i] = src[i] * factor`, rounded as in [`scale`].
+///
+/// # Errors
+///
+/// [`KernelError::LengthMismatch`] (in elements) if `src` is not as long as `dst`;
+/// [`KernelError::BadFactor`] as in [`scale`].
+pub fn scale_into<T: Element>(dst: &mut [T], src: &[T], factor: f64) -> Result<(), KernelError> {
+    check_len(dst.len(), src.len())?;
+    check_factor(T::DTYPE, factor)?;
+    T::scale_into_slice(dst, src, factor);
+    Ok(())
+}
+
 /// Scalar reference: the reduction of `vals`, left to right, under `op`, rounded exactly as the
 /// kernels round (`f16`/`bf16`/fp8 go through `f32` and are rounded after every step; integers
 /// wrap).
 ///
 /// For [`ReduceOp::Avg`] this is the full average: the sum of `vals` followed by the
-/// [`finish_avg`] division by `vals.len()`.
+/// [`finish_avg`] division by `vals.len()`. For [`ReduceOp::PreMulSum`] every value is first
+/// multiplied by the one factor, as [`scale`] does (ranks with factors of their own: scale each
+/// value, then reduce with [`ReduceOp::Sum`]).
 ///
 /// # Panics
 ///
-/// If `vals` is empty.
+/// If `vals` is empty, or for a factor that [`scale`] refuses for `T`.
 pub fn reference_reduce<T: Element>(vals: &[T], op: ReduceOp) -> T {
     let (&first, rest) = vals
         .split_first()
         .expect("reference_reduce: at least one value is required");
-    let acc = rest.iter().fold(first, |acc, &v| T::scalar_op(acc, v, op));
+    let pre = |v: T| match op.factor() {
+        Some(f) => {
+            assert!(
+                check_factor(T::DTYPE, f).is_ok(),
+                "reference_reduce: {dt} values cannot be multiplied by {f}",
+                dt = T::DTYPE
+            );
+            T::scalar_scale(v, f)
+        }
+        None => v,
+    };
+    let acc = rest
+        .iter()
+        .fold(pre(first), |acc, &v| T::scalar_op(acc, pre(v), op));
     match op {
         ReduceOp::Avg => T::scalar_div(acc, vals.len()),
         _ => acc,

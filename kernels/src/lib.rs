@@ -2,9 +2,10 @@
 //!
 //! Every collective in oxccl ends up combining buffers element by element; this crate holds
 //! those kernels for every ([`DType`], [`ReduceOp`]) pair, in a typed form ([`reduce`],
-//! [`reduce_into`], [`finish_avg`]) and in a byte form for transports that move untyped buffers
-//! ([`reduce_bytes`], [`reduce_into_bytes`], [`finish_avg_bytes`]), plus [`copy_streaming`], a
-//! copy with non-temporal stores for destinations larger than the caches.
+//! [`reduce_into`], [`finish_avg`], [`scale`], [`scale_into`]) and in a byte form for transports
+//! that move untyped buffers ([`reduce_bytes`], [`reduce_into_bytes`], [`finish_avg_bytes`],
+//! [`scale_bytes`], [`scale_into_bytes`]), plus [`copy_streaming`], a copy with non-temporal
+//! stores for destinations larger than the caches.
 //!
 //! # Quick start
 //!
@@ -47,8 +48,9 @@
 //! | `F8E5M2` | [`F8E5M2`] | `f8e5m2` | 1 |
 //!
 //! Operations: [`ReduceOp::Sum`], [`ReduceOp::Prod`], [`ReduceOp::Min`], [`ReduceOp::Max`],
-//! [`ReduceOp::Avg`]. Both enums parse from their names (case-insensitive; dtypes also accept
-//! `f32`, `bf16`, `i64`, ...) and have stable one-byte wire codes.
+//! [`ReduceOp::Avg`], [`ReduceOp::PreMulSum`]. Both enums parse from their names
+//! (case-insensitive; dtypes also accept `f32`, `bf16`, `i64`, ...) and have stable one-byte wire
+//! codes.
 //!
 //! # Integer semantics
 //!
@@ -80,6 +82,24 @@
 //! `f64`, in `f32` for `f32`/`f16`/`bf16`/fp8, and by truncating division for integers (after a
 //! wrapping sum).
 //!
+//! # Pre-multiplied sum
+//!
+//! [`ReduceOp::PreMulSum`] carries a factor per rank: each rank multiplies its own input by it
+//! ([`scale`]), then the products are summed (every reduce kernel treats it as `Sum`). Floats
+//! multiply in `f32` (`f64` for `f64`) and round back like the other operations; integers take a
+//! whole factor and wrap ([`check_factor`] says which factors a type takes).
+//!
+//! ```
+//! use oxccl_kernels::{reduce, scale, ReduceOp};
+//! // Two ranks pre-divide their gradients by the world size: 0.5 * 2 + 0.5 * 6.
+//! let (mut a, mut b) = ([2.0f32], [6.0f32]);
+//! scale(&mut a, 0.5)?;
+//! scale(&mut b, 0.5)?;
+//! reduce(&mut a, &b, ReduceOp::premul_sum(0.5))?;
+//! assert_eq!(a, [4.0]);
+//! # Ok::<(), oxccl_kernels::KernelError>(())
+//! ```
+//!
 //! # Alignment
 //!
 //! The byte kernels reinterpret aligned buffers in place (the fast path). Buffers that are not
@@ -102,7 +122,7 @@ mod fp8;
 mod half16;
 mod host;
 
-pub use bytes::{finish_avg_bytes, reduce_bytes, reduce_into_bytes};
+pub use bytes::{finish_avg_bytes, reduce_bytes, reduce_into_bytes, scale_bytes, scale_into_bytes};
 pub use copy::copy_streaming;
 /// The 8-bit float types of [`DType::F8E4M3`] and [`DType::F8E5M2`].
 pub use fp8::{F8E4M3, F8E5M2};
@@ -136,7 +156,9 @@ macro_rules! with_dtype {
         }
     };
 }
-pub use dtype::{DType, ReduceOp};
+pub use dtype::{DType, Factor, ReduceOp};
 pub use element::Element;
 pub use error::KernelError;
-pub use host::{finish_avg, reduce, reduce_into, reference_reduce};
+pub use host::{
+    check_factor, finish_avg, reduce, reduce_into, reference_reduce, scale, scale_into,
+};

@@ -8,10 +8,11 @@
 //! order-independent as well. For `prod` the values are 1 or 2, so products are exact powers of
 //! two (or overflow to infinity the same way in any order). The expected reduction of index `i`
 //! is the kernels' own scalar reference (`reference_reduce`) over the ranks' values, which also
-//! rounds `avg` exactly as the kernels do (integers truncate).
+//! rounds `avg` exactly as the kernels do (integers truncate). For `premul_sum` rank `r` passes
+//! factor [`premul_factor`]`(r)` (1 or 2) and the limits above are halved.
 
 use oxccl_comm::{Element, ReduceOp};
-use oxccl_kernels::{reference_reduce, DType};
+use oxccl_kernels::{reference_reduce, scale, DType};
 
 /// Period of the value pattern along a buffer (a prime, so shifted data is caught).
 pub const PERIOD: usize = 1021;
@@ -33,13 +34,37 @@ fn mix(r: usize, j: usize) -> u32 {
     h ^ (h >> 13)
 }
 
-/// The largest integer up to which every sum of `dtype` values is exact (for `sum` and `avg`).
+/// Rank `r`'s factor in a `premul_sum` run: 1 on even ranks, 2 on odd ones (a power of two, so
+/// every product is exact, and whole, so every integer type takes it).
+pub fn premul_factor(r: usize) -> f64 {
+    if r % 2 == 1 {
+        2.0
+    } else {
+        1.0
+    }
+}
+
+/// The operation rank `r` passes for `op`: a `premul_sum` with the rank's own factor.
+pub fn rank_op(op: ReduceOp, r: usize) -> ReduceOp {
+    match op {
+        ReduceOp::PreMulSum(_) => ReduceOp::premul_sum(premul_factor(r)),
+        op => op,
+    }
+}
+
+/// The largest integer up to which every sum of `dtype` values is exact (for `sum` and `avg`;
+/// half of it for `premul_sum`, whose factors double some values).
 fn exact_limit(dtype: DType, op: Option<ReduceOp>) -> usize {
-    match (dtype, op) {
-        (DType::BF16, Some(ReduceOp::Sum | ReduceOp::Avg)) => 256,
-        (DType::F16, Some(ReduceOp::Sum | ReduceOp::Avg)) => 2048,
-        (DType::F8E4M3, Some(ReduceOp::Sum | ReduceOp::Avg)) => 16,
-        (DType::F8E5M2, Some(ReduceOp::Sum | ReduceOp::Avg)) => 8,
+    let limit = match dtype {
+        DType::BF16 => 256,
+        DType::F16 => 2048,
+        DType::F8E4M3 => 16,
+        DType::F8E5M2 => 8,
+        _ => return usize::MAX,
+    };
+    match op {
+        Some(ReduceOp::Sum | ReduceOp::Avg) => limit,
+        Some(ReduceOp::PreMulSum(_)) => limit / 2,
         _ => usize::MAX,
     }
 }
@@ -80,8 +105,8 @@ impl<T: Element> Pattern<T> {
                 (0..PERIOD)
                     .map(|j| {
                         vals.clear();
-                        vals.extend(tables.iter().map(|t| t[j]));
-                        reference_reduce(&vals, op)
+                        vals.extend(tables.iter().enumerate().map(|(r, t)| premul(op, r, t[j])));
+                        reference_reduce(&vals, op.factor().map_or(op, |_| ReduceOp::Sum))
                     })
                     .collect()
             }
@@ -98,6 +123,19 @@ impl<T: Element> Pattern<T> {
     /// The expected reduction.
     pub fn reduced(&self) -> &[T] {
         &self.reduced
+    }
+}
+
+/// Rank `r`'s value `v` as it enters the sum of a `premul_sum` (times the rank's factor, rounded
+/// as the kernels round); `v` itself for other operations.
+fn premul<T: Element>(op: ReduceOp, r: usize, v: T) -> T {
+    match rank_op(op, r).factor() {
+        Some(f) => {
+            let mut out = [v];
+            scale(&mut out, f).expect("the perf factors are whole");
+            out[0]
+        }
+        None => v,
     }
 }
 
@@ -140,11 +178,12 @@ mod tests {
         let p = Pattern::<T>::new(n, Some(op));
         for j in 0..PERIOD {
             // Every order gives the same result: compare forward and reverse folds.
-            let vals: Vec<T> = (0..n).map(|r| p.rank(r)[j]).collect();
+            let vals: Vec<T> = (0..n).map(|r| premul(op, r, p.rank(r)[j])).collect();
             let mut rev = vals.clone();
             rev.reverse();
+            let sum = op.factor().map_or(op, |_| ReduceOp::Sum);
             assert_eq!(
-                reference_reduce(&rev, op),
+                reference_reduce(&rev, sum),
                 p.reduced()[j],
                 "{:?} {op}",
                 T::DTYPE
@@ -154,7 +193,7 @@ mod tests {
 
     #[test]
     fn reductions_are_order_independent() {
-        for op in ReduceOp::ALL {
+        for op in ReduceOp::ALL.into_iter().chain([ReduceOp::premul_sum(1.0)]) {
             for n in [2, 3, 8] {
                 sums_exact::<f32>(n, op);
                 sums_exact::<f16>(n, op);

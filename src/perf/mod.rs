@@ -111,7 +111,9 @@ pub struct PerfArgs {
     #[arg(short = 'c', long = "check", value_name = "0/1", default_value_t = 1)]
     pub check: u32,
 
-    /// Reduction: sum, prod, min, max, avg, or all (ignored by collectives without one).
+    /// Reduction: sum, prod, min, max, avg, premul_sum (also mulsum: rank r multiplies its input
+    /// by 1 on even ranks, 2 on odd ones, before the sum), or all (ignored by collectives
+    /// without one).
     #[arg(short = 'o', long = "op", value_name = "OP", default_value = "sum")]
     pub op: String,
 
@@ -218,6 +220,17 @@ pub struct Plan {
     pub skew: f64,
 }
 
+/// What `-o all` runs: every operation, `premul_sum` with the factors of
+/// [`data::premul_factor`].
+const PERF_OPS: [ReduceOp; 6] = [
+    ReduceOp::Sum,
+    ReduceOp::Prod,
+    ReduceOp::Min,
+    ReduceOp::Max,
+    ReduceOp::Avg,
+    ReduceOp::premul_sum(1.0),
+];
+
 fn parse_list<T>(
     s: &str,
     all: &[T],
@@ -280,9 +293,9 @@ impl Plan {
         )?;
         let ops = parse_list(
             &a.op,
-            &ReduceOp::ALL,
+            &PERF_OPS,
             "op",
-            "sum, prod, min, max, avg",
+            "sum, prod, min, max, avg, premul_sum",
             |s| s.parse().ok(),
         )?;
         let ops = if sweep::has_op(coll) {

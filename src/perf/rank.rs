@@ -6,7 +6,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use oxccl_comm::{Communicator, Element, Error, ReduceOp};
 
 use super::bench::{has_async, sets_for, Average, Bench, Spec};
-use super::data::Pattern;
+use super::data::{rank_op, Pattern};
 use super::format::{header, row_line, Measure, Row, Totals};
 use super::progress::Progress;
 use super::report::{write_json, write_plot, Meta, RankInfo};
@@ -252,7 +252,7 @@ fn run_dtype<T: Element>(
     for &op in &plan.ops {
         let pat = Pattern::<T>::new(n, op);
         bench.fill_inputs(&pat)?;
-        let red = op.unwrap_or(ReduceOp::Sum);
+        let red = op.map_or(ReduceOp::Sum, |o| rank_op(o, comm.rank()));
         let redop = op.map_or("none", |o| o.name());
         for &size in &plan.sizes {
             let g = geometry(spec.coll, size, ts, n);

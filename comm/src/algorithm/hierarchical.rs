@@ -190,7 +190,13 @@ pub(crate) fn all_reduce(
     let pieces = lay.pieces;
     let n = lay.cross_group.len();
     if count < pieces {
-        // Too few elements to give every piece one: flat ring.
+        // Too few elements to give every piece one: flat ring (summing for `Avg`: the caller
+        // divides the whole buffer after a hierarchical all-reduce).
+        let op = if op == ReduceOp::Avg {
+            ReduceOp::Sum
+        } else {
+            op
+        };
         return ring::all_reduce(ctx, src, buf, dt, op, chunk_bytes);
     }
     let mut sched: Vec<Block> = Vec::new();

@@ -23,15 +23,22 @@
 
 use std::ops::Range;
 
-use oxccl_kernels::{DType, ReduceOp};
+use oxccl_kernels::{finish_avg_bytes, DType, ReduceOp};
 
 use super::{blocks, partition, ring_sub, split_pair, split_pair_mut};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::prims::{Ctx, RecvMode};
 
 /// Reduce-scatter steps of one block. With `src` (the out-of-place input, indexed like `buf`),
 /// the first send reads `src` and every received chunk is combined with `src` into `buf`, so the
 /// input is never copied into `buf` first.
+///
+/// A pre-multiplied sum ([`ReduceOp::PreMulSum`]) scales this rank's input on the way: every
+/// chunk of the block is this rank's own input exactly once (the first one sent, then each one
+/// received into), so the chunk sent first is scaled into the slots as it goes out
+/// ([`Ctx::exchange_scaled`]; in place, `buf` keeps it unscaled: the all-gather or the caller
+/// overwrites it), and each received chunk is scaled as its slots arrive
+/// ([`RecvMode::ScaleReduce`]). No pass over the input of its own.
 pub(crate) fn rs_steps(
     ctx: &mut Ctx<'_>,
     buf: &mut [u8],
@@ -42,17 +49,25 @@ pub(crate) fn rs_steps(
 ) -> Result<()> {
     let (n, r) = (ctx.size, ctx.rank);
     let (next, prev) = ((r + 1) % n, ring_sub(r, 1, n));
+    let factor = op.factor();
     for s in 0..n - 1 {
         let (out, inc) = (chunk(ring_sub(r, s + 1, n)), chunk(ring_sub(r, s + 2, n)));
-        let mode = src.map_or(RecvMode::Reduce(dt, op), |x| {
-            RecvMode::ReduceFrom(dt, op, &x[inc.clone()])
-        });
+        let mode = match (factor, src) {
+            (Some(f), x) => RecvMode::ScaleReduce(dt, f, x.map(|x| &x[inc.clone()])),
+            (None, Some(x)) => RecvMode::ReduceFrom(dt, op, &x[inc.clone()]),
+            (None, None) => RecvMode::Reduce(dt, op),
+        };
         let (from_buf, dst) = split_pair(buf, out.clone(), inc);
         let data = match src {
             Some(x) if s == 0 => &x[out],
             _ => from_buf,
         };
-        ctx.exchange(Some((next, data)), Some((prev, dst, mode)))?;
+        match factor {
+            Some(f) if s == 0 => {
+                ctx.exchange_scaled((next, data), (dt, f), Some((prev, dst, mode)))?
+            }
+            _ => ctx.exchange(Some((next, data)), Some((prev, dst, mode)))?,
+        }
     }
     Ok(())
 }
@@ -84,7 +99,9 @@ pub(crate) fn ag_steps(
 }
 
 /// Ring all-reduce of `buf` (elements of `dt`): in place, or `buf = reduce(src)` reading `src`
-/// where it is.
+/// where it is. `Avg` is finished here: each rank divides its own reduced chunk of a block
+/// before the all-gather sends it on (a `size`-th of the buffer, still in cache), so the caller
+/// must not divide again.
 pub(crate) fn all_reduce(
     ctx: &mut Ctx<'_>,
     src: Option<&[u8]>,
@@ -111,6 +128,15 @@ pub(crate) fn all_reduce(
             (start + p.start) * es..(start + p.end) * es
         };
         rs_steps(ctx, buf, src, &chunk, dt, op)?;
+        if op == ReduceOp::Avg {
+            finish_avg_bytes(dt, &mut buf[chunk(ctx.rank)], n).map_err(|e| {
+                Error::InvalidArgument {
+                    rank: ctx.rank,
+                    op: ctx.op.into(),
+                    msg: e.to_string(),
+                }
+            })?;
+        }
         ag_steps(ctx, buf, &chunk, None)?;
         start += len;
     }
@@ -252,11 +278,11 @@ pub(crate) fn all_gather_v(
 }
 
 /// Ring reduce-scatter-v: `src` holds every rank's shard (`counts[i]` elements for rank i, in
-/// rank order) and `buf` (as long as `src`) receives partial results; afterwards this rank's
-/// shard of `buf` holds the reduction.
+/// rank order) and `buf` (as long as `src`) receives partial results, or `buf` is the input
+/// itself without `src`; afterwards this rank's shard of `buf` holds the reduction.
 pub(crate) fn reduce_scatter_v(
     ctx: &mut Ctx<'_>,
-    src: &[u8],
+    src: Option<&[u8]>,
     buf: &mut [u8],
     dt: DType,
     op: ReduceOp,
@@ -266,13 +292,15 @@ pub(crate) fn reduce_scatter_v(
     let es = dt.size();
     let disp = displacements(counts);
     if ctx.size == 1 {
-        buf.copy_from_slice(src);
+        if let Some(s) = src {
+            buf.copy_from_slice(s);
+        }
         return Ok(());
     }
     let block = (chunk_bytes / es).max(1);
     for k in 0..v_blocks(counts, block) {
         let chunk = v_chunk(counts, &disp, es, block, k);
-        rs_steps(ctx, buf, Some(src), &chunk, dt, op)?;
+        rs_steps(ctx, buf, src, &chunk, dt, op)?;
     }
     Ok(())
 }

@@ -370,7 +370,7 @@ pub(crate) fn ipc_plan(
     // configured differently must not pair up.
     let sig = signature(&[
         code,
-        op as u64,
+        u64::from(op.to_u8()),
         kind.root() as u64,
         dt as u64,
         count as u64,

@@ -67,7 +67,7 @@ impl Rng {
 
 fn f32_op(x: f32, y: f32, op: ReduceOp) -> f32 {
     match op {
-        ReduceOp::Sum | ReduceOp::Avg => x + y,
+        ReduceOp::Sum | ReduceOp::Avg | ReduceOp::PreMulSum(_) => x + y,
         ReduceOp::Prod => x * y,
         _ if x.is_nan() || y.is_nan() => f32::NAN,
         ReduceOp::Min => {
@@ -89,7 +89,7 @@ fn f32_op(x: f32, y: f32, op: ReduceOp) -> f32 {
 
 fn f64_op(x: f64, y: f64, op: ReduceOp) -> f64 {
     match op {
-        ReduceOp::Sum | ReduceOp::Avg => x + y,
+        ReduceOp::Sum | ReduceOp::Avg | ReduceOp::PreMulSum(_) => x + y,
         ReduceOp::Prod => x * y,
         _ if x.is_nan() || y.is_nan() => f64::NAN,
         ReduceOp::Min => {
@@ -115,7 +115,7 @@ pub fn ref_op<T: Element>(a: T, b: T, op: ReduceOp) -> T {
         ($t:ty) => {{
             let (x, y): ($t, $t) = (cast(a), cast(b));
             cast(match op {
-                ReduceOp::Sum | ReduceOp::Avg => x.wrapping_add(y),
+                ReduceOp::Sum | ReduceOp::Avg | ReduceOp::PreMulSum(_) => x.wrapping_add(y),
                 ReduceOp::Prod => x.wrapping_mul(y),
                 ReduceOp::Min => x.min(y),
                 ReduceOp::Max => x.max(y),
@@ -209,5 +209,38 @@ impl Aligned {
 
     pub fn at(&mut self, off: usize, len: usize) -> &mut [u8] {
         &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.0)[off..off + len]
+    }
+}
+
+/// Independent scalar reference for `scale`: `a * factor`, floats in `f32` (`f64` for `f64`)
+/// and rounded back, integers by the whole factor modulo 2^bits (through `i128`).
+pub fn ref_scale<T: Element>(a: T, factor: f64) -> T {
+    macro_rules! int {
+        ($t:ty) => {{
+            let x: $t = cast(a);
+            let k = (factor as i128).rem_euclid(1i128 << <$t>::BITS) as $t;
+            cast(x.wrapping_mul(k))
+        }};
+    }
+    let k = factor as f32;
+    match T::DTYPE {
+        DType::F32 => cast(cast::<T, f32>(a) * k),
+        DType::F64 => cast(cast::<T, f64>(a) * factor),
+        DType::F16 => cast(f16::from_f32(cast::<T, f16>(a).to_f32() * k)),
+        DType::BF16 => cast(bf16::from_f32(cast::<T, bf16>(a).to_f32() * k)),
+        DType::F8E4M3 => {
+            let x = float8::F8E4M3::from_bits(cast(a)).to_f32() * k;
+            cast(float8::F8E4M3::from_f32(x).to_bits())
+        }
+        DType::F8E5M2 => {
+            let x = float8::F8E5M2::from_bits(cast(a)).to_f32() * k;
+            cast(float8::F8E5M2::from_f32(x).to_bits())
+        }
+        DType::I8 => int!(i8),
+        DType::U8 => int!(u8),
+        DType::I32 => int!(i32),
+        DType::U32 => int!(u32),
+        DType::I64 => int!(i64),
+        DType::U64 => int!(u64),
     }
 }

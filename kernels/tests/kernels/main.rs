@@ -8,3 +8,4 @@ mod fp8;
 mod parse;
 mod prop;
 mod reduce;
+mod scale;

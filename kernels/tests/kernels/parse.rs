@@ -56,7 +56,25 @@ fn op_names_round_trip() {
         assert_eq!(names[i].to_uppercase().parse::<ReduceOp>(), Ok(op));
     }
     assert_eq!("Avg".parse::<ReduceOp>(), Ok(ReduceOp::Avg));
-    assert_eq!(ReduceOp::from_u8(5), None);
+    assert_eq!(ReduceOp::from_u8(6), None);
+    // A pre-multiplied sum: named and coded without its factor, which stays on its rank.
+    let pre = ReduceOp::premul_sum(0.25);
+    assert_eq!(
+        (pre.name(), pre.to_string(), pre.to_u8()),
+        ("premul_sum", "premul_sum".into(), 5)
+    );
+    assert_eq!(pre.factor(), Some(0.25));
+    assert_eq!(ReduceOp::Sum.factor(), None);
+    assert_eq!(ReduceOp::from_u8(5), Some(ReduceOp::premul_sum(1.0)));
+    for name in ["premul_sum", "PREMUL_SUM", " premulsum ", "mulsum"] {
+        assert_eq!(
+            name.parse::<ReduceOp>(),
+            Ok(ReduceOp::premul_sum(1.0)),
+            "{name}"
+        );
+    }
+    assert_ne!(ReduceOp::premul_sum(0.5), ReduceOp::premul_sum(2.0));
+    assert_eq!(format!("{pre:?}"), "PreMulSum(0.25)");
     for bad in ["", "mean", "float", "summ"] {
         assert_eq!(
             bad.parse::<ReduceOp>(),
