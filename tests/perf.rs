@@ -141,10 +141,10 @@ fn every_collective_dtype_and_op_checks_exactly() {
             coll,
             "all-reduce" | "reduce-scatter" | "reduce-scatter-v" | "reduce"
         );
-        // 4 sizes x 12 dtypes (x 5 ops where there is an op).
+        // 4 sizes x 12 dtypes (x 6 ops where there is an op: premul_sum included).
         assert_eq!(
             rows.len(),
-            4 * 12 * if with_op { 5 } else { 1 },
+            4 * 12 * if with_op { 6 } else { 1 },
             "{coll}\n{stdout}"
         );
         let in_place = matches!(

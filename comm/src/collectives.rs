@@ -322,7 +322,9 @@ impl Communicator {
     }
 
     /// Checks what the operation of `desc` needs of its data type (a pre-multiplied sum's factor)
-    /// before the call takes its turn, so a bad factor fails on its rank alone, at once.
+    /// before the call takes its turn: a bad factor fails on its rank at once, before anything
+    /// is sent (ranks whose factors pass go on into the collective and wait for this one, as for
+    /// any call one rank leaves out, until `Timeout` or a failure reaches them).
     pub(crate) fn check_op(&self, desc: &OpDesc) -> Result<()> {
         match desc.op.factor() {
             Some(f) => check_factor(desc.dtype, f)

@@ -796,8 +796,18 @@ impl<'a> Ctx<'a> {
                 Some(slot) => {
                     let n = match s.scale {
                         Some((dt, factor)) => {
-                            // Whole elements per slot (slots hold thousands of them).
+                            // Whole elements per slot (slots are multiples of 64 bytes).
                             let whole = slot.len() / dt.size() * dt.size();
+                            if whole == 0 {
+                                return Err(Error::InvalidArgument {
+                                    rank: me,
+                                    op: self.op.into(),
+                                    msg: format!(
+                                        "a slot of {} bytes holds no {dt} element",
+                                        slot.len()
+                                    ),
+                                });
+                            }
                             let n = whole.min(data.len() - sent);
                             oxccl_kernels::scale_into_bytes(
                                 dt,

@@ -214,8 +214,10 @@ pub enum ReduceOp {
     /// the operation only. Make one with [`ReduceOp::premul_sum`].
     ///
     /// The multiplication is [`scale`](crate::scale): floats in `f32` (`f64` for `f64`) and
-    /// rounded back, integers by a whole factor, wrapping. The reduce kernels of this crate treat
-    /// the operation as [`ReduceOp::Sum`]; scale each input first.
+    /// rounded back, integers by a whole factor, wrapping. A factor the data type refuses
+    /// ([`check_factor`](crate::check_factor)) fails the call on its rank before anything is
+    /// sent; the other ranks then wait for it as for any call one rank leaves out. The reduce
+    /// kernels of this crate treat the operation as [`ReduceOp::Sum`]; scale each input first.
     PreMulSum(Factor),
 }
 

@@ -112,8 +112,8 @@ pub struct PerfArgs {
     pub check: u32,
 
     /// Reduction: sum, prod, min, max, avg, premul_sum (also mulsum: rank r multiplies its input
-    /// by 1 on even ranks, 2 on odd ones, before the sum), or all (ignored by collectives
-    /// without one).
+    /// by 1 on even ranks, 2 on odd ones, before the sum), or all (premul_sum not included with
+    /// --device cuda; ignored by collectives without an op).
     #[arg(short = 'o', long = "op", value_name = "OP", default_value = "sum")]
     pub op: String,
 
@@ -334,6 +334,13 @@ impl Plan {
             return Err(format!(
                 "oxccl perf {coll} runs on host buffers only (--device host)"
             ));
+        }
+        // Over CUDA IPC (the default on one node) a premul_sum is refused: `-o all` leaves it
+        // out on device buffers, `-o premul_sum` still asks for it (staged with
+        // OXCCL_CUDA_IPC=0).
+        let mut ops = ops;
+        if cuda && a.op.trim().eq_ignore_ascii_case("all") {
+            ops.retain(|o| o.and_then(ReduceOp::factor).is_none());
         }
         if !(0.0..=1.0).contains(&a.skew) {
             return Err(format!("--skew {}: expected 0 to 1", a.skew));
@@ -615,6 +622,29 @@ mod tests {
             Role::Parent { ignored: Some(w) } => w,
             other => panic!("expected a parent overriding the launcher, got {other:?}"),
         }
+    }
+
+    /// `-o all` on device buffers leaves premul_sum out (refused over CUDA IPC); `-o premul_sum`
+    /// keeps it, and host buffers keep it in `all`.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn device_all_ops_leave_premul_sum_out() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            perf: PerfArgs,
+        }
+        let ops = |args: &[&str]| {
+            let cli = Cli::try_parse_from(["perf", "all-reduce"].iter().chain(args)).unwrap();
+            Plan::from_args(&cli.perf).unwrap().ops
+        };
+        let premul = Some(ReduceOp::premul_sum(1.0));
+        let device = ops(&["--device", "cuda", "-o", "all"]);
+        assert_eq!(device.len(), 5);
+        assert!(!device.contains(&premul), "{device:?}");
+        assert_eq!(ops(&["--device", "cuda", "-o", "premul_sum"]), vec![premul]);
+        assert!(ops(&["-o", "all"]).contains(&premul));
     }
 
     #[test]

@@ -482,6 +482,10 @@ impl StreamComm<'_> {
             comm.cfg.cuda_stage_chunk,
         )
         .map_err(|msg| comm.invalid(op, msg))?;
+        if let Some(f) = kind.op().factor() {
+            oxccl_kernels::check_factor(dt, f)
+                .map_err(|e| comm.invalid(op, format!("op={}: {e}", kind.op())))?;
+        }
         let stream = &self.stream;
         // One device operation at a time per communicator: tickets, part numbers and stream
         // work are taken in the same order.
