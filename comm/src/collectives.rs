@@ -830,30 +830,159 @@ impl Communicator {
         }
     }
 
+    /// Asynchronous [`reduce`](Self::reduce): the job owns `input` and `output` until `wait()`
+    /// gives both back, the root's `output` holding the reduction (other ranks' `output` is not
+    /// touched and may be empty; their partial results go to the communicator's reusable
+    /// scratch buffer).
+    pub fn reduce_async<T, I, O>(
+        &self,
+        input: I,
+        mut output: O,
+        op: ReduceOp,
+        root: usize,
+    ) -> Work<(I, O)>
+    where
+        T: Element,
+        I: AsRef<[T]> + Send + 'static,
+        O: AsMut<[T]> + Send + 'static,
+    {
+        if let Err(e) = self.check_root("reduce", root) {
+            return self.failed_work(e, "reduce");
+        }
+        let (ni, no) = (input.as_ref().len(), output.as_mut().len());
+        if self.rank == root && ni != no {
+            let e = self.invalid("reduce", format!("input has {ni} elements, output {no}"));
+            return self.failed_work(e, "reduce");
+        }
+        let desc = self.desc::<T>(Collective::Reduce, ni, op, root);
+        let (rank, scratch) = (self.rank, Arc::clone(&self.scratch));
+        self.run_async(desc, (input, output), move |ctx, ch, (i, o)| {
+            let src = bytes(i.as_ref());
+            if rank == root {
+                let out = bytes_mut(o.as_mut());
+                out.copy_from_slice(src);
+                return reduce_body(ctx, ch, out, T::DTYPE, op, root);
+            }
+            with_scratch(&scratch, src.len(), |buf| {
+                buf.copy_from_slice(src);
+                reduce_body(ctx, ch, buf, T::DTYPE, op, root)
+            })
+        })
+    }
+
+    /// Asynchronous [`reduce_in_place`](Self::reduce_in_place): `wait()` gives `buf` back, the
+    /// root's holding the reduction and every other rank's unchanged.
+    pub fn reduce_in_place_async<T: Element, B: AsMut<[T]> + Send + 'static>(
+        &self,
+        mut buf: B,
+        op: ReduceOp,
+        root: usize,
+    ) -> Work<B> {
+        if let Err(e) = self.check_root("reduce", root) {
+            return self.failed_work(e, "reduce");
+        }
+        let desc = self.desc::<T>(Collective::Reduce, buf.as_mut().len(), op, root);
+        let (rank, scratch) = (self.rank, Arc::clone(&self.scratch));
+        self.run_async(desc, buf, move |ctx, ch, b| {
+            let b = bytes_mut(b.as_mut());
+            if rank == root {
+                return reduce_body(ctx, ch, b, T::DTYPE, op, root);
+            }
+            with_scratch(&scratch, b.len(), |buf| {
+                buf.copy_from_slice(b);
+                reduce_body(ctx, ch, buf, T::DTYPE, op, root)
+            })
+        })
+    }
+
     /// Gather: the root's `output` = every rank's `input` in rank order (`size() * input.len()`
     /// elements); `output` is not touched on other ranks (it may be empty there).
     ///
     /// # Errors
     /// `InvalidArgument` for a bad root or, on the root, a wrong output length.
     pub fn gather<T: Element>(&self, input: &[T], output: &mut [T], root: usize) -> Result<()> {
-        self.check_root("gather", root)?;
-        let n = input.len();
+        let desc = self.rooted_desc::<T>(Collective::Gather, input.len(), output.len(), root)?;
         if self.rank == root {
-            if output.len() != n * self.size {
-                return Err(self.invalid(
-                    "gather",
-                    format!(
-                        "output has {} elements; it must be input length {n} x world size {}",
-                        output.len(),
-                        self.size
-                    ),
-                ));
-            }
+            let n = input.len();
             output[root * n..(root + 1) * n].copy_from_slice(input);
         }
-        let desc = self.desc::<T>(Collective::Gather, n, ReduceOp::Sum, root);
         self.run(desc, |ctx, _| {
             linear::gather(ctx, bytes(input), bytes_mut(output), root)
+        })
+    }
+
+    /// Checks a gather (`block` = input length, `full` = output length) or a scatter (`block` =
+    /// output length, `full` = input length) and its root; returns the descriptor.
+    fn rooted_desc<T: Element>(
+        &self,
+        coll: Collective,
+        block: usize,
+        full: usize,
+        root: usize,
+    ) -> Result<OpDesc> {
+        let (name, block_side, full_side) = match coll {
+            Collective::Gather => ("gather", "input", "output"),
+            _ => ("scatter", "output", "input"),
+        };
+        self.check_root(name, root)?;
+        if self.rank == root && Some(full) != block.checked_mul(self.size) {
+            return Err(self.invalid(
+                name,
+                format!(
+                    "{full_side} has {full} elements; it must be {block_side} length {block} x \
+                     world size {}",
+                    self.size
+                ),
+            ));
+        }
+        Ok(self.desc::<T>(coll, block, ReduceOp::Sum, root))
+    }
+
+    /// Asynchronous [`gather`](Self::gather): the job owns `input` and `output` until `wait()`
+    /// gives both back (the root's `output` holding every rank's input).
+    pub fn gather_async<T, I, O>(&self, input: I, mut output: O, root: usize) -> Work<(I, O)>
+    where
+        T: Element,
+        I: AsRef<[T]> + Send + 'static,
+        O: AsMut<[T]> + Send + 'static,
+    {
+        let (ni, no) = (input.as_ref().len(), output.as_mut().len());
+        let desc = match self.rooted_desc::<T>(Collective::Gather, ni, no, root) {
+            Ok(d) => d,
+            Err(e) => return self.failed_work(e, "gather"),
+        };
+        let rank = self.rank;
+        self.run_async(desc, (input, output), move |ctx, _, (i, o)| {
+            let (input, output) = (bytes(i.as_ref()), bytes_mut(o.as_mut()));
+            if rank == root {
+                let n = input.len();
+                output[root * n..(root + 1) * n].copy_from_slice(input);
+            }
+            linear::gather(ctx, input, output, root)
+        })
+    }
+
+    /// Asynchronous [`scatter`](Self::scatter): the job owns `input` and `output` until `wait()`
+    /// gives both back (`output` holding this rank's block of the root's input).
+    pub fn scatter_async<T, I, O>(&self, input: I, mut output: O, root: usize) -> Work<(I, O)>
+    where
+        T: Element,
+        I: AsRef<[T]> + Send + 'static,
+        O: AsMut<[T]> + Send + 'static,
+    {
+        let (ni, no) = (input.as_ref().len(), output.as_mut().len());
+        let desc = match self.rooted_desc::<T>(Collective::Scatter, no, ni, root) {
+            Ok(d) => d,
+            Err(e) => return self.failed_work(e, "scatter"),
+        };
+        let rank = self.rank;
+        self.run_async(desc, (input, output), move |ctx, _, (i, o)| {
+            let (input, output) = (bytes(i.as_ref()), bytes_mut(o.as_mut()));
+            if rank == root {
+                let n = output.len();
+                output.copy_from_slice(&input[root * n..(root + 1) * n]);
+            }
+            linear::scatter(ctx, input, output, root)
         })
     }
 
@@ -863,22 +992,11 @@ impl Communicator {
     /// # Errors
     /// `InvalidArgument` for a bad root or, on the root, a wrong input length.
     pub fn scatter<T: Element>(&self, input: &[T], output: &mut [T], root: usize) -> Result<()> {
-        self.check_root("scatter", root)?;
-        let n = output.len();
+        let desc = self.rooted_desc::<T>(Collective::Scatter, output.len(), input.len(), root)?;
         if self.rank == root {
-            if input.len() != n * self.size {
-                return Err(self.invalid(
-                    "scatter",
-                    format!(
-                        "input has {} elements; it must be output length {n} x world size {}",
-                        input.len(),
-                        self.size
-                    ),
-                ));
-            }
+            let n = output.len();
             output.copy_from_slice(&input[root * n..(root + 1) * n]);
         }
-        let desc = self.desc::<T>(Collective::Scatter, n, ReduceOp::Sum, root);
         self.run(desc, |ctx, _| {
             linear::scatter(ctx, bytes(input), bytes_mut(output), root)
         })
@@ -1012,6 +1130,70 @@ impl Communicator {
         let desc = self.desc::<T>(Collective::ScatterV, total, ReduceOp::Sum, root);
         self.run(desc, |ctx, _| {
             linear::scatter_v(ctx, bytes(input), &blocks, bytes_mut(output), root, elem)
+        })
+    }
+
+    /// Asynchronous [`gather_v`](Self::gather_v): the job owns `input` and `output` until
+    /// `wait()` gives both back. The counts are checked here and copied.
+    pub fn gather_v_async<T, I, O>(
+        &self,
+        input: I,
+        mut output: O,
+        counts: &[usize],
+        root: usize,
+    ) -> Work<(I, O)>
+    where
+        T: Element,
+        I: AsRef<[T]> + Send + 'static,
+        O: AsMut<[T]> + Send + 'static,
+    {
+        let elem = std::mem::size_of::<T>();
+        let lens = (input.as_ref().len(), output.as_mut().len());
+        let blocks = match self.rooted_v_blocks(true, counts, lens, root, elem) {
+            Ok(b) => b,
+            Err(e) => return self.failed_work(e, "gather-v"),
+        };
+        let total = counts.iter().sum();
+        let desc = self.desc::<T>(Collective::GatherV, total, ReduceOp::Sum, root);
+        let rank = self.rank;
+        self.run_async(desc, (input, output), move |ctx, _, (i, o)| {
+            let (input, output) = (bytes(i.as_ref()), bytes_mut(o.as_mut()));
+            if rank == root {
+                output[blocks[root].clone()].copy_from_slice(input);
+            }
+            linear::gather_v(ctx, input, output, &blocks, root, elem)
+        })
+    }
+
+    /// Asynchronous [`scatter_v`](Self::scatter_v): the job owns `input` and `output` until
+    /// `wait()` gives both back. The counts are checked here and copied.
+    pub fn scatter_v_async<T, I, O>(
+        &self,
+        input: I,
+        mut output: O,
+        counts: &[usize],
+        root: usize,
+    ) -> Work<(I, O)>
+    where
+        T: Element,
+        I: AsRef<[T]> + Send + 'static,
+        O: AsMut<[T]> + Send + 'static,
+    {
+        let elem = std::mem::size_of::<T>();
+        let lens = (output.as_mut().len(), input.as_ref().len());
+        let blocks = match self.rooted_v_blocks(false, counts, lens, root, elem) {
+            Ok(b) => b,
+            Err(e) => return self.failed_work(e, "scatter-v"),
+        };
+        let total = counts.iter().sum();
+        let desc = self.desc::<T>(Collective::ScatterV, total, ReduceOp::Sum, root);
+        let rank = self.rank;
+        self.run_async(desc, (input, output), move |ctx, _, (i, o)| {
+            let (input, output) = (bytes(i.as_ref()), bytes_mut(o.as_mut()));
+            if rank == root {
+                output.copy_from_slice(&input[blocks[root].clone()]);
+            }
+            linear::scatter_v(ctx, input, &blocks, output, root, elem)
         })
     }
 
@@ -1348,14 +1530,25 @@ impl Communicator {
     /// # Errors
     /// `PeerLost`, `Timeout`, `Aborted`.
     pub fn barrier(&self) -> Result<()> {
-        let desc = OpDesc {
+        self.run(Self::barrier_desc(), |ctx, _| dissemination::barrier(ctx))
+    }
+
+    /// Asynchronous [`barrier`](Self::barrier): `wait()` returns once every rank has entered
+    /// it (torch's `barrier(async_op=True)`, or `MPI_Ibarrier`).
+    pub fn barrier_async(&self) -> Work<()> {
+        self.run_async(Self::barrier_desc(), (), |ctx, _, ()| {
+            dissemination::barrier(ctx)
+        })
+    }
+
+    fn barrier_desc() -> OpDesc {
+        OpDesc {
             coll: Collective::Barrier,
             dtype: DType::U8,
             op: ReduceOp::Sum,
             root: 0,
             count: 0,
-        };
-        self.run(desc, |ctx, _| dissemination::barrier(ctx))
+        }
     }
 }
 

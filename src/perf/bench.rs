@@ -126,8 +126,15 @@ pub fn has_async(c: Collective) -> bool {
             | Collective::ReduceScatter
             | Collective::AllGather
             | Collective::Broadcast
+            | Collective::Reduce
+            | Collective::Gather
+            | Collective::Scatter
+            | Collective::AllToAll
+            | Collective::AllToAllV
             | Collective::AllGatherV
             | Collective::ReduceScatterV
+            | Collective::GatherV
+            | Collective::ScatterV
     )
 }
 
@@ -355,6 +362,12 @@ impl<'c, T: Element> Bench<'c, T> {
                 Vec::new(),
             );
         }
+        if coll == Collective::AllToAllV && self.v_counts.0 != g.count {
+            let block = skewed_counts(g.count, n, self.spec.skew);
+            let send = (0..n).map(|d| block[(d + n - rank) % n]).collect();
+            let recv = (0..n).map(|s| block[(rank + n - s) % n]).collect();
+            self.v_counts = (g.count, send, recv);
+        }
         if !self.spec.blocking && has_async(coll) {
             return self.call_async(g, set, in_place, op);
         }
@@ -370,12 +383,6 @@ impl<'c, T: Element> Bench<'c, T> {
                 Collective::Reduce => comm.reduce_in_place(buf, op, root),
                 _ => Ok(()),
             };
-        }
-        if coll == Collective::AllToAllV && self.v_counts.0 != g.count {
-            let block = skewed_counts(g.count, n, self.spec.skew);
-            let send = (0..n).map(|d| block[(d + n - rank) % n]).collect();
-            let recv = (0..n).map(|s| block[(rank + n - s) % n]).collect();
-            self.v_counts = (g.count, send, recv);
         }
         let mine = self.v_counts.1.get(rank).copied().unwrap_or(0);
         let inp = &self.a[base..base + g.input];
@@ -427,16 +434,24 @@ impl<'c, T: Element> Bench<'c, T> {
                 Collective::AllReduce => comm.all_reduce_async::<T, _>(w, op).wait()?,
                 Collective::ReduceScatter => comm.reduce_scatter_async::<T, _>(w, op).wait()?,
                 Collective::AllGather => comm.all_gather_async::<T, _>(w).wait()?,
+                Collective::Reduce => comm.reduce_in_place_async::<T, _>(w, op, root).wait()?,
                 _ => comm.broadcast_async::<T, _>(w, root).wait()?,
             };
             self.b = w.v;
             return Ok(());
         }
-        // all-gather-v's input and reduce-scatter-v's output: this rank's shard.
+        // all-gather-v's and gather-v's input, reduce-scatter-v's and scatter-v's output: this
+        // rank's shard; the root's side of a rooted collective is empty on other ranks.
         let mine = self.v_counts.1.get(comm.rank()).copied().unwrap_or(0);
+        let at_root = comm.rank() == root;
+        let root_only = |len: usize| if at_root { len } else { 0 };
         let (ni, no) = match coll {
             Collective::AllGatherV => (mine, g.output),
             Collective::ReduceScatterV => (g.input, mine),
+            Collective::GatherV => (mine, root_only(g.output)),
+            Collective::ScatterV => (root_only(g.input), mine),
+            Collective::Reduce | Collective::Gather => (g.input, root_only(g.output)),
+            Collective::Scatter => (root_only(g.input), g.output),
             _ => (g.input, g.output),
         };
         let (inp, out) = (window(&mut self.a, ni), window(&mut self.b, no));
@@ -452,6 +467,21 @@ impl<'c, T: Element> Bench<'c, T> {
                 .wait()?,
             Collective::ReduceScatterV => comm
                 .reduce_scatter_v_async::<T, _, _>(inp, out, counts, op)
+                .wait()?,
+            Collective::Reduce => comm.reduce_async::<T, _, _>(inp, out, op, root).wait()?,
+            Collective::Gather => comm.gather_async::<T, _, _>(inp, out, root).wait()?,
+            Collective::Scatter => comm.scatter_async::<T, _, _>(inp, out, root).wait()?,
+            Collective::AllToAll => comm.all_to_all_async::<T, _, _>(inp, out).wait()?,
+            Collective::AllToAllV => {
+                let (sc, rc) = (&self.v_counts.1, &self.v_counts.2);
+                comm.all_to_all_v_async::<T, _, _>(inp, sc, out, rc)
+                    .wait()?
+            }
+            Collective::GatherV => comm
+                .gather_v_async::<T, _, _>(inp, out, counts, root)
+                .wait()?,
+            Collective::ScatterV => comm
+                .scatter_v_async::<T, _, _>(inp, out, counts, root)
                 .wait()?,
             _ => comm
                 .broadcast_into_async::<T, _, _>(inp, out, root)
