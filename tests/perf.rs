@@ -160,10 +160,23 @@ fn every_collective_dtype_and_op_checks_exactly() {
 
 #[test]
 fn blocking_calls_and_other_roots_check_exactly() {
-    // -z 1 takes the blocking path of the collectives that have an async form, and a root
-    // other than 0 exercises the rooted ones. `--rotate 0` makes every call reuse one buffer
-    // set, as the MPI peer bench does.
-    for coll in ["all-reduce", "reduce-scatter", "all-gather", "broadcast"] {
+    // -z 1 takes the blocking path (the default -z 0 the async one), and a root other than 0
+    // exercises the rooted ones. `--rotate 0` makes every call reuse one buffer set, as the MPI
+    // peer bench does.
+    let colls = [
+        "all-reduce",
+        "reduce-scatter",
+        "all-gather",
+        "broadcast",
+        "reduce",
+        "gather",
+        "scatter",
+        "all-to-all",
+        "all-to-all-v",
+        "gather-v",
+        "scatter-v",
+    ];
+    for coll in colls {
         let (out, stdout, stderr) = run(&[
             "perf",
             coll,

@@ -118,7 +118,8 @@ impl<T> AsMut<[T]> for Window<T> {
     }
 }
 
-/// Whether oxccl has an async form of the collective.
+/// Whether `oxccl perf -z 0` times an async form of the collective (every one but send-recv,
+/// whose `send_recv` has none, and the barrier, which perf does not time).
 pub fn has_async(c: Collective) -> bool {
     matches!(
         c,

@@ -131,8 +131,8 @@ pub struct PerfArgs {
     #[arg(short = 'r', long = "root", value_name = "RANK", default_value_t = 0)]
     pub root: usize,
 
-    /// 1: blocking calls; 0: async calls waited every iteration where oxccl has them
-    /// (all-reduce, reduce-scatter, all-gather, broadcast; in place and out of place).
+    /// 1: blocking calls; 0: async calls waited every iteration (every collective but
+    /// send-recv; in place and out of place).
     #[arg(short = 'z', long = "blocking", value_name = "0/1", default_value_t = 0,
           value_parser = clap::value_parser!(u8).range(0..=1))]
     pub blocking: u8,
