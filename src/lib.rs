@@ -10,3 +10,4 @@ pub use oxccl_kernels as kernels;
 
 pub mod launch;
 pub mod perf;
+pub mod trace;

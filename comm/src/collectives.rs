@@ -18,6 +18,7 @@ use crate::engine::{ExecState, Shared, Work};
 use crate::error::{Error, Result};
 use crate::op::{counts_fingerprint, Collective, OpDesc};
 use crate::prims::{Ctx, NodeLayout};
+use crate::trace::What;
 use crate::tuning::{self, Algorithm, Choice};
 
 /// Runs `f` on `nbytes` of the communicator's reusable scratch (8-byte aligned words, so a call
@@ -84,23 +85,31 @@ fn exec<R>(
     };
     let choice = tuning::choose(desc.coll, full, n, &shared.algo, caps);
     tracing::info!(rank = shared.rank, seq, op = %desc, algo = %choice.algo, bytes = full, block = choice.chunk_bytes, "collective");
-    let mut ctx = Ctx::new(
-        shared.rank,
-        n,
-        &mut st.links,
-        desc.tag(seq),
-        desc.coll.name(),
-        shared.timeout,
-        &shared.abort,
-    );
-    ctx.collective = true;
-    ctx.spin = shared.spin;
-    ctx.stream = full >= tuning::STREAM_MIN;
-    ctx.layout = shared.layout.as_ref();
-    ctx.stalls = Some(&shared.stalls);
-    let r = body(&mut ctx, choice)?;
-    ctx.flush()?;
-    Ok(r)
+    let what = What::Coll {
+        seq,
+        desc,
+        algo: choice.algo,
+        bytes: full,
+    };
+    st.trace.record(what, || {
+        let mut ctx = Ctx::new(
+            shared.rank,
+            n,
+            &mut st.links,
+            desc.tag(seq),
+            desc.coll.name(),
+            shared.timeout,
+            &shared.abort,
+        );
+        ctx.collective = true;
+        ctx.spin = shared.spin;
+        ctx.stream = full >= tuning::STREAM_MIN;
+        ctx.layout = shared.layout.as_ref();
+        ctx.stalls = Some(&shared.stalls);
+        let r = body(&mut ctx, choice)?;
+        ctx.flush()?;
+        Ok(r)
+    })
 }
 
 /// The first step of a pre-multiplied sum ([`ReduceOp::PreMulSum`]): this rank's input (`src`,

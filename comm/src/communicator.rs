@@ -16,6 +16,7 @@ use crate::config::{Config, TransportChoice};
 use crate::engine::Shared;
 use crate::error::{Error, Result};
 use crate::prims::{Links, NodeLayout};
+use crate::trace::TraceDump;
 use crate::transport::shm::{self, Segment, ShmRecv, ShmSend, ShmWindow};
 use crate::transport::tcp::TcpTransport;
 use crate::transport::{PeerInfo, Reach, Transport, Window};
@@ -577,12 +578,21 @@ impl Communicator {
         }
         let mut shared = Shared::new(rank, size, spin, &cfg, links, store.clone(), &id);
         shared.layout = layout;
-        if let Some((root_id, root_ranks)) = root {
-            shared.stalls.set_root(root_id, root_ranks);
-        }
         // From what every rank knows alike (not from this rank's own peers), so all pick the
         // same ring blocks.
         shared.sockets = (0..size).any(|a| (a + 1..size).any(|b| !shm_ok(a, b)));
+        let trace = &mut shared
+            .exec
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .trace;
+        trace.owner.node.clone_from(&node_id);
+        trace.sockets = shared.sockets;
+        if let Some((root_id, root_ranks)) = root {
+            trace.owner.root_comm.clone_from(&root_id);
+            trace.owner.root_rank = root_ranks.get(rank).copied().unwrap_or(rank);
+            shared.stalls.set_root(root_id, root_ranks);
+        }
         let shared = Arc::new(shared);
         Ok(Communicator {
             shared,
@@ -730,6 +740,34 @@ impl Communicator {
     pub fn abort(&self) {
         self.shared.abort();
     }
+
+    /// The communicator's id: `<job id>/world<n>` for one made by [`Communicator::from_env`],
+    /// with `/split<k>/c<color>`, `/shrink<k>` or `/grow<k>` for those made from it. The same
+    /// on every rank; it names the communicator's flight-record files ([`TraceDump::file_name`]).
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// This rank's flight record of the communicator: its last operations (`OXCCL_TRACE_BUFFER`
+    /// of them, oldest first) with their sequence numbers, algorithms, start times, durations
+    /// and outcomes, and the error that broke the communicator if one did. See
+    /// [`crate::trace`]. An operation running on another thread (an async one, or a call of
+    /// another thread) holds the record: this waits until it ends, as a call would.
+    pub fn trace(&self) -> TraceDump {
+        let st = self.shared.exec.lock().unwrap_or_else(|p| p.into_inner());
+        st.trace.snapshot("requested", st.broken.as_ref())
+    }
+
+    /// Writes [`Communicator::trace`] to `dir` (made if missing) as
+    /// `<id>.r<rank>.json` ([`TraceDump::file_name`]), which `oxccl trace DIR` reads with the
+    /// other ranks' files; returns the path. `OXCCL_TRACE_DIR` does the same by itself when the
+    /// communicator fails and when it is dropped.
+    ///
+    /// # Errors
+    /// `Error::Io` naming the path when the directory or the file cannot be written.
+    pub fn dump_trace(&self, dir: impl AsRef<std::path::Path>) -> Result<std::path::PathBuf> {
+        self.trace().write_to(dir.as_ref())
+    }
 }
 
 impl Communicator {
@@ -755,6 +793,7 @@ impl Drop for Communicator {
         self.shared.stop_worker();
         let mut st = self.shared.exec.lock().unwrap_or_else(|p| p.into_inner());
         st.links.close(Instant::now() + Duration::from_secs(5));
+        st.trace.dump_if_set("closed", st.broken.as_ref());
     }
 }
 
@@ -789,7 +828,7 @@ mod tests {
     #[test]
     fn hand_built_fields_out_of_range_are_refused_at_init() {
         type Tweak = fn(&mut Config);
-        let cases: [(&str, Tweak); 8] = [
+        let cases: [(&str, Tweak); 9] = [
             ("nsocks", |c| c.nsocks = 0),
             ("nsocks", |c| c.nsocks = 17),
             ("socket_buffer", |c| c.socket_buffer = 4 << 30),
@@ -797,6 +836,7 @@ mod tests {
             ("nslots", |c| c.nslots = 0),
             ("direct_bytes", |c| c.direct_bytes = 1000),
             ("cuda_ipc_slot", |c| c.cuda_ipc_slot = 0),
+            ("trace_buffer", |c| c.trace_buffer = usize::MAX),
             ("timeout", |c| c.timeout = Duration::ZERO),
         ];
         for (field, tweak) in cases {

@@ -99,6 +99,14 @@ pub struct Config {
     /// kernel). On the host, each rank's thread waits until every rank has enqueued up to the
     /// barrier and its stream then waits for their CUDA events: no kernel spins on the GPU.
     pub cuda_ipc_host_barrier: Option<bool>,
+    /// Operations the flight recorder keeps per communicator, the oldest dropped first
+    /// (`OXCCL_TRACE_BUFFER`, default 2000, at most 2^20; 0 turns recording off). See
+    /// [`crate::trace`].
+    pub trace_buffer: usize,
+    /// Directory every communicator writes its flight record to when it fails and when it is
+    /// dropped (`OXCCL_TRACE_DIR`; default none: records stay in memory, see
+    /// [`crate::Communicator::trace`]).
+    pub trace_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for Config {
@@ -124,6 +132,8 @@ impl Default for Config {
             cuda_ipc_slot: 4 << 20,
             cuda_ipc_one_shot: 256 << 10,
             cuda_ipc_host_barrier: None,
+            trace_buffer: 2000,
+            trace_dir: None,
         }
     }
 }
@@ -246,6 +256,15 @@ impl Config {
                 "direct_bytes",
                 "OXCCL_SHM_DIRECT_BYTES",
                 self.direct_bytes,
+                want,
+            );
+        }
+        if self.trace_buffer > crate::trace::MAX_BUFFER {
+            let want = "at most 2^20 (0 = off)";
+            return bad(
+                "trace_buffer",
+                "OXCCL_TRACE_BUFFER",
+                self.trace_buffer,
                 want,
             );
         }
@@ -438,6 +457,18 @@ impl Config {
                 }
             };
         }
+        if let Some(v) = get("OXCCL_TRACE_BUFFER") {
+            c.trace_buffer = parse_num("OXCCL_TRACE_BUFFER", &v)?;
+            if c.trace_buffer > crate::trace::MAX_BUFFER {
+                return Err(Error::Config(format!(
+                    "OXCCL_TRACE_BUFFER={v} must be at most {} (0 turns the flight recorder off)",
+                    crate::trace::MAX_BUFFER
+                )));
+            }
+        }
+        c.trace_dir = get("OXCCL_TRACE_DIR")
+            .filter(|s| !s.trim().is_empty())
+            .map(std::path::PathBuf::from);
         Ok(c)
     }
 }
@@ -503,6 +534,12 @@ mod tests {
             (None, Some(false))
         );
         assert_eq!(pair("OXCCL_CUDA_IPC_BARRIER", "auto"), (None, None));
+        let c = cfg(&[]).unwrap();
+        assert_eq!((c.trace_buffer, c.trace_dir), (2000, None));
+        let c = cfg(&[("OXCCL_TRACE_BUFFER", "0"), ("OXCCL_TRACE_DIR", "/tmp/t")]).unwrap();
+        assert_eq!(c.trace_buffer, 0);
+        assert_eq!(c.trace_dir.as_deref(), Some(std::path::Path::new("/tmp/t")));
+        assert_eq!(cfg(&[("OXCCL_TRACE_DIR", " ")]).unwrap().trace_dir, None);
     }
 
     #[test]
@@ -534,6 +571,8 @@ mod tests {
             ("OXCCL_TIMEOUT", "NaN"),
             ("OXCCL_SOCKET_BUFFER", "4294967296"),
             ("OXCCL_SOCKET_BUFFER", "1073741825"),
+            ("OXCCL_TRACE_BUFFER", "lots"),
+            ("OXCCL_TRACE_BUFFER", "1048577"),
         ] {
             let e = cfg(&[(k, v)]).unwrap_err().to_string();
             assert!(e.contains(k) || k == "OXCCL_ALGO", "{e}");

@@ -26,6 +26,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::prims::{Links, NodeLayout};
 use crate::stall::Stalls;
+use crate::trace::{Owner, Recorder};
 use crate::tuning::AlgoOverride;
 
 /// State that only the running operation touches.
@@ -38,6 +39,9 @@ pub(crate) struct ExecState {
     pub p2p_recvd: Vec<u64>,
     /// Set once an operation failed: every later operation fails with it.
     pub broken: Option<Error>,
+    /// The flight recorder (`OXCCL_TRACE_BUFFER`, `OXCCL_TRACE_DIR`): the running operation
+    /// holds this state, so recording takes no lock of its own.
+    pub trace: Recorder,
 }
 
 struct Turn {
@@ -116,6 +120,18 @@ impl Shared {
                 p2p_sent: vec![0; size],
                 p2p_recvd: vec![0; size],
                 broken: None,
+                trace: Recorder::new(
+                    cfg.trace_buffer,
+                    cfg.trace_dir.clone(),
+                    Owner {
+                        comm: comm_id.into(),
+                        rank,
+                        size,
+                        root_comm: comm_id.into(),
+                        root_rank: rank,
+                        node: String::new(),
+                    },
+                ),
             }),
             stalls: Stalls::new(Arc::clone(&store), comm_id, rank, size, cfg.timeout),
             skipped_set: AtomicBool::new(false),
@@ -299,6 +315,8 @@ impl Shared {
         // flagged closed and their doorbells rung.
         st.links.close(Instant::now());
         st.broken = Some(cause.clone());
+        // After closing: peers learn first, the file can wait.
+        st.trace.dump_if_set("failed", Some(&cause));
         cause
     }
 

@@ -47,6 +47,7 @@ mod p2p;
 mod prims;
 mod stall;
 pub mod topology;
+pub mod trace;
 pub mod transport;
 pub mod tuning;
 
@@ -58,4 +59,5 @@ pub use op::Collective;
 pub use oxccl_kernels::{DType, Element, ReduceOp};
 pub use p2p::{OwnedP2pOp, P2pOp};
 pub use topology::Topology;
+pub use trace::{TraceDump, TraceRecord, TraceState};
 pub use tuning::Algorithm;

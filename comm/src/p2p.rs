@@ -13,6 +13,7 @@ use crate::engine::{ExecState, Shared, Work};
 use crate::error::{Error, Result};
 use crate::op::{Collective, OpDesc};
 use crate::prims::{Ctx, Links, RecvMode, RecvPart, SendPart};
+use crate::trace::What;
 
 /// One operation of a [`Communicator::batch_p2p`] batch.
 #[derive(Debug)]
@@ -445,6 +446,16 @@ fn exec_batch(
     dtype: DType,
     es: usize,
 ) -> Result<()> {
+    let sent: usize = sends.iter().map(|(_, d)| d.len()).sum();
+    let what = What::P2p {
+        dtype,
+        send_to: None,
+        recv_from: None,
+        sends: sends.len(),
+        recvs: recvs.len(),
+        count: sent / es,
+        bytes: sent + recvs.iter().map(|(_, b)| b.len()).sum::<usize>(),
+    };
     // Tags in batch order, then the wave of each part: its index among the parts to its peer.
     let n = shared.size;
     let mut waves: Vec<(Vec<SendPart<'_>>, Vec<RecvPart<'_>>)> = Vec::new();
@@ -471,11 +482,13 @@ fn exec_batch(
         waves[w].1.push(RecvPart::new(p, b, RecvMode::Copy, tag));
     }
     tracing::debug!(rank = shared.rank, waves = waves.len(), "batch-p2p");
-    let mut ctx = p2p_ctx(shared, &mut st.links, "batch-p2p");
-    for (mut s, mut r) in waves {
-        ctx.exchange_many(&mut s, &mut r)?;
-    }
-    ctx.flush()
+    st.trace.record(what, || {
+        let mut ctx = p2p_ctx(shared, &mut st.links, "batch-p2p");
+        for (mut s, mut r) in waves {
+            ctx.exchange_many(&mut s, &mut r)?;
+        }
+        ctx.flush()
+    })
 }
 
 /// Runs one point-to-point exchange on the execution state (its turn has come).
@@ -498,9 +511,24 @@ pub(crate) fn exec_p2p(
         (p, b, RecvMode::Copy, tag)
     });
     tracing::debug!(rank = shared.rank, send_to = ?send.as_ref().map(|s| s.0), recv_from = ?recv.as_ref().map(|r| r.0), "send-recv");
-    let mut ctx = p2p_ctx(shared, &mut st.links, "send-recv");
-    ctx.exchange_tagged(send, recv)?;
-    ctx.flush()
+    let (sent, recvd) = (
+        send.as_ref().map_or(0, |s| s.1.len()),
+        recv.as_ref().map_or(0, |r| r.1.len()),
+    );
+    let what = What::P2p {
+        dtype,
+        send_to: send.as_ref().map(|s| (s.0, s.2.seq)),
+        recv_from: recv.as_ref().map(|r| (r.0, r.3.seq)),
+        sends: usize::from(send.is_some()),
+        recvs: usize::from(recv.is_some()),
+        count: if send.is_some() { sent } else { recvd } / es,
+        bytes: sent + recvd,
+    };
+    st.trace.record(what, || {
+        let mut ctx = p2p_ctx(shared, &mut st.links, "send-recv");
+        ctx.exchange_tagged(send, recv)?;
+        ctx.flush()
+    })
 }
 
 /// The context of a point-to-point operation: no collective tag (every message carries its

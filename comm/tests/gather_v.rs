@@ -158,7 +158,7 @@ fn shards_longer_than_a_block() {
             let input: Vec<u8> = (0..total).map(|i| byte(me, i)).collect();
             let mut out = vec![0u8; counts[me]];
             c.reduce_scatter_v(&input, &mut out, &counts, ReduceOp::Sum)?;
-            let ok = (0..counts[me]).all(|i| out[i] == (0..3).map(|r| byte(r, at + i)).sum());
+            let ok = (0..counts[me]).all(|i| out[i] == (0..3).map(|r| byte(r, at + i)).sum::<u8>());
             assert!(ok, "reduce_scatter_v: rank {me} ({t:?})");
             Ok(())
         }) {

@@ -45,6 +45,14 @@ enum Cmd {
     /// added when 'tensor' or 'pipe' is present. Same rule as oxccl::comm::Topology::setup.
     #[command(arg_required_else_help = true)]
     Topo(TopoArgs),
+
+    /// Read the flight records ranks write (OXCCL_TRACE_DIR) and say what they show.
+    ///
+    /// Which rank fell behind or called a different collective, where every rank was when the
+    /// job stopped, which point-to-point message never came, and who the others waited for.
+    /// Example: OXCCL_TRACE_DIR=/tmp/t oxccl launch -n 4 -- ./train; oxccl trace /tmp/t.
+    #[command(arg_required_else_help = true)]
+    Trace(oxccl::trace::TraceArgs),
 }
 
 #[derive(Debug, Args)]
@@ -200,6 +208,11 @@ struct LaunchArgs {
     #[arg(long, value_name = "none|core", default_value = "none")]
     bind: Bind,
 
+    /// Ranks write their communicators' flight records to DIR (sets OXCCL_TRACE_DIR); when the
+    /// job fails, the launcher prints what `oxccl trace DIR` reads from this node's records.
+    #[arg(long, value_name = "DIR")]
+    trace_dir: Option<std::path::PathBuf>,
+
     /// The command to run on every rank, and its arguments.
     #[arg(value_name = "CMD", required = true, trailing_var_arg = true, num_args = 1..)]
     command: Vec<OsString>,
@@ -243,7 +256,12 @@ fn run_launch(args: LaunchArgs) -> u8 {
     cfg.job_id = args.job_id;
     cfg.bind = args.bind;
     cfg.forward_signals = true;
+    if let Some(dir) = &args.trace_dir {
+        cfg.env
+            .push(("OXCCL_TRACE_DIR".into(), dir.as_os_str().to_owned()));
+    }
 
+    let started = std::time::SystemTime::now();
     let code = match launch(&cfg) {
         Ok(outcome) => {
             let code = outcome.exit_code();
@@ -271,7 +289,39 @@ fn run_launch(args: LaunchArgs) -> u8 {
             e.exit_code()
         }
     };
+    if let (Some(dir), true) = (&args.trace_dir, code != 0) {
+        print_trace(dir, started);
+    }
     u8::try_from(code).unwrap_or(1)
+}
+
+/// After a failed job: what this node's flight records in `dir` written since `started` show
+/// (`oxccl trace DIR`; older records of other jobs are left out).
+fn print_trace(dir: &std::path::Path, started: std::time::SystemTime) {
+    let (mut dumps, problems) = oxccl::trace::load(&[dir.to_path_buf()]);
+    for p in problems {
+        note!("--trace-dir: skipped {p}");
+    }
+    let since = started
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+    dumps.retain(|d| d.dumped_unix_ns >= since);
+    if dumps.is_empty() {
+        note!(
+            "--trace-dir: no flight records of this job in {} (no communicator failed or closed)",
+            dir.display()
+        );
+        return;
+    }
+    note!(
+        "flight records in {} (oxccl trace {} reads them again):",
+        dir.display(),
+        dir.display()
+    );
+    use std::io::Write as _;
+    let _ = std::io::stderr()
+        .lock()
+        .write_all(oxccl::trace::analyze(&dumps).as_bytes());
 }
 
 fn main() -> ExitCode {
@@ -281,5 +331,6 @@ fn main() -> ExitCode {
         Cmd::Launch(args) => run_launch(args),
         Cmd::Perf(args) => oxccl::perf::run(*args),
         Cmd::Topo(args) => run_topo(args),
+        Cmd::Trace(args) => oxccl::trace::run(args),
     })
 }

@@ -162,7 +162,9 @@ pub fn report(c: &Communicator, r: Result<(), Error>, t0: Instant) {
 /// code 3 while the others go on all-reducing until they fail; later attempts: `hello`),
 /// `shrink` (rank 2 SIGKILLs itself in the 3rd of a series of 1 MiB all-reduces; the others
 /// shrink it away and check the 3-rank communicator), `stall` (rank 1 sleeps 7 s before an all-reduce the others wait in: past a short
-/// `OXCCL_TIMEOUT`).
+/// `OXCCL_TIMEOUT`), `trace-hang` (three all-reduces, then rank 1 waits for a message rank 2
+/// never sends while the others enter a fourth; every rank reports, then rank 1 exits with code
+/// 3, for the flight-record tests).
 pub fn rank_entry() {
     let Ok(scenario) = std::env::var(SCENARIO) else {
         return;
@@ -216,6 +218,7 @@ pub fn rank_entry() {
         }
         "fail-once" => scenario_hello(&c),
         "shrink" => scenario_shrink(&c),
+        "trace-hang" => scenario_trace_hang(&c),
         "stall" => {
             if c.rank() == 1 {
                 std::thread::sleep(Duration::from_secs(7));
@@ -226,6 +229,28 @@ pub fn rank_entry() {
         other => panic!("unknown scenario {other}"),
     };
     report(&c, r, t0);
+}
+
+/// The `trace-hang` scenario: see [`rank_entry`].
+fn scenario_trace_hang(c: &Communicator) -> Result<(), Error> {
+    let mut v = vec![1.0f32; 1024];
+    for _ in 0..3 {
+        c.all_reduce(&mut v, ReduceOp::Sum)?;
+    }
+    let r = if c.rank() == 1 {
+        let mut x = [0u8; 16];
+        c.recv(&mut x, 2)
+    } else {
+        c.all_reduce(&mut v, ReduceOp::Sum)
+    };
+    report(c, r, Instant::now());
+    // Every rank has failed (and written its record) before rank 1 exits and the launcher stops
+    // the others.
+    std::thread::sleep(Duration::from_millis(500));
+    if c.rank() == 1 {
+        std::process::exit(3);
+    }
+    Ok(())
 }
 
 /// The `shrink` scenario: see [`rank_entry`].
