@@ -38,7 +38,7 @@ use crate::tuning::Algorithm;
 /// The `format` of every dump this version writes.
 pub const FORMAT: &str = "oxccl-trace/1";
 
-/// Most records `OXCCL_TRACE_BUFFER` may ask for (about 100 MiB of memory per communicator).
+/// Most records `OXCCL_TRACE_BUFFER` may ask for (144 bytes each: about 150 MiB per communicator).
 pub const MAX_BUFFER: usize = 1 << 20;
 
 /// Where an operation stands.

@@ -208,8 +208,9 @@ struct LaunchArgs {
     #[arg(long, value_name = "none|core", default_value = "none")]
     bind: Bind,
 
-    /// Ranks write their communicators' flight records to DIR (sets OXCCL_TRACE_DIR); when the
-    /// job fails, the launcher prints what `oxccl trace DIR` reads from this node's records.
+    /// Ranks write their communicators' flight records to DIR (sets OXCCL_TRACE_DIR). When a rank
+    /// fails, the others get 1 s to fail on their own and write their records before they are
+    /// terminated; then the launcher prints what `oxccl trace DIR` reads from this node's records.
     #[arg(long, value_name = "DIR")]
     trace_dir: Option<std::path::PathBuf>,
 
@@ -259,6 +260,8 @@ fn run_launch(args: LaunchArgs) -> u8 {
     if let Some(dir) = &args.trace_dir {
         cfg.env
             .push(("OXCCL_TRACE_DIR".into(), dir.as_os_str().to_owned()));
+        // Ranks learn of a failure within milliseconds; let them write their records.
+        cfg.failure_settle = Duration::from_secs(1);
     }
 
     let started = std::time::SystemTime::now();

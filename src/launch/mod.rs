@@ -206,6 +206,11 @@ pub struct LaunchConfig {
     pub failure_grace: Duration,
     /// How long ranks get after a forwarded signal before SIGKILL (default 5 s).
     pub signal_grace: Duration,
+    /// After a rank fails, how long the others get to end on their own (a communicator failure
+    /// reaches them within milliseconds, and they write their flight records) before SIGTERM
+    /// (default 0; `oxccl launch --trace-dir` sets 1 s). Ranks still running then are
+    /// terminated as usual.
+    pub failure_settle: Duration,
     /// CPU binding of the ranks (`--bind`, default [`Bind::None`]).
     pub bind: Bind,
 }
@@ -262,6 +267,7 @@ impl LaunchConfig {
             child_subreaper: true,
             failure_grace: Duration::from_secs(3),
             signal_grace: Duration::from_secs(5),
+            failure_settle: Duration::ZERO,
             bind: Bind::None,
         }
     }
@@ -653,6 +659,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
         deadline,
         failure_grace: cfg.failure_grace,
         signal_grace: cfg.signal_grace,
+        failure_settle: cfg.failure_settle,
         nodes: nodes.as_ref(),
         keep_going: cfg.keeps_going(),
     };

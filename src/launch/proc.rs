@@ -57,6 +57,8 @@ pub(super) struct SupervisorCtx<'a> {
     pub(super) deadline: Option<Instant>,
     pub(super) failure_grace: Duration,
     pub(super) signal_grace: Duration,
+    /// How long the other ranks get to end on their own after a failure, before SIGTERM.
+    pub(super) failure_settle: Duration,
     /// The other nodes of a multi-node job.
     pub(super) nodes: Option<&'a NodeLink>,
     /// A failed rank does not stop the others (`--keep-going`).
@@ -521,6 +523,10 @@ impl<'w> Job<'w> {
             first_failure = None;
         }
         if let Some(f) = first_failure {
+            if let Some(sig) = self.settle(ctx) {
+                self.shutdown(sig, ctx.signal_grace, ctx);
+                return Some(AttemptEnd::Interrupted(sig));
+            }
             if let Some(sig) = self.shutdown(libc::SIGTERM, ctx.failure_grace, ctx) {
                 return Some(AttemptEnd::Interrupted(sig));
             }
@@ -532,6 +538,20 @@ impl<'w> Job<'w> {
                 return Some(AttemptEnd::Interrupted(sig));
             }
             return Some(AttemptEnd::OtherNode(f));
+        }
+        None
+    }
+
+    /// After a failure: waits up to [`SupervisorCtx::failure_settle`] for the other ranks to
+    /// end on their own (reaping them), or for a signal to the launcher, which is returned.
+    fn settle(&mut self, ctx: &SupervisorCtx<'_>) -> Option<libc::c_int> {
+        let end = Instant::now() + ctx.failure_settle;
+        while Instant::now() < end && !self.ranks.iter().all(|r| r.status.is_some()) {
+            if let Some(sig) = ctx.take_signal() {
+                return Some(sig);
+            }
+            thread::sleep(POLL);
+            self.reap();
         }
         None
     }
@@ -719,6 +739,7 @@ mod tests {
             deadline,
             failure_grace: Duration::from_secs(30),
             signal_grace: Duration::from_secs(30),
+            failure_settle: Duration::ZERO,
             nodes: None,
             keep_going: false,
         }
@@ -765,6 +786,37 @@ mod tests {
             other => panic!("{other:?}"),
         }
         job.finish();
+    }
+
+    /// With a settle time the other ranks end on their own after a failure (here: exit 0 after
+    /// 300 ms, the time a rank takes to notice the failure and write its flight record); without
+    /// one they are terminated at once.
+    #[test]
+    fn the_others_get_the_settle_time_to_end_on_their_own() {
+        let script = "if [ \"$OXCCL_RANK\" = 0 ]; then exit 3; fi; sleep 0.3; exit 0";
+        for (settle, want) in [
+            (Duration::from_secs(20), Termination::Exited(0)),
+            (
+                Duration::ZERO,
+                Termination::Signaled {
+                    signal: libc::SIGTERM,
+                    core_dumped: false,
+                },
+            ),
+        ] {
+            let ctx = SupervisorCtx {
+                failure_settle: settle,
+                ..ctx(None, None)
+            };
+            let mut job = Job::spawn(&cfg(script), specs(0..2), None, &ctx).unwrap();
+            match job.supervise(&ctx) {
+                AttemptEnd::Failed(f) => assert_eq!(f.rank, 0),
+                other => panic!("{other:?}"),
+            }
+            let st = job.ranks[1].status.expect("rank 1 reaped");
+            assert_eq!(Termination::from_status(st), want, "settle {settle:?}");
+            job.finish();
+        }
     }
 
     #[test]
