@@ -91,7 +91,7 @@ fn exec<R>(
         algo: choice.algo,
         bytes: full,
     };
-    st.trace.record(what, || {
+    shared.trace.record(what, || {
         let mut ctx = Ctx::new(
             shared.rank,
             n,

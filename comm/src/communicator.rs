@@ -581,11 +581,7 @@ impl Communicator {
         // From what every rank knows alike (not from this rank's own peers), so all pick the
         // same ring blocks.
         shared.sockets = (0..size).any(|a| (a + 1..size).any(|b| !shm_ok(a, b)));
-        let trace = &mut shared
-            .exec
-            .get_mut()
-            .unwrap_or_else(|p| p.into_inner())
-            .trace;
+        let trace = &mut shared.trace;
         trace.owner.node.clone_from(&node_id);
         trace.sockets = shared.sockets;
         if let Some((root_id, root_ranks)) = root {
@@ -750,12 +746,18 @@ impl Communicator {
 
     /// This rank's flight record of the communicator: its last operations (`OXCCL_TRACE_BUFFER`
     /// of them, oldest first) with their sequence numbers, algorithms, start times, durations
-    /// and outcomes, and the error that broke the communicator if one did. See
-    /// [`crate::trace`]. An operation running on another thread (an async one, or a call of
-    /// another thread) holds the record: this waits until it ends, as a call would.
+    /// and outcomes (an operation running on another thread as `running`), and the error that
+    /// broke the communicator if one did. Never waits for a running operation: safe to call
+    /// from a watchdog thread while the job hangs. See [`crate::trace`].
     pub fn trace(&self) -> TraceDump {
-        let st = self.shared.exec.lock().unwrap_or_else(|p| p.into_inner());
-        st.trace.snapshot("requested", st.broken.as_ref())
+        // An operation running on another thread holds the execution state; the communicator
+        // is not broken while one runs (a broken one runs nothing), so none is the answer then.
+        let broken = match self.shared.exec.try_lock() {
+            Ok(st) => st.broken.clone(),
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner().broken.clone(),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        };
+        self.shared.trace.snapshot("requested", broken.as_ref())
     }
 
     /// Writes [`Communicator::trace`] to `dir` (made if missing) as
@@ -793,7 +795,7 @@ impl Drop for Communicator {
         self.shared.stop_worker();
         let mut st = self.shared.exec.lock().unwrap_or_else(|p| p.into_inner());
         st.links.close(Instant::now() + Duration::from_secs(5));
-        st.trace.dump_if_set("closed", st.broken.as_ref());
+        self.shared.trace.dump_if_set("closed", st.broken.as_ref());
     }
 }
 

@@ -39,9 +39,6 @@ pub(crate) struct ExecState {
     pub p2p_recvd: Vec<u64>,
     /// Set once an operation failed: every later operation fails with it.
     pub broken: Option<Error>,
-    /// The flight recorder (`OXCCL_TRACE_BUFFER`, `OXCCL_TRACE_DIR`): the running operation
-    /// holds this state, so recording takes no lock of its own.
-    pub trace: Recorder,
 }
 
 struct Turn {
@@ -78,6 +75,9 @@ pub(crate) struct Shared {
     pub exec: Mutex<ExecState>,
     /// What this rank posts when a wait stalls, and reads when one times out.
     pub stalls: Stalls,
+    /// The flight recorder (`OXCCL_TRACE_BUFFER`, `OXCCL_TRACE_DIR`), behind a lock of its own
+    /// so its record can be read while an operation runs.
+    pub trace: Recorder,
     /// Set when an operation gave up waiting for its turn: it never ran, so this rank's sequence
     /// numbers no longer match its peers'. The communicator breaks with `skipped` as the cause as
     /// soon as the execution state is free (see [`Shared::break_when_free`]).
@@ -120,20 +120,20 @@ impl Shared {
                 p2p_sent: vec![0; size],
                 p2p_recvd: vec![0; size],
                 broken: None,
-                trace: Recorder::new(
-                    cfg.trace_buffer,
-                    cfg.trace_dir.clone(),
-                    Owner {
-                        comm: comm_id.into(),
-                        rank,
-                        size,
-                        root_comm: comm_id.into(),
-                        root_rank: rank,
-                        node: String::new(),
-                    },
-                ),
             }),
             stalls: Stalls::new(Arc::clone(&store), comm_id, rank, size, cfg.timeout),
+            trace: Recorder::new(
+                cfg.trace_buffer,
+                cfg.trace_dir.clone(),
+                Owner {
+                    comm: comm_id.into(),
+                    rank,
+                    size,
+                    root_comm: comm_id.into(),
+                    root_rank: rank,
+                    node: String::new(),
+                },
+            ),
             skipped_set: AtomicBool::new(false),
             skipped: Mutex::new(None),
             store,
@@ -316,7 +316,7 @@ impl Shared {
         st.links.close(Instant::now());
         st.broken = Some(cause.clone());
         // After closing: peers learn first, the file can wait.
-        st.trace.dump_if_set("failed", Some(&cause));
+        self.trace.dump_if_set("failed", Some(&cause));
         cause
     }
 

@@ -447,14 +447,15 @@ fn exec_batch(
     es: usize,
 ) -> Result<()> {
     let sent: usize = sends.iter().map(|(_, d)| d.len()).sum();
+    let recvd: usize = recvs.iter().map(|(_, b)| b.len()).sum();
     let what = What::P2p {
         dtype,
         send_to: None,
         recv_from: None,
         sends: sends.len(),
         recvs: recvs.len(),
-        count: sent / es,
-        bytes: sent + recvs.iter().map(|(_, b)| b.len()).sum::<usize>(),
+        count: if sent > 0 { sent } else { recvd } / es,
+        bytes: sent + recvd,
     };
     // Tags in batch order, then the wave of each part: its index among the parts to its peer.
     let n = shared.size;
@@ -462,6 +463,7 @@ fn exec_batch(
     let mut wave_of = vec![0usize; n];
     for (p, d) in sends {
         st.p2p_sent[p] += 1;
+        shared.trace.note_message(p, true, st.p2p_sent[p]);
         let tag = p2p_tag(dtype, d.len() / es, st.p2p_sent[p]);
         let w = wave_of[p];
         wave_of[p] += 1;
@@ -473,6 +475,7 @@ fn exec_batch(
     wave_of.iter_mut().for_each(|w| *w = 0);
     for (p, b) in recvs {
         st.p2p_recvd[p] += 1;
+        shared.trace.note_message(p, false, st.p2p_recvd[p]);
         let tag = p2p_tag(dtype, b.len() / es, st.p2p_recvd[p]);
         let w = wave_of[p];
         wave_of[p] += 1;
@@ -482,7 +485,7 @@ fn exec_batch(
         waves[w].1.push(RecvPart::new(p, b, RecvMode::Copy, tag));
     }
     tracing::debug!(rank = shared.rank, waves = waves.len(), "batch-p2p");
-    st.trace.record(what, || {
+    shared.trace.record(what, || {
         let mut ctx = p2p_ctx(shared, &mut st.links, "batch-p2p");
         for (mut s, mut r) in waves {
             ctx.exchange_many(&mut s, &mut r)?;
@@ -503,10 +506,12 @@ pub(crate) fn exec_p2p(
     let tag_for = |count: usize, seq: u64| p2p_tag(dtype, count, seq);
     let send = send.map(|(p, d)| {
         st.p2p_sent[p] += 1;
+        shared.trace.note_message(p, true, st.p2p_sent[p]);
         (p, d, tag_for(d.len() / es, st.p2p_sent[p]))
     });
     let recv = recv.map(|(p, b)| {
         st.p2p_recvd[p] += 1;
+        shared.trace.note_message(p, false, st.p2p_recvd[p]);
         let tag = tag_for(b.len() / es, st.p2p_recvd[p]);
         (p, b, RecvMode::Copy, tag)
     });
@@ -524,7 +529,7 @@ pub(crate) fn exec_p2p(
         count: if send.is_some() { sent } else { recvd } / es,
         bytes: sent + recvd,
     };
-    st.trace.record(what, || {
+    shared.trace.record(what, || {
         let mut ctx = p2p_ctx(shared, &mut st.links, "send-recv");
         ctx.exchange_tagged(send, recv)?;
         ctx.flush()

@@ -127,6 +127,14 @@ fn check_calls(t: TransportChoice) {
         assert_eq!(recv.recv_from, Some(((d.rank + 2) % 3, 1)));
         let batch = d.records.iter().find(|r| r.coll == "batch-p2p").unwrap();
         assert_eq!((batch.bytes, batch.send_to), (64, None));
+        // Two messages to the next rank and two from the previous one (a send or receive, then
+        // one in the batch), none to or from the third.
+        let (next, prev) = ((d.rank + 1) % 3, (d.rank + 2) % 3);
+        let mut want_sent = vec![0u64; 3];
+        want_sent[next] = 2;
+        let mut want_recvd = vec![0u64; 3];
+        want_recvd[prev] = 2;
+        assert_eq!((&d.p2p_sent, &d.p2p_recvd), (&want_sent, &want_recvd));
         // Exact clocks for large operations and for everything over TCP; the tick for small
         // ones between ranks that share memory.
         let exact = |r: &TraceRecord| r.clock_resolution_ns == 1;
@@ -240,6 +248,38 @@ fn a_failure_and_a_close_write_records_to_the_trace_dir() {
         }
         std::fs::remove_dir_all(&dir).unwrap();
     }
+}
+
+/// A watchdog thread reads the record while the rank waits in an all-reduce for a late peer:
+/// it sees the all-reduce running, and never waits for it.
+#[test]
+fn trace_shows_the_running_operation_without_waiting() {
+    let res = spawn_world(2, cfg(TransportChoice::Shm), |c| {
+        if c.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(1500));
+            c.all_reduce(&mut [1u8; 4], ReduceOp::Sum)?;
+            return Ok(None);
+        }
+        std::thread::scope(|s| {
+            let watchdog = s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(300));
+                let t0 = std::time::Instant::now();
+                let d = c.trace();
+                (d, t0.elapsed())
+            });
+            c.all_reduce(&mut [1u8; 4], ReduceOp::Sum)?;
+            Ok(watchdog.join().ok())
+        })
+    });
+    let (d, took) = res.into_iter().next().unwrap().unwrap().unwrap();
+    assert!(took < Duration::from_millis(500), "trace() waited {took:?}");
+    let last = d.records.last().unwrap();
+    assert_eq!(
+        (last.seq, last.state),
+        (Some(0), TraceState::Running),
+        "{d:?}"
+    );
+    assert_eq!(last.duration_ns, None);
 }
 
 #[test]

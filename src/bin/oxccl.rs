@@ -209,8 +209,9 @@ struct LaunchArgs {
     bind: Bind,
 
     /// Ranks write their communicators' flight records to DIR (sets OXCCL_TRACE_DIR). When a rank
-    /// fails, the others get 1 s to fail on their own and write their records before they are
-    /// terminated; then the launcher prints what `oxccl trace DIR` reads from this node's records.
+    /// fails (here or on another node), the others get 1 s to fail on their own and write their
+    /// records before they are terminated; then the launcher prints what `oxccl trace DIR` reads
+    /// from this node's records of this launch.
     #[arg(long, value_name = "DIR")]
     trace_dir: Option<std::path::PathBuf>,
 

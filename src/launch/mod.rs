@@ -206,10 +206,10 @@ pub struct LaunchConfig {
     pub failure_grace: Duration,
     /// How long ranks get after a forwarded signal before SIGKILL (default 5 s).
     pub signal_grace: Duration,
-    /// After a rank fails, how long the others get to end on their own (a communicator failure
-    /// reaches them within milliseconds, and they write their flight records) before SIGTERM
-    /// (default 0; `oxccl launch --trace-dir` sets 1 s). Ranks still running then are
-    /// terminated as usual.
+    /// After a rank fails (here or on another node), how long the others get to end on their
+    /// own (a communicator failure reaches them within milliseconds, and they write their flight
+    /// records) before SIGTERM (default 0; `oxccl launch --trace-dir` sets 1 s). Ranks still
+    /// running then are terminated as usual.
     pub failure_settle: Duration,
     /// CPU binding of the ranks (`--bind`, default [`Bind::None`]).
     pub bind: Bind,

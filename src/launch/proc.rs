@@ -534,6 +534,10 @@ impl<'w> Job<'w> {
         }
         if let Some(f) = ctx.nodes.and_then(NodeLink::failure) {
             note!("{f}; stopping {}", self.started());
+            if let Some(sig) = self.settle(ctx) {
+                self.shutdown(sig, ctx.signal_grace, ctx);
+                return Some(AttemptEnd::Interrupted(sig));
+            }
             if let Some(sig) = self.shutdown(libc::SIGTERM, ctx.failure_grace, ctx) {
                 return Some(AttemptEnd::Interrupted(sig));
             }
@@ -542,8 +546,9 @@ impl<'w> Job<'w> {
         None
     }
 
-    /// After a failure: waits up to [`SupervisorCtx::failure_settle`] for the other ranks to
-    /// end on their own (reaping them), or for a signal to the launcher, which is returned.
+    /// After a failure (of a local rank, or on another node): waits up to
+    /// [`SupervisorCtx::failure_settle`] for the ranks to end on their own (reaping them), or
+    /// for a signal to the launcher, which is returned.
     fn settle(&mut self, ctx: &SupervisorCtx<'_>) -> Option<libc::c_int> {
         let end = Instant::now() + ctx.failure_settle;
         while Instant::now() < end && !self.ranks.iter().all(|r| r.status.is_some()) {
@@ -789,11 +794,11 @@ mod tests {
     }
 
     /// With a settle time the other ranks end on their own after a failure (here: exit 0 after
-    /// 300 ms, the time a rank takes to notice the failure and write its flight record); without
-    /// one they are terminated at once.
+    /// 2 s, standing for the time a rank takes to notice the failure and write its flight
+    /// record); without one they are terminated at once.
     #[test]
     fn the_others_get_the_settle_time_to_end_on_their_own() {
-        let script = "if [ \"$OXCCL_RANK\" = 0 ]; then exit 3; fi; sleep 0.3; exit 0";
+        let script = "if [ \"$OXCCL_RANK\" = 0 ]; then exit 3; fi; sleep 2; exit 0";
         for (settle, want) in [
             (Duration::from_secs(20), Termination::Exited(0)),
             (

@@ -10,6 +10,7 @@
 //! The reading itself ([`analyze`]) is a pure function of the dumps, tested without processes.
 
 mod analyze;
+mod text;
 
 use std::path::{Path, PathBuf};
 
