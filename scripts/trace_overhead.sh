@@ -3,7 +3,8 @@
 # timed by oxccl perf, ROUNDS (default 5) interleaved rounds of: OLD (an oxccl binary built
 # before the recorder, any build: OXCCL_TRACE_BUFFER means nothing to it), NEW with
 # OXCCL_TRACE_BUFFER=0 (off) and NEW with the default (on).
-# Usage: OLD=/path/to/old/oxccl [NEW=target/release/oxccl] scripts/trace_overhead.sh
+# Usage: OLD=/path/to/old/oxccl [NEW=target/release/oxccl] [ONLY=regex] scripts/trace_overhead.sh
+# (ONLY keeps the cases whose name matches: shm8z1, shm8z0, tcp8z1, shm1Mz1).
 # Prints per round and case: out-of-place and in-place time (us) for old | off | on.
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 NEW=${NEW:-target/release/oxccl}
@@ -25,6 +26,7 @@ CASES=(
 for round in $(seq 1 "${ROUNDS:-5}"); do
   for c in "${CASES[@]}"; do
     name=${c%%:*}
+    [[ $name =~ ${ONLY:-.} ]] || continue
     read -r -a args <<<"${c#*:}"
     echo "round $round $name $(run old "$OLD" 2000 "${args[@]}") | $(run off "$NEW" 0 "${args[@]}") | $(run on "$NEW" 2000 "${args[@]}")"
   done

@@ -75,8 +75,8 @@ pub(crate) struct Shared {
     pub exec: Mutex<ExecState>,
     /// What this rank posts when a wait stalls, and reads when one times out.
     pub stalls: Stalls,
-    /// The flight recorder (`OXCCL_TRACE_BUFFER`, `OXCCL_TRACE_DIR`), behind a lock of its own
-    /// so its record can be read while an operation runs.
+    /// The flight recorder (`OXCCL_TRACE_BUFFER`, `OXCCL_TRACE_DIR`): written by the running
+    /// operation, readable by any thread while it runs.
     pub trace: Recorder,
     /// Set when an operation gave up waiting for its turn: it never ran, so this rank's sequence
     /// numbers no longer match its peers'. The communicator breaks with `skipped` as the cause as

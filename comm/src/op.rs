@@ -85,11 +85,11 @@ impl Collective {
         }
     }
 
-    fn to_u8(self) -> u8 {
+    pub(crate) fn to_u8(self) -> u8 {
         Collective::ALL.iter().position(|c| *c == self).unwrap_or(0) as u8
     }
 
-    fn from_u8(v: u8) -> Option<Collective> {
+    pub(crate) fn from_u8(v: u8) -> Option<Collective> {
         Collective::ALL.get(v as usize).copied()
     }
 

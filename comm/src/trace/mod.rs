@@ -23,10 +23,13 @@
 //! batches whose every message goes to this rank itself, and CUDA IPC collectives, which run on
 //! the GPU.
 //!
-//! Cost while on: a clock read and an uncontended lock round trip at the start and at the end
-//! of every operation (the ring is reserved when the communicator is made; a failed operation
-//! allocates its error's text). Small operations between ranks that share memory read the
-//! coarse clock (3 ns against 20 for the exact one). Off (`OXCCL_TRACE_BUFFER=0`): one branch.
+//! Cost while on: a clock read and a dozen plain atomic stores at the start of every
+//! operation, a clock read and three at its end; no lock, no allocation (the ring is made with
+//! the communicator; a failed operation keeps its error's text). Records are atomic words under
+//! a sequence lock per slot, so any thread reads them without waiting (`comm/tests/
+//! loom_trace_slot.rs` model-checks the protocol). Small operations between ranks that share
+//! memory read the coarse clock (3 ns against 20 for the exact one). Off
+//! (`OXCCL_TRACE_BUFFER=0`): one branch.
 //! Writing a file happens on a helper thread, waited for at most [`WRITE_BUDGET`], so a
 //! directory that hangs (a stuck network file system) never holds up a failing or closing
 //! communicator for longer.
@@ -48,7 +51,7 @@ pub(crate) use recorder::{Owner, Recorder, What};
 /// The `format` of every dump this version writes.
 pub const FORMAT: &str = "oxccl-trace/1";
 
-/// Most records `OXCCL_TRACE_BUFFER` may ask for (144 bytes each: about 150 MiB per
+/// Most records `OXCCL_TRACE_BUFFER` may ask for (104 bytes each: about 100 MiB per
 /// communicator).
 pub const MAX_BUFFER: usize = 1 << 20;
 

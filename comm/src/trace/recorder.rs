@@ -1,11 +1,13 @@
-//! The recorder itself: a ring of compact records behind a small lock of its own (held only to
-//! write or copy a record, never while an operation waits), and the clocks it reads.
+//! The recorder itself: a ring of records as atomic words under sequence locks (written by the
+//! running operation without a lock, read by any thread without waiting), and the clocks it
+//! reads.
 
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{fence, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use oxccl_kernels::DType;
+use oxccl_kernels::{DType, ReduceOp};
 
 use super::{write_bounded, TraceDump, TraceRecord, TraceState, FORMAT, MAX_BUFFER, WRITE_BUDGET};
 use crate::error::Error;
@@ -48,17 +50,6 @@ impl What {
             What::Coll { bytes, .. } | What::P2p { bytes, .. } => bytes,
         }
     }
-}
-
-#[derive(Clone, Debug)]
-struct Rec {
-    id: u64,
-    what: What,
-    /// `CLOCK_MONOTONIC` nanoseconds (read from the coarse clock unless `precise`).
-    start: u64,
-    end: Option<u64>,
-    precise: bool,
-    error: Option<Arc<str>>,
 }
 
 /// Who the records belong to (set while the communicator is made).
@@ -117,20 +108,181 @@ fn unix_ns(t: SystemTime) -> u64 {
         .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
 }
 
-struct Ring {
-    /// The last `cap` records; record `id` is at `id % cap`.
-    recs: Vec<Rec>,
-    /// Records begun so far (the next id).
-    next: u64,
-    /// Per peer: messages begun to send to it / to receive from it (their last number).
-    sent: Vec<u64>,
-    recvd: Vec<u64>,
+/// Words of a record in its slot: id, start, end, header, then the operation's fields.
+const WORDS: usize = 12;
+/// `end` of a record still running.
+const NONE: u64 = u64::MAX;
+/// Header bits: a point-to-point record, the exact clock, a single send, a single receive.
+const P2P: u64 = 1;
+const PRECISE: u64 = 2;
+const HAS_SEND: u64 = 4;
+const HAS_RECV: u64 = 8;
+
+/// One record, written by the operation that runs (one at a time per communicator) and read by
+/// anyone, as a sequence lock over atomic words: the writer makes `version` odd, writes, and
+/// makes it even again; a reader keeps a copy only if `version` was even and unchanged around
+/// it. No lock, no `unsafe`.
+#[derive(Default)]
+struct Slot {
+    version: AtomicU64,
+    words: [AtomicU64; WORDS],
 }
 
-/// A communicator's flight recorder (one per rank).
+impl Slot {
+    /// Writes `words[i] = v` for every `(i, v)` under the version protocol.
+    fn write(&self, pairs: &[(usize, u64)]) {
+        let v = self.version.load(Ordering::Relaxed);
+        self.version.store(v.wrapping_add(1), Ordering::Relaxed);
+        fence(Ordering::Release);
+        for &(i, x) in pairs {
+            self.words[i].store(x, Ordering::Relaxed);
+        }
+        self.version.store(v.wrapping_add(2), Ordering::Release);
+    }
+
+    /// A consistent copy of the words, or `None` if every try met a write (the writer rewrites
+    /// a slot once per `OXCCL_TRACE_BUFFER` operations, so this is rare; the record is then
+    /// left out of the snapshot).
+    fn read(&self) -> Option<[u64; WORDS]> {
+        for attempt in 0..200 {
+            let v1 = self.version.load(Ordering::Acquire);
+            if v1.is_multiple_of(2) {
+                let w: [u64; WORDS] =
+                    std::array::from_fn(|i| self.words[i].load(Ordering::Relaxed));
+                fence(Ordering::Acquire);
+                if self.version.load(Ordering::Relaxed) == v1 {
+                    return Some(w);
+                }
+            }
+            if attempt < 16 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+        None
+    }
+}
+
+/// `what` as header and field words (see [`WORDS`]: index 3 on).
+fn encode(what: &What, precise: bool) -> [(usize, u64); 9] {
+    let flag = if precise { PRECISE } else { 0 };
+    match *what {
+        What::Coll {
+            seq,
+            desc,
+            algo,
+            bytes,
+        } => {
+            let algo_i = Algorithm::ALL.iter().position(|a| *a == algo).unwrap_or(0) as u64;
+            let header = flag
+                | u64::from(desc.coll.to_u8()) << 8
+                | u64::from(desc.dtype.to_u8()) << 16
+                | u64::from(desc.op.to_u8()) << 24
+                | algo_i << 32;
+            let factor = desc.op.factor().map_or(0, f64::to_bits);
+            [
+                (3, header),
+                (4, seq),
+                (5, desc.root as u64),
+                (6, desc.count as u64),
+                (7, bytes as u64),
+                (8, factor),
+                (9, 0),
+                (10, 0),
+                (11, 0),
+            ]
+        }
+        What::P2p {
+            dtype,
+            send_to,
+            recv_from,
+            sends,
+            recvs,
+            count,
+            bytes,
+        } => {
+            let header = P2P
+                | flag
+                | if send_to.is_some() { HAS_SEND } else { 0 }
+                | if recv_from.is_some() { HAS_RECV } else { 0 }
+                | u64::from(dtype.to_u8()) << 16;
+            let (sp, sn) = send_to.map_or((0, 0), |(p, n)| (p as u64, n));
+            let (rp, rn) = recv_from.map_or((0, 0), |(p, n)| (p as u64, n));
+            [
+                (3, header),
+                (4, sp),
+                (5, sn),
+                (6, rp),
+                (7, rn),
+                (8, bytes as u64),
+                (9, sends as u64),
+                (10, recvs as u64),
+                (11, count as u64),
+            ]
+        }
+    }
+}
+
+/// The inverse of [`encode`] (`None` for words no version wrote).
+fn decode(w: &[u64; WORDS]) -> Option<What> {
+    let h = w[3];
+    let byte = |shift: u32| ((h >> shift) & 0xff) as u8;
+    let dtype = DType::from_u8(byte(16))?;
+    if h & P2P != 0 {
+        return Some(What::P2p {
+            dtype,
+            send_to: (h & HAS_SEND != 0).then_some((w[4] as usize, w[5])),
+            recv_from: (h & HAS_RECV != 0).then_some((w[6] as usize, w[7])),
+            sends: w[9] as usize,
+            recvs: w[10] as usize,
+            count: w[11] as usize,
+            bytes: w[8] as usize,
+        });
+    }
+    let op = match ReduceOp::from_u8(byte(24))? {
+        ReduceOp::PreMulSum(_) => ReduceOp::premul_sum(f64::from_bits(w[8])),
+        op => op,
+    };
+    Some(What::Coll {
+        seq: w[4],
+        desc: OpDesc {
+            coll: Collective::from_u8(byte(8))?,
+            dtype,
+            op,
+            root: w[5] as usize,
+            count: w[6] as usize,
+        },
+        algo: *Algorithm::ALL.get(((h >> 32) & 0xff) as usize)?,
+        bytes: w[7] as usize,
+    })
+}
+
+/// One record as a snapshot sees it.
+struct Rec {
+    id: u64,
+    what: What,
+    start: u64,
+    end: Option<u64>,
+    precise: bool,
+    error: Option<Arc<str>>,
+}
+
+/// A communicator's flight recorder (one per rank). Writers are the operations of the
+/// communicator, which run one at a time (each holds the execution state); readers may be any
+/// thread at any moment.
 pub(crate) struct Recorder {
     cap: usize,
-    ring: Mutex<Ring>,
+    /// Record `id` is in `slots[id % cap]`.
+    slots: Box<[Slot]>,
+    /// Records begun so far (the next id).
+    next: AtomicU64,
+    /// The errors of failed records still in the ring, by id.
+    errors: Mutex<Vec<(u64, Arc<str>)>>,
+    /// Per peer: messages begun to send to it / to receive from it (their last number); made
+    /// by the first message.
+    sent: OnceLock<Box<[AtomicU64]>>,
+    recvd: OnceLock<Box<[AtomicU64]>>,
     /// The same moment on both clocks: records hold monotonic times, dumps wall-clock times.
     anchor: (u64, SystemTime),
     coarse_ns: u64,
@@ -147,12 +299,11 @@ impl Recorder {
         let cap = cap.min(MAX_BUFFER);
         Recorder {
             cap,
-            ring: Mutex::new(Ring {
-                recs: Vec::with_capacity(cap),
-                next: 0,
-                sent: Vec::new(),
-                recvd: Vec::new(),
-            }),
+            slots: (0..cap).map(|_| Slot::default()).collect(),
+            next: AtomicU64::new(0),
+            errors: Mutex::new(Vec::new()),
+            sent: OnceLock::new(),
+            recvd: OnceLock::new(),
             anchor: (mono_ns(false), SystemTime::now()),
             coarse_ns: coarse_resolution_ns(),
             sockets: false,
@@ -161,9 +312,8 @@ impl Recorder {
         }
     }
 
-    fn ring(&self) -> MutexGuard<'_, Ring> {
-        // Plain data: a panic elsewhere while holding it leaves nothing half-done that matters.
-        self.ring.lock().unwrap_or_else(|p| p.into_inner())
+    fn slot(&self, id: u64) -> &Slot {
+        &self.slots[(id % self.cap as u64) as usize]
     }
 
     /// Records the start of an operation; returns its id for [`Recorder::end`] (`None` when
@@ -174,23 +324,15 @@ impl Recorder {
         }
         let precise = self.sockets || what.bytes() >= PRECISE_MIN_BYTES;
         let start = mono_ns(!precise);
-        let mut ring = self.ring();
-        let id = ring.next;
-        ring.next += 1;
-        let rec = Rec {
-            id,
-            what,
-            start,
-            end: None,
-            precise,
-            error: None,
-        };
-        let slot = (id % self.cap as u64) as usize;
-        if slot < ring.recs.len() {
-            ring.recs[slot] = rec;
-        } else {
-            ring.recs.push(rec);
-        }
+        // One writer at a time (operations hold the execution state): no read-modify-write.
+        let id = self.next.load(Ordering::Relaxed);
+        let f = encode(&what, precise);
+        let mut pairs = [(0, id); 3 + 9];
+        pairs[1] = (1, start);
+        pairs[2] = (2, NONE);
+        pairs[3..].copy_from_slice(&f);
+        self.slot(id).write(&pairs);
+        self.next.store(id + 1, Ordering::Release);
         Some(id)
     }
 
@@ -198,13 +340,19 @@ impl Recorder {
     /// `error`. Nothing when the record was overwritten meanwhile.
     pub(crate) fn end(&self, id: Option<u64>, error: Option<&Error>) {
         let Some(id) = id else { return };
-        let slot = (id % self.cap as u64) as usize;
-        let error: Option<Arc<str>> = error.map(|e| e.to_string().into());
-        let mut ring = self.ring();
-        if let Some(rec) = ring.recs.get_mut(slot).filter(|r| r.id == id) {
-            rec.end = Some(mono_ns(!rec.precise));
-            rec.error = error;
+        let slot = self.slot(id);
+        // The writer's own words: no other thread writes them.
+        if slot.words[0].load(Ordering::Relaxed) != id {
+            return;
         }
+        let precise = slot.words[3].load(Ordering::Relaxed) & PRECISE != 0;
+        if let Some(e) = error {
+            let mut errors = self.errors.lock().unwrap_or_else(|p| p.into_inner());
+            let oldest = (id + 1).saturating_sub(self.cap as u64);
+            errors.retain(|(i, _)| *i >= oldest);
+            errors.push((id, e.to_string().into()));
+        }
+        slot.write(&[(2, mono_ns(!precise))]);
     }
 
     /// Records `f`, an operation described by `what`.
@@ -225,17 +373,14 @@ impl Recorder {
             return;
         }
         let size = self.owner.size;
-        let mut ring = self.ring();
+        let make = || (0..size).map(|_| AtomicU64::new(0)).collect();
         let counts = if sent {
-            &mut ring.sent
+            self.sent.get_or_init(make)
         } else {
-            &mut ring.recvd
+            self.recvd.get_or_init(make)
         };
-        if counts.len() != size {
-            counts.resize(size, 0);
-        }
-        if let Some(c) = counts.get_mut(peer) {
-            *c = (*c).max(number);
+        if let Some(c) = counts.get(peer) {
+            c.fetch_max(number, Ordering::Relaxed);
         }
     }
 
@@ -244,28 +389,46 @@ impl Recorder {
         self.anchor.1.checked_add(since).map_or(u64::MAX, unix_ns)
     }
 
-    /// The record as it stands, oldest operation first.
+    /// The record as it stands, oldest operation first (an operation running as `running`).
     pub(crate) fn snapshot(&self, reason: &str, error: Option<&Error>) -> TraceDump {
-        let (mut recs, recorded, sent, recvd) = {
-            let ring = self.ring();
-            (
-                ring.recs.clone(),
-                ring.next,
-                ring.sent.clone(),
-                ring.recvd.clone(),
-            )
-        };
-        recs.sort_by_key(|r| r.id);
+        let next = self.next.load(Ordering::Acquire);
+        let errors = self
+            .errors
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let recs: Vec<Rec> = (next.saturating_sub(self.cap as u64)..next)
+            .filter_map(|id| {
+                let w = self.slot(id).read()?;
+                // Overwritten by a newer record while this one was read: gone.
+                if w[0] != id {
+                    return None;
+                }
+                Some(Rec {
+                    id,
+                    what: decode(&w)?,
+                    start: w[1],
+                    end: (w[2] != NONE).then_some(w[2]),
+                    precise: w[3] & PRECISE != 0,
+                    error: errors
+                        .iter()
+                        .find(|(i, _)| *i == id)
+                        .map(|(_, e)| e.clone()),
+                })
+            })
+            .collect();
         let size = self.owner.size;
+        let counts = |c: &OnceLock<Box<[AtomicU64]>>| -> Vec<u64> {
+            match c.get() {
+                Some(v) => v.iter().map(|x| x.load(Ordering::Relaxed)).collect(),
+                None => vec![0; size],
+            }
+        };
         // One list sized for every peer as soon as either direction has a message.
-        let (p2p_sent, p2p_recvd) = if sent.is_empty() && recvd.is_empty() {
+        let (p2p_sent, p2p_recvd) = if self.sent.get().is_none() && self.recvd.get().is_none() {
             (Vec::new(), Vec::new())
         } else {
-            let full = |mut v: Vec<u64>| {
-                v.resize(size, 0);
-                v
-            };
-            (full(sent), full(recvd))
+            (counts(&self.sent), counts(&self.recvd))
         };
         let o = &self.owner;
         TraceDump {
@@ -281,7 +444,7 @@ impl Recorder {
             error: error.map(ToString::to_string),
             dumped_unix_ns: unix_ns(SystemTime::now()),
             capacity: self.cap,
-            recorded,
+            recorded: next,
             p2p_sent,
             p2p_recvd,
             records: recs.iter().map(|r| self.to_record(r)).collect(),

@@ -260,3 +260,87 @@ fn dumps_round_trip_through_a_file() {
     assert!(TraceDump::read(&path).is_err());
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A reader snapshotting while the writer records: every snapshot is consistent (each record
+/// decodes to what was written for its id, ids increase by one) and never waits.
+#[test]
+fn snapshots_while_recording_are_consistent() {
+    let r = Recorder::new(64, None, owner());
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            for i in 0..200_000u64 {
+                let id = r.begin(coll(i));
+                r.end(id, None);
+            }
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        });
+        let mut snapshots = 0;
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) || snapshots == 0 {
+            let d = r.snapshot("requested", None);
+            for w in d.records.windows(2) {
+                assert!(w[0].id < w[1].id, "{:?} then {:?}", w[0].id, w[1].id);
+            }
+            for rec in &d.records {
+                assert_eq!(rec.seq, Some(rec.id), "{rec:?}");
+                assert_eq!(rec.op, "all-reduce(count=10, dtype=float, op=sum)");
+            }
+            snapshots += 1;
+        }
+        assert!(snapshots > 0);
+    });
+}
+
+#[test]
+fn records_keep_every_field_and_the_errors_of_failed_ones() {
+    let r = Recorder::new(4, None, owner());
+    let premul = What::Coll {
+        seq: 9,
+        desc: OpDesc {
+            coll: Collective::ReduceScatterV,
+            dtype: DType::BF16,
+            op: ReduceOp::premul_sum(0.25),
+            root: 0xabc,
+            count: 77,
+        },
+        algo: Algorithm::Hierarchical,
+        bytes: 1 << 20,
+    };
+    let id = r.begin(premul);
+    r.end(id, Some(&Error::Io("first".into())));
+    for s in 0..3 {
+        let id = r.begin(coll(s));
+        r.end(id, None);
+    }
+    let d = r.snapshot("requested", None);
+    let f = &d.records[0];
+    assert_eq!(
+        (f.seq, f.coll.as_str(), f.dtype.as_str(), f.count, f.bytes),
+        (Some(9), "reduce-scatter-v", "bfloat16", 77, 1 << 20)
+    );
+    assert_eq!(
+        f.op,
+        "reduce-scatter-v(count=77, dtype=bfloat16, op=premul_sum, counts-hash=00000abc)"
+    );
+    assert_eq!(
+        (f.algo.as_deref(), f.clock_resolution_ns),
+        (Some("hierarchical"), 1)
+    );
+    assert_eq!(
+        (f.state, f.error.as_deref()),
+        (TraceState::Failed, Some("i/o: first"))
+    );
+    assert!(d.records[1..]
+        .iter()
+        .all(|x| x.error.is_none() && x.clock_resolution_ns > 1));
+    // Once the failed record leaves the ring, so does its error.
+    let id = r.begin(coll(3));
+    r.end(id, Some(&Error::Io("second".into())));
+    let d = r.snapshot("requested", None);
+    let errs: Vec<_> = d
+        .records
+        .iter()
+        .filter_map(|x| x.error.as_deref())
+        .collect();
+    assert_eq!(errs, ["i/o: second"]);
+}
