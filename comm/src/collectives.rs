@@ -106,6 +106,7 @@ fn exec<R>(
         ctx.stream = full >= tuning::STREAM_MIN;
         ctx.layout = shared.layout.as_ref();
         ctx.stalls = Some(&shared.stalls);
+        ctx.trace = Some(&shared.trace);
         let r = body(&mut ctx, choice)?;
         ctx.flush()?;
         Ok(r)

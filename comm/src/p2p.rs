@@ -550,5 +550,6 @@ fn p2p_ctx<'a>(shared: &'a Shared, links: &'a mut Links, name: &'static str) -> 
     );
     ctx.spin = shared.spin;
     ctx.stalls = Some(&shared.stalls);
+    ctx.trace = Some(&shared.trace);
     ctx
 }

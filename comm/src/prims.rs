@@ -224,6 +224,9 @@ pub(crate) struct Ctx<'a> {
     /// Where a stalled wait is posted and a timed-out one reads the others' posts (see
     /// `crate::stall`); `None` in unit tests.
     pub stalls: Option<&'a Stalls>,
+    /// The flight recorder, written to `OXCCL_TRACE_DIR` when a wait stalls (see
+    /// `crate::trace`); `None` in unit tests.
+    pub trace: Option<&'a crate::trace::Recorder>,
 }
 
 /// The communicator's ranks by node, when it spans at least two nodes of at least two ranks
@@ -372,6 +375,7 @@ impl<'a> Ctx<'a> {
             layout: None,
             map: None,
             stalls: None,
+            trace: None,
         }
     }
 
@@ -409,6 +413,7 @@ impl<'a> Ctx<'a> {
             layout: None,
             map: Some(members),
             stalls: self.stalls,
+            trace: self.trace,
         }
     }
 
@@ -624,6 +629,10 @@ impl<'a> Ctx<'a> {
         if let Some(s) = self.stalls.filter(|s| waited >= s.after && !s.posted()) {
             let (op, seq) = self.stall_label();
             s.post(op, seq, waited, waiting());
+            // The hang may last until the time-out: its record is on disk from now on.
+            if let Some(t) = self.trace {
+                t.dump_in_background("stalled");
+            }
         }
         let spin = if self.spin { SPIN } else { Duration::ZERO };
         if waited < spin {

@@ -282,6 +282,49 @@ fn trace_shows_the_running_operation_without_waiting() {
     assert_eq!(last.duration_ns, None);
 }
 
+/// A wait that stalls (no progress for a quarter of the time-out) writes the record at once:
+/// rank 1, late by 2.5 s with a 4 s time-out, finds rank 0's record of the all-reduce it waits in
+/// on disk before it joins.
+#[test]
+fn a_stalled_wait_writes_its_record_before_the_time_out() {
+    let dir = temp_dir("stall");
+    let c = Config {
+        timeout: Duration::from_secs(4),
+        trace_dir: Some(dir.clone()),
+        ..cfg(TransportChoice::Shm)
+    };
+    let res = spawn_world(2, c, |c| {
+        let seen = if c.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(2500));
+            let path = dir.join(TraceDump::file_name(c.id(), 0));
+            Some(TraceDump::read(&path))
+        } else {
+            None
+        };
+        c.all_reduce(&mut [1u8; 4], ReduceOp::Sum)?;
+        Ok(seen)
+    });
+    let seen = res.into_iter().nth(1).unwrap().unwrap().unwrap();
+    let d = seen.expect("rank 0's record was on disk while it waited");
+    assert_eq!(d.reason, "stalled");
+    let last = d.records.last().unwrap();
+    assert_eq!(
+        (last.seq, last.state),
+        (Some(0), TraceState::Running),
+        "{d:?}"
+    );
+    // Then both closed: the later records replaced it.
+    for rank in 0..2 {
+        let files: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
+        assert_eq!(files.len(), 2);
+        let id = &d.comm;
+        let d = TraceDump::read(&dir.join(TraceDump::file_name(id, rank))).unwrap();
+        assert_eq!(d.reason, "closed");
+        assert_eq!(d.records.last().unwrap().state, TraceState::Completed);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn dump_trace_writes_where_asked() {
     let dir = temp_dir("dump");

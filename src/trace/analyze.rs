@@ -94,6 +94,10 @@ fn who_dumped(out: &mut String, dumps: &[&TraceDump]) {
                      ended first, or is still running)"
                 }
                 "closed" => "closed the communicator",
+                "stalled" => {
+                    "wrote it while waiting without progress (a quarter of OXCCL_TIMEOUT), and \
+                     nothing since"
+                }
                 "requested" => "wrote it on request",
                 other => other,
             };

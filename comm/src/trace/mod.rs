@@ -8,8 +8,10 @@
 //!   kept, the oldest dropped first; 0 records nothing.
 //! - `OXCCL_TRACE_DIR` ([`crate::Config::trace_dir`]): every communicator writes its record to
 //!   `DIR/<communicator id>.r<rank>.json` ([`TraceDump::file_name`]) when it fails (the first
-//!   error, after its connections are closed, so peers learn of the failure first) and when it
-//!   is dropped. [`crate::Communicator::dump_trace`] writes one at any time and
+//!   error, after its connections are closed, so peers learn of the failure first), when a wait
+//!   of one of its operations stalls (no progress for a quarter of `OXCCL_TIMEOUT`, when the
+//!   stall is posted: a hang leaves its records long before it times out) and when it is
+//!   dropped. [`crate::Communicator::dump_trace`] writes one at any time and
 //!   [`crate::Communicator::trace`] returns the record, the operation running at that moment
 //!   included.
 //!
@@ -36,9 +38,11 @@
 
 mod recorder;
 
+use std::collections::BTreeMap;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -175,8 +179,9 @@ pub struct TraceDump {
     pub node: String,
     /// Process id.
     pub pid: u32,
-    /// Why it was written: `failed` (the communicator's first error), `closed` (dropped),
-    /// `requested` ([`crate::Communicator::dump_trace`], [`crate::Communicator::trace`]).
+    /// Why it was written: `failed` (the communicator's first error), `stalled` (a wait without
+    /// progress for a quarter of `OXCCL_TIMEOUT`), `closed` (dropped), `requested`
+    /// ([`crate::Communicator::dump_trace`], [`crate::Communicator::trace`]).
     pub reason: String,
     /// The error that broke the communicator, if it is broken.
     pub error: Option<String>,
@@ -203,6 +208,10 @@ pub struct TraceDump {
 /// Makes temporary file names unique within the process (several threads may write one
 /// communicator's record at once: a failure, a drop, a request).
 static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// The `dumped_unix_ns` of the dump last written to each path by this process: a write that
+/// comes late (a background one behind a stuck file system) never replaces a newer record.
+static WRITTEN: Mutex<BTreeMap<PathBuf, u64>> = Mutex::new(BTreeMap::new());
 
 impl TraceDump {
     /// The file a dump of rank `rank` of communicator `comm` goes to: the id with every
@@ -275,7 +284,9 @@ impl TraceDump {
 
     /// Writes the dump to `dir` (made if missing) under [`TraceDump::file_name`], through a
     /// temporary file renamed into place, so a reader never sees half a file and a later dump
-    /// replaces an earlier one whole. Returns the path.
+    /// replaces an earlier one whole. Returns the path. Writes of this process to one path
+    /// happen one at a time, and one older than the last written there (by
+    /// [`TraceDump::dumped_unix_ns`]) is skipped.
     ///
     /// # Errors
     /// `Error::Io` naming the rank and the path (the temporary file is removed).
@@ -290,9 +301,13 @@ impl TraceDump {
         std::fs::create_dir_all(dir).map_err(|e| io("creating", dir, &e))?;
         let name = Self::file_name(&self.comm, self.rank);
         let path = dir.join(&name);
+        let mut written = WRITTEN.lock().unwrap_or_else(|p| p.into_inner());
+        if written.get(&path).is_some_and(|&t| t > self.dumped_unix_ns) {
+            return Ok(path);
+        }
         let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
         let tmp = dir.join(format!(".{name}.{}-{n}.tmp", std::process::id()));
-        let written = std::fs::File::create(&tmp)
+        let done = std::fs::File::create(&tmp)
             .map_err(|e| io("creating", &tmp, &e))
             .and_then(|f| {
                 let mut w = std::io::BufWriter::new(f);
@@ -300,40 +315,51 @@ impl TraceDump {
                 w.flush().map_err(|e| io("writing", &tmp, &e))
             })
             .and_then(|()| std::fs::rename(&tmp, &path).map_err(|e| io("renaming", &tmp, &e)));
-        if written.is_err() {
-            let _ = std::fs::remove_file(&tmp);
+        match done {
+            Ok(()) => {
+                written.insert(path.clone(), self.dumped_unix_ns);
+                Ok(path)
+            }
+            Err(e) => {
+                let _ = std::fs::remove_file(&tmp);
+                Err(e)
+            }
         }
-        written.map(|()| path)
     }
 }
 
 /// Writes `dump` to `dir` on a helper thread and waits at most `budget` for it (a directory on
-/// a hung file system must not hold up a failing communicator for longer); the write goes on
-/// in the background after that. Logs the outcome, never fails.
+/// a hung file system must not hold up a failing communicator for longer; zero: not at all);
+/// the write goes on in the background after that. Logs the outcome, never fails.
 pub(crate) fn write_bounded(dump: TraceDump, dir: PathBuf, budget: Duration) {
-    let (rank, reason) = (dump.rank, dump.reason.clone());
-    let log = move |r: Result<PathBuf>| match r {
-        Ok(path) => {
-            tracing::info!(rank, path = %path.display(), reason, "flight record written")
-        }
-        Err(e) => tracing::warn!(rank, "could not write the flight record: {e}"),
-    };
+    let rank = dump.rank;
     let (tx, rx) = crossbeam_channel::bounded(1);
     let job = move || {
-        let _ = tx.send(dump.write_to(&dir));
+        match dump.write_to(&dir) {
+            Ok(path) => tracing::info!(
+                rank,
+                path = %path.display(),
+                reason = dump.reason,
+                "flight record written"
+            ),
+            Err(e) => tracing::warn!(rank, "could not write the flight record: {e}"),
+        }
+        let _ = tx.send(());
     };
     match std::thread::Builder::new()
         .name(format!("oxccl-trace-r{rank}"))
         .spawn(job)
     {
-        Ok(_) => match rx.recv_timeout(budget) {
-            Ok(r) => log(r),
-            Err(_) => tracing::warn!(
-                rank,
-                "the flight record was not written within {budget:?}; leaving it to a \
-                 background thread"
-            ),
-        },
+        Ok(_) if budget.is_zero() => {}
+        Ok(_) => {
+            if rx.recv_timeout(budget).is_err() {
+                tracing::warn!(
+                    rank,
+                    "the flight record was not written within {budget:?}; leaving it to a \
+                     background thread"
+                );
+            }
+        }
         Err(e) => tracing::warn!(
             rank,
             "could not start a thread to write the flight record: {e}"

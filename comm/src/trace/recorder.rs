@@ -552,6 +552,16 @@ impl Recorder {
         rec
     }
 
+    /// Writes the record to `OXCCL_TRACE_DIR`, if it is set, on a helper thread, without waiting
+    /// for it (a wait that stalled: the operation goes on waiting meanwhile).
+    pub(crate) fn dump_in_background(&self, reason: &str) {
+        let Some(dir) = &self.dir else { return };
+        if self.cap == 0 {
+            return;
+        }
+        write_bounded(self.snapshot(reason, None), dir.clone(), Duration::ZERO);
+    }
+
     /// Writes the record to `OXCCL_TRACE_DIR` if it is set, waiting at most [`WRITE_BUDGET`]
     /// (a failure to write is logged, never returned: this runs while a communicator fails or
     /// closes).

@@ -344,3 +344,16 @@ fn records_keep_every_field_and_the_errors_of_failed_ones() {
         .collect();
     assert_eq!(errs, ["i/o: second"]);
 }
+
+#[test]
+fn an_older_record_never_replaces_a_newer_one() {
+    let dir = std::env::temp_dir().join(format!("oxccl-trace-order-{}", std::process::id()));
+    let r = Recorder::new(4, None, owner());
+    let mut older = r.snapshot("stalled", None);
+    let newer = r.snapshot("closed", None);
+    older.dumped_unix_ns = newer.dumped_unix_ns - 1;
+    let path = newer.write_to(&dir).unwrap();
+    assert_eq!(older.write_to(&dir).unwrap(), path);
+    assert_eq!(TraceDump::read(&path).unwrap().reason, "closed");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
