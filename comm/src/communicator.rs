@@ -763,7 +763,7 @@ impl Communicator {
     /// Writes [`Communicator::trace`] to `dir` (made if missing) as
     /// `<id>.r<rank>.json` ([`TraceDump::file_name`]), which `oxccl trace DIR` reads with the
     /// other ranks' files; returns the path. `OXCCL_TRACE_DIR` does the same by itself when the
-    /// communicator fails and when it is dropped.
+    /// communicator fails, when one of its waits stalls and when it is dropped.
     ///
     /// # Errors
     /// `Error::Io` naming the path when the directory or the file cannot be written.

@@ -379,8 +379,9 @@ impl Recorder {
         } else {
             self.recvd.get_or_init(make)
         };
+        // One writer at a time, and a peer's numbers only grow: a plain store.
         if let Some(c) = counts.get(peer) {
-            c.fetch_max(number, Ordering::Relaxed);
+            c.store(number, Ordering::Relaxed);
         }
     }
 

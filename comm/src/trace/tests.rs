@@ -157,8 +157,8 @@ fn per_peer_message_counts_cover_every_peer() {
     let r = Recorder::new(4, None, owner());
     assert!(r.snapshot("requested", None).p2p_sent.is_empty());
     r.note_message(0, true, 1);
-    r.note_message(0, true, 3);
     r.note_message(0, true, 2);
+    r.note_message(0, true, 3);
     r.note_message(5, false, 1); // not a rank of the communicator: ignored
     let d = r.snapshot("requested", None);
     assert_eq!((d.p2p_sent, d.p2p_recvd), (vec![3, 0], vec![0, 0]));
