@@ -85,6 +85,32 @@ impl Collective {
         }
     }
 
+    /// Whether the collective reduces (takes a [`ReduceOp`]): all-reduce, reduce-scatter,
+    /// reduce-scatter-v and reduce.
+    pub const fn reduces(self) -> bool {
+        matches!(
+            self,
+            Collective::AllReduce
+                | Collective::ReduceScatter
+                | Collective::ReduceScatterV
+                | Collective::Reduce
+        )
+    }
+
+    /// Whether the collective has a root: broadcast, reduce, gather, scatter, gather-v and
+    /// scatter-v.
+    pub const fn has_root(self) -> bool {
+        matches!(
+            self,
+            Collective::Broadcast
+                | Collective::Reduce
+                | Collective::Gather
+                | Collective::Scatter
+                | Collective::GatherV
+                | Collective::ScatterV
+        )
+    }
+
     pub(crate) fn to_u8(self) -> u8 {
         Collective::ALL.iter().position(|c| *c == self).unwrap_or(0) as u8
     }

@@ -298,7 +298,7 @@ impl Plan {
             "sum, prod, min, max, avg, premul_sum",
             |s| s.parse().ok(),
         )?;
-        let ops = if sweep::has_op(coll) {
+        let ops = if coll.reduces() {
             ops.into_iter().map(Some).collect()
         } else {
             vec![None]
@@ -371,7 +371,7 @@ impl Plan {
     /// # Errors
     /// A root outside the ranks, or send-recv on one rank.
     pub fn check_ranks(&self, root: usize, n: usize) -> Result<(), String> {
-        if sweep::has_root(self.coll) && root >= n {
+        if self.coll.has_root() && root >= n {
             return Err(format!(
                 "-r/--root {root} is not a rank (there are {n} ranks)"
             ));

@@ -10,7 +10,7 @@ use super::data::{rank_op, Pattern};
 use super::format::{header, row_line, Measure, Row, Totals};
 use super::progress::Progress;
 use super::report::{write_json, write_plot, Meta, RankInfo};
-use super::sweep::{busbw_factor, geometry, has_root, Step};
+use super::sweep::{busbw_factor, geometry, Step};
 use super::{note, PerfArgs, Plan};
 
 /// What the loops hand each finished row to: totals, rank 0's table, the kept rows.
@@ -275,7 +275,7 @@ fn run_dtype<T: Element>(
                 collective: spec.coll.name().into(),
                 dtype: T::DTYPE.name().into(),
                 redop: redop.into(),
-                root: if has_root(spec.coll) {
+                root: if spec.coll.has_root() {
                     spec.root as i64
                 } else {
                     -1

@@ -122,30 +122,6 @@ pub struct Geometry {
     pub output: usize,
 }
 
-/// Whether the collective has a reduction operation (an `-o` applies).
-pub fn has_op(c: Collective) -> bool {
-    matches!(
-        c,
-        Collective::AllReduce
-            | Collective::ReduceScatter
-            | Collective::ReduceScatterV
-            | Collective::Reduce
-    )
-}
-
-/// Whether the collective has a root (the `root` column shows it; -1 otherwise).
-pub fn has_root(c: Collective) -> bool {
-    matches!(
-        c,
-        Collective::Broadcast
-            | Collective::Reduce
-            | Collective::Gather
-            | Collective::Scatter
-            | Collective::GatherV
-            | Collective::ScatterV
-    )
-}
-
 /// Whether oxccl has an in-place form of the collective (else the in-place columns are N/A).
 pub fn has_in_place(c: Collective) -> bool {
     matches!(

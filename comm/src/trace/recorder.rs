@@ -490,24 +490,8 @@ impl Recorder {
                 rec.op = desc.to_string();
                 rec.dtype = desc.dtype.to_string();
                 rec.count = desc.count as u64;
-                let reduces = matches!(
-                    c,
-                    Collective::AllReduce
-                        | Collective::ReduceScatter
-                        | Collective::Reduce
-                        | Collective::ReduceScatterV
-                );
-                rec.redop = reduces.then(|| desc.op.to_string());
-                let rooted = matches!(
-                    c,
-                    Collective::Broadcast
-                        | Collective::Reduce
-                        | Collective::Gather
-                        | Collective::Scatter
-                        | Collective::GatherV
-                        | Collective::ScatterV
-                );
-                rec.root = rooted.then_some(desc.root);
+                rec.redop = c.reduces().then(|| desc.op.to_string());
+                rec.root = c.has_root().then_some(desc.root);
                 rec.algo = Some(algo.name().into());
                 rec.bytes = bytes as u64;
             }
