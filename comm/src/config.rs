@@ -86,12 +86,12 @@ pub struct Config {
     /// it, so a device collective fails with the reason instead; `0` never).
     pub cuda_ipc: Option<bool>,
     /// Bytes of each of the two device slots every rank maps for CUDA IPC collectives; larger
-    /// operations run in chunks of a slot (`OXCCL_CUDA_IPC_SLOT`, default 4 MiB, a multiple of
-    /// 256 from 4 KiB to 1 GiB).
+    /// operations run in chunks of a slot (`OXCCL_CUDA_IPC_SLOT`, default 32 MiB, a multiple of
+    /// 256 from 4 KiB to 1 GiB; docs/PERF.md has the sweep on an H200 that chose it).
     pub cuda_ipc_slot: usize,
     /// Largest reduction (all-reduce, reduce) that runs one-shot over CUDA IPC: every rank
     /// reduces the whole buffer from every rank's slot; larger ones run two-shot (each rank
-    /// reduces its shard, then everyone gathers) (`OXCCL_CUDA_IPC_ONE_SHOT`, default 256 KiB).
+    /// reduces its shard, then everyone gathers) (`OXCCL_CUDA_IPC_ONE_SHOT`, default 4 MiB).
     pub cuda_ipc_one_shot: usize,
     /// How ranks meet at the barriers of CUDA IPC collectives (`OXCCL_CUDA_IPC_BARRIER`: `auto`,
     /// the default, on the host when every rank is a thread of one process and on the device
@@ -129,8 +129,8 @@ impl Default for Config {
             cuda_stage_chunk: 4 << 20,
             cuda_stream_wait: None,
             cuda_ipc: None,
-            cuda_ipc_slot: 4 << 20,
-            cuda_ipc_one_shot: 256 << 10,
+            cuda_ipc_slot: 32 << 20,
+            cuda_ipc_one_shot: 4 << 20,
             cuda_ipc_host_barrier: None,
             trace_buffer: 2000,
             trace_dir: None,

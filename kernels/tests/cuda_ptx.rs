@@ -75,8 +75,9 @@ fn ipc_barrier_uses_system_scope_release_acquire_and_a_timer() {
     }
 }
 
-/// fp8 rounding runs on the conversion instructions where the device has them (sm_89 and later)
-/// and on the software conversion (checked on the host by tests/kernels/fp8.rs) before.
+/// fp8 rounding, and widening E4M3, run on the conversion instructions where the device has them
+/// (sm_89 and later) and on the software conversions (checked on the host by tests/kernels/fp8.rs)
+/// before.
 #[test]
 fn fp8_conversions_use_hardware_from_sm_89() {
     if !nvrtc_or_skip() {
@@ -91,6 +92,7 @@ fn fp8_conversions_use_hardware_from_sm_89() {
     };
     for (dtype, insn) in [
         ("f8e4m3", "cvt.rn.satfinite.e4m3x2.f32"),
+        ("f8e4m3", "cvt.rn.f16x2.e4m3x2"),
         ("f8e5m2", "cvt.rn.satfinite.e5m2x2.f32"),
     ] {
         let name = format!("oxccl_reduce_{dtype}_sum");
@@ -102,8 +104,9 @@ fn fp8_conversions_use_hardware_from_sm_89() {
             );
         }
         let ptx = compile_ptx("compute_80").expect("compiles");
+        let b = body(&ptx, &name);
         assert!(
-            !body(&ptx, &name).contains("satfinite"),
+            !b.contains("satfinite") && !b.contains(".e4m3x2"),
             "compute_80 {name}"
         );
     }

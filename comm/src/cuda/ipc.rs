@@ -504,16 +504,36 @@ pub(crate) fn setup(
         },
         Err(why) => Record::No(why.clone()),
     };
+    // The wait for the peers starts now, not before our own set-up: a rank's first device
+    // collective compiles and loads the kernels, 15 s on a machine whose caches are empty
+    // (measured on an H200), and that must not eat into the time we give the others.
+    let deadline = Instant::now() + cfg.timeout;
     let key = |what: &str, q: usize| format!("{}/cuda_ipc/{what}/{q}", comm.id);
     let store = &comm.store;
     let gather = |what: &str, value: &[u8]| -> Result<Vec<Vec<u8>>> {
-        store.set(&key(what, rank), value)?;
+        store.set(&key(what, rank), value).map_err(store_err)?;
         (0..size)
             .map(|q| {
-                store.get(
-                    &key(what, q),
-                    deadline.saturating_duration_since(Instant::now()),
-                )
+                store
+                    .get(
+                        &key(what, q),
+                        deadline.saturating_duration_since(Instant::now()),
+                    )
+                    .map_err(|e| match e {
+                        Error::Store(m) if crate::bootstrap::is_wait_timeout(&m) => Error::Cuda {
+                            rank,
+                            op: op.into(),
+                            msg: format!(
+                                "cuda_ipc set-up (communicator {}): rank {q} did not \
+                                 reach the '{what}' step within OXCCL_TIMEOUT ({:?}); a \
+                                 rank's first device collective compiles and loads the \
+                                 kernels (about 15 s with empty caches, OXCCL_CACHE_DIR \
+                                 keeps them): {m}",
+                                comm.id, cfg.timeout
+                            ),
+                        },
+                        other => store_err(other),
+                    })
             })
             .collect()
     };
@@ -525,7 +545,7 @@ pub(crate) fn setup(
             if let Ok(mut l) = local {
                 l.leak = true;
             }
-            return Err(store_err(e));
+            return Err(e);
         }
     };
     let mut local = match local {
@@ -630,7 +650,7 @@ pub(crate) fn setup(
             mapped().release(k, close_handle);
         }
         drop(local);
-        verdicts.map_err(store_err)?;
+        verdicts?;
         return declined(why);
     }
     local.leak = false;

@@ -30,8 +30,8 @@
 //! directly. Every rank maps every other's scratch slots once (IPC handles exchanged through the
 //! store); a call enqueues, on the caller's stream, a copy of its input into its own slot, a
 //! barrier kernel (flags in device memory, no host round trip), then reduce kernels or copies
-//! that read the peers' slots: one-shot all-reduce up to `OXCCL_CUDA_IPC_ONE_SHOT` (256 KiB),
-//! two-shot above, everything in chunks of `OXCCL_CUDA_IPC_SLOT` (4 MiB) with double-buffered
+//! that read the peers' slots: one-shot all-reduce up to `OXCCL_CUDA_IPC_ONE_SHOT` (4 MiB),
+//! two-shot above, everything in chunks of `OXCCL_CUDA_IPC_SLOT` (32 MiB) with double-buffered
 //! slots; with `OXCCL_ALGO=ring`, all-reduce, reduce-scatter and all-gather read only the
 //! previous rank's slot instead, in ring steps. This is the default where it applies
 //! (`OXCCL_CUDA_IPC=auto`); if any rank cannot map the others, every rank stages instead
