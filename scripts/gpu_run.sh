@@ -86,9 +86,12 @@ for phase in $phases; do
         # with 4 ranks over shared memory, sized as in docs/PERF.md and larger, then TCP between
         # 2 ranks on loopback against torch/gloo (no OpenMPI here).
         step nproc
-        for b in 4 16 64; do
-            limit=120 step "$bin/oxccl" launch -n 4 -- "$bin/02_ddp_mlp" --mode all --hidden 1024 \
-                --layers 4 --batch "$b" --steps 8 --rounds 3 --bucket-mib 25
+        # Buckets of 4 MiB (with 25 MiB this 12 MiB model is one bucket: nothing to overlap).
+        for b in 4 8 16; do
+            for mib in 4 25; do
+                limit=120 step "$bin/oxccl" launch -n 4 -- "$bin/02_ddp_mlp" --mode all --hidden 1024 \
+                    --layers 4 --batch "$b" --steps 8 --rounds 5 --bucket-mib "$mib"
+            done
         done
         # The same script as the development machine's TCP table; it skips OpenMPI when absent.
         OX="$bin/oxccl" PEERS="$bin" GLOO_PY="$(command -v python3)" ROUNDS=3 limit=600 \

@@ -303,8 +303,9 @@ fn two_ranks_on_one_gpu_every_collective_and_dtype() {
 #[test]
 #[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored --test-threads 1"]
 fn three_ranks_on_one_gpu_every_collective_and_dtype() {
-    // Between the 2 ranks that pass and the 4 that hang: a wait that needs a third rank to
-    // close a cycle shows here first.
+    // Between 2 ranks and 4 (which hung on an H100 with GPU-side waits, and pass on an H200
+    // with the host-side waits threads use now): a wait that needs a third rank to close a
+    // cycle shows here first.
     if gpu_or_skip() {
         run_world(3, small_parts());
     }

@@ -1,0 +1,315 @@
+#!/usr/bin/env bash
+# One device call for the open GPU and many-core checks of issues 4, 6 and 7, in priority order,
+# inside a budget of BUDGET seconds (default 540): a step starts only while the budget lasts, and
+# runs at most until it ends, so the whole script fits one device call (10 minutes) with room to
+# spare. Uses the binaries scripts/gpu_build.sh made. Usage, with the device tool:
+#   run(carry=["target/gpu-bin"], timeout_s=600, command="scripts/gpu_session.sh")
+# PHASES (default "threads kernels mps nccl cpu netns") picks and orders the phases:
+#   threads  device collectives with ranks as threads of one process: 2, 3, 4 and 8 ranks, every
+#            collective and dtype, CUDA IPC and staged (the 4-rank runs traced, where each rank
+#            stopped printed if one hangs), faults and stream order;
+#   kernels  the kernel tests (fp8 included) and kernel bandwidth for f32 / bf16 / fp8;
+#   mps      ranks as processes under MPS over CUDA IPC: 4 ranks 8 B..1 GiB, one-shot latency,
+#            256 MiB, every other collective checked, fp8 all-reduce, the slot size at 256 MiB
+#            and 1 GiB;
+#   nccl     NCCL's single-rank all-reduce (PyTorch), for scale;
+#   cpu      the DDP overlap table (4 ranks over shared memory) and TCP against torch/gloo;
+#   netns    hierarchical against the flat ring, 2 network namespaces x 2 ranks, 64 MiB (needs
+#            iproute2: a machine without it can be given the development machine's `ip` and its
+#            libraries in a carried folder put first on PATH, see NETNS_TOOLS);
+# and, not in the default, the follow-ups of a first run:
+#   cold     the first device collective on a fresh machine: how long loading the kernels takes;
+#   tune     CUDA IPC slot size and one-shot threshold, 2 and 4 processes;
+#   ddp      the DDP overlap table by bucket size;
+#   tcp      TCP on loopback by sockets per direction, against gloo;
+# and, after a second:
+#   defaults CUDA IPC all-reduce with the default slot and one-shot sizes (2 and 4 processes);
+#   flake    the 2-rank barrier-kernel test between threads, 4 times, traced;
+#   ddp2     the DDP overlap table, buckets of 2, 4 and 25 MiB, 5 rounds, twice;
+#   tcp2     TCP on loopback: Python's rate each way, oxccl by setting, and gloo;
+#   coldperf 2 processes' first device collective on a fresh machine with OXCCL_TIMEOUT=12 (less
+#            than the kernel load), then the default all-reduce sweep.
+# Output: stdout and $OUT/session.log; traces of the 4-rank runs as $OUT/trace4_*.log.gz.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bin=${BIN:-target/gpu-bin}
+budget=${BUDGET:-540}
+phases=${PHASES:-threads kernels mps nccl cpu netns}
+out=${OUT:-/tmp}
+exec > >(tee -a "$out/session.log") 2>&1
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+    $(python3 -c 'import nvidia, os; print(" ".join(os.path.join(p, "cu13/lib") for p in nvidia.__path__))' 2>/dev/null); do
+    [ -e "$d/libnvrtc.so.13" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
+done
+# NETNS_TOOLS: a folder with an `ip` to use (scripts/netns.sh needs iproute2).
+[ -n "${NETNS_TOOLS:-}" ] && export PATH="$PWD/$NETNS_TOOLS:$PATH"
+export OXCCL_REQUIRE_GPU=1 OXCCL_CACHE_DIR=/tmp/oxccl-cache OXCCL_TIMEOUT=20 RUST_BACKTRACE=0
+
+# Each phase may use at most its share (seconds from its start), and no step runs past the budget.
+declare -A share=([threads]=180 [kernels]=80 [mps]=180 [nccl]=30 [cpu]=70 [netns]=50 [cold]=110
+    [tune]=200 [ddp]=120 [tcp]=120 [defaults]=120 [flake]=75 [ddp2]=90 [tcp2]=90 [coldperf]=100)
+phase_end=$budget
+# step LIMIT CMD...: runs CMD for at most LIMIT seconds, never past the phase's share or the budget.
+step() {
+    local limit=$1 left=$((budget - SECONDS))
+    shift
+    [ $((phase_end - SECONDS)) -lt "$left" ] && left=$((phase_end - SECONDS))
+    if [ "$left" -lt 8 ]; then
+        echo "### SKIPPED (budget spent): $*"
+        return 0
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    echo "### [t=${SECONDS}s, limit ${limit}s] $*"
+    local t=$SECONDS
+    timeout -k 3 "$limit" "$@"
+    echo "### rc $? after $((SECONDS - t)) s"
+}
+# Test output, shortened: the result lines and the first failure.
+short() {
+    cut -c1-300 | awk '/^###|^test |test result|rror|FAILED/ {print; next} /panicked/ {print; p=1; next} p {print; p=0}' |
+        head -"${1:-14}"
+}
+ctest() { local limit=$1; shift; step "$limit" "$bin/comm_cuda" --ignored --exact "$@" 2>&1 | short; }
+perf() { local limit=$1; shift; step "$limit" "$bin/oxccl" perf "$@" 2>&1 | grep -E "^###|^ +[0-9]|rror|wrong|Avg bus" | cut -c1-200; }
+
+# A 4-rank threaded run, traced: NAME TEST [VAR=VALUE...]; on failure, where every rank stopped.
+run4() {
+    local name=$1 t=$2
+    shift 2
+    local log="$out/trace4_$name.log"
+    step 35 env "$@" OXCCL_DEBUG=trace OXCCL_TEST_TRACE=1 "$bin/comm_cuda" --ignored --exact "$t" --nocapture >"$log" 2>&1
+    grep -E "^###|^test |test result|panicked" "$log" | head -6 | cut -c1-300
+    if ! grep -q "test result: ok" "$log"; then
+        echo "### $name did not pass: the barrier chosen, then the last test step and oxccl CUDA step of each rank"
+        grep -E "barrier=" "$log" | head -4 | cut -c1-200
+        for r in 0 1 2 3; do
+            grep "rank $r/4" "$log" | tail -1 | cut -c1-160
+            grep "cuda: " "$log" | grep -E "rank=${r}([^0-9]|\$)" | tail -2 | cut -c1-200
+        done
+    fi
+    gzip -f "$log"
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -2
+echo "cores $(nproc); kernel $(uname -r); budget ${budget}s; phases: $phases"
+for phase in $phases; do
+    echo
+    phase_end=$((SECONDS + ${share[$phase]:-60}))
+    echo "#### phase $phase (t=${SECONDS}s, share ${share[$phase]:-60}s)"
+    case $phase in
+    threads)
+        # Ranks as threads share one context: a hardware queue per stream.
+        export CUDA_DEVICE_MAX_CONNECTIONS=32
+        ctest 20 two_ranks_on_one_gpu_every_collective_and_dtype
+        ctest 20 cuda_ipc_two_ranks_on_one_gpu_every_collective_and_dtype
+        ctest 25 three_ranks_on_one_gpu_every_collective_and_dtype
+        run4 staged four_ranks_on_one_gpu_every_collective_and_dtype
+        run4 ipc cuda_ipc_four_ranks_on_one_gpu_every_collective_and_dtype
+        ctest 35 cuda_ipc_eight_ranks_with_default_slots
+        for t in cuda_ipc_ring_steps_two_ranks_every_collective_and_dtype \
+            cuda_ipc_device_barrier_two_ranks_every_collective_and_dtype \
+            staged_calls_with_stream_waits_give_the_same_results \
+            calls_that_wait_for_their_host_collectives_give_the_same_results \
+            cuda_ipc_barriers_wait_for_a_peer_whose_stream_is_behind \
+            back_to_back_operations_stay_in_stream_order \
+            cuda_ipc_mismatched_collectives_are_reported_not_hung \
+            cuda_ipc_a_missing_rank_times_out_naming_it \
+            a_bad_call_is_refused_before_anything_is_enqueued; do
+            ctest 25 "$t"
+        done
+        unset CUDA_DEVICE_MAX_CONNECTIONS
+        ;;
+    kernels)
+        step 60 "$bin/kernels_cuda_gpu" --test-threads 1 2>&1 | short 20
+        step 30 "$bin/cuda_bench" 256 f32,bf16,f8e4m3,f8e5m2 2>&1 | cut -c1-200
+        ;;
+    mps)
+        # MPS gives each client CUDA_DEVICE_MAX_CONNECTIONS connections out of a fixed number:
+        # keep the default.
+        export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+        mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+        nvidia-cuda-mps-control -d && echo "MPS daemon started"
+        export OXCCL_CUDA_IPC=1
+        perf 60 all-reduce --np 4 --device cuda -b 8 -e 1G -f 8 -c 1 -n 10 -w 3 --rotate 0
+        perf 25 all-reduce --np 4 --device cuda -b 8 -e 8 -c 1 -n 1000 -w 50 --rotate 0
+        perf 25 all-reduce --np 4 --device cuda -b 256K -e 256K -c 1 -n 300 -w 30 --rotate 0
+        perf 30 all-reduce --np 4 --device cuda -b 256M -e 256M -c 1 -n 10 -w 3 --rotate 0
+        for coll in reduce-scatter all-gather broadcast reduce gather scatter all-to-all; do
+            perf 25 "$coll" --np 4 --device cuda -b 8 -e 16M -f 64 -c 1 -n 3 -w 1 -d all
+        done
+        perf 40 all-reduce --np 2 --device cuda -d f8e4m3,f8e5m2 -o all -b 8 -e 64M -f 64 -c 1 -n 5 -w 2 --rotate 0
+        for slot in 4194304 16777216 67108864; do
+            echo "slot $slot"
+            OXCCL_CUDA_IPC_SLOT=$slot perf 30 all-reduce --np 2 --device cuda -b 256M -e 1G -f 4 -c 1 -n 10 -w 3 --rotate 0
+        done
+        OXCCL_ALGO=ring perf 40 all-reduce --np 4 --device cuda -b 8 -e 256M -f 8 -c 1 -n 10 -w 3 --rotate 0
+        unset OXCCL_CUDA_IPC
+        echo quit | nvidia-cuda-mps-control && echo "MPS daemon stopped"
+        grep -ihE "fail|error|exceed" "$CUDA_MPS_LOG_DIRECTORY"/*.log 2>/dev/null | tail -5 | cut -c1-200
+        ;;
+    nccl)
+        step 60 python3 scripts/nccl_single_rank.py
+        ;;
+    cpu)
+        # DDP overlap, 4 ranks over shared memory on 16 cores (4 MiB buckets: with 25 MiB this
+        # 12 MiB model is one bucket and nothing overlaps); then TCP against gloo.
+        for b in 4 8; do
+            for mib in 4 25; do
+                step 40 "$bin/oxccl" launch -n 4 -- "$bin/02_ddp_mlp" --mode all --hidden 1024 \
+                    --layers 4 --batch "$b" --steps 8 --rounds 5 --bucket-mib "$mib" 2>&1 | tail -7
+            done
+        done
+        OX="$bin/oxccl" PEERS="$bin" GLOO_PY="$(command -v python3)" ROUNDS=2 SIZES="8 64M" \
+            step 60 scripts/side_by_side_tcp.sh
+        ;;
+    netns)
+        for round in $(seq 1 "${NETNS_ROUNDS:-2}"); do
+            for a in hierarchical ring; do
+                echo "round $round $a"
+                OXCCL_BIN="$bin/oxccl" OXCCL_ALGO=all-reduce=$a step 20 scripts/netns.sh run \
+                    --nodes 2 --nproc 2 --prefix gp -- "$bin/oxccl" perf all-reduce -b 64M -e 64M -z 1 2>&1 |
+                    grep -E "^###|\] +[0-9]|rror|SKIP" | cut -c1-200
+            done
+        done
+        ;;
+    cold)
+        # The first device collective on a fresh machine (empty OXCCL_CACHE_DIR and driver cache):
+        # how long loading the kernels takes (NVRTC, then the driver's PTX compiler), then the
+        # same test again, warm.
+        export CUDA_DEVICE_MAX_CONNECTIONS=32
+        log="$out/cold.log"
+        step 90 env OXCCL_DEBUG=trace "$bin/comm_cuda" --ignored --exact \
+            cuda_ipc_two_ranks_on_one_gpu_every_collective_and_dtype >"$log" 2>&1
+        grep -E "^###|test result|loading the kernels|allocating scratch" "$log" | head -8 | cut -c1-200
+        gzip -f "$log"
+        ctest 30 cuda_ipc_two_ranks_on_one_gpu_every_collective_and_dtype
+        unset CUDA_DEVICE_MAX_CONNECTIONS
+        ;;
+    tune)
+        # Slot size and one-shot threshold of CUDA IPC all-reduce, 2 and 4 processes under MPS.
+        export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+        mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+        nvidia-cuda-mps-control -d && echo "MPS daemon started"
+        export OXCCL_CUDA_IPC=1
+        for np in 4 2; do
+            for slot in 4194304 16777216 33554432 67108864; do
+                echo "np $np slot $slot"
+                OXCCL_CUDA_IPC_SLOT=$slot perf 25 all-reduce --np $np --device cuda -b 1M -e 1G -f 4 -c 1 -n 10 -w 3 --rotate 0
+            done
+        done
+        for np in 2 4; do
+            for os in 0 4194304; do
+                echo "np $np one-shot up to $os"
+                OXCCL_CUDA_IPC_ONE_SHOT=$os perf 25 all-reduce --np $np --device cuda -b 64K -e 4M -f 2 -c 1 -n 200 -w 20 --rotate 0
+            done
+        done
+        unset OXCCL_CUDA_IPC
+        echo quit | nvidia-cuda-mps-control && echo "MPS daemon stopped"
+        ;;
+    ddp)
+        # DDP overlap on 16 cores by bucket size (the example's 12 MiB of gradients fit one
+        # 25 MiB bucket after the 1 MiB first one: nothing left to overlap).
+        for b in 4 16; do
+            for mib in 1 2 4 25; do
+                echo "batch $b bucket $mib MiB"
+                step 40 "$bin/oxccl" launch -n 4 -- "$bin/02_ddp_mlp" --mode all --hidden 1024 \
+                    --layers 4 --batch "$b" --steps 8 --rounds 3 --bucket-mib "$mib" 2>&1 | tail -6
+            done
+        done
+        ;;
+    tcp)
+        # TCP on loopback, 2 ranks, 64 MiB, by sockets per direction, against gloo, interleaved.
+        for round in 1 2; do
+            for ns in 1 2 4 8; do
+                echo "round $round nsocks $ns"
+                OXCCL_NSOCKS=$ns perf 25 all-reduce --np 2 --transport tcp -b 64M -e 64M -z 1 -n 10 -w 3
+            done
+            echo "round $round gloo"
+            GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 step 40 python3 "$bin/gloo_bench.py" -np 2 -b 64M -e 64M \
+                -c all_reduce 2>&1 | grep -vE "^#" | tail -2
+        done
+        ;;
+    defaults)
+        # CUDA IPC all-reduce with the default slot and one-shot sizes, 2 and 4 processes (MPS).
+        export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+        mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+        nvidia-cuda-mps-control -d && echo "MPS daemon started"
+        export OXCCL_CUDA_IPC=1
+        for np in 2 4; do
+            perf 30 all-reduce --np $np --device cuda -b 8 -e 1G -f 4 -c 1 -n 20 -w 5 --rotate 0
+            perf 20 all-reduce --np $np --device cuda -b 8 -e 8 -c 1 -n 1000 -w 50 --rotate 0
+            perf 20 all-reduce --np $np --device cuda -b 256K -e 256K -c 1 -n 300 -w 30 --rotate 0
+            perf 20 all-reduce --np $np --device cuda -b 256M -e 256M -c 1 -n 20 -w 3 --rotate 0
+        done
+        perf 25 reduce --np 4 --device cuda -b 8 -e 64M -f 8 -c 1 -n 5 -w 2 -d float,bf16,f8e4m3
+        unset OXCCL_CUDA_IPC
+        echo quit | nvidia-cuda-mps-control && echo "MPS daemon stopped"
+        export CUDA_DEVICE_MAX_CONNECTIONS=32
+        ctest 25 cuda_ipc_eight_ranks_with_default_slots
+        ctest 25 cuda_ipc_four_ranks_on_one_gpu_every_collective_and_dtype
+        unset CUDA_DEVICE_MAX_CONNECTIONS
+        ;;
+    flake)
+        # FLAKE_RUNS (default 4) repeats.
+        # The barrier kernel between rank threads (not the default for threads) passed once and
+        # timed out once: repeat it, traced, with a short time-out.
+        export CUDA_DEVICE_MAX_CONNECTIONS=32
+        for k in $(seq 1 "${FLAKE_RUNS:-4}"); do
+            log="$out/flake$k.log"
+            step 18 env OXCCL_TIMEOUT=8 OXCCL_DEBUG=trace OXCCL_TEST_TRACE=1 "$bin/comm_cuda" --ignored --exact \
+                cuda_ipc_device_barrier_two_ranks_every_collective_and_dtype --nocapture >"$log" 2>&1
+            grep -E "^###|test result|panicked" "$log" | head -3 | cut -c1-200
+            if grep -q "test result: ok" "$log"; then rm -f "$log"; else
+                grep -A2 "panicked" "$log" | head -6 | cut -c1-400
+                for r in 0 1; do
+                    grep "rank $r/2" "$log" | tail -1 | cut -c1-160
+                    grep "cuda: " "$log" | grep -E "rank=${r}([^0-9]|\$)" | tail -3 | cut -c1-200
+                done
+                gzip -f "$log"
+            fi
+        done
+        unset CUDA_DEVICE_MAX_CONNECTIONS
+        ;;
+    ddp2)
+        # DDP overlap by bucket size, more rounds, interleaved.
+        for rep in 1 2; do
+            for b in 8 16; do
+                for mib in 2 4 25; do
+                    echo "rep $rep batch $b bucket $mib MiB"
+                    step 30 "$bin/oxccl" launch -n 4 -- "$bin/02_ddp_mlp" --mode all --hidden 1024 \
+                        --layers 4 --batch "$b" --steps 8 --rounds 5 --bucket-mib "$mib" 2>&1 | tail -6
+                done
+            done
+        done
+        ;;
+    tcp2)
+        # TCP on loopback: what Python threads move each way at once, then oxccl by setting,
+        # and gloo, interleaved.
+        step 40 python3 scripts/tcp_loopback_ceiling.py 1024 1,2,4
+        for round in 1 2; do
+            for v in "OXCCL_NSOCKS=2" "OXCCL_NSOCKS=4" "OXCCL_SPIN=0" "OXCCL_SOCKET_BUFFER=0" "OXCCL_SOCKET_BUFFER=16777216"; do
+                echo "round $round $v"
+                env "$v" "$bin/oxccl" perf all-reduce --np 2 --transport tcp -b 64M -e 64M -z 1 -n 10 -w 3 2>&1 | grep -E "^ +[0-9]"
+            done
+            echo "round $round bind core"
+            "$bin/oxccl" perf all-reduce --np 2 --bind core --transport tcp -b 64M -e 64M -z 1 -n 10 -w 3 2>&1 | grep -E "^ +[0-9]"
+            echo "round $round gloo"
+            GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 step 40 python3 "$bin/gloo_bench.py" -np 2 -b 64M -e 64M \
+                -c all_reduce 2>&1 | grep -vE "^#" | tail -1
+        done
+        ;;
+    coldperf)
+        # First thing on a fresh machine: 2 processes whose first device collective compiles and
+        # loads the kernels at once, with a time-out shorter than that load; then the default
+        # sweep.
+        export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+        mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+        nvidia-cuda-mps-control -d && echo "MPS daemon started"
+        OXCCL_TIMEOUT=12 OXCCL_CUDA_IPC=1 perf 60 all-reduce --np 2 --device cuda -b 8 -e 8 -c 1 -n 10 -w 1 --rotate 0
+        OXCCL_CUDA_IPC=1 perf 30 all-reduce --np 2 --device cuda -b 8 -e 1G -f 4 -c 1 -n 20 -w 5 --rotate 0
+        echo quit | nvidia-cuda-mps-control && echo "MPS daemon stopped"
+        ;;
+    *) echo "unknown phase $phase" ;;
+    esac
+done
+echo "#### done at t=${SECONDS}s"
