@@ -2,6 +2,7 @@
 # Builds, on a machine without a GPU (or cargo on the GPU machine), every binary the GPU checks of
 # issues 5 and 6 need, and the CPU figures of issues 4 and 7 that want more than 2 cores, and
 # copies them into target/gpu-bin (64 MiB carry limit: release builds, stripped). Then, with the device tool:
+#   run(carry=["target/gpu-bin"], command="scripts/gpu_session.sh")   (one budgeted call), or
 #   run(carry=["target/gpu-bin"], command="scripts/gpu_run.sh target/gpu-bin")
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

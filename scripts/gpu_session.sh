@@ -72,6 +72,19 @@ short() {
 ctest() { local limit=$1; shift; step "$limit" "$bin/comm_cuda" --ignored --exact "$@" 2>&1 | short; }
 perf() { local limit=$1; shift; step "$limit" "$bin/oxccl" perf "$@" 2>&1 | grep -E "^###|^ +[0-9]|rror|wrong|Avg bus" | cut -c1-200; }
 
+# Ranks as processes on one GPU need MPS (without it the driver time-slices their contexts).
+mps_on() {
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d && echo "MPS daemon started"
+}
+mps_off() { echo quit | nvidia-cuda-mps-control && echo "MPS daemon stopped"; }
+# torch/gloo's 64 MiB all-reduce between 2 ranks on loopback (the peer bench gpu_build.sh copies).
+gloo64() {
+    GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 step 40 python3 "$bin/gloo_bench.py" -np 2 -b 64M -e 64M \
+        -c all_reduce 2>&1 | grep -vE "^#" | tail -2
+}
+
 # A 4-rank threaded run, traced: NAME TEST [VAR=VALUE...]; on failure, where every rank stopped.
 run4() {
     local name=$1 t=$2
@@ -126,9 +139,7 @@ for phase in $phases; do
     mps)
         # MPS gives each client CUDA_DEVICE_MAX_CONNECTIONS connections out of a fixed number:
         # keep the default.
-        export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-        mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-        nvidia-cuda-mps-control -d && echo "MPS daemon started"
+        mps_on
         export OXCCL_CUDA_IPC=1
         perf 60 all-reduce --np 4 --device cuda -b 8 -e 1G -f 8 -c 1 -n 10 -w 3 --rotate 0
         perf 25 all-reduce --np 4 --device cuda -b 8 -e 8 -c 1 -n 1000 -w 50 --rotate 0
@@ -144,7 +155,7 @@ for phase in $phases; do
         done
         OXCCL_ALGO=ring perf 40 all-reduce --np 4 --device cuda -b 8 -e 256M -f 8 -c 1 -n 10 -w 3 --rotate 0
         unset OXCCL_CUDA_IPC
-        echo quit | nvidia-cuda-mps-control && echo "MPS daemon stopped"
+        mps_off
         grep -ihE "fail|error|exceed" "$CUDA_MPS_LOG_DIRECTORY"/*.log 2>/dev/null | tail -5 | cut -c1-200
         ;;
     nccl)
@@ -187,9 +198,7 @@ for phase in $phases; do
         ;;
     tune)
         # Slot size and one-shot threshold of CUDA IPC all-reduce, 2 and 4 processes under MPS.
-        export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-        mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-        nvidia-cuda-mps-control -d && echo "MPS daemon started"
+        mps_on
         export OXCCL_CUDA_IPC=1
         for np in 4 2; do
             for slot in 4194304 16777216 33554432 67108864; do
@@ -204,7 +213,7 @@ for phase in $phases; do
             done
         done
         unset OXCCL_CUDA_IPC
-        echo quit | nvidia-cuda-mps-control && echo "MPS daemon stopped"
+        mps_off
         ;;
     ddp)
         # DDP overlap on 16 cores by bucket size (the example's 12 MiB of gradients fit one
@@ -225,15 +234,12 @@ for phase in $phases; do
                 OXCCL_NSOCKS=$ns perf 25 all-reduce --np 2 --transport tcp -b 64M -e 64M -z 1 -n 10 -w 3
             done
             echo "round $round gloo"
-            GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 step 40 python3 "$bin/gloo_bench.py" -np 2 -b 64M -e 64M \
-                -c all_reduce 2>&1 | grep -vE "^#" | tail -2
+            gloo64
         done
         ;;
     defaults)
         # CUDA IPC all-reduce with the default slot and one-shot sizes, 2 and 4 processes (MPS).
-        export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-        mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-        nvidia-cuda-mps-control -d && echo "MPS daemon started"
+        mps_on
         export OXCCL_CUDA_IPC=1
         for np in 2 4; do
             perf 30 all-reduce --np $np --device cuda -b 8 -e 1G -f 4 -c 1 -n 20 -w 5 --rotate 0
@@ -243,7 +249,7 @@ for phase in $phases; do
         done
         perf 25 reduce --np 4 --device cuda -b 8 -e 64M -f 8 -c 1 -n 5 -w 2 -d float,bf16,f8e4m3
         unset OXCCL_CUDA_IPC
-        echo quit | nvidia-cuda-mps-control && echo "MPS daemon stopped"
+        mps_off
         export CUDA_DEVICE_MAX_CONNECTIONS=32
         ctest 25 cuda_ipc_eight_ranks_with_default_slots
         ctest 25 cuda_ipc_four_ranks_on_one_gpu_every_collective_and_dtype
@@ -294,20 +300,17 @@ for phase in $phases; do
             echo "round $round bind core"
             "$bin/oxccl" perf all-reduce --np 2 --bind core --transport tcp -b 64M -e 64M -z 1 -n 10 -w 3 2>&1 | grep -E "^ +[0-9]"
             echo "round $round gloo"
-            GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 step 40 python3 "$bin/gloo_bench.py" -np 2 -b 64M -e 64M \
-                -c all_reduce 2>&1 | grep -vE "^#" | tail -1
+            gloo64
         done
         ;;
     coldperf)
         # First thing on a fresh machine: 2 processes whose first device collective compiles and
         # loads the kernels at once, with a time-out shorter than that load; then the default
         # sweep.
-        export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-        mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-        nvidia-cuda-mps-control -d && echo "MPS daemon started"
+        mps_on
         OXCCL_TIMEOUT=12 OXCCL_CUDA_IPC=1 perf 60 all-reduce --np 2 --device cuda -b 8 -e 8 -c 1 -n 10 -w 1 --rotate 0
         OXCCL_CUDA_IPC=1 perf 30 all-reduce --np 2 --device cuda -b 8 -e 1G -f 4 -c 1 -n 20 -w 5 --rotate 0
-        echo quit | nvidia-cuda-mps-control && echo "MPS daemon stopped"
+        mps_off
         ;;
     *) echo "unknown phase $phase" ;;
     esac

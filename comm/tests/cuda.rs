@@ -264,7 +264,7 @@ fn run_world(n: usize, cfg: Config) {
     }
 }
 
-/// The configuration from `OXCCL_*` variables (so `scripts/gpu_diag.sh` can vary what a test
+/// The configuration from `OXCCL_*` variables (so `scripts/gpu_session.sh` can vary what a test
 /// does not set itself), which the tests then override.
 fn base() -> Config {
     Config::from_env().expect("OXCCL_* variables")
