@@ -4,27 +4,34 @@
 # runs at most until it ends, so the whole script fits one device call (10 minutes) with room to
 # spare. Uses the binaries scripts/gpu_build.sh made. Usage, with the device tool:
 #   run(carry=["target/gpu-bin"], timeout_s=600, command="scripts/gpu_session.sh")
-# PHASES (default "threads kernels mps nccl cpu netns") picks and orders the phases:
+# and, for the netns phase where the machine has no iproute2 (the lent ones), after
+# scripts/netns_tools.sh here:
+#   run(carry=["target/gpu-bin", ".netns-tools"], timeout_s=600,
+#       command="NETNS_TOOLS=.netns-tools scripts/gpu_session.sh")
+# PHASES (default "cold threads flake kernels mps tcpdev nccl cpu netns") picks and orders the phases:
+#   cold     first, on a fresh machine: how long the first device collective spends compiling and
+#            loading the kernels (empty caches);
 #   threads  device collectives with ranks as threads of one process: 2, 3, 4 and 8 ranks, every
 #            collective and dtype, CUDA IPC and staged (the 4-rank runs traced, where each rank
 #            stopped printed if one hangs), faults and stream order;
+#   flake    the 2-rank barrier-kernel test between threads, FLAKE_RUNS (4) times, traced (it
+#            timed out once in 12 runs on an H200);
 #   kernels  the kernel tests (fp8 included) and kernel bandwidth for f32 / bf16 / fp8;
 #   mps      ranks as processes under MPS over CUDA IPC: 4 ranks 8 B..1 GiB, one-shot latency,
 #            256 MiB, every other collective checked, fp8 all-reduce, the slot size at 256 MiB
 #            and 1 GiB;
+#   tcpdev   device collectives staged through pinned host memory over TCP (the path between
+#            nodes): the 2-rank staged test with OXCCL_TRANSPORT=tcp, and a 2-process sweep;
 #   nccl     NCCL's single-rank all-reduce (PyTorch), for scale;
 #   cpu      the DDP overlap table (4 ranks over shared memory) and TCP against torch/gloo;
 #   netns    hierarchical against the flat ring, 2 network namespaces x 2 ranks, 64 MiB (needs
-#            iproute2: a machine without it can be given the development machine's `ip` and its
-#            libraries in a carried folder put first on PATH, see NETNS_TOOLS);
+#            iproute2, or NETNS_TOOLS: a carried folder from scripts/netns_tools.sh);
 # and, not in the default, the follow-ups of a first run:
-#   cold     the first device collective on a fresh machine: how long loading the kernels takes;
 #   tune     CUDA IPC slot size and one-shot threshold, 2 and 4 processes;
 #   ddp      the DDP overlap table by bucket size;
 #   tcp      TCP on loopback by sockets per direction, against gloo;
 # and, after a second:
 #   defaults CUDA IPC all-reduce with the default slot and one-shot sizes (2 and 4 processes);
-#   flake    the 2-rank barrier-kernel test between threads, 4 times, traced;
 #   ddp2     the DDP overlap table, buckets of 2, 4 and 25 MiB, 5 rounds, twice;
 #   tcp2     TCP on loopback: Python's rate each way, oxccl by setting, and gloo;
 #   coldperf 2 processes' first device collective on a fresh machine with OXCCL_TIMEOUT=12 (less
@@ -34,7 +41,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bin=${BIN:-target/gpu-bin}
 budget=${BUDGET:-540}
-phases=${PHASES:-threads kernels mps nccl cpu netns}
+phases=${PHASES:-cold threads flake kernels mps tcpdev nccl cpu netns}
 out=${OUT:-/tmp}
 exec > >(tee -a "$out/session.log") 2>&1
 for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
@@ -47,7 +54,7 @@ export OXCCL_REQUIRE_GPU=1 OXCCL_CACHE_DIR=/tmp/oxccl-cache OXCCL_TIMEOUT=20 RUS
 
 # Each phase may use at most its share (seconds from its start), and no step runs past the budget.
 declare -A share=([threads]=180 [kernels]=80 [mps]=180 [nccl]=30 [cpu]=70 [netns]=50 [cold]=110
-    [tune]=200 [ddp]=120 [tcp]=120 [defaults]=120 [flake]=75 [ddp2]=90 [tcp2]=90 [coldperf]=100)
+    [tune]=200 [ddp]=120 [tcp]=120 [defaults]=120 [flake]=75 [ddp2]=90 [tcp2]=90 [coldperf]=100 [tcpdev]=80)
 phase_end=$budget
 # step LIMIT CMD...: runs CMD for at most LIMIT seconds, never past the phase's share or the budget.
 step() {
@@ -302,6 +309,14 @@ for phase in $phases; do
             echo "round $round gloo"
             gloo64
         done
+        ;;
+    tcpdev)
+        export CUDA_DEVICE_MAX_CONNECTIONS=32
+        OXCCL_TRANSPORT=tcp ctest 30 two_ranks_on_one_gpu_every_collective_and_dtype
+        unset CUDA_DEVICE_MAX_CONNECTIONS
+        mps_on
+        OXCCL_CUDA_IPC=0 perf 40 all-reduce --np 2 --transport tcp --device cuda -b 8 -e 256M -f 8 -c 1 -n 10 -w 3 --rotate 0
+        mps_off
         ;;
     coldperf)
         # First thing on a fresh machine: 2 processes whose first device collective compiles and

@@ -141,44 +141,81 @@ pub fn kernel_names() -> Vec<String> {
     names
 }
 
-/// The complete CUDA C source: [`BASE_SOURCE`] plus one entry point per [`table`] entry and per
-/// dtype.
-pub fn source() -> String {
-    use std::fmt::Write;
-    let mut s = String::from(BASE_SOURCE);
+/// Every generated entry point: its name and its one line of CUDA C (one per [`table`] entry,
+/// the divide and scale kernels of every dtype, and the copy kernel). The barrier kernel is
+/// written out in [`BASE_SOURCE`].
+fn entries() -> Vec<(String, String)> {
+    let mut e = Vec::new();
     for (dt, op) in table() {
-        let _ = writeln!(
-            s,
-            "extern \"C\" __global__ void {}({t}* dst, Inputs in, int k, usize n) \
+        let name = reduce_kernel_name(dt, op);
+        let line = format!(
+            "extern \"C\" __global__ void {name}({t}* dst, Inputs in, int k, usize n) \
              {{ reduce_any<{t}, {o}>(dst, in, k, n); }}",
-            reduce_kernel_name(dt, op),
             t = ctype(dt),
             o = op_struct(op),
         );
+        e.push((name, line));
     }
     for dt in DType::ALL {
-        let _ = writeln!(
-            s,
-            "extern \"C\" __global__ void {}({t}* dst, const {t}* src, u64 d, usize n) \
+        let name = div_kernel_name(dt);
+        let line = format!(
+            "extern \"C\" __global__ void {name}({t}* dst, const {t}* src, u64 d, usize n) \
              {{ div_elems<{t}>(dst, src, d, n); }}",
-            div_kernel_name(dt),
             t = ctype(dt),
         );
+        e.push((name, line));
         if let Some(name) = scale_kernel_name(dt) {
-            let _ = writeln!(
-                s,
+            let line = format!(
                 "extern \"C\" __global__ void {name}({t}* dst, const {t}* src, double f, usize n) \
                  {{ scale_elems<{t}>(dst, src, f, n); }}",
                 t = ctype(dt),
             );
+            e.push((name, line));
         }
     }
-    let _ = writeln!(
-        s,
-        "extern \"C\" __global__ void {COPY_KERNEL}(u8* dst, const u8* src, usize n) \
-         {{ copy_bytes(dst, src, n); }}"
-    );
+    e.push((
+        COPY_KERNEL.to_string(),
+        format!(
+            "extern \"C\" __global__ void {COPY_KERNEL}(u8* dst, const u8* src, usize n) \
+             {{ copy_bytes(dst, src, n); }}"
+        ),
+    ));
+    e
+}
+
+/// The complete CUDA C source: [`BASE_SOURCE`] plus every generated entry point (for reading;
+/// the kernels are compiled from [`part_sources`]).
+pub fn source() -> String {
+    let mut s = String::from(BASE_SOURCE);
+    for (_, line) in entries() {
+        s.push_str(&line);
+        s.push('\n');
+    }
     s
+}
+
+/// Into how many sources the entry points are split, compiled by NVRTC at the same time and
+/// loaded as as many modules: compiling the whole table as one program keeps NVRTC busy on one
+/// core for about 6 s, most of it in the reduce kernels, which the first device collective on a
+/// machine with empty caches waited for; in parts it takes about that divided by the cores (up
+/// to this many: 3 s on 2 cores). A fixed number, so a part's source, and so its cache key, is
+/// the same everywhere.
+pub const PARTS: usize = 8;
+
+/// The [`PARTS`] sources: each is [`BASE_SOURCE`] (templates, and the barrier kernel, which part
+/// 0 provides) plus every `PARTS`-th generated entry point, with the names it defines.
+pub fn part_sources() -> Vec<(Vec<String>, String)> {
+    let mut parts: Vec<(Vec<String>, String)> = (0..PARTS)
+        .map(|_| (Vec::new(), String::from(BASE_SOURCE)))
+        .collect();
+    for (i, (name, line)) in entries().into_iter().enumerate() {
+        let (names, src) = &mut parts[i % PARTS];
+        names.push(name);
+        src.push_str(&line);
+        src.push('\n');
+    }
+    parts[0].0.push(BARRIER_KERNEL.to_string());
+    parts
 }
 
 /// Whether the NVRTC library can be loaded (`libnvrtc.so.13` or another name cudarc tries, on
@@ -208,14 +245,15 @@ fn cuda_err(what: &str, e: impl std::fmt::Debug) -> KernelError {
     KernelError::Cuda(format!("{what}: {e:?}"))
 }
 
-/// PTX of the whole [`source`] for `arch` (`sm_90`, `compute_80`, ...), compiled by NVRTC once
-/// per architecture and process.
+/// The PTX of every part of [`part_sources`] for `arch` (`sm_90`, `compute_80`, ...), in order,
+/// each a whole module: from this process's cache, else the disk cache, else NVRTC, the parts
+/// compiled at the same time on up to one thread per core. Once per architecture and process.
 ///
 /// # Errors
-/// [`KernelError::CudaUnavailable`] without NVRTC; [`KernelError::Cuda`] with NVRTC's log if
-/// the source does not compile.
-pub fn compile_ptx(arch: &str) -> Result<String, KernelError> {
-    static CACHE: OnceLock<Mutex<HashMap<String, String>>> = OnceLock::new();
+/// [`KernelError::CudaUnavailable`] without NVRTC; [`KernelError::Cuda`] with NVRTC's log if a
+/// part does not compile, or if no thread could be started for it.
+pub fn compile_ptx_parts(arch: &str) -> Result<Arc<Vec<String>>, KernelError> {
+    static CACHE: OnceLock<Mutex<HashMap<String, Arc<Vec<String>>>>> = OnceLock::new();
     if !nvrtc_available() {
         return Err(unavailable(
             "NVRTC (libnvrtc.so.13) is not on the library search path; install the \
@@ -225,27 +263,73 @@ pub fn compile_ptx(arch: &str) -> Result<String, KernelError> {
     }
     let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
     if let Some(p) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(arch) {
-        return Ok(p.clone());
+        return Ok(Arc::clone(p));
     }
-    let src = source();
-    let disk = disk_cache_path(&src, arch);
+    let parts = part_sources();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let done: Vec<Mutex<Option<Result<String, KernelError>>>> =
+        parts.iter().map(|_| Mutex::new(None)).collect();
+    let workers = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, PARTS);
+    std::thread::scope(|scope| {
+        let work = || loop {
+            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let Some((_, src)) = parts.get(i) else { break };
+            let r = compile_one(src, arch, i);
+            *done[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+        };
+        // Extra workers are a speed-up only: one that cannot be started leaves its share to
+        // the others, and this thread works too.
+        for _ in 1..workers {
+            let _ = std::thread::Builder::new()
+                .name("oxccl-nvrtc".into())
+                .spawn_scoped(scope, work);
+        }
+        work();
+    });
+    let mut ptx = Vec::with_capacity(PARTS);
+    for (i, d) in done.into_iter().enumerate() {
+        let r = d.into_inner().unwrap_or_else(|e| e.into_inner());
+        ptx.push(r.unwrap_or_else(|| {
+            Err(KernelError::Cuda(format!(
+                "NVRTC: part {i} of the kernels for {arch} was not compiled (its thread panicked)"
+            )))
+        })?);
+    }
+    let ptx = Arc::new(ptx);
+    cache
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(arch.to_string(), Arc::clone(&ptx));
+    Ok(ptx)
+}
+
+/// The PTX of the kernels for `arch`: the modules of [`compile_ptx_parts`] one after another,
+/// for reading and searching ([`CudaKernels`] loads each part as a module of its own).
+///
+/// # Errors
+/// As [`compile_ptx_parts`].
+pub fn compile_ptx(arch: &str) -> Result<String, KernelError> {
+    Ok(compile_ptx_parts(arch)?.concat())
+}
+
+/// The PTX of one part's source for `arch`: from the disk cache, else NVRTC (then stored).
+fn compile_one(src: &str, arch: &str, part: usize) -> Result<String, KernelError> {
+    let disk = disk_cache_path(src, arch);
     if let Some(text) = disk.as_ref().and_then(|p| std::fs::read_to_string(p).ok()) {
         if text.contains(".entry") {
-            cache
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(arch.to_string(), text.clone());
             return Ok(text);
         }
     }
     let opts = CompileOptions {
         options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()],
-        name: Some("oxccl_kernels.cu".into()),
+        name: Some(format!("oxccl_kernels_{part}.cu")),
         ..Default::default()
     };
     let ptx = compile_ptx_with_opts(src, opts).map_err(|e| match e {
         cudarc::nvrtc::CompileError::CompileError { log, .. } => KernelError::Cuda(format!(
-            "NVRTC could not compile oxccl_kernels.cu for {arch}:\n{}",
+            "NVRTC could not compile oxccl_kernels.cu (part {part}) for {arch}:\n{}",
             log.to_string_lossy()
         )),
         other => cuda_err("NVRTC", other),
@@ -254,10 +338,6 @@ pub fn compile_ptx(arch: &str) -> Result<String, KernelError> {
     if let Some(p) = disk {
         store_atomically(&p, &text);
     }
-    cache
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert(arch.to_string(), text.clone());
     Ok(text)
 }
 
@@ -275,8 +355,8 @@ fn fnv1a(parts: &[&[u8]]) -> u64 {
     h
 }
 
-/// Where the PTX of `src` for `arch` is kept between processes (compiling the whole table takes
-/// NVRTC about 10 s of CPU): `$OXCCL_CACHE_DIR`, else `$XDG_CACHE_HOME/oxccl`, else
+/// Where the PTX of `src` (one part) for `arch` is kept between processes (compiling the whole
+/// table takes NVRTC about 10 s of CPU): `$OXCCL_CACHE_DIR`, else `$XDG_CACHE_HOME/oxccl`, else
 /// `$HOME/.cache/oxccl`; `OXCCL_CACHE_DIR=off` (or no usable directory) disables it. The key is
 /// the source, the architecture and NVRTC's version.
 fn disk_cache_path(src: &str, arch: &str) -> Option<std::path::PathBuf> {
@@ -369,16 +449,18 @@ impl CudaKernels {
         let (major, minor) = ctx
             .compute_capability()
             .map_err(|e| cuda_err("compute capability", e))?;
-        let ptx = compile_ptx(&format!("compute_{major}{minor}"))?;
-        let module = ctx
-            .load_module(Ptx::from_src(ptx))
-            .map_err(|e| cuda_err("loading the PTX module", e))?;
+        let ptx = compile_ptx_parts(&format!("compute_{major}{minor}"))?;
         let mut funcs = HashMap::new();
-        for name in kernel_names() {
-            let f = module
-                .load_function(&name)
-                .map_err(|e| cuda_err(&format!("kernel {name}"), e))?;
-            funcs.insert(name, f);
+        for ((names, _), text) in part_sources().into_iter().zip(ptx.iter()) {
+            let module = ctx
+                .load_module(Ptx::from_src(text.as_str()))
+                .map_err(|e| cuda_err("loading a PTX module", e))?;
+            for name in names {
+                let f = module
+                    .load_function(&name)
+                    .map_err(|e| cuda_err(&format!("kernel {name}"), e))?;
+                funcs.insert(name, f);
+            }
         }
         load_now(funcs.values())?;
         let sms = ctx

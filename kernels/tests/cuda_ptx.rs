@@ -4,7 +4,10 @@
 //! OXCCL_REQUIRE_NVRTC=1, which turns a missing NVRTC into a failure instead of a visible skip.
 #![cfg(feature = "cuda")]
 
-use oxccl_kernels::cuda::{compile_ptx, kernel_names, nvrtc_available};
+use oxccl_kernels::cuda::{
+    compile_ptx, compile_ptx_parts, kernel_names, nvrtc_available, part_sources, source,
+    BASE_SOURCE, PARTS,
+};
 
 fn nvrtc_or_skip() -> bool {
     if nvrtc_available() {
@@ -36,6 +39,49 @@ fn every_kernel_compiles_to_ptx_for_every_target() {
                 ptx.contains(&format!(".entry {name}(")),
                 "{arch}: kernel {name} missing from the PTX"
             );
+        }
+    }
+}
+
+/// The parts split the entry points without losing or repeating one: every kernel the dispatch
+/// names is defined by exactly one part (the barrier kernel, written out in the base source
+/// every part starts with, is taken from part 0), and together they are the whole source.
+#[test]
+fn the_parts_define_every_kernel_exactly_once() {
+    let parts = part_sources();
+    assert_eq!(parts.len(), PARTS);
+    let mut names: Vec<String> = parts.iter().flat_map(|(n, _)| n.clone()).collect();
+    names.sort();
+    let mut want = kernel_names();
+    want.sort();
+    assert_eq!(names, want);
+    let whole = source();
+    let mut lines = 0;
+    for (n, src) in &parts {
+        assert!(!n.is_empty(), "a part without kernels");
+        let own = src
+            .strip_prefix(BASE_SOURCE)
+            .expect("every part starts with the base");
+        for line in own.lines() {
+            assert!(whole.contains(line), "{line}");
+            lines += 1;
+        }
+    }
+    assert_eq!(lines, whole.lines().count() - BASE_SOURCE.lines().count());
+}
+
+/// Each part's module defines the kernels it is loaded for.
+#[test]
+fn every_part_compiles_with_its_kernels() {
+    if !nvrtc_or_skip() {
+        return;
+    }
+    let ptx = compile_ptx_parts("compute_90").expect("compiles");
+    assert_eq!(ptx.len(), PARTS);
+    for ((names, _), text) in part_sources().iter().zip(ptx.iter()) {
+        assert!(text.contains(".target sm_90"));
+        for name in names {
+            assert!(text.contains(&format!(".entry {name}(")), "{name}");
         }
     }
 }
