@@ -44,6 +44,7 @@ budget=${BUDGET:-540}
 phases=${PHASES:-cold threads flake kernels mps tcpdev nccl cpu netns}
 out=${OUT:-/tmp}
 exec > >(tee -a "$out/session.log") 2>&1
+tee_pid=$!
 for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
     $(python3 -c 'import nvidia, os; print(" ".join(os.path.join(p, "cu13/lib") for p in nvidia.__path__))' 2>/dev/null); do
     [ -e "$d/libnvrtc.so.13" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
@@ -53,7 +54,7 @@ done
 export OXCCL_REQUIRE_GPU=1 OXCCL_CACHE_DIR=/tmp/oxccl-cache OXCCL_TIMEOUT=20 RUST_BACKTRACE=0
 
 # Each phase may use at most its share (seconds from its start), and no step runs past the budget.
-declare -A share=([threads]=180 [kernels]=80 [mps]=180 [nccl]=30 [cpu]=70 [netns]=50 [cold]=110
+declare -A share=([threads]=120 [kernels]=80 [mps]=140 [nccl]=30 [cpu]=70 [netns]=50 [cold]=110
     [tune]=200 [ddp]=120 [tcp]=120 [defaults]=120 [flake]=75 [ddp2]=90 [tcp2]=90 [coldperf]=100 [tcpdev]=80)
 phase_end=$budget
 # step LIMIT CMD...: runs CMD for at most LIMIT seconds, never past the phase's share or the budget.
@@ -83,9 +84,9 @@ perf() { local limit=$1; shift; step "$limit" "$bin/oxccl" perf "$@" 2>&1 | grep
 mps_on() {
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-    nvidia-cuda-mps-control -d && echo "MPS daemon started"
+    timeout 20 nvidia-cuda-mps-control -d && echo "MPS daemon started"
 }
-mps_off() { echo quit | nvidia-cuda-mps-control && echo "MPS daemon stopped"; }
+mps_off() { echo quit | timeout 20 nvidia-cuda-mps-control && echo "MPS daemon stopped"; }
 # torch/gloo's 64 MiB all-reduce between 2 ranks on loopback (the peer bench gpu_build.sh copies).
 gloo64() {
     GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 step 40 python3 "$bin/gloo_bench.py" -np 2 -b 64M -e 64M \
@@ -194,10 +195,12 @@ for phase in $phases; do
         # The first device collective on a fresh machine (empty OXCCL_CACHE_DIR and driver cache):
         # how long loading the kernels takes (NVRTC, then the driver's PTX compiler), then the
         # same test again, warm.
+        # Empty caches even on a machine used before: a new oxccl cache and driver cache.
         export CUDA_DEVICE_MAX_CONNECTIONS=32
         log="$out/cold.log"
-        step 90 env OXCCL_DEBUG=trace "$bin/comm_cuda" --ignored --exact \
-            cuda_ipc_two_ranks_on_one_gpu_every_collective_and_dtype >"$log" 2>&1
+        rm -rf "$OXCCL_CACHE_DIR" /tmp/cold-driver-cache
+        step 90 env OXCCL_DEBUG=trace CUDA_CACHE_PATH=/tmp/cold-driver-cache "$bin/comm_cuda" --ignored \
+            --exact cuda_ipc_two_ranks_on_one_gpu_every_collective_and_dtype >"$log" 2>&1
         grep -E "^###|test result|loading the kernels|allocating scratch" "$log" | head -8 | cut -c1-200
         gzip -f "$log"
         ctest 30 cuda_ipc_two_ranks_on_one_gpu_every_collective_and_dtype
@@ -302,10 +305,11 @@ for phase in $phases; do
         for round in 1 2; do
             for v in "OXCCL_NSOCKS=2" "OXCCL_NSOCKS=4" "OXCCL_SPIN=0" "OXCCL_SOCKET_BUFFER=0" "OXCCL_SOCKET_BUFFER=16777216"; do
                 echo "round $round $v"
-                env "$v" "$bin/oxccl" perf all-reduce --np 2 --transport tcp -b 64M -e 64M -z 1 -n 10 -w 3 2>&1 | grep -E "^ +[0-9]"
+                (export "${v?}"; step 25 "$bin/oxccl" perf all-reduce --np 2 --transport tcp -b 64M -e 64M -z 1 -n 10 -w 3) 2>&1 |
+                    grep -E "^ +[0-9]"
             done
             echo "round $round bind core"
-            "$bin/oxccl" perf all-reduce --np 2 --bind core --transport tcp -b 64M -e 64M -z 1 -n 10 -w 3 2>&1 | grep -E "^ +[0-9]"
+            step 25 "$bin/oxccl" perf all-reduce --np 2 --bind core --transport tcp -b 64M -e 64M -z 1 -n 10 -w 3 2>&1 | grep -E "^ +[0-9]"
             echo "round $round gloo"
             gloo64
         done
@@ -323,7 +327,8 @@ for phase in $phases; do
         # loads the kernels at once, with a time-out shorter than that load; then the default
         # sweep.
         mps_on
-        OXCCL_TIMEOUT=12 OXCCL_CUDA_IPC=1 perf 60 all-reduce --np 2 --device cuda -b 8 -e 8 -c 1 -n 10 -w 1 --rotate 0
+        rm -rf "$OXCCL_CACHE_DIR" /tmp/cold-driver-cache
+        CUDA_CACHE_PATH=/tmp/cold-driver-cache OXCCL_TIMEOUT=12 OXCCL_CUDA_IPC=1 perf 60 all-reduce --np 2 --device cuda -b 8 -e 8 -c 1 -n 10 -w 1 --rotate 0
         OXCCL_CUDA_IPC=1 perf 30 all-reduce --np 2 --device cuda -b 8 -e 1G -f 4 -c 1 -n 20 -w 5 --rotate 0
         mps_off
         ;;
@@ -331,3 +336,6 @@ for phase in $phases; do
     esac
 done
 echo "#### done at t=${SECONDS}s"
+# Let tee write the last lines before the call returns.
+exec >&- 2>&-
+wait "$tee_pid"

@@ -55,7 +55,7 @@ __device__ __forceinline__ unsigned short f32_to_bf16(float f) {
     return (unsigned short)(x >> 16);
 }
 
-// OXCCL_FP8_BEGIN (kernels/tests/kernels/fp8_device.rs compiles this section on the host)
+// OXCCL_FP8_BEGIN (kernels/tests/kernels/fp8.rs compiles this section on the host)
 //
 // fp8 -> f32 is exact. E4M3 (bias 7, no infinities, 0x7f NaN): the exponent and mantissa bits
 // move into an f32 whose exponent is rebiased by 120; subnormals are m * 2^-9. E5M2 is the top

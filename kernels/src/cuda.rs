@@ -251,7 +251,7 @@ fn cuda_err(what: &str, e: impl std::fmt::Debug) -> KernelError {
 ///
 /// # Errors
 /// [`KernelError::CudaUnavailable`] without NVRTC; [`KernelError::Cuda`] with NVRTC's log if a
-/// part does not compile, or if no thread could be started for it.
+/// part does not compile (or NVRTC panicked).
 pub fn compile_ptx_parts(arch: &str) -> Result<Arc<Vec<String>>, KernelError> {
     static CACHE: OnceLock<Mutex<HashMap<String, Arc<Vec<String>>>>> = OnceLock::new();
     if !nvrtc_available() {
@@ -276,7 +276,16 @@ pub fn compile_ptx_parts(arch: &str) -> Result<Arc<Vec<String>>, KernelError> {
         let work = || loop {
             let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let Some((_, src)) = parts.get(i) else { break };
-            let r = compile_one(src, arch, i);
+            // A panic inside NVRTC's wrapper becomes this part's error (a scoped thread that
+            // panicked would make the whole scope panic).
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                compile_one(src, arch, i)
+            }))
+            .unwrap_or_else(|_| {
+                Err(KernelError::Cuda(format!(
+                    "NVRTC panicked compiling part {i} of the kernels for {arch}"
+                )))
+            });
             *done[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
         };
         // Extra workers are a speed-up only: one that cannot be started leaves its share to
@@ -293,7 +302,7 @@ pub fn compile_ptx_parts(arch: &str) -> Result<Arc<Vec<String>>, KernelError> {
         let r = d.into_inner().unwrap_or_else(|e| e.into_inner());
         ptx.push(r.unwrap_or_else(|| {
             Err(KernelError::Cuda(format!(
-                "NVRTC: part {i} of the kernels for {arch} was not compiled (its thread panicked)"
+                "NVRTC: part {i} of the kernels for {arch} was not compiled"
             )))
         })?);
     }
@@ -385,7 +394,10 @@ fn store_atomically(path: &std::path::Path, text: &str) {
     if std::fs::create_dir_all(dir).is_err() {
         return;
     }
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    // Unique per process and write: two threads may store the same part at once.
+    static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = path.with_extension(format!("tmp{}-{n}", std::process::id()));
     if std::fs::write(&tmp, text).is_ok() && std::fs::rename(&tmp, path).is_err() {
         let _ = std::fs::remove_file(&tmp);
     }

@@ -322,12 +322,15 @@ impl Local {
         rank: usize,
         stream: &Arc<CudaStream>,
         slot_bytes: usize,
-        deadline: Instant,
+        timeout: std::time::Duration,
     ) -> std::result::Result<Local, String> {
         let d = |what: &str, e: sys::CUresult| format!("{what}: {e:?}");
         let ctx = stream.context();
         tracing::trace!(rank, "cuda: cuda_ipc set-up: loading the kernels");
         let kernels = kernels_for(ctx)?;
+        // The time-out starts after the load, which may take longer (NVRTC and the driver's
+        // compiler with empty caches, or another rank thread loading them for this context).
+        let deadline = Instant::now() + timeout;
         tracing::trace!(
             rank,
             "cuda: cuda_ipc set-up: allocating scratch (cuMemAlloc)"
@@ -454,8 +457,8 @@ unsafe impl Send for IpcState {}
 /// `Ok(None)`: stage through host memory instead (the reason is logged).
 ///
 /// # Errors
-/// `Cuda` when `OXCCL_CUDA_IPC=1` and some rank cannot take part (naming it and why); `Store`
-/// or `Timeout` when the store fails or a rank does not publish its record in time.
+/// `Cuda` when `OXCCL_CUDA_IPC=1` and some rank cannot take part (naming it and why), when the
+/// store fails, or when a rank does not reach a step of the set-up in time (naming it).
 pub(crate) fn setup(
     comm: &Communicator,
     stream: &Arc<CudaStream>,
@@ -464,7 +467,6 @@ pub(crate) fn setup(
     let cfg = &comm.cfg;
     let ctx = stream.context();
     let (rank, size) = (comm.rank, comm.size);
-    let deadline = Instant::now() + cfg.timeout;
     let store_err = |e: Error| Error::Cuda {
         rank,
         op: op.into(),
@@ -489,7 +491,7 @@ pub(crate) fn setup(
     let local = if cfg.cuda_ipc == Some(false) {
         Err("OXCCL_CUDA_IPC=0".to_string())
     } else {
-        Local::new(rank, stream, cfg.cuda_ipc_slot, deadline)
+        Local::new(rank, stream, cfg.cuda_ipc_slot, cfg.timeout)
     };
     tracing::trace!(rank, "cuda: cuda_ipc set-up: publishing the record");
     let mine = match &local {
