@@ -58,7 +58,8 @@ struct Args {
     /// SGD learning rate.
     #[arg(long, default_value_t = 0.2)]
     lr: f32,
-    /// Bucket size in MiB.
+    /// Bucket size in MiB (DDP's default; a model whose gradients fit in one bucket cannot
+    /// overlap: use a few MiB for the 12 MiB model of docs/PERF.md).
     #[arg(long, default_value_t = 25.0)]
     bucket_mib: f64,
     /// How gradients are communicated (`all` times every mode, interleaved).
