@@ -8,7 +8,8 @@
 # scripts/netns_tools.sh here:
 #   run(carry=["target/gpu-bin", ".netns-tools"], timeout_s=600,
 #       command="NETNS_TOOLS=.netns-tools scripts/gpu_session.sh")
-# PHASES (default "cold threads flake kernels mps tcpdev nccl cpu netns") picks and orders the phases:
+# PHASES (default "cold threads flake sendthread kernels mps tcpdev nccl cpu netns") picks and orders
+# the phases:
 #   cold     first, on a fresh machine: how long the first device collective spends compiling and
 #            loading the kernels (empty caches);
 #   threads  device collectives with ranks as threads of one process: 2, 3, 4 and 8 ranks, every
@@ -16,6 +17,9 @@
 #            stopped printed if one hangs), faults and stream order;
 #   flake    the 2-rank barrier-kernel test between threads, FLAKE_RUNS (4) times, traced (it
 #            timed out once in 12 runs on an H200);
+#   sendthread TCP with and without the send thread (OXCCL_SOCKET_SEND_THREAD), interleaved: 2
+#            ranks on loopback 1 MiB..64 MiB, then gloo at 64 MiB; and 2 namespaces x 2 ranks,
+#            hierarchical and flat ring with it;
 #   kernels  the kernel tests (fp8 included) and kernel bandwidth for f32 / bf16 / fp8;
 #   mps      ranks as processes under MPS over CUDA IPC: 4 ranks 8 B..1 GiB, one-shot latency,
 #            256 MiB, every other collective checked, fp8 all-reduce, the slot size at 256 MiB
@@ -41,7 +45,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bin=${BIN:-target/gpu-bin}
 budget=${BUDGET:-540}
-phases=${PHASES:-cold threads flake kernels mps tcpdev nccl cpu netns}
+phases=${PHASES:-cold threads flake sendthread kernels mps tcpdev nccl cpu netns}
 out=${OUT:-/tmp}
 exec > >(tee -a "$out/session.log") 2>&1
 tee_pid=$!
@@ -55,7 +59,7 @@ export OXCCL_REQUIRE_GPU=1 OXCCL_CACHE_DIR=/tmp/oxccl-cache OXCCL_TIMEOUT=20 RUS
 
 # Each phase may use at most its share (seconds from its start), and no step runs past the budget.
 declare -A share=([threads]=120 [kernels]=80 [mps]=140 [nccl]=30 [cpu]=70 [netns]=50 [cold]=110
-    [tune]=200 [ddp]=120 [tcp]=120 [defaults]=120 [flake]=75 [ddp2]=90 [tcp2]=90 [coldperf]=100 [tcpdev]=80)
+    [tune]=200 [ddp]=120 [tcp]=120 [defaults]=120 [flake]=75 [ddp2]=90 [tcp2]=90 [coldperf]=100 [tcpdev]=80 [sendthread]=100)
 phase_end=$budget
 # step LIMIT CMD...: runs CMD for at most LIMIT seconds, never past the phase's share or the budget.
 step() {
@@ -233,6 +237,27 @@ for phase in $phases; do
                 echo "batch $b bucket $mib MiB"
                 step 40 "$bin/oxccl" launch -n 4 -- "$bin/02_ddp_mlp" --mode all --hidden 1024 \
                     --layers 4 --batch "$b" --steps 8 --rounds 3 --bucket-mib "$mib" 2>&1 | tail -6
+            done
+        done
+        ;;
+    sendthread)
+        # Large sends to TCP peers on a thread of their own, or not: on this machine's cores the
+        # kernel's copies into the sockets can run beside the receives and reductions (on the
+        # 2-core development machine they cannot, and the thread costs 0-16 %).
+        for round in 1 2; do
+            for t in 0 1; do
+                echo "round $round OXCCL_SOCKET_SEND_THREAD=$t"
+                OXCCL_SOCKET_SEND_THREAD=$t perf 20 all-reduce --np 2 --transport tcp -b 1M -e 64M -f 8 -z 1 -n 10 -w 3
+            done
+            echo "round $round gloo"
+            gloo64
+        done
+        for t in 1 0; do
+            for a in hierarchical ring; do
+                echo "send thread $t $a"
+                OXCCL_SOCKET_SEND_THREAD=$t OXCCL_BIN="$bin/oxccl" OXCCL_ALGO=all-reduce=$a step 20 \
+                    scripts/netns.sh run --nodes 2 --nproc 2 --prefix st -- "$bin/oxccl" perf all-reduce \
+                    -b 64M -e 64M -z 1 2>&1 | grep -E "^###|\] +[0-9]|rror|SKIP" | cut -c1-200
             done
         done
         ;;

@@ -317,6 +317,51 @@ fn runs_as_ranks_under_oxccl_launch() {
 }
 
 #[test]
+fn the_send_thread_runs_between_processes_over_tcp() {
+    // Two rank processes over TCP with OXCCL_SOCKET_SEND_THREAD=1: every size checked, and the
+    // footer says how many of rank 0's exchanges sent from the thread (messages of 256 KiB and
+    // more go there); off, the line is absent.
+    for (set, want) in [("1", true), ("0", false)] {
+        let out = oxccl()
+            .env("OXCCL_SOCKET_SEND_THREAD", set)
+            .args([
+                "perf",
+                "all-reduce",
+                "--np",
+                "2",
+                "--transport",
+                "tcp",
+                "-b",
+                "64K",
+                "-e",
+                "4M",
+                "-f",
+                "4",
+                "-n",
+                "3",
+                "-w",
+                "1",
+            ])
+            .output()
+            .expect("run oxccl");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let what = format!("OXCCL_SOCKET_SEND_THREAD={set}");
+        assert_all_correct(&what, &out, &stdout, &stderr);
+        let line = stdout.lines().find(|l| l.starts_with("# Send thread on"));
+        if want {
+            let n: u64 = line
+                .and_then(|l| l.split_whitespace().rev().nth(1))
+                .and_then(|n| n.parse().ok())
+                .unwrap_or_else(|| panic!("{what}: no send-thread line\n{stdout}"));
+            assert!(n > 0, "{what}: the send thread never sent\n{stdout}");
+        } else {
+            assert!(line.is_none(), "{what}\n{stdout}");
+        }
+    }
+}
+
+#[test]
 fn bad_flags_fail_clearly() {
     let cases: [(&[&str], &str); 11] = [
         (&["perf", "all-shuffle"], "unknown collective"),

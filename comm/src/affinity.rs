@@ -74,13 +74,19 @@ pub fn decode_cpus(s: &str) -> Option<Vec<usize>> {
 /// Whether ranks with these allowed-CPU lists have a CPU each to spin on: the union of the
 /// lists holds at least as many CPUs as there are ranks. `None` when a list is unknown (empty).
 pub fn enough_cpus(lists: &[&[usize]]) -> Option<bool> {
+    enough_cpus_for(lists, 1)
+}
+
+/// Whether the union of these allowed-CPU lists holds `per_rank` CPUs for each of the ranks.
+/// `None` when a list is unknown (empty).
+pub fn enough_cpus_for(lists: &[&[usize]], per_rank: usize) -> Option<bool> {
     if lists.iter().any(|l| l.is_empty()) {
         return None;
     }
     let mut all: Vec<usize> = lists.iter().flat_map(|l| l.iter().copied()).collect();
     all.sort_unstable();
     all.dedup();
-    Some(all.len() >= lists.len())
+    Some(all.len() >= lists.len() * per_rank)
 }
 
 #[cfg(test)]
@@ -116,5 +122,16 @@ mod tests {
         assert_eq!(enough_cpus(&[both, both]), Some(true));
         assert_eq!(enough_cpus(&[both, both, both, both]), Some(false));
         assert_eq!(enough_cpus(&[both, &[]]), None);
+    }
+
+    #[test]
+    fn a_send_thread_needs_two_cpus_per_rank() {
+        // Two unbound ranks on 2 cores: no; on 4: yes; bound a core each: no.
+        let two: &[usize] = &[0, 1];
+        let four: &[usize] = &[0, 1, 2, 3];
+        assert_eq!(enough_cpus_for(&[two, two], 2), Some(false));
+        assert_eq!(enough_cpus_for(&[four, four], 2), Some(true));
+        assert_eq!(enough_cpus_for(&[&[0], &[1]], 2), Some(false));
+        assert_eq!(enough_cpus_for(&[four, &[]], 2), None);
     }
 }

@@ -103,6 +103,7 @@ fn exec<R>(
         );
         ctx.collective = true;
         ctx.spin = shared.spin;
+        ctx.send_thread = shared.send_thread.as_ref();
         ctx.stream = full >= tuning::STREAM_MIN;
         ctx.layout = shared.layout.as_ref();
         ctx.stalls = Some(&shared.stalls);

@@ -576,11 +576,23 @@ impl Communicator {
                 "hierarchical layout"
             );
         }
+        // Each rank's send thread needs a core of its own beside the rank's.
+        let send_thread = cfg.socket_send_thread.unwrap_or_else(|| {
+            crate::affinity::enough_cpus_for(&lists, 2).unwrap_or(2 * same_node.len() <= cores)
+        });
         let mut shared = Shared::new(rank, size, spin, &cfg, links, store.clone(), &id);
         shared.layout = layout;
         // From what every rank knows alike (not from this rank's own peers), so all pick the
         // same ring blocks.
         shared.sockets = (0..size).any(|a| (a + 1..size).any(|b| !shm_ok(a, b)));
+        if send_thread && shared.sockets {
+            match crate::prims::SendThread::new(rank) {
+                Ok(t) => shared.send_thread = Some(t),
+                Err(e) => {
+                    tracing::warn!(rank, error = %e, "no send thread: sends stay on the rank's thread")
+                }
+            }
+        }
         let trace = &mut shared.trace;
         trace.owner.node.clone_from(&node_id);
         trace.sockets = shared.sockets;
@@ -669,6 +681,16 @@ impl Communicator {
     /// need the same number of ranks on every node).
     pub fn is_hierarchical(&self) -> bool {
         self.shared.layout.is_some()
+    }
+
+    /// How many exchanges so far sent their large messages to TCP peers from this rank's send
+    /// thread (`OXCCL_SOCKET_SEND_THREAD`; [`Config::socket_send_thread`]), or `None` when this
+    /// communicator has no send thread.
+    pub fn send_thread_exchanges(&self) -> Option<u64> {
+        self.shared
+            .send_thread
+            .as_ref()
+            .map(|t| t.exchanges.load(Ordering::Relaxed))
     }
 
     /// The configuration this communicator runs with.

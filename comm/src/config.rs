@@ -69,6 +69,11 @@ pub struct Config {
     /// default, spins unless this node runs more ranks than the CPUs its ranks may use together,
     /// from their affinity masks; `1` always; `0` never).
     pub spin: Option<bool>,
+    /// Whether large sends to TCP peers go out on a thread of their own, so the kernel's copies
+    /// into the sockets run on another core beside the receives and reductions
+    /// (`OXCCL_SOCKET_SEND_THREAD`: `0`, the default, never; `1` always; `auto` when this node's
+    /// ranks have at least two CPUs each, from their affinity masks).
+    pub socket_send_thread: Option<bool>,
     /// Largest part of an element-wise device operation staged through host memory (feature
     /// `cuda`): all-reduce, broadcast and reduce run as host collectives of at most this many
     /// bytes each, so copies to and from the GPU overlap with the network
@@ -126,6 +131,7 @@ impl Default for Config {
             direct_bytes: 1 << 20,
             single_copy: true,
             spin: None,
+            socket_send_thread: Some(false),
             cuda_stage_chunk: 4 << 20,
             cuda_stream_wait: None,
             cuda_ipc: None,
@@ -457,6 +463,18 @@ impl Config {
                 }
             };
         }
+        if let Some(v) = get("OXCCL_SOCKET_SEND_THREAD") {
+            c.socket_send_thread = match v.trim().to_ascii_lowercase().as_str() {
+                "" | "auto" => None,
+                "1" | "on" | "yes" | "true" => Some(true),
+                "0" | "off" | "no" | "false" => Some(false),
+                _ => {
+                    return Err(Error::Config(format!(
+                        "OXCCL_SOCKET_SEND_THREAD={v:?}: expected auto, 0 or 1"
+                    )))
+                }
+            };
+        }
         if let Some(v) = get("OXCCL_TRACE_BUFFER") {
             c.trace_buffer = parse_num("OXCCL_TRACE_BUFFER", &v)?;
             if c.trace_buffer > crate::trace::MAX_BUFFER {
@@ -501,6 +519,13 @@ mod tests {
         assert_eq!(c.socket_family, Some(SocketFamily::V6));
         assert_eq!(c.cuda_ipc, None);
         assert!(c.socket_delayed_ack);
+        assert_eq!(c.socket_send_thread, Some(false));
+        let st = |v: &str| cfg(&[("OXCCL_SOCKET_SEND_THREAD", v)]).map(|c| c.socket_send_thread);
+        assert_eq!(st("1").unwrap(), Some(true));
+        assert_eq!(st("off").unwrap(), Some(false));
+        assert_eq!(st("auto").unwrap(), None);
+        let e = st("2").unwrap_err().to_string();
+        assert!(e.contains("OXCCL_SOCKET_SEND_THREAD"), "{e}");
         assert!(
             !cfg(&[("OXCCL_SOCKET_DELAYED_ACK", "0")])
                 .unwrap()

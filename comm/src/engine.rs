@@ -65,6 +65,8 @@ pub(crate) struct Shared {
     pub algo: AlgoOverride,
     /// Waiting ranks busy-poll before yielding (off when ranks outnumber cores).
     pub spin: bool,
+    /// The thread large sends to TCP peers go out on (`OXCCL_SOCKET_SEND_THREAD`).
+    pub send_thread: Option<crate::prims::SendThread>,
     /// The ranks by node, when the communicator spans nodes of at least two ranks each
     /// (hierarchical algorithms).
     pub layout: Option<NodeLayout>,
@@ -111,6 +113,7 @@ impl Shared {
             timeout: cfg.timeout,
             algo: cfg.algo.clone(),
             spin,
+            send_thread: None,
             layout: None,
             sockets: false,
             abort: AtomicBool::new(false),

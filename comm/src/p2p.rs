@@ -549,6 +549,7 @@ fn p2p_ctx<'a>(shared: &'a Shared, links: &'a mut Links, name: &'static str) -> 
         &shared.abort,
     );
     ctx.spin = shared.spin;
+    ctx.send_thread = shared.send_thread.as_ref();
     ctx.stalls = Some(&shared.stalls);
     ctx.trace = Some(&shared.trace);
     ctx

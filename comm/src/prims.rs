@@ -9,7 +9,7 @@
 //! other.
 
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use oxccl_kernels::{DType, ReduceOp};
@@ -37,6 +37,9 @@ fn direct_frame(len: usize) -> usize {
     (len / DIRECT_FRAMES / 4096 * 4096).max(DIRECT_SEND_MIN)
 }
 
+/// Smallest send that goes out on the send thread ([`Ctx::exchange_split`]).
+const SEND_THREAD_MIN: usize = 256 << 10;
+
 /// Largest scratch buffer kept between operations.
 const SCRATCH_KEEP: usize = 16 << 20;
 
@@ -46,6 +49,28 @@ const SPIN: Duration = Duration::from_micros(20);
 const FAST_SPINS: u32 = 256;
 /// How long it then yields between polls before it sleeps in `poll(2)`.
 const YIELD: Duration = Duration::from_micros(200);
+
+/// The thread a rank's large sends to TCP peers go out on ([`Ctx::exchange_split`],
+/// `OXCCL_SOCKET_SEND_THREAD`): a pool of one, so exchanges do not start a thread each.
+pub(crate) struct SendThread {
+    pool: rayon::ThreadPool,
+    /// Exchanges whose sends went out on it.
+    pub exchanges: AtomicU64,
+}
+
+impl SendThread {
+    /// Starts the thread, named after `rank`.
+    pub(crate) fn new(rank: usize) -> std::result::Result<SendThread, rayon::ThreadPoolBuildError> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .thread_name(move |_| format!("oxccl-send-r{rank}"))
+            .build()?;
+        Ok(SendThread {
+            pool,
+            exchanges: AtomicU64::new(0),
+        })
+    }
+}
 
 /// The connections of one communicator, indexed by peer rank.
 #[derive(Default)]
@@ -213,6 +238,8 @@ pub(crate) struct Ctx<'a> {
     direct: bool,
     /// Busy-poll before yielding (false when ranks outnumber cores).
     pub spin: bool,
+    /// Large sends to TCP peers go out on this thread ([`Ctx::exchange_split`]).
+    pub send_thread: Option<&'a SendThread>,
     /// Copies into the user's buffer use streaming stores (set for buffers beyond the caches,
     /// see `tuning::STREAM_MIN`).
     pub stream: bool,
@@ -371,6 +398,7 @@ impl<'a> Ctx<'a> {
             collective: false,
             direct: false,
             spin: true,
+            send_thread: None,
             stream: false,
             layout: None,
             map: None,
@@ -409,6 +437,7 @@ impl<'a> Ctx<'a> {
             collective: self.collective,
             direct: false,
             spin: self.spin,
+            send_thread: self.send_thread,
             stream: self.stream,
             layout: None,
             map: Some(members),
@@ -737,9 +766,129 @@ impl<'a> Ctx<'a> {
         for r in recvs.iter_mut() {
             r.peer = self.real(r.peer);
         }
+        if let Some(t) = self.send_thread.filter(|_| !recvs.is_empty()) {
+            let threaded = sends.iter().filter(|s| self.threadable(s, sends)).count();
+            if threaded > 0 {
+                return self.exchange_split(t, sends, recvs, threaded);
+            }
+        }
+        self.exchange_loop(sends, recvs, None)
+    }
+
+    /// Whether `s` may go out on the send thread: a large plain send to a peer whose connection
+    /// writes straight from the caller's memory (TCP), the only send to that peer here.
+    fn threadable(&self, s: &SendPart<'_>, all: &[SendPart<'_>]) -> bool {
+        s.data.len() >= SEND_THREAD_MIN
+            && s.scale.is_none()
+            && all.iter().filter(|o| o.peer == s.peer).count() == 1
+            && self
+                .links
+                .send
+                .get(s.peer)
+                .and_then(|c| c.as_ref())
+                .is_some_and(|c| c.sends_direct())
+    }
+
+    /// [`Ctx::exchange_many`] with its `threaded` large TCP sends on a thread of their own, so
+    /// the kernel's copies into the sockets run beside this thread's receives and reductions on
+    /// another core ([`crate::Config::socket_send_thread`]).
+    fn exchange_split(
+        &mut self,
+        thread: &SendThread,
+        sends: &mut [SendPart<'_>],
+        recvs: &mut [RecvPart<'_>],
+        threaded: usize,
+    ) -> Result<()> {
+        // The threaded sends go last; their connections leave `links` for the exchange.
+        let mut flags: Vec<bool> = sends.iter().map(|s| self.threadable(s, sends)).collect();
+        let (mut i, mut k) = (0, sends.len());
+        while i < k {
+            if flags[i] {
+                k -= 1;
+                sends.swap(i, k);
+                flags.swap(i, k);
+            } else {
+                i += 1;
+            }
+        }
+        let (mine, theirs) = sends.split_at_mut(sends.len() - threaded);
+        let me = self.me();
+        let mut conns = Vec::with_capacity(theirs.len());
+        for s in theirs.iter() {
+            match self.links.send.get_mut(s.peer).and_then(|c| c.take()) {
+                Some(c) => conns.push(c),
+                None => {
+                    for (s, c) in theirs.iter().zip(conns) {
+                        self.links.send[s.peer] = Some(c);
+                    }
+                    return Err(missing(me, self.op, s.peer, "send"));
+                }
+            }
+        }
+        let stop = AtomicBool::new(false);
+        let job = SendJob {
+            deadline: self.deadline(Instant::now()),
+            abort: self.abort,
+            stop: &stop,
+            op: self.op,
+            me,
+            stream: self.stream,
+            timeout: self.timeout,
+            stalls: self.stalls,
+            trace: self.trace,
+            label: self.stall_label(),
+        };
+        let mut theirs_r: Result<()> = Ok(());
+        thread.exchanges.fetch_add(1, Ordering::Relaxed);
+        let mine_r = thread.pool.in_place_scope(|sc| {
+            let (conns, theirs, job, theirs_r) = (&mut conns, &mut *theirs, &job, &mut theirs_r);
+            sc.spawn(move |_| {
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    send_loop(conns, theirs, job)
+                }))
+                .unwrap_or_else(|_| {
+                    Err(Error::Transport {
+                        rank: me,
+                        peer: me,
+                        transport: "tcp",
+                        msg: format!("{}: the send thread panicked", job.op),
+                    })
+                });
+                if r.is_err() {
+                    job.stop.store(true, Ordering::Relaxed);
+                }
+                *theirs_r = r;
+            });
+            let r = self.exchange_loop(mine, recvs, Some(&stop));
+            if r.is_err() {
+                stop.store(true, Ordering::Relaxed);
+            }
+            r
+        });
+        for (s, c) in theirs.iter().zip(conns) {
+            self.links.send[s.peer] = Some(c);
+        }
+        // The send thread's error is the cause when it stopped this thread.
+        theirs_r.and(mine_r)
+    }
+
+    /// The loop of [`Ctx::exchange_many`]; `stop` set (by the send thread, after an error) ends
+    /// it early.
+    fn exchange_loop(
+        &mut self,
+        sends: &mut [SendPart<'_>],
+        recvs: &mut [RecvPart<'_>],
+        stop: Option<&AtomicBool>,
+    ) -> Result<()> {
         loop {
             if sends.iter().all(|s| s.done) && recvs.iter().all(|r| r.done) {
                 return Ok(());
+            }
+            if stop.is_some_and(|s| s.load(Ordering::Relaxed)) {
+                return Err(Error::Aborted {
+                    rank: self.me(),
+                    reason: format!("{}: the send thread failed", self.op),
+                });
             }
             self.arm();
             let mut moved = false;
@@ -990,6 +1139,120 @@ impl<'a> Ctx<'a> {
             self.idle(&|| "flushing sends".to_string())?;
         }
         Ok(())
+    }
+}
+
+/// What the send thread of [`Ctx::exchange_split`] needs to know of the operation.
+struct SendJob<'s> {
+    deadline: Instant,
+    abort: &'s AtomicBool,
+    /// Set by either thread when it fails: the other stops.
+    stop: &'s AtomicBool,
+    op: &'static str,
+    me: usize,
+    stream: bool,
+    timeout: Duration,
+    stalls: Option<&'s Stalls>,
+    trace: Option<&'s crate::trace::Recorder>,
+    /// The operation as stall reports name it, and its collective sequence number.
+    label: (String, Option<u64>),
+}
+
+/// The send thread of [`Ctx::exchange_split`]: writes `parts` through their `conns` (in the same
+/// order), waiting in `poll(2)` for room in the sockets, until every byte is taken, `stop` is
+/// set or the operation's deadline passes. A wait that stalls is posted like the rank thread's
+/// (see [`Ctx::idle`]), so a hang in a send names this rank's wait.
+fn send_loop(
+    conns: &mut [Box<dyn SendConn>],
+    parts: &mut [SendPart<'_>],
+    job: &SendJob<'_>,
+) -> Result<()> {
+    let waiting = |parts: &[SendPart<'_>]| {
+        parts
+            .iter()
+            .filter(|p| !p.done)
+            .map(|p| {
+                format!(
+                    "sending to rank {}: {}/{} bytes (send thread)",
+                    p.peer,
+                    p.sent,
+                    p.data.len()
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let mut fds = Vec::new();
+    let mut idle_since: Option<Instant> = None;
+    loop {
+        if parts.iter().all(|p| p.done) {
+            return Ok(());
+        }
+        if job.stop.load(Ordering::Relaxed) {
+            return Ok(()); // the exchange's own thread failed and reports why
+        }
+        if job.abort.load(Ordering::Relaxed) {
+            return Err(Error::Aborted {
+                rank: job.me,
+                reason: format!("abort() called during {}", job.op),
+            });
+        }
+        let mut moved = false;
+        for (c, p) in conns.iter_mut().zip(parts.iter_mut()) {
+            if p.done {
+                continue;
+            }
+            let n = c
+                .send_direct(&p.data[p.sent..], p.tag, direct_frame(p.data.len()))
+                .map_err(|e| retag(job.op, e))?
+                .unwrap_or(0);
+            if n > 0 {
+                if let Some(m) = p.mirror.as_mut() {
+                    copy(
+                        job.stream,
+                        &mut m[p.sent..p.sent + n],
+                        &p.data[p.sent..p.sent + n],
+                    );
+                }
+                p.sent += n;
+                p.done = p.sent == p.data.len();
+                moved = true;
+            }
+        }
+        if moved {
+            idle_since = None;
+            continue;
+        }
+        let now = Instant::now();
+        let since = *idle_since.get_or_insert(now);
+        if now >= job.deadline {
+            let mut detail = waiting(parts);
+            if let Some(report) = job.stalls.and_then(|s| s.report(&job.label.0, job.label.1)) {
+                detail = format!("{detail}; {report}");
+            }
+            return Err(Error::Timeout {
+                rank: job.me,
+                op: job.op.to_string(),
+                timeout: job.timeout,
+                detail,
+            });
+        }
+        if let Some(s) = job.stalls.filter(|s| now - since >= s.after && !s.posted()) {
+            s.post(
+                job.label.0.clone(),
+                job.label.1,
+                now - since,
+                waiting(parts),
+            );
+            if let Some(t) = job.trace {
+                t.dump_in_background("stalled");
+            }
+        }
+        fds.clear();
+        for c in conns.iter() {
+            c.poll_fds(&mut fds);
+        }
+        poll_fds(&fds, 1);
     }
 }
 

@@ -205,6 +205,11 @@ fn run_all(comm: &Communicator, args: &PerfArgs, plan: &Plan) -> Result<u64, Err
     let totals = sink.totals;
     drop(sink.progress);
     if is0 {
+        if let Some(n) = comm.send_thread_exchanges() {
+            out(&[format!(
+                "# Send thread on (OXCCL_SOCKET_SEND_THREAD): rank 0 sent from it in {n} exchanges"
+            )]);
+        }
         out(&totals.footer());
         #[cfg(feature = "cuda")]
         if let Some(path) = comm.device_path() {

@@ -91,6 +91,11 @@ pub trait SendConn: Send {
         let _ = (data, tag, frame);
         Ok(None)
     }
+
+    /// Whether [`SendConn::send_direct`] sends (rather than returning `None`).
+    fn sends_direct(&self) -> bool {
+        false
+    }
 }
 
 /// The receive half of a connection from one peer.

@@ -409,6 +409,10 @@ impl SendConn for TcpSend {
         }
     }
 
+    fn sends_direct(&self) -> bool {
+        true
+    }
+
     fn poll_fds(&self, out: &mut Vec<(RawFd, PollDir)>) {
         for (si, s) in self.socks.iter().enumerate() {
             // A half-written direct frame waits for room on its socket like queued slots do.
