@@ -243,7 +243,7 @@ for phase in $phases; do
     sendthread)
         # Large sends to TCP peers on a thread of their own, or not: on this machine's cores the
         # kernel's copies into the sockets can run beside the receives and reductions (on the
-        # 2-core development machine they cannot, and the thread costs 0-16 %).
+        # 2-core development machine they cannot, and the thread cost up to 28 %).
         for round in 1 2; do
             for t in 0 1; do
                 echo "round $round OXCCL_SOCKET_SEND_THREAD=$t"

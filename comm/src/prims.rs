@@ -9,7 +9,7 @@
 //! other.
 
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 
 use oxccl_kernels::{DType, ReduceOp};
@@ -36,6 +36,12 @@ const DIRECT_FRAMES: usize = 4;
 fn direct_frame(len: usize) -> usize {
     (len / DIRECT_FRAMES / 4096 * 4096).max(DIRECT_SEND_MIN)
 }
+
+/// States of an exchange split with the send thread: both threads running, the rank's thread
+/// failed first, the send thread failed first.
+const RUNNING: u8 = 0;
+const STOPPED_HERE: u8 = 1;
+const STOPPED_BY_SENDS: u8 = 2;
 
 /// Smallest send that goes out on the send thread ([`Ctx::exchange_split`]).
 const SEND_THREAD_MIN: usize = 256 << 10;
@@ -825,7 +831,9 @@ impl<'a> Ctx<'a> {
                 }
             }
         }
-        let stop = AtomicBool::new(false);
+        let stop = AtomicU8::new(RUNNING);
+        let sent = AtomicBool::new(false);
+        let label = self.stall_label();
         let job = SendJob {
             deadline: self.deadline(Instant::now()),
             abort: self.abort,
@@ -836,12 +844,14 @@ impl<'a> Ctx<'a> {
             timeout: self.timeout,
             stalls: self.stalls,
             trace: self.trace,
-            label: self.stall_label(),
+            label: label.clone(),
         };
+        let first_peer = theirs.first().map_or(me, |s| s.peer);
         let mut theirs_r: Result<()> = Ok(());
         thread.exchanges.fetch_add(1, Ordering::Relaxed);
         let mine_r = thread.pool.in_place_scope(|sc| {
-            let (conns, theirs, job, theirs_r) = (&mut conns, &mut *theirs, &job, &mut theirs_r);
+            let (conns, theirs, job, theirs_r, sent) =
+                (&mut conns, &mut *theirs, &job, &mut theirs_r, &sent);
             sc.spawn(move |_| {
                 let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     send_loop(conns, theirs, job)
@@ -849,42 +859,109 @@ impl<'a> Ctx<'a> {
                 .unwrap_or_else(|_| {
                     Err(Error::Transport {
                         rank: me,
-                        peer: me,
+                        peer: first_peer,
                         transport: "tcp",
                         msg: format!("{}: the send thread panicked", job.op),
                     })
                 });
                 if r.is_err() {
-                    job.stop.store(true, Ordering::Relaxed);
+                    let _ = job.stop.compare_exchange(
+                        RUNNING,
+                        STOPPED_BY_SENDS,
+                        Ordering::AcqRel,
+                        Ordering::Acquire,
+                    );
                 }
                 *theirs_r = r;
+                sent.store(true, Ordering::Release);
             });
-            let r = self.exchange_loop(mine, recvs, Some(&stop));
-            if r.is_err() {
-                stop.store(true, Ordering::Relaxed);
+            // A panic here must still stop the send thread (and give the connections back
+            // below) before it goes on unwinding.
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.exchange_loop(mine, recvs, Some(&stop))?;
+                // Keep this thread's own connections going while the sends finish: a peer
+                // may need frames still queued here to drain what the send thread writes.
+                while !sent.load(Ordering::Acquire) && !self.links.all_flushed() {
+                    if stop.load(Ordering::Acquire) != RUNNING {
+                        break;
+                    }
+                    if !self.links.progress_all().map_err(|e| retag(self.op, e))? {
+                        self.links.poll_fds(&mut self.fds);
+                        poll_fds(&self.fds, 1);
+                    }
+                }
+                Ok(())
+            }));
+            if !matches!(r, Ok(Ok(()))) {
+                let _ = stop.compare_exchange(
+                    RUNNING,
+                    STOPPED_HERE,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                );
             }
             r
         });
         for (s, c) in theirs.iter().zip(conns) {
             self.links.send[s.peer] = Some(c);
         }
-        // The send thread's error is the cause when it stopped this thread.
-        theirs_r.and(mine_r)
+        let mine_r = match mine_r {
+            Ok(r) => r,
+            Err(panic) => std::panic::resume_unwind(panic),
+        };
+        // Whose failure stopped the exchange decides the error; when both threads reached the
+        // deadline, one time-out names both waits.
+        let with_report = |mut e: Error| {
+            if let Error::Timeout { detail, .. } = &mut e {
+                if let Some(r) = self.stalls.and_then(|s| s.report(&label.0, label.1)) {
+                    *detail = format!("{detail}; {r}");
+                }
+            }
+            e
+        };
+        match (mine_r, theirs_r) {
+            (Ok(()), Ok(())) => Ok(()),
+            (Err(m), Ok(())) => Err(m),
+            (Ok(()), Err(t)) => Err(with_report(t)),
+            (
+                Err(Error::Timeout {
+                    rank,
+                    op,
+                    timeout,
+                    detail,
+                }),
+                Err(Error::Timeout {
+                    detail: sending, ..
+                }),
+            ) => Err(Error::Timeout {
+                rank,
+                op,
+                timeout,
+                detail: format!("{sending}, {detail}"),
+            }),
+            (Err(m), Err(t)) => {
+                if stop.load(Ordering::Acquire) == STOPPED_BY_SENDS {
+                    Err(with_report(t))
+                } else {
+                    Err(m)
+                }
+            }
+        }
     }
 
-    /// The loop of [`Ctx::exchange_many`]; `stop` set (by the send thread, after an error) ends
-    /// it early.
+    /// The loop of [`Ctx::exchange_many`]; `stop` set (by the send thread, after an error)
+    /// ends it early.
     fn exchange_loop(
         &mut self,
         sends: &mut [SendPart<'_>],
         recvs: &mut [RecvPart<'_>],
-        stop: Option<&AtomicBool>,
+        stop: Option<&AtomicU8>,
     ) -> Result<()> {
         loop {
             if sends.iter().all(|s| s.done) && recvs.iter().all(|r| r.done) {
                 return Ok(());
             }
-            if stop.is_some_and(|s| s.load(Ordering::Relaxed)) {
+            if stop.is_some_and(|s| s.load(Ordering::Relaxed) != RUNNING) {
                 return Err(Error::Aborted {
                     rank: self.me(),
                     reason: format!("{}: the send thread failed", self.op),
@@ -1146,8 +1223,8 @@ impl<'a> Ctx<'a> {
 struct SendJob<'s> {
     deadline: Instant,
     abort: &'s AtomicBool,
-    /// Set by either thread when it fails: the other stops.
-    stop: &'s AtomicBool,
+    /// Set by the first thread to fail ([`STOPPED_HERE`], [`STOPPED_BY_SENDS`]): the other stops.
+    stop: &'s AtomicU8,
     op: &'static str,
     me: usize,
     stream: bool,
@@ -1159,19 +1236,23 @@ struct SendJob<'s> {
 }
 
 /// The send thread of [`Ctx::exchange_split`]: writes `parts` through their `conns` (in the same
-/// order), waiting in `poll(2)` for room in the sockets, until every byte is taken, `stop` is
-/// set or the operation's deadline passes. A wait that stalls is posted like the rank thread's
-/// (see [`Ctx::idle`]), so a hang in a send names this rank's wait.
+/// order), waiting in `poll(2)` for room in the sockets, until every byte of every frame is
+/// written (a frame's padding and frames queued before the exchange included: the receiver
+/// needs them, and nobody else writes on these connections until they are back in `Links`),
+/// `stop` is set or the operation's deadline passes. A wait that stalls is posted like the rank
+/// thread's (see [`Ctx::idle`]), so a hang in a send names this rank's wait; a time-out's detail
+/// says what was left to send (the caller adds the stall reports).
 fn send_loop(
     conns: &mut [Box<dyn SendConn>],
     parts: &mut [SendPart<'_>],
     job: &SendJob<'_>,
 ) -> Result<()> {
-    let waiting = |parts: &[SendPart<'_>]| {
+    let waiting = |parts: &[SendPart<'_>], conns: &[Box<dyn SendConn>]| {
         parts
             .iter()
-            .filter(|p| !p.done)
-            .map(|p| {
+            .zip(conns)
+            .filter(|(p, c)| !p.done || !c.flushed())
+            .map(|(p, _)| {
                 format!(
                     "sending to rank {}: {}/{} bytes (send thread)",
                     p.peer,
@@ -1185,10 +1266,10 @@ fn send_loop(
     let mut fds = Vec::new();
     let mut idle_since: Option<Instant> = None;
     loop {
-        if parts.iter().all(|p| p.done) {
+        if parts.iter().all(|p| p.done) && conns.iter().all(|c| c.flushed()) {
             return Ok(());
         }
-        if job.stop.load(Ordering::Relaxed) {
+        if job.stop.load(Ordering::Relaxed) != RUNNING {
             return Ok(()); // the exchange's own thread failed and reports why
         }
         if job.abort.load(Ordering::Relaxed) {
@@ -1200,6 +1281,8 @@ fn send_loop(
         let mut moved = false;
         for (c, p) in conns.iter_mut().zip(parts.iter_mut()) {
             if p.done {
+                // Only the rest of its last frame (or nothing) is left.
+                moved |= c.progress().map_err(|e| retag(job.op, e))?;
                 continue;
             }
             let n = c
@@ -1226,15 +1309,11 @@ fn send_loop(
         let now = Instant::now();
         let since = *idle_since.get_or_insert(now);
         if now >= job.deadline {
-            let mut detail = waiting(parts);
-            if let Some(report) = job.stalls.and_then(|s| s.report(&job.label.0, job.label.1)) {
-                detail = format!("{detail}; {report}");
-            }
             return Err(Error::Timeout {
                 rank: job.me,
                 op: job.op.to_string(),
                 timeout: job.timeout,
-                detail,
+                detail: waiting(parts, conns),
             });
         }
         if let Some(s) = job.stalls.filter(|s| now - since >= s.after && !s.posted()) {
@@ -1242,7 +1321,7 @@ fn send_loop(
                 job.label.0.clone(),
                 job.label.1,
                 now - since,
-                waiting(parts),
+                waiting(parts, conns),
             );
             if let Some(t) = job.trace {
                 t.dump_in_background("stalled");
@@ -1283,6 +1362,99 @@ fn poll_fds(fds: &[(RawFd, PollDir)], ms: i32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A loopback socket pair with 4 KiB kernel buffers, non-blocking.
+    fn small_socket_pair() -> (std::net::TcpStream, std::net::TcpStream) {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let tx = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (rx, _) = l.accept().unwrap();
+        for s in [&tx, &rx] {
+            let r = socket2::SockRef::from(s);
+            r.set_send_buffer_size(4096).unwrap();
+            r.set_recv_buffer_size(4096).unwrap();
+            s.set_nonblocking(true).unwrap();
+        }
+        (tx, rx)
+    }
+
+    #[test]
+    fn the_send_thread_writes_a_frames_padding_before_it_returns() {
+        use crate::transport::tcp::TcpSend;
+        use std::io::Read;
+        let big = vec![7u8; 128 << 10];
+        // How much a fresh connection takes at once; then a length whose first write takes the
+        // whole payload but stops inside the padding after it.
+        let (tx, _rx) = small_socket_pair();
+        let mut probe = TcpSend::new(0, 1, vec![tx], 128 << 10, 2);
+        let cap = probe
+            .send_direct(&big, Tag::default(), big.len())
+            .unwrap()
+            .unwrap();
+        let mut cases = 0;
+        for len in cap.saturating_sub(256).max(65)..cap + 256 {
+            if len % 64 == 0 {
+                continue;
+            }
+            let (tx, _rx) = small_socket_pair();
+            let mut check = TcpSend::new(0, 1, vec![tx], 128 << 10, 2);
+            let took = check
+                .send_direct(&big[..len], Tag::default(), len)
+                .unwrap()
+                .unwrap();
+            if took != len || check.flushed() {
+                continue;
+            }
+            // Stopped in the padding on a fresh pair: do it again through the send thread's loop,
+            // with the receiver reading only after a while.
+            let (tx, mut rx) = small_socket_pair();
+            let mut conns: Vec<Box<dyn SendConn>> =
+                vec![Box::new(TcpSend::new(0, 1, vec![tx], 128 << 10, 2))];
+            let mut parts = [SendPart::new(1, &big[..len], Tag::default())];
+            let (stop, abort) = (AtomicU8::new(RUNNING), AtomicBool::new(false));
+            let job = SendJob {
+                deadline: Instant::now() + Duration::from_secs(10),
+                abort: &abort,
+                stop: &stop,
+                op: "test",
+                me: 0,
+                stream: false,
+                timeout: Duration::from_secs(10),
+                stalls: None,
+                trace: None,
+                label: ("test".into(), None),
+            };
+            let got = std::thread::scope(|s| {
+                let reader = s.spawn(move || {
+                    std::thread::sleep(Duration::from_millis(50));
+                    let (mut got, end) = (Vec::new(), Instant::now() + Duration::from_secs(10));
+                    let mut buf = vec![0u8; 1 << 16];
+                    while got.len() < 64 + len.next_multiple_of(64) && Instant::now() < end {
+                        match rx.read(&mut buf) {
+                            Ok(0) => break,
+                            Ok(n) => got.extend_from_slice(&buf[..n]),
+                            Err(_) => std::thread::sleep(Duration::from_millis(1)),
+                        }
+                    }
+                    got.len()
+                });
+                send_loop(&mut conns, &mut parts, &job).unwrap();
+                assert!(
+                    conns[0].flushed(),
+                    "frame of {len} bytes: send_loop returned with its padding unwritten"
+                );
+                reader.join().unwrap()
+            });
+            assert_eq!(got, 64 + len.next_multiple_of(64), "frame of {len} bytes");
+            cases += 1;
+            if cases == 2 {
+                break;
+            }
+        }
+        assert!(
+            cases > 0,
+            "no length stopped inside the padding (socket took {cap} bytes)"
+        );
+    }
 
     #[test]
     fn node_layouts_of_equal_and_different_sizes() {

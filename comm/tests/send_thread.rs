@@ -23,6 +23,9 @@ fn cfg(timeout_s: u64) -> Config {
 /// Elements per rank: 3 MiB of f32, divisible by 2, 3 and 4 (every piece of a reduce-scatter
 /// or all-to-all of up to 4 ranks is at least 768 KiB, above the send thread's minimum).
 const LEN: usize = 3 << 18;
+/// The same plus 60 elements (240 bytes): messages that are not whole 64-byte lines, so the
+/// last frame of a message ends in padding the send thread must still write.
+const ODD: usize = LEN + 60;
 
 /// Small integers: every sum is exact in f32 whatever the order.
 fn val(rank: usize, i: usize) -> f32 {
@@ -48,57 +51,62 @@ fn check(what: &str, rank: usize, got: &[f32], want: impl Fn(usize) -> f32) {
     }
 }
 
-/// Every collective that moves large messages, checked; returns how many exchanges used the
-/// send thread.
+/// Every collective that moves large messages, with `LEN` and `ODD` elements, checked; returns
+/// how many exchanges used the send thread.
 fn every_collective(c: &Communicator) -> Result<u64> {
+    collectives_of(c, LEN)?;
+    collectives_of(c, ODD)
+}
+
+fn collectives_of(c: &Communicator, len: usize) -> Result<u64> {
     let (rank, n) = (c.rank(), c.size());
-    let mine = input(rank, LEN);
+    let mine = input(rank, len);
 
     let mut v = mine.clone();
     c.all_reduce(&mut v, ReduceOp::Sum)?;
     check("all_reduce", rank, &v, |i| sum(n, i));
 
-    let mut out = vec![0f32; LEN];
+    let mut out = vec![0f32; len];
     c.all_reduce_into(&mine, &mut out, ReduceOp::Sum)?;
     check("all_reduce_into", rank, &out, |i| sum(n, i));
 
-    let mut shard = vec![0f32; LEN / n];
+    let mut shard = vec![0f32; len / n];
     c.reduce_scatter(&mine, &mut shard, ReduceOp::Sum)?;
     check("reduce_scatter", rank, &shard, |i| {
-        sum(n, rank * (LEN / n) + i)
+        sum(n, rank * (len / n) + i)
     });
 
-    let piece = input(rank, LEN / n);
-    let mut all = vec![0f32; LEN];
+    let piece = input(rank, len / n);
+    let mut all = vec![0f32; len];
     c.all_gather(&piece, &mut all)?;
     check("all_gather", rank, &all, |i| {
-        val(i / (LEN / n), i % (LEN / n))
+        val(i / (len / n), i % (len / n))
     });
 
     let mut b = if rank == 1 {
         mine.clone()
     } else {
-        vec![0f32; LEN]
+        vec![0f32; len]
     };
     c.broadcast(&mut b, 1)?;
     check("broadcast", rank, &b, |i| val(1, i));
 
-    let mut r = vec![0f32; LEN];
+    let mut r = vec![0f32; len];
     c.reduce(&mine, &mut r, ReduceOp::Sum, 0)?;
     if rank == 0 {
         check("reduce", rank, &r, |i| sum(n, i));
     }
 
     // Block j of rank r's input is val(r, j * blk + i); rank r receives block r from everyone.
-    let mut a2a = vec![0f32; LEN];
+    let mut a2a = vec![0f32; len];
     c.all_to_all(&mine, &mut a2a)?;
-    let blk = LEN / n;
+    let blk = len / n;
     check("all_to_all", rank, &a2a, |i| {
         val(i / blk, rank * blk + i % blk)
     });
 
     // A ring of send_recv: to the next rank, from the previous.
-    let mut got = vec![0f32; LEN];
+    let mut got = vec![0f32; len];
     c.send_recv(&mine, (rank + 1) % n, &mut got, (rank + n - 1) % n)?;
     check("send_recv", rank, &got, |i| val((rank + n - 1) % n, i));
 
@@ -118,6 +126,25 @@ fn every_collective_over_tcp_with_the_send_thread() {
                 used > 0,
                 "{n} ranks: rank {rank} never used its send thread"
             );
+        }
+    }
+}
+
+#[test]
+fn small_socket_buffers_and_many_sockets_with_the_send_thread() {
+    // 32 KiB socket buffers fill at once, so frames (and their padding) are often cut short;
+    // 8 sockets per direction leave frames queued on sockets a send does not reach.
+    for (buffer, nsocks) in [(32 << 10, 2), (0, 8)] {
+        let c = Config {
+            socket_buffer: buffer,
+            nsocks,
+            ..cfg(60)
+        };
+        let res = spawn_world(2, c, |c| every_collective(&c));
+        for (rank, r) in res.into_iter().enumerate() {
+            let used =
+                r.unwrap_or_else(|e| panic!("buffer {buffer}, {nsocks} sockets: rank {rank}: {e}"));
+            assert!(used > 0);
         }
     }
 }
@@ -167,7 +194,8 @@ fn without_tcp_peers_or_when_off_there_is_no_send_thread() {
 fn a_peer_lost_during_large_sends_is_an_error_on_the_others() {
     let res = spawn_world(3, cfg(30), |c| {
         if c.rank() == 2 {
-            // Takes part in one all-reduce, then leaves without a word in the next one.
+            // Takes part in one all-reduce, then drops its communicator (closing its
+            // connections) while the others start the next.
             let mut v = input(2, LEN);
             c.all_reduce(&mut v, ReduceOp::Sum)?;
             return Ok(None);
