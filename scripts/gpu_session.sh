@@ -8,8 +8,8 @@
 # scripts/netns_tools.sh here:
 #   run(carry=["target/gpu-bin", ".netns-tools"], timeout_s=600,
 #       command="NETNS_TOOLS=.netns-tools scripts/gpu_session.sh")
-# PHASES (default "cold threads flake sendthread kernels mps tcpdev nccl cpu netns") picks and orders
-# the phases:
+# PHASES (default "cold flake tcpdev sendthread threads mps kernels nccl cpu netns": what no GPU
+# run has covered first) picks and orders the phases:
 #   cold     first, on a fresh machine: how long the first device collective spends compiling and
 #            loading the kernels (empty caches);
 #   threads  device collectives with ranks as threads of one process: 2, 3, 4 and 8 ranks, every
@@ -45,7 +45,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bin=${BIN:-target/gpu-bin}
 budget=${BUDGET:-540}
-phases=${PHASES:-cold threads flake sendthread kernels mps tcpdev nccl cpu netns}
+phases=${PHASES:-cold flake tcpdev sendthread threads mps kernels nccl cpu netns}
 out=${OUT:-/tmp}
 exec > >(tee -a "$out/session.log") 2>&1
 tee_pid=$!
