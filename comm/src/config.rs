@@ -312,6 +312,16 @@ pub(crate) fn parse_bool(name: &str, v: &str) -> Result<bool> {
     }
 }
 
+/// `auto` (or empty) as `None`, else a boolean: `1`/`on`/`yes`/`true` or `0`/`off`/`no`/`false`.
+fn parse_auto_bool(name: &str, v: &str) -> Result<Option<bool>> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "" | "auto" => Ok(None),
+        _ => parse_bool(name, v)
+            .map(Some)
+            .map_err(|_| Error::Config(format!("{name}={v:?}: expected auto, 0 or 1"))),
+    }
+}
+
 fn parse_num<T: std::str::FromStr>(name: &str, v: &str) -> Result<T> {
     v.trim()
         .parse()
@@ -412,22 +422,10 @@ impl Config {
             c.cuda_stage_chunk = parse_num("OXCCL_CUDA_STAGE_CHUNK", &v)?;
         }
         if let Some(v) = get("OXCCL_CUDA_STREAM_WAIT") {
-            c.cuda_stream_wait = match v.trim().to_ascii_lowercase().as_str() {
-                "" | "auto" => None,
-                _ => Some(parse_bool("OXCCL_CUDA_STREAM_WAIT", &v).map_err(|_| {
-                    Error::Config(format!(
-                        "OXCCL_CUDA_STREAM_WAIT={v:?}: expected auto, 0 or 1"
-                    ))
-                })?),
-            };
+            c.cuda_stream_wait = parse_auto_bool("OXCCL_CUDA_STREAM_WAIT", &v)?;
         }
         if let Some(v) = get("OXCCL_CUDA_IPC") {
-            c.cuda_ipc = match v.trim().to_ascii_lowercase().as_str() {
-                "" | "auto" => None,
-                _ => Some(parse_bool("OXCCL_CUDA_IPC", &v).map_err(|_| {
-                    Error::Config(format!("OXCCL_CUDA_IPC={v:?}: expected auto, 0 or 1"))
-                })?),
-            };
+            c.cuda_ipc = parse_auto_bool("OXCCL_CUDA_IPC", &v)?;
         }
         if let Some(v) = get("OXCCL_CUDA_IPC_SLOT") {
             c.cuda_ipc_slot = parse_num("OXCCL_CUDA_IPC_SLOT", &v)?;
@@ -452,28 +450,10 @@ impl Config {
             };
         }
         if let Some(v) = get("OXCCL_SPIN") {
-            c.spin = match v.trim().to_ascii_lowercase().as_str() {
-                "" | "auto" => None,
-                "1" | "on" | "yes" | "true" => Some(true),
-                "0" | "off" | "no" | "false" => Some(false),
-                _ => {
-                    return Err(Error::Config(format!(
-                        "OXCCL_SPIN={v:?}: expected auto, 0 or 1"
-                    )))
-                }
-            };
+            c.spin = parse_auto_bool("OXCCL_SPIN", &v)?;
         }
         if let Some(v) = get("OXCCL_SOCKET_SEND_THREAD") {
-            c.socket_send_thread = match v.trim().to_ascii_lowercase().as_str() {
-                "" | "auto" => None,
-                "1" | "on" | "yes" | "true" => Some(true),
-                "0" | "off" | "no" | "false" => Some(false),
-                _ => {
-                    return Err(Error::Config(format!(
-                        "OXCCL_SOCKET_SEND_THREAD={v:?}: expected auto, 0 or 1"
-                    )))
-                }
-            };
+            c.socket_send_thread = parse_auto_bool("OXCCL_SOCKET_SEND_THREAD", &v)?;
         }
         if let Some(v) = get("OXCCL_TRACE_BUFFER") {
             c.trace_buffer = parse_num("OXCCL_TRACE_BUFFER", &v)?;

@@ -19,6 +19,8 @@ use std::time::{Duration, Instant};
 
 use socket2::{Domain, Protocol, SockRef, Socket, Type};
 
+#[cfg(test)]
+pub(crate) use conn::{padding_candidates, small_sender};
 pub use conn::{TcpRecv, TcpSend};
 
 use crate::config::Config;
