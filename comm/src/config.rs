@@ -452,7 +452,8 @@ impl Config {
         if let Some(v) = get("OXCCL_SPIN") {
             c.spin = parse_auto_bool("OXCCL_SPIN", &v)?;
         }
-        if let Some(v) = get("OXCCL_SOCKET_SEND_THREAD") {
+        // Empty keeps the default (off); `auto` must be asked for.
+        if let Some(v) = get("OXCCL_SOCKET_SEND_THREAD").filter(|v| !v.trim().is_empty()) {
             c.socket_send_thread = parse_auto_bool("OXCCL_SOCKET_SEND_THREAD", &v)?;
         }
         if let Some(v) = get("OXCCL_TRACE_BUFFER") {
@@ -504,6 +505,7 @@ mod tests {
         assert_eq!(st("1").unwrap(), Some(true));
         assert_eq!(st("off").unwrap(), Some(false));
         assert_eq!(st("auto").unwrap(), None);
+        assert_eq!(st(" ").unwrap(), Some(false));
         let e = st("2").unwrap_err().to_string();
         assert!(e.contains("OXCCL_SOCKET_SEND_THREAD"), "{e}");
         assert!(
