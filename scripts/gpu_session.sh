@@ -82,7 +82,7 @@ short() {
         head -"${1:-14}"
 }
 ctest() { local limit=$1; shift; step "$limit" "$bin/comm_cuda" --ignored --exact "$@" 2>&1 | short; }
-perf() { local limit=$1; shift; step "$limit" "$bin/oxccl" perf "$@" 2>&1 | grep -E "^###|^ +[0-9]|rror|wrong|Avg bus" | cut -c1-200; }
+perf() { local limit=$1; shift; step "$limit" "$bin/oxccl" perf "$@" 2>&1 | grep -E "^###|^ +[0-9]|rror|wrong|Avg bus|Send thread" | cut -c1-200; }
 
 # Ranks as processes on one GPU need MPS (without it the driver time-slices their contexts).
 mps_on() {
