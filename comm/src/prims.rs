@@ -773,9 +773,8 @@ impl<'a> Ctx<'a> {
             r.peer = self.real(r.peer);
         }
         if let Some(t) = self.send_thread.filter(|_| !recvs.is_empty()) {
-            let threaded = sends.iter().filter(|s| self.threadable(s, sends)).count();
-            if threaded > 0 {
-                return self.exchange_split(t, sends, recvs, threaded);
+            if sends.iter().any(|s| self.threadable(s, sends)) {
+                return self.exchange_split(t, sends, recvs);
             }
         }
         self.exchange_loop(sends, recvs, None)
@@ -795,15 +794,14 @@ impl<'a> Ctx<'a> {
                 .is_some_and(|c| c.sends_direct())
     }
 
-    /// [`Ctx::exchange_many`] with its `threaded` large TCP sends on a thread of their own, so
-    /// the kernel's copies into the sockets run beside this thread's receives and reductions on
-    /// another core ([`crate::Config::socket_send_thread`]).
+    /// [`Ctx::exchange_many`] with its large TCP sends ([`Ctx::threadable`]) on a thread of their
+    /// own, so the kernel's copies into the sockets run beside this thread's receives and
+    /// reductions on another core ([`crate::Config::socket_send_thread`]).
     fn exchange_split(
         &mut self,
         thread: &SendThread,
         sends: &mut [SendPart<'_>],
         recvs: &mut [RecvPart<'_>],
-        threaded: usize,
     ) -> Result<()> {
         // The threaded sends go last; their connections leave `links` for the exchange.
         let mut flags: Vec<bool> = sends.iter().map(|s| self.threadable(s, sends)).collect();
@@ -817,7 +815,7 @@ impl<'a> Ctx<'a> {
                 i += 1;
             }
         }
-        let (mine, theirs) = sends.split_at_mut(sends.len() - threaded);
+        let (mine, theirs) = sends.split_at_mut(k);
         let me = self.me();
         let mut conns = Vec::with_capacity(theirs.len());
         for s in theirs.iter() {
