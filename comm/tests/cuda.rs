@@ -1,5 +1,6 @@
 //! Device collectives (feature `cuda`) on a real GPU: every collective and dtype, on 2, 4 and 8
-//! ranks (threads) sharing GPU 0, against the host calls on the same data, both over CUDA IPC
+//! ranks (threads) sharing GPU 0 (or spread over every GPU with `OXCCL_TEST_GPUS=spread`, rank
+//! `r` on GPU `r % count`: untested, no machine lent to us has more than one), against the host calls on the same data, both over CUDA IPC
 //! (one-shot, two-shot and chunked, with small slots, and ring steps) and staged through host
 //! memory (in many pipelined parts, in both completion modes: stream waits on the flag, and
 //! waits on the host); stream order without host synchronisation, also against a peer whose
@@ -44,8 +45,16 @@ fn gpu_or_skip() -> bool {
     false
 }
 
-fn stream() -> Arc<CudaStream> {
-    let ctx = CudaContext::new(0).expect("CUDA context on device 0");
+/// Rank `rank`'s stream: on GPU 0, or with `OXCCL_TEST_GPUS=spread` on GPU `rank % count` (as
+/// `oxccl perf --device cuda` places ranks), for a machine with several GPUs.
+fn stream(rank: usize) -> Arc<CudaStream> {
+    let spread = std::env::var("OXCCL_TEST_GPUS").as_deref() == Ok("spread");
+    let count = CudaContext::device_count()
+        .expect("counting CUDA devices")
+        .max(1) as usize;
+    let ordinal = if spread { rank % count } else { 0 };
+    let ctx = CudaContext::new(ordinal)
+        .unwrap_or_else(|e| panic!("rank {rank}: CUDA context on device {ordinal}: {e:?}"));
     ctx.new_stream().expect("stream")
 }
 
@@ -245,7 +254,7 @@ fn all_dtypes(comm: &Communicator) -> Result<Vec<String>> {
     // One stream per rank for the whole run, as a trainer has: creating a stream can synchronize
     // the context, which with ranks as threads would wait for other ranks' work that waits on
     // this one.
-    let s = stream();
+    let s = stream(comm.rank());
     let mut bad = Vec::new();
     for dt in DType::ALL {
         bad.extend(with_dtype!(dt, every_collective(comm, &s))?);
@@ -397,7 +406,7 @@ fn ipc_fault(
         ..base()
     };
     let results = spawn_world(2, cfg, |comm| {
-        let s = stream();
+        let s = stream(comm.rank());
         let mut d = upload(&s, &[1.0f32; 64]);
         comm.on_stream(&s)
             .all_reduce(&mut typed!(mut d, f32, 64), ReduceOp::Sum)?;
@@ -495,7 +504,7 @@ fn cuda_ipc_barriers_wait_for_a_peer_whose_stream_is_behind() {
             ..base()
         };
         let results = spawn_world(2, cfg, |comm| {
-            let s = stream();
+            let s = stream(comm.rank());
             let count = 1031;
             let mut busy = (comm.rank() == 1)
                 .then(|| (zeros::<u8>(&s, 256 << 20), zeros::<u8>(&s, 256 << 20)));
@@ -575,7 +584,7 @@ fn back_to_back_operations_stay_in_stream_order() {
 
 fn back_to_back(cfg: Config) {
     let results = spawn_world(2, cfg, |comm| {
-        let s = stream();
+        let s = stream(comm.rank());
         let count = 16 << 20;
         let mut d = upload(&s, &vec![1.0f32; count]);
         for _ in 0..3 {
@@ -598,7 +607,7 @@ fn a_bad_call_is_refused_before_anything_is_enqueued() {
         return;
     }
     let results = spawn_world(2, base(), |comm| {
-        let s = stream();
+        let s = stream(comm.rank());
         let a = zeros::<f32>(&s, 4);
         let mut b = zeros::<f32>(&s, 5);
         let e = comm

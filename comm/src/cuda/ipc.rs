@@ -624,6 +624,16 @@ pub(crate) fn setup(
             Ok(e) => events = Some(e),
             Err(e) => failure = Some(format!("creating the barrier events: {e:?}")),
         }
+    } else if all_here && cfg.cuda_ipc_host_barrier == Some(false) && rank == 0 {
+        tracing::warn!(
+            rank,
+            "OXCCL_CUDA_IPC_BARRIER=device with every rank a thread of this process: a barrier \
+             kernel waits on the GPU for a peer's kernel its thread may not have enqueued yet, \
+             and a driver call on that thread that waits for the whole context (cuMemFree, \
+             pinned host allocation, module loading; also the pinned buffers of staged \
+             send/recv) then waits for the barrier kernel: stuck until OXCCL_TIMEOUT. \
+             OXCCL_CUDA_IPC_BARRIER=auto meets these barriers on the host"
+        );
     } else if !all_here && cfg.cuda_ipc_host_barrier == Some(true) {
         tracing::info!(
             rank,
@@ -646,14 +656,35 @@ pub(crate) fn setup(
         Err(e) => Some(e.to_string()),
     };
     if let Some(why) = refused {
-        // Our mappings of the peers go (no kernel of ours used them); our scratch stays (a peer
-        // that saw every verdict as "ok" may use it).
+        // Our mappings of the peers go (no kernel of ours used them).
         for k in &opened {
             mapped().release(k, close_handle);
         }
+        // Every rank read the same verdicts and declines, so no kernel runs on anyone's
+        // scratch: once every rank has let go of its mappings ("declined"), ours can be freed.
+        // If the verdicts or that round failed, a peer may still map (or, having seen every
+        // verdict as "ok", use) it: it stays allocated.
+        if verdicts.is_ok() && gather("declined", b"1").is_ok() {
+            local.leak = false;
+        }
         drop(local);
+        drop(events);
+        // Dropping another GPU's context leaves it current on this thread: give the caller's
+        // thread this rank's context back.
+        drop(peer_ctxs);
+        let _ = ctx.bind_to_thread();
         verdicts?;
-        return declined(why);
+        if cfg.cuda_ipc == Some(true) {
+            return declined(why);
+        }
+        // Unlike the other refusals (several nodes, OXCCL_CUDA_IPC=0, no driver), this one
+        // comes from the GPUs (no peer access between two of them, say): worth a warning, the
+        // staged path being many times slower.
+        tracing::warn!(
+            rank,
+            "device collectives staged through host memory: CUDA IPC set-up failed: {why}"
+        );
+        return Ok(None);
     }
     local.leak = false;
     let host_barrier =
@@ -1113,6 +1144,13 @@ impl Drop for IpcState {
                 if done { "" } else { " and peer mappings" }
             );
         }
+        // Another GPU's context or event dropped on this thread leaves that context current:
+        // drop those now and give the thread this rank's context back (the fields dropped
+        // after this body only bind this rank's context).
+        self._peer_ctxs.clear();
+        self.host_barrier = None;
+        // SAFETY: the context handle is live (held by `self.local.ctx`).
+        let _ = unsafe { result::ctx::set_current(self.local.ctx.cu_ctx()) };
         // The rank that hosts the store leaves last, so every peer can finish its rounds.
         let gone = format!("{}/cuda_ipc/gone", self.id);
         if self.store.add(&gone, 1).is_ok() && self.hosts_store {

@@ -11,7 +11,9 @@
 //! use oxccl_comm::{Communicator, ReduceOp};
 //!
 //! let comm = Communicator::from_env()?;
-//! let ctx = CudaContext::new(comm.local_rank()).expect("a GPU");
+//! // One GPU per rank where there are enough, else ranks share them (2 to 8 ranks per GPU).
+//! let gpus = CudaContext::device_count().expect("a CUDA driver").max(1) as usize;
+//! let ctx = CudaContext::new(comm.local_rank() % gpus).expect("a GPU");
 //! let stream = ctx.default_stream();
 //! let mut grads = stream.alloc_zeros::<f32>(1 << 20).expect("device memory");
 //! comm.on_stream(&stream).all_reduce(&mut grads, ReduceOp::Avg)?; // returns once enqueued
@@ -71,7 +73,8 @@
 //!
 //! # Ranks that are threads of one process
 //!
-//! Their streams share one CUDA context: its hardware queues (`CUDA_DEVICE_MAX_CONNECTIONS`),
+//! Their streams share one CUDA context per GPU (the device's primary context): its hardware
+//! queues (`CUDA_DEVICE_MAX_CONNECTIONS`),
 //! and driver calls that may wait for the whole context to go idle (loading a kernel lazily,
 //! some allocations). A wait on the GPU for work the host has not enqueued yet (a stream waiting
 //! on the flag, a barrier kernel spinning until a peer's kernel arrives) is an ordering CUDA
@@ -81,7 +84,12 @@
 //! anything not yet enqueued: staged calls wait on the host, IPC barriers are met on the host
 //! with CUDA events between the streams, and every kernel is loaded at set-up (`cuFuncLoad`).
 //! What remains on the GPU waits only for work already enqueued, which always drains.
-//! `OXCCL_CUDA_STREAM_WAIT=1` and `OXCCL_CUDA_IPC_BARRIER=device` bring back the GPU-side waits.
+//! `OXCCL_CUDA_STREAM_WAIT=1` and `OXCCL_CUDA_IPC_BARRIER=device` bring back the GPU-side waits
+//! (rank 0 warns about the latter): then no rank thread may make a driver call that waits for
+//! the context (`cuMemFree`, pinned host allocation, module loading) while a peer may be in a
+//! collective, and the library's own pinned buffers for staged send/recv, allocated on the
+//! caller's thread as needed, can be such a call. A barrier kernel so held up fails at
+//! `OXCCL_TIMEOUT` instead of hanging.
 //!
 //! Not covered: a world of several processes each running several ranks as threads. Staged
 //! calls there wait on the host (a peer shares the process), but CUDA IPC barriers need every
@@ -198,7 +206,11 @@ impl DeviceState {
 
 impl Drop for DeviceState {
     fn drop(&mut self) {
-        // Staging buffers first: each waits for its `done` event, recorded after every stream
+        // CUDA IPC tear-down first (it waits for this rank's last operation, then meets the
+        // peers): freeing pinned memory waits for the whole context, and with ranks as threads
+        // sharing it a peer's barrier kernel could still be waiting for this rank's.
+        self.ipc = IpcMode::Untried;
+        // Staging buffers next: each waits for its `done` event, recorded after every stream
         // wait on the flag, so the flag is freed only once no stream can still read it. If one
         // could not be waited for, a stream may still poll the flag: leak it too.
         if !self.pool.clear() {
