@@ -38,6 +38,7 @@
 #   defaults CUDA IPC all-reduce with the default slot and one-shot sizes (2 and 4 processes);
 #   ddp2     the DDP overlap table, buckets of 2, 4 and 25 MiB, 5 rounds, twice;
 #   tcp2     TCP on loopback: Python's rate each way, oxccl by setting, and gloo;
+#   ddpspin  the DDP overlap at batch 4, 2 MiB buckets, OXCCL_SPIN auto / 0 x --bind none / core;
 #   coldperf 2 processes' first device collective on a fresh machine with OXCCL_TIMEOUT=12 (less
 #            than the kernel load), then the default all-reduce sweep.
 # Output: stdout and $OUT/session.log; traces of the 4-rank runs as $OUT/trace4_*.log.gz.
@@ -59,7 +60,8 @@ export OXCCL_REQUIRE_GPU=1 OXCCL_CACHE_DIR=/tmp/oxccl-cache OXCCL_TIMEOUT=20 RUS
 
 # Each phase may use at most its share (seconds from its start), and no step runs past the budget.
 declare -A share=([threads]=120 [kernels]=80 [mps]=140 [nccl]=30 [cpu]=70 [netns]=50 [cold]=110
-    [tune]=200 [ddp]=120 [tcp]=120 [defaults]=120 [flake]=75 [ddp2]=90 [tcp2]=90 [coldperf]=100 [tcpdev]=80 [sendthread]=100)
+    [tune]=200 [ddp]=120 [tcp]=120 [defaults]=120 [flake]=75 [ddp2]=90 [tcp2]=90 [coldperf]=100 [tcpdev]=80 [sendthread]=100
+    [ddpspin]=100)
 phase_end=$budget
 # step LIMIT CMD...: runs CMD for at most LIMIT seconds, never past the phase's share or the budget.
 step() {
@@ -184,6 +186,22 @@ for phase in $phases; do
         done
         OX="$bin/oxccl" PEERS="$bin" GLOO_PY="$(command -v python3)" ROUNDS=2 SIZES="8 64M" \
             step 60 scripts/side_by_side_tcp.sh
+        ;;
+    ddpspin)
+        # DDP overlap at its best setting so far (batch 4, 2 MiB buckets: 0.760 on 16 cores),
+        # with the ranks' waits spinning (OXCCL_SPIN=auto, spinning where cores suffice) or
+        # sleeping (0), and bound to cores or not: does a spinning progress thread slow the
+        # backward pass beside it (a hyperthread sibling, say)? Interleaved, twice.
+        for rep in 1 2; do
+            for spin in auto 0; do
+                for bind in none core; do
+                    echo "rep $rep OXCCL_SPIN=$spin --bind $bind"
+                    OXCCL_SPIN=$spin step 30 "$bin/oxccl" launch -n 4 --bind "$bind" -- \
+                        "$bin/02_ddp_mlp" --mode all --hidden 1024 --layers 4 --batch 4 --steps 8 \
+                        --rounds 5 --bucket-mib 2 2>&1 | tail -6
+                done
+            done
+        done
         ;;
     netns)
         for round in $(seq 1 "${NETNS_ROUNDS:-2}"); do
