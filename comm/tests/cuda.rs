@@ -48,11 +48,12 @@ fn gpu_or_skip() -> bool {
 /// Rank `rank`'s stream: on GPU 0, or with `OXCCL_TEST_GPUS=spread` on GPU `rank % count` (as
 /// `oxccl perf --device cuda` places ranks), for a machine with several GPUs.
 fn stream(rank: usize) -> Arc<CudaStream> {
-    let spread = std::env::var("OXCCL_TEST_GPUS").as_deref() == Ok("spread");
-    let count = CudaContext::device_count()
-        .expect("counting CUDA devices")
-        .max(1) as usize;
-    let ordinal = if spread { rank % count } else { 0 };
+    let ordinal = if std::env::var("OXCCL_TEST_GPUS").as_deref() == Ok("spread") {
+        let count = CudaContext::device_count().expect("counting CUDA devices");
+        rank % count.max(1) as usize
+    } else {
+        0
+    };
     let ctx = CudaContext::new(ordinal)
         .unwrap_or_else(|e| panic!("rank {rank}: CUDA context on device {ordinal}: {e:?}"));
     ctx.new_stream().expect("stream")

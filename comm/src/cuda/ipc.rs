@@ -624,7 +624,8 @@ pub(crate) fn setup(
             Ok(e) => events = Some(e),
             Err(e) => failure = Some(format!("creating the barrier events: {e:?}")),
         }
-    } else if all_here && cfg.cuda_ipc_host_barrier == Some(false) && rank == 0 {
+    } else if all_here && cfg.cuda_ipc_host_barrier == Some(false) && rank == 0 && failure.is_none()
+    {
         tracing::warn!(
             rank,
             "OXCCL_CUDA_IPC_BARRIER=device with every rank a thread of this process: a barrier \
@@ -662,28 +663,58 @@ pub(crate) fn setup(
         }
         // Every rank read the same verdicts and declines, so no kernel runs on anyone's
         // scratch: once every rank has let go of its mappings ("declined"), ours can be freed.
+        // That round gets a bound of its own (a slow "mapped" round may have spent the set-up's).
         // If the verdicts or that round failed, a peer may still map (or, having seen every
         // verdict as "ok", use) it: it stays allocated.
-        if verdicts.is_ok() && gather("declined", b"1").is_ok() {
-            local.leak = false;
+        let freed = match &verdicts {
+            Ok(_) => {
+                let bound = Instant::now() + cfg.timeout.min(TEARDOWN_WAIT);
+                store.set(&key("declined", rank), b"1").is_ok()
+                    && (0..size).all(|q| {
+                        let left = deadline
+                            .max(bound)
+                            .saturating_duration_since(Instant::now());
+                        store.get(&key("declined", q), left).is_ok()
+                    })
+            }
+            Err(_) => {
+                // Peers whose verdicts came through wait for our word: our mappings are gone.
+                let _ = store.set(&key("declined", rank), b"1");
+                false
+            }
+        };
+        local.leak = !freed;
+        if !freed {
+            tracing::warn!(
+                rank,
+                "cuda_ipc set-up refused without every rank confirming in time that it \
+                 unmapped this rank's device scratch: {} bytes left allocated",
+                FLAGS_BYTES + 2 * cfg.cuda_ipc_slot
+            );
         }
         drop(local);
         drop(events);
         // Dropping another GPU's context leaves it current on this thread: give the caller's
-        // thread this rank's context back.
+        // thread this rank's context back (not `bind_to_thread`, which skips the binding when
+        // the context has a recorded error).
         drop(peer_ctxs);
-        let _ = ctx.bind_to_thread();
+        // SAFETY: the context handle is live (held by `ctx`).
+        let _ = unsafe { result::ctx::set_current(ctx.cu_ctx()) };
         verdicts?;
         if cfg.cuda_ipc == Some(true) {
             return declined(why);
         }
         // Unlike the other refusals (several nodes, OXCCL_CUDA_IPC=0, no driver), this one
         // comes from the GPUs (no peer access between two of them, say): worth a warning, the
-        // staged path being many times slower.
-        tracing::warn!(
-            rank,
-            "device collectives staged through host memory: CUDA IPC set-up failed: {why}"
-        );
+        // staged path being many times slower. Rank 0's says it for all.
+        if rank == 0 {
+            tracing::warn!(
+                rank,
+                "device collectives staged through host memory: CUDA IPC set-up failed: {why}"
+            );
+        } else {
+            tracing::info!(rank, "device collectives staged through host memory: {why}");
+        }
         return Ok(None);
     }
     local.leak = false;

@@ -11,7 +11,7 @@
 //! use oxccl_comm::{Communicator, ReduceOp};
 //!
 //! let comm = Communicator::from_env()?;
-//! // One GPU per rank where there are enough, else ranks share them (2 to 8 ranks per GPU).
+//! // One GPU per rank where there are enough, else ranks share them round-robin.
 //! let gpus = CudaContext::device_count().expect("a CUDA driver").max(1) as usize;
 //! let ctx = CudaContext::new(comm.local_rank() % gpus).expect("a GPU");
 //! let stream = ctx.default_stream();
