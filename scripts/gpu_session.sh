@@ -28,8 +28,9 @@
 #            nodes): the 2-rank staged test with OXCCL_TRANSPORT=tcp, and a 2-process sweep;
 #   nccl     NCCL's single-rank all-reduce (PyTorch), for scale;
 #   cpu      the DDP overlap table (4 ranks over shared memory) and TCP against torch/gloo;
-#   netns    hierarchical against the flat ring, 2 network namespaces x 2 ranks, 64 MiB (needs
-#            iproute2, or NETNS_TOOLS: a carried folder from scripts/netns_tools.sh);
+#   netns    hierarchical (512 KiB and 2 MiB blocks) against the flat ring, 2 network namespaces x
+#            2 ranks, 64 MiB (needs iproute2, or NETNS_TOOLS: a carried folder from
+#            scripts/netns_tools.sh);
 # and, not in the default, the follow-ups of a first run:
 #   tune     CUDA IPC slot size and one-shot threshold, 2 and 4 processes;
 #   ddp      the DDP overlap table by bucket size;
@@ -59,7 +60,7 @@ done
 export OXCCL_REQUIRE_GPU=1 OXCCL_CACHE_DIR=/tmp/oxccl-cache OXCCL_TIMEOUT=20 RUST_BACKTRACE=0
 
 # Each phase may use at most its share (seconds from its start), and no step runs past the budget.
-declare -A share=([threads]=120 [kernels]=80 [mps]=140 [nccl]=30 [cpu]=70 [netns]=50 [cold]=110
+declare -A share=([threads]=120 [kernels]=80 [mps]=140 [nccl]=30 [cpu]=70 [netns]=70 [cold]=110
     [tune]=200 [ddp]=120 [tcp]=120 [defaults]=120 [flake]=75 [ddp2]=90 [tcp2]=90 [coldperf]=100 [tcpdev]=80 [sendthread]=100
     [ddpspin]=100)
 phase_end=$budget
@@ -204,10 +205,15 @@ for phase in $phases; do
         done
         ;;
     netns)
+        # hierarchical with its default block (512 KiB per local rank), with the 2 MiB one it
+        # had before (OXCCL_HIERARCHICAL_BLOCK), and the flat ring.
         for round in $(seq 1 "${NETNS_ROUNDS:-2}"); do
-            for a in hierarchical ring; do
+            for a in hierarchical hierarchical-2M ring; do
                 echo "round $round $a"
-                OXCCL_BIN="$bin/oxccl" OXCCL_ALGO=all-reduce=$a step 20 scripts/netns.sh run \
+                hb=524288
+                [ "$a" = hierarchical-2M ] && hb=2097152
+                OXCCL_HIERARCHICAL_BLOCK=$hb OXCCL_BIN="$bin/oxccl" OXCCL_ALGO=all-reduce=${a%-2M} \
+                    step 20 scripts/netns.sh run \
                     --nodes 2 --nproc 2 --prefix gp -- "$bin/oxccl" perf all-reduce -b 64M -e 64M -z 1 2>&1 |
                     grep -E "^###|\] +[0-9]|rror|SKIP" | cut -c1-200
             done

@@ -82,6 +82,7 @@ fn exec<R>(
         nodes: shared.layout.as_ref().is_some_and(NodeLayout::balanced),
         even_nodes: shared.layout.as_ref().is_some_and(|l| l.even),
         sockets: shared.sockets,
+        hierarchical_block: shared.hierarchical_block,
     };
     let choice = tuning::choose(desc.coll, full, n, &shared.algo, caps);
     tracing::info!(rank = shared.rank, seq, op = %desc, algo = %choice.algo, bytes = full, block = choice.chunk_bytes, "collective");

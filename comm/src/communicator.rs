@@ -852,7 +852,7 @@ mod tests {
     #[test]
     fn hand_built_fields_out_of_range_are_refused_at_init() {
         type Tweak = fn(&mut Config);
-        let cases: [(&str, Tweak); 9] = [
+        let cases: [(&str, Tweak); 10] = [
             ("nsocks", |c| c.nsocks = 0),
             ("nsocks", |c| c.nsocks = 17),
             ("socket_buffer", |c| c.socket_buffer = 4 << 30),
@@ -860,6 +860,7 @@ mod tests {
             ("nslots", |c| c.nslots = 0),
             ("direct_bytes", |c| c.direct_bytes = 1000),
             ("cuda_ipc_slot", |c| c.cuda_ipc_slot = 0),
+            ("hierarchical_block", |c| c.hierarchical_block = 0),
             ("trace_buffer", |c| c.trace_buffer = usize::MAX),
             ("timeout", |c| c.timeout = Duration::ZERO),
         ];
@@ -903,7 +904,7 @@ mod tests {
     #[test]
     fn ranks_with_different_shared_settings_fail_at_init() {
         type Tweak = fn(&mut Config);
-        let cases: [(&str, Tweak, &str, &str); 3] = [
+        let cases: [(&str, Tweak, &str, &str); 4] = [
             (
                 "OXCCL_TRANSPORT",
                 |c| c.transport = TransportChoice::Tcp,
@@ -921,6 +922,12 @@ mod tests {
                 |c| c.cuda_stage_chunk = 1 << 20,
                 "\"1048576\"",
                 "\"4194304\"",
+            ),
+            (
+                "OXCCL_HIERARCHICAL_BLOCK",
+                |c| c.hierarchical_block = 2 << 20,
+                "\"2097152\"",
+                "\"524288\"",
             ),
         ];
         for (var, tweak, odd_value, usual_value) in cases {

@@ -74,6 +74,11 @@ pub struct Config {
     /// (`OXCCL_SOCKET_SEND_THREAD`: `0`, the default, never; `1` always; `auto` when this node's
     /// ranks have at least two CPUs each, from their affinity masks).
     pub socket_send_thread: Option<bool>,
+    /// Block of the hierarchical all-reduce per local rank, in bytes (`OXCCL_HIERARCHICAL_BLOCK`,
+    /// default 512 KiB, a multiple of 64 from 4 KiB to 1 GiB): each rank's piece of a block
+    /// should stay in its core's cache from the node ring to the cross ring and back. Every rank
+    /// must use the same value.
+    pub hierarchical_block: usize,
     /// Largest part of an element-wise device operation staged through host memory (feature
     /// `cuda`): all-reduce, broadcast and reduce run as host collectives of at most this many
     /// bytes each, so copies to and from the GPU overlap with the network
@@ -132,6 +137,7 @@ impl Default for Config {
             single_copy: true,
             spin: None,
             socket_send_thread: Some(false),
+            hierarchical_block: crate::tuning::HIERARCHICAL_AR_BLOCK,
             cuda_stage_chunk: 4 << 20,
             cuda_stream_wait: None,
             cuda_ipc: None,
@@ -165,6 +171,10 @@ impl Config {
             (
                 "OXCCL_CUDA_STAGE_CHUNK".into(),
                 self.cuda_stage_chunk.to_string(),
+            ),
+            (
+                "OXCCL_HIERARCHICAL_BLOCK".into(),
+                self.hierarchical_block.to_string(),
             ),
         ]
     }
@@ -221,6 +231,12 @@ fn direct_bytes_ok(b: usize) -> bool {
     b == 0 || ((4096..=1 << 30).contains(&b) && b.is_multiple_of(64))
 }
 
+/// `OXCCL_HIERARCHICAL_BLOCK` / [`Config::hierarchical_block`]: a multiple of 64 from 4 KiB to
+/// 1 GiB.
+fn hierarchical_block_ok(b: usize) -> bool {
+    (4096..=1 << 30).contains(&b) && b.is_multiple_of(64)
+}
+
 /// `OXCCL_CUDA_IPC_SLOT` / [`Config::cuda_ipc_slot`]: a multiple of 256 from 4 KiB to 1 GiB.
 fn ipc_slot_ok(b: usize) -> bool {
     (4096..=1 << 30).contains(&b) && b.is_multiple_of(256)
@@ -271,6 +287,15 @@ impl Config {
                 "trace_buffer",
                 "OXCCL_TRACE_BUFFER",
                 self.trace_buffer,
+                want,
+            );
+        }
+        if !hierarchical_block_ok(self.hierarchical_block) {
+            let want = "a multiple of 64 between 4 KiB and 1 GiB";
+            return bad(
+                "hierarchical_block",
+                "OXCCL_HIERARCHICAL_BLOCK",
+                self.hierarchical_block,
                 want,
             );
         }
@@ -418,6 +443,14 @@ impl Config {
         if let Some(v) = get("OXCCL_SHM_SINGLE_COPY") {
             c.single_copy = parse_bool("OXCCL_SHM_SINGLE_COPY", &v)?;
         }
+        if let Some(v) = get("OXCCL_HIERARCHICAL_BLOCK") {
+            c.hierarchical_block = parse_num("OXCCL_HIERARCHICAL_BLOCK", &v)?;
+            if !hierarchical_block_ok(c.hierarchical_block) {
+                return Err(Error::Config(format!(
+                    "OXCCL_HIERARCHICAL_BLOCK={v} must be a multiple of 64 between 4 KiB and 1 GiB"
+                )));
+            }
+        }
         if let Some(v) = get("OXCCL_CUDA_STAGE_CHUNK") {
             c.cuda_stage_chunk = parse_num("OXCCL_CUDA_STAGE_CHUNK", &v)?;
         }
@@ -547,6 +580,10 @@ mod tests {
         assert_eq!(c.trace_buffer, 0);
         assert_eq!(c.trace_dir.as_deref(), Some(std::path::Path::new("/tmp/t")));
         assert_eq!(cfg(&[("OXCCL_TRACE_DIR", " ")]).unwrap().trace_dir, None);
+        let hb = |v: &str| cfg(&[("OXCCL_HIERARCHICAL_BLOCK", v)]).map(|c| c.hierarchical_block);
+        assert_eq!(hb(" 2097152").unwrap(), 2 << 20);
+        assert_eq!(hb("4096").unwrap(), 4096);
+        assert_eq!(cfg(&[]).unwrap().hierarchical_block, 512 << 10);
     }
 
     #[test]
@@ -562,6 +599,9 @@ mod tests {
             ("OXCCL_SHM_SINGLE_COPY", "maybe"),
             ("OXCCL_SOCKET_DELAYED_ACK", "sometimes"),
             ("OXCCL_CUDA_STAGE_CHUNK", "big"),
+            ("OXCCL_HIERARCHICAL_BLOCK", "100"),
+            ("OXCCL_HIERARCHICAL_BLOCK", "4100"),
+            ("OXCCL_HIERARCHICAL_BLOCK", "2147483648"),
             ("OXCCL_CUDA_STREAM_WAIT", "later"),
             ("OXCCL_CUDA_IPC", "sometimes"),
             ("OXCCL_CUDA_IPC_SLOT", "1000"),

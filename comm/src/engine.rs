@@ -73,6 +73,8 @@ pub(crate) struct Shared {
     /// Some ranks of the communicator reach each other over TCP (the same on every rank; the
     /// tuner's [`crate::tuning::Caps::sockets`]).
     pub sockets: bool,
+    /// `OXCCL_HIERARCHICAL_BLOCK` (the same on every rank, checked at init).
+    pub hierarchical_block: usize,
     pub abort: AtomicBool,
     pub exec: Mutex<ExecState>,
     /// What this rank posts when a wait stalls, and reads when one times out.
@@ -116,6 +118,7 @@ impl Shared {
             send_thread: None,
             layout: None,
             sockets: false,
+            hierarchical_block: cfg.hierarchical_block,
             abort: AtomicBool::new(false),
             exec: Mutex::new(ExecState {
                 links,

@@ -337,7 +337,8 @@ const CHUNK_BYTES_TCP: usize = 2 << 20;
 /// 512 KiB; faster from 1 MiB to 256 MiB too. The hierarchical reduce-scatter and all-gather
 /// (node and cross phases one after the other in each block, not overlapped) showed no
 /// difference and keep the ring's block. docs/PERF.md, "Hierarchical block".
-const HIERARCHICAL_AR_CHUNK: usize = 512 << 10;
+/// The default of `OXCCL_HIERARCHICAL_BLOCK` ([`Caps::hierarchical_block`]).
+pub const HIERARCHICAL_AR_BLOCK: usize = 512 << 10;
 /// Tree piece.
 const TREE_PIECE: usize = 512 << 10;
 
@@ -408,9 +409,12 @@ pub struct Caps {
     /// all-gather can run too.
     pub even_nodes: bool,
     /// Some of the communicator's ranks reach each other over TCP (the same on every rank:
-    /// decided from the transport setting and the ranks' node ids): ring and hierarchical
-    /// blocks are 2 MiB instead of 4 MiB per rank.
+    /// decided from the transport setting and the ranks' node ids): ring blocks (and those of
+    /// the hierarchical reduce-scatter and all-gather) are 2 MiB instead of 4 MiB per rank.
     pub sockets: bool,
+    /// The hierarchical all-reduce's block per local rank (`OXCCL_HIERARCHICAL_BLOCK`; 0:
+    /// [`HIERARCHICAL_AR_BLOCK`]).
+    pub hierarchical_block: usize,
 }
 
 /// All-reduce through the shared-memory window, when it beats slots (`None` otherwise).
@@ -462,7 +466,10 @@ pub fn choose(coll: Collective, bytes: usize, n: usize, over: &AlgoOverride, cap
     });
     let chunk_bytes = match algo {
         Algorithm::Tree => TREE_PIECE,
-        Algorithm::Hierarchical if coll == Collective::AllReduce => HIERARCHICAL_AR_CHUNK,
+        Algorithm::Hierarchical if coll == Collective::AllReduce => match caps.hierarchical_block {
+            0 => HIERARCHICAL_AR_BLOCK,
+            b => b,
+        },
         _ if caps.sockets => CHUNK_BYTES_TCP,
         _ => CHUNK_BYTES,
     };
@@ -587,11 +594,22 @@ mod tests {
             assert_eq!(ring(coll, tcp), CHUNK_BYTES_TCP);
             let h = choose(coll, 64 << 20, 4, &none, nodes);
             let block = if coll == Collective::AllReduce {
-                HIERARCHICAL_AR_CHUNK
+                HIERARCHICAL_AR_BLOCK
             } else {
                 CHUNK_BYTES_TCP
             };
             assert_eq!((h.algo, h.chunk_bytes), (Algorithm::Hierarchical, block));
+            // OXCCL_HIERARCHICAL_BLOCK sets the all-reduce's block only.
+            let set = Caps {
+                hierarchical_block: 4 << 20,
+                ..nodes
+            };
+            let want = if coll == Collective::AllReduce {
+                4 << 20
+            } else {
+                CHUNK_BYTES_TCP
+            };
+            assert_eq!(choose(coll, 64 << 20, 4, &none, set).chunk_bytes, want);
         }
         let tree = AlgoOverride::parse("all-reduce=tree").unwrap();
         for caps in [shm, tcp] {

@@ -256,7 +256,8 @@ pub struct PeerInfo {
     /// CPUs the rank may run on (empty: unknown); see [`crate::affinity`].
     pub cpus: Vec<usize>,
     /// Settings every rank of the communicator must share, as `(variable, canonical value)`
-    /// pairs (`OXCCL_TRANSPORT`, `OXCCL_ALGO`, `OXCCL_CUDA_STAGE_CHUNK`), compared at init.
+    /// pairs (`OXCCL_TRANSPORT`, `OXCCL_ALGO`, `OXCCL_CUDA_STAGE_CHUNK`,
+    /// `OXCCL_HIERARCHICAL_BLOCK`), compared at init.
     /// Neither part may contain a newline, nor a variable name `=`.
     pub settings: Vec<(String, String)>,
 }
