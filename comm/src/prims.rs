@@ -179,7 +179,7 @@ impl<'d> SendPart<'d> {
         }
     }
 
-    pub(crate) fn mirrored(mut self, mirror: Option<&'d mut [u8]>) -> SendPart<'d> {
+    fn mirrored(mut self, mirror: Option<&'d mut [u8]>) -> SendPart<'d> {
         self.mirror = mirror;
         self
     }
@@ -227,6 +227,9 @@ pub(crate) struct Ctx<'a> {
     /// Set when the operation first waits (reading the clock costs; most small operations never
     /// wait long enough to need it).
     deadline: Option<Instant>,
+    /// In a sub-context ([`Ctx::sub`]): the communicator context's deadline, shared so the whole
+    /// operation (every sub-context and the parent) gives up at one deadline.
+    root_deadline: Option<&'a mut Option<Instant>>,
     timeout: Duration,
     abort: &'a AtomicBool,
     /// When this rank started waiting without progress (None while progressing).
@@ -248,6 +251,9 @@ pub(crate) struct Ctx<'a> {
     pub stream: bool,
     /// Where the communicator's ranks sit, when it spans nodes of at least two ranks each.
     pub layout: Option<&'a NodeLayout>,
+    /// In a sub-context ([`Ctx::sub`]): the communicator rank of every member; peers are member
+    /// indices. `None`: peers are communicator ranks.
+    map: Option<&'a [usize]>,
     /// Where a stalled wait is posted and a timed-out one reads the others' posts (see
     /// `crate::stall`); `None` in unit tests.
     pub stalls: Option<&'a Stalls>,
@@ -389,6 +395,7 @@ impl<'a> Ctx<'a> {
             tag,
             op,
             deadline: None,
+            root_deadline: None,
             timeout,
             abort,
             idle_since: None,
@@ -400,14 +407,73 @@ impl<'a> Ctx<'a> {
             send_thread: None,
             stream: false,
             layout: None,
+            map: None,
             stalls: None,
             trace: None,
         }
     }
 
-    /// The operation's deadline, set `timeout` after `now` by its first wait.
+    /// A context over a subset of this one's ranks: `members` lists their ranks (this rank
+    /// included); inside it ranks and peers are indices into `members`. Same tag, deadline (one
+    /// for the whole operation: a deadline set inside is the parent's too) and connections: the
+    /// hierarchical algorithms run rings inside a node and across nodes with it. Call it on a
+    /// communicator's context (not on a sub-context): `members` are communicator ranks.
+    pub(crate) fn sub<'b>(&'b mut self, members: &'b [usize]) -> Ctx<'b> {
+        let me = self.me();
+        let rank = members.iter().position(|&r| r == me).unwrap_or(0);
+        // The deadline lives in the outermost context; a sub-context sets it there (see
+        // `Ctx::deadline`), so time spent in one sub-context counts in the next.
+        let root = match self.root_deadline.as_deref_mut() {
+            Some(r) => r,
+            None => &mut self.deadline,
+        };
+        Ctx {
+            rank,
+            size: members.len(),
+            links: &mut *self.links,
+            tag: self.tag,
+            op: self.op,
+            deadline: *root,
+            root_deadline: Some(root),
+            timeout: self.timeout,
+            abort: self.abort,
+            idle_since: None,
+            bell_seen: 0,
+            fds: Vec::new(),
+            collective: self.collective,
+            direct: false,
+            spin: self.spin,
+            send_thread: self.send_thread,
+            stream: self.stream,
+            layout: None,
+            map: Some(members),
+            stalls: self.stalls,
+            trace: self.trace,
+        }
+    }
+
+    /// The operation's deadline, set `timeout` after `now` by its first wait (in the outermost
+    /// context, which sub-contexts share).
     fn deadline(&mut self, now: Instant) -> Instant {
-        *self.deadline.get_or_insert(now + self.timeout)
+        if let Some(d) = self.deadline {
+            return d;
+        }
+        let d = match self.root_deadline.as_deref_mut() {
+            Some(r) => *r.get_or_insert(now + self.timeout),
+            None => now + self.timeout,
+        };
+        self.deadline = Some(d);
+        d
+    }
+
+    /// The communicator rank of peer `p` of this context (see [`Ctx::sub`]).
+    fn real(&self, p: usize) -> usize {
+        self.map.map_or(p, |m| m[p])
+    }
+
+    /// This rank as a communicator rank (for errors).
+    fn me(&self) -> usize {
+        self.real(self.rank)
     }
 
     /// The communicator's scratch buffer, taken out so the caller can use it across exchanges
@@ -508,6 +574,9 @@ impl<'a> Ctx<'a> {
             return Ok(());
         }
         let (rank, size, tag, direct) = (self.rank, self.size, self.tag, self.direct);
+        if self.map.is_some() {
+            return Ok(()); // sub-contexts run on communicators spanning nodes: no window
+        }
         let Some(w) = self.links.window.as_deref() else {
             return Ok(());
         };
@@ -564,7 +633,7 @@ impl<'a> Ctx<'a> {
     fn idle(&mut self, waiting: &dyn Fn() -> String) -> Result<()> {
         if self.abort.load(Ordering::Relaxed) {
             return Err(Error::Aborted {
-                rank: self.rank,
+                rank: self.me(),
                 reason: format!("abort() called during {}", self.op),
             });
         }
@@ -582,7 +651,7 @@ impl<'a> Ctx<'a> {
                 }
             }
             return Err(Error::Timeout {
-                rank: self.rank,
+                rank: self.me(),
                 op: self.op.to_string(),
                 timeout: self.timeout,
                 detail,
@@ -697,6 +766,12 @@ impl<'a> Ctx<'a> {
         sends: &mut [SendPart<'_>],
         recvs: &mut [RecvPart<'_>],
     ) -> Result<()> {
+        for s in sends.iter_mut() {
+            s.peer = self.real(s.peer);
+        }
+        for r in recvs.iter_mut() {
+            r.peer = self.real(r.peer);
+        }
         if let Some(t) = self.send_thread.filter(|_| !recvs.is_empty()) {
             if sends.iter().any(|s| self.threadable(s, sends)) {
                 return self.exchange_split(t, sends, recvs);
@@ -741,7 +816,7 @@ impl<'a> Ctx<'a> {
             }
         }
         let (mine, theirs) = sends.split_at_mut(k);
-        let me = self.rank;
+        let me = self.me();
         let mut conns = Vec::with_capacity(theirs.len());
         for s in theirs.iter() {
             match self.links.send.get_mut(s.peer).and_then(|c| c.take()) {
@@ -886,7 +961,7 @@ impl<'a> Ctx<'a> {
             }
             if stop.is_some_and(|s| s.load(Ordering::Relaxed) != RUNNING) {
                 return Err(Error::Aborted {
-                    rank: self.rank,
+                    rank: self.me(),
                     reason: format!("{}: the send thread failed", self.op),
                 });
             }
@@ -932,7 +1007,7 @@ impl<'a> Ctx<'a> {
 
     /// Moves the next piece of `s` into its connection; whether anything moved.
     fn send_some(&mut self, s: &mut SendPart<'_>) -> Result<bool> {
-        let me = self.rank;
+        let me = self.me();
         let conn = self
             .links
             .send
@@ -1012,7 +1087,7 @@ impl<'a> Ctx<'a> {
         mode: RecvMode<'_>,
         want: &Tag,
     ) -> Result<bool> {
-        let rank = self.rank;
+        let rank = self.me();
         let op = self.op;
         let conn = self
             .links
@@ -1090,6 +1165,7 @@ impl<'a> Ctx<'a> {
         mode: RecvMode<'_>,
     ) -> Result<()> {
         let tag = self.tag;
+        let (from, to) = (self.real(from), self.real(to));
         let (mut got, mut fwd) = (0usize, 0usize);
         let (mut recv_frames, mut send_frames) = (0usize, 0usize);
         loop {
@@ -1105,7 +1181,7 @@ impl<'a> Ctx<'a> {
                 moved = true;
             }
             if !send_done && (fwd < got || (recv_frames > 0 && got == buf.len())) {
-                let me = self.rank;
+                let me = self.me();
                 let conn = self
                     .links
                     .send
@@ -1371,5 +1447,46 @@ mod tests {
         // No layout: one node, or a node with a single rank.
         assert_eq!(NodeLayout::new(&["a", "a", "a"], 0), None);
         assert_eq!(NodeLayout::new(&["a", "a", "b"], 0), None);
+    }
+
+    /// A deadline first set inside a sub-context is the whole operation's: the parent and later
+    /// sub-contexts (nested ones too) keep it instead of starting a fresh one.
+    #[test]
+    fn sub_contexts_share_the_operation_deadline() {
+        let mut links = Links::default();
+        let abort = AtomicBool::new(false);
+        let timeout = Duration::from_secs(3600);
+        let mut ctx = Ctx::new(0, 1, &mut links, Tag::default(), "t", timeout, &abort);
+        let members = [0usize];
+        {
+            let mut s = ctx.sub(&members);
+            s.idle(&String::new).unwrap();
+            assert!(s.deadline.is_some());
+        }
+        let d = ctx.deadline;
+        assert!(
+            d.is_some(),
+            "the parent keeps the deadline its sub-context set"
+        );
+        {
+            let mut s = ctx.sub(&members);
+            assert_eq!(s.deadline, d);
+            s.idle(&String::new).unwrap();
+            assert_eq!(s.deadline, d);
+        }
+        // Nested, with the deadline first set in the innermost context.
+        let mut links = Links::default();
+        let mut ctx = Ctx::new(0, 1, &mut links, Tag::default(), "t", timeout, &abort);
+        {
+            let mut s = ctx.sub(&members);
+            {
+                let mut s2 = s.sub(&members);
+                s2.idle(&String::new).unwrap();
+            }
+            let inner = s.deadline(Instant::now());
+            assert_eq!(s.root_deadline.as_deref().copied().flatten(), Some(inner));
+        }
+        let d = ctx.deadline.expect("set by the innermost context");
+        assert_eq!(ctx.deadline(Instant::now() + timeout), d);
     }
 }

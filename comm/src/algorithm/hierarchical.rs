@@ -22,9 +22,6 @@
 //!   shards: `(N-1)/N` of a rank's `N` shards leave the node, against `(n-1)/n * B` in the flat ring.
 //! - **All-gather** (nodes of equal size only): the reverse: a cross ring all-gather of the shards of local rank `l` on every
 //!   node, then for each node a local ring all-gather of its ranks' shards.
-//! - Both run in blocks of `c` bytes of every shard, pipelined as the all-reduce is: the local
-//!   rings work on one block while the cross ring carries the one before (reduce-scatter) or
-//!   after (all-gather), one step of each in one `exchange_many`.
 //!
 //! The tuner picks these from `tuning::HIERARCHICAL_MIN` bytes on, when the layout allows.
 
@@ -79,9 +76,6 @@ struct Step {
     /// Moves nothing: a cross-ring step of a local rank without a piece (nodes of different
     /// sizes), kept so its local-ring steps come in the same order as its node's other ranks'.
     idle: bool,
-    /// Out of place all-gather: the send reads these bytes of this rank's input shard and
-    /// mirrors them into `send` of the buffer as they go out (first cross-ring step).
-    own: Option<Range<usize>>,
 }
 
 impl Step {
@@ -95,7 +89,6 @@ impl Step {
             from_src: false,
             recv_src: false,
             idle: true,
-            own: None,
         }
     }
 }
@@ -115,7 +108,6 @@ fn ring_rs(members: &[usize], me: usize, chunk: &dyn Fn(usize) -> Range<usize>) 
             from_src: s == 0,
             recv_src: true,
             idle: false,
-            own: None,
         })
         .collect()
 }
@@ -134,7 +126,6 @@ fn ring_ag(members: &[usize], me: usize, chunk: &dyn Fn(usize) -> Range<usize>) 
             from_src: false,
             recv_src: false,
             idle: false,
-            own: None,
         })
         .collect()
 }
@@ -161,93 +152,6 @@ fn carve<'b>(buf: &'b mut [u8], ranges: &[Range<usize>]) -> Vec<&'b mut [u8]> {
         at = r.end;
     }
     out.into_iter().map(Option::unwrap_or_default).collect()
-}
-
-/// Runs `todo` (idle steps skipped) as one `exchange_many`: steps of different rings (a node
-/// ring's and a cross ring's) and blocks, on disjoint bytes of `buf`. Out of place, `src` is the
-/// input (read by `from_src` sends and combined by `recv_src` receives) and `own` this rank's
-/// input shard (read by sends with `own`, mirrored into the buffer). `dt` and `op` are those of
-/// the receives that reduce.
-fn run_steps(
-    ctx: &mut Ctx<'_>,
-    todo: &[&Step],
-    src: Option<&[u8]>,
-    own: Option<&[u8]>,
-    buf: &mut [u8],
-    dt: DType,
-    op: ReduceOp,
-) -> Result<()> {
-    let tag = ctx.tag;
-    let todo: Vec<&Step> = todo.iter().copied().filter(|st| !st.idle).collect();
-    let own_send = |st: &Step| st.own.clone().zip(own);
-    // Buffer ranges: every receive, and the sends that read (or mirror into) the buffer.
-    let mut ranges = Vec::new();
-    for st in &todo {
-        ranges.push(st.recv.clone());
-        if !(st.from_src && src.is_some()) {
-            ranges.push(st.send.clone());
-        }
-    }
-    let mut parts = carve(buf, &ranges).into_iter();
-    let mut sends = Vec::with_capacity(todo.len());
-    let mut recvs = Vec::with_capacity(todo.len());
-    for st in &todo {
-        let dst = parts.next().unwrap_or_default();
-        let mode = match (st.reduce, src) {
-            (false, _) => RecvMode::Copy,
-            // Node reduce-scatter out of place: combine with the input where it is.
-            (true, Some(x)) if st.recv_src => RecvMode::ReduceFrom(dt, op, &x[st.recv.clone()]),
-            (true, _) => RecvMode::Reduce(dt, op),
-        };
-        let send = match (src, own_send(st)) {
-            (Some(x), _) if st.from_src => SendPart::new(st.to, &x[st.send.clone()], tag),
-            (_, Some((r, o))) => {
-                SendPart::new(st.to, &o[r], tag).mirrored(Some(parts.next().unwrap_or_default()))
-            }
-            _ => SendPart::new(st.to, parts.next().unwrap_or_default(), tag),
-        };
-        sends.push(send);
-        recvs.push(RecvPart::new(st.from, dst, mode, tag));
-    }
-    ctx.exchange_many(&mut sends, &mut recvs)
-}
-
-/// Runs two-phase block schedules (`[first, second]` per block): the first phase of one block
-/// beside the second phase of the earliest block whose first phase is over, both in one
-/// exchange, until every block is done. Each phase's steps are ring steps among one kind of
-/// peer (node or cross), taken in block order by every rank alike, so the messages between any
-/// two ranks keep one order.
-fn run_two_phases(
-    ctx: &mut Ctx<'_>,
-    sched: &mut [([Vec<Step>; 2], [usize; 2])],
-    src: Option<&[u8]>,
-    own: Option<&[u8]>,
-    buf: &mut [u8],
-    dt: DType,
-    op: ReduceOp,
-) -> Result<()> {
-    loop {
-        let first = sched.iter().position(|(p, d)| d[0] < p[0].len());
-        let second = sched
-            .iter()
-            .position(|(p, d)| d[0] == p[0].len() && d[1] < p[1].len());
-        let steps: Vec<(usize, usize)> = first
-            .map(|b| (b, 0))
-            .into_iter()
-            .chain(second.map(|b| (b, 1)))
-            .collect();
-        if steps.is_empty() {
-            return Ok(());
-        }
-        let todo: Vec<&Step> = steps
-            .iter()
-            .map(|&(b, p)| &sched[b].0[p][sched[b].1[p]])
-            .collect();
-        run_steps(ctx, &todo, src, own, buf, dt, op)?;
-        for (b, p) in steps {
-            sched[b].1[p] += 1;
-        }
-    }
 }
 
 /// The steps of one block, in three phases: local reduce-scatter, cross all-reduce of this
@@ -336,6 +240,7 @@ pub(crate) fn all_reduce(
             done: [0; 3],
         });
     }
+    let tag = ctx.tag;
     loop {
         // Local ring: finish a block (all-gather) when its cross phase is over, else start the
         // next one (reduce-scatter). Cross rings: the first block whose local phase is over.
@@ -352,11 +257,38 @@ pub(crate) fn all_reduce(
         if steps.is_empty() {
             return Ok(());
         }
-        let todo: Vec<&Step> = steps
+        let todo: Vec<Step> = steps
             .iter()
-            .map(|&(b, p)| &sched[b].phases[p][sched[b].done[p]])
+            .map(|&(b, p)| sched[b].phases[p][sched[b].done[p]].clone())
+            .filter(|st| !st.idle)
             .collect();
-        run_steps(ctx, &todo, src, None, buf, dt, op)?;
+        // Buffer ranges: every receive, and the sends that read the buffer.
+        let mut ranges = Vec::new();
+        for st in &todo {
+            ranges.push(st.recv.clone());
+            if !(st.from_src && src.is_some()) {
+                ranges.push(st.send.clone());
+            }
+        }
+        let mut parts = carve(buf, &ranges).into_iter();
+        let mut sends = Vec::with_capacity(todo.len());
+        let mut recvs = Vec::with_capacity(todo.len());
+        for st in &todo {
+            let dst = parts.next().unwrap_or_default();
+            let mode = match (st.reduce, src) {
+                (false, _) => RecvMode::Copy,
+                // Local reduce-scatter out of place: combine with the input where it is.
+                (true, Some(x)) if st.recv_src => RecvMode::ReduceFrom(dt, op, &x[st.recv.clone()]),
+                (true, _) => RecvMode::Reduce(dt, op),
+            };
+            let data: &[u8] = match src {
+                Some(x) if st.from_src => &x[st.send.clone()],
+                _ => parts.next().unwrap_or_default(),
+            };
+            sends.push(SendPart::new(st.to, data, tag));
+            recvs.push(RecvPart::new(st.from, dst, mode, tag));
+        }
+        ctx.exchange_many(&mut sends, &mut recvs)?;
         for (b, p) in steps {
             sched[b].done[p] += 1;
         }
@@ -384,26 +316,16 @@ pub(crate) fn reduce_scatter(
     if shard == 0 {
         return Ok(());
     }
-    // Per block: a node-ring reduce-scatter over each node's shards, then the cross ring's over
-    // this local rank's shards, pipelined (the node ring works on block b + 1 while the cross
-    // ring carries block b).
-    let mut sched: Vec<([Vec<Step>; 2], [usize; 2])> = Vec::new();
     for (lo, len) in blocks(shard / es, chunk_bytes / es) {
         let (lo, len) = (lo * es, len * es);
-        let mut local = Vec::new();
         for node in &lay.ranks {
             let chunk = |i: usize| shard_part(node[i], shard, lo, len);
-            local.extend(ring_rs(&lay.local_group, lay.local, &chunk));
+            ring::rs_steps(&mut ctx.sub(&lay.local_group), buf, src, &chunk, dt, op)?;
         }
         let chunk = |k: usize| shard_part(lay.ranks[k][lay.local], shard, lo, len);
-        let mut cross = ring_rs(&lay.cross_group, lay.node, &chunk);
-        for s in &mut cross {
-            // The node sums are in the buffer by then.
-            (s.from_src, s.recv_src) = (false, false);
-        }
-        sched.push(([local, cross], [0, 0]));
+        ring::rs_steps(&mut ctx.sub(&lay.cross_group), buf, None, &chunk, dt, op)?;
     }
-    run_two_phases(ctx, &mut sched, src, None, buf, dt, op)
+    Ok(())
 }
 
 /// Hierarchical all-gather: `buf` holds `n` shards. In place this rank's shard is already
@@ -420,25 +342,15 @@ pub(crate) fn all_gather(
     if shard == 0 {
         return Ok(());
     }
-    // Per block: the cross ring's all-gather of this local rank's shards, then a node-ring
-    // all-gather over each node's shards, pipelined (the cross ring carries block b + 1 while
-    // the node ring works on block b).
-    let mut sched: Vec<([Vec<Step>; 2], [usize; 2])> = Vec::new();
     for (lo, len) in blocks(shard / es, chunk_bytes / es) {
         let (lo, len) = (lo * es, len * es);
         let chunk = |k: usize| shard_part(lay.ranks[k][lay.local], shard, lo, len);
-        let mut cross = ring_ag(&lay.cross_group, lay.node, &chunk);
-        if own.is_some() {
-            // Out of place the first step sends this rank's piece from its input.
-            cross[0].own = Some(lo..lo + len);
-        }
-        let mut local = Vec::new();
+        let own = own.map(|o| &o[lo..lo + len]);
+        ring::ag_steps(&mut ctx.sub(&lay.cross_group), buf, &chunk, own)?;
         for node in &lay.ranks {
             let chunk = |i: usize| shard_part(node[i], shard, lo, len);
-            local.extend(ring_ag(&lay.local_group, lay.local, &chunk));
+            ring::ag_steps(&mut ctx.sub(&lay.local_group), buf, &chunk, None)?;
         }
-        sched.push(([cross, local], [0, 0]));
     }
-    // The receives copy: the type and op are not used.
-    run_two_phases(ctx, &mut sched, None, own, buf, DType::U8, ReduceOp::Sum)
+    Ok(())
 }
