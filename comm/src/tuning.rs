@@ -327,7 +327,9 @@ const CHUNK_BYTES: usize = 4 << 20;
 /// of 2 ranks 0.93x, 3-rank all-reduce 0.95-0.99x), so it keeps 4 MiB. docs/PERF.md, "Ring block
 /// size over TCP".
 const CHUNK_BYTES_TCP: usize = 2 << 20;
-/// The hierarchical all-reduce's block per local rank (a block is this times the node's ranks).
+/// The default of `OXCCL_HIERARCHICAL_BLOCK` ([`Caps::hierarchical_block`]): the hierarchical
+/// all-reduce's block per local rank (a block is this times the smallest node's ranks).
+///
 /// Each rank's piece of a block goes from the node ring's reduce-scatter straight to its cross
 /// ring over TCP, and back from the cross ring into the node ring's all-gather: a piece that
 /// fits the core's L2 with room to spare is still in cache for the next phase. 2 namespaces x
@@ -337,7 +339,6 @@ const CHUNK_BYTES_TCP: usize = 2 << 20;
 /// 512 KiB; faster from 1 MiB to 256 MiB too. The hierarchical reduce-scatter and all-gather
 /// (node and cross phases one after the other in each block, not overlapped) showed no
 /// difference and keep the ring's block. docs/PERF.md, "Hierarchical block".
-/// The default of `OXCCL_HIERARCHICAL_BLOCK` ([`Caps::hierarchical_block`]).
 pub const HIERARCHICAL_AR_BLOCK: usize = 512 << 10;
 /// Tree piece.
 const TREE_PIECE: usize = 512 << 10;

@@ -1,6 +1,7 @@
 //! Device collectives (feature `cuda`) on a real GPU: every collective and dtype, on 2, 4 and 8
 //! ranks (threads) sharing GPU 0 (or spread over every GPU with `OXCCL_TEST_GPUS=spread`, rank
-//! `r` on GPU `r % count`: untested, no machine lent to us has more than one), against the host calls on the same data, both over CUDA IPC
+//! `r` on GPU `r % count`: untested, no machine lent to us has more than one), against the host
+//! calls on the same data, both over CUDA IPC
 //! (one-shot, two-shot and chunked, with small slots, and ring steps) and staged through host
 //! memory (in many pipelined parts, in both completion modes: stream waits on the flag, and
 //! waits on the host); stream order without host synchronisation, also against a peer whose
