@@ -8,18 +8,23 @@
 # scripts/netns_tools.sh here:
 #   run(carry=["target/gpu-bin", ".netns-tools"], timeout_s=600,
 #       command="NETNS_TOOLS=.netns-tools scripts/gpu_session.sh")
-# PHASES (default "cold flake tcpdev sendthread threads mps kernels nccl cpu netns": what no GPU
-# run has covered first) picks and orders the phases:
+# PHASES (default "flake stagedlat cold threads ddpspin tcpdev sendthread netns cpu mps kernels
+# nccl")
+# picks and orders the phases:
 #   cold     first, on a fresh machine: how long the first device collective spends compiling and
 #            loading the kernels (empty caches);
 #   threads  device collectives with ranks as threads of one process: 2, 3, 4 and 8 ranks, every
 #            collective and dtype, CUDA IPC and staged (the 4-rank runs traced, where each rank
 #            stopped printed if one hangs), faults and stream order;
-#   flake    the 2-rank barrier-kernel test between threads, FLAKE_RUNS (4) times, traced (it
-#            timed out once in 12 runs on an H200);
+#   flake    the 2-rank barrier-kernel test between threads, FLAKE_RUNS (40) times, untraced
+#            (FLAKE_TRACE=1: traced); with FLAKE_AB=1 (the default) alternately without and with
+#            the test's host barriers around each device call (without them it timed out in 22
+#            of 138 runs on an H100: a rank in driver calls while its peer's barrier kernel spun);
 #   sendthread TCP with and without the send thread (OXCCL_SOCKET_SEND_THREAD), interleaved: 2
 #            ranks on loopback 1 MiB..64 MiB, then gloo at 64 MiB; and 2 namespaces x 2 ranks,
 #            hierarchical and flat ring with it;
+#   stagedlat the staged path's fixed cost: the stream waiting on the flag or the call on the
+#            host (OXCCL_CUDA_STREAM_WAIT=1 / 0), shared memory and TCP, 8 B..16 MiB, 2 processes;
 #   kernels  the kernel tests (fp8 included) and kernel bandwidth for f32 / bf16 / fp8;
 #   mps      ranks as processes under MPS over CUDA IPC: 4 ranks 8 B..1 GiB, one-shot latency,
 #            256 MiB, every other collective checked, fp8 all-reduce, the slot size at 256 MiB
@@ -47,7 +52,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bin=${BIN:-target/gpu-bin}
 budget=${BUDGET:-540}
-phases=${PHASES:-cold flake tcpdev sendthread threads mps kernels nccl cpu netns}
+phases=${PHASES:-flake stagedlat cold threads ddpspin tcpdev sendthread netns cpu mps kernels nccl}
 out=${OUT:-/tmp}
 exec > >(tee -a "$out/session.log") 2>&1
 tee_pid=$!
@@ -61,8 +66,8 @@ export OXCCL_REQUIRE_GPU=1 OXCCL_CACHE_DIR=/tmp/oxccl-cache OXCCL_TIMEOUT=20 RUS
 
 # Each phase may use at most its share (seconds from its start), and no step runs past the budget.
 declare -A share=([threads]=120 [kernels]=80 [mps]=140 [nccl]=30 [cpu]=70 [netns]=70 [cold]=110
-    [tune]=200 [ddp]=120 [tcp]=120 [defaults]=120 [flake]=75 [ddp2]=90 [tcp2]=90 [coldperf]=100 [tcpdev]=80 [sendthread]=100
-    [ddpspin]=100)
+    [tune]=200 [ddp]=120 [tcp]=120 [defaults]=120 [flake]=${FLAKE_SHARE:-100} [ddp2]=90 [tcp2]=90 [coldperf]=100 [tcpdev]=80 [sendthread]=100
+    [ddpspin]=100 [stagedlat]=90)
 phase_end=$budget
 # step LIMIT CMD...: runs CMD for at most LIMIT seconds, never past the phase's share or the budget.
 step() {
@@ -187,6 +192,22 @@ for phase in $phases; do
         done
         OX="$bin/oxccl" PEERS="$bin" GLOO_PY="$(command -v python3)" ROUNDS=2 SIZES="8 64M" \
             step 60 scripts/side_by_side_tcp.sh
+        ;;
+    stagedlat)
+        # The staged path's fixed cost (1.2 ms at 8 B on the H100, over shared memory and TCP
+        # alike): the stream waiting on the pinned flag (cuStreamWaitValue32,
+        # OXCCL_CUDA_STREAM_WAIT=1) against the call waiting on the host (0), 2 processes.
+        mps_on
+        for round in 1 2; do
+            for w in 1 0; do
+                for t in shm tcp; do
+                    echo "round $round OXCCL_CUDA_STREAM_WAIT=$w transport $t"
+                    OXCCL_CUDA_IPC=0 OXCCL_CUDA_STREAM_WAIT=$w perf 20 all-reduce --np 2 --transport $t \
+                        --device cuda -b 8 -e 16M -f 16 -c 1 -n 20 -w 5 --rotate 0
+                done
+            done
+        done
+        mps_off
         ;;
     ddpspin)
         # DDP overlap at its best setting so far (batch 4, 2 MiB buckets: 0.760 on 16 cores),
@@ -315,13 +336,19 @@ for phase in $phases; do
         unset CUDA_DEVICE_MAX_CONNECTIONS
         ;;
     flake)
-        # FLAKE_RUNS (default 4) repeats.
-        # The barrier kernel between rank threads (not the default for threads) passed once and
-        # timed out once: repeat it, traced, with a short time-out.
+        # FLAKE_RUNS (default 40) repeats of the barrier kernel between rank threads (not the
+        # default for threads), with a short time-out.
         export CUDA_DEVICE_MAX_CONNECTIONS=32
-        for k in $(seq 1 "${FLAKE_RUNS:-4}"); do
+        for k in $(seq 1 "${FLAKE_RUNS:-40}"); do
             log="$out/flake$k.log"
-            step 18 env OXCCL_TIMEOUT=8 OXCCL_DEBUG=trace OXCCL_TEST_TRACE=1 "$bin/comm_cuda" --ignored --exact \
+            # Untraced by default, as the threads phase runs it; FLAKE_TRACE=1: every step traced.
+            tr="OXCCL_DEBUG=trace OXCCL_TEST_TRACE=1"
+            [ "${FLAKE_TRACE:-0}" = 0 ] && tr="OXCCL_DEBUG=warn"
+            # FLAKE_AB=1: odd runs without the test's host barriers around each device call
+            # (OXCCL_TEST_UNGATED=1: the hazard), even ones with them, to compare.
+            if [ "${FLAKE_AB:-1}" = 1 ]; then tr="$tr OXCCL_TEST_UNGATED=$((k % 2))"; echo "run $k: $tr"; fi
+            # shellcheck disable=SC2086
+            step 18 env OXCCL_TIMEOUT=8 $tr "$bin/comm_cuda" --ignored --exact \
                 cuda_ipc_device_barrier_two_ranks_every_collective_and_dtype --nocapture >"$log" 2>&1
             grep -E "^###|test result|panicked" "$log" | head -3 | cut -c1-200
             if grep -q "test result: ok" "$log"; then rm -f "$log"; else

@@ -106,7 +106,11 @@ fn download(s: &Arc<CudaStream>, b: &CudaSlice<u8>) -> Vec<u8> {
 }
 
 /// Every device collective of `T` against the host call, on one rank.
-fn every_collective<T: Element>(comm: &Communicator, s: &Arc<CudaStream>) -> Result<Vec<String>> {
+fn every_collective<T: Element>(
+    comm: &Communicator,
+    s: &Arc<CudaStream>,
+    gate: bool,
+) -> Result<Vec<String>> {
     let dev = comm.on_stream(s);
     let (r, n) = (comm.rank(), comm.size());
     let count = 1031; // odd: parts and shards end on no 16-byte boundary
@@ -134,7 +138,9 @@ fn every_collective<T: Element>(comm: &Communicator, s: &Arc<CudaStream>) -> Res
     for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Avg] {
         let mut d = upload(s, &input);
         trace("dev all_reduce");
-        dev.all_reduce(&mut typed!(mut d, T, count), op)?;
+        gated(comm, gate, || {
+            dev.all_reduce(&mut typed!(mut d, T, count), op)
+        })?;
         let mut want = input.clone();
         trace("comm all_reduce");
         comm.all_reduce(&mut want, op)?;
@@ -144,11 +150,13 @@ fn every_collective<T: Element>(comm: &Communicator, s: &Arc<CudaStream>) -> Res
     let di = upload(s, &input);
     let mut d = zeros::<T>(s, count);
     trace("dev all_reduce_into");
-    dev.all_reduce_into(
-        &typed!(di, T, count),
-        &mut typed!(mut d, T, count),
-        ReduceOp::Prod,
-    )?;
+    gated(comm, gate, || {
+        dev.all_reduce_into(
+            &typed!(di, T, count),
+            &mut typed!(mut d, T, count),
+            ReduceOp::Prod,
+        )
+    })?;
     let mut want = input.clone();
     trace("comm all_reduce");
     comm.all_reduce(&mut want, ReduceOp::Prod)?;
@@ -157,11 +165,13 @@ fn every_collective<T: Element>(comm: &Communicator, s: &Arc<CudaStream>) -> Res
     let dw = upload(s, &wide);
     let mut d = zeros::<T>(s, count);
     trace("dev reduce_scatter");
-    dev.reduce_scatter(
-        &typed!(dw, T, count * n),
-        &mut typed!(mut d, T, count),
-        ReduceOp::Min,
-    )?;
+    gated(comm, gate, || {
+        dev.reduce_scatter(
+            &typed!(dw, T, count * n),
+            &mut typed!(mut d, T, count),
+            ReduceOp::Min,
+        )
+    })?;
     let mut want = vec![T::from_f64(0.0); count];
     trace("comm reduce_scatter");
     comm.reduce_scatter(&wide, &mut want, ReduceOp::Min)?;
@@ -169,7 +179,9 @@ fn every_collective<T: Element>(comm: &Communicator, s: &Arc<CudaStream>) -> Res
 
     let mut d = zeros::<T>(s, count * n);
     trace("dev all_gather");
-    dev.all_gather(&typed!(di, T, count), &mut typed!(mut d, T, count * n))?;
+    gated(comm, gate, || {
+        dev.all_gather(&typed!(di, T, count), &mut typed!(mut d, T, count * n))
+    })?;
     let mut want = vec![T::from_f64(0.0); count * n];
     trace("comm all_gather");
     comm.all_gather(&input, &mut want)?;
@@ -178,7 +190,9 @@ fn every_collective<T: Element>(comm: &Communicator, s: &Arc<CudaStream>) -> Res
     let root = n - 1;
     let mut d = upload(s, &input);
     trace("dev broadcast");
-    dev.broadcast(&mut typed!(mut d, T, count), root)?;
+    gated(comm, gate, || {
+        dev.broadcast(&mut typed!(mut d, T, count), root)
+    })?;
     let mut want = input.clone();
     trace("comm broadcast");
     comm.broadcast(&mut want, root)?;
@@ -186,12 +200,14 @@ fn every_collective<T: Element>(comm: &Communicator, s: &Arc<CudaStream>) -> Res
 
     let mut d = zeros::<T>(s, count);
     trace("dev reduce");
-    dev.reduce(
-        &typed!(di, T, count),
-        &mut typed!(mut d, T, count),
-        ReduceOp::Sum,
-        0,
-    )?;
+    gated(comm, gate, || {
+        dev.reduce(
+            &typed!(di, T, count),
+            &mut typed!(mut d, T, count),
+            ReduceOp::Sum,
+            0,
+        )
+    })?;
     let mut want = vec![T::from_f64(0.0); count];
     trace("comm reduce");
     comm.reduce(&input, &mut want, ReduceOp::Sum, 0)?;
@@ -201,11 +217,13 @@ fn every_collective<T: Element>(comm: &Communicator, s: &Arc<CudaStream>) -> Res
 
     let mut d = zeros::<T>(s, count * n);
     trace("dev gather");
-    dev.gather(
-        &typed!(di, T, count),
-        &mut typed!(mut d, T, count * n),
-        root,
-    )?;
+    gated(comm, gate, || {
+        dev.gather(
+            &typed!(di, T, count),
+            &mut typed!(mut d, T, count * n),
+            root,
+        )
+    })?;
     let mut want = vec![T::from_f64(0.0); count * n];
     trace("comm gather");
     comm.gather(&input, &mut want, root)?;
@@ -215,7 +233,9 @@ fn every_collective<T: Element>(comm: &Communicator, s: &Arc<CudaStream>) -> Res
 
     let mut d = zeros::<T>(s, count);
     trace("dev scatter");
-    dev.scatter(&typed!(dw, T, count * n), &mut typed!(mut d, T, count), 0)?;
+    gated(comm, gate, || {
+        dev.scatter(&typed!(dw, T, count * n), &mut typed!(mut d, T, count), 0)
+    })?;
     let mut want = vec![T::from_f64(0.0); count];
     trace("comm scatter");
     comm.scatter(&wide, &mut want, 0)?;
@@ -223,7 +243,9 @@ fn every_collective<T: Element>(comm: &Communicator, s: &Arc<CudaStream>) -> Res
 
     let mut d = zeros::<T>(s, count * n);
     trace("dev all_to_all");
-    dev.all_to_all(&typed!(dw, T, count * n), &mut typed!(mut d, T, count * n))?;
+    gated(comm, gate, || {
+        dev.all_to_all(&typed!(dw, T, count * n), &mut typed!(mut d, T, count * n))
+    })?;
     let mut want = vec![T::from_f64(0.0); count * n];
     trace("comm all_to_all");
     comm.all_to_all(&wide, &mut want)?;
@@ -234,14 +256,14 @@ fn every_collective<T: Element>(comm: &Communicator, s: &Arc<CudaStream>) -> Res
     let mut d = zeros::<T>(s, count);
     if r % 2 == 0 {
         trace("dev send");
-        dev.send(&typed!(di, T, count), next)?;
+        gated(comm, gate, || dev.send(&typed!(di, T, count), next))?;
         trace("dev recv");
-        dev.recv(&mut typed!(mut d, T, count), prev)?;
+        gated(comm, gate, || dev.recv(&mut typed!(mut d, T, count), prev))?;
     } else {
         trace("dev recv");
-        dev.recv(&mut typed!(mut d, T, count), prev)?;
+        gated(comm, gate, || dev.recv(&mut typed!(mut d, T, count), prev))?;
         trace("dev send");
-        dev.send(&typed!(di, T, count), next)?;
+        gated(comm, gate, || dev.send(&typed!(di, T, count), next))?;
     }
     check("send/recv", download(s, &d), &values::<T>(prev, count));
 
@@ -252,20 +274,48 @@ fn every_collective<T: Element>(comm: &Communicator, s: &Arc<CudaStream>) -> Res
     Ok(bad)
 }
 
-fn all_dtypes(comm: &Communicator) -> Result<Vec<String>> {
+/// Runs one device call `f` of a rank, with `gate`: between two host barriers, so that every rank
+/// has made its driver calls for the test's buffers (allocations, copies, downloads) before any
+/// rank enqueues the call, and has enqueued it before any rank goes on to other driver calls.
+///
+/// Needed where ranks are threads of one process (one CUDA context) with barrier kernels: a
+/// driver call that waits for the whole context, made while a peer's barrier kernel spins, waits
+/// for that kernel, which waits for this rank's collective, not yet enqueued: stuck until the
+/// time-out. Without the gate, on an H100 (2026-11-26), 22 runs of
+/// `cuda_ipc_device_barrier_two_ranks_every_collective_and_dtype` in 138 timed out; in the two
+/// traced ones, one rank was still downloading the previous collective's result or allocating
+/// its next buffers while its peer's barrier kernel of the next collective spun; keeping the
+/// memory pool's memory (release threshold raised, 64 MiB reserved first) did not help (7 in
+/// 52). This is the rule the module docs give trainers for `OXCCL_CUDA_IPC_BARRIER=device`
+/// between threads. `OXCCL_TEST_UNGATED=1` leaves the gate out, to show the hazard.
+fn gated<R>(comm: &Communicator, gate: bool, f: impl FnOnce() -> Result<R>) -> Result<R> {
+    if gate {
+        comm.barrier()?;
+    }
+    let r = f()?;
+    if gate {
+        comm.barrier()?;
+    }
+    Ok(r)
+}
+
+fn all_dtypes(comm: &Communicator, gate: bool) -> Result<Vec<String>> {
     // One stream per rank for the whole run, as a trainer has: creating a stream can synchronize
     // the context, which with ranks as threads would wait for other ranks' work that waits on
     // this one.
     let s = stream(comm.rank());
     let mut bad = Vec::new();
     for dt in DType::ALL {
-        bad.extend(with_dtype!(dt, every_collective(comm, &s))?);
+        bad.extend(with_dtype!(dt, every_collective(comm, &s, gate))?);
     }
     Ok(bad)
 }
 
 fn run_world(n: usize, cfg: Config) {
-    let results = spawn_world(n, cfg, |comm| all_dtypes(&comm));
+    // Barrier kernels between threads: each device call gated (see `gated`).
+    let gate = cfg.cuda_ipc_host_barrier == Some(false)
+        && std::env::var("OXCCL_TEST_UNGATED").as_deref() != Ok("1");
+    let results = spawn_world(n, cfg, move |comm| all_dtypes(&comm, gate));
     for (rank, r) in results.into_iter().enumerate() {
         let bad = r.unwrap_or_else(|e| panic!("{n} ranks, rank {rank}: {e}"));
         assert!(
