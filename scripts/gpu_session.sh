@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # One device call for the open GPU and many-core checks of issues 4, 6 and 7, in priority order,
-# inside a budget of BUDGET seconds (default 540): a step starts only while the budget lasts, and
-# runs at most until it ends, so the whole script fits one device call (10 minutes) with room to
-# spare. Uses the binaries scripts/gpu_build.sh made. Usage, with the device tool:
-#   run(carry=["target/gpu-bin"], timeout_s=600, command="scripts/gpu_session.sh")
+# inside a budget of BUDGET seconds (default 420): a step starts only while the budget lasts, and
+# runs at most until it ends, so the whole script fits one device call (10 minutes at most) and
+# leaves room, inside a session's 15 minutes of device time, for the machine's start and a short
+# second call. Uses the binaries scripts/gpu_build.sh made. Usage, with the device tool:
+#   run(carry=["target/gpu-bin"], timeout_s=480, command="scripts/gpu_session.sh")
 # and, for the netns phase where the machine has no iproute2 (the lent ones), after
 # scripts/netns_tools.sh here:
-#   run(carry=["target/gpu-bin", ".netns-tools"], timeout_s=600,
+#   run(carry=["target/gpu-bin", ".netns-tools"], timeout_s=480,
 #       command="NETNS_TOOLS=.netns-tools scripts/gpu_session.sh")
-# PHASES (default "flake stagedlat cold threads ddpspin tcpdev sendthread netns cpu mps kernels
+# PHASES (default "flake stagedlat ddpshape cold threads tcpdev sendthread netns cpu mps kernels
 # nccl")
 # picks and orders the phases:
 #   cold     first, on a fresh machine: how long the first device collective spends compiling and
@@ -25,6 +26,8 @@
 #            hierarchical and flat ring with it;
 #   stagedlat the staged path's fixed cost: the stream waiting on the flag or the call on the
 #            host (OXCCL_CUDA_STREAM_WAIT=1 / 0), shared memory and TCP, 8 B..16 MiB, 2 processes;
+#   ddpshape the DDP overlap by model shape (hidden x layers 1024 x 4, 768 x 8, 512 x 16), batch
+#            4, 2 MiB buckets, --bind none and block;
 #   kernels  the kernel tests (fp8 included) and kernel bandwidth for f32 / bf16 / fp8;
 #   mps      ranks as processes under MPS over CUDA IPC: 4 ranks 8 B..1 GiB, one-shot latency,
 #            256 MiB, every other collective checked, fp8 all-reduce, the slot size at 256 MiB
@@ -44,15 +47,16 @@
 #   defaults CUDA IPC all-reduce with the default slot and one-shot sizes (2 and 4 processes);
 #   ddp2     the DDP overlap table, buckets of 2, 4 and 25 MiB, 5 rounds, twice;
 #   tcp2     TCP on loopback: Python's rate each way, oxccl by setting, and gloo;
-#   ddpspin  the DDP overlap at batch 4, 2 MiB buckets, OXCCL_SPIN auto / 0 x --bind none / core;
+#   ddpspin  the DDP overlap at batch 4, 2 MiB buckets, OXCCL_SPIN auto / 0 x --bind none / core
+#            (run on the H100, 2026-11-26: --bind core overlaps nothing);
 #   coldperf 2 processes' first device collective on a fresh machine with OXCCL_TIMEOUT=12 (less
 #            than the kernel load), then the default all-reduce sweep.
 # Output: stdout and $OUT/session.log; traces of the 4-rank runs as $OUT/trace4_*.log.gz.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bin=${BIN:-target/gpu-bin}
-budget=${BUDGET:-540}
-phases=${PHASES:-flake stagedlat cold threads ddpspin tcpdev sendthread netns cpu mps kernels nccl}
+budget=${BUDGET:-420}
+phases=${PHASES:-flake stagedlat ddpshape cold threads tcpdev sendthread netns cpu mps kernels nccl}
 out=${OUT:-/tmp}
 exec > >(tee -a "$out/session.log") 2>&1
 tee_pid=$!
@@ -67,7 +71,7 @@ export OXCCL_REQUIRE_GPU=1 OXCCL_CACHE_DIR=/tmp/oxccl-cache OXCCL_TIMEOUT=20 RUS
 # Each phase may use at most its share (seconds from its start), and no step runs past the budget.
 declare -A share=([threads]=120 [kernels]=80 [mps]=140 [nccl]=30 [cpu]=70 [netns]=70 [cold]=110
     [tune]=200 [ddp]=120 [tcp]=120 [defaults]=120 [flake]=${FLAKE_SHARE:-100} [ddp2]=90 [tcp2]=90 [coldperf]=100 [tcpdev]=80 [sendthread]=100
-    [ddpspin]=100 [stagedlat]=90)
+    [ddpspin]=100 [stagedlat]=90 [ddpshape]=100)
 phase_end=$budget
 # step LIMIT CMD...: runs CMD for at most LIMIT seconds, never past the phase's share or the budget.
 step() {
@@ -208,6 +212,24 @@ for phase in $phases; do
             done
         done
         mps_off
+        ;;
+    ddpshape)
+        # DDP overlap by model shape, about the same compute per sample (batch 4, 2 MiB buckets,
+        # no binding): the last bucket (the first layers' gradients, ready when backward ends)
+        # can never overlap, and with 4 layers of 4 MiB it is a third of the bytes; with more,
+        # smaller layers it is less. Each rank unbound, or on its own block of 4 CPUs
+        # (--bind block). Interleaved, twice.
+        for rep in 1 2; do
+            for shape in "1024 4" "768 8" "512 16"; do
+                for bind in none block; do
+                    set -- $shape
+                    echo "rep $rep hidden $1 layers $2 --bind $bind"
+                    step 30 "$bin/oxccl" launch -n 4 --bind "$bind" -- "$bin/02_ddp_mlp" --mode all \
+                        --hidden "$1" --layers "$2" --batch 4 --steps 8 --rounds 5 --bucket-mib 2 2>&1 |
+                        tail -6
+                done
+            done
+        done
         ;;
     ddpspin)
         # DDP overlap at its best setting so far (batch 4, 2 MiB buckets: 0.760 on 16 cores),

@@ -211,7 +211,39 @@ fn bind_core_gives_each_local_rank_its_own_cpu() {
     let (out, _, stderr, _) =
         run(oxccl(&m).args(["launch", "--np", "2", "--bind", "socket", "--", "true"]));
     assert_eq!(out.status.code(), Some(2), "{stderr}");
-    assert!(stderr.contains("none or core"), "{stderr}");
+    assert!(stderr.contains("none, core or block"), "{stderr}");
+}
+
+#[test]
+fn bind_block_gives_each_local_rank_its_share_of_the_cpus() {
+    // With --bind block, local rank i of n gets the i-th block of max(1, cpus / n) of the
+    // launcher's CPUs: one rank keeps them all, two split them in halves (one each on 2 CPUs).
+    let cpus = oxccl::comm::affinity::allowed_cpus();
+    let show = "grep Cpus_allowed_list /proc/self/status | cut -f2";
+    let m = marker("bindblock");
+    for np in [1usize, 2] {
+        let (out, stdout, stderr, _) = run(oxccl(&m).args([
+            "launch",
+            "--np",
+            &np.to_string(),
+            "--bind",
+            "block",
+            "--",
+            "sh",
+            "-c",
+            show,
+        ]));
+        assert!(out.status.success(), "{stdout}{stderr}");
+        let k = (cpus.len() / np).max(1);
+        for lr in 0..np {
+            let start = (lr % (cpus.len() / k)) * k;
+            let want = oxccl::comm::affinity::encode_cpus(&cpus[start..start + k]);
+            assert!(
+                stdout.lines().any(|l| l == format!("[{lr}] {want}")),
+                "{np} ranks: rank {lr} should run on CPUs {want}:\n{stdout}"
+            );
+        }
+    }
 }
 
 #[test]

@@ -203,9 +203,10 @@ struct LaunchArgs {
     #[arg(long, value_name = "ID")]
     job_id: Option<String>,
 
-    /// Bind ranks to CPUs: none (the default, as torchrun), or core (local rank i on the i-th
-    /// CPU this launcher may use, as mpirun --bind-to core; for single-threaded ranks).
-    #[arg(long, value_name = "none|core", default_value = "none")]
+    /// Bind ranks to CPUs: none (the default, as torchrun), core (local rank i on the i-th CPU
+    /// this launcher may use, as mpirun --bind-to core; for single-threaded ranks), or block
+    /// (local rank i on the i-th block of CPUs / nproc of them; for ranks with threads, DDP's).
+    #[arg(long, value_name = "none|core|block", default_value = "none")]
     bind: Bind,
 
     /// Ranks write their communicators' flight records to DIR (sets OXCCL_TRACE_DIR). When a rank

@@ -37,7 +37,9 @@
 //! # CPU binding
 //!
 //! With [`LaunchConfig::bind`] = [`Bind::Core`] (`--bind core`) local rank `i` is bound, before it
-//! starts, to the `i % n`-th of the `n` CPUs the launcher may use. The default is no binding.
+//! starts, to the `i % n`-th of the `n` CPUs the launcher may use; with [`Bind::Block`]
+//! (`--bind block`) to its own block of `n / nproc_per_node` of them (at least one). The default
+//! is no binding.
 //!
 //! # Exit-code contract ([`LaunchOutcome::exit_code`], [`LaunchError::exit_code`])
 //!
@@ -226,6 +228,35 @@ pub enum Bind {
     /// ranks than CPUs), like `mpirun --bind-to core`: two single-threaded ranks never share a
     /// core and never migrate, which keeps latency figures steady.
     Core,
+    /// Local rank `i` of `n` runs on its own block of `k = max(1, c / n)` of the `c` CPUs the
+    /// launcher may use, the `i`-th such block (CPUs `i k .. (i + 1) k` in the launcher's list,
+    /// wrapping when there are more ranks than CPUs), like `mpirun --map-by slot:PE=k`: for ranks
+    /// with threads of their own (a DDP rank's backward pass beside its progress thread), which
+    /// `Core` would make take turns on one CPU.
+    Block,
+}
+
+/// The CPUs local rank `local_rank` of `nproc` is bound to under `bind`, out of `cpus` (the
+/// CPUs the launcher may use, in order): none under [`Bind::None`] or when `cpus` is empty.
+pub(crate) fn bound_cpus(
+    bind: Bind,
+    cpus: &[usize],
+    local_rank: usize,
+    nproc: usize,
+) -> Vec<usize> {
+    let c = cpus.len();
+    if c == 0 {
+        return Vec::new();
+    }
+    match bind {
+        Bind::None => Vec::new(),
+        Bind::Core => vec![cpus[local_rank % c]],
+        Bind::Block => {
+            let k = (c / nproc.max(1)).max(1);
+            let start = (local_rank % (c / k)) * k;
+            cpus[start..start + k].to_vec()
+        }
+    }
 }
 
 impl std::str::FromStr for Bind {
@@ -234,7 +265,10 @@ impl std::str::FromStr for Bind {
         match s.trim().to_ascii_lowercase().as_str() {
             "none" => Ok(Bind::None),
             "core" => Ok(Bind::Core),
-            _ => Err(format!("unknown binding {s:?}; expected none or core")),
+            "block" => Ok(Bind::Block),
+            _ => Err(format!(
+                "unknown binding {s:?}; expected none, core or block"
+            )),
         }
     }
 }
@@ -1152,5 +1186,24 @@ mod tests {
         assert!(cfg.validate().is_ok());
         cfg.max_restarts = 1; // restarts across nodes are coordinated through the store
         assert!(cfg.validate().is_ok());
+    }
+
+    #[test]
+    fn bound_cpus_by_binding() {
+        let cpus: Vec<usize> = (0..16).collect();
+        assert!(bound_cpus(Bind::None, &cpus, 0, 4).is_empty());
+        assert!(bound_cpus(Bind::Block, &[], 0, 4).is_empty());
+        assert_eq!(bound_cpus(Bind::Core, &cpus, 5, 4), [5]);
+        assert_eq!(bound_cpus(Bind::Core, &cpus, 17, 20), [1]);
+        // 16 CPUs, 4 ranks: blocks of 4.
+        assert_eq!(bound_cpus(Bind::Block, &cpus, 0, 4), [0, 1, 2, 3]);
+        assert_eq!(bound_cpus(Bind::Block, &cpus, 3, 4), [12, 13, 14, 15]);
+        // 3 ranks: blocks of 5, CPU 15 left over.
+        assert_eq!(bound_cpus(Bind::Block, &cpus, 2, 3), [10, 11, 12, 13, 14]);
+        // More ranks than CPUs: one each, wrapping, as Core.
+        assert_eq!(bound_cpus(Bind::Block, &cpus[..2], 3, 4), [1]);
+        // The launcher's own list, whatever its numbers.
+        assert_eq!(bound_cpus(Bind::Block, &[2, 3, 6, 7], 1, 2), [6, 7]);
+        assert_eq!("Block".parse::<Bind>(), Ok(Bind::Block));
     }
 }

@@ -30,16 +30,21 @@ fn deadline_in(d: Duration) -> Instant {
         .unwrap_or(now)
 }
 
-/// The affinity set of local rank `local_rank` under `--bind core`: the launcher's
-/// `local_rank % n`-th allowed CPU; `None` if the launcher's CPUs cannot be read.
+/// The affinity set of local rank `local_rank` of `nproc` under `bind` (see
+/// [`super::bound_cpus`]); `None` without binding or if the launcher's CPUs cannot be read.
 #[cfg(target_os = "linux")]
-fn core_set(local_rank: usize) -> Option<libc::cpu_set_t> {
+fn cpu_set(bind: super::Bind, local_rank: usize, nproc: usize) -> Option<libc::cpu_set_t> {
     let cpus = oxccl_comm::affinity::allowed_cpus();
-    let cpu = *cpus.get(local_rank % cpus.len().max(1))?;
+    let chosen = super::bound_cpus(bind, &cpus, local_rank, nproc);
+    if chosen.is_empty() {
+        return None;
+    }
     // SAFETY: cpu_set_t is plain data; all-zero is the empty set.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    // SAFETY: `cpu` came from the kernel's own mask, so it is below CPU_SETSIZE.
-    unsafe { libc::CPU_SET(cpu, &mut set) };
+    for cpu in chosen {
+        // SAFETY: `cpu` came from the kernel's own mask, so it is below CPU_SETSIZE.
+        unsafe { libc::CPU_SET(cpu, &mut set) };
+    }
     Some(set)
 }
 
@@ -214,10 +219,7 @@ impl<'w> Job<'w> {
         #[cfg(target_os = "linux")]
         {
             let parent = std::process::id() as libc::pid_t;
-            let cpu_set = match cfg.bind {
-                super::Bind::None => None,
-                super::Bind::Core => core_set(spec.local_rank),
-            };
+            let cpu_set = cpu_set(cfg.bind, spec.local_rank, cfg.nproc_per_node);
             let hook = move || -> io::Result<()> {
                 if let Some(set) = &cpu_set {
                     // SAFETY: sched_setaffinity on this (the child) process with a set built

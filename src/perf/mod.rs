@@ -187,9 +187,10 @@ pub struct PerfArgs {
     #[arg(long, value_name = "F", default_value_t = 0.5)]
     pub skew: f64,
 
-    /// With --np: bind rank i to the i-th CPU (core, as mpirun does by default) or not (none)
-    /// [default: core when the ranks have a CPU each, else none]; ignored under a launcher.
-    #[arg(long, value_name = "none|core")]
+    /// With --np: bind rank i to the i-th CPU (core, as mpirun does by default), to the i-th
+    /// block of CPUs / np CPUs (block), or not (none) [default: core when the ranks have a CPU
+    /// each, else none]; ignored under a launcher.
+    #[arg(long, value_name = "none|core|block")]
     pub bind: Option<Bind>,
 }
 
