@@ -25,7 +25,7 @@
 #            ranks on loopback 1 MiB..64 MiB, then gloo at 64 MiB; and 2 namespaces x 2 ranks,
 #            hierarchical and flat ring with it;
 #   stagedlat the staged path's fixed cost: the stream waiting on the flag or the call on the
-#            host (OXCCL_CUDA_STREAM_WAIT=1 / 0), shared memory and TCP, 8 B..16 MiB, 2 processes;
+#            host (OXCCL_CUDA_STREAM_WAIT=1 / 0), 1 process, then 2 over shared memory and TCP;
 #   ddpshape the DDP overlap by model shape (hidden x layers 1024 x 4, 768 x 8, 512 x 16), batch
 #            4, 2 MiB buckets, --bind none and block;
 #   kernels  the kernel tests (fp8 included) and kernel bandwidth for f32 / bf16 / fp8;
@@ -200,8 +200,14 @@ for phase in $phases; do
     stagedlat)
         # The staged path's fixed cost (1.2 ms at 8 B on the H100, over shared memory and TCP
         # alike): the stream waiting on the pinned flag (cuStreamWaitValue32,
-        # OXCCL_CUDA_STREAM_WAIT=1) against the call waiting on the host (0), 2 processes.
+        # OXCCL_CUDA_STREAM_WAIT=1) against the call waiting on the host (0); first 1 process
+        # (the staging machinery alone, no peer sharing the GPU), then 2.
         mps_on
+        for w in 1 0; do
+            echo "1 process, OXCCL_CUDA_STREAM_WAIT=$w"
+            OXCCL_CUDA_IPC=0 OXCCL_CUDA_STREAM_WAIT=$w perf 20 all-reduce --np 1 --device cuda \
+                -b 8 -e 1M -f 16 -c 1 -n 20 -w 5 --rotate 0
+        done
         for round in 1 2; do
             for w in 1 0; do
                 for t in shm tcp; do

@@ -7,10 +7,12 @@
 //! waits on the host); stream order without host synchronisation, also against a peer whose
 //! stream is far behind; mismatched calls and a missing rank reported by the IPC barrier instead
 //! of a hang, with barriers on the host (the default for threads) and on the device. On the lent
-//! H100 the 2-rank tests passed; the 4- and 8-rank ones hung, staged and over IPC alike, with the
-//! GPU-side waits (stream waits, the barrier kernel) that ranks as threads no longer use by
-//! default; the host waits are not yet run on a GPU. Ranks in separate processes
-//! (`cuIpcOpenMemHandle`) are covered by `oxccl perf --device cuda` in `scripts/gpu_run.sh`.
+//! H100 (2026-11-24) the 2-rank tests passed; the 4- and 8-rank ones hung, staged and over IPC
+//! alike, with the GPU-side waits (stream waits, the barrier kernel) that ranks as threads no
+//! longer use by default; with the host waits they pass (H200 and H100, 2026-11-26). The test with
+//! barrier kernels between threads meets on the host around each device call (see `gated`).
+//! Ranks in separate processes (`cuIpcOpenMemHandle`) are covered by `oxccl perf --device cuda`
+//! in `scripts/gpu_session.sh`.
 //!
 //! Ignored by default (CI has no GPU). On a machine with one:
 //!
