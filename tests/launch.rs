@@ -234,10 +234,15 @@ fn bind_block_gives_each_local_rank_its_share_of_the_cpus() {
             show,
         ]));
         assert!(out.status.success(), "{stdout}{stderr}");
-        let k = (cpus.len() / np).max(1);
-        for lr in 0..np {
-            let start = (lr % (cpus.len() / k)) * k;
-            let want = oxccl::comm::affinity::encode_cpus(&cpus[start..start + k]);
+        // One rank: all of them; two: the first and the second half (one CPU each on 1 CPU).
+        let half = (cpus.len() / 2).max(1);
+        let blocks: Vec<&[usize]> = match (np, cpus.len()) {
+            (1, _) => vec![&cpus[..]],
+            (_, 1) => vec![&cpus[..1], &cpus[..1]],
+            _ => vec![&cpus[..half], &cpus[half..2 * half]],
+        };
+        for (lr, block) in blocks.iter().enumerate() {
+            let want = oxccl::comm::affinity::encode_cpus(block);
             assert!(
                 stdout.lines().any(|l| l == format!("[{lr}] {want}")),
                 "{np} ranks: rank {lr} should run on CPUs {want}:\n{stdout}"

@@ -631,11 +631,11 @@ pub(crate) fn setup(
             "OXCCL_CUDA_IPC_BARRIER=device with every rank a thread of this process: a barrier \
              kernel waits on the GPU for a peer's kernel its thread may not have enqueued yet, \
              and a driver call on that thread that waits for the whole context (cuMemFree, \
-             pinned host allocation, module loading, copies to pageable memory, stream-ordered \
-             allocation were all seen to; also the pinned buffers of staged send/recv) then \
-             waits for the barrier kernel: stuck until OXCCL_TIMEOUT. Make the rank threads \
-             meet on the host before any enqueues a collective and after all have, or use \
-             OXCCL_CUDA_IPC_BARRIER=auto, which meets these barriers on the host"
+             pinned host allocation, module loading; copies to pageable memory and \
+             stream-ordered allocation were seen to; also the pinned buffers of staged \
+             send/recv) then waits for the barrier kernel: stuck until OXCCL_TIMEOUT. Make the \
+             rank threads meet on the host before any enqueues a collective and after all \
+             have, or use OXCCL_CUDA_IPC_BARRIER=auto, which meets these barriers on the host"
         );
     } else if !all_here && cfg.cuda_ipc_host_barrier == Some(true) {
         tracing::info!(

@@ -94,7 +94,8 @@
 //! previous collective's result to pageable host memory, or allocating its next buffers
 //! (cudarc's stream-ordered allocator), while its peer's barrier kernel of the next collective
 //! spun. Ranks that use it must meet on the host after their other driver calls and before any
-//! of them enqueues a collective, and again once all have enqueued it, as that test now does.
+//! of them enqueues a collective, and again once all have enqueued it, as that test now does
+//! (not yet run on a GPU with that).
 //!
 //! Not covered: a world of several processes each running several ranks as threads. Staged
 //! calls there wait on the host (a peer shares the process), but CUDA IPC barriers need every
