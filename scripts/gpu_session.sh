@@ -9,8 +9,8 @@
 # scripts/netns_tools.sh here:
 #   run(carry=["target/gpu-bin", ".netns-tools"], timeout_s=480,
 #       command="NETNS_TOOLS=.netns-tools scripts/gpu_session.sh")
-# PHASES (default "flake stagedlat ddpshape cold threads tcpdev sendthread netns cpu mps kernels
-# nccl")
+# PHASES (default "flake channels stagedlat ddpshape cold threads tcpdev sendthread netns cpu mps
+# kernels nccl")
 # picks and orders the phases:
 #   cold     first, on a fresh machine: how long the first device collective spends compiling and
 #            loading the kernels (empty caches);
@@ -21,6 +21,9 @@
 #            (FLAKE_TRACE=1: traced); with FLAKE_AB=1 (the default) alternately without and with
 #            the test's host barriers around each device call (without them it timed out in 22
 #            of 138 runs on an H100: a rank in driver calls while its peer's barrier kernel spun);
+#   channels TCP with 1, 2, 4 and 8 channels (OXCCL_SOCKET_CHANNELS), interleaved: 2 ranks on
+#            loopback 1 MiB..64 MiB, then gloo at 64 MiB, 2 rounds; and 2 namespaces x 2 ranks,
+#            hierarchical and flat ring with 1 and 4;
 #   sendthread TCP with and without the send thread (OXCCL_SOCKET_SEND_THREAD), interleaved: 2
 #            ranks on loopback 1 MiB..64 MiB, then gloo at 64 MiB; and 2 namespaces x 2 ranks,
 #            hierarchical and flat ring with it;
@@ -56,7 +59,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bin=${BIN:-target/gpu-bin}
 budget=${BUDGET:-420}
-phases=${PHASES:-flake stagedlat ddpshape cold threads tcpdev sendthread netns cpu mps kernels nccl}
+phases=${PHASES:-flake channels stagedlat ddpshape cold threads tcpdev sendthread netns cpu mps kernels nccl}
 out=${OUT:-/tmp}
 exec > >(tee -a "$out/session.log") 2>&1
 tee_pid=$!
@@ -71,7 +74,7 @@ export OXCCL_REQUIRE_GPU=1 OXCCL_CACHE_DIR=/tmp/oxccl-cache OXCCL_TIMEOUT=20 RUS
 # Each phase may use at most its share (seconds from its start), and no step runs past the budget.
 declare -A share=([threads]=120 [kernels]=80 [mps]=140 [nccl]=30 [cpu]=70 [netns]=70 [cold]=110
     [tune]=200 [ddp]=120 [tcp]=120 [defaults]=120 [flake]=${FLAKE_SHARE:-100} [ddp2]=90 [tcp2]=90 [coldperf]=100 [tcpdev]=80 [sendthread]=100
-    [ddpspin]=100 [stagedlat]=90 [ddpshape]=100)
+    [ddpspin]=100 [stagedlat]=90 [ddpshape]=100 [channels]=110)
 phase_end=$budget
 # step LIMIT CMD...: runs CMD for at most LIMIT seconds, never past the phase's share or the budget.
 step() {
@@ -94,7 +97,7 @@ short() {
         head -"${1:-14}"
 }
 ctest() { local limit=$1; shift; step "$limit" "$bin/comm_cuda" --ignored --exact "$@" 2>&1 | short; }
-perf() { local limit=$1; shift; step "$limit" "$bin/oxccl" perf "$@" 2>&1 | grep -E "^###|^ +[0-9]|rror|wrong|Avg bus|Send thread" | cut -c1-200; }
+perf() { local limit=$1; shift; step "$limit" "$bin/oxccl" perf "$@" 2>&1 | grep -E "^###|^ +[0-9]|rror|wrong|Avg bus|Send thread|Channels" | cut -c1-200; }
 
 # Ranks as processes on one GPU need MPS (without it the driver time-slices their contexts).
 mps_on() {
@@ -310,6 +313,27 @@ for phase in $phases; do
                 echo "batch $b bucket $mib MiB"
                 step 40 "$bin/oxccl" launch -n 4 -- "$bin/02_ddp_mlp" --mode all --hidden 1024 \
                     --layers 4 --batch "$b" --steps 8 --rounds 3 --bucket-mib "$mib" 2>&1 | tail -6
+            done
+        done
+        ;;
+    channels)
+        # Large all-reduces cut across several sets of connections, each driven by a thread of
+        # its own: on this machine's cores the kernel's socket copies of several channels can run
+        # at once (on the 2-core development machine 2 and 4 channels cost 15-35 %).
+        for round in 1 2; do
+            for k in 1 2 4 8; do
+                echo "round $round OXCCL_SOCKET_CHANNELS=$k"
+                OXCCL_SOCKET_CHANNELS=$k perf 15 all-reduce --np 2 --transport tcp -b 1M -e 64M -f 8 -z 1 -n 10 -w 3
+            done
+            echo "round $round gloo"
+            gloo64
+        done
+        for k in 4 1; do
+            for a in hierarchical ring; do
+                echo "channels $k $a"
+                OXCCL_SOCKET_CHANNELS=$k OXCCL_BIN="$bin/oxccl" OXCCL_ALGO=all-reduce=$a step 15 \
+                    scripts/netns.sh run --nodes 2 --nproc 2 --prefix ch -- "$bin/oxccl" perf all-reduce \
+                    -b 64M -e 64M -z 1 2>&1 | grep -E "^###|\] +[0-9]|rror|SKIP" | cut -c1-200
             done
         done
         ;;

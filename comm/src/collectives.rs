@@ -13,6 +13,7 @@ use oxccl_kernels::{
 use crate::algorithm::{
     chain, direct, dissemination, halving_doubling, hierarchical, linear, pairwise, ring, tree,
 };
+use crate::channels;
 use crate::communicator::Communicator;
 use crate::engine::{ExecState, Shared, Work};
 use crate::error::{Error, Result};
@@ -105,6 +106,7 @@ fn exec<R>(
         ctx.collective = true;
         ctx.spin = shared.spin;
         ctx.send_thread = shared.send_thread.as_ref();
+        ctx.shared = Some(shared);
         ctx.stream = full >= tuning::STREAM_MIN;
         ctx.layout = shared.layout.as_ref();
         ctx.stalls = Some(&shared.stalls);
@@ -146,9 +148,43 @@ fn premultiply<'s>(
     Ok((None, ReduceOp::Sum))
 }
 
-/// All-reduce of `buf` (in place, or `buf = reduce(src)`: the ring and the direct algorithms
-/// read `src` where it is, the others start from a copy).
+/// All-reduce of `buf` (in place, or `buf = reduce(src)`): cut across the communicator's
+/// channels when it has them and `buf` is large enough (`crate::channels`), else
+/// [`all_reduce_one`].
 fn all_reduce_body(
+    ctx: &mut Ctx<'_>,
+    ch: Choice,
+    src: Option<&[u8]>,
+    buf: &mut [u8],
+    dt: DType,
+    op: ReduceOp,
+) -> Result<()> {
+    if let Some(shared) = ctx.shared {
+        if let Some(chs) = shared.channels.get() {
+            if let Some(parts) = channels::parts(buf.len(), chs.comms.len() + 1) {
+                let abort = ctx.abort_flag();
+                let call = OpDesc::from_tag(&ctx.tag).map(|d| (ctx.tag.seq, d.to_string()));
+                return channels::all_reduce(
+                    chs,
+                    &channels::Owner { shared, abort },
+                    &parts,
+                    src,
+                    buf,
+                    dt,
+                    op,
+                    call,
+                    |s, b| all_reduce_one(ctx, ch, s, b, dt, op),
+                );
+            }
+        }
+    }
+    all_reduce_one(ctx, ch, src, buf, dt, op)
+}
+
+/// All-reduce of `buf` on this communicator's own connections (in place, or `buf =
+/// reduce(src)`: the ring and the direct algorithms read `src` where it is, the others start
+/// from a copy).
+fn all_reduce_one(
     ctx: &mut Ctx<'_>,
     ch: Choice,
     src: Option<&[u8]>,
@@ -380,6 +416,24 @@ impl Communicator {
         let (tx, rx) = crossbeam_channel::bounded(1);
         let _ = tx.send(Err(e));
         Work::new(rx, Instant::now(), self.rank, op)
+    }
+
+    /// An all-reduce of raw bytes of `dt` (a channel's part of one, `crate::channels`).
+    pub(crate) fn all_reduce_raw(
+        &self,
+        src: Option<&[u8]>,
+        buf: &mut [u8],
+        dt: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let desc = OpDesc {
+            coll: Collective::AllReduce,
+            dtype: dt,
+            op,
+            root: 0,
+            count: buf.len() / dt.size(),
+        };
+        self.run(desc, |ctx, ch| all_reduce_body(ctx, ch, src, buf, dt, op))
     }
 
     /// All-reduce in place: every rank ends with the reduction of every rank's `buf`.

@@ -602,7 +602,7 @@ impl Communicator {
             shared.stalls.set_root(root_id, root_ranks);
         }
         let shared = Arc::new(shared);
-        Ok(Communicator {
+        let comm = Communicator {
             shared,
             rank,
             size,
@@ -625,7 +625,42 @@ impl Communicator {
             cuda: std::sync::Mutex::new(None),
             transports,
             _server: None,
-        })
+        };
+        comm.open_channels()?;
+        Ok(comm)
+    }
+
+    /// Makes this communicator's extra channels (`OXCCL_SOCKET_CHANNELS`, `crate::channels`):
+    /// communicators `<id>/ch1..` of the same ranks, when it has TCP peers and asks for more
+    /// than one.
+    fn open_channels(&self) -> Result<()> {
+        let k = self.cfg.socket_channels;
+        if k < 2 || !self.shared.sockets {
+            return Ok(());
+        }
+        let mut cfg = self.cfg.clone();
+        cfg.socket_channels = 1;
+        cfg.node_id = Some(self.node_id.clone());
+        let members: Vec<usize> = (0..self.size).collect();
+        let lineage = self.shared.stalls.lineage(&members);
+        let comms = (1..k)
+            .map(|i| {
+                Self::init_inner(
+                    self.rank,
+                    self.size,
+                    self.store.clone(),
+                    cfg.clone(),
+                    format!("{}/ch{i}", self.id),
+                    self.store_host,
+                    Some(lineage.clone()),
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let ch = crate::channels::Channels::new(self.rank, comms)?;
+        tracing::debug!(rank = self.rank, channels = k, comm = %self.id, "channels ready");
+        // Set once, here, before anyone else can see the communicator.
+        let _ = self.shared.channels.set(ch);
+        Ok(())
     }
 
     /// This rank, in `0..size()`.
@@ -691,6 +726,16 @@ impl Communicator {
             .send_thread
             .as_ref()
             .map(|t| t.exchanges.load(Ordering::Relaxed))
+    }
+
+    /// How many all-reduces were cut across this communicator's channels
+    /// (`OXCCL_SOCKET_CHANNELS`, [`Config::socket_channels`]), or `None` when it has none (one
+    /// channel asked for, or no TCP peers).
+    pub fn channel_ops(&self) -> Option<u64> {
+        self.shared
+            .channels
+            .get()
+            .map(|c| c.ops.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     /// The configuration this communicator runs with.

@@ -74,6 +74,13 @@ pub struct Config {
     /// (`OXCCL_SOCKET_SEND_THREAD`: `0`, the default, never; `1` always; `auto` when this node's
     /// ranks have at least two CPUs each, from their affinity masks).
     pub socket_send_thread: Option<bool>,
+    /// Independent sets of connections ("channels", as NCCL calls them) a communicator with TCP
+    /// peers keeps, each driven by a thread of its own: a large all-reduce is cut into this many
+    /// contiguous parts, one per channel, run at once, so several cores copy through the kernel's
+    /// sockets in parallel (`OXCCL_SOCKET_CHANNELS`, default 1 = one set, no extra threads;
+    /// 1..=16). Parts are at least [`crate::channels::CHANNEL_PART_MIN`] bytes, so smaller
+    /// all-reduces use fewer channels. Every rank must use the same value.
+    pub socket_channels: usize,
     /// Block of the hierarchical all-reduce per local rank, in bytes (`OXCCL_HIERARCHICAL_BLOCK`,
     /// default 512 KiB, a multiple of 64 from 4 KiB to 1 GiB): each rank's piece of a block
     /// should stay in its core's cache from the node ring to the cross ring and back. Every rank
@@ -137,6 +144,7 @@ impl Default for Config {
             single_copy: true,
             spin: None,
             socket_send_thread: Some(false),
+            socket_channels: 1,
             hierarchical_block: crate::tuning::HIERARCHICAL_AR_BLOCK,
             cuda_stage_chunk: 4 << 20,
             cuda_stream_wait: None,
@@ -175,6 +183,10 @@ impl Config {
             (
                 "OXCCL_HIERARCHICAL_BLOCK".into(),
                 self.hierarchical_block.to_string(),
+            ),
+            (
+                "OXCCL_SOCKET_CHANNELS".into(),
+                self.socket_channels.to_string(),
             ),
         ]
     }
@@ -218,6 +230,8 @@ pub(crate) fn check_timeout(t: Duration) -> std::result::Result<(), String> {
 
 /// `OXCCL_NSOCKS` / [`Config::nsocks`].
 const NSOCKS: std::ops::RangeInclusive<usize> = 1..=16;
+/// `OXCCL_SOCKET_CHANNELS` / [`Config::socket_channels`].
+const CHANNELS: std::ops::RangeInclusive<usize> = 1..=16;
 /// `OXCCL_NSLOTS` / [`Config::nslots`].
 const NSLOTS: std::ops::RangeInclusive<usize> = 1..=64;
 
@@ -255,6 +269,10 @@ impl Config {
         };
         if !NSOCKS.contains(&self.nsocks) {
             return bad("nsocks", "OXCCL_NSOCKS", self.nsocks, "in 1..=16");
+        }
+        if !CHANNELS.contains(&self.socket_channels) {
+            let (v, want) = (self.socket_channels, "in 1..=16");
+            return bad("socket_channels", "OXCCL_SOCKET_CHANNELS", v, want);
         }
         if self.socket_buffer > MAX_SOCKET_BUFFER {
             let want = "at most 1 GiB (0 = kernel default)";
@@ -489,6 +507,14 @@ impl Config {
         if let Some(v) = get("OXCCL_SOCKET_SEND_THREAD").filter(|v| !v.trim().is_empty()) {
             c.socket_send_thread = parse_auto_bool("OXCCL_SOCKET_SEND_THREAD", &v)?;
         }
+        if let Some(v) = get("OXCCL_SOCKET_CHANNELS").filter(|v| !v.trim().is_empty()) {
+            c.socket_channels = parse_num("OXCCL_SOCKET_CHANNELS", &v)?;
+            if !CHANNELS.contains(&c.socket_channels) {
+                return Err(Error::Config(format!(
+                    "OXCCL_SOCKET_CHANNELS={v} must be in 1..=16"
+                )));
+            }
+        }
         if let Some(v) = get("OXCCL_TRACE_BUFFER") {
             c.trace_buffer = parse_num("OXCCL_TRACE_BUFFER", &v)?;
             if c.trace_buffer > crate::trace::MAX_BUFFER {
@@ -584,6 +610,10 @@ mod tests {
         assert_eq!(hb(" 2097152").unwrap(), 2 << 20);
         assert_eq!(hb("4096").unwrap(), 4096);
         assert_eq!(cfg(&[]).unwrap().hierarchical_block, 512 << 10);
+        let ch = |v: &str| cfg(&[("OXCCL_SOCKET_CHANNELS", v)]).map(|c| c.socket_channels);
+        assert_eq!(cfg(&[]).unwrap().socket_channels, 1);
+        assert_eq!(ch("4").unwrap(), 4);
+        assert_eq!(ch(" ").unwrap(), 1);
     }
 
     #[test]
@@ -592,6 +622,8 @@ mod tests {
             ("OXCCL_TIMEOUT", "soon"),
             ("OXCCL_TIMEOUT", "-1"),
             ("OXCCL_NSOCKS", "0"),
+            ("OXCCL_SOCKET_CHANNELS", "0"),
+            ("OXCCL_SOCKET_CHANNELS", "17"),
             ("OXCCL_SLOT_BYTES", "100"),
             ("OXCCL_SOCKET_FAMILY", "ipx"),
             ("OXCCL_ALGO", "teleport"),

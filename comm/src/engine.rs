@@ -67,6 +67,9 @@ pub(crate) struct Shared {
     pub spin: bool,
     /// The thread large sends to TCP peers go out on (`OXCCL_SOCKET_SEND_THREAD`).
     pub send_thread: Option<crate::prims::SendThread>,
+    /// The extra channels large all-reduces are cut across (`OXCCL_SOCKET_CHANNELS`; set once
+    /// at init, after the communicator's own connections).
+    pub channels: std::sync::OnceLock<crate::channels::Channels>,
     /// The ranks by node, when the communicator spans nodes of at least two ranks each
     /// (hierarchical algorithms).
     pub layout: Option<NodeLayout>,
@@ -116,6 +119,7 @@ impl Shared {
             algo: cfg.algo.clone(),
             spin,
             send_thread: None,
+            channels: std::sync::OnceLock::new(),
             layout: None,
             sockets: false,
             hierarchical_block: cfg.hierarchical_block,
@@ -304,18 +308,7 @@ impl Shared {
         if let Some(b) = &st.broken {
             return b.clone();
         }
-        let mine = encode_error(&e);
-        // The first error published wins, so every rank reports the same cause. A store that
-        // cannot be reached (the store host's node cut off) must not delay closing the
-        // connections, which is how peers learn: a few seconds at most.
-        let budget = self.timeout.min(PUBLISH_BUDGET);
-        let cause = match self
-            .store
-            .compare_set_within(&self.error_key, None, &mine, budget)
-        {
-            Ok(cur) if cur != mine => decode_error(&cur, self.rank).unwrap_or(e),
-            _ => e,
-        };
+        let cause = self.publish_error(e);
         tracing::warn!(rank = self.rank, error = %cause, "communicator failed; closing its connections");
         // Peers blocked on this rank learn at once: sockets close, shared-memory rings are
         // flagged closed and their doorbells rung.
@@ -324,6 +317,23 @@ impl Shared {
         // After closing: peers learn first, the file can wait.
         self.trace.dump_if_set("failed", Some(&cause));
         cause
+    }
+
+    /// Publishes `e` as the communicator's failure unless a rank published one first; returns
+    /// the one that stands (every rank then reports the same cause). Peers learn of a failure by
+    /// their connections closing, so this comes first.
+    pub(crate) fn publish_error(&self, e: Error) -> Error {
+        let mine = encode_error(&e);
+        // A store that cannot be reached (the store host's node cut off) must not delay closing
+        // the connections, which is how peers learn: a few seconds at most.
+        let budget = self.timeout.min(PUBLISH_BUDGET);
+        match self
+            .store
+            .compare_set_within(&self.error_key, None, &mine, budget)
+        {
+            Ok(cur) if cur != mine => decode_error(&cur, self.rank).unwrap_or(e),
+            _ => e,
+        }
     }
 
     /// Takes a ticket and queues the job `make(ticket, ahead)` makes, both under the worker lock,
@@ -441,6 +451,9 @@ impl Shared {
     /// `abort()`: fails the running operation (it polls the flag) and every later one.
     pub(crate) fn abort(&self) {
         self.abort.store(true, Ordering::Relaxed);
+        if let Some(ch) = self.channels.get() {
+            ch.abort();
+        }
         if let Ok(mut st) = self.exec.try_lock() {
             let e = Error::Aborted {
                 rank: self.rank,

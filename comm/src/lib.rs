@@ -31,6 +31,7 @@
 pub mod affinity;
 pub mod algorithm;
 pub mod bootstrap;
+pub mod channels;
 mod collectives;
 mod communicator;
 pub mod config;

@@ -246,6 +246,10 @@ pub(crate) struct Ctx<'a> {
     pub spin: bool,
     /// Large sends to TCP peers go out on this thread ([`Ctx::exchange_split`]).
     pub send_thread: Option<&'a SendThread>,
+    /// The communicator's shared state, whose extra channels (`OXCCL_SOCKET_CHANNELS`) large
+    /// all-reduces are cut across and which publishes their failures (`crate::channels`);
+    /// `None` in sub-contexts and unit tests.
+    pub shared: Option<&'a crate::engine::Shared>,
     /// Copies into the user's buffer use streaming stores (set for buffers beyond the caches,
     /// see `tuning::STREAM_MIN`).
     pub stream: bool,
@@ -405,6 +409,7 @@ impl<'a> Ctx<'a> {
             direct: false,
             spin: true,
             send_thread: None,
+            shared: None,
             stream: false,
             layout: None,
             map: None,
@@ -444,12 +449,18 @@ impl<'a> Ctx<'a> {
             direct: false,
             spin: self.spin,
             send_thread: self.send_thread,
+            shared: None,
             stream: self.stream,
             layout: None,
             map: Some(members),
             stalls: self.stalls,
             trace: self.trace,
         }
+    }
+
+    /// The flag that fails this operation at its next wait (the communicator's `abort`).
+    pub(crate) fn abort_flag(&self) -> &'a AtomicBool {
+        self.abort
     }
 
     /// The operation's deadline, set `timeout` after `now` by its first wait (in the outermost

@@ -210,6 +210,12 @@ fn run_all(comm: &Communicator, args: &PerfArgs, plan: &Plan) -> Result<u64, Err
                 "# Send thread on (OXCCL_SOCKET_SEND_THREAD): rank 0 sent from it in {n} exchanges"
             )]);
         }
+        if let Some(n) = comm.channel_ops() {
+            out(&[format!(
+                "# Channels on (OXCCL_SOCKET_CHANNELS={}): rank 0 cut {n} all-reduces across them",
+                comm.config().socket_channels
+            )]);
+        }
         out(&totals.footer());
         #[cfg(feature = "cuda")]
         if let Some(path) = comm.device_path() {

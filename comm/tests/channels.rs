@@ -1,0 +1,253 @@
+//! Channels (`OXCCL_SOCKET_CHANNELS`, `Config::socket_channels`): a communicator with TCP peers
+//! keeps more sets of connections, each driven by a thread of its own, and cuts large
+//! all-reduces across them. Every form of all-reduce with them against a serial reference (in
+//! place, out of place, async; several types and operations; sizes that use 1, 2 and 3
+//! channels, lengths that are not whole cache lines), over TCP and across simulated nodes, with
+//! the count of cut operations checked; and their failures: mismatched calls, a lost peer, a
+//! missing peer and `abort` end in errors on every rank, never a hang; ranks that disagree on
+//! the setting fail at init.
+
+use std::time::{Duration, Instant};
+
+use half::bf16;
+use oxccl_comm::config::TransportChoice;
+use oxccl_comm::harness::{spawn_world, spawn_world_on_nodes, spawn_world_with};
+use oxccl_comm::{Communicator, Config, Error, ReduceOp, Result};
+
+const MIB: usize = 1 << 20;
+
+fn cfg(channels: usize, timeout_s: u64) -> Config {
+    Config {
+        transport: TransportChoice::Tcp,
+        socket_channels: channels,
+        timeout: Duration::from_secs(timeout_s),
+        ..Config::default()
+    }
+}
+
+/// Small integers: every sum is exact in every type used here, whatever the order.
+fn val(rank: usize, i: usize) -> usize {
+    (rank * 31 + i * 17) % 11
+}
+
+fn check<T: PartialEq + std::fmt::Debug + Copy>(
+    what: &str,
+    rank: usize,
+    got: &[T],
+    want: impl Fn(usize) -> T,
+) {
+    for (i, &g) in got.iter().enumerate() {
+        let w = want(i);
+        assert!(
+            g == w,
+            "{what}: rank {rank}, element {i} of {}: got {g:?}, want {w:?}",
+            got.len()
+        );
+    }
+}
+
+/// Every form of all-reduce on `len` f32 elements, and one each of f64 average, i32 max and
+/// bf16 sum on about as many bytes.
+fn all_reduces(c: &Communicator, len: usize) -> Result<()> {
+    let (rank, n) = (c.rank(), c.size());
+    let sum = |i: usize| (0..n).map(|r| val(r, i) as f32).sum::<f32>();
+    let mine: Vec<f32> = (0..len).map(|i| val(rank, i) as f32).collect();
+
+    let mut v = mine.clone();
+    c.all_reduce(&mut v, ReduceOp::Sum)?;
+    check("all_reduce", rank, &v, sum);
+
+    let mut out = vec![0f32; len];
+    c.all_reduce_into(&mine, &mut out, ReduceOp::Sum)?;
+    check("all_reduce_into", rank, &out, sum);
+
+    let v = c.all_reduce_async(mine.clone(), ReduceOp::Sum).wait()?;
+    check("all_reduce_async", rank, &v, sum);
+
+    let (i, o) = c
+        .all_reduce_into_async(mine.clone(), vec![0f32; len], ReduceOp::Sum)
+        .wait()?;
+    assert_eq!(i, mine, "rank {rank}: the input changed");
+    check("all_reduce_into_async", rank, &o, sum);
+
+    let half = len / 2;
+    let mut d: Vec<f64> = (0..half).map(|i| val(rank, i) as f64).collect();
+    c.all_reduce(&mut d, ReduceOp::Avg)?;
+    check("all_reduce f64 avg", rank, &d, |i| {
+        (0..n).map(|r| val(r, i) as f64).sum::<f64>() / n as f64
+    });
+
+    let mut m: Vec<i32> = (0..len).map(|i| val(rank, i) as i32 - 5).collect();
+    c.all_reduce(&mut m, ReduceOp::Max)?;
+    check("all_reduce i32 max", rank, &m, |i| {
+        (0..n).map(|r| val(r, i) as i32 - 5).max().unwrap_or(0)
+    });
+
+    let mut b: Vec<bf16> = (0..2 * len + 3)
+        .map(|i| bf16::from_f32(val(rank, i) as f32))
+        .collect();
+    c.all_reduce(&mut b, ReduceOp::Sum)?;
+    check("all_reduce bf16", rank, &b, |i| bf16::from_f32(sum(i)));
+    Ok(())
+}
+
+/// The sizes: 3 MiB + 12 bytes (3 channels of 3, or 2 of 2; not whole lines), 2.5 MiB (2
+/// channels), 1 MiB (whole), 4 KiB (whole).
+const LENS: [usize; 4] = [(3 * MIB + 12) / 4, 5 * MIB / 8, MIB / 4, 1024];
+
+#[test]
+fn every_all_reduce_over_tcp_across_channels() {
+    for (n, k) in [(2, 3), (3, 2), (4, 4)] {
+        let res = spawn_world(n, cfg(k, 60), |c| {
+            assert_eq!(c.channel_ops(), Some(0), "rank {}", c.rank());
+            for len in LENS {
+                all_reduces(&c, len)?;
+            }
+            Ok(c.channel_ops())
+        });
+        for (rank, r) in res.into_iter().enumerate() {
+            let used = r.unwrap_or_else(|e| panic!("{n} ranks, {k} channels: rank {rank}: {e}"));
+            // Per size of at least 2 MiB, 7 cut: 4 forms in f32, the f64 average (half the
+            // elements, the same bytes), i32 and bf16 (twice the elements plus 3).
+            assert_eq!(used, Some(2 * 7), "{n} ranks, {k} channels: rank {rank}");
+        }
+    }
+}
+
+#[test]
+fn hierarchical_nodes_cut_their_all_reduces_too() {
+    let c = Config {
+        transport: TransportChoice::Auto,
+        ..cfg(2, 60)
+    };
+    // 2 nodes x 2 ranks: each channel is a hierarchical communicator of its own.
+    let res = spawn_world_on_nodes(4, 2, c, |c| {
+        assert!(c.is_hierarchical());
+        all_reduces(&c, LENS[0])?;
+        Ok(c.channel_ops())
+    });
+    for (rank, r) in res.into_iter().enumerate() {
+        let used = r.unwrap_or_else(|e| panic!("2 x 2: rank {rank}: {e}"));
+        assert_eq!(used, Some(7), "2 x 2: rank {rank}");
+    }
+}
+
+#[test]
+fn without_tcp_peers_or_with_one_channel_there_are_none() {
+    let shm = Config {
+        transport: TransportChoice::Shm,
+        ..cfg(4, 30)
+    };
+    let one = cfg(1, 30);
+    for c in [shm, one] {
+        let res = spawn_world(2, c, |c| {
+            all_reduces(&c, LENS[0])?;
+            Ok(c.channel_ops())
+        });
+        for r in res {
+            assert_eq!(r.unwrap(), None);
+        }
+    }
+}
+
+#[test]
+fn ranks_with_different_channel_counts_fail_at_init() {
+    let res = spawn_world_with(2, |rank| cfg(1 + rank, 10), |_| Ok(()));
+    for (rank, r) in res.into_iter().enumerate() {
+        let e = r.expect_err("the settings differ").to_string();
+        assert!(e.contains("OXCCL_SOCKET_CHANNELS"), "rank {rank}: {e}");
+    }
+}
+
+/// A failure that must reach every rank through its own connections: not a time-out.
+fn not_a_timeout(what: &str, rank: usize, e: &Error) {
+    assert!(
+        !matches!(e, Error::Timeout { .. }),
+        "{what}: rank {rank}: {e}"
+    );
+}
+
+#[test]
+fn mismatched_all_reduces_fail_on_every_rank_without_waiting_out_the_deadline() {
+    // Rank 1 sums 4 MiB where rank 0 sums 3 MiB: both cut, with parts of different lengths
+    // on every channel.
+    let res = spawn_world(2, cfg(3, 60), |c| {
+        let len = if c.rank() == 0 { 3 * MIB / 4 } else { MIB };
+        let mut v = vec![1f32; len];
+        Ok(c.all_reduce(&mut v, ReduceOp::Sum))
+    });
+    for (rank, r) in res.into_iter().enumerate() {
+        let e = r.unwrap().expect_err("the calls differ");
+        not_a_timeout("mismatch", rank, &e);
+        // Whichever channel found it, the error names the calls as made.
+        let text = e.to_string();
+        assert!(
+            matches!(e, Error::Mismatch { seq: 0, .. }),
+            "rank {rank}: {text}"
+        );
+        assert!(
+            text.contains("count=786432") || text.contains("count=1048576"),
+            "{text}"
+        );
+    }
+}
+
+#[test]
+fn a_peer_lost_during_a_cut_all_reduce_is_an_error_on_the_others() {
+    let res = spawn_world(3, cfg(3, 60), |c| {
+        let mut v = vec![1f32; 3 * MIB / 4];
+        c.all_reduce(&mut v, ReduceOp::Sum)?;
+        if c.rank() == 2 {
+            // Drops its communicator (every channel's connections) while the others start
+            // the next one.
+            return Ok(None);
+        }
+        let mut big = vec![1f32; 4 * MIB];
+        Ok(Some(c.all_reduce(&mut big, ReduceOp::Sum)))
+    });
+    for (rank, r) in res.into_iter().take(2).enumerate() {
+        let e = r.unwrap().unwrap().expect_err("rank 2 is gone");
+        assert_eq!(e.lost_peer(), Some(2), "rank {rank}: {e}");
+    }
+}
+
+#[test]
+fn a_missing_peer_times_out_and_abort_ends_a_cut_all_reduce() {
+    // Rank 1 never calls: rank 0's cut all-reduce times out after 1 s on every channel.
+    let res = spawn_world(2, cfg(3, 1), |c| {
+        if c.rank() == 0 {
+            let mut v = vec![1f32; MIB];
+            let e = c
+                .all_reduce(&mut v, ReduceOp::Sum)
+                .expect_err("rank 1 never comes");
+            assert!(matches!(e, Error::Timeout { rank: 0, .. }), "{e}");
+            assert_eq!(c.channel_ops(), Some(1));
+        } else {
+            std::thread::sleep(Duration::from_millis(2500));
+        }
+        Ok(())
+    });
+    res.into_iter().for_each(|r| r.unwrap());
+
+    // Rank 1 never calls either; rank 0 aborts its own pending all-reduce from another thread.
+    let res = spawn_world(2, cfg(3, 60), |c| {
+        if c.rank() == 0 {
+            let t0 = Instant::now();
+            std::thread::scope(|s| {
+                s.spawn(|| {
+                    std::thread::sleep(Duration::from_millis(300));
+                    c.abort();
+                });
+                let mut v = vec![1f32; MIB];
+                let e = c.all_reduce(&mut v, ReduceOp::Sum).expect_err("aborted");
+                assert!(matches!(e, Error::Aborted { .. }), "{e}");
+            });
+            // Well inside the 60 s deadline: the abort, not a time-out, ended it.
+            assert!(t0.elapsed() < Duration::from_secs(30));
+        } else {
+            std::thread::sleep(Duration::from_millis(1500));
+        }
+        Ok(())
+    });
+    res.into_iter().for_each(|r| r.unwrap());
+}
