@@ -319,7 +319,8 @@ for phase in $phases; do
     channels)
         # Large all-reduces cut across several sets of connections, each driven by a thread of
         # its own: on this machine's cores the kernel's socket copies of several channels can run
-        # at once (on the 2-core development machine 2 and 4 channels cost 15-35 %).
+        # at once (on the 2-core development machine, at 64 MiB, 2 channels cost 18-22 % and 4 cost
+        # 33-37 %).
         for round in 1 2; do
             for k in 1 2 4 8; do
                 echo "round $round OXCCL_SOCKET_CHANNELS=$k"

@@ -4,21 +4,25 @@
 //! Over TCP a rank's thread does the kernel's copies into and out of its sockets itself, so one
 //! thread bounds a rank's rate however many sockets it has. A communicator with TCP peers and
 //! `k > 1` channels keeps `k - 1` more communicators of the same ranks (ids `<id>/ch<i>`, made at
-//! init through the store, each with its own connections: TCP across, shared memory inside a node
-//! as for the parent) and a pool of `k - 1` threads. An all-reduce of at least two parts of
-//! [`CHANNEL_PART_MIN`] bytes is cut into `m = min(k, bytes / CHANNEL_PART_MIN)` contiguous parts
-//! (multiples of 64 bytes but the last): part 0 runs on the parent's connections on the calling
-//! thread, part `i` on channel `i`'s on a pool thread, all at once. Every rank cuts alike (the
-//! same bytes, and `OXCCL_SOCKET_CHANNELS` is checked equal at init), so each channel sees the
-//! same operations in the same order on every rank; each part is an ordinary all-reduce of its
-//! communicator (its own tuner choice and sequence numbers).
+//! the end of its init through the store, one after another, each with its own connections: TCP
+//! across, shared memory inside a node as for the parent), and one thread per extra channel. An
+//! all-reduce of at least two parts of [`CHANNEL_PART_MIN`] bytes is cut into
+//! `m = min(k, bytes / CHANNEL_PART_MIN)` contiguous parts (multiples of 64 bytes but the last):
+//! part 0 runs on the parent's connections on the thread that runs the operation, with the
+//! tuner's choice for the whole call; part `i` runs as an ordinary all-reduce of channel `i`
+//! (its own tuner choice for the part, its own sequence numbers) on that channel's thread, all at
+//! once. Every rank cuts alike (the same bytes, and `OXCCL_SOCKET_CHANNELS` is checked equal at
+//! init), and only the parent's running operation uses the channels, so each channel sees the
+//! same operations in the same order on every rank.
 //!
-//! Failure: the first part to fail publishes its error as the parent's failure (a cause another
-//! rank published first stands instead), then stops the others (the parent's part through its
-//! abort flag, the channels through [`Communicator::abort`]), so a lost peer or a mismatch ends
-//! the whole call at once on every rank, and every rank reports the same cause. The parent is
-//! then broken like after any failed operation; [`Communicator::abort`] reaches the channels
-//! too.
+//! Failure: a channel publishes its failures under the parent's key (`<id>/error`), a mismatch
+//! told as the caller's call (`as_the_callers`), before it closes its connections, as any
+//! communicator does; the parent's part publishes its own failure before it stops anything.
+//! The first failure then stops the others (the parent's part through its abort flag, the
+//! channels through [`Communicator::abort`]), so a lost peer or a mismatch ends the whole call at
+//! once on every rank, and every rank reports the same cause. The parent is then broken like
+//! after any failed operation; a failure of the parent outside a cut operation, and
+//! [`Communicator::abort`], close the channels too.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -41,28 +45,39 @@ type Part<'p> = Box<dyn FnOnce(&Communicator) -> Result<()> + Send + 'p>;
 pub(crate) struct Channels {
     /// Channels 1..k (channel 0 is the communicator itself).
     pub comms: Vec<Communicator>,
-    pool: rayon::ThreadPool,
+    /// One pool of one thread per channel: a thread that waits inside a part (on the send
+    /// thread, `OXCCL_SOCKET_SEND_THREAD`) may run other jobs of its own pool meanwhile, and
+    /// its pool holds no other part.
+    pools: Vec<rayon::ThreadPool>,
     /// Operations cut across the channels.
     pub ops: AtomicU64,
 }
 
-impl Channels {
-    pub(crate) fn new(rank: usize, comms: Vec<Communicator>) -> Result<Channels> {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(comms.len().max(1))
-            .thread_name(move |i| format!("oxccl-ch{}-r{rank}", i + 1))
-            .build()
-            .map_err(|e| {
-                Error::Config(format!(
-                    "rank {rank}: init: could not start the channel threads \
-                     (OXCCL_SOCKET_CHANNELS): {e}"
-                ))
-            })?;
-        Ok(Channels {
-            comms,
-            pool,
-            ops: AtomicU64::new(0),
+/// Starts the threads of `n` channels (`oxccl-ch<i>-r<rank>`).
+pub(crate) fn pools(rank: usize, n: usize) -> Result<Vec<rayon::ThreadPool>> {
+    (1..=n)
+        .map(|i| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(1)
+                .thread_name(move |_| format!("oxccl-ch{i}-r{rank}"))
+                .build()
+                .map_err(|e| {
+                    Error::Config(format!(
+                        "rank {rank}: init: could not start the thread of channel {i} \
+                         (OXCCL_SOCKET_CHANNELS): {e}"
+                    ))
+                })
         })
+        .collect()
+}
+
+impl Channels {
+    pub(crate) fn new(comms: Vec<Communicator>, pools: Vec<rayon::ThreadPool>) -> Channels {
+        Channels {
+            comms,
+            pools,
+            ops: AtomicU64::new(0),
+        }
     }
 
     /// Aborts every channel (their running operations fail at once, and peers learn).
@@ -90,7 +105,7 @@ pub(crate) fn parts(bytes: usize, channels: usize) -> Option<Vec<Range<usize>>> 
     )
 }
 
-/// Cuts `buf` (and `src`, indexed alike) at `parts`.
+/// Cuts `buf` at `parts`.
 fn cut<'b>(mut buf: &'b mut [u8], parts: &[Range<usize>]) -> Vec<&'b mut [u8]> {
     let mut out = Vec::with_capacity(parts.len());
     for p in parts {
@@ -108,11 +123,20 @@ pub(crate) struct Owner<'a> {
     pub abort: &'a AtomicBool,
 }
 
-/// Runs `first` (the parent's part, on this thread) and `rest[i]` on channel `i + 1` (on the
-/// pool) at once. The first failure is published as the parent's (before anything closes, so
-/// that peers who see a channel's connections close read the cause, as after any failure), then
-/// stops the other parts; the call returns the cause that stands.
-pub(crate) fn run_parts(
+/// Which part failed: the parent's own, or a channel's (whose communicator has published the
+/// cause under the parent's key already, before closing anything).
+#[derive(Clone, Copy)]
+enum Failed {
+    Parent,
+    Channel,
+}
+
+/// Runs `first` (the parent's part, on this thread) and `rest[i]` on channel `i + 1` (on its
+/// thread) at once. The first failure's cause is published (the parent's part publishes it
+/// here; a channel has, under the parent's key, before it closed its connections), then the
+/// other parts are stopped; the call returns the cause that stands. An `InvalidArgument` stops
+/// nothing: every part of every rank meets it alike, and it breaks no communicator.
+fn run_parts(
     ch: &Channels,
     owner: &Owner<'_>,
     first: impl FnOnce() -> Result<()>,
@@ -120,84 +144,110 @@ pub(crate) fn run_parts(
 ) -> Result<()> {
     ch.ops.fetch_add(1, Ordering::Relaxed);
     let cause: Mutex<Option<Error>> = Mutex::new(None);
-    let stop_all = |e: Error| {
+    let stop_all = |e: Error, from: Failed| {
         let mut c = cause.lock().unwrap_or_else(|p| p.into_inner());
         if c.is_some() {
             return;
         }
-        let e = match e {
-            e @ Error::InvalidArgument { .. } => e,
-            e => owner.shared.publish_error(e),
-        };
-        *c = Some(e);
+        if matches!(e, Error::InvalidArgument { .. }) {
+            *c = Some(e);
+            return;
+        }
+        *c = Some(match from {
+            Failed::Parent => owner.shared.publish_error(e),
+            Failed::Channel => owner.shared.adopt_error(e),
+        });
         drop(c);
         owner.abort.store(true, Ordering::Relaxed);
         ch.abort();
     };
-    ch.pool.in_place_scope(|sc| {
-        for (i, job) in rest.into_iter().enumerate() {
-            let comm = &ch.comms[i];
-            let stop_all = &stop_all;
-            sc.spawn(move |_| {
-                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(comm)))
-                    .unwrap_or_else(|_| {
-                        Err(Error::Aborted {
-                            rank: comm.rank(),
-                            reason: format!("channel {}: the channel thread panicked", i + 1),
-                        })
-                    });
-                if let Err(e) = r {
-                    stop_all(e);
+    nest(
+        &ch.pools,
+        &ch.comms,
+        rest.into_iter().collect(),
+        &stop_all,
+        || {
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(first)) {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => stop_all(e, Failed::Parent),
+                Err(p) => {
+                    // Stop the channels (the scopes wait for them) with the cause the turn's end
+                    // will report, then unwind on.
+                    let e = Error::Aborted {
+                        rank: owner.shared.rank,
+                        reason: "an operation panicked on this rank".into(),
+                    };
+                    stop_all(e, Failed::Parent);
+                    std::panic::resume_unwind(p);
                 }
-            });
-        }
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(first)) {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => stop_all(e),
-            Err(p) => {
-                // Stop the channels before unwinding on (the scope waits for them).
-                ch.abort();
-                std::panic::resume_unwind(p);
             }
-        }
-    });
+        },
+    );
     match cause.into_inner().unwrap_or_else(|p| p.into_inner()) {
         None => Ok(()),
         Some(e) => Err(e),
     }
 }
 
-/// A mismatch a channel found, told as the caller's: its operation number and call on the
-/// parent (`call`), with the parts the channel compared. (Every rank cuts a call alike, so
-/// parts differ only where the calls do.)
-fn as_the_callers(e: Error, channel: usize, call: Option<(u64, String)>) -> Error {
-    match (e, call) {
-        (
-            Error::Mismatch {
-                rank,
-                peer,
-                local,
-                remote,
-                ..
-            },
-            Some((seq, desc)),
-        ) => Error::Mismatch {
+/// Spawns `parts[0]` on `pools[0]` (channel `comms[0]`), and so on, each pool's scope inside
+/// the one before, and runs `first` innermost; returns once every part has ended.
+fn nest<'s>(
+    pools: &[rayon::ThreadPool],
+    comms: &'s [Communicator],
+    mut parts: std::collections::VecDeque<Part<'s>>,
+    stop_all: &'s (dyn Fn(Error, Failed) + Sync),
+    first: impl FnOnce(),
+) {
+    let (Some(job), Some(pool), Some(comm)) = (parts.pop_front(), pools.first(), comms.first())
+    else {
+        first();
+        return;
+    };
+    pool.in_place_scope(|sc| {
+        sc.spawn(move |_| {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(comm)))
+                .unwrap_or_else(|_| {
+                    Err(Error::Aborted {
+                        rank: comm.rank(),
+                        reason: "a channel's thread panicked".into(),
+                    })
+                });
+            if let Err(e) = r {
+                stop_all(e, Failed::Channel);
+            }
+        });
+        nest(&pools[1..], &comms[1..], parts, stop_all, first);
+    });
+}
+
+/// A mismatch a channel found, told as the caller's: the parent's operation number `seq` and
+/// `call`, with the parts channel `channel` compared. (Every rank cuts a call alike, so parts
+/// differ only where the calls do.) Other errors pass through.
+pub(crate) fn as_the_callers(e: Error, channel: usize, seq: u64, call: String) -> Error {
+    match e {
+        Error::Mismatch {
+            rank,
+            peer,
+            local,
+            remote,
+            ..
+        } => Error::Mismatch {
             rank,
             peer,
             seq,
-            local: desc,
+            local: call,
             remote: format!(
                 "a different call (channel {channel} of OXCCL_SOCKET_CHANNELS compared this \
                  rank's part, {local}, with rank {peer}'s, {remote})"
             ),
         },
-        (e, _) => e,
+        e => e,
     }
 }
 
 /// An all-reduce of `buf` (`src` the out-of-place input, indexed alike) cut at `parts`: part 0
 /// by `first(src0, buf0)` on this thread, the others on the channels. `call` is the parent's
-/// operation number and call, for the errors.
+/// operation number and call, for a mismatch a channel finds.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn all_reduce(
     ch: &Channels,
@@ -219,8 +269,12 @@ pub(crate) fn all_reduce(
         .map(|(i, (b, s))| {
             let call = call.clone();
             Box::new(move |c: &Communicator| {
-                c.all_reduce_raw(s, b, dt, op)
-                    .map_err(|e| as_the_callers(e, i + 1, call))
+                let slot = &c.shared.cut_call;
+                *slot.lock().unwrap_or_else(|p| p.into_inner()) =
+                    call.map(|(seq, desc)| (i + 1, seq, desc));
+                let r = c.all_reduce_raw(s, b, dt, op);
+                *slot.lock().unwrap_or_else(|p| p.into_inner()) = None;
+                r
             }) as Part<'_>
         })
         .collect();

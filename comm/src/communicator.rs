@@ -389,6 +389,22 @@ impl Communicator {
         store_host: Option<IpAddr>,
         root: Option<(String, Vec<usize>)>,
     ) -> Result<Communicator> {
+        Self::init_full(rank, size, store, cfg, id, store_host, root, None)
+    }
+
+    /// [`Communicator::init_inner`], publishing failures where `failures` says when given (a
+    /// channel, under its parent's key, sharing its cause: `crate::channels`).
+    #[allow(clippy::too_many_arguments)]
+    fn init_full(
+        rank: usize,
+        size: usize,
+        store: Arc<dyn Store>,
+        cfg: Config,
+        id: String,
+        store_host: Option<IpAddr>,
+        root: Option<(String, Vec<usize>)>,
+        failures: Option<crate::engine::Failures>,
+    ) -> Result<Communicator> {
         if size == 0 || rank >= size || size > crate::elastic::MAX_RANKS {
             return Err(Error::InvalidArgument {
                 rank,
@@ -581,6 +597,9 @@ impl Communicator {
             crate::affinity::enough_cpus_for(&lists, 2).unwrap_or(2 * same_node.len() <= cores)
         });
         let mut shared = Shared::new(rank, size, spin, &cfg, links, store.clone(), &id);
+        if let Some(f) = failures {
+            shared.share_failures(f);
+        }
         shared.layout = layout;
         // From what every rank knows alike (not from this rank's own peers), so all pick the
         // same ring blocks.
@@ -631,13 +650,16 @@ impl Communicator {
     }
 
     /// Makes this communicator's extra channels (`OXCCL_SOCKET_CHANNELS`, `crate::channels`):
-    /// communicators `<id>/ch1..` of the same ranks, when it has TCP peers and asks for more
-    /// than one.
+    /// communicators `<id>/ch1..` of the same ranks, publishing failures under this one's key
+    /// and sharing its cause,
+    /// when it has TCP peers and asks for more than one. Their threads start first, so a rank
+    /// that cannot start them fails before its peers wait for its channels.
     fn open_channels(&self) -> Result<()> {
         let k = self.cfg.socket_channels;
         if k < 2 || !self.shared.sockets {
             return Ok(());
         }
+        let pools = crate::channels::pools(self.rank, k - 1)?;
         let mut cfg = self.cfg.clone();
         cfg.socket_channels = 1;
         cfg.node_id = Some(self.node_id.clone());
@@ -645,7 +667,7 @@ impl Communicator {
         let lineage = self.shared.stalls.lineage(&members);
         let comms = (1..k)
             .map(|i| {
-                Self::init_inner(
+                Self::init_full(
                     self.rank,
                     self.size,
                     self.store.clone(),
@@ -653,13 +675,16 @@ impl Communicator {
                     format!("{}/ch{i}", self.id),
                     self.store_host,
                     Some(lineage.clone()),
+                    Some(self.shared.failures()),
                 )
             })
             .collect::<Result<Vec<_>>>()?;
-        let ch = crate::channels::Channels::new(self.rank, comms)?;
         tracing::debug!(rank = self.rank, channels = k, comm = %self.id, "channels ready");
         // Set once, here, before anyone else can see the communicator.
-        let _ = self.shared.channels.set(ch);
+        let _ = self
+            .shared
+            .channels
+            .set(crate::channels::Channels::new(comms, pools));
         Ok(())
     }
 

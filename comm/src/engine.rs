@@ -57,6 +57,10 @@ type JobSlot = Arc<Mutex<Option<TicketedJob>>>;
 /// Longest wait for the store while publishing a failure.
 const PUBLISH_BUDGET: Duration = Duration::from_secs(3);
 
+/// Where a communicator publishes its failure, and the cause once it has one
+/// ([`Shared::failures`]).
+pub(crate) type Failures = (String, Arc<Mutex<Option<Error>>>);
+
 /// What the operations of one communicator share.
 pub(crate) struct Shared {
     pub rank: usize,
@@ -91,7 +95,17 @@ pub(crate) struct Shared {
     skipped_set: AtomicBool,
     skipped: Mutex<Option<Error>>,
     store: Arc<dyn Store>,
+    /// Where this communicator's failure is published (`<id>/error`; a channel publishes under
+    /// its parent's, `crate::channels`).
     error_key: String,
+    /// The cause this rank published or adopted, once it has ([`Shared::publish_error`]);
+    /// shared with the communicator's channels, which publish under its key (`crate::channels`),
+    /// so every part of a cut operation on this rank reports one cause, with its own type.
+    published: Arc<Mutex<Option<Error>>>,
+    /// On a channel running its part of a cut operation: the channel's index and the parent's
+    /// operation number and call, so a mismatch it finds is published as the caller's
+    /// (`crate::channels`).
+    pub cut_call: Mutex<Option<(usize, u64, String)>>,
     turn: Mutex<Turn>,
     turn_cv: Condvar,
     worker: Mutex<Option<(Sender<Job>, JoinHandle<()>)>>,
@@ -148,6 +162,8 @@ impl Shared {
             skipped: Mutex::new(None),
             store,
             error_key: format!("{comm_id}/error"),
+            published: Arc::new(Mutex::new(None)),
+            cut_call: Mutex::new(None),
             turn: Mutex::new(Turn {
                 next_ticket: 0,
                 serving: 0,
@@ -314,6 +330,11 @@ impl Shared {
         // flagged closed and their doorbells rung.
         st.links.close(Instant::now());
         st.broken = Some(cause.clone());
+        // The channels are of no use any more: close theirs too (they publish under this
+        // communicator's key, where the cause stands already).
+        if let Some(ch) = self.channels.get() {
+            ch.abort();
+        }
         // After closing: peers learn first, the file can wait.
         self.trace.dump_if_set("failed", Some(&cause));
         cause
@@ -323,17 +344,44 @@ impl Shared {
     /// the one that stands (every rank then reports the same cause). Peers learn of a failure by
     /// their connections closing, so this comes first.
     pub(crate) fn publish_error(&self, e: Error) -> Error {
+        let mut published = lock(&self.published);
+        if let Some(cause) = &*published {
+            return cause.clone();
+        }
+        let e = match lock(&self.cut_call).clone() {
+            Some((channel, seq, call)) => crate::channels::as_the_callers(e, channel, seq, call),
+            None => e,
+        };
         let mine = encode_error(&e);
         // A store that cannot be reached (the store host's node cut off) must not delay closing
         // the connections, which is how peers learn: a few seconds at most.
         let budget = self.timeout.min(PUBLISH_BUDGET);
-        match self
+        let cause = match self
             .store
             .compare_set_within(&self.error_key, None, &mine, budget)
         {
             Ok(cur) if cur != mine => decode_error(&cur, self.rank).unwrap_or(e),
             _ => e,
-        }
+        };
+        *published = Some(cause.clone());
+        cause
+    }
+
+    /// Takes `e`, a cause already published under this communicator's key (by one of its
+    /// channels), as the one this rank reports, unless it has one already.
+    pub(crate) fn adopt_error(&self, e: Error) -> Error {
+        lock(&self.published).get_or_insert(e).clone()
+    }
+
+    /// Where failures are published, and the cause once there is one: a channel takes its
+    /// parent's ([`Shared::share_failures`]).
+    pub(crate) fn failures(&self) -> Failures {
+        (self.error_key.clone(), Arc::clone(&self.published))
+    }
+
+    /// Publishes failures where `of` (a parent's [`Shared::failures`]) says, sharing its cause.
+    pub(crate) fn share_failures(&mut self, of: Failures) {
+        (self.error_key, self.published) = of;
     }
 
     /// Takes a ticket and queues the job `make(ticket, ahead)` makes, both under the worker lock,
