@@ -337,6 +337,35 @@ fn every_collective_is_correct_across_two_nodes() {
     }
 }
 
+/// Large all-reduces cut across 2 channels (`OXCCL_SOCKET_CHANNELS`) on 2 nodes x 2 ranks: each
+/// channel a hierarchical communicator of its own (shared memory inside a node, TCP across).
+#[test]
+fn channels_across_two_nodes() {
+    let done = run_ranks(
+        "chan",
+        "big",
+        &[("OXCCL_SOCKET_CHANNELS", "2")],
+        Duration::from_secs(120),
+    );
+    if skipped(&done) {
+        return;
+    }
+    assert_eq!(done.code, Some(0), "{}", done.show());
+    let res = results_of(&done.stdout);
+    for r in 0..4 {
+        assert!(
+            res.get(&r).is_some_and(|l| l.ends_with(" ok")),
+            "rank {r}: {}",
+            done.show()
+        );
+        assert!(
+            done.stdout.contains(&format!("CUT rank={r} ops=4")),
+            "rank {r}: {}",
+            done.show()
+        );
+    }
+}
+
 /// One `connected` line: (global rank, peer, transport).
 fn connected(line: &str) -> Option<(usize, usize, String)> {
     if !line.contains(" connected ") {

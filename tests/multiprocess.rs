@@ -39,6 +39,18 @@ fn launch_job_timeout(
     job: &str,
     timeout_s: u32,
 ) -> Output {
+    launch_job_env(scenario, n, transport, job, timeout_s, &[])
+}
+
+/// [`launch_job_timeout`] with `env` added to the ranks' environment.
+fn launch_job_env(
+    scenario: &str,
+    n: usize,
+    transport: &str,
+    job: &str,
+    timeout_s: u32,
+    env: &[(&str, &str)],
+) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_oxccl"));
     cmd.args([
         "launch",
@@ -55,6 +67,7 @@ fn launch_job_timeout(
         .env("OXCCL_TIMEOUT", timeout_s.to_string())
         .env("OXCCL_TRANSPORT", transport)
         .env_remove("OXCCL_DEBUG");
+    cmd.envs(env.iter().copied());
     cmd.output().expect("running oxccl launch")
 }
 
@@ -132,6 +145,50 @@ fn killed_rank(transport: &str) {
             .parse()
             .unwrap();
         assert!(ms < 10_000, "rank {r} took {ms} ms");
+    }
+}
+
+/// Processes over TCP with 3 channels (`OXCCL_SOCKET_CHANNELS`): large all-reduces cut across
+/// them are right on every rank; a rank killed in a series of cut 4 MiB all-reduces is
+/// `PeerLost` naming it on every survivor, well inside the time-out.
+#[test]
+fn channels_between_processes_and_a_rank_killed_in_a_cut_all_reduce() {
+    let ch = [("OXCCL_SOCKET_CHANNELS", "3")];
+    let job = format!("mp-ch-big-{}", std::process::id());
+    let out = launch_job_env("big", 3, "tcp", &job, 60, &ch);
+    assert!(out.status.success(), "{}", show(&out));
+    let res = results(&out);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for r in 0..3 {
+        assert!(
+            res.get(&r).is_some_and(|l| l.ends_with(" ok")),
+            "rank {r}: {}",
+            show(&out)
+        );
+        // Every form of the f32 all-reduce and the i64 one were cut.
+        assert!(
+            stdout.contains(&format!("CUT rank={r} ops=4")),
+            "rank {r}: {}",
+            show(&out)
+        );
+    }
+
+    let job = format!("mp-ch-kill-{}", std::process::id());
+    let out = launch_job_env("kill", 4, "tcp", &job, 60, &ch);
+    assert!(!out.status.success(), "{}", show(&out));
+    let res = results(&out);
+    for r in [0, 1, 3] {
+        let line = res
+            .get(&r)
+            .unwrap_or_else(|| panic!("rank {r} reported nothing: {}", show(&out)));
+        assert!(line.contains("err=peer-lost peer=2"), "rank {r}: {line}");
+        let ms: u64 = line
+            .split("ms=")
+            .nth(1)
+            .and_then(|s| s.split_whitespace().next())
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(u64::MAX);
+        assert!(ms < 30_000, "rank {r} took {ms} ms (time-out 60 s)");
     }
 }
 

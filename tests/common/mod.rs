@@ -113,6 +113,37 @@ fn scenario_hello(c: &Communicator) -> Result<(), Error> {
     c.barrier()
 }
 
+/// All-reduces large enough to be cut across channels (`OXCCL_SOCKET_CHANNELS`): 3 MiB and a
+/// little of f32, in place, out of place and async, and of i64; panics on a wrong result.
+fn scenario_big(c: &Communicator) -> Result<(), Error> {
+    let (n, me) = (c.size(), c.rank());
+    let len = (3 << 18) + 7;
+    let val = |r: usize, i: usize| ((r * 31 + i * 17) % 11) as f32;
+    let sum = |i: usize| (0..n).map(|r| val(r, i)).sum::<f32>();
+    let mine: Vec<f32> = (0..len).map(|i| val(me, i)).collect();
+    let ok = |v: &[f32]| v.iter().enumerate().all(|(i, &x)| x == sum(i));
+    let mut v = mine.clone();
+    c.all_reduce(&mut v, ReduceOp::Sum)?;
+    assert!(ok(&v), "big all_reduce");
+    let mut out = vec![0f32; len];
+    c.all_reduce_into(&mine, &mut out, ReduceOp::Sum)?;
+    assert!(ok(&out), "big all_reduce_into");
+    let v = c.all_reduce_async(mine.clone(), ReduceOp::Sum).wait()?;
+    assert!(ok(&v), "big all_reduce_async");
+    let mut b: Vec<i64> = (0..len).map(|i| val(me, i) as i64 - 5).collect();
+    c.all_reduce(&mut b, ReduceOp::Sum)?;
+    assert!(
+        b.iter()
+            .enumerate()
+            .all(|(i, &x)| x == sum(i) as i64 - 5 * n as i64),
+        "big i64 all_reduce"
+    );
+    if let Some(cut) = c.channel_ops() {
+        println!("CUT rank={me} ops={cut}");
+    }
+    Ok(())
+}
+
 /// All-reduces of 1 MiB of f32 in a loop until one fails, or until `OXCCL_TEST_LOOP_SECS`
 /// (default 60) have passed, which is reported as `ok`. After the first successful all-reduce
 /// the rank prints `LOOPING rank=R` (the cue for the test to break something).
@@ -155,7 +186,8 @@ pub fn report(c: &Communicator, r: Result<(), Error>, t0: Instant) {
 /// The rank program: plays the scenario named by `OXCCL_TEST_SCENARIO`, or does nothing if it
 /// is unset (a normal test run).
 ///
-/// Scenarios: `all` ([`scenario_all`]), `hello` (one all-reduce and a barrier), `loop` (1 MiB
+/// Scenarios: `all` ([`scenario_all`]), `big` ([`scenario_big`]), `hello` (one all-reduce and a
+/// barrier), `loop` (1 MiB
 /// all-reduces until one fails), `kill` (rank 2 SIGKILLs itself in the 4th of a series of
 /// 1 MiB all-reduces), `mismatch` (rank 1 all-reduces 10 elements, the others 20),
 /// `fail-once` (first attempt, `OXCCL_RESTART_COUNT=0`: one all-reduce, then rank 2 exits with
@@ -175,6 +207,7 @@ pub fn rank_entry() {
         "all" => scenario_all(&c),
         "hello" => scenario_hello(&c),
         "loop" => scenario_loop(&c),
+        "big" => scenario_big(&c),
         "kill" => {
             // Survivors must outlive the launcher's SIGTERM long enough to report.
             // SAFETY: setting a signal disposition to SIG_IGN has no memory-safety preconditions.
