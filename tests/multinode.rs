@@ -359,7 +359,7 @@ fn channels_across_two_nodes() {
             done.show()
         );
         assert!(
-            done.stdout.contains(&format!("CUT rank={r} ops=4")),
+            done.stdout.contains(&format!("CUT rank={r} ops=6")),
             "rank {r}: {}",
             done.show()
         );

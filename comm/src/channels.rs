@@ -6,10 +6,10 @@
 //! `k > 1` channels keeps `k - 1` more communicators of the same ranks (ids `<id>/ch<i>`, made at
 //! the end of its init through the store, one after another, each with its own connections: TCP
 //! across, shared memory inside a node as for the parent), and one thread per extra channel. An
-//! all-reduce of at least two parts of [`CHANNEL_PART_MIN`] bytes is cut into
+//! all-reduce, broadcast or reduce of at least two parts of [`CHANNEL_PART_MIN`] bytes is cut into
 //! `m = min(k, bytes / CHANNEL_PART_MIN)` contiguous parts (multiples of 64 bytes but the last):
 //! part 0 runs on the parent's connections on the thread that runs the operation, with the
-//! tuner's choice for the whole call; part `i` runs as an ordinary all-reduce of channel `i`
+//! tuner's choice for the whole call; part `i` runs as an ordinary operation of channel `i`
 //! (its own tuner choice for the part, its own sequence numbers) on that channel's thread, all at
 //! once. Every rank cuts alike (the same bytes, and `OXCCL_SOCKET_CHANNELS` is checked equal at
 //! init), and only the parent's running operation uses the channels, so each channel sees the
@@ -28,8 +28,6 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use oxccl_kernels::{DType, ReduceOp};
-
 use crate::communicator::Communicator;
 use crate::engine::Shared;
 use crate::error::{Error, Result};
@@ -40,6 +38,11 @@ pub const CHANNEL_PART_MIN: usize = 1 << 20;
 
 /// A channel's part of a cut operation, run on that channel's communicator.
 type Part<'p> = Box<dyn FnOnce(&Communicator) -> Result<()> + Send + 'p>;
+
+/// How a channel runs its part of a cut operation: on its communicator, with its part of the
+/// input (out of place) and of the buffer.
+pub(crate) type RunPart<'a> =
+    dyn Fn(&Communicator, Option<&[u8]>, &mut [u8]) -> Result<()> + Sync + 'a;
 
 /// The extra channels of a communicator and the threads that drive them.
 pub(crate) struct Channels {
@@ -245,20 +248,20 @@ pub(crate) fn as_the_callers(e: Error, channel: usize, seq: u64, call: String) -
     }
 }
 
-/// An all-reduce of `buf` (`src` the out-of-place input, indexed alike) cut at `parts`: part 0
-/// by `first(src0, buf0)` on this thread, the others on the channels. `call` is the parent's
-/// operation number and call, for a mismatch a channel finds.
+/// An element-wise operation on `buf` (`src` the out-of-place input, indexed alike) cut at
+/// `parts`: part 0 by `first(src0, buf0)` on this thread, part `i` by `part(channel i, src_i,
+/// buf_i)` on channel `i`'s thread. `call` is the parent's operation number and call, for a
+/// mismatch a channel finds.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn all_reduce(
+pub(crate) fn cut_op(
     ch: &Channels,
     owner: &Owner<'_>,
     parts: &[Range<usize>],
     src: Option<&[u8]>,
     buf: &mut [u8],
-    dt: DType,
-    op: ReduceOp,
-    call: Option<(u64, String)>,
+    call: (u64, String),
     first: impl FnOnce(Option<&[u8]>, &mut [u8]) -> Result<()>,
+    part: &RunPart<'_>,
 ) -> Result<()> {
     let mut bufs = cut(buf, parts).into_iter();
     let srcs: Vec<Option<&[u8]>> = parts.iter().map(|p| src.map(|s| &s[p.clone()])).collect();
@@ -267,12 +270,11 @@ pub(crate) fn all_reduce(
         .zip(srcs[1..].iter().copied())
         .enumerate()
         .map(|(i, (b, s))| {
-            let call = call.clone();
+            let (seq, desc) = call.clone();
             Box::new(move |c: &Communicator| {
                 let slot = &c.shared.cut_call;
-                *slot.lock().unwrap_or_else(|p| p.into_inner()) =
-                    call.map(|(seq, desc)| (i + 1, seq, desc));
-                let r = c.all_reduce_raw(s, b, dt, op);
+                *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some((i + 1, seq, desc));
+                let r = part(c, s, b);
                 *slot.lock().unwrap_or_else(|p| p.into_inner()) = None;
                 r
             }) as Part<'_>

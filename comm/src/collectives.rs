@@ -148,9 +148,59 @@ fn premultiply<'s>(
     Ok((None, ReduceOp::Sum))
 }
 
-/// All-reduce of `buf` (in place, or `buf = reduce(src)`): cut across the communicator's
-/// channels when it has them and `buf` is large enough (`crate::channels`), else
-/// [`all_reduce_one`].
+/// An element-wise operation's body on this context alone: `(ctx, choice, src, buf)`.
+type Whole<'a> = dyn Fn(&mut Ctx<'_>, Choice, Option<&[u8]>, &mut [u8]) -> Result<()> + Sync + 'a;
+
+/// Runs `one` on `buf` (an element-wise operation described by `desc`, `src` its out-of-place
+/// input indexed alike): cut across the communicator's channels when it has them and `buf` is
+/// large enough (`crate::channels`; channel `i` runs `one` on its part as an operation of its
+/// own, `desc` with the part's count), else on this context alone.
+fn cut_or_whole(
+    ctx: &mut Ctx<'_>,
+    ch: Choice,
+    desc: OpDesc,
+    src: Option<&[u8]>,
+    buf: &mut [u8],
+    one: &Whole<'_>,
+) -> Result<()> {
+    let cut = ctx.shared.and_then(|shared| {
+        let chs = shared.channels.get()?;
+        Some((
+            shared,
+            chs,
+            channels::parts(buf.len(), chs.comms.len() + 1)?,
+        ))
+    });
+    let Some((shared, chs, parts)) = cut else {
+        return one(ctx, ch, src, buf);
+    };
+    let owner = channels::Owner {
+        shared,
+        abort: ctx.abort_flag(),
+    };
+    let call = (ctx.tag.seq, desc.to_string());
+    let es = desc.dtype.size();
+    let part = |c: &Communicator, s: Option<&[u8]>, b: &mut [u8]| {
+        let d = OpDesc {
+            count: b.len() / es,
+            ..desc
+        };
+        c.run(d, |cx, cch| one(cx, cch, s, b))
+    };
+    channels::cut_op(
+        chs,
+        &owner,
+        &parts,
+        src,
+        buf,
+        call,
+        |s, b| one(ctx, ch, s, b),
+        &part,
+    )
+}
+
+/// All-reduce of `buf` (in place, or `buf = reduce(src)`), cut across the channels when it has
+/// them ([`cut_or_whole`]).
 fn all_reduce_body(
     ctx: &mut Ctx<'_>,
     ch: Choice,
@@ -159,26 +209,16 @@ fn all_reduce_body(
     dt: DType,
     op: ReduceOp,
 ) -> Result<()> {
-    if let Some(shared) = ctx.shared {
-        if let Some(chs) = shared.channels.get() {
-            if let Some(parts) = channels::parts(buf.len(), chs.comms.len() + 1) {
-                let abort = ctx.abort_flag();
-                let call = OpDesc::from_tag(&ctx.tag).map(|d| (ctx.tag.seq, d.to_string()));
-                return channels::all_reduce(
-                    chs,
-                    &channels::Owner { shared, abort },
-                    &parts,
-                    src,
-                    buf,
-                    dt,
-                    op,
-                    call,
-                    |s, b| all_reduce_one(ctx, ch, s, b, dt, op),
-                );
-            }
-        }
-    }
-    all_reduce_one(ctx, ch, src, buf, dt, op)
+    let desc = OpDesc {
+        coll: Collective::AllReduce,
+        dtype: dt,
+        op,
+        root: 0,
+        count: buf.len() / dt.size(),
+    };
+    cut_or_whole(ctx, ch, desc, src, buf, &|cx, cch, s, b| {
+        all_reduce_one(cx, cch, s, b, dt, op)
+    })
 }
 
 /// All-reduce of `buf` on this communicator's own connections (in place, or `buf =
@@ -287,8 +327,30 @@ fn finish(ctx: &Ctx<'_>, buf: &mut [u8], dt: DType, op: ReduceOp) -> Result<()> 
     Ok(())
 }
 
-/// Broadcast into `buf`; `src` (root only, out of place) is the root's input.
+/// Broadcast of `buf` from `root` (`src`: the root's input out of place), cut across the
+/// channels when it has them ([`cut_or_whole`]).
 fn broadcast_body(
+    ctx: &mut Ctx<'_>,
+    ch: Choice,
+    src: Option<&[u8]>,
+    buf: &mut [u8],
+    dt: DType,
+    root: usize,
+) -> Result<()> {
+    let desc = OpDesc {
+        coll: Collective::Broadcast,
+        dtype: dt,
+        op: ReduceOp::Sum,
+        root,
+        count: buf.len() / dt.size(),
+    };
+    let es = dt.size();
+    cut_or_whole(ctx, ch, desc, src, buf, &|cx, cch, s, b| {
+        broadcast_one(cx, cch, s, b, es, root)
+    })
+}
+
+fn broadcast_one(
     ctx: &mut Ctx<'_>,
     ch: Choice,
     src: Option<&[u8]>,
@@ -308,8 +370,29 @@ fn broadcast_body(
     }
 }
 
-/// Reduce into `buf` at the root; `buf` is a scratch copy on other ranks.
+/// Reduce into `buf` at the root; `buf` is a scratch copy on other ranks. Cut across the
+/// channels when it has them ([`cut_or_whole`]).
 fn reduce_body(
+    ctx: &mut Ctx<'_>,
+    ch: Choice,
+    buf: &mut [u8],
+    dt: DType,
+    op: ReduceOp,
+    root: usize,
+) -> Result<()> {
+    let desc = OpDesc {
+        coll: Collective::Reduce,
+        dtype: dt,
+        op,
+        root,
+        count: buf.len() / dt.size(),
+    };
+    cut_or_whole(ctx, ch, desc, None, buf, &|cx, cch, _, b| {
+        reduce_one(cx, cch, b, dt, op, root)
+    })
+}
+
+fn reduce_one(
     ctx: &mut Ctx<'_>,
     ch: Choice,
     buf: &mut [u8],
@@ -416,24 +499,6 @@ impl Communicator {
         let (tx, rx) = crossbeam_channel::bounded(1);
         let _ = tx.send(Err(e));
         Work::new(rx, Instant::now(), self.rank, op)
-    }
-
-    /// An all-reduce of raw bytes of `dt` (a channel's part of one, `crate::channels`).
-    pub(crate) fn all_reduce_raw(
-        &self,
-        src: Option<&[u8]>,
-        buf: &mut [u8],
-        dt: DType,
-        op: ReduceOp,
-    ) -> Result<()> {
-        let desc = OpDesc {
-            coll: Collective::AllReduce,
-            dtype: dt,
-            op,
-            root: 0,
-            count: buf.len() / dt.size(),
-        };
-        self.run(desc, |ctx, ch| all_reduce_body(ctx, ch, src, buf, dt, op))
     }
 
     /// All-reduce in place: every rank ends with the reduction of every rank's `buf`.
@@ -757,7 +822,7 @@ impl Communicator {
         self.check_root("broadcast", root)?;
         let desc = self.desc::<T>(Collective::Broadcast, buf.len(), ReduceOp::Sum, root);
         self.run(desc, |ctx, ch| {
-            broadcast_body(ctx, ch, None, bytes_mut(buf), T::DTYPE.size(), root)
+            broadcast_body(ctx, ch, None, bytes_mut(buf), T::DTYPE, root)
         })
     }
 
@@ -785,7 +850,7 @@ impl Communicator {
         let desc = self.desc::<T>(Collective::Broadcast, output.len(), ReduceOp::Sum, root);
         let src = (self.rank == root).then(|| bytes(input));
         self.run(desc, |ctx, ch| {
-            broadcast_body(ctx, ch, src, bytes_mut(output), T::DTYPE.size(), root)
+            broadcast_body(ctx, ch, src, bytes_mut(output), T::DTYPE, root)
         })
     }
 
@@ -805,7 +870,7 @@ impl Communicator {
             root,
         );
         self.run_async(desc, buf, move |ctx, ch, b| {
-            broadcast_body(ctx, ch, None, bytes_mut(b.as_mut()), T::DTYPE.size(), root)
+            broadcast_body(ctx, ch, None, bytes_mut(b.as_mut()), T::DTYPE, root)
         })
     }
 
@@ -834,7 +899,7 @@ impl Communicator {
         let at_root = self.rank == root;
         self.run_async(desc, (input, output), move |ctx, ch, (i, o)| {
             let src = at_root.then(|| bytes(i.as_ref()));
-            broadcast_body(ctx, ch, src, bytes_mut(o.as_mut()), T::DTYPE.size(), root)
+            broadcast_body(ctx, ch, src, bytes_mut(o.as_mut()), T::DTYPE, root)
         })
     }
 
@@ -1657,7 +1722,7 @@ pub(crate) fn exec_staged(
             finish(ctx, &mut stage[rank * shard..(rank + 1) * shard], dt, op)
         }
         Kind::AllGather => all_gather_body(ctx, ch, stage, es, None),
-        Kind::Broadcast { .. } => broadcast_body(ctx, ch, None, stage, es, root),
+        Kind::Broadcast { .. } => broadcast_body(ctx, ch, None, stage, dt, root),
         Kind::Reduce { .. } => reduce_body(ctx, ch, stage, dt, op, root),
         Kind::Gather { .. } => {
             // Staging: [input | output (root only)].

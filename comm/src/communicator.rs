@@ -753,7 +753,8 @@ impl Communicator {
             .map(|t| t.exchanges.load(Ordering::Relaxed))
     }
 
-    /// How many all-reduces were cut across this communicator's channels
+    /// How many operations (all-reduce, broadcast, reduce) were cut across this communicator's
+    /// channels
     /// (`OXCCL_SOCKET_CHANNELS`, [`Config::socket_channels`]), or `None` when it has none (one
     /// channel asked for, or no TCP peers).
     pub fn channel_ops(&self) -> Option<u64> {

@@ -75,11 +75,12 @@ pub struct Config {
     /// ranks have at least two CPUs each, from their affinity masks).
     pub socket_send_thread: Option<bool>,
     /// Independent sets of connections ("channels", as NCCL calls them) a communicator with TCP
-    /// peers keeps, each driven by a thread of its own: a large all-reduce is cut into this many
-    /// contiguous parts, one per channel, run at once, so several cores copy through the kernel's
-    /// sockets in parallel (`OXCCL_SOCKET_CHANNELS`, default 1 = one set, no extra threads;
-    /// 1..=16). Parts are at least [`crate::channels::CHANNEL_PART_MIN`] bytes, so smaller
-    /// all-reduces use fewer channels. Every rank must use the same value.
+    /// peers keeps, each driven by a thread of its own: a large all-reduce, broadcast or reduce
+    /// is cut into this many contiguous parts, one per channel, run at once, so several cores
+    /// copy through the kernel's sockets in parallel (`OXCCL_SOCKET_CHANNELS`, default 1 = one
+    /// set, no extra threads; 1..=16). Parts are at least
+    /// [`crate::channels::CHANNEL_PART_MIN`] bytes, so smaller operations use fewer channels.
+    /// Every rank must use the same value.
     pub socket_channels: usize,
     /// Block of the hierarchical all-reduce per local rank, in bytes (`OXCCL_HIERARCHICAL_BLOCK`,
     /// default 512 KiB, a multiple of 64 from 4 KiB to 1 GiB): each rank's piece of a block

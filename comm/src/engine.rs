@@ -71,7 +71,7 @@ pub(crate) struct Shared {
     pub spin: bool,
     /// The thread large sends to TCP peers go out on (`OXCCL_SOCKET_SEND_THREAD`).
     pub send_thread: Option<crate::prims::SendThread>,
-    /// The extra channels large all-reduces are cut across (`OXCCL_SOCKET_CHANNELS`; set once
+    /// The extra channels large all-reduces, broadcasts and reduces are cut across (`OXCCL_SOCKET_CHANNELS`; set once
     /// at init, after the communicator's own connections).
     pub channels: std::sync::OnceLock<crate::channels::Channels>,
     /// The ranks by node, when the communicator spans nodes of at least two ranks each

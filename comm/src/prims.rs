@@ -247,8 +247,8 @@ pub(crate) struct Ctx<'a> {
     /// Large sends to TCP peers go out on this thread ([`Ctx::exchange_split`]).
     pub send_thread: Option<&'a SendThread>,
     /// The communicator's shared state, whose extra channels (`OXCCL_SOCKET_CHANNELS`) large
-    /// all-reduces are cut across and which publishes their failures (`crate::channels`);
-    /// `None` in sub-contexts and unit tests.
+    /// all-reduces, broadcasts and reduces are cut across and which publishes their failures
+    /// (`crate::channels`); `None` in sub-contexts and unit tests.
     pub shared: Option<&'a crate::engine::Shared>,
     /// Copies into the user's buffer use streaming stores (set for buffers beyond the caches,
     /// see `tuning::STREAM_MIN`).

@@ -1,8 +1,9 @@
 //! Channels (`OXCCL_SOCKET_CHANNELS`, `Config::socket_channels`): a communicator with TCP peers
 //! keeps more sets of connections, each driven by a thread of its own, and cuts large
-//! all-reduces across them. Every form of all-reduce with them against a serial reference (in
-//! place, out of place, async; several types and operations; sizes that use 1, 2 and 3
-//! channels, lengths that are not whole cache lines), over TCP and across simulated nodes, with
+//! all-reduces, broadcasts and reduces across them. Every form of all-reduce with them against a
+//! serial reference (in place, out of place, async; several types and operations; sizes that use
+//! 1, 2 and 3 channels, lengths that are not whole cache lines), broadcast and reduce in place
+//! and out of place, over TCP and across simulated nodes, with
 //! the count of cut operations checked; and their failures: mismatched calls, a lost peer, a
 //! missing peer and `abort` end in errors on every rank, never a hang; ranks that disagree on
 //! the setting fail at init.
@@ -46,8 +47,9 @@ fn check<T: PartialEq + std::fmt::Debug + Copy>(
     }
 }
 
-/// Every form of all-reduce on `len` f32 elements, and one each of f64 average, i32 max and
-/// bf16 sum on about as many bytes.
+/// Every form of all-reduce on `len` f32 elements, broadcast and reduce in place and out of
+/// place, and all-reduces of f64 average, i32 max and bf16 sum on about as many bytes: 11 cut
+/// operations when `len` f32 are cut.
 fn all_reduces(c: &Communicator, len: usize) -> Result<()> {
     let (rank, n) = (c.rank(), c.size());
     let sum = |i: usize| (0..n).map(|r| val(r, i) as f32).sum::<f32>();
@@ -83,6 +85,30 @@ fn all_reduces(c: &Communicator, len: usize) -> Result<()> {
         (0..n).map(|r| val(r, i) as i32 - 5).max().unwrap_or(0)
     });
 
+    // Broadcast and reduce, cut alike.
+    let mut b = if rank == 1 {
+        mine.clone()
+    } else {
+        vec![0f32; len]
+    };
+    c.broadcast(&mut b, 1)?;
+    check("broadcast", rank, &b, |i| val(1, i) as f32);
+    let mut out = vec![0f32; len];
+    c.broadcast_into(&mine, &mut out, 0)?;
+    check("broadcast_into", rank, &out, |i| val(0, i) as f32);
+    let mut out = vec![0f32; len];
+    c.reduce(&mine, &mut out, ReduceOp::Sum, n - 1)?;
+    if rank == n - 1 {
+        check("reduce", rank, &out, sum);
+    }
+    let mut v = mine.clone();
+    c.reduce_in_place(&mut v, ReduceOp::Max, 0)?;
+    if rank == 0 {
+        check("reduce_in_place max", rank, &v, |i| {
+            (0..n).map(|r| val(r, i) as f32).fold(0.0, f32::max)
+        });
+    }
+
     let mut b: Vec<bf16> = (0..2 * len + 3)
         .map(|i| bf16::from_f32(val(rank, i) as f32))
         .collect();
@@ -107,9 +133,10 @@ fn every_all_reduce_over_tcp_across_channels() {
         });
         for (rank, r) in res.into_iter().enumerate() {
             let used = r.unwrap_or_else(|e| panic!("{n} ranks, {k} channels: rank {rank}: {e}"));
-            // Per size of at least 2 MiB, 7 cut: 4 forms in f32, the f64 average (half the
-            // elements, the same bytes), i32 and bf16 (twice the elements plus 3).
-            assert_eq!(used, Some(2 * 7), "{n} ranks, {k} channels: rank {rank}");
+            // Per size of at least 2 MiB, 11 cut: 4 forms of all-reduce in f32, 2 of broadcast
+            // and 2 of reduce, the f64 average (half the elements, the same bytes), i32 and
+            // bf16 (twice the elements plus 3).
+            assert_eq!(used, Some(2 * 11), "{n} ranks, {k} channels: rank {rank}");
         }
     }
 }
@@ -135,7 +162,7 @@ fn with_the_send_thread_and_a_pre_multiplied_sum() {
     });
     for (rank, r) in res.into_iter().enumerate() {
         let (cut, sent) = r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-        assert_eq!(cut, Some(8), "rank {rank}");
+        assert_eq!(cut, Some(12), "rank {rank}");
         assert!(
             sent.unwrap_or(0) > 0,
             "rank {rank}: the send thread never ran"
@@ -157,7 +184,7 @@ fn hierarchical_nodes_cut_their_all_reduces_too() {
     });
     for (rank, r) in res.into_iter().enumerate() {
         let used = r.unwrap_or_else(|e| panic!("2 x 2: rank {rank}: {e}"));
-        assert_eq!(used, Some(7), "2 x 2: rank {rank}");
+        assert_eq!(used, Some(11), "2 x 2: rank {rank}");
     }
 }
 

@@ -212,7 +212,7 @@ fn run_all(comm: &Communicator, args: &PerfArgs, plan: &Plan) -> Result<u64, Err
         }
         if let Some(n) = comm.channel_ops() {
             out(&[format!(
-                "# Channels on (OXCCL_SOCKET_CHANNELS={}): rank 0 cut {n} all-reduces across them",
+                "# Channels on (OXCCL_SOCKET_CHANNELS={}): rank 0 cut {n} operations across them",
                 comm.config().socket_channels
             )]);
         }

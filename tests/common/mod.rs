@@ -114,7 +114,8 @@ fn scenario_hello(c: &Communicator) -> Result<(), Error> {
 }
 
 /// All-reduces large enough to be cut across channels (`OXCCL_SOCKET_CHANNELS`): 3 MiB and a
-/// little of f32, in place, out of place and async, and of i64; panics on a wrong result.
+/// little of f32, in place, out of place and async, and of i64, a broadcast and a reduce of
+/// the f32 size; panics on a wrong result.
 fn scenario_big(c: &Communicator) -> Result<(), Error> {
     let (n, me) = (c.size(), c.rank());
     let len = (3 << 18) + 7;
@@ -130,6 +131,19 @@ fn scenario_big(c: &Communicator) -> Result<(), Error> {
     assert!(ok(&out), "big all_reduce_into");
     let v = c.all_reduce_async(mine.clone(), ReduceOp::Sum).wait()?;
     assert!(ok(&v), "big all_reduce_async");
+    let mut b = if me == 0 {
+        mine.clone()
+    } else {
+        vec![0f32; len]
+    };
+    c.broadcast(&mut b, 0)?;
+    assert!(
+        b.iter().enumerate().all(|(i, &x)| x == val(0, i)),
+        "big broadcast"
+    );
+    let mut r = vec![0f32; len];
+    c.reduce(&mine, &mut r, ReduceOp::Sum, n - 1)?;
+    assert!(me != n - 1 || ok(&r), "big reduce");
     let mut b: Vec<i64> = (0..len).map(|i| val(me, i) as i64 - 5).collect();
     c.all_reduce(&mut b, ReduceOp::Sum)?;
     assert!(
