@@ -148,6 +148,10 @@ fn killed_rank(transport: &str) {
     }
 }
 
+fn stdout_of(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 /// Processes over TCP with 3 channels (`OXCCL_SOCKET_CHANNELS`): large all-reduces cut across
 /// them are right on every rank; a rank killed in a series of cut 4 MiB all-reduces is
 /// `PeerLost` naming it on every survivor, well inside the time-out.
@@ -182,6 +186,12 @@ fn channels_between_processes_and_a_rank_killed_in_a_cut_all_reduce() {
             .get(&r)
             .unwrap_or_else(|| panic!("rank {r} reported nothing: {}", show(&out)));
         assert!(line.contains("err=peer-lost peer=2"), "rank {r}: {line}");
+        // The 4 MiB all-reduces were cut (3 before rank 2 died, and the one that failed).
+        let cut = stdout_of(&out)
+            .lines()
+            .find_map(|l| l.split(&format!("CUT rank={r} ops=")).nth(1))
+            .and_then(|n| n.trim().parse::<u64>().ok());
+        assert!(cut.is_some_and(|n| n >= 3), "rank {r}: cut {cut:?}");
         let ms: u64 = line
             .split("ms=")
             .nth(1)

@@ -32,7 +32,7 @@ use crate::communicator::Communicator;
 use crate::engine::Shared;
 use crate::error::{Error, Result};
 
-/// Smallest part of an all-reduce that a channel carries: smaller all-reduces use fewer channels
+/// Smallest part of an operation that a channel carries: smaller operations use fewer channels
 /// (below two parts, only the parent's connections).
 pub const CHANNEL_PART_MIN: usize = 1 << 20;
 
@@ -126,19 +126,12 @@ pub(crate) struct Owner<'a> {
     pub abort: &'a AtomicBool,
 }
 
-/// Which part failed: the parent's own, or a channel's (whose communicator has published the
-/// cause under the parent's key already, before closing anything).
-#[derive(Clone, Copy)]
-enum Failed {
-    Parent,
-    Channel,
-}
-
 /// Runs `first` (the parent's part, on this thread) and `rest[i]` on channel `i + 1` (on its
-/// thread) at once. The first failure's cause is published (the parent's part publishes it
-/// here; a channel has, under the parent's key, before it closed its connections), then the
-/// other parts are stopped; the call returns the cause that stands. An `InvalidArgument` stops
-/// nothing: every part of every rank meets it alike, and it breaks no communicator.
+/// thread) at once. The first failure's cause is published (a channel's own `fail` has done so
+/// already, under the parent's key, before it closed its connections; the shared record makes
+/// this a no-op then), then the other parts are stopped; the call returns the cause that
+/// stands. An `InvalidArgument` alone stops nothing: every part of every rank meets it alike,
+/// and it breaks no communicator; a real failure after it replaces it.
 fn run_parts(
     ch: &Channels,
     owner: &Owner<'_>,
@@ -147,19 +140,20 @@ fn run_parts(
 ) -> Result<()> {
     ch.ops.fetch_add(1, Ordering::Relaxed);
     let cause: Mutex<Option<Error>> = Mutex::new(None);
-    let stop_all = |e: Error, from: Failed| {
+    let stop_all = |e: Error| {
         let mut c = cause.lock().unwrap_or_else(|p| p.into_inner());
-        if c.is_some() {
+        let invalid = |e: &Error| matches!(e, Error::InvalidArgument { .. });
+        // An `InvalidArgument` stands only until a real failure comes.
+        if c.as_ref().is_some_and(|c| !invalid(c)) {
             return;
         }
-        if matches!(e, Error::InvalidArgument { .. }) {
-            *c = Some(e);
+        if invalid(&e) {
+            c.get_or_insert(e);
             return;
         }
-        *c = Some(match from {
-            Failed::Parent => owner.shared.publish_error(e),
-            Failed::Channel => owner.shared.adopt_error(e),
-        });
+        // A channel that failed through its own `fail` published already (the record is
+        // shared): this returns that cause without asking the store again.
+        *c = Some(owner.shared.publish_error(e));
         drop(c);
         owner.abort.store(true, Ordering::Relaxed);
         ch.abort();
@@ -172,7 +166,7 @@ fn run_parts(
         || {
             match std::panic::catch_unwind(std::panic::AssertUnwindSafe(first)) {
                 Ok(Ok(())) => {}
-                Ok(Err(e)) => stop_all(e, Failed::Parent),
+                Ok(Err(e)) => stop_all(e),
                 Err(p) => {
                     // Stop the channels (the scopes wait for them) with the cause the turn's end
                     // will report, then unwind on.
@@ -180,7 +174,7 @@ fn run_parts(
                         rank: owner.shared.rank,
                         reason: "an operation panicked on this rank".into(),
                     };
-                    stop_all(e, Failed::Parent);
+                    stop_all(e);
                     std::panic::resume_unwind(p);
                 }
             }
@@ -198,7 +192,7 @@ fn nest<'s>(
     pools: &[rayon::ThreadPool],
     comms: &'s [Communicator],
     mut parts: std::collections::VecDeque<Part<'s>>,
-    stop_all: &'s (dyn Fn(Error, Failed) + Sync),
+    stop_all: &'s (dyn Fn(Error) + Sync),
     first: impl FnOnce(),
 ) {
     let (Some(job), Some(pool), Some(comm)) = (parts.pop_front(), pools.first(), comms.first())
@@ -216,7 +210,7 @@ fn nest<'s>(
                     })
                 });
             if let Err(e) = r {
-                stop_all(e, Failed::Channel);
+                stop_all(e);
             }
         });
         nest(&pools[1..], &comms[1..], parts, stop_all, first);

@@ -71,8 +71,8 @@ pub(crate) struct Shared {
     pub spin: bool,
     /// The thread large sends to TCP peers go out on (`OXCCL_SOCKET_SEND_THREAD`).
     pub send_thread: Option<crate::prims::SendThread>,
-    /// The extra channels large all-reduces, broadcasts and reduces are cut across (`OXCCL_SOCKET_CHANNELS`; set once
-    /// at init, after the communicator's own connections).
+    /// The extra channels large all-reduces, broadcasts and reduces are cut across
+    /// (`OXCCL_SOCKET_CHANNELS`; set once at init, after the communicator's own connections).
     pub channels: std::sync::OnceLock<crate::channels::Channels>,
     /// The ranks by node, when the communicator spans nodes of at least two ranks each
     /// (hierarchical algorithms).
@@ -356,21 +356,22 @@ impl Shared {
         // A store that cannot be reached (the store host's node cut off) must not delay closing
         // the connections, which is how peers learn: a few seconds at most.
         let budget = self.timeout.min(PUBLISH_BUDGET);
-        let cause = match self
+        match self
             .store
             .compare_set_within(&self.error_key, None, &mine, budget)
         {
-            Ok(cur) if cur != mine => decode_error(&cur, self.rank).unwrap_or(e),
-            _ => e,
-        };
-        *published = Some(cause.clone());
-        cause
-    }
-
-    /// Takes `e`, a cause already published under this communicator's key (by one of its
-    /// channels), as the one this rank reports, unless it has one already.
-    pub(crate) fn adopt_error(&self, e: Error) -> Error {
-        lock(&self.published).get_or_insert(e).clone()
+            Ok(cur) => {
+                let cause = if cur == mine {
+                    e
+                } else {
+                    decode_error(&cur, self.rank).unwrap_or(e)
+                };
+                *published = Some(cause.clone());
+                cause
+            }
+            // Not published: a later caller tries again.
+            Err(_) => e,
+        }
     }
 
     /// Where failures are published, and the cause once there is one: a channel takes its
@@ -379,9 +380,11 @@ impl Shared {
         (self.error_key.clone(), Arc::clone(&self.published))
     }
 
-    /// Publishes failures where `of` (a parent's [`Shared::failures`]) says, sharing its cause.
+    /// Publishes failures where `of` (a parent's [`Shared::failures`]) says, sharing its cause;
+    /// its stall reports look there for a published error too.
     pub(crate) fn share_failures(&mut self, of: Failures) {
         (self.error_key, self.published) = of;
+        self.stalls.set_error_key(self.error_key.clone());
     }
 
     /// Takes a ticket and queues the job `make(ticket, ahead)` makes, both under the worker lock,

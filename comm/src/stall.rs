@@ -239,6 +239,12 @@ impl Stalls {
         self.root_ranks = root_ranks;
     }
 
+    /// Looks for the communicator's first error under `key` (a channel: its parent's, where it
+    /// publishes, `crate::channels`).
+    pub(crate) fn set_error_key(&mut self, key: String) {
+        self.error_key = key;
+    }
+
     /// The root id and root ranks of a communicator split from this one with `members` (ranks
     /// of this one).
     pub(crate) fn lineage(&self, members: &[usize]) -> (String, Vec<usize>) {

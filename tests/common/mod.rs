@@ -203,7 +203,7 @@ pub fn report(c: &Communicator, r: Result<(), Error>, t0: Instant) {
 /// Scenarios: `all` ([`scenario_all`]), `big` ([`scenario_big`]), `hello` (one all-reduce and a
 /// barrier), `loop` (1 MiB
 /// all-reduces until one fails), `kill` (rank 2 SIGKILLs itself in the 4th of a series of
-/// 1 MiB all-reduces), `mismatch` (rank 1 all-reduces 10 elements, the others 20),
+/// 4 MiB all-reduces), `mismatch` (rank 1 all-reduces 10 elements, the others 20),
 /// `fail-once` (first attempt, `OXCCL_RESTART_COUNT=0`: one all-reduce, then rank 2 exits with
 /// code 3 while the others go on all-reducing until they fail; later attempts: `hello`),
 /// `shrink` (rank 2 SIGKILLs itself in the 3rd of a series of 1 MiB all-reduces; the others
@@ -242,6 +242,9 @@ pub fn rank_entry() {
                     break;
                 }
                 v.fill(1.0);
+            }
+            if let Some(cut) = c.channel_ops() {
+                println!("CUT rank={} ops={cut}", c.rank());
             }
             result
         }
