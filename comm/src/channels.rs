@@ -25,7 +25,7 @@
 //! [`Communicator::abort`], close the channels too.
 
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use crate::communicator::Communicator;
@@ -119,22 +119,15 @@ fn cut<'b>(mut buf: &'b mut [u8], parts: &[Range<usize>]) -> Vec<&'b mut [u8]> {
     out
 }
 
-/// The communicator a cut operation runs on: where its failure is published, and the flag that
-/// stops its own part.
-pub(crate) struct Owner<'a> {
-    pub shared: &'a Shared,
-    pub abort: &'a AtomicBool,
-}
-
 /// Runs `first` (the parent's part, on this thread) and `rest[i]` on channel `i + 1` (on its
-/// thread) at once. The first failure's cause is published (a channel's own `fail` has done so
+/// thread) at once, for the communicator `owner` (its abort flag stops the parent's part). The first failure's cause is published (a channel's own `fail` has done so
 /// already, under the parent's key, before it closed its connections; the shared record makes
 /// this a no-op then), then the other parts are stopped; the call returns the cause that
 /// stands. An `InvalidArgument` alone stops nothing: every part of every rank meets it alike,
 /// and it breaks no communicator; a real failure after it replaces it.
 fn run_parts(
     ch: &Channels,
-    owner: &Owner<'_>,
+    owner: &Shared,
     first: impl FnOnce() -> Result<()>,
     rest: Vec<Part<'_>>,
 ) -> Result<()> {
@@ -153,7 +146,7 @@ fn run_parts(
         }
         // A channel that failed through its own `fail` published already (the record is
         // shared): this returns that cause without asking the store again.
-        *c = Some(owner.shared.publish_error(e));
+        *c = Some(owner.publish_error(e));
         drop(c);
         owner.abort.store(true, Ordering::Relaxed);
         ch.abort();
@@ -171,7 +164,7 @@ fn run_parts(
                     // Stop the channels (the scopes wait for them) with the cause the turn's end
                     // will report, then unwind on.
                     let e = Error::Aborted {
-                        rank: owner.shared.rank,
+                        rank: owner.rank,
                         reason: "an operation panicked on this rank".into(),
                     };
                     stop_all(e);
@@ -249,7 +242,7 @@ pub(crate) fn as_the_callers(e: Error, channel: usize, seq: u64, call: String) -
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn cut_op(
     ch: &Channels,
-    owner: &Owner<'_>,
+    owner: &Shared,
     parts: &[Range<usize>],
     src: Option<&[u8]>,
     buf: &mut [u8],

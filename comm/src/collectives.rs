@@ -151,14 +151,16 @@ fn premultiply<'s>(
 /// An element-wise operation's body on this context alone: `(ctx, choice, src, buf)`.
 type Whole<'a> = dyn Fn(&mut Ctx<'_>, Choice, Option<&[u8]>, &mut [u8]) -> Result<()> + Sync + 'a;
 
-/// Runs `one` on `buf` (an element-wise operation described by `desc`, `src` its out-of-place
-/// input indexed alike): cut across the communicator's channels when it has them and `buf` is
-/// large enough (`crate::channels`; channel `i` runs `one` on its part as an operation of its
-/// own, `desc` with the part's count), else on this context alone.
+/// Runs `one` on `buf` (the element-wise collective `coll` of `dt`, with `op` and `root` where
+/// they apply; `src` its out-of-place input indexed alike): cut across the communicator's
+/// channels when it has them and `buf` is large enough (`crate::channels`; channel `i` runs
+/// `one` on its part as an operation of its own, with the part's count), else on this context
+/// alone. The parent's part stops through the communicator's abort flag, which is the context's.
+#[allow(clippy::too_many_arguments)]
 fn cut_or_whole(
     ctx: &mut Ctx<'_>,
     ch: Choice,
-    desc: OpDesc,
+    (coll, dt, op, root): (Collective, DType, ReduceOp, usize),
     src: Option<&[u8]>,
     buf: &mut [u8],
     one: &Whole<'_>,
@@ -174,22 +176,21 @@ fn cut_or_whole(
     let Some((shared, chs, parts)) = cut else {
         return one(ctx, ch, src, buf);
     };
-    let owner = channels::Owner {
-        shared,
-        abort: ctx.abort_flag(),
+    let es = dt.size();
+    let desc = |bytes: usize| OpDesc {
+        coll,
+        dtype: dt,
+        op,
+        root,
+        count: bytes / es,
     };
-    let call = (ctx.tag.seq, desc.to_string());
-    let es = desc.dtype.size();
+    let call = (ctx.tag.seq, desc(buf.len()).to_string());
     let part = |c: &Communicator, s: Option<&[u8]>, b: &mut [u8]| {
-        let d = OpDesc {
-            count: b.len() / es,
-            ..desc
-        };
-        c.run(d, |cx, cch| one(cx, cch, s, b))
+        c.run(desc(b.len()), |cx, cch| one(cx, cch, s, b))
     };
     channels::cut_op(
         chs,
-        &owner,
+        shared,
         &parts,
         src,
         buf,
@@ -209,14 +210,8 @@ fn all_reduce_body(
     dt: DType,
     op: ReduceOp,
 ) -> Result<()> {
-    let desc = OpDesc {
-        coll: Collective::AllReduce,
-        dtype: dt,
-        op,
-        root: 0,
-        count: buf.len() / dt.size(),
-    };
-    cut_or_whole(ctx, ch, desc, src, buf, &|cx, cch, s, b| {
+    let what = (Collective::AllReduce, dt, op, 0);
+    cut_or_whole(ctx, ch, what, src, buf, &|cx, cch, s, b| {
         all_reduce_one(cx, cch, s, b, dt, op)
     })
 }
@@ -337,15 +332,9 @@ fn broadcast_body(
     dt: DType,
     root: usize,
 ) -> Result<()> {
-    let desc = OpDesc {
-        coll: Collective::Broadcast,
-        dtype: dt,
-        op: ReduceOp::Sum,
-        root,
-        count: buf.len() / dt.size(),
-    };
     let es = dt.size();
-    cut_or_whole(ctx, ch, desc, src, buf, &|cx, cch, s, b| {
+    let what = (Collective::Broadcast, dt, ReduceOp::Sum, root);
+    cut_or_whole(ctx, ch, what, src, buf, &|cx, cch, s, b| {
         broadcast_one(cx, cch, s, b, es, root)
     })
 }
@@ -380,14 +369,8 @@ fn reduce_body(
     op: ReduceOp,
     root: usize,
 ) -> Result<()> {
-    let desc = OpDesc {
-        coll: Collective::Reduce,
-        dtype: dt,
-        op,
-        root,
-        count: buf.len() / dt.size(),
-    };
-    cut_or_whole(ctx, ch, desc, None, buf, &|cx, cch, _, b| {
+    let what = (Collective::Reduce, dt, op, root);
+    cut_or_whole(ctx, ch, what, None, buf, &|cx, cch, _, b| {
         reduce_one(cx, cch, b, dt, op, root)
     })
 }

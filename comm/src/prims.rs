@@ -458,11 +458,6 @@ impl<'a> Ctx<'a> {
         }
     }
 
-    /// The flag that fails this operation at its next wait (the communicator's `abort`).
-    pub(crate) fn abort_flag(&self) -> &'a AtomicBool {
-        self.abort
-    }
-
     /// The operation's deadline, set `timeout` after `now` by its first wait (in the outermost
     /// context, which sub-contexts share).
     fn deadline(&mut self, now: Instant) -> Instant {
