@@ -9,9 +9,13 @@
 # scripts/netns_tools.sh here:
 #   run(carry=["target/gpu-bin", ".netns-tools"], timeout_s=480,
 #       command="NETNS_TOOLS=.netns-tools scripts/gpu_session.sh")
-# PHASES (default "flake channels stagedlat ddpshape cold threads tcpdev sendthread netns cpu mps
-# kernels nccl")
-# picks and orders the phases:
+# PHASES (default "chbind ddpshape waitkernel channels threads cold tcpdev netns cpu mps kernels
+# nccl") picks and orders the phases:
+#   chbind   TCP channels on loopback by binding (--bind block / core), 1 and 4 channels, and gloo;
+#   waitkernel staged calls whose streams wait in the wait kernel: the GPU tests that force it,
+#            the fixed cost against host waits (1 and 2 processes, shm and TCP, each bound as
+#            `oxccl perf` binds by default), every collective checked over TCP, a traced run, the
+#            TCP sweep to 256 MiB (waitquick: the short form);
 #   cold     first, on a fresh machine: how long the first device collective spends compiling and
 #            loading the kernels (empty caches);
 #   threads  device collectives with ranks as threads of one process: 2, 3, 4 and 8 ranks, every
@@ -27,10 +31,11 @@
 #   sendthread TCP with and without the send thread (OXCCL_SOCKET_SEND_THREAD), interleaved: 2
 #            ranks on loopback 1 MiB..64 MiB, then gloo at 64 MiB; and 2 namespaces x 2 ranks,
 #            hierarchical and flat ring with it;
-#   stagedlat the staged path's fixed cost: the stream waiting on the flag or the call on the
-#            host (OXCCL_CUDA_STREAM_WAIT=1 / 0), 1 process, then 2 over shared memory and TCP;
 #   ddpshape the DDP overlap by model shape (hidden x layers 1024 x 4, 768 x 8, 512 x 16), batch
-#            4, 2 MiB buckets, --bind none and block;
+#            4, 2 MiB buckets, --bind none and block, DDP_REPS (3) times;
+#   ddpsize  the DDP overlap at batch 1 and 2 (1024 x 4, 768 x 8);
+#   chdiag   CPU time of 2 ranks on loopback by channels and sockets, and hierarchical against
+#            ring between namespaces with 4 channels;
 #   kernels  the kernel tests (fp8 included) and kernel bandwidth for f32 / bf16 / fp8;
 #   mps      ranks as processes under MPS over CUDA IPC: 4 ranks 8 B..1 GiB, one-shot latency,
 #            256 MiB, every other collective checked, fp8 all-reduce, the slot size at 256 MiB
@@ -59,7 +64,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bin=${BIN:-target/gpu-bin}
 budget=${BUDGET:-420}
-phases=${PHASES:-flake channels stagedlat ddpshape cold threads tcpdev sendthread netns cpu mps kernels nccl}
+phases=${PHASES:-chbind ddpshape waitkernel channels threads cold tcpdev netns cpu mps kernels nccl}
 out=${OUT:-/tmp}
 exec > >(tee -a "$out/session.log") 2>&1
 tee_pid=$!
@@ -74,7 +79,8 @@ export OXCCL_REQUIRE_GPU=1 OXCCL_CACHE_DIR=/tmp/oxccl-cache OXCCL_TIMEOUT=20 RUS
 # Each phase may use at most its share (seconds from its start), and no step runs past the budget.
 declare -A share=([threads]=120 [kernels]=80 [mps]=140 [nccl]=30 [cpu]=70 [netns]=70 [cold]=110
     [tune]=200 [ddp]=120 [tcp]=120 [defaults]=120 [flake]=${FLAKE_SHARE:-100} [ddp2]=90 [tcp2]=90 [coldperf]=100 [tcpdev]=80 [sendthread]=100
-    [ddpspin]=100 [stagedlat]=90 [ddpshape]=100 [channels]=110)
+    [ddpspin]=100 [ddpshape]=100 [channels]=110 [waitkernel]=120 [waitquick]=70 [chbind]=80 [ddpsize]=90
+    [chdiag]=70)
 phase_end=$budget
 # step LIMIT CMD...: runs CMD for at most LIMIT seconds, never past the phase's share or the budget.
 step() {
@@ -97,7 +103,7 @@ short() {
         head -"${1:-14}"
 }
 ctest() { local limit=$1; shift; step "$limit" "$bin/comm_cuda" --ignored --exact "$@" 2>&1 | short; }
-perf() { local limit=$1; shift; step "$limit" "$bin/oxccl" perf "$@" 2>&1 | grep -E "^###|^ +[0-9]|rror|wrong|Avg bus|Send thread|Channels" | cut -c1-200; }
+perf() { local limit=$1; shift; step "$limit" "$bin/oxccl" perf "$@" 2>&1 | grep -E "^###|^ +[0-9]|rror|wrong|Avg bus|Out of bounds|Send thread|Channels" | cut -c1-200; }
 
 # Ranks as processes on one GPU need MPS (without it the driver time-slices their contexts).
 mps_on() {
@@ -110,6 +116,32 @@ mps_off() { echo quit | timeout 20 nvidia-cuda-mps-control && echo "MPS daemon s
 gloo64() {
     GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 step 40 python3 "$bin/gloo_bench.py" -np 2 -b 64M -e 64M \
         -c all_reduce 2>&1 | grep -vE "^#" | tail -2
+}
+
+# The staged path's fixed cost: streams waiting on the GPU against calls waiting on the host
+# (OXCCL_CUDA_STREAM_WAIT=1 / 0), 1 process twice, then 2 over shared memory and TCP, each bound
+# as `oxccl perf` binds by default; then 1 + 6 back-to-back 8 B calls of 1 process, traced.
+staged_cost() {
+    local round w t
+    for round in 1 2; do
+        for w in 1 0; do
+            echo "round $round 1 process, OXCCL_CUDA_STREAM_WAIT=$w"
+            OXCCL_CUDA_IPC=0 OXCCL_CUDA_STREAM_WAIT=$w perf 20 all-reduce --np 1 --device cuda \
+                -b 8 -e 1M -f 16 -c 1 -n 20 -w 5 --rotate 0
+        done
+    done
+    for w in 1 0; do
+        for t in shm tcp; do
+            echo "OXCCL_CUDA_STREAM_WAIT=$w transport $t"
+            OXCCL_CUDA_IPC=0 OXCCL_CUDA_STREAM_WAIT=$w perf 20 all-reduce --np 2 --transport $t \
+                --device cuda -b 8 -e 16M -f 16 -c 1 -n 20 -w 5 --rotate 0
+        done
+    done
+    echo "traced: 1 process, OXCCL_CUDA_STREAM_WAIT=1, 8 B, 1 + 6 calls"
+    OXCCL_CUDA_IPC=0 OXCCL_CUDA_STREAM_WAIT=1 OXCCL_DEBUG=trace step 20 "$bin/oxccl" perf \
+        all-reduce --np 1 --device cuda -b 8 -e 8 -c 1 -n 6 -w 1 --rotate 0 >"$out/waittrace.log" 2>&1
+    grep -E "cuda: |wait kernel" "$out/waittrace.log" | tail -30 | cut -c1-200
+    gzip -f "$out/waittrace.log"
 }
 
 # A 4-rank threaded run, traced: NAME TEST [VAR=VALUE...]; on failure, where every rank stopped.
@@ -200,35 +232,13 @@ for phase in $phases; do
         OX="$bin/oxccl" PEERS="$bin" GLOO_PY="$(command -v python3)" ROUNDS=2 SIZES="8 64M" \
             step 60 scripts/side_by_side_tcp.sh
         ;;
-    stagedlat)
-        # The staged path's fixed cost (1.2 ms at 8 B on the H100, over shared memory and TCP
-        # alike): the stream waiting on the pinned flag (cuStreamWaitValue32,
-        # OXCCL_CUDA_STREAM_WAIT=1) against the call waiting on the host (0); first 1 process
-        # (the staging machinery alone, no peer sharing the GPU), then 2.
-        mps_on
-        for w in 1 0; do
-            echo "1 process, OXCCL_CUDA_STREAM_WAIT=$w"
-            OXCCL_CUDA_IPC=0 OXCCL_CUDA_STREAM_WAIT=$w perf 20 all-reduce --np 1 --device cuda \
-                -b 8 -e 1M -f 16 -c 1 -n 20 -w 5 --rotate 0
-        done
-        for round in 1 2; do
-            for w in 1 0; do
-                for t in shm tcp; do
-                    echo "round $round OXCCL_CUDA_STREAM_WAIT=$w transport $t"
-                    OXCCL_CUDA_IPC=0 OXCCL_CUDA_STREAM_WAIT=$w perf 20 all-reduce --np 2 --transport $t \
-                        --device cuda -b 8 -e 16M -f 16 -c 1 -n 20 -w 5 --rotate 0
-                done
-            done
-        done
-        mps_off
-        ;;
     ddpshape)
         # DDP overlap by model shape, about the same compute per sample (batch 4, 2 MiB
         # buckets): the last bucket (the first layers' gradients, ready when backward ends)
         # can never overlap, and with 4 layers of 4 MiB it is a third of the bytes; with more,
         # smaller layers it is less. Each rank unbound, or on its own block of 4 CPUs
-        # (--bind block). Interleaved, twice.
-        for rep in 1 2; do
+        # (--bind block). Interleaved, DDP_REPS times.
+        for rep in $(seq "${DDP_REPS:-3}"); do
             for shape in "1024 4" "768 8" "512 16"; do
                 for bind in none block; do
                     set -- $shape
@@ -313,6 +323,63 @@ for phase in $phases; do
                 echo "batch $b bucket $mib MiB"
                 step 40 "$bin/oxccl" launch -n 4 -- "$bin/02_ddp_mlp" --mode all --hidden 1024 \
                     --layers 4 --batch "$b" --steps 8 --rounds 3 --bucket-mib "$mib" 2>&1 | tail -6
+            done
+        done
+        ;;
+    waitkernel | waitquick)
+        # Staged calls whose streams wait in the wait kernel (oxccl_wait_flag): the GPU tests
+        # that force it, the fixed cost against the host wait (see staged_cost), then (waitkernel
+        # only) every collective checked over TCP with forced stream waits and the sweep to
+        # 256 MiB over TCP.
+        export CUDA_DEVICE_MAX_CONNECTIONS=32
+        OXCCL_TIMEOUT=8 ctest 20 staged_calls_with_stream_waits_give_the_same_results
+        [ "$phase" = waitkernel ] && ctest 40 back_to_back_operations_stay_in_stream_order
+        unset CUDA_DEVICE_MAX_CONNECTIONS
+        mps_on
+        staged_cost
+        if [ "$phase" = waitkernel ]; then
+            for coll in reduce-scatter all-gather broadcast reduce all-to-all; do
+                OXCCL_CUDA_IPC=0 OXCCL_CUDA_STREAM_WAIT=1 perf 25 "$coll" --np 2 --transport tcp \
+                    --device cuda -b 8 -e 16M -f 64 -c 1 -n 3 -w 1 -d all | grep -E "^###|rror|Out of bounds" | head -5
+            done
+            OXCCL_CUDA_IPC=0 perf 40 all-reduce --np 2 --transport tcp --device cuda -b 8 -e 256M -f 8 -c 1 \
+                -n 10 -w 3 --rotate 0
+        fi
+        mps_off
+        ;;
+    ddpsize)
+        # The DDP overlap with backward compute and the all-reduce of comparable length, as
+        # issue 7 asks (at batch 4 compute took 15-25 ms and the all-reduce 7): batch 1 and 2,
+        # 2 MiB buckets, ranks unbound. Interleaved, twice.
+        for rep in 1 2; do
+            for shape in "1024 4" "768 8"; do
+                for b in 1 2; do
+                    set -- $shape
+                    echo "rep $rep hidden $1 layers $2 batch $b"
+                    step 30 "$bin/oxccl" launch -n 4 -- "$bin/02_ddp_mlp" --mode all --hidden "$1" \
+                        --layers "$2" --batch "$b" --steps 8 --rounds 5 --bucket-mib 2 2>&1 | tail -5
+                done
+            done
+        done
+        ;;
+    chdiag)
+        # Channels gained 3x between namespaces but nothing on loopback (2 ranks, 64 MiB): the
+        # CPU time the ranks used (user, sys) against the wall time, by channels and sockets
+        # per direction; then hierarchical against ring between namespaces with 4 channels.
+        for k in 1 4; do
+            for ns in 2 1; do
+                echo "OXCCL_SOCKET_CHANNELS=$k OXCCL_NSOCKS=$ns"
+                OXCCL_SOCKET_CHANNELS=$k OXCCL_NSOCKS=$ns step 20 bash -c 'TIMEFORMAT="cpu: %R s wall, %U s user, %S s sys"
+                    time "$0" perf all-reduce --np 2 --transport tcp -b 64M -e 64M -z 1 -n 20 -w 3' \
+                    "$bin/oxccl" 2>&1 | grep -E "^###|^ +[0-9]|cpu:|Channels" | cut -c1-200
+            done
+        done
+        for round in 1 2; do
+            for a in hierarchical ring; do
+                echo "round $round channels 4 $a"
+                OXCCL_SOCKET_CHANNELS=4 OXCCL_BIN="$bin/oxccl" OXCCL_ALGO=all-reduce=$a step 15 \
+                    scripts/netns.sh run --nodes 2 --nproc 2 --prefix cd -- "$bin/oxccl" perf all-reduce \
+                    -b 64M -e 64M -z 1 2>&1 | grep -E "^###|\] +[0-9]|rror|SKIP" | cut -c1-200
             done
         done
         ;;

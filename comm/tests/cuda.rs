@@ -633,10 +633,13 @@ fn back_to_back_operations_stay_in_stream_order() {
         return;
     }
     // 64 MiB in 4 MiB parts (or slots), three all-reduces in a row with no host
-    // synchronisation between them: each must see the previous one's result.
-    for ipc in [false, true] {
+    // synchronisation between them: each must see the previous one's result. Staged with the
+    // calls waiting on the host (the default for rank threads) and with the streams waiting in
+    // the wait kernel (the default between processes), and over CUDA IPC.
+    for (ipc, wait) in [(false, None), (false, Some(true)), (true, None)] {
         back_to_back(Config {
             cuda_ipc: Some(ipc),
+            cuda_stream_wait: wait,
             ..base()
         });
     }

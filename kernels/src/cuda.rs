@@ -13,6 +13,7 @@
 //! | `oxccl_scale_<dtype>` (floats) | `dst = src * factor` (pre-multiplied sum) |
 //! | `oxccl_copy` | byte copy |
 //! | `oxccl_ipc_barrier` | the barrier of device collectives over CUDA IPC (flags in device memory, system-scope release/acquire, a deadline) |
+//! | `oxccl_wait_flag` | a stream's wait for a staged operation's host collective (a word of host memory, a deadline); a program of its own, [`FlagWait`] |
 //!
 //! Results are bit-identical to the host kernels for every integer type and for `f32`/`f64`
 //! sums, products, minima and maxima of two inputs (the same IEEE operations in the same order);
@@ -49,6 +50,13 @@ pub const COPY_KERNEL: &str = "oxccl_copy";
 
 /// The barrier kernel of collectives over CUDA IPC (see [`CudaKernels::ipc_barrier`]).
 pub const BARRIER_KERNEL: &str = "oxccl_ipc_barrier";
+
+/// The kernel a stream of a staged device operation waits in (see [`FlagWait`]).
+pub const WAIT_KERNEL: &str = "oxccl_wait_flag";
+
+/// The CUDA C of [`WAIT_KERNEL`], compiled as a program of its own: staged operations need no
+/// other kernel, and this one compiles in milliseconds.
+pub const WAIT_SOURCE: &str = include_str!("../cuda/oxccl_wait.cu");
 
 /// Most ranks an IPC barrier serves (the flag words each rank owns per barrier parity).
 pub const MAX_BARRIER_RANKS: usize = 8;
@@ -279,7 +287,7 @@ pub fn compile_ptx_parts(arch: &str) -> Result<Arc<Vec<String>>, KernelError> {
             // A panic inside NVRTC's wrapper becomes this part's error (a scoped thread that
             // panicked would make the whole scope panic).
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                compile_one(src, arch, i)
+                compile_one(src, arch, &format!("oxccl_kernels_{i}.cu"))
             }))
             .unwrap_or_else(|_| {
                 Err(KernelError::Cuda(format!(
@@ -323,8 +331,38 @@ pub fn compile_ptx(arch: &str) -> Result<String, KernelError> {
     Ok(compile_ptx_parts(arch)?.concat())
 }
 
-/// The PTX of one part's source for `arch`: from the disk cache, else NVRTC (then stored).
-fn compile_one(src: &str, arch: &str, part: usize) -> Result<String, KernelError> {
+/// The PTX of [`WAIT_SOURCE`] for `arch`: from this process's cache, the disk cache, else NVRTC.
+///
+/// # Errors
+/// As [`compile_ptx_parts`].
+pub fn compile_wait_ptx(arch: &str) -> Result<String, KernelError> {
+    static CACHE: OnceLock<Mutex<HashMap<String, String>>> = OnceLock::new();
+    if !nvrtc_available() {
+        return Err(unavailable(
+            "NVRTC (libnvrtc.so.13) is not on the library search path (needed for the \
+             stream's wait kernel)",
+        ));
+    }
+    let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
+    if let Some(p) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(arch) {
+        return Ok(p.clone());
+    }
+    let text = std::panic::catch_unwind(|| compile_one(WAIT_SOURCE, arch, "oxccl_wait.cu"))
+        .unwrap_or_else(|_| {
+            Err(KernelError::Cuda(format!(
+                "NVRTC panicked compiling oxccl_wait.cu for {arch}"
+            )))
+        })?;
+    cache
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(arch.to_string(), text.clone());
+    Ok(text)
+}
+
+/// The PTX of `src` (a program named `name`) for `arch`: from the disk cache, else NVRTC (then
+/// stored).
+fn compile_one(src: &str, arch: &str, name: &str) -> Result<String, KernelError> {
     let disk = disk_cache_path(src, arch);
     if let Some(text) = disk.as_ref().and_then(|p| std::fs::read_to_string(p).ok()) {
         if text.contains(".entry") {
@@ -333,12 +371,12 @@ fn compile_one(src: &str, arch: &str, part: usize) -> Result<String, KernelError
     }
     let opts = CompileOptions {
         options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()],
-        name: Some(format!("oxccl_kernels_{part}.cu")),
+        name: Some(name.to_string()),
         ..Default::default()
     };
     let ptx = compile_ptx_with_opts(src, opts).map_err(|e| match e {
         cudarc::nvrtc::CompileError::CompileError { log, .. } => KernelError::Cuda(format!(
-            "NVRTC could not compile oxccl_kernels.cu (part {part}) for {arch}:\n{}",
+            "NVRTC could not compile {name} for {arch}:\n{}",
             log.to_string_lossy()
         )),
         other => cuda_err("NVRTC", other),
@@ -447,6 +485,17 @@ fn load_now<'a>(funcs: impl Iterator<Item = &'a CudaFunction>) -> Result<(), Ker
     Ok(())
 }
 
+/// The virtual architecture to compile for `ctx`'s device (`compute_90`, ...).
+fn device_arch(ctx: &Arc<CudaContext>) -> Result<String, KernelError> {
+    if !driver_available() {
+        return Err(unavailable("no CUDA driver (libcuda.so) or no CUDA device"));
+    }
+    let (major, minor) = ctx
+        .compute_capability()
+        .map_err(|e| cuda_err("compute capability", e))?;
+    Ok(format!("compute_{major}{minor}"))
+}
+
 impl CudaKernels {
     /// Compiles (or takes from the per-process cache) the PTX for `ctx`'s device and loads every
     /// kernel.
@@ -455,13 +504,7 @@ impl CudaKernels {
     /// [`KernelError::CudaUnavailable`] when the driver or NVRTC is missing;
     /// [`KernelError::Cuda`] when compiling or loading fails.
     pub fn new(ctx: &Arc<CudaContext>) -> Result<CudaKernels, KernelError> {
-        if !driver_available() {
-            return Err(unavailable("no CUDA driver (libcuda.so) or no CUDA device"));
-        }
-        let (major, minor) = ctx
-            .compute_capability()
-            .map_err(|e| cuda_err("compute capability", e))?;
-        let ptx = compile_ptx_parts(&format!("compute_{major}{minor}"))?;
+        let ptx = compile_ptx_parts(&device_arch(ctx)?)?;
         let mut funcs = HashMap::new();
         for ((names, _), text) in part_sources().into_iter().zip(ptx.iter()) {
             let module = ctx
@@ -818,6 +861,106 @@ impl CudaKernels {
         // only the first `n` flag arrays (words below 2 x 8) and the two error words, all live
         // by the caller's guarantee.
         unsafe { b.launch(cfg) }.map_err(|e| cuda_err("barrier launch", e))?;
+        Ok(())
+    }
+}
+
+/// The stream's wait for a staged device operation's host collective: [`WAIT_KERNEL`], loaded
+/// on one context.
+///
+/// The progress thread publishes the number of each finished part in a word of device-mapped
+/// host memory; [`FlagWait::enqueue`] makes a stream wait, on the GPU, until that word reaches a
+/// part's number, polling it about every microsecond. `cuStreamWaitValue32` does the same in the
+/// driver but waits for ever; this wait ends at a deadline.
+pub struct FlagWait {
+    func: CudaFunction,
+}
+
+impl std::fmt::Debug for FlagWait {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FlagWait").finish_non_exhaustive()
+    }
+}
+
+impl FlagWait {
+    /// Compiles (or takes from a cache) and loads the wait kernel on `ctx`, which the caller
+    /// has made current.
+    ///
+    /// # Errors
+    /// [`KernelError::CudaUnavailable`] without a driver or NVRTC; [`KernelError::Cuda`] when
+    /// compiling or loading fails.
+    pub fn new(ctx: &Arc<CudaContext>) -> Result<FlagWait, KernelError> {
+        let ptx = compile_wait_ptx(&device_arch(ctx)?)?;
+        let module = ctx
+            .load_module(Ptx::from_src(ptx))
+            .map_err(|e| cuda_err("loading the wait kernel's module", e))?;
+        let func = module
+            .load_function(WAIT_KERNEL)
+            .map_err(|e| cuda_err(&format!("kernel {WAIT_KERNEL}"), e))?;
+        load_now(std::iter::once(&func))?;
+        Ok(FlagWait { func })
+    }
+
+    /// The wait kernel of `ctx`: the one loaded there already, while anything holds it, else
+    /// one loaded now. Ranks that are threads of one process share a context, and loading a
+    /// module may wait for the context to go idle, which a peer's waiting kernel can keep from
+    /// happening until this rank's own part arrives: so the first rank loads it, and later ones
+    /// take that.
+    ///
+    /// # Errors
+    /// As [`FlagWait::new`].
+    pub fn shared(ctx: &Arc<CudaContext>) -> Result<Arc<FlagWait>, KernelError> {
+        /// (context handle, its wait kernel while anything holds it)
+        type Loaded = Vec<(usize, std::sync::Weak<FlagWait>)>;
+        static LOADED: OnceLock<Mutex<Loaded>> = OnceLock::new();
+        let mut loaded = LOADED
+            .get_or_init(|| Mutex::new(Vec::new()))
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        loaded.retain(|(_, w)| w.strong_count() > 0);
+        let key = ctx.cu_ctx() as usize;
+        if let Some(w) = loaded
+            .iter()
+            .find(|(k, _)| *k == key)
+            .and_then(|(_, w)| w.upgrade())
+        {
+            return Ok(w);
+        }
+        let w = Arc::new(FlagWait::new(ctx)?);
+        loaded.push((key, Arc::downgrade(&w)));
+        Ok(w)
+    }
+
+    /// Makes `stream` wait until the u32 at `flag` is at least `value` (cyclically: `flag -
+    /// value`, as an i32, is not negative), for at most `timeout_ns` from when the wait starts
+    /// on the GPU; past it the kernel stores `value` into `status + 4` and then 1 into
+    /// `status`, and the stream goes on.
+    ///
+    /// # Safety
+    /// `flag` and `status` (two u32 words) must be device addresses, in `stream`'s context, of
+    /// memory (device-mapped host memory, say) that stays allocated until the kernel has run.
+    ///
+    /// # Errors
+    /// [`KernelError::Cuda`] if the launch fails.
+    pub unsafe fn enqueue(
+        &self,
+        stream: &Arc<CudaStream>,
+        flag: u64,
+        value: u32,
+        timeout_ns: u64,
+        status: u64,
+    ) -> Result<(), KernelError> {
+        let mut b = stream.launch_builder(&self.func);
+        b.arg(&flag).arg(&value).arg(&timeout_ns).arg(&status);
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the kernel is (const u32* flag, u32 value, u64 timeout_ns, u32* status); it
+        // reads the flag word and may write the two status words, live by the caller's
+        // guarantee.
+        unsafe { b.launch(cfg) }.map_err(|e| cuda_err("wait kernel launch", e))?;
         Ok(())
     }
 }

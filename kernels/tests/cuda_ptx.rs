@@ -5,8 +5,8 @@
 #![cfg(feature = "cuda")]
 
 use oxccl_kernels::cuda::{
-    compile_ptx, compile_ptx_parts, kernel_names, nvrtc_available, part_sources, source,
-    BASE_SOURCE, PARTS,
+    compile_ptx, compile_ptx_parts, compile_wait_ptx, kernel_names, nvrtc_available, part_sources,
+    source, BASE_SOURCE, PARTS, WAIT_KERNEL,
 };
 
 fn nvrtc_or_skip() -> bool {
@@ -119,6 +119,40 @@ fn ipc_barrier_uses_system_scope_release_acquire_and_a_timer() {
     ] {
         assert!(body.contains(needle), "barrier PTX lacks {needle}");
     }
+}
+
+/// The staged path's wait kernel, a program of its own: it compiles for every target (from
+/// Turing, the oldest CUDA 13 compiles for), polls the word with system-scope acquire loads and a
+/// pause between them, and keeps a deadline by the GPU's timer.
+#[test]
+fn wait_kernel_compiles_alone_and_polls_with_acquire_loads_and_a_deadline() {
+    if !nvrtc_or_skip() {
+        return;
+    }
+    for arch in ["compute_75", "compute_80", "compute_90", "compute_100"] {
+        let ptx = compile_wait_ptx(arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
+        assert_eq!(
+            ptx.matches(".entry").count(),
+            1,
+            "{arch}: only the wait kernel"
+        );
+        assert!(ptx.contains(&format!(".entry {WAIT_KERNEL}(")), "{arch}");
+        for needle in [
+            "%globaltimer",
+            "ld.acquire.sys.u32",
+            "nanosleep",
+            "membar.sys",
+        ] {
+            assert!(
+                ptx.contains(needle),
+                "{arch}: the wait kernel's PTX lacks {needle}"
+            );
+        }
+    }
+    // Not part of the table's modules.
+    assert!(!compile_ptx("compute_90")
+        .expect("compiles")
+        .contains(&format!(".entry {WAIT_KERNEL}(")));
 }
 
 /// fp8 rounding, and widening E4M3, run on the conversion instructions where the device has them

@@ -56,8 +56,9 @@
 //!    `OXCCL_TIMEOUT`), then runs exactly the host algorithms over whatever transports connect the
 //!    ranks (shared memory in a node, TCP between nodes), then stores the part's number into a
 //!    pinned flag word;
-//! 3. on the stream, `cuStreamWaitValue32` on that flag, then the copy of the result back into the
-//!    device output.
+//! 3. on the stream, a one-thread kernel that waits for that flag (`oxccl_wait_flag`, polling
+//!    the word about every microsecond, with a deadline), then the copy of the result back into
+//!    the device output. (`cuStreamWaitValue32` did this wait before, with no deadline.)
 //!
 //! The call returns after step 3 is enqueued; the stream (or an event recorded on it after the
 //! call) says when the result is in place. Work the caller enqueues later on the same stream runs
@@ -67,9 +68,10 @@
 //! collective of part k starts as soon as its own copy has landed, while later parts are still
 //! being copied out, and part k's copy back runs while later parts are on the network.
 //!
-//! Where the driver refuses stream memory operations, where another rank of the communicator is
-//! a thread of this process, or with `OXCCL_CUDA_STREAM_WAIT=0`, a call waits for its host
-//! collectives before it enqueues the copies back, and returns their errors itself.
+//! Where the wait kernel cannot be compiled or loaded (no NVRTC, say: logged at `info`), where
+//! another rank of the communicator is a thread of this process, or with
+//! `OXCCL_CUDA_STREAM_WAIT=0`, a call waits for its host collectives before it enqueues the copies
+//! back, and returns their errors itself.
 //!
 //! # Ranks that are threads of one process
 //!
@@ -159,6 +161,8 @@ pub(crate) struct DeviceState {
     next: u32,
     /// Streams wait on the flag (`false`: calls wait for their host collectives instead).
     stream_wait: bool,
+    /// The kernel streams wait on the flag in, loaded at the first staged call that needs it.
+    waiter: Option<Arc<oxccl_kernels::cuda::FlagWait>>,
     /// The first failure of a host collective that ran after its call returned.
     error: Arc<Mutex<Option<Error>>>,
     /// Events that mark input copies, reused: a part's job hands its event back once it has
@@ -202,7 +206,8 @@ impl DeviceState {
             pool: Arc::new(Pool::default()),
             flag: Arc::new(Flag::new(ctx)?),
             next: 0,
-            stream_wait: stream_wait(cfg, shares_process),
+            stream_wait: stream_wait(cfg, shares_process, crate::affinity::allowed_cpus().len()),
+            waiter: None,
             error: Arc::new(Mutex::new(None)),
             events: Arc::new(Mutex::new(Vec::new())),
             ipc: IpcMode::Untried,
@@ -231,8 +236,17 @@ impl Drop for DeviceState {
 /// streams of one context share its hardware queues, so a waiting stream could hold up the copy
 /// of the very rank it waits for. Calls that wait on the host leave on the GPU only work that
 /// depends on work already enqueued, which always drains.
-fn stream_wait(cfg: &Config, shares_process: bool) -> bool {
-    cfg.cuda_stream_wait.unwrap_or(!shares_process)
+///
+/// `auto` says no, too, when the calling thread may run on one CPU only (`cpus`, the size of its
+/// affinity mask; 0 when unknown): bound to a core (`oxccl launch --bind core`, `oxccl perf`'s
+/// default for host buffers, mpirun's default), the progress thread that runs the host
+/// collectives shares that CPU with the caller, whose thread spins in the driver while it waits
+/// for the stream (`cuStreamSynchronize`), and runs only at the scheduler's next tick. On the
+/// H100 (2026-11-26, 2 processes under MPS, 8 B over shared memory) a call cost 0.6-0.8 ms so,
+/// against 24 us with a block of CPUs per rank, and 22-25 us bound with the call waiting on the
+/// host.
+fn stream_wait(cfg: &Config, shares_process: bool, cpus: usize) -> bool {
+    cfg.cuda_stream_wait.unwrap_or(!shares_process && cpus != 1)
 }
 
 /// Publishes a part's number when dropped: after the part's job, even if it panicked, so no
@@ -584,6 +598,34 @@ impl StreamComm<'_> {
                 IpcMode::Untried | IpcMode::Off => {}
             }
         }
+        if let Some(part) = state.flag.wait_gave_up() {
+            let e = Error::Timeout {
+                rank: comm.rank,
+                op: op.into(),
+                timeout: comm.cfg.timeout,
+                detail: format!(
+                    "the stream's wait for staged part {part} gave up at its deadline (its host \
+                     collective never finished): that operation's device result is wrong"
+                ),
+            };
+            lock(&state.error).get_or_insert_with(|| e.clone());
+            return Err(e);
+        }
+        if state.stream_wait && state.waiter.is_none() {
+            // Loaded before this communicator has any staged work in flight (loading a module
+            // may wait for the context to go idle).
+            match oxccl_kernels::cuda::FlagWait::shared(&ctx) {
+                Ok(w) => state.waiter = Some(w),
+                Err(e) => {
+                    tracing::info!(
+                        rank = comm.rank,
+                        "no wait kernel ({e}); device operations wait for their host \
+                         collectives before they return"
+                    );
+                    state.stream_wait = false;
+                }
+            }
+        }
         let (flag, last) = (Arc::clone(&state.flag), state.next);
         let pinned = state
             .pool
@@ -707,12 +749,13 @@ impl StreamComm<'_> {
                 (Some(c), Some((ptr, _))) if c.len > 0 => Some((c, ptr)),
                 _ => None,
             };
-            if back.is_some() && state.stream_wait {
-                if let Err(e) = state.flag.enqueue_wait(stream, number) {
+            if let (Some(w), true) = (&state.waiter, back.is_some() && state.stream_wait) {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if let Err(e) = state.flag.enqueue_wait(w, stream, number, left) {
                     tracing::warn!(
                         rank = comm.rank,
-                        "cuStreamWaitValue32 failed ({e:?}); device operations now wait for \
-                         their host collectives before they return"
+                        "launching the wait kernel failed ({e}); device operations now wait \
+                         for their host collectives before they return"
                     );
                     state.stream_wait = false;
                 }
@@ -803,10 +846,21 @@ mod tests {
             cuda_stream_wait: w,
             ..Config::default()
         };
-        assert!(!super::stream_wait(&cfg(None), true));
-        assert!(super::stream_wait(&cfg(None), false));
-        assert!(super::stream_wait(&cfg(Some(true)), true));
-        assert!(!super::stream_wait(&cfg(Some(false)), false));
+        // (config, another rank is a thread of this process, CPUs this thread may use)
+        for (set, threads, cpus, want) in [
+            (None, true, 16, false),
+            (None, false, 16, true),
+            (None, false, 0, true),
+            (None, false, 1, false),
+            (Some(true), true, 1, true),
+            (Some(false), false, 16, false),
+        ] {
+            assert_eq!(
+                super::stream_wait(&cfg(set), threads, cpus),
+                want,
+                "{set:?} {threads} {cpus}"
+            );
+        }
     }
 
     /// Runs `kind` the way `StreamComm::launch` does, with host buffers for device buffers.

@@ -13,16 +13,19 @@
 //! host collectives is outstanding (`cuMemFreeHost` may wait for the device, whose streams may be
 //! waiting for exactly those collectives), never on the progress thread.
 //!
-//! The flag is one pinned, device-mapped 32-bit word per communicator. The progress thread stores
-//! the number of each finished part into it; the stream waits with `cuStreamWaitValue32`
-//! (greater-or-equal, wrap-around safe) before copying that part's result back. No host thread
-//! blocks on the GPU and the GPU never polls anything but that word.
+//! The flag is one pinned, device-mapped 32-bit word per communicator (the first of a cache line).
+//! The progress thread stores the number of each finished part into it; the stream waits in a
+//! one-thread kernel (`oxccl_wait_flag`, greater-or-equal, wrap-around safe, with a deadline)
+//! before copying that part's result back. No host thread blocks on the GPU and the GPU polls
+//! nothing but that line. (`cuStreamWaitValue32` did the same wait, with no deadline.)
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream, DriverError};
+use oxccl_kernels::cuda::FlagWait;
+use oxccl_kernels::KernelError;
 
 /// Longest wait for the GPU before pinned memory is freed; past it the memory is leaked rather
 /// than freed under a copy that may still use it.
@@ -34,22 +37,38 @@ pub(crate) const MAX_BUFFERS: usize = 3;
 /// Staging allocations are rounded up to this, so sizes that differ a little reuse a buffer.
 const ROUND: usize = 1 << 20;
 
-/// The pause between polls of the GPU or the pool: yields first, then sleeps, doubling up to
-/// 200 us.
-pub(crate) struct Backoff(Duration);
+/// How long a poll of the GPU, the pool or a peer's host flag yields the core (checking again at
+/// once) before it starts to sleep.
+const YIELD_FOR: Duration = Duration::from_millis(1);
+
+/// The longest sleep between two polls, once [`YIELD_FOR`] has passed.
+const SLEEP_MAX: Duration = Duration::from_micros(200);
+
+/// The pause between polls of the GPU, the pool or a peer's host flag: yields for
+/// [`YIELD_FOR`], then sleeps, from 20 us doubling up to [`SLEEP_MAX`]. What these polls wait for
+/// is usually microseconds away (a small copy behind the previous part's wait, a peer's host
+/// flag) and on the critical path, where a sleep of 64 us (the first one, after 6 us of polling,
+/// before) costs more than the wait itself, and a sleep may last longer than asked.
+pub(crate) struct Backoff {
+    start: Instant,
+    sleep: Duration,
+}
 
 impl Backoff {
     pub(crate) fn new() -> Backoff {
-        Backoff(Duration::from_micros(1))
+        Backoff {
+            start: Instant::now(),
+            sleep: Duration::from_micros(20),
+        }
     }
 
     pub(crate) fn pause(&mut self) {
-        if self.0 < Duration::from_micros(50) {
+        if self.start.elapsed() < YIELD_FOR {
             std::thread::yield_now();
         } else {
-            std::thread::sleep(self.0);
+            std::thread::sleep(self.sleep);
+            self.sleep = (self.sleep * 2).min(SLEEP_MAX);
         }
-        self.0 = (self.0 * 2).min(Duration::from_micros(200));
     }
 }
 
@@ -354,15 +373,29 @@ impl Flag {
         self.dev
     }
 
-    /// Makes `stream` wait until the flag is at least `value` (cyclic comparison).
-    pub(crate) fn enqueue_wait(&self, stream: &CudaStream, value: u32) -> Result<(), DriverError> {
-        self.ctx.bind_to_thread()?;
-        let geq = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32;
-        // SAFETY: `dev` is the device address of this live, mapped word; the stream belongs to
-        // the flag's context (checked by the caller), and the word outlives every stream wait:
-        // the communicator frees it only after its staging buffers' `done` events, recorded
-        // after those waits, have completed, and leaks it when one could not be waited for.
-        unsafe { sys::cuStreamWaitValue32_v2(stream.cu_stream(), self.dev, value, geq) }.result()
+    /// Makes `stream` wait, in `waiter`'s kernel, until the flag is at least `value` (cyclic
+    /// comparison), for at most `timeout` once the wait has started on the GPU; a wait that
+    /// gives up shows in [`Flag::wait_gave_up`].
+    pub(crate) fn enqueue_wait(
+        &self,
+        waiter: &FlagWait,
+        stream: &Arc<CudaStream>,
+        value: u32,
+        timeout: Duration,
+    ) -> Result<(), KernelError> {
+        let timeout_ns = u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX);
+        // SAFETY: `dev` is the device address of word 0 of this live, mapped cache line, and
+        // `dev + 4` of words 1 and 2, which only the wait kernel writes; the stream belongs to
+        // the flag's context (checked by the caller), and the line outlives every wait: the
+        // communicator frees it only after its staging buffers' `done` events, recorded after
+        // those waits, have completed, and leaks it when one could not be waited for.
+        unsafe { waiter.enqueue(stream, self.dev, value, timeout_ns, self.dev + 4) }
+    }
+
+    /// The part number a stream's wait gave up on at its deadline (the host collective never
+    /// finished), if one did.
+    pub(crate) fn wait_gave_up(&self) -> Option<u32> {
+        (self.word(1) != 0).then(|| self.word(2))
     }
 }
 
