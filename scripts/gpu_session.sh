@@ -347,6 +347,24 @@ for phase in $phases; do
         fi
         mps_off
         ;;
+    chbind)
+        # TCP channels on loopback by binding: with a core per rank (what `oxccl perf --np` did
+        # until 2026-11-26) a rank's channel threads share its core and 4 channels gained
+        # nothing; with a block of CPUs per rank (its default now where there are 2 per rank)
+        # they can run at once. 1 and 4 channels, --bind block and core, 4 and 64 MiB, then
+        # gloo; twice, interleaved.
+        for round in 1 2; do
+            for k in 1 4; do
+                for b in block core; do
+                    echo "round $round OXCCL_SOCKET_CHANNELS=$k --bind $b"
+                    OXCCL_SOCKET_CHANNELS=$k perf 15 all-reduce --np 2 --bind $b --transport tcp \
+                        -b 4M -e 64M -f 16 -z 1 -n 10 -w 3
+                done
+            done
+            echo "round $round gloo"
+            gloo64
+        done
+        ;;
     ddpsize)
         # The DDP overlap with backward compute and the all-reduce of comparable length, as
         # issue 7 asks (at batch 4 compute took 15-25 ms and the all-reduce 7): batch 1 and 2,

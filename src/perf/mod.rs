@@ -598,7 +598,7 @@ fn parent(args: &PerfArgs, plan: &Plan, overriding: bool) -> u8 {
 /// (two unbound ranks may otherwise share a core for a whole run); else none. On the lent
 /// 16-core H100 machine, with a core each, staged device calls whose streams waited on the GPU
 /// ran at one per scheduler tick (0.6-0.8 ms at 8 B, against 24 us with blocks), and 2 ranks
-/// with 4 TCP channels used no more CPU time than with 1 (about 2 CPUs' worth of the wall time).
+/// with 4 TCP channels used about 2 CPUs' worth of the wall time, as with 1.
 fn default_bind(np: usize, cpus: usize) -> Bind {
     if np >= 1 && cpus >= 2 * np {
         Bind::Block

@@ -161,6 +161,9 @@ pub(crate) struct DeviceState {
     next: u32,
     /// Streams wait on the flag (`false`: calls wait for their host collectives instead).
     stream_wait: bool,
+    /// This rank, and the communicator's `OXCCL_TIMEOUT` (for a stream wait's error).
+    rank: usize,
+    timeout: Duration,
     /// The kernel streams wait on the flag in, loaded at the first staged call that needs it.
     waiter: Option<Arc<oxccl_kernels::cuda::FlagWait>>,
     /// The first failure of a host collective that ran after its call returned.
@@ -185,19 +188,37 @@ enum IpcMode {
 
 impl DeviceState {
     /// A failure of a device collective after its call returned: a staged host collective's,
-    /// or one a CUDA IPC barrier reported.
+    /// a stream's wait for one that gave up at its deadline, or one a CUDA IPC barrier reported.
     fn async_error(&self) -> Option<Error> {
-        lock(&self.error).clone().or_else(|| match &self.ipc {
-            IpcMode::On(s) => s.failure(),
-            _ => None,
-        })
+        lock(&self.error)
+            .clone()
+            .or_else(|| {
+                let part = self.flag.wait_gave_up()?;
+                Some(Error::Timeout {
+                    rank: self.rank,
+                    op: "a staged device operation".into(),
+                    timeout: self.timeout,
+                    detail: format!(
+                        "the stream's wait for its part {part} gave up at the part's deadline \
+                         (OXCCL_TIMEOUT for each operation queued ahead of it, plus three and a \
+                         second): its host collective never finished, and the operation's \
+                         device result is wrong"
+                    ),
+                })
+            })
+            .or_else(|| match &self.ipc {
+                IpcMode::On(s) => s.failure(),
+                _ => None,
+            })
     }
 }
 
 impl DeviceState {
-    /// `shares_process`: another rank of the communicator is a thread of this process.
+    /// `shares_process`: another rank of the communicator is a thread of this process. Whether
+    /// streams wait on the GPU is decided here, once, from the calling thread's CPU affinity.
     fn new(
         ctx: &Arc<CudaContext>,
+        rank: usize,
         cfg: &Config,
         shares_process: bool,
     ) -> std::result::Result<DeviceState, DriverError> {
@@ -208,6 +229,8 @@ impl DeviceState {
             next: 0,
             stream_wait: stream_wait(cfg, shares_process, crate::affinity::allowed_cpus().len()),
             waiter: None,
+            rank,
+            timeout: cfg.timeout,
             error: Arc::new(Mutex::new(None)),
             events: Arc::new(Mutex::new(Vec::new())),
             ipc: IpcMode::Untried,
@@ -223,9 +246,11 @@ impl Drop for DeviceState {
         self.ipc = IpcMode::Untried;
         // Staging buffers next: each waits for its `done` event, recorded after every stream
         // wait on the flag, so the flag is freed only once no stream can still read it. If one
-        // could not be waited for, a stream may still poll the flag: leak it too.
+        // could not be waited for, a stream may still poll the flag: leak it too, and the wait
+        // kernel's module, which a queued wait may still run.
         if !self.pool.clear() {
             std::mem::forget(Arc::clone(&self.flag));
+            std::mem::forget(self.waiter.clone());
         }
     }
 }
@@ -238,13 +263,14 @@ impl Drop for DeviceState {
 /// depends on work already enqueued, which always drains.
 ///
 /// `auto` says no, too, when the calling thread may run on one CPU only (`cpus`, the size of its
-/// affinity mask; 0 when unknown): bound to a core (`oxccl launch --bind core`, `oxccl perf`'s
-/// default for host buffers, mpirun's default), the progress thread that runs the host
+/// affinity mask at the communicator's first device call; 0 when unknown): bound to a core
+/// (`oxccl launch --bind core`, `oxccl perf --np` where there is one CPU per rank, mpirun's
+/// default), the progress thread that runs the host
 /// collectives shares that CPU with the caller, whose thread spins in the driver while it waits
 /// for the stream (`cuStreamSynchronize`), and runs only at the scheduler's next tick. On the
 /// H100 (2026-11-26, 2 processes under MPS, 8 B over shared memory) a call cost 0.6-0.8 ms so,
-/// against 24 us with a block of CPUs per rank, and 22-25 us bound with the call waiting on the
-/// host.
+/// against 24 us with a block of CPUs per rank, and 22-26 us bound with the call waiting on the
+/// host. (Not detected: a mask of two hyperthreads of one core, or a CPU quota.)
 fn stream_wait(cfg: &Config, shares_process: bool, cpus: usize) -> bool {
     cfg.cuda_stream_wait.unwrap_or(!shares_process && cpus != 1)
 }
@@ -528,8 +554,13 @@ impl StreamComm<'_> {
                 rank = comm.rank,
                 "cuda: allocating the pinned flag (cuMemHostAlloc)"
             );
-            let s = DeviceState::new(stream.context(), &comm.cfg, comm.shares_process())
-                .map_err(|e| self.cuda_err(op, "setting up pinned memory", e))?;
+            let s = DeviceState::new(
+                stream.context(),
+                comm.rank,
+                &comm.cfg,
+                comm.shares_process(),
+            )
+            .map_err(|e| self.cuda_err(op, "setting up pinned memory", e))?;
             tracing::trace!(rank = comm.rank, "cuda: pinned flag allocated");
             *guard = Some(s);
         }
@@ -597,19 +628,6 @@ impl StreamComm<'_> {
                 }
                 IpcMode::Untried | IpcMode::Off => {}
             }
-        }
-        if let Some(part) = state.flag.wait_gave_up() {
-            let e = Error::Timeout {
-                rank: comm.rank,
-                op: op.into(),
-                timeout: comm.cfg.timeout,
-                detail: format!(
-                    "the stream's wait for staged part {part} gave up at its deadline (its host \
-                     collective never finished): that operation's device result is wrong"
-                ),
-            };
-            lock(&state.error).get_or_insert_with(|| e.clone());
-            return Err(e);
         }
         if state.stream_wait && state.waiter.is_none() {
             // Loaded before this communicator has any staged work in flight (loading a module
