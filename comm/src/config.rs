@@ -93,10 +93,11 @@ pub struct Config {
     /// (`OXCCL_CUDA_STAGE_CHUNK`, default 4 MiB; 0 = one part).
     pub cuda_stage_chunk: usize,
     /// Whether a staged device operation returns as soon as it is enqueued, with the stream
-    /// waiting on a flag in pinned memory that the progress thread sets (`OXCCL_CUDA_STREAM_WAIT`:
-    /// `auto`, the default, does so unless two ranks of the communicator are threads of one
-    /// process, whose streams share a context; `1` always; `0` makes every device call wait for
-    /// its host collectives before it returns).
+    /// waiting (in a kernel, with a deadline) on a flag in pinned memory that the progress thread
+    /// sets (`OXCCL_CUDA_STREAM_WAIT`: `auto`, the default, does so unless two ranks of the
+    /// communicator are threads of one process, whose streams share a context, or the calling
+    /// thread may run on one CPU only, which its progress thread would then share; `1` always;
+    /// `0` makes every device call wait for its host collectives before it returns).
     pub cuda_stream_wait: Option<bool>,
     /// Whether device collectives of a communicator whose ranks all share one node run over CUDA
     /// IPC (feature `cuda`; `OXCCL_CUDA_IPC`: `auto`, the default, uses it when every rank can

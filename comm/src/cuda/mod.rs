@@ -265,9 +265,9 @@ impl Drop for DeviceState {
 /// `auto` says no, too, when the calling thread may run on one CPU only (`cpus`, the size of its
 /// affinity mask at the communicator's first device call; 0 when unknown): bound to a core
 /// (`oxccl launch --bind core`, `oxccl perf --np` where there is one CPU per rank, mpirun's
-/// default), the progress thread that runs the host
-/// collectives shares that CPU with the caller, whose thread spins in the driver while it waits
-/// for the stream (`cuStreamSynchronize`), and runs only at the scheduler's next tick. On the
+/// default), the progress thread that runs the host collectives shares that CPU with the caller,
+/// whose thread spins in the driver while it waits for the stream (`cuStreamSynchronize`), and
+/// runs only at the scheduler's next tick. On the
 /// H100 (2026-11-26, 2 processes under MPS, 8 B over shared memory) a call cost 0.6-0.8 ms so,
 /// against 24 us with a block of CPUs per rank, and 22-26 us bound with the call waiting on the
 /// host. (Not detected: a mask of two hyperthreads of one core, or a CPU quota.)
