@@ -11,7 +11,8 @@
 #       command="NETNS_TOOLS=.netns-tools scripts/gpu_session.sh")
 # PHASES (default "chbind ddpshape waitkernel channels threads cold tcpdev netns cpu mps kernels
 # nccl") picks and orders the phases:
-#   chbind   TCP channels on loopback by binding (--bind block / core), 1 and 4 channels, and gloo;
+#   chbind   TCP channels on loopback by binding (--bind block / core), 1, 4 and auto channels, and
+#            gloo;
 #   waitkernel staged calls whose streams wait in the wait kernel: the GPU tests that force it,
 #            the fixed cost against host waits (1 and 2 processes, shm and TCP, each bound as
 #            `oxccl perf` binds by default), every collective checked over TCP, a traced run, the
@@ -79,7 +80,7 @@ export OXCCL_REQUIRE_GPU=1 OXCCL_CACHE_DIR=/tmp/oxccl-cache OXCCL_TIMEOUT=20 RUS
 # Each phase may use at most its share (seconds from its start), and no step runs past the budget.
 declare -A share=([threads]=120 [kernels]=80 [mps]=140 [nccl]=30 [cpu]=70 [netns]=70 [cold]=110
     [tune]=200 [ddp]=120 [tcp]=120 [defaults]=120 [flake]=${FLAKE_SHARE:-100} [ddp2]=90 [tcp2]=90 [coldperf]=100 [tcpdev]=80 [sendthread]=100
-    [ddpspin]=100 [ddpshape]=100 [channels]=110 [waitkernel]=120 [waitquick]=70 [chbind]=80 [ddpsize]=90
+    [ddpspin]=100 [ddpshape]=100 [channels]=110 [waitkernel]=120 [waitquick]=70 [chbind]=110 [ddpsize]=90
     [chdiag]=70)
 phase_end=$budget
 # step LIMIT CMD...: runs CMD for at most LIMIT seconds, never past the phase's share or the budget.
@@ -103,7 +104,7 @@ short() {
         head -"${1:-14}"
 }
 ctest() { local limit=$1; shift; step "$limit" "$bin/comm_cuda" --ignored --exact "$@" 2>&1 | short; }
-perf() { local limit=$1; shift; step "$limit" "$bin/oxccl" perf "$@" 2>&1 | grep -E "^###|^ +[0-9]|rror|wrong|Avg bus|Out of bounds|Send thread|Channels" | cut -c1-200; }
+perf() { local limit=$1; shift; step "$limit" "$bin/oxccl" perf "$@" 2>&1 | grep -E "^###|^ +[0-9]|rror|wrong|Avg bus|Out of bounds|Send thread|channels \(OXCCL" | cut -c1-200; }
 
 # Ranks as processes on one GPU need MPS (without it the driver time-slices their contexts).
 mps_on() {
@@ -351,10 +352,11 @@ for phase in $phases; do
         # TCP channels on loopback by binding: with a core per rank (what `oxccl perf --np` did
         # until 2026-11-26) a rank's channel threads share its core and 4 channels gained
         # nothing; with a block of CPUs per rank (its default now where there are 2 per rank)
-        # they can run at once. 1 and 4 channels, --bind block and core, 4 and 64 MiB, then
+        # they can run at once. 1 and 4 channels and auto (the default since 2026-11-26, night:
+        # 4 with blocks of 8, 1 with a core each), --bind block and core, 4 and 64 MiB, then
         # gloo; twice, interleaved.
         for round in 1 2; do
-            for k in 1 4; do
+            for k in 1 4 auto; do
                 for b in block core; do
                     echo "round $round OXCCL_SOCKET_CHANNELS=$k --bind $b"
                     OXCCL_SOCKET_CHANNELS=$k perf 15 all-reduce --np 2 --bind $b --transport tcp \

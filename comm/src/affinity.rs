@@ -89,6 +89,59 @@ pub fn enough_cpus_for(lists: &[&[usize]], per_rank: usize) -> Option<bool> {
     Some(all.len() >= lists.len() * per_rank)
 }
 
+/// Most channels `OXCCL_SOCKET_CHANNELS=auto` picks.
+pub const AUTO_CHANNELS_MAX: usize = 4;
+
+/// CPUs each rank needs per channel `OXCCL_SOCKET_CHANNELS=auto` gives it: one for the channel's
+/// thread and one for the kernel's work on its sockets beside it.
+pub const CPUS_PER_CHANNEL: usize = 2;
+
+/// One node of a communicator, as [`auto_channels`] sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeShare {
+    /// CPUs the node's ranks may use together (the union of their allowed-CPU lists); `None`
+    /// when a list is unknown.
+    pub cpus: Option<usize>,
+    /// Ranks that share those CPUs: the communicator's ranks on the node, or more where the
+    /// launcher or a parent communicator counted more (a group with one rank per node still
+    /// shares the node with the job's other ranks).
+    pub ranks: usize,
+}
+
+/// The node of `members` (ranks' allowed-CPU lists and node-rank counts, 0 = unknown): the union
+/// of their lists and the larger of their number and the counts.
+pub fn node_share(members: &[(&[usize], usize)]) -> NodeShare {
+    let ranks = members
+        .iter()
+        .map(|&(_, n)| n)
+        .max()
+        .unwrap_or(0)
+        .max(members.len());
+    let lists: Vec<&[usize]> = members.iter().map(|&(l, _)| l).collect();
+    let cpus = if lists.iter().any(|l| l.is_empty()) {
+        None
+    } else {
+        let mut all: Vec<usize> = lists.iter().flat_map(|l| l.iter().copied()).collect();
+        all.sort_unstable();
+        all.dedup();
+        Some(all.len())
+    };
+    NodeShare { cpus, ranks }
+}
+
+/// The channels `OXCCL_SOCKET_CHANNELS=auto` gives a communicator with TCP peers: on its most
+/// crowded node, [`CPUS_PER_CHANNEL`] CPUs per channel for each rank, from 1 to
+/// [`AUTO_CHANNELS_MAX`]; 1 when a node's CPUs are unknown. Every rank computes it from the
+/// same exchanged records, so every rank gets the same number.
+pub fn auto_channels(nodes: &[NodeShare]) -> usize {
+    let per_rank = nodes
+        .iter()
+        .map(|n| n.cpus.map_or(0, |c| c / n.ranks.max(1)))
+        .min()
+        .unwrap_or(0);
+    (per_rank / CPUS_PER_CHANNEL).clamp(1, AUTO_CHANNELS_MAX)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -133,5 +186,55 @@ mod tests {
         assert_eq!(enough_cpus_for(&[four, four], 2), Some(true));
         assert_eq!(enough_cpus_for(&[&[0], &[1]], 2), Some(false));
         assert_eq!(enough_cpus_for(&[four, &[]], 2), None);
+    }
+    #[test]
+    fn auto_channels_give_each_channel_two_cpus_per_rank() {
+        let node = |cpus: usize, ranks: usize| NodeShare {
+            cpus: Some(cpus),
+            ranks,
+        };
+        // 2 ranks on this 2-core machine, or bound a core each anywhere: 1.
+        assert_eq!(auto_channels(&[node(2, 2)]), 1);
+        // 2 ranks unbound on 16 cores (8 each), 2 nodes x 2 ranks of 16 cores: 4.
+        assert_eq!(auto_channels(&[node(16, 2)]), 4);
+        assert_eq!(auto_channels(&[node(16, 2), node(16, 2)]), 4);
+        // Blocks of 4: 2; of 6: 3; the most crowded node decides.
+        assert_eq!(auto_channels(&[node(8, 2)]), 2);
+        assert_eq!(auto_channels(&[node(12, 2)]), 3);
+        assert_eq!(auto_channels(&[node(16, 2), node(4, 2)]), 1);
+        // Never above 4; unknown CPUs or no nodes: 1.
+        assert_eq!(auto_channels(&[node(128, 1)]), 4);
+        let unknown = NodeShare {
+            cpus: None,
+            ranks: 1,
+        };
+        assert_eq!(auto_channels(&[node(16, 1), unknown]), 1);
+        assert_eq!(auto_channels(&[]), 1);
+    }
+
+    #[test]
+    fn a_node_counts_the_ranks_its_launcher_counted() {
+        let all: Vec<usize> = (0..16).collect();
+        // A group with one rank per node, unbound on 16 cores, whose job runs 8 ranks a node:
+        // 2 CPUs each, not 16, so one channel.
+        let share = node_share(&[(&all, 8)]);
+        assert_eq!(
+            share,
+            NodeShare {
+                cpus: Some(16),
+                ranks: 8
+            }
+        );
+        assert_eq!(auto_channels(&[share]), 1);
+        // Unknown counts (0) leave the group's own ranks; lists are united.
+        let s = node_share(&[(&[0, 1][..], 0), (&[1, 2, 3][..], 0)]);
+        assert_eq!(
+            s,
+            NodeShare {
+                cpus: Some(4),
+                ranks: 2
+            }
+        );
+        assert_eq!(node_share(&[(&[][..], 0), (&[1][..], 0)]).cpus, None);
     }
 }

@@ -52,6 +52,9 @@ pub struct Communicator {
     pub(crate) cuda: std::sync::Mutex<Option<crate::cuda::DeviceState>>,
     /// Transport to every peer (`"self"` for this rank).
     transports: Vec<&'static str>,
+    /// Channels this communicator runs with TCP peers (`OXCCL_SOCKET_CHANNELS`, `auto`
+    /// resolved at init).
+    channels: usize,
     /// The store server, when this rank hosts it (rank 0 without a launcher-hosted store).
     _server: Option<TcpStoreServer>,
 }
@@ -303,7 +306,10 @@ impl Communicator {
     pub fn from_env() -> Result<Communicator> {
         crate::logging::init();
         let info = bootstrap::detect_from_env()?;
-        let cfg = Config::from_env()?;
+        let mut cfg = Config::from_env()?;
+        // The launcher counts this node's ranks (`OXCCL_SOCKET_CHANNELS=auto` shares its CPUs
+        // among them).
+        cfg.node_ranks = Some(info.local_world_size);
         let join = match std::env::var("OXCCL_JOIN") {
             Ok(v) if !v.trim().is_empty() => crate::config::parse_bool("OXCCL_JOIN", &v)?,
             _ => false,
@@ -432,6 +438,7 @@ impl Communicator {
             pid: std::process::id(),
             tcp_addr: tcp.addr(),
             cpus: crate::affinity::allowed_cpus(),
+            node_ranks: cfg.node_ranks.unwrap_or(0),
             settings: cfg.shared_settings(),
         };
         let key = format!("{id}/peer/{rank}");
@@ -491,6 +498,21 @@ impl Communicator {
             }
         }
         let node_index = nodes.iter().position(|n| *n == node_id).unwrap_or(0);
+        // From the records every rank read alike, so every rank picks the same number.
+        let channels = cfg.socket_channels.unwrap_or_else(|| {
+            let shares: Vec<crate::affinity::NodeShare> = nodes
+                .iter()
+                .map(|n| {
+                    let members: Vec<(&[usize], usize)> = peers
+                        .iter()
+                        .filter(|p| p.node_id == *n)
+                        .map(|p| (&p.cpus[..], p.node_ranks))
+                        .collect();
+                    crate::affinity::node_share(&members)
+                })
+                .collect();
+            crate::affinity::auto_channels(&shares)
+        });
 
         // Same-node peers talk through shared memory (unless OXCCL_TRANSPORT says otherwise),
         // everyone else over TCP.
@@ -568,6 +590,7 @@ impl Communicator {
             local_ranks = same_node.len(),
             cpus = %crate::affinity::encode_cpus(&peers[rank].cpus),
             spin,
+            channels,
             "waiting policy"
         );
         let transports = (0..size)
@@ -643,6 +666,7 @@ impl Communicator {
             #[cfg(feature = "cuda")]
             cuda: std::sync::Mutex::new(None),
             transports,
+            channels,
             _server: None,
         };
         comm.open_channels()?;
@@ -655,13 +679,13 @@ impl Communicator {
     /// when it has TCP peers and asks for more than one. Their threads start first, so a rank
     /// that cannot start them fails before its peers wait for its channels.
     fn open_channels(&self) -> Result<()> {
-        let k = self.cfg.socket_channels;
+        let k = self.channels;
         if k < 2 || !self.shared.sockets {
             return Ok(());
         }
         let pools = crate::channels::pools(self.rank, k - 1)?;
         let mut cfg = self.cfg.clone();
-        cfg.socket_channels = 1;
+        cfg.socket_channels = Some(1);
         cfg.node_id = Some(self.node_id.clone());
         let members: Vec<usize> = (0..self.size).collect();
         let lineage = self.shared.stalls.lineage(&members);
@@ -753,6 +777,12 @@ impl Communicator {
             .map(|t| t.exchanges.load(Ordering::Relaxed))
     }
 
+    /// Channels this communicator runs (`OXCCL_SOCKET_CHANNELS`, [`Config::socket_channels`],
+    /// `auto` resolved at init): 1 without TCP peers.
+    pub fn channels(&self) -> usize {
+        self.shared.channels.get().map_or(1, |c| c.comms.len() + 1)
+    }
+
     /// How many operations (all-reduce, broadcast, reduce) were cut across this communicator's
     /// channels
     /// (`OXCCL_SOCKET_CHANNELS`, [`Config::socket_channels`]), or `None` when it has none (one
@@ -811,6 +841,7 @@ impl Communicator {
     ) -> Result<Communicator> {
         let mut cfg = self.cfg.clone();
         cfg.node_id = Some(self.node_id.clone());
+        cfg.node_ranks = Some(self.cfg.node_ranks.unwrap_or(0).max(self.local_size));
         let mut c = Self::init_inner(
             rank,
             size,
@@ -1118,7 +1149,7 @@ mod tests {
     fn bad_peer_records_name_this_rank_and_the_key() {
         for (record, needle) in [
             (&b"garbage"[..], "malformed peer record"),
-            (&b"5\nnode\n1\n127.0.0.1:1\n"[..], "names rank 5"),
+            (&b"5\nnode\n1\n127.0.0.1:1\n\n0"[..], "names rank 5"),
         ] {
             let store: Arc<dyn Store> = Arc::new(MemStore::new());
             // Rank 0's first init on this store uses id `oxccl/world1`.

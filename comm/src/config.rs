@@ -77,11 +77,20 @@ pub struct Config {
     /// Independent sets of connections ("channels", as NCCL calls them) a communicator with TCP
     /// peers keeps, each driven by a thread of its own: a large all-reduce, broadcast or reduce
     /// is cut into this many contiguous parts, one per channel, run at once, so several cores
-    /// copy through the kernel's sockets in parallel (`OXCCL_SOCKET_CHANNELS`, default 1 = one
-    /// set, no extra threads; 1..=16). Parts are at least
+    /// copy through the kernel's sockets in parallel (`OXCCL_SOCKET_CHANNELS`: `auto` (`None`),
+    /// the default, gives each rank a channel per [`crate::affinity::CPUS_PER_CHANNEL`] CPUs it
+    /// has on the communicator's most crowded node, 1 to [`crate::affinity::AUTO_CHANNELS_MAX`]
+    /// ([`crate::affinity::auto_channels`]); `1..=16` that many). Parts are at least
     /// [`crate::channels::CHANNEL_PART_MIN`] bytes, so smaller operations use fewer channels.
-    /// Every rank must use the same value.
-    pub socket_channels: usize,
+    /// Every rank must use the same setting.
+    pub socket_channels: Option<usize>,
+    /// Ranks of the job on this process's node, for `OXCCL_SOCKET_CHANNELS=auto`: the node's CPUs
+    /// are shared among at least this many ranks, also by a communicator that holds fewer of
+    /// them (a group with one rank per node). [`crate::Communicator::from_env`] sets it from the
+    /// launcher's local world size, and communicators made from another (split, `Topology`
+    /// groups, shrink, grow) inherit the larger of it and their parent's ranks on the node.
+    /// `None`: only the communicator's own ranks count.
+    pub node_ranks: Option<usize>,
     /// Block of the hierarchical all-reduce per local rank, in bytes (`OXCCL_HIERARCHICAL_BLOCK`,
     /// default 512 KiB, a multiple of 64 from 4 KiB to 1 GiB): each rank's piece of a block
     /// should stay in its core's cache from the node ring to the cross ring and back. Every rank
@@ -146,7 +155,8 @@ impl Default for Config {
             single_copy: true,
             spin: None,
             socket_send_thread: Some(false),
-            socket_channels: 1,
+            socket_channels: None,
+            node_ranks: None,
             hierarchical_block: crate::tuning::HIERARCHICAL_AR_BLOCK,
             cuda_stage_chunk: 4 << 20,
             cuda_stream_wait: None,
@@ -188,7 +198,8 @@ impl Config {
             ),
             (
                 "OXCCL_SOCKET_CHANNELS".into(),
-                self.socket_channels.to_string(),
+                self.socket_channels
+                    .map_or_else(|| "auto".to_owned(), |k| k.to_string()),
             ),
         ]
     }
@@ -272,8 +283,8 @@ impl Config {
         if !NSOCKS.contains(&self.nsocks) {
             return bad("nsocks", "OXCCL_NSOCKS", self.nsocks, "in 1..=16");
         }
-        if !CHANNELS.contains(&self.socket_channels) {
-            let (v, want) = (self.socket_channels, "in 1..=16");
+        if let Some(v) = self.socket_channels.filter(|k| !CHANNELS.contains(k)) {
+            let want = "in 1..=16 (None = auto)";
             return bad("socket_channels", "OXCCL_SOCKET_CHANNELS", v, want);
         }
         if self.socket_buffer > MAX_SOCKET_BUFFER {
@@ -510,12 +521,17 @@ impl Config {
             c.socket_send_thread = parse_auto_bool("OXCCL_SOCKET_SEND_THREAD", &v)?;
         }
         if let Some(v) = get("OXCCL_SOCKET_CHANNELS").filter(|v| !v.trim().is_empty()) {
-            c.socket_channels = parse_num("OXCCL_SOCKET_CHANNELS", &v)?;
-            if !CHANNELS.contains(&c.socket_channels) {
-                return Err(Error::Config(format!(
-                    "OXCCL_SOCKET_CHANNELS={v} must be in 1..=16"
-                )));
-            }
+            c.socket_channels = if v.trim().eq_ignore_ascii_case("auto") {
+                None
+            } else {
+                let k = parse_num("OXCCL_SOCKET_CHANNELS", &v)?;
+                if !CHANNELS.contains(&k) {
+                    return Err(Error::Config(format!(
+                        "OXCCL_SOCKET_CHANNELS={v} must be auto or in 1..=16"
+                    )));
+                }
+                Some(k)
+            };
         }
         if let Some(v) = get("OXCCL_TRACE_BUFFER") {
             c.trace_buffer = parse_num("OXCCL_TRACE_BUFFER", &v)?;
@@ -613,9 +629,16 @@ mod tests {
         assert_eq!(hb("4096").unwrap(), 4096);
         assert_eq!(cfg(&[]).unwrap().hierarchical_block, 512 << 10);
         let ch = |v: &str| cfg(&[("OXCCL_SOCKET_CHANNELS", v)]).map(|c| c.socket_channels);
-        assert_eq!(cfg(&[]).unwrap().socket_channels, 1);
-        assert_eq!(ch("4").unwrap(), 4);
-        assert_eq!(ch(" ").unwrap(), 1);
+        assert_eq!(cfg(&[]).unwrap().socket_channels, None);
+        assert_eq!(ch("4").unwrap(), Some(4));
+        assert_eq!(ch("1").unwrap(), Some(1));
+        assert_eq!(ch(" ").unwrap(), None);
+        assert_eq!(ch("Auto").unwrap(), None);
+        let c = Config {
+            socket_channels: Some(0),
+            ..Config::default()
+        };
+        assert!(c.check().unwrap_err().contains("OXCCL_SOCKET_CHANNELS"));
     }
 
     #[test]

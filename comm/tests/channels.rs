@@ -20,7 +20,7 @@ const MIB: usize = 1 << 20;
 fn cfg(channels: usize, timeout_s: u64) -> Config {
     Config {
         transport: TransportChoice::Tcp,
-        socket_channels: channels,
+        socket_channels: Some(channels),
         timeout: Duration::from_secs(timeout_s),
         ..Config::default()
     }
@@ -202,6 +202,71 @@ fn without_tcp_peers_or_with_one_channel_there_are_none() {
         });
         for r in res {
             assert_eq!(r.unwrap(), None);
+        }
+    }
+}
+
+/// What `OXCCL_SOCKET_CHANNELS=auto` should pick for `ranks` ranks of this process on one node
+/// that share it with `node_ranks` in all.
+fn auto_for(ranks: usize, node_ranks: usize) -> usize {
+    let cpus = oxccl_comm::affinity::allowed_cpus();
+    let members: Vec<(&[usize], usize)> = (0..ranks).map(|_| (&cpus[..], node_ranks)).collect();
+    oxccl_comm::affinity::auto_channels(&[oxccl_comm::affinity::node_share(&members)])
+}
+
+#[test]
+fn auto_gives_each_rank_a_channel_per_two_cpus() {
+    // 2 ranks of this process over TCP: as many channels as the rule gives for this machine's
+    // CPUs (1 on 2 cores, 4 on 16), and the cut all-reduces right whatever it picks.
+    let auto = Config {
+        socket_channels: None,
+        ..cfg(1, 60)
+    };
+    let want = auto_for(2, 0);
+    let res = spawn_world(2, auto, |c| {
+        all_reduces(&c, LENS[0])?;
+        Ok((c.channels(), c.channel_ops()))
+    });
+    for (rank, r) in res.into_iter().enumerate() {
+        let (k, ops) = r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert_eq!(k, want, "rank {rank}: channels");
+        assert_eq!(ops, (want > 1).then_some(11), "rank {rank}: cut operations");
+    }
+}
+
+#[test]
+fn auto_counts_every_rank_of_the_node_in_groups_and_launcher_counts() {
+    // 2 nodes x 2 ranks, then groups of one rank per node ({0, 2}, {1, 3}): each group's node
+    // still runs the world's 2 ranks (the group inherits that count), so it picks what the
+    // world picks, not what one rank alone on the node would.
+    let auto = Config {
+        transport: TransportChoice::Auto,
+        socket_channels: None,
+        ..cfg(1, 60)
+    };
+    let want = auto_for(2, 0);
+    let res = spawn_world_on_nodes(4, 2, auto.clone(), |c| {
+        let world = c.channels();
+        let g = c.split(Some((c.rank() % 2) as u32), 0)?.expect("a color");
+        all_reduces(&g, LENS[0])?;
+        Ok((world, g.channels(), g.config().node_ranks))
+    });
+    for (rank, r) in res.into_iter().enumerate() {
+        let got = r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert_eq!(got, (want, want, Some(2)), "rank {rank}");
+    }
+    // A launcher that counts 64 ranks on the node: a CPU or less each, one channel.
+    let crowded = Config {
+        node_ranks: Some(64),
+        ..auto
+    };
+    let res = spawn_world(2, crowded, |c| Ok(c.channels()));
+    for (rank, r) in res.into_iter().enumerate() {
+        let k = r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert_eq!(k, auto_for(2, 64), "rank {rank}");
+        let cpus = oxccl_comm::affinity::allowed_cpus().len();
+        if cpus < 4 * 64 {
+            assert_eq!(k, 1, "rank {rank}: {cpus} CPUs");
         }
     }
 }

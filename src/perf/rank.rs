@@ -212,8 +212,11 @@ fn run_all(comm: &Communicator, args: &PerfArgs, plan: &Plan) -> Result<u64, Err
         }
         if let Some(n) = comm.channel_ops() {
             out(&[format!(
-                "# Channels on (OXCCL_SOCKET_CHANNELS={}): rank 0 cut {n} operations across them",
-                comm.config().socket_channels
+                "# {} channels (OXCCL_SOCKET_CHANNELS={}): rank 0 cut {n} operations across them",
+                comm.channels(),
+                comm.config()
+                    .socket_channels
+                    .map_or_else(|| "auto".to_owned(), |k| k.to_string())
             )]);
         }
         out(&totals.footer());

@@ -255,6 +255,10 @@ pub struct PeerInfo {
     pub tcp_addr: String,
     /// CPUs the rank may run on (empty: unknown); see [`crate::affinity`].
     pub cpus: Vec<usize>,
+    /// Ranks on this rank's node as its launcher or the communicator it was made from counted
+    /// them (0: unknown); `OXCCL_SOCKET_CHANNELS=auto` divides the node's CPUs among at least
+    /// that many ([`crate::affinity::node_share`]).
+    pub node_ranks: usize,
     /// Settings every rank of the communicator must share, as `(variable, canonical value)`
     /// pairs (`OXCCL_TRANSPORT`, `OXCCL_ALGO`, `OXCCL_CUDA_STAGE_CHUNK`,
     /// `OXCCL_HIERARCHICAL_BLOCK`), compared at init.
@@ -263,16 +267,17 @@ pub struct PeerInfo {
 }
 
 impl PeerInfo {
-    /// Encoding for the store: one field a line (rank, node id, pid, TCP address, CPUs), then one
-    /// `variable=value` line per setting.
+    /// Encoding for the store: one field a line (rank, node id, pid, TCP address, CPUs, node
+    /// ranks), then one `variable=value` line per setting.
     pub fn encode(&self) -> Vec<u8> {
         let mut s = format!(
-            "{}\n{}\n{}\n{}\n{}",
+            "{}\n{}\n{}\n{}\n{}\n{}",
             self.rank,
             self.node_id,
             self.pid,
             self.tcp_addr,
-            crate::affinity::encode_cpus(&self.cpus)
+            crate::affinity::encode_cpus(&self.cpus),
+            self.node_ranks
         );
         for (name, value) in &self.settings {
             s.push_str(&format!("\n{name}={value}"));
@@ -319,6 +324,10 @@ impl PeerInfo {
             .next()
             .and_then(crate::affinity::decode_cpus)
             .ok_or_else(|| bad("CPU list (line 5)"))?;
+        let node_ranks = it
+            .next()
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| bad("node ranks (line 6)"))?;
         let settings = it
             .map(|line| match line.split_once('=') {
                 Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
@@ -331,6 +340,7 @@ impl PeerInfo {
             pid,
             tcp_addr,
             cpus,
+            node_ranks,
             settings,
         })
     }
@@ -374,6 +384,7 @@ mod tests {
             pid: 42,
             tcp_addr: "[::1]:5000".into(),
             cpus: vec![0, 1, 3],
+            node_ranks: 8,
             settings: vec![
                 ("OXCCL_TRANSPORT".into(), "tcp".into()),
                 ("OXCCL_ALGO".into(), "all-reduce=ring,broadcast=tree".into()),
@@ -397,8 +408,10 @@ mod tests {
             msg.contains("rank 7") && msg.contains("process id"),
             "{msg}"
         );
-        let e = PeerInfo::decode(b"7\nnode\n1\n1.2.3.4:5\n0-3\nno-equals-sign").unwrap_err();
+        let e = PeerInfo::decode(b"7\nnode\n1\n1.2.3.4:5\n0-3\n2\nno-equals-sign").unwrap_err();
         assert!(e.to_string().contains("no-equals-sign"), "{e}");
+        let e = PeerInfo::decode(b"7\nnode\n1\n1.2.3.4:5\n0-3\nA=b").unwrap_err();
+        assert!(e.to_string().contains("node ranks (line 6)"), "{e}");
         let e = PeerInfo::decode(b"x").unwrap_err();
         assert!(e.to_string().contains("rank (line 1)"), "{e}");
     }
