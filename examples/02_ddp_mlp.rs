@@ -13,7 +13,10 @@
 //! exits non-zero unless the DDP model stays within 1e-5 of it and every rank's parameters are
 //! bit-identical after every step. `--mode all --rounds 3` times compute only, communication only,
 //! backward-then-all-reduce and overlapped DDP steps, interleaved (docs/PERF.md); make the model
-//! larger for that with `--hidden 1024 --layers 4 --batch 32`.
+//! larger for that with `--hidden 1024 --layers 4 --batch 32`, and add `--balance` to pick the
+//! batch at which backward takes as long as the all-reduce. It also prints the best ratio
+//! overlap could reach (the shorter of backward and the all-reduce hidden entirely) and how much
+//! of that it reached.
 
 #[path = "mlp/mod.rs"]
 mod mlp;
@@ -71,11 +74,74 @@ struct Args {
     /// Compare with one process on the concatenated batch, and replicas with each other.
     #[arg(long)]
     check: bool,
+    /// Before training, choose the batch so that backward takes about as long as the
+    /// all-reduce of the gradients ("comparable time", where overlap can hide the most): times
+    /// communication alone, and backward at `--batch` and twice that, and solves the line
+    /// through them for the all-reduce's time (the slowest rank's medians, so every rank
+    /// agrees; 1 to 4096).
+    #[arg(long)]
+    balance: bool,
 }
 
 fn median_ms(mut v: Vec<Duration>) -> f64 {
     v.sort();
     v.get(v.len() / 2).map_or(0.0, |d| d.as_secs_f64() * 1e3)
+}
+
+/// The slowest rank's median of `what` over `steps` steps of `mode` (step 0 left out).
+fn timed(
+    comm: &Communicator,
+    shape: &Shape,
+    cfg: &DdpConfig,
+    mode: Mode,
+    what: fn(&mlp::StepReport) -> Duration,
+) -> Result<f64, Box<dyn std::error::Error>> {
+    let mut v = Vec::new();
+    mlp::train_ddp(comm, shape, 6, mode, cfg.clone(), |step, _, _, r| {
+        if step > 0 {
+            v.push(what(&r));
+        }
+        Ok(())
+    })?;
+    let mut ms = [median_ms(v)];
+    comm.all_reduce(&mut ms, ReduceOp::Max)?;
+    Ok(ms[0])
+}
+
+/// `--balance`: the batch at which backward takes about as long as the all-reduce of the
+/// gradients. Backward's time is fitted as a line in the batch (it has a part that does not
+/// grow with it: reading every weight) from `--batch` and twice that. Every rank computes it
+/// from the same maxima, so every rank gets the same.
+fn balance(
+    comm: &Communicator,
+    shape: &Shape,
+    cfg: &DdpConfig,
+) -> Result<usize, Box<dyn std::error::Error>> {
+    let comm_ms = timed(comm, shape, cfg, Mode::CommOnly, |r| r.time)?;
+    let b0 = shape.batch.max(1);
+    let at = |batch: usize| {
+        let s = Shape {
+            batch,
+            ..shape.clone()
+        };
+        timed(comm, &s, cfg, Mode::ComputeOnly, |r| r.backward)
+    };
+    let (t0, t1) = (at(b0)?, at(2 * b0)?);
+    let per_sample = (t1 - t0) / b0 as f64;
+    let batch = if per_sample > 0.0 {
+        let fixed = t0 - per_sample * b0 as f64;
+        ((comm_ms - fixed) / per_sample).round().clamp(1.0, 4096.0) as usize
+    } else {
+        b0
+    };
+    if comm.rank() == 0 {
+        println!(
+            "# balance: comm only {comm_ms:.2} ms; backward {t0:.2} ms at batch {b0}, {t1:.2} ms at \
+             batch {}: batch {batch}",
+            2 * b0
+        );
+    }
+    Ok(batch)
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -85,7 +151,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let comm = Communicator::from_env()?;
     let (rank, world) = (comm.rank(), comm.size());
-    let shape = Shape {
+    let mut shape = Shape {
         input: args.input,
         hidden: args.hidden,
         layers: args.layers,
@@ -98,6 +164,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ..DdpConfig::default()
     };
     let params: usize = mlp::Mlp::new(&shape, 0).params.iter().map(Vec::len).sum();
+    if args.balance {
+        shape.batch = balance(&comm, &shape, &cfg)?;
+    }
     if rank == 0 {
         println!(
             "# 02_ddp_mlp: {world} ranks, layers {}x{}, {params} parameters ({:.1} MiB of f32 \
@@ -105,7 +174,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             args.layers,
             args.hidden,
             (params * 4) as f64 / (1 << 20) as f64,
-            args.batch
+            shape.batch
         );
     }
 
@@ -116,7 +185,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             ("backward then all-reduce", Mode::After),
             ("ddp overlap", Mode::Overlap),
         ];
-        let mut times: Vec<Vec<Duration>> = vec![Vec::new(); modes.len()];
+        // One list per mode, and the backward passes of compute only last.
+        let mut times: Vec<Vec<Duration>> = vec![Vec::new(); modes.len() + 1];
         for _ in 0..args.rounds {
             for (k, &(_, mode)) in modes.iter().enumerate() {
                 mlp::train_ddp(
@@ -128,6 +198,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     |step, _, _, r| {
                         if step > 0 {
                             times[k].push(r.time); // step 0 warms up
+                            if mode == Mode::ComputeOnly {
+                                times[modes.len()].push(r.backward);
+                            }
                         }
                         Ok(())
                     },
@@ -146,9 +219,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             for ((name, _), ms) in modes.iter().zip(&med) {
                 println!("{name:>26}: {ms:8.2} ms");
             }
+            let (comm_ms, after, overlap, bwd) = (med[1], med[2], med[3], med[4]);
+            println!("{:>26}: {bwd:8.2} ms", "backward (of compute only)");
             println!(
                 "# overlap / (backward then all-reduce) = {:.3}",
-                med[3] / med[2]
+                overlap / after
+            );
+            // Overlap can hide at most the shorter of backward and the all-reduce.
+            let hideable = bwd.min(comm_ms);
+            println!(
+                "# at best (min(backward, comm only) hidden) = {:.3}; hidden: {:.0} % of that",
+                (after - hideable) / after,
+                100.0 * (after - overlap) / hideable
             );
         }
         return Ok(());

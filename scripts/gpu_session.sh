@@ -32,8 +32,8 @@
 #   sendthread TCP with and without the send thread (OXCCL_SOCKET_SEND_THREAD), interleaved: 2
 #            ranks on loopback 1 MiB..64 MiB, then gloo at 64 MiB; and 2 namespaces x 2 ranks,
 #            hierarchical and flat ring with it;
-#   ddpshape the DDP overlap by model shape (hidden x layers 1024 x 4, 768 x 8, 512 x 16), batch
-#            4, 2 MiB buckets, --bind none and block, DDP_REPS (3) times;
+#   ddpshape the DDP overlap by model shape (hidden x layers 768 x 8, 512 x 16), batch 4 and
+#            --balance, 2 MiB buckets, --bind none and block, DDP_REPS (3) times;
 #   ddpsize  the DDP overlap at batch 1 and 2 (1024 x 4, 768 x 8);
 #   chdiag   CPU time of 2 ranks on loopback by channels and sockets, and hierarchical against
 #            ring between namespaces with 4 channels;
@@ -80,7 +80,7 @@ export OXCCL_REQUIRE_GPU=1 OXCCL_CACHE_DIR=/tmp/oxccl-cache OXCCL_TIMEOUT=20 RUS
 # Each phase may use at most its share (seconds from its start), and no step runs past the budget.
 declare -A share=([threads]=120 [kernels]=80 [mps]=140 [nccl]=30 [cpu]=70 [netns]=70 [cold]=110
     [tune]=200 [ddp]=120 [tcp]=120 [defaults]=120 [flake]=${FLAKE_SHARE:-100} [ddp2]=90 [tcp2]=90 [coldperf]=100 [tcpdev]=80 [sendthread]=100
-    [ddpspin]=100 [ddpshape]=100 [channels]=110 [waitkernel]=120 [waitquick]=70 [chbind]=110 [ddpsize]=90
+    [ddpspin]=100 [ddpshape]=150 [channels]=110 [waitkernel]=120 [waitquick]=70 [chbind]=110 [ddpsize]=90
     [chdiag]=70)
 phase_end=$budget
 # step LIMIT CMD...: runs CMD for at most LIMIT seconds, never past the phase's share or the budget.
@@ -234,19 +234,22 @@ for phase in $phases; do
             step 60 scripts/side_by_side_tcp.sh
         ;;
     ddpshape)
-        # DDP overlap by model shape, about the same compute per sample (batch 4, 2 MiB
-        # buckets): the last bucket (the first layers' gradients, ready when backward ends)
-        # can never overlap, and with 4 layers of 4 MiB it is a third of the bytes; with more,
-        # smaller layers it is less. Each rank unbound, or on its own block of 4 CPUs
-        # (--bind block). Interleaved, DDP_REPS times.
+        # DDP overlap by model shape (2 MiB buckets): the last bucket (the first layers'
+        # gradients, ready when backward ends) can never overlap, and with more, smaller layers
+        # it is less of the bytes. Batch 4, and --balance (the batch at which backward takes as
+        # long as the all-reduce: where overlap can hide the most; the example prints the best
+        # ratio possible and how much of it was reached). Each rank unbound, or on its own
+        # block of 4 CPUs (--bind block). Interleaved, DDP_REPS times.
         for rep in $(seq "${DDP_REPS:-3}"); do
-            for shape in "1024 4" "768 8" "512 16"; do
+            for shape in "768 8" "512 16"; do
                 for bind in none block; do
-                    set -- $shape
-                    echo "rep $rep hidden $1 layers $2 --bind $bind"
-                    step 30 "$bin/oxccl" launch -n 4 --bind "$bind" -- "$bin/02_ddp_mlp" --mode all \
-                        --hidden "$1" --layers "$2" --batch 4 --steps 8 --rounds 5 --bucket-mib 2 2>&1 |
-                        tail -6
+                    for batch in "--batch 4" "--batch 4 --balance"; do
+                        set -- $shape
+                        echo "rep $rep hidden $1 layers $2 --bind $bind $batch"
+                        step 30 "$bin/oxccl" launch -n 4 --bind "$bind" -- "$bin/02_ddp_mlp" --mode all \
+                            --hidden "$1" --layers "$2" $batch --steps 8 --rounds 5 --bucket-mib 2 2>&1 |
+                            grep -E "balance:|batch|ms$|^\[0\] #" | grep -v "median step" | tail -10
+                    done
                 done
             done
         done

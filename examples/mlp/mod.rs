@@ -244,6 +244,9 @@ pub struct StepReport {
     pub loss: f32,
     /// Wall time of forward, backward, communication and update.
     pub time: Duration,
+    /// Wall time of the backward pass alone (with DDP's `grad_ready` calls in overlap mode;
+    /// zero with communication only).
+    pub backward: Duration,
 }
 
 /// Trains with DDP for `steps` steps: rank r starts from seed r (rank 0's weights are broadcast)
@@ -276,9 +279,11 @@ pub fn train_ddp<C: std::borrow::Borrow<Communicator>>(
         let (x, t) = samples(shape, (step * world + rank) * shape.batch, shape.batch);
         let start = Instant::now();
         let mut loss = 0.0;
+        let mut backward = Duration::ZERO;
         if mode != Mode::CommOnly {
             let acts = model.forward(&x, shape.batch);
             let norm = shape.batch as f32;
+            let bwd = Instant::now();
             if mode == Mode::Overlap {
                 let mut failed = None;
                 loss = model.backward(&acts, &t, shape.batch, norm, |p, g| {
@@ -294,6 +299,7 @@ pub fn train_ddp<C: std::borrow::Borrow<Communicator>>(
                     grads[p].copy_from_slice(g)
                 });
             }
+            backward = bwd.elapsed();
         }
         match mode {
             Mode::Overlap => {
@@ -314,7 +320,12 @@ pub fn train_ddp<C: std::borrow::Borrow<Communicator>>(
             }
         }
         let time = start.elapsed();
-        each(step, &model, &ddp, StepReport { loss, time })?;
+        let report = StepReport {
+            loss,
+            time,
+            backward,
+        };
+        each(step, &model, &ddp, report)?;
     }
     Ok(model)
 }
