@@ -78,7 +78,7 @@ struct Args {
     /// all-reduce of the gradients ("comparable time", where overlap can hide the most): times
     /// communication alone, and backward at `--batch` and twice that, and solves the line
     /// through them for the all-reduce's time (the slowest rank's medians, so every rank
-    /// agrees; 1 to 4096).
+    /// agrees; from 1 to 16 times `--batch`).
     #[arg(long)]
     balance: bool,
 }
@@ -130,7 +130,9 @@ fn balance(
     let per_sample = (t1 - t0) / b0 as f64;
     let batch = if per_sample > 0.0 {
         let fixed = t0 - per_sample * b0 as f64;
-        ((comm_ms - fixed) / per_sample).round().clamp(1.0, 4096.0) as usize
+        // At most 16 times --batch: a slope lost in noise would otherwise ask for thousands.
+        let most = (16 * b0).min(4096) as f64;
+        ((comm_ms - fixed) / per_sample).round().clamp(1.0, most) as usize
     } else {
         b0
     };
@@ -221,17 +223,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
             let (comm_ms, after, overlap, bwd) = (med[1], med[2], med[3], med[4]);
             println!("{:>26}: {bwd:8.2} ms", "backward (of compute only)");
-            println!(
-                "# overlap / (backward then all-reduce) = {:.3}",
-                overlap / after
-            );
             // Overlap can hide at most the shorter of backward and the all-reduce.
             let hideable = bwd.min(comm_ms);
-            println!(
-                "# at best (min(backward, comm only) hidden) = {:.3}; hidden: {:.0} % of that",
-                (after - hideable) / after,
-                100.0 * (after - overlap) / hideable
-            );
+            if after > 0.0 && hideable > 0.0 {
+                println!(
+                    "# overlap / (backward then all-reduce) = {:.3}",
+                    overlap / after
+                );
+                println!(
+                    "# at best (min(backward, comm only) hidden) = {:.3}; hidden: {:.0} % of that",
+                    (after - hideable) / after,
+                    100.0 * (after - overlap) / hideable
+                );
+            } else {
+                println!("# no ratios: no step was timed (--steps 2 or more, --rounds 1 or more)");
+            }
         }
         return Ok(());
     }

@@ -48,6 +48,9 @@
 #   netns    hierarchical (512 KiB and 2 MiB blocks) against the flat ring, 2 network namespaces x
 #            2 ranks, 64 MiB (needs iproute2, or NETNS_TOOLS: a carried folder from
 #            scripts/netns_tools.sh);
+# Since 2026-11-26 (night) OXCCL_SOCKET_CHANNELS defaults to auto: 4 channels for TCP ranks with
+# 8 CPUs each (unbound on 16 cores, or --bind block with 2 ranks), so netns, sendthread, cpu and
+# tcp figures are not comparable with earlier logs' (1 channel) unless the phase sets it.
 # and, not in the default, the follow-ups of a first run:
 #   tune     CUDA IPC slot size and one-shot threshold, 2 and 4 processes;
 #   ddp      the DDP overlap table by bucket size;
@@ -248,7 +251,7 @@ for phase in $phases; do
                         echo "rep $rep hidden $1 layers $2 --bind $bind $batch"
                         step 30 "$bin/oxccl" launch -n 4 --bind "$bind" -- "$bin/02_ddp_mlp" --mode all \
                             --hidden "$1" --layers "$2" $batch --steps 8 --rounds 5 --bucket-mib 2 2>&1 |
-                            grep -E "balance:|batch|ms$|^\[0\] #" | grep -v "median step" | tail -10
+                            grep -E "^###|rror|balance:|batch|ms$|^\[0\] #" | grep -v "median step" | tail -12
                     done
                 done
             done
@@ -394,7 +397,7 @@ for phase in $phases; do
                 echo "OXCCL_SOCKET_CHANNELS=$k OXCCL_NSOCKS=$ns"
                 OXCCL_SOCKET_CHANNELS=$k OXCCL_NSOCKS=$ns step 20 bash -c 'TIMEFORMAT="cpu: %R s wall, %U s user, %S s sys"
                     time "$0" perf all-reduce --np 2 --transport tcp -b 64M -e 64M -z 1 -n 20 -w 3' \
-                    "$bin/oxccl" 2>&1 | grep -E "^###|^ +[0-9]|cpu:|Channels" | cut -c1-200
+                    "$bin/oxccl" 2>&1 | grep -E "^###|^ +[0-9]|cpu:|channels \(OXCCL" | cut -c1-200
             done
         done
         for round in 1 2; do

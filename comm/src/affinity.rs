@@ -30,6 +30,18 @@ pub fn allowed_cpus() -> Vec<usize> {
     }
 }
 
+/// The CPUs this process may use as its peers should count them: [`allowed_cpus`], cut to its
+/// first [`std::thread::available_parallelism`] where that is fewer (a container's CPU quota
+/// limits how many run at once, not which: ranks of one container then share those first
+/// CPUs, so the union of their lists is the quota).
+pub fn usable_cpus() -> Vec<usize> {
+    let mut cpus = allowed_cpus();
+    if let Ok(n) = std::thread::available_parallelism() {
+        cpus.truncate(n.get().max(1));
+    }
+    cpus
+}
+
 /// `[0, 1, 2, 5]` -> `"0-2,5"` (the kernel's cpulist format).
 pub fn encode_cpus(cpus: &[usize]) -> String {
     let mut out = Vec::new();
@@ -92,6 +104,11 @@ pub fn enough_cpus_for(lists: &[&[usize]], per_rank: usize) -> Option<bool> {
 /// Most channels `OXCCL_SOCKET_CHANNELS=auto` picks.
 pub const AUTO_CHANNELS_MAX: usize = 4;
 
+/// TCP sockets one rank may hold for a communicator's channels together under
+/// `OXCCL_SOCKET_CHANNELS=auto`: each channel holds its own (both directions to every TCP peer,
+/// `OXCCL_NSOCKS` each), and a process's descriptors are often limited to 1024.
+pub const AUTO_CHANNEL_SOCKETS: usize = 256;
+
 /// CPUs each rank needs per channel `OXCCL_SOCKET_CHANNELS=auto` gives it: one for the channel's
 /// thread and one for the kernel's work on its sockets beside it.
 pub const CPUS_PER_CHANNEL: usize = 2;
@@ -131,15 +148,20 @@ pub fn node_share(members: &[(&[usize], usize)]) -> NodeShare {
 
 /// The channels `OXCCL_SOCKET_CHANNELS=auto` gives a communicator with TCP peers: on its most
 /// crowded node, [`CPUS_PER_CHANNEL`] CPUs per channel for each rank, from 1 to
-/// [`AUTO_CHANNELS_MAX`]; 1 when a node's CPUs are unknown. Every rank computes it from the
-/// same exchanged records, so every rank gets the same number.
-pub fn auto_channels(nodes: &[NodeShare]) -> usize {
+/// [`AUTO_CHANNELS_MAX`], and no more than keep `sockets` (the most TCP sockets a rank holds
+/// per channel) times the channels within [`AUTO_CHANNEL_SOCKETS`]; 1 when a node's CPUs are
+/// unknown. Every rank computes it from the same exchanged records, so every rank gets the
+/// same number.
+pub fn auto_channels(nodes: &[NodeShare], sockets: usize) -> usize {
     let per_rank = nodes
         .iter()
         .map(|n| n.cpus.map_or(0, |c| c / n.ranks.max(1)))
         .min()
         .unwrap_or(0);
-    (per_rank / CPUS_PER_CHANNEL).clamp(1, AUTO_CHANNELS_MAX)
+    let by_sockets = AUTO_CHANNEL_SOCKETS / sockets.max(1);
+    (per_rank / CPUS_PER_CHANNEL)
+        .min(by_sockets)
+        .clamp(1, AUTO_CHANNELS_MAX)
 }
 
 #[cfg(test)]
@@ -194,22 +216,27 @@ mod tests {
             ranks,
         };
         // 2 ranks on this 2-core machine, or bound a core each anywhere: 1.
-        assert_eq!(auto_channels(&[node(2, 2)]), 1);
+        assert_eq!(auto_channels(&[node(2, 2)], 4), 1);
         // 2 ranks unbound on 16 cores (8 each), 2 nodes x 2 ranks of 16 cores: 4.
-        assert_eq!(auto_channels(&[node(16, 2)]), 4);
-        assert_eq!(auto_channels(&[node(16, 2), node(16, 2)]), 4);
+        assert_eq!(auto_channels(&[node(16, 2)], 4), 4);
+        assert_eq!(auto_channels(&[node(16, 2), node(16, 2)], 4), 4);
         // Blocks of 4: 2; of 6: 3; the most crowded node decides.
-        assert_eq!(auto_channels(&[node(8, 2)]), 2);
-        assert_eq!(auto_channels(&[node(12, 2)]), 3);
-        assert_eq!(auto_channels(&[node(16, 2), node(4, 2)]), 1);
+        assert_eq!(auto_channels(&[node(8, 2)], 4), 2);
+        assert_eq!(auto_channels(&[node(12, 2)], 4), 3);
+        assert_eq!(auto_channels(&[node(16, 2), node(4, 2)], 4), 1);
         // Never above 4; unknown CPUs or no nodes: 1.
-        assert_eq!(auto_channels(&[node(128, 1)]), 4);
+        assert_eq!(auto_channels(&[node(128, 1)], 4), 4);
         let unknown = NodeShare {
             cpus: None,
             ranks: 1,
         };
-        assert_eq!(auto_channels(&[node(16, 1), unknown]), 1);
-        assert_eq!(auto_channels(&[]), 1);
+        assert_eq!(auto_channels(&[node(16, 1), unknown], 4), 1);
+        assert_eq!(auto_channels(&[], 4), 1);
+        // 8 nodes x 8 ranks: 56 TCP peers, 2 sockets each way: 224 sockets a channel, so 1;
+        // 4 nodes x 1 rank: 12 a channel, so the CPUs decide; 100 a channel: 2.
+        assert_eq!(auto_channels(&[node(96, 8)], 56 * 2 * 2), 1);
+        assert_eq!(auto_channels(&[node(16, 1)], 3 * 2 * 2), 4);
+        assert_eq!(auto_channels(&[node(16, 1)], 100), 2);
     }
 
     #[test]
@@ -225,7 +252,7 @@ mod tests {
                 ranks: 8
             }
         );
-        assert_eq!(auto_channels(&[share]), 1);
+        assert_eq!(auto_channels(&[share], 4), 1);
         // Unknown counts (0) leave the group's own ranks; lists are united.
         let s = node_share(&[(&[0, 1][..], 0), (&[1, 2, 3][..], 0)]);
         assert_eq!(

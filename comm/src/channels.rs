@@ -11,8 +11,8 @@
 //! part 0 runs on the parent's connections on the thread that runs the operation, with the
 //! tuner's choice for the whole call; part `i` runs as an ordinary operation of channel `i`
 //! (its own tuner choice for the part, its own sequence numbers) on that channel's thread, all at
-//! once. Every rank cuts alike (the same bytes, and `OXCCL_SOCKET_CHANNELS` is checked equal at
-//! init), and only the parent's running operation uses the channels, so each channel sees the
+//! once. Every rank cuts alike (the same bytes, and the same channels: `OXCCL_SOCKET_CHANNELS` is
+//! checked equal at init, and `auto` is resolved from the records every rank exchanged), and only the parent's running operation uses the channels, so each channel sees the
 //! same operations in the same order on every rank.
 //!
 //! Failure: a channel publishes its failures under the parent's key (`<id>/error`), a mismatch

@@ -308,8 +308,11 @@ impl Communicator {
         let info = bootstrap::detect_from_env()?;
         let mut cfg = Config::from_env()?;
         // The launcher counts this node's ranks (`OXCCL_SOCKET_CHANNELS=auto` shares its CPUs
-        // among them).
-        cfg.node_ranks = Some(info.local_world_size);
+        // among them). Only where it says there are other nodes: without a local world size,
+        // launchers' variables default it to the whole world, which the node ids count better.
+        if info.local_world_size < info.world_size {
+            cfg.node_ranks = Some(info.local_world_size);
+        }
         let join = match std::env::var("OXCCL_JOIN") {
             Ok(v) if !v.trim().is_empty() => crate::config::parse_bool("OXCCL_JOIN", &v)?,
             _ => false,
@@ -437,7 +440,7 @@ impl Communicator {
             node_id: node_id.clone(),
             pid: std::process::id(),
             tcp_addr: tcp.addr(),
-            cpus: crate::affinity::allowed_cpus(),
+            cpus: crate::affinity::usable_cpus(),
             node_ranks: cfg.node_ranks.unwrap_or(0),
             settings: cfg.shared_settings(),
         };
@@ -498,6 +501,17 @@ impl Communicator {
             }
         }
         let node_index = nodes.iter().position(|n| *n == node_id).unwrap_or(0);
+
+        // Same-node peers talk through shared memory (unless OXCCL_TRANSPORT says otherwise),
+        // everyone else over TCP.
+        let mut links = Links::default();
+        links.send.resize_with(size, || None);
+        links.recv.resize_with(size, || None);
+        let shm_ok = |a: usize, b: usize| match cfg.transport {
+            TransportChoice::Tcp => false,
+            TransportChoice::Auto => peers[a].node_id == peers[b].node_id,
+            TransportChoice::Shm => true,
+        };
         // From the records every rank read alike, so every rank picks the same number.
         let channels = cfg.socket_channels.unwrap_or_else(|| {
             let shares: Vec<crate::affinity::NodeShare> = nodes
@@ -511,19 +525,16 @@ impl Communicator {
                     crate::affinity::node_share(&members)
                 })
                 .collect();
-            crate::affinity::auto_channels(&shares)
+            // The most TCP sockets one rank of a channel holds: both directions to each peer
+            // it does not share memory with.
+            let sockets = (0..size)
+                .map(|a| (0..size).filter(|&b| b != a && !shm_ok(a, b)).count())
+                .max()
+                .unwrap_or(0)
+                * 2
+                * cfg.nsocks;
+            crate::affinity::auto_channels(&shares, sockets)
         });
-
-        // Same-node peers talk through shared memory (unless OXCCL_TRANSPORT says otherwise),
-        // everyone else over TCP.
-        let mut links = Links::default();
-        links.send.resize_with(size, || None);
-        links.recv.resize_with(size, || None);
-        let shm_ok = |a: usize, b: usize| match cfg.transport {
-            TransportChoice::Tcp => false,
-            TransportChoice::Auto => peers[a].node_id == peers[b].node_id,
-            TransportChoice::Shm => true,
-        };
         if cfg.transport == TransportChoice::Shm {
             if let Some(p) = (0..size).find(|&p| peers[p].node_id != node_id) {
                 return Err(Error::Config(format!(

@@ -79,7 +79,8 @@ pub struct Config {
     /// is cut into this many contiguous parts, one per channel, run at once, so several cores
     /// copy through the kernel's sockets in parallel (`OXCCL_SOCKET_CHANNELS`: `auto` (`None`),
     /// the default, gives each rank a channel per [`crate::affinity::CPUS_PER_CHANNEL`] CPUs it
-    /// has on the communicator's most crowded node, 1 to [`crate::affinity::AUTO_CHANNELS_MAX`]
+    /// has on the communicator's most crowded node, 1 to [`crate::affinity::AUTO_CHANNELS_MAX`],
+    /// within [`crate::affinity::AUTO_CHANNEL_SOCKETS`] TCP sockets per rank
     /// ([`crate::affinity::auto_channels`]); `1..=16` that many). Parts are at least
     /// [`crate::channels::CHANNEL_PART_MIN`] bytes, so smaller operations use fewer channels.
     /// Every rank must use the same setting.
@@ -87,7 +88,8 @@ pub struct Config {
     /// Ranks of the job on this process's node, for `OXCCL_SOCKET_CHANNELS=auto`: the node's CPUs
     /// are shared among at least this many ranks, also by a communicator that holds fewer of
     /// them (a group with one rank per node). [`crate::Communicator::from_env`] sets it from the
-    /// launcher's local world size, and communicators made from another (split, `Topology`
+    /// launcher's local world size where that is below the world size (launchers' variables
+    /// default it to the world), and communicators made from another (split, `Topology`
     /// groups, shrink, grow) inherit the larger of it and their parent's ranks on the node.
     /// `None`: only the communicator's own ranks count.
     pub node_ranks: Option<usize>,

@@ -209,9 +209,11 @@ fn without_tcp_peers_or_with_one_channel_there_are_none() {
 /// What `OXCCL_SOCKET_CHANNELS=auto` should pick for `ranks` ranks of this process on one node
 /// that share it with `node_ranks` in all.
 fn auto_for(ranks: usize, node_ranks: usize) -> usize {
-    let cpus = oxccl_comm::affinity::allowed_cpus();
+    let cpus = oxccl_comm::affinity::usable_cpus();
     let members: Vec<(&[usize], usize)> = (0..ranks).map(|_| (&cpus[..], node_ranks)).collect();
-    oxccl_comm::affinity::auto_channels(&[oxccl_comm::affinity::node_share(&members)])
+    // 2 ranks over TCP: one peer each, both directions, OXCCL_NSOCKS (2) sockets each.
+    let sockets = 2 * Config::default().nsocks;
+    oxccl_comm::affinity::auto_channels(&[oxccl_comm::affinity::node_share(&members)], sockets)
 }
 
 #[test]
@@ -257,6 +259,7 @@ fn auto_counts_every_rank_of_the_node_in_groups_and_launcher_counts() {
     }
     // A launcher that counts 64 ranks on the node: a CPU or less each, one channel.
     let crowded = Config {
+        transport: TransportChoice::Tcp,
         node_ranks: Some(64),
         ..auto
     };
@@ -264,7 +267,7 @@ fn auto_counts_every_rank_of_the_node_in_groups_and_launcher_counts() {
     for (rank, r) in res.into_iter().enumerate() {
         let k = r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
         assert_eq!(k, auto_for(2, 64), "rank {rank}");
-        let cpus = oxccl_comm::affinity::allowed_cpus().len();
+        let cpus = oxccl_comm::affinity::usable_cpus().len();
         if cpus < 4 * 64 {
             assert_eq!(k, 1, "rank {rank}: {cpus} CPUs");
         }

@@ -15,6 +15,9 @@ fn cfg(t: TransportChoice) -> Config {
     Config {
         transport: t,
         timeout: Duration::from_secs(30),
+        // One set of connections: extra channels (`OXCCL_SOCKET_CHANNELS=auto` over TCP where
+        // ranks have CPUs to spare) are communicators of their own, with their own records.
+        socket_channels: Some(1),
         ..Config::default()
     }
 }

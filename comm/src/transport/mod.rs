@@ -253,7 +253,8 @@ pub struct PeerInfo {
     pub pid: u32,
     /// Address of the rank's TCP listener (`ip:port`, IPv6 in brackets).
     pub tcp_addr: String,
-    /// CPUs the rank may run on (empty: unknown); see [`crate::affinity`].
+    /// CPUs the rank may run on (empty: unknown), cut to its CPU quota
+    /// ([`crate::affinity::usable_cpus`]); see [`crate::affinity`].
     pub cpus: Vec<usize>,
     /// Ranks on this rank's node as its launcher or the communicator it was made from counted
     /// them (0: unknown); `OXCCL_SOCKET_CHANNELS=auto` divides the node's CPUs among at least
@@ -261,7 +262,7 @@ pub struct PeerInfo {
     pub node_ranks: usize,
     /// Settings every rank of the communicator must share, as `(variable, canonical value)`
     /// pairs (`OXCCL_TRANSPORT`, `OXCCL_ALGO`, `OXCCL_CUDA_STAGE_CHUNK`,
-    /// `OXCCL_HIERARCHICAL_BLOCK`), compared at init.
+    /// `OXCCL_HIERARCHICAL_BLOCK`, `OXCCL_SOCKET_CHANNELS`), compared at init.
     /// Neither part may contain a newline, nor a variable name `=`.
     pub settings: Vec<(String, String)>,
 }
