@@ -45,9 +45,9 @@
 #            nodes): the 2-rank staged test with OXCCL_TRANSPORT=tcp, and a 2-process sweep;
 #   nccl     NCCL's single-rank all-reduce (PyTorch), for scale;
 #   cpu      the DDP overlap table (4 ranks over shared memory) and TCP against torch/gloo;
-#   netns    hierarchical (512 KiB and 2 MiB blocks) against the flat ring, 2 network namespaces x
-#            2 ranks, 64 MiB (needs iproute2, or NETNS_TOOLS: a carried folder from
-#            scripts/netns_tools.sh);
+#   netns    hierarchical against the flat ring, 2 network namespaces x 2 ranks, 64 MiB, with auto
+#            and 1 channels and with a 4 Gbit/s line rate (needs iproute2 and tc, or NETNS_TOOLS:
+#            a carried folder from scripts/netns_tools.sh);
 # Since 2026-11-26 (night) OXCCL_SOCKET_CHANNELS defaults to auto: 4 channels for TCP ranks with
 # 8 CPUs each (unbound on 16 cores, or --bind block with 2 ranks), so netns, sendthread, cpu and
 # tcp figures are not comparable with earlier logs' (1 channel) unless the phase sets it.
@@ -81,7 +81,7 @@ done
 export OXCCL_REQUIRE_GPU=1 OXCCL_CACHE_DIR=/tmp/oxccl-cache OXCCL_TIMEOUT=20 RUST_BACKTRACE=0
 
 # Each phase may use at most its share (seconds from its start), and no step runs past the budget.
-declare -A share=([threads]=120 [kernels]=80 [mps]=140 [nccl]=30 [cpu]=70 [netns]=70 [cold]=110
+declare -A share=([threads]=120 [kernels]=80 [mps]=140 [nccl]=30 [cpu]=70 [netns]=110 [cold]=110
     [tune]=200 [ddp]=120 [tcp]=120 [defaults]=120 [flake]=${FLAKE_SHARE:-100} [ddp2]=90 [tcp2]=90 [coldperf]=100 [tcpdev]=80 [sendthread]=100
     [ddpspin]=100 [ddpshape]=150 [channels]=110 [waitkernel]=120 [waitquick]=70 [chbind]=110 [ddpsize]=90
     [chdiag]=70)
@@ -274,17 +274,22 @@ for phase in $phases; do
         done
         ;;
     netns)
-        # hierarchical with its default block (512 KiB per local rank), with the 2 MiB one it
-        # had before (OXCCL_HIERARCHICAL_BLOCK), and the flat ring.
+        # Hierarchical against the flat ring, 2 namespaces x 2 ranks, 64 MiB: with the default
+        # channels (auto: 4 each on 16 cores), with 1, and with a 4 Gbit/s line rate on every
+        # node's link (network-bound, as between real nodes; 1.49-1.50x on the development
+        # machine).
         for round in $(seq 1 "${NETNS_ROUNDS:-2}"); do
-            for a in hierarchical hierarchical-2M ring; do
-                echo "round $round $a"
-                hb=524288
-                [ "$a" = hierarchical-2M ] && hb=2097152
-                OXCCL_HIERARCHICAL_BLOCK=$hb OXCCL_BIN="$bin/oxccl" OXCCL_ALGO=all-reduce=${a%-2M} \
-                    step 20 scripts/netns.sh run \
-                    --nodes 2 --nproc 2 --prefix gp -- "$bin/oxccl" perf all-reduce -b 64M -e 64M -z 1 2>&1 |
-                    grep -E "^###|\] +[0-9]|rror|SKIP" | cut -c1-200
+            for v in auto ch1 rate; do
+                for a in hierarchical ring; do
+                    echo "round $round $a $v"
+                    ch=auto rate=()
+                    [ "$v" = ch1 ] && ch=1
+                    [ "$v" = rate ] && rate=(--rate 4gbit)
+                    OXCCL_SOCKET_CHANNELS=$ch OXCCL_BIN="$bin/oxccl" OXCCL_ALGO=all-reduce=$a \
+                        step 25 scripts/netns.sh run --nodes 2 --nproc 2 --prefix gp "${rate[@]}" -- \
+                        "$bin/oxccl" perf all-reduce -b 64M -e 64M -z 1 -n 10 -w 2 2>&1 |
+                        grep -E "^###|\] +[0-9]|rror|SKIP|channels \(OXCCL" | cut -c1-200
+                done
             done
         done
         ;;
