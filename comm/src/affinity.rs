@@ -2,7 +2,8 @@
 //!
 //! Communicators exchange every rank's allowed CPUs when they connect: a rank busy-polls while it
 //! waits only when the ranks of its node, together, may use at least as many CPUs as there are
-//! ranks (see `Config::spin`). Counting the union instead of this process's own CPUs keeps
+//! ranks on it (see `Config::spin`; the ranks counted include those the launcher or a parent
+//! communicator counted on the node, [`NodeShare`]). Counting the union instead of this process's own CPUs keeps
 //! spinning on for ranks a launcher bound one core each (`oxccl launch --bind core`) and turns it
 //! off for ranks squeezed onto fewer cores than ranks.
 
@@ -83,24 +84,6 @@ pub fn decode_cpus(s: &str) -> Option<Vec<usize>> {
     Some(out)
 }
 
-/// Whether ranks with these allowed-CPU lists have a CPU each to spin on: the union of the
-/// lists holds at least as many CPUs as there are ranks. `None` when a list is unknown (empty).
-pub fn enough_cpus(lists: &[&[usize]]) -> Option<bool> {
-    enough_cpus_for(lists, 1)
-}
-
-/// Whether the union of these allowed-CPU lists holds `per_rank` CPUs for each of the ranks.
-/// `None` when a list is unknown (empty).
-pub fn enough_cpus_for(lists: &[&[usize]], per_rank: usize) -> Option<bool> {
-    if lists.iter().any(|l| l.is_empty()) {
-        return None;
-    }
-    let mut all: Vec<usize> = lists.iter().flat_map(|l| l.iter().copied()).collect();
-    all.sort_unstable();
-    all.dedup();
-    Some(all.len() >= lists.len() * per_rank)
-}
-
 /// Most channels `OXCCL_SOCKET_CHANNELS=auto` picks.
 pub const AUTO_CHANNELS_MAX: usize = 4;
 
@@ -123,6 +106,15 @@ pub struct NodeShare {
     /// launcher or a parent communicator counted more (a group with one rank per node still
     /// shares the node with the job's other ranks).
     pub ranks: usize,
+}
+
+impl NodeShare {
+    /// Whether the node's CPUs hold `per_rank` for each of its ranks (`OXCCL_SPIN=auto`: 1,
+    /// `OXCCL_SOCKET_SEND_THREAD=auto`: 2); `fallback` (this process's CPU count) stands in
+    /// for unknown CPUs.
+    pub fn holds(&self, per_rank: usize, fallback: usize) -> bool {
+        self.cpus.unwrap_or(fallback) >= per_rank * self.ranks
+    }
 }
 
 /// The node of `members` (ranks' allowed-CPU lists and node-rank counts, 0 = unknown): the union
@@ -188,27 +180,29 @@ mod tests {
     }
 
     #[test]
-    fn spinning_needs_a_cpu_per_rank() {
-        // Two ranks bound to a core each spin; two ranks squeezed onto one core do not; four
-        // unbound ranks on two cores do not; unknown lists decide nothing.
-        assert_eq!(enough_cpus(&[&[0], &[1]]), Some(true));
-        assert_eq!(enough_cpus(&[&[0], &[0]]), Some(false));
-        let both: &[usize] = &[0, 1];
-        assert_eq!(enough_cpus(&[both, both]), Some(true));
-        assert_eq!(enough_cpus(&[both, both, both, both]), Some(false));
-        assert_eq!(enough_cpus(&[both, &[]]), None);
+    fn spinning_needs_a_cpu_per_rank_and_a_send_thread_two() {
+        let share = |lists: &[&[usize]], node_ranks: usize| {
+            let m: Vec<(&[usize], usize)> = lists.iter().map(|&l| (l, node_ranks)).collect();
+            node_share(&m)
+        };
+        let (both, four): (&[usize], &[usize]) = (&[0, 1], &[0, 1, 2, 3]);
+        // Two ranks bound to a core each spin; two squeezed onto one core do not; four unbound
+        // ranks on two cores do not.
+        assert!(share(&[&[0], &[1]], 0).holds(1, 1));
+        assert!(!share(&[&[0], &[0]], 0).holds(1, 8));
+        assert!(share(&[both, both], 0).holds(1, 1));
+        assert!(!share(&[both, both, both, both], 0).holds(1, 8));
+        // A group of 2 of those 4 (its launcher counted 4 on the node) does not either.
+        assert!(!share(&[both, both], 4).holds(1, 8));
+        // Unknown lists: this process's CPUs decide.
+        assert!(share(&[both, &[]], 0).holds(1, 2));
+        assert!(!share(&[both, &[]], 0).holds(1, 1));
+        // A send thread: two unbound ranks on 2 cores no, on 4 yes; bound a core each no.
+        assert!(!share(&[both, both], 0).holds(2, 8));
+        assert!(share(&[four, four], 0).holds(2, 1));
+        assert!(!share(&[&[0], &[1]], 0).holds(2, 8));
     }
 
-    #[test]
-    fn a_send_thread_needs_two_cpus_per_rank() {
-        // Two unbound ranks on 2 cores: no; on 4: yes; bound a core each: no.
-        let two: &[usize] = &[0, 1];
-        let four: &[usize] = &[0, 1, 2, 3];
-        assert_eq!(enough_cpus_for(&[two, two], 2), Some(false));
-        assert_eq!(enough_cpus_for(&[four, four], 2), Some(true));
-        assert_eq!(enough_cpus_for(&[&[0], &[1]], 2), Some(false));
-        assert_eq!(enough_cpus_for(&[four, &[]], 2), None);
-    }
     #[test]
     fn auto_channels_give_each_channel_two_cpus_per_rank() {
         let node = |cpus: usize, ranks: usize| NodeShare {

@@ -590,15 +590,19 @@ impl Communicator {
         // Oversubscribed (more ranks on this node than cores to run them): a spinning waiter
         // only delays the rank it waits for, so waiters yield at once. The cores are those the
         // node's ranks may use together (ranks bound a core each still spin); without their
-        // lists, this process's own.
-        let lists: Vec<&[usize]> = same_node.iter().map(|&r| &peers[r].cpus[..]).collect();
+        // lists, this process's own. The ranks are the node's: a group with some of them counts
+        // the others too (`PeerInfo::node_ranks`).
+        let here: Vec<(&[usize], usize)> = same_node
+            .iter()
+            .map(|&r| (&peers[r].cpus[..], peers[r].node_ranks))
+            .collect();
+        let share = crate::affinity::node_share(&here);
         let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-        let spin = cfg.spin.unwrap_or_else(|| {
-            crate::affinity::enough_cpus(&lists).unwrap_or(same_node.len() <= cores)
-        });
+        let spin = cfg.spin.unwrap_or_else(|| share.holds(1, cores));
         tracing::debug!(
             rank,
             local_ranks = same_node.len(),
+            node_ranks = share.ranks,
             cpus = %crate::affinity::encode_cpus(&peers[rank].cpus),
             spin,
             channels,
@@ -627,9 +631,9 @@ impl Communicator {
             );
         }
         // Each rank's send thread needs a core of its own beside the rank's.
-        let send_thread = cfg.socket_send_thread.unwrap_or_else(|| {
-            crate::affinity::enough_cpus_for(&lists, 2).unwrap_or(2 * same_node.len() <= cores)
-        });
+        let send_thread = cfg
+            .socket_send_thread
+            .unwrap_or_else(|| share.holds(2, cores));
         let mut shared = Shared::new(rank, size, spin, &cfg, links, store.clone(), &id);
         if let Some(f) = failures {
             shared.share_failures(f);
@@ -776,6 +780,12 @@ impl Communicator {
     /// need the same number of ranks on every node).
     pub fn is_hierarchical(&self) -> bool {
         self.shared.layout.is_some()
+    }
+
+    /// Whether this rank's waits busy-poll before they yield the core (`OXCCL_SPIN`,
+    /// [`Config::spin`], `auto` resolved at init).
+    pub fn spins(&self) -> bool {
+        self.shared.spin
     }
 
     /// How many exchanges so far sent their large messages to TCP peers from this rank's send

@@ -67,7 +67,8 @@ pub struct Config {
     pub single_copy: bool,
     /// Whether a waiting rank busy-polls before it yields the core (`OXCCL_SPIN`: `auto`, the
     /// default, spins unless this node runs more ranks than the CPUs its ranks may use together,
-    /// from their affinity masks; `1` always; `0` never).
+    /// from their affinity masks, counting the node's ranks as [`Config::node_ranks`] does; `1`
+    /// always; `0` never).
     pub spin: Option<bool>,
     /// Whether large sends to TCP peers go out on a thread of their own, so the kernel's copies
     /// into the sockets run on another core beside the receives and reductions

@@ -6,7 +6,8 @@
 //! and out of place, over TCP and across simulated nodes, with
 //! the count of cut operations checked; and their failures: mismatched calls, a lost peer, a
 //! missing peer and `abort` end in errors on every rank, never a hang; ranks that disagree on
-//! the setting fail at init.
+//! the setting fail at init. `auto` and the node's rank count it shares with `OXCCL_SPIN=auto`
+//! (groups count every rank of their node).
 
 use std::time::{Duration, Instant};
 
@@ -271,6 +272,25 @@ fn auto_counts_every_rank_of_the_node_in_groups_and_launcher_counts() {
         if cpus < 4 * 64 {
             assert_eq!(k, 1, "rank {rank}: {cpus} CPUs");
         }
+    }
+}
+
+#[test]
+fn groups_count_every_rank_of_their_node_to_spin() {
+    // 4 ranks of one node on as many CPUs as this process has: a group of 2 of them spins only
+    // where the world does (a CPU for each of the node's 4 ranks), not where 2 alone would.
+    let cpus = oxccl_comm::affinity::usable_cpus().len();
+    let res = spawn_world(4, Config::default(), |c| {
+        let g = c.split(Some((c.rank() / 2) as u32), 0)?.expect("a color");
+        Ok((c.spins(), g.spins(), g.config().node_ranks))
+    });
+    for (rank, r) in res.into_iter().enumerate() {
+        let got = r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert_eq!(
+            got,
+            (cpus >= 4, cpus >= 4, Some(4)),
+            "rank {rank}: {cpus} CPUs"
+        );
     }
 }
 
