@@ -78,7 +78,7 @@ struct Args {
     /// all-reduce of the gradients ("comparable time", where overlap can hide the most): times
     /// communication alone, and backward at `--batch` and twice that, and solves the line
     /// through them for the all-reduce's time (the slowest rank's medians, so every rank
-    /// agrees; from 1 to 16 times `--batch`).
+    /// agrees; from 1 to 16 times `--batch`, at most 4096).
     #[arg(long)]
     balance: bool,
 }

@@ -76,7 +76,7 @@ for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
     $(python3 -c 'import nvidia, os; print(" ".join(os.path.join(p, "cu13/lib") for p in nvidia.__path__))' 2>/dev/null); do
     [ -e "$d/libnvrtc.so.13" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
 done
-# NETNS_TOOLS: a folder with an `ip` to use (scripts/netns.sh needs iproute2).
+# NETNS_TOOLS: a folder with the `ip` and `tc` to use (scripts/netns.sh needs iproute2).
 [ -n "${NETNS_TOOLS:-}" ] && export PATH="$PWD/$NETNS_TOOLS:$PATH"
 export OXCCL_REQUIRE_GPU=1 OXCCL_CACHE_DIR=/tmp/oxccl-cache OXCCL_TIMEOUT=20 RUST_BACKTRACE=0
 

@@ -496,3 +496,42 @@ fn no_launcher_variables_is_a_clear_error() {
         "{all}"
     );
 }
+
+/// Ranks bound a core each (`oxccl launch --bind core`) busy-poll while they wait
+/// (`OXCCL_SPIN=auto`: a CPU per rank of the node), and so does a group holding one of them: it
+/// has one core of its own, but its node's ranks still have one each.
+#[test]
+fn bound_ranks_and_their_groups_spin() {
+    if std::thread::available_parallelism().map_or(1, |n| n.get()) < 2 {
+        println!("skipped: needs 2 CPUs to bind 2 ranks a core each");
+        return;
+    }
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_oxccl"))
+        .args([
+            "launch",
+            "-n",
+            "2",
+            "--bind",
+            "core",
+            "--timeout",
+            "60",
+            "--",
+        ])
+        .args(common::rank_cmd())
+        .env(common::SCENARIO, "spins")
+        .env("OXCCL_TIMEOUT", "30")
+        .env_remove("OXCCL_DEBUG")
+        .env_remove("OXCCL_SPIN")
+        .output()
+        .expect("running oxccl launch");
+    common::assert_all_ok(&out, 2);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for rank in 0..2 {
+        let want = format!("SPINS rank={rank} world=true group=true");
+        assert!(
+            stdout.contains(&want),
+            "missing {want:?}\n{}",
+            common::show(&out)
+        );
+    }
+}

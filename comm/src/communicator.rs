@@ -55,6 +55,9 @@ pub struct Communicator {
     /// Channels this communicator runs with TCP peers (`OXCCL_SOCKET_CHANNELS`, `auto`
     /// resolved at init).
     channels: usize,
+    /// This rank's node as the `auto` rules counted it; communicators made from this one
+    /// inherit it (`Config::node_ranks`, `Config::node_cpus`).
+    node: crate::affinity::NodeShare,
     /// The store server, when this rank hosts it (rank 0 without a launcher-hosted store).
     _server: Option<TcpStoreServer>,
 }
@@ -306,13 +309,7 @@ impl Communicator {
     pub fn from_env() -> Result<Communicator> {
         crate::logging::init();
         let info = bootstrap::detect_from_env()?;
-        let mut cfg = Config::from_env()?;
-        // The launcher counts this node's ranks (`OXCCL_SOCKET_CHANNELS=auto` shares its CPUs
-        // among them). Only where it says there are other nodes: without a local world size,
-        // launchers' variables default it to the whole world, which the node ids count better.
-        if info.local_world_size < info.world_size {
-            cfg.node_ranks = Some(info.local_world_size);
-        }
+        let cfg = Config::from_env()?;
         let join = match std::env::var("OXCCL_JOIN") {
             Ok(v) if !v.trim().is_empty() => crate::config::parse_bool("OXCCL_JOIN", &v)?,
             _ => false,
@@ -442,6 +439,7 @@ impl Communicator {
             tcp_addr: tcp.addr(),
             cpus: crate::affinity::usable_cpus(),
             node_ranks: cfg.node_ranks.unwrap_or(0),
+            node_cpus: cfg.node_cpus.unwrap_or(0),
             settings: cfg.shared_settings(),
         };
         let key = format!("{id}/peer/{rank}");
@@ -517,23 +515,20 @@ impl Communicator {
             let shares: Vec<crate::affinity::NodeShare> = nodes
                 .iter()
                 .map(|n| {
-                    let members: Vec<(&[usize], usize)> = peers
+                    let members: Vec<_> = peers
                         .iter()
                         .filter(|p| p.node_id == *n)
-                        .map(|p| (&p.cpus[..], p.node_ranks))
+                        .map(PeerInfo::node_member)
                         .collect();
                     crate::affinity::node_share(&members)
                 })
                 .collect();
-            // The most TCP sockets one rank of a channel holds: both directions to each peer
-            // it does not share memory with.
-            let sockets = (0..size)
+            // The most peers a rank reaches over TCP (each channel holds sockets to each).
+            let tcp_peers = (0..size)
                 .map(|a| (0..size).filter(|&b| b != a && !shm_ok(a, b)).count())
                 .max()
-                .unwrap_or(0)
-                * 2
-                * cfg.nsocks;
-            crate::affinity::auto_channels(&shares, sockets)
+                .unwrap_or(0);
+            crate::affinity::auto_channels(&shares, tcp_peers)
         });
         if cfg.transport == TransportChoice::Shm {
             if let Some(p) = (0..size).find(|&p| peers[p].node_id != node_id) {
@@ -592,10 +587,7 @@ impl Communicator {
         // node's ranks may use together (ranks bound a core each still spin); without their
         // lists, this process's own. The ranks are the node's: a group with some of them counts
         // the others too (`PeerInfo::node_ranks`).
-        let here: Vec<(&[usize], usize)> = same_node
-            .iter()
-            .map(|&r| (&peers[r].cpus[..], peers[r].node_ranks))
-            .collect();
+        let here: Vec<_> = same_node.iter().map(|&r| peers[r].node_member()).collect();
         let share = crate::affinity::node_share(&here);
         let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
         let spin = cfg.spin.unwrap_or_else(|| share.holds(1, cores));
@@ -682,6 +674,7 @@ impl Communicator {
             cuda: std::sync::Mutex::new(None),
             transports,
             channels,
+            node: share,
             _server: None,
         };
         comm.open_channels()?;
@@ -862,7 +855,8 @@ impl Communicator {
     ) -> Result<Communicator> {
         let mut cfg = self.cfg.clone();
         cfg.node_id = Some(self.node_id.clone());
-        cfg.node_ranks = Some(self.cfg.node_ranks.unwrap_or(0).max(self.local_size));
+        cfg.node_ranks = Some(self.node.ranks);
+        cfg.node_cpus = self.node.cpus;
         let mut c = Self::init_inner(
             rank,
             size,
@@ -1170,7 +1164,7 @@ mod tests {
     fn bad_peer_records_name_this_rank_and_the_key() {
         for (record, needle) in [
             (&b"garbage"[..], "malformed peer record"),
-            (&b"5\nnode\n1\n127.0.0.1:1\n\n0"[..], "names rank 5"),
+            (&b"5\nnode\n1\n127.0.0.1:1\n\n0\n0"[..], "names rank 5"),
         ] {
             let store: Arc<dyn Store> = Arc::new(MemStore::new());
             // Rank 0's first init on this store uses id `oxccl/world1`.

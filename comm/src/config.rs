@@ -67,8 +67,8 @@ pub struct Config {
     pub single_copy: bool,
     /// Whether a waiting rank busy-polls before it yields the core (`OXCCL_SPIN`: `auto`, the
     /// default, spins unless this node runs more ranks than the CPUs its ranks may use together,
-    /// from their affinity masks, counting the node's ranks as [`Config::node_ranks`] does; `1`
-    /// always; `0` never).
+    /// from their affinity masks, counting the node's ranks and CPUs as [`Config::node_ranks`]
+    /// says; `1` always; `0` never).
     pub spin: Option<bool>,
     /// Whether large sends to TCP peers go out on a thread of their own, so the kernel's copies
     /// into the sockets run on another core beside the receives and reductions
@@ -81,19 +81,24 @@ pub struct Config {
     /// copy through the kernel's sockets in parallel (`OXCCL_SOCKET_CHANNELS`: `auto` (`None`),
     /// the default, gives each rank a channel per [`crate::affinity::CPUS_PER_CHANNEL`] CPUs it
     /// has on the communicator's most crowded node, 1 to [`crate::affinity::AUTO_CHANNELS_MAX`],
-    /// within [`crate::affinity::AUTO_CHANNEL_SOCKETS`] TCP sockets per rank
+    /// with at most [`crate::affinity::AUTO_CHANNEL_PEERS`] TCP peers times channels per rank
     /// ([`crate::affinity::auto_channels`]); `1..=16` that many). Parts are at least
     /// [`crate::channels::CHANNEL_PART_MIN`] bytes, so smaller operations use fewer channels.
     /// Every rank must use the same setting.
     pub socket_channels: Option<usize>,
-    /// Ranks of the job on this process's node, for `OXCCL_SOCKET_CHANNELS=auto`: the node's CPUs
-    /// are shared among at least this many ranks, also by a communicator that holds fewer of
-    /// them (a group with one rank per node). [`crate::Communicator::from_env`] sets it from the
-    /// launcher's local world size where that is below the world size (launchers' variables
-    /// default it to the world), and communicators made from another (split, `Topology`
-    /// groups, shrink, grow) inherit the larger of it and their parent's ranks on the node.
+    /// Ranks on this process's node that share its CPUs, counted by the communicator this
+    /// configuration's communicator is made from: the `auto` rules of `OXCCL_SOCKET_CHANNELS`,
+    /// `OXCCL_SPIN` and `OXCCL_SOCKET_SEND_THREAD` share the node's CPUs among at least this
+    /// many, also in a communicator that holds fewer of them (a group with one rank per node).
+    /// Communicators made from another (split, `Topology` groups, shrink, grow) get their
+    /// parent's count; set it by hand for communicators made apart from the others of the node.
     /// `None`: only the communicator's own ranks count.
     pub node_ranks: Option<usize>,
+    /// CPUs on this process's node, counted like [`Config::node_ranks`]: the union of the
+    /// parent communicator's ranks' allowed CPUs there (ranks bound a core each in a group hold
+    /// only their own cores but share the node with the others). `None`: the communicator's
+    /// own ranks' CPUs.
+    pub node_cpus: Option<usize>,
     /// Block of the hierarchical all-reduce per local rank, in bytes (`OXCCL_HIERARCHICAL_BLOCK`,
     /// default 512 KiB, a multiple of 64 from 4 KiB to 1 GiB): each rank's piece of a block
     /// should stay in its core's cache from the node ring to the cross ring and back. Every rank
@@ -160,6 +165,7 @@ impl Default for Config {
             socket_send_thread: Some(false),
             socket_channels: None,
             node_ranks: None,
+            node_cpus: None,
             hierarchical_block: crate::tuning::HIERARCHICAL_AR_BLOCK,
             cuda_stage_chunk: 4 << 20,
             cuda_stream_wait: None,

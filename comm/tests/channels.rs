@@ -208,13 +208,18 @@ fn without_tcp_peers_or_with_one_channel_there_are_none() {
 }
 
 /// What `OXCCL_SOCKET_CHANNELS=auto` should pick for `ranks` ranks of this process on one node
-/// that share it with `node_ranks` in all.
+/// over TCP that share it with `node_ranks` in all.
 fn auto_for(ranks: usize, node_ranks: usize) -> usize {
     let cpus = oxccl_comm::affinity::usable_cpus();
-    let members: Vec<(&[usize], usize)> = (0..ranks).map(|_| (&cpus[..], node_ranks)).collect();
-    // 2 ranks over TCP: one peer each, both directions, OXCCL_NSOCKS (2) sockets each.
-    let sockets = 2 * Config::default().nsocks;
-    oxccl_comm::affinity::auto_channels(&[oxccl_comm::affinity::node_share(&members)], sockets)
+    let members: Vec<_> = (0..ranks)
+        .map(|_| oxccl_comm::affinity::NodeMember {
+            cpus: &cpus,
+            node_ranks,
+            node_cpus: 0,
+        })
+        .collect();
+    let share = oxccl_comm::affinity::node_share(&members);
+    oxccl_comm::affinity::auto_channels(&[share], ranks - 1)
 }
 
 #[test]

@@ -210,7 +210,8 @@ pub fn report(c: &Communicator, r: Result<(), Error>, t0: Instant) {
 /// shrink it away and check the 3-rank communicator), `stall` (rank 1 sleeps 7 s before an all-reduce the others wait in: past a short
 /// `OXCCL_TIMEOUT`), `trace-hang` (three all-reduces, then rank 1 waits for a message rank 2
 /// never sends while the others enter a fourth; every rank reports, then rank 1 exits with code
-/// 3, for the flight-record tests).
+/// 3, for the flight-record tests), `spins` (each rank prints whether it and a group of its own
+/// busy-poll).
 pub fn rank_entry() {
     let Ok(scenario) = std::env::var(SCENARIO) else {
         return;
@@ -269,6 +270,7 @@ pub fn rank_entry() {
         "fail-once" => scenario_hello(&c),
         "shrink" => scenario_shrink(&c),
         "trace-hang" => scenario_trace_hang(&c),
+        "spins" => scenario_spins(&c),
         "stall" => {
             if c.rank() == 1 {
                 std::thread::sleep(Duration::from_secs(7));
@@ -279,6 +281,15 @@ pub fn rank_entry() {
         other => panic!("unknown scenario {other}"),
     };
     report(&c, r, t0);
+}
+
+/// The `spins` scenario: every rank makes a group of its own (`split` by rank) and prints
+/// `SPINS rank=R world=W group=G`, whether each busy-polls (`Communicator::spins`).
+fn scenario_spins(c: &Communicator) -> Result<(), Error> {
+    let g = c.split(Some(c.rank() as u32), 0)?;
+    let group = g.as_ref().is_some_and(Communicator::spins);
+    println!("SPINS rank={} world={} group={group}", c.rank(), c.spins());
+    Ok(())
 }
 
 /// The `trace-hang` scenario: see [`rank_entry`].

@@ -256,10 +256,12 @@ pub struct PeerInfo {
     /// CPUs the rank may run on (empty: unknown), cut to its CPU quota
     /// ([`crate::affinity::usable_cpus`]); see [`crate::affinity`].
     pub cpus: Vec<usize>,
-    /// Ranks on this rank's node as its launcher or the communicator it was made from counted
-    /// them (0: unknown); `OXCCL_SOCKET_CHANNELS=auto` divides the node's CPUs among at least
-    /// that many ([`crate::affinity::node_share`]).
+    /// Ranks on this rank's node as the communicator it was made from counted them (0: none);
+    /// the `auto` rules of `OXCCL_SOCKET_CHANNELS`, `OXCCL_SPIN` and `OXCCL_SOCKET_SEND_THREAD`
+    /// share the node's CPUs among at least that many ([`crate::affinity::node_share`]).
     pub node_ranks: usize,
+    /// CPUs on this rank's node as the communicator it was made from counted them (0: none).
+    pub node_cpus: usize,
     /// Settings every rank of the communicator must share, as `(variable, canonical value)`
     /// pairs (`OXCCL_TRANSPORT`, `OXCCL_ALGO`, `OXCCL_CUDA_STAGE_CHUNK`,
     /// `OXCCL_HIERARCHICAL_BLOCK`, `OXCCL_SOCKET_CHANNELS`), compared at init.
@@ -269,21 +271,31 @@ pub struct PeerInfo {
 
 impl PeerInfo {
     /// Encoding for the store: one field a line (rank, node id, pid, TCP address, CPUs, node
-    /// ranks), then one `variable=value` line per setting.
+    /// ranks, node CPUs), then one `variable=value` line per setting.
     pub fn encode(&self) -> Vec<u8> {
         let mut s = format!(
-            "{}\n{}\n{}\n{}\n{}\n{}",
+            "{}\n{}\n{}\n{}\n{}\n{}\n{}",
             self.rank,
             self.node_id,
             self.pid,
             self.tcp_addr,
             crate::affinity::encode_cpus(&self.cpus),
-            self.node_ranks
+            self.node_ranks,
+            self.node_cpus
         );
         for (name, value) in &self.settings {
             s.push_str(&format!("\n{name}={value}"));
         }
         s.into_bytes()
+    }
+
+    /// The rank as [`crate::affinity::node_share`] counts it.
+    pub fn node_member(&self) -> crate::affinity::NodeMember<'_> {
+        crate::affinity::NodeMember {
+            cpus: &self.cpus,
+            node_ranks: self.node_ranks,
+            node_cpus: self.node_cpus,
+        }
     }
 
     /// Inverse of [`PeerInfo::encode`].
@@ -329,6 +341,10 @@ impl PeerInfo {
             .next()
             .and_then(|v| v.parse().ok())
             .ok_or_else(|| bad("node ranks (line 6)"))?;
+        let node_cpus = it
+            .next()
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| bad("node CPUs (line 7)"))?;
         let settings = it
             .map(|line| match line.split_once('=') {
                 Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
@@ -342,6 +358,7 @@ impl PeerInfo {
             tcp_addr,
             cpus,
             node_ranks,
+            node_cpus,
             settings,
         })
     }
@@ -386,6 +403,7 @@ mod tests {
             tcp_addr: "[::1]:5000".into(),
             cpus: vec![0, 1, 3],
             node_ranks: 8,
+            node_cpus: 16,
             settings: vec![
                 ("OXCCL_TRANSPORT".into(), "tcp".into()),
                 ("OXCCL_ALGO".into(), "all-reduce=ring,broadcast=tree".into()),
@@ -409,10 +427,12 @@ mod tests {
             msg.contains("rank 7") && msg.contains("process id"),
             "{msg}"
         );
-        let e = PeerInfo::decode(b"7\nnode\n1\n1.2.3.4:5\n0-3\n2\nno-equals-sign").unwrap_err();
+        let e = PeerInfo::decode(b"7\nnode\n1\n1.2.3.4:5\n0-3\n2\n4\nno-equals-sign").unwrap_err();
         assert!(e.to_string().contains("no-equals-sign"), "{e}");
         let e = PeerInfo::decode(b"7\nnode\n1\n1.2.3.4:5\n0-3\nA=b").unwrap_err();
         assert!(e.to_string().contains("node ranks (line 6)"), "{e}");
+        let e = PeerInfo::decode(b"7\nnode\n1\n1.2.3.4:5\n0-3\n2\nA=b").unwrap_err();
+        assert!(e.to_string().contains("node CPUs (line 7)"), "{e}");
         let e = PeerInfo::decode(b"x").unwrap_err();
         assert!(e.to_string().contains("rank (line 1)"), "{e}");
     }
