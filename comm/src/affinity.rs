@@ -2,8 +2,8 @@
 //!
 //! Communicators exchange every rank's allowed CPUs when they connect: a rank busy-polls while it
 //! waits only when the ranks of its node, together, may use at least as many CPUs as there are
-//! ranks on it (see `Config::spin`; the ranks counted include those the launcher or a parent
-//! communicator counted on the node, [`NodeShare`]). Counting the union instead of this process's own CPUs keeps
+//! ranks on it (see `Config::spin`; the ranks and CPUs counted include those the communicator
+//! it was made from counted on the node, [`NodeShare`]). Counting the union instead of this process's own CPUs keeps
 //! spinning on for ranks a launcher bound one core each (`oxccl launch --bind core`) and turns it
 //! off for ranks squeezed onto fewer cores than ranks.
 

@@ -585,8 +585,8 @@ impl Communicator {
         // Oversubscribed (more ranks on this node than cores to run them): a spinning waiter
         // only delays the rank it waits for, so waiters yield at once. The cores are those the
         // node's ranks may use together (ranks bound a core each still spin); without their
-        // lists, this process's own. The ranks are the node's: a group with some of them counts
-        // the others too (`PeerInfo::node_ranks`).
+        // lists, this process's own. The ranks and CPUs are the node's: a group with some of
+        // them counts what its parent counted there too (`PeerInfo::node_ranks`, `node_cpus`).
         let here: Vec<_> = same_node.iter().map(|&r| peers[r].node_member()).collect();
         let share = crate::affinity::node_share(&here);
         let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
@@ -695,6 +695,8 @@ impl Communicator {
         let mut cfg = self.cfg.clone();
         cfg.socket_channels = Some(1);
         cfg.node_id = Some(self.node_id.clone());
+        cfg.node_ranks = Some(self.node.ranks);
+        cfg.node_cpus = self.node.cpus;
         let members: Vec<usize> = (0..self.size).collect();
         let lineage = self.shared.stalls.lineage(&members);
         let comms = (1..k)

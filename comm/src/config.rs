@@ -94,10 +94,10 @@ pub struct Config {
     /// parent's count; set it by hand for communicators made apart from the others of the node.
     /// `None`: only the communicator's own ranks count.
     pub node_ranks: Option<usize>,
-    /// CPUs on this process's node, counted like [`Config::node_ranks`]: the union of the
-    /// parent communicator's ranks' allowed CPUs there (ranks bound a core each in a group hold
-    /// only their own cores but share the node with the others). `None`: the communicator's
-    /// own ranks' CPUs.
+    /// CPUs on this process's node, counted like [`Config::node_ranks`]: what the parent
+    /// communicator counted there (the union of its ranks' allowed CPUs, or more where its own
+    /// parent counted more; ranks bound a core each in a group hold only their own cores but
+    /// share the node with the others). `None`: the communicator's own ranks' CPUs.
     pub node_cpus: Option<usize>,
     /// Block of the hierarchical all-reduce per local rank, in bytes (`OXCCL_HIERARCHICAL_BLOCK`,
     /// default 512 KiB, a multiple of 64 from 4 KiB to 1 GiB): each rank's piece of a block

@@ -243,7 +243,7 @@ fn auto_gives_each_rank_a_channel_per_two_cpus() {
 }
 
 #[test]
-fn auto_counts_every_rank_of_the_node_in_groups_and_launcher_counts() {
+fn auto_counts_every_rank_of_the_node_in_groups_and_given_counts() {
     // 2 nodes x 2 ranks, then groups of one rank per node ({0, 2}, {1, 3}): each group's node
     // still runs the world's 2 ranks (the group inherits that count), so it picks what the
     // world picks, not what one rank alone on the node would.
@@ -263,7 +263,7 @@ fn auto_counts_every_rank_of_the_node_in_groups_and_launcher_counts() {
         let got = r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
         assert_eq!(got, (want, want, Some(2)), "rank {rank}");
     }
-    // A launcher that counts 64 ranks on the node: a CPU or less each, one channel.
+    // 64 ranks on the node, as `Config::node_ranks` says: a CPU or less each, one channel.
     let crowded = Config {
         transport: TransportChoice::Tcp,
         node_ranks: Some(64),
