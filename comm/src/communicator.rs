@@ -510,19 +510,21 @@ impl Communicator {
             TransportChoice::Auto => peers[a].node_id == peers[b].node_id,
             TransportChoice::Shm => true,
         };
-        // From the records every rank read alike, so every rank picks the same number.
+        // Every node's ranks and CPUs, from the records every rank read alike: the `auto`
+        // rules below (the channels from all nodes, so every rank picks the same number).
+        let shares: Vec<crate::affinity::NodeShare> = nodes
+            .iter()
+            .map(|n| {
+                let members: Vec<_> = peers
+                    .iter()
+                    .filter(|p| p.node_id == *n)
+                    .map(PeerInfo::node_member)
+                    .collect();
+                crate::affinity::node_share(&members)
+            })
+            .collect();
+        let share = shares[node_index];
         let channels = cfg.socket_channels.unwrap_or_else(|| {
-            let shares: Vec<crate::affinity::NodeShare> = nodes
-                .iter()
-                .map(|n| {
-                    let members: Vec<_> = peers
-                        .iter()
-                        .filter(|p| p.node_id == *n)
-                        .map(PeerInfo::node_member)
-                        .collect();
-                    crate::affinity::node_share(&members)
-                })
-                .collect();
             // The most peers a rank reaches over TCP (each channel holds sockets to each).
             let tcp_peers = (0..size)
                 .map(|a| (0..size).filter(|&b| b != a && !shm_ok(a, b)).count())
@@ -587,8 +589,6 @@ impl Communicator {
         // node's ranks may use together (ranks bound a core each still spin); without their
         // lists, this process's own. The ranks and CPUs are the node's: a group with some of
         // them counts what its parent counted there too (`PeerInfo::node_ranks`, `node_cpus`).
-        let here: Vec<_> = same_node.iter().map(|&r| peers[r].node_member()).collect();
-        let share = crate::affinity::node_share(&here);
         let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
         let spin = cfg.spin.unwrap_or_else(|| share.holds(1, cores));
         tracing::debug!(
