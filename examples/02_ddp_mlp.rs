@@ -16,7 +16,8 @@
 //! larger for that with `--hidden 1024 --layers 4 --batch 32`, and add `--balance` to pick the
 //! batch at which backward takes as long as the all-reduce. It also prints the best ratio
 //! overlap could reach (the shorter of backward and the all-reduce hidden entirely) and how much
-//! of that it reached.
+//! of that it reached, and times DDP with overlap off (`DdpConfig::overlap`: all-reduces in
+//! `finish()`, what `Overlap::Auto` picks on a node with fewer than 2 CPUs per rank) beside it.
 
 #[path = "mlp/mod.rs"]
 mod mlp;
@@ -26,7 +27,7 @@ use std::time::Duration;
 use clap::{Parser, ValueEnum};
 use mlp::{Mode, Shape};
 use oxccl::comm::{Communicator, ReduceOp};
-use oxccl::ddp::DdpConfig;
+use oxccl::ddp::{DdpConfig, Overlap};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum ModeArg {
@@ -35,6 +36,13 @@ enum ModeArg {
     Compute,
     Comm,
     All,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum OverlapArg {
+    Auto,
+    On,
+    Off,
 }
 
 #[derive(Parser, Debug)]
@@ -68,6 +76,10 @@ struct Args {
     /// How gradients are communicated (`all` times every mode, interleaved).
     #[arg(long, value_enum, default_value_t = ModeArg::Overlap)]
     mode: ModeArg,
+    /// DdpConfig::overlap for `--mode overlap`: `auto` overlaps where each rank has a CPU to
+    /// spare, `off` all-reduces the buckets in `finish()` (`--mode all` times `on` and `off`).
+    #[arg(long, value_enum, default_value_t = OverlapArg::Auto)]
+    overlap: OverlapArg,
     /// Rounds of every mode with `--mode all`.
     #[arg(long, default_value_t = 3)]
     rounds: usize,
@@ -163,6 +175,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let cfg = DdpConfig {
         bucket_cap_bytes: (args.bucket_mib * (1 << 20) as f64) as usize,
+        overlap: match args.overlap {
+            OverlapArg::Auto => Overlap::Auto,
+            OverlapArg::On => Overlap::On,
+            OverlapArg::Off => Overlap::Off,
+        },
         ..DdpConfig::default()
     };
     let params: usize = mlp::Mlp::new(&shape, 0).params.iter().map(Vec::len).sum();
@@ -182,31 +199,32 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     if args.mode == ModeArg::All {
         let modes = [
-            ("compute only", Mode::ComputeOnly),
-            ("comm only", Mode::CommOnly),
-            ("backward then all-reduce", Mode::After),
-            ("ddp overlap", Mode::Overlap),
+            ("compute only", Mode::ComputeOnly, Overlap::Auto),
+            ("comm only", Mode::CommOnly, Overlap::Auto),
+            ("backward then all-reduce", Mode::After, Overlap::Auto),
+            ("ddp overlap", Mode::Overlap, Overlap::On),
+            ("ddp, overlap off", Mode::Overlap, Overlap::Off),
         ];
+        // What Overlap::Auto picks for these ranks (the same rule on every rank of a node).
+        let mut auto = [u8::from(comm.node_holds(2))];
+        comm.all_reduce(&mut auto, ReduceOp::Min)?;
         // One list per mode, and the backward passes of compute only last.
         let mut times: Vec<Vec<Duration>> = vec![Vec::new(); modes.len() + 1];
         for _ in 0..args.rounds {
-            for (k, &(_, mode)) in modes.iter().enumerate() {
-                mlp::train_ddp(
-                    &comm,
-                    &shape,
-                    args.steps,
-                    mode,
-                    cfg.clone(),
-                    |step, _, _, r| {
-                        if step > 0 {
-                            times[k].push(r.time); // step 0 warms up
-                            if mode == Mode::ComputeOnly {
-                                times[modes.len()].push(r.backward);
-                            }
+            for (k, &(_, mode, overlap)) in modes.iter().enumerate() {
+                let cfg = DdpConfig {
+                    overlap,
+                    ..cfg.clone()
+                };
+                mlp::train_ddp(&comm, &shape, args.steps, mode, cfg, |step, _, _, r| {
+                    if step > 0 {
+                        times[k].push(r.time); // step 0 warms up
+                        if mode == Mode::ComputeOnly {
+                            times[modes.len()].push(r.backward);
                         }
-                        Ok(())
-                    },
-                )?;
+                    }
+                    Ok(())
+                })?;
             }
         }
         // The slowest rank sets the pace: report the maximum of every rank's median.
@@ -218,10 +236,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 args.rounds,
                 args.steps.saturating_sub(1)
             );
-            for ((name, _), ms) in modes.iter().zip(&med) {
+            for ((name, _, _), ms) in modes.iter().zip(&med) {
                 println!("{name:>26}: {ms:8.2} ms");
             }
-            let (comm_ms, after, overlap, bwd) = (med[1], med[2], med[3], med[4]);
+            let (comm_ms, after, overlap, off, bwd) = (med[1], med[2], med[3], med[4], med[5]);
             println!("{:>26}: {bwd:8.2} ms", "backward (of compute only)");
             // Overlap can hide at most the shorter of backward and the all-reduce.
             let hideable = bwd.min(comm_ms);
@@ -229,6 +247,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 println!(
                     "# overlap / (backward then all-reduce) = {:.3}",
                     overlap / after
+                );
+                let node = comm.node_share();
+                let (pick, picked) = if auto[0] == 1 {
+                    ("on", overlap)
+                } else {
+                    ("off", off)
+                };
+                println!(
+                    "# overlap off / (backward then all-reduce) = {:.3}; Overlap::Auto picks {pick} \
+                     here ({} CPUs for {} ranks on the node): {:.3}",
+                    off / after,
+                    node.cpus.map_or("unknown".into(), |c| c.to_string()),
+                    node.ranks,
+                    picked / after
                 );
                 println!(
                     "# at best (min(backward, comm only) hidden) = {:.3}; hidden: {:.0} % of that",

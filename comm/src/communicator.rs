@@ -777,6 +777,23 @@ impl Communicator {
         self.shared.layout.is_some()
     }
 
+    /// This rank's node as the `auto` rules (`OXCCL_SPIN`, `OXCCL_SOCKET_SEND_THREAD`,
+    /// `OXCCL_SOCKET_CHANNELS`) counted it at init: the CPUs its ranks may use together and the
+    /// ranks sharing them, the parent's counts included for a communicator made from another.
+    /// Layers above use it the same way, e.g. DDP's `Overlap::Auto` (a spare CPU per rank).
+    pub fn node_share(&self) -> crate::affinity::NodeShare {
+        self.node
+    }
+
+    /// Whether this rank's node has `per_rank` CPUs for each of its ranks, as the `auto` rules
+    /// count them ([`Communicator::node_share`]; this process's CPU count where a rank's CPU list
+    /// is unknown): 1 is what `OXCCL_SPIN=auto` asks, 2 what `OXCCL_SOCKET_SEND_THREAD=auto`
+    /// asks (a CPU to spare beside the rank's own thread).
+    pub fn node_holds(&self, per_rank: usize) -> bool {
+        let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+        self.node.holds(per_rank, cores)
+    }
+
     /// Whether this rank's waits busy-poll before they yield the core (`OXCCL_SPIN`,
     /// [`Config::spin`], `auto` resolved at init).
     pub fn spins(&self) -> bool {

@@ -23,6 +23,34 @@ pub struct DdpConfig {
     /// all-reduced in place in the caller's memory instead of being copied through a bucket
     /// (default 1 MiB; `usize::MAX` packs everything).
     pub sync_in_place_bytes: usize,
+    /// When a full bucket's all-reduce starts in the `grad_ready` flow (default
+    /// [`Overlap::Auto`]). Ranks may differ: the collectives are the same either way.
+    pub overlap: Overlap,
+}
+
+/// When [`Ddp::grad_ready`](crate::Ddp::grad_ready) starts a full bucket's all-reduce.
+///
+/// Overlapping needs a CPU to run the communication while the rank's own thread computes the
+/// next layers' gradients: the all-reduce of host memory is CPU work (the communicator's
+/// progress thread copies and reduces). Where every CPU already runs a rank's backward pass, the
+/// two take turns on the same CPUs, and the step ends up slower than backward followed by the
+/// all-reduce (docs/PERF.md, "Overlap on a node without a CPU to spare").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Overlap {
+    /// [`Overlap::On`] where this rank's node has 2 CPUs or more for each of its ranks (the
+    /// node's CPUs and ranks as the communicator counted them,
+    /// `Communicator::node_holds(2)`, the rule of `OXCCL_SOCKET_SEND_THREAD=auto`), and
+    /// [`Overlap::Off`] otherwise: ranks bound a core each (`oxccl launch --bind core`) or more
+    /// ranks than half the CPUs. It does not know about threads of the trainer's own (a backward
+    /// pass that uses every core): set `On` or `Off` there.
+    #[default]
+    Auto,
+    /// A bucket's all-reduce starts as soon as its last gradient arrives, during backward
+    /// (PyTorch's behaviour).
+    On,
+    /// The buckets are all-reduced in `finish()`, one after another, each waited for on the
+    /// caller's thread before the next starts: backward, then the all-reduces.
+    Off,
 }
 
 impl Default for DdpConfig {
@@ -33,6 +61,7 @@ impl Default for DdpConfig {
             find_unused_parameters: false,
             rebuild_buckets: true,
             sync_in_place_bytes: 1 << 20,
+            overlap: Overlap::Auto,
         }
     }
 }

@@ -53,6 +53,14 @@
 //!   f16 or bf16 on the wire.
 //! - **Buffers**: [`Ddp::broadcast_buffers`] copies rank 0's (e.g. batch-norm statistics).
 //!
+//! # Where overlap does not pay
+//!
+//! The all-reduce of host memory is CPU work. Where the node has fewer than 2 CPUs per rank,
+//! the progress thread can only take turns with the backward pass, and overlapping makes the
+//! step slower than backward followed by the all-reduce. [`DdpConfig::overlap`] defaults to
+//! [`Overlap::Auto`], which overlaps only where there are 2 CPUs or more per rank and otherwise
+//! all-reduces the buckets one after another in `finish()`; [`Ddp::overlaps`] says which.
+//!
 //! Gradients are averaged (`ReduceOp::Avg`); with equal local batch sizes the result is the
 //! gradient of the global batch's mean loss.
 //!
@@ -82,7 +90,7 @@ pub mod hooks;
 mod layout;
 mod reducer;
 
-pub use config::{DdpConfig, Param, Step};
+pub use config::{DdpConfig, Overlap, Param, Step};
 pub use error::{DdpError, Result};
 pub use flat::{FlatBuffer, GradBuf, TensorMut, Typed};
 pub use hooks::{AllReduceAvg, CommHook, CompressHook, GradBucket, HookWork};

@@ -6,7 +6,7 @@ use std::ops::{Deref, DerefMut};
 
 use oxccl_comm::{Communicator, DType, Element, ReduceOp};
 
-use crate::config::{DdpConfig, Param, Step};
+use crate::config::{DdpConfig, Overlap, Param, Step};
 use crate::error::{DdpError, Result};
 use crate::flat::{FlatBuffer, GradBuf};
 use crate::hooks::{AllReduceAvg, CommHook, GradBucket, HookWork};
@@ -74,6 +74,8 @@ pub struct Ddp<C: Borrow<Communicator> = Communicator> {
     sync_plan: Option<sync::SyncPlan>,
     /// The buckets hold the last step's averaged gradients (false after an in-place `sync`).
     reduced: bool,
+    /// `cfg.overlap` resolved at `new`: `grad_ready` launches full buckets.
+    overlap: bool,
 }
 
 /// FNV-1a over the parameter count, lengths and dtypes, and the settings that shape the
@@ -185,10 +187,19 @@ impl<C: Borrow<Communicator>> Ddp<C> {
         let order: Vec<usize> = (0..specs.len()).rev().collect();
         let layout = plan(&specs, &order, cfg.first_bucket_bytes, cfg.bucket_cap_bytes);
         let n = specs.len();
+        let overlap = match cfg.overlap {
+            Overlap::Auto => c.node_holds(2),
+            Overlap::On => true,
+            Overlap::Off => false,
+        };
+        let node = c.node_share();
         tracing::debug!(
             rank,
             params = n,
             buckets = layout.buckets.len(),
+            overlap,
+            node_cpus = ?node.cpus,
+            node_ranks = node.ranks,
             "ddp: initial bucket layout"
         );
         Ok(Ddp {
@@ -213,6 +224,7 @@ impl<C: Borrow<Communicator>> Ddp<C> {
             default_hook: true,
             sync_plan: None,
             reduced: false,
+            overlap,
         })
     }
 
@@ -245,6 +257,12 @@ impl<C: Borrow<Communicator>> Ddp<C> {
     /// The layout rebuilt after step 0 takes effect when step 1's first gradient arrives.
     pub fn bucket_params(&self) -> Vec<Vec<usize>> {
         self.buckets.iter().map(|b| b.spec.params.clone()).collect()
+    }
+
+    /// Whether `grad_ready` starts full buckets' all-reduces during backward
+    /// ([`DdpConfig::overlap`], `Auto` resolved at [`Ddp::new`]); when not, `finish()` runs them.
+    pub fn overlaps(&self) -> bool {
+        self.overlap
     }
 
     /// Number of synchronised steps so far.
@@ -403,7 +421,8 @@ impl<C: Borrow<Communicator>> Ddp<C> {
 
     /// Declares parameter `param`'s gradient for this backward pass: copied (or, in later
     /// micro-batches of a step, added) into its bucket; when that fills a bucket, and every
-    /// bucket before it has been launched, its all-reduce starts at once.
+    /// bucket before it has been launched, its all-reduce starts at once (unless overlap is off,
+    /// [`DdpConfig::overlap`]: then `finish()` starts it).
     ///
     /// # Errors
     /// `InvalidArgument` for an index out of range, a dtype or length that is not the
@@ -411,11 +430,12 @@ impl<C: Borrow<Communicator>> Ddp<C> {
     pub fn grad_ready<T: Element>(&mut self, param: usize, grad: &[T]) -> Result<()> {
         let bytes: &[u8] = bytemuck::cast_slice(grad);
         self.check_param(param, T::DTYPE, bytes.len(), "grad_ready")?;
-        self.ingest(param, bytes, "grad_ready")
+        self.ingest(param, bytes, "grad_ready", self.overlap)
     }
 
-    /// Copies or adds a checked gradient into its slot and launches what became ready.
-    fn ingest(&mut self, p: usize, bytes: &[u8], op: &'static str) -> Result<()> {
+    /// Copies or adds a checked gradient into its slot and, with `launch`, launches what became
+    /// ready.
+    fn ingest(&mut self, p: usize, bytes: &[u8], op: &'static str, launch: bool) -> Result<()> {
         self.begin();
         if self.ready[p] {
             return Err(self.invalid(
@@ -450,7 +470,7 @@ impl<C: Borrow<Communicator>> Ddp<C> {
         self.ready[p] = true;
         self.seen[p] = true;
         self.order.push(p);
-        if self.buckets[b].pending == 0 && self.syncing() {
+        if launch && self.buckets[b].pending == 0 && self.syncing() {
             self.launch_ready();
         }
         Ok(())
@@ -460,22 +480,28 @@ impl<C: Borrow<Communicator>> Ddp<C> {
     /// first that is not full (so every rank launches in the same order).
     fn launch_ready(&mut self) {
         while self.next_launch < self.buckets.len() && self.buckets[self.next_launch].pending == 0 {
-            let b = self.next_launch;
-            let bucket = &mut self.buckets[b];
-            let buffer = bucket
-                .buf
-                .take()
-                .unwrap_or_else(|| FlatBuffer::zeros(bucket.spec.dtype, bucket.spec.len));
-            let work = self
-                .hook
-                .start(self.comm.borrow(), GradBucket { index: b, buffer });
-            self.buckets[b].work = Some(work);
-            self.next_launch += 1;
+            self.launch_next();
         }
     }
 
+    /// Launches bucket `next_launch` through the hook.
+    fn launch_next(&mut self) {
+        let b = self.next_launch;
+        let bucket = &mut self.buckets[b];
+        let buffer = bucket
+            .buf
+            .take()
+            .unwrap_or_else(|| FlatBuffer::zeros(bucket.spec.dtype, bucket.spec.len));
+        let work = self
+            .hook
+            .start(self.comm.borrow(), GradBucket { index: b, buffer });
+        self.buckets[b].work = Some(work);
+        self.next_launch += 1;
+    }
+
     /// Ends a backward pass. In an accumulating micro-batch it only records it. Otherwise it
-    /// launches what is left, waits for every bucket, and leaves the averaged gradients readable
+    /// launches what is left, waits for every bucket (with overlap off, launching each only
+    /// when the one before it is done), and leaves the averaged gradients readable
     /// through [`Ddp::grad`] until the next backward pass; after the first step it also agrees
     /// on the rebuilt bucket order. Collective.
     ///
@@ -512,9 +538,16 @@ impl<C: Borrow<Communicator>> Ddp<C> {
             self.ready[p] = true;
             self.buckets[b].pending -= 1;
         }
-        self.launch_ready();
+        if self.overlap {
+            self.launch_ready();
+        }
         let mut first_err: Option<DdpError> = None;
         for b in 0..self.buckets.len() {
+            if self.next_launch == b {
+                // Overlap off (or `sync` with a hook launched less): one bucket at a time, so
+                // the waiter runs each all-reduce on this thread.
+                self.launch_next();
+            }
             let Some(work) = self.buckets[b].work.take() else {
                 continue;
             };

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use oxccl_comm::harness::spawn_world;
 use oxccl_comm::{Communicator, Config, ReduceOp};
 use oxccl_ddp::{
-    CommHook, CompressHook, Ddp, DdpConfig, DdpError, FlatBuffer, GradBucket, HookWork, Param,
-    Step, TensorMut,
+    CommHook, CompressHook, Ddp, DdpConfig, DdpError, FlatBuffer, GradBucket, HookWork, Overlap,
+    Param, Step, TensorMut,
 };
 use oxccl_kernels::bf16;
 
@@ -482,6 +482,99 @@ fn bad_input_gets_an_error_naming_rank_call_and_parameter() {
         );
         Ok(())
     });
+}
+
+#[test]
+fn overlap_off_all_reduces_in_finish_and_ranks_may_differ() {
+    // Ranks 0 and 2 overlap, 1 and 3 do not, each handing its gradients over in its own order.
+    on_ranks(4, |comm| {
+        let rank = comm.rank();
+        let overlap = if rank.is_multiple_of(2) {
+            Overlap::On
+        } else {
+            Overlap::Off
+        };
+        let cfg = DdpConfig {
+            overlap,
+            ..small_buckets()
+        };
+        let mut ddp = new_ddp(comm, cfg).unwrap();
+        assert_eq!(ddp.overlaps(), overlap == Overlap::On);
+        for step in 0..3 {
+            for p in shuffled(LENS.len(), (rank * 10 + step) as u64) {
+                ddp.grad_ready(p, &grad(rank, step, p, LENS[p])).unwrap();
+            }
+            // Every gradient is in. Overlapping, every bucket's all-reduce has started (grad()
+            // refuses to read a bucket in flight); not overlapping, none has, and the buckets
+            // hold this rank's own gradients.
+            for (p, &len) in LENS.iter().enumerate() {
+                if overlap == Overlap::On {
+                    let e = ddp.grad::<f32>(p).unwrap_err();
+                    assert!(e.to_string().contains("in flight"), "rank {rank}: {e}");
+                } else {
+                    assert_eq!(
+                        ddp.grad::<f32>(p).unwrap(),
+                        grad(rank, step, p, len).as_slice(),
+                        "rank {rank} step {step} param {p}: launched before finish()"
+                    );
+                }
+            }
+            assert_eq!(ddp.finish().unwrap(), Step::Synced { step: step as u64 });
+            for (p, &len) in LENS.iter().enumerate() {
+                assert_eq!(
+                    ddp.grad::<f32>(p).unwrap(),
+                    avg_grad(4, step, p, len).as_slice(),
+                    "rank {rank} step {step} param {p}"
+                );
+            }
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn overlap_auto_asks_for_two_cpus_per_rank_of_the_node_groups_included() {
+    // 4 ranks of one node, the node's CPUs given as a parent communicator hands them down
+    // (`Config::node_cpus`; the union of the ranks' CPU lists counts where it is more). The
+    // world and its groups of 2 ({0, 2}, {1, 3}, as a data-parallel group of a 2D layout) pick
+    // alike: a group shares the node with the world's 4 ranks.
+    let usable = oxccl_comm::affinity::usable_cpus().len();
+    for given in [6, 8, 64] {
+        let want = usable.max(given) >= 2 * 4;
+        let cfg = Config {
+            node_cpus: Some(given),
+            ..Config::default()
+        };
+        let out = spawn_world(4, cfg, |comm| {
+            let group = comm
+                .split(Some((comm.rank() % 2) as u32), 0)?
+                .expect("a color");
+            let holds = (comm.node_holds(2), group.node_holds(2));
+            let world = new_ddp(&comm, small_buckets()).map(|d| d.overlaps());
+            let grouped = new_ddp(&group, small_buckets()).map(|d| d.overlaps());
+            Ok((holds, world.unwrap(), grouped.unwrap()))
+        });
+        for (rank, r) in out.into_iter().enumerate() {
+            let got = r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+            assert_eq!(got, ((want, want), want, want), "rank {rank}, {given} CPUs");
+        }
+    }
+    // A node of 2^20 ranks never has 2 CPUs each.
+    let crowded = Config {
+        node_ranks: Some(1 << 20),
+        ..Config::default()
+    };
+    let out = spawn_world(2, crowded, |comm| {
+        let auto = new_ddp(&comm, DdpConfig::default()).unwrap().overlaps();
+        let on = DdpConfig {
+            overlap: Overlap::On,
+            ..DdpConfig::default()
+        };
+        Ok((auto, new_ddp(&comm, on).unwrap().overlaps()))
+    });
+    for (rank, r) in out.into_iter().enumerate() {
+        assert_eq!(r.unwrap(), (false, true), "rank {rank}");
+    }
 }
 
 #[test]

@@ -106,7 +106,7 @@ impl<C: Borrow<Communicator>> Ddp<C> {
         for b in 0..self.buckets.len() {
             for k in 0..self.buckets[b].spec.params.len() {
                 let p = self.buckets[b].spec.params[k];
-                self.ingest(p, grads[p].bytes(), "sync")?;
+                self.ingest(p, grads[p].bytes(), "sync", true)?;
             }
         }
         let lens: Vec<usize> = self.specs.iter().map(|s| s.len).collect();
