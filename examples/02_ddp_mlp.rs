@@ -32,6 +32,8 @@ use oxccl::ddp::{DdpConfig, Overlap};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum ModeArg {
     Overlap,
+    /// As `overlap`, each gradient computed in its bucket slot (`Ddp::grad_slot`).
+    InPlace,
     After,
     Compute,
     Comm,
@@ -160,8 +162,15 @@ fn balance(
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
-    if args.check && !matches!(args.mode, ModeArg::Overlap | ModeArg::After) {
-        return Err("--check compares DDP training: use it with --mode overlap or after".into());
+    if args.check
+        && !matches!(
+            args.mode,
+            ModeArg::Overlap | ModeArg::InPlace | ModeArg::After
+        )
+    {
+        return Err(
+            "--check compares DDP training: use it with --mode overlap, in-place or after".into(),
+        );
     }
     let comm = Communicator::from_env()?;
     let (rank, world) = (comm.rank(), comm.size());
@@ -204,6 +213,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             ("backward then all-reduce", Mode::After, Overlap::Auto),
             ("ddp overlap", Mode::Overlap, Overlap::On),
             ("ddp, overlap off", Mode::Overlap, Overlap::Off),
+            ("ddp in place", Mode::InPlace, Overlap::On),
+            ("ddp in place, overlap off", Mode::InPlace, Overlap::Off),
         ];
         // What Overlap::Auto picks for these ranks (the same rule on every rank of a node).
         let mut auto = [u8::from(comm.node_holds(2))];
@@ -239,7 +250,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             for ((name, _, _), ms) in modes.iter().zip(&med) {
                 println!("{name:>26}: {ms:8.2} ms");
             }
-            let (comm_ms, after, overlap, off, bwd) = (med[1], med[2], med[3], med[4], med[5]);
+            let (comm_ms, after, overlap, off, bwd) = (med[1], med[2], med[3], med[4], med[7]);
+            let (in_place, in_place_off) = (med[5], med[6]);
             println!("{:>26}: {bwd:8.2} ms", "backward (of compute only)");
             // Overlap can hide at most the shorter of backward and the all-reduce.
             let hideable = bwd.min(comm_ms);
@@ -249,18 +261,25 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     overlap / after
                 );
                 let node = comm.node_share();
-                let (pick, picked) = if auto[0] == 1 {
-                    ("on", overlap)
+                let (pick, picked, picked_in_place) = if auto[0] == 1 {
+                    ("on", overlap, in_place)
                 } else {
-                    ("off", off)
+                    ("off", off, in_place_off)
                 };
                 println!(
-                    "# overlap off / (backward then all-reduce) = {:.3}; Overlap::Auto picks {pick} \
-                     here ({} CPUs for {} ranks on the node): {:.3}",
+                    "# overlap off / (backward then all-reduce) = {:.3}; in place: on {:.3}, off \
+                     {:.3}",
                     off / after,
+                    in_place / after,
+                    in_place_off / after
+                );
+                println!(
+                    "# Overlap::Auto picks {pick} here ({} CPUs for {} ranks on the node): {:.3}, \
+                     in place {:.3}",
                     node.cpus.map_or("unknown".into(), |c| c.to_string()),
                     node.ranks,
-                    picked / after
+                    picked / after,
+                    picked_in_place / after
                 );
                 println!(
                     "# at best (min(backward, comm only) hidden) = {:.3}; hidden: {:.0} % of that",
@@ -276,6 +295,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let mode = match args.mode {
         ModeArg::Overlap | ModeArg::All => Mode::Overlap,
+        ModeArg::InPlace => Mode::InPlace,
         ModeArg::After => Mode::After,
         ModeArg::Compute => Mode::ComputeOnly,
         ModeArg::Comm => Mode::CommOnly,

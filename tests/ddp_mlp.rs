@@ -1,8 +1,9 @@
 //! DDP end to end on the MLP of examples/02_ddp_mlp.rs: 4 ranks x 10 steps must match one
 //! process trained on the concatenated batch (parameters within 1e-5 relative) and keep every
-//! rank's parameters bit-identical after every step. Once with ranks as threads (all three ways
-//! of feeding gradients, `grad_ready` with overlap on and off), once with ranks as processes
-//! started by `oxccl launch` (half of them overlapping, half not: ranks may differ).
+//! rank's parameters bit-identical after every step. Once with ranks as threads (every way of
+//! feeding gradients: `grad_ready`, computed in the bucket slots, each with overlap on and off,
+//! and `sync`), once with ranks as processes started by `oxccl launch` (each rank a different one
+//! of the four `grad_ready` and slot ways: ranks may differ).
 //!
 //! The process ranks are this test binary: `rank_entry` does nothing in a normal run and trains
 //! when `OXCCL_TEST_DDP` is set.
@@ -82,6 +83,8 @@ fn ddp_matches_one_process_on_the_concatenated_batch_threads() {
     for (mode, overlap) in [
         (Mode::Overlap, Overlap::On),
         (Mode::Overlap, Overlap::Off),
+        (Mode::InPlace, Overlap::On),
+        (Mode::InPlace, Overlap::Off),
         (Mode::After, Overlap::Auto),
     ] {
         let out = spawn_world(WORLD, Config::default(), |comm| {
@@ -102,13 +105,19 @@ fn rank_entry() {
     }
     let comm = Communicator::from_env().expect("communicator from the environment");
     let reference = mlp::train_reference(&Shape::default(), comm.size(), STEPS);
-    // Even ranks overlap, odd ones all-reduce in finish(): the collectives are the same.
+    // Even ranks overlap, odd ones all-reduce in finish(); ranks 0 and 1 hand their gradients to
+    // grad_ready, 2 and 3 compute them in the bucket slots: the collectives are the same.
     let overlap = if comm.rank().is_multiple_of(2) {
         Overlap::On
     } else {
         Overlap::Off
     };
-    match train_and_check(&comm, Mode::Overlap, overlap, &reference) {
+    let mode = if comm.rank() % 4 < 2 {
+        Mode::Overlap
+    } else {
+        Mode::InPlace
+    };
+    match train_and_check(&comm, mode, overlap, &reference) {
         Ok(worst) => println!("RESULT rank={} ok worst={worst:e}", comm.rank()),
         Err(e) => {
             println!("RESULT rank={} FAILED {e}", comm.rank());

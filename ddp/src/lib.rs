@@ -32,6 +32,11 @@
 //! # Ok::<(), oxccl_ddp::DdpError>(())
 //! ```
 //!
+//! A backward pass that can write its results anywhere computes each gradient in its bucket
+//! slot instead of handing over a copy (PyTorch's `gradient_as_bucket_view`):
+//! [`Ddp::grad_slot`] gives the slot (and whether to overwrite or add to it, in accumulation),
+//! [`Ddp::grad_ready_in_place`] declares it done.
+//!
 //! Frameworks that return all gradients at once (candle, burn) call [`Ddp::sync`] with them
 //! instead: it packs bucket by bucket, launching each as soon as it is packed, and writes the
 //! averages back.

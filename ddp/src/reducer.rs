@@ -433,10 +433,74 @@ impl<C: Borrow<Communicator>> Ddp<C> {
         self.ingest(param, bytes, "grad_ready", self.overlap)
     }
 
-    /// Copies or adds a checked gradient into its slot and, with `launch`, launches what became
-    /// ready.
-    fn ingest(&mut self, p: usize, bytes: &[u8], op: &'static str, launch: bool) -> Result<()> {
+    /// Parameter `param`'s slot in its bucket, for a backward pass that computes the gradient
+    /// there instead of handing a copy to [`Ddp::grad_ready`] (PyTorch's
+    /// `gradient_as_bucket_view`): write it, then call [`Ddp::grad_ready_in_place`]. Saves
+    /// `grad_ready`'s copy. The flag says what the slot holds: `true` (the parameter's first
+    /// micro-batch of the step) stale values to overwrite, `false` (a later micro-batch of
+    /// [`Ddp::accumulate`] or [`Ddp::no_sync`]) the sum of the earlier micro-batches'
+    /// gradients, to add to. Starts the micro-batch like `grad_ready`.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for an index out of range, a `T` that is not the parameter's dtype, or a
+    /// parameter that already got its gradient in this backward pass.
+    pub fn grad_slot<T: Element>(&mut self, param: usize) -> Result<(&mut [T], bool)> {
+        let Some(s) = self.specs.get(param) else {
+            return Err(self.invalid(
+                "grad_slot",
+                format!(
+                    "parameter index {param} out of range ({} parameters)",
+                    self.specs.len()
+                ),
+            ));
+        };
+        self.check_param(param, T::DTYPE, s.bytes(), "grad_slot")?;
         self.begin();
+        self.check_not_ready(param, "grad_slot")?;
+        let fresh = !self.seen[param];
+        let (b, off) = self.slot[param];
+        let len = self.specs[param].len;
+        let rank = self.comm().rank();
+        let bucket = &mut self.buckets[b];
+        let buf = bucket
+            .buf
+            .get_or_insert_with(|| FlatBuffer::zeros(bucket.spec.dtype, bucket.spec.len));
+        let all = buf
+            .as_mut_slice::<T>()
+            .ok_or_else(|| DdpError::InvalidArgument {
+                rank,
+                op: "grad_slot",
+                msg: format!(
+                    "parameter {param}'s bucket is not {}",
+                    T::DTYPE.short_name()
+                ),
+            })?;
+        Ok((&mut all[off..off + len], fresh))
+    }
+
+    /// Declares that parameter `param`'s gradient is in its slot ([`Ddp::grad_slot`]): from
+    /// here on as [`Ddp::grad_ready`] after its copy (a full bucket's all-reduce starts).
+    ///
+    /// # Errors
+    /// `InvalidArgument` for an index out of range or a second gradient for one parameter in
+    /// one backward pass.
+    pub fn grad_ready_in_place(&mut self, param: usize) -> Result<()> {
+        if param >= self.specs.len() {
+            return Err(self.invalid(
+                "grad_ready_in_place",
+                format!(
+                    "parameter index {param} out of range ({} parameters)",
+                    self.specs.len()
+                ),
+            ));
+        }
+        self.begin();
+        self.check_not_ready(param, "grad_ready_in_place")?;
+        self.mark_ready(param, self.overlap);
+        Ok(())
+    }
+
+    fn check_not_ready(&self, p: usize, op: &'static str) -> Result<()> {
         if self.ready[p] {
             return Err(self.invalid(
                 op,
@@ -446,6 +510,14 @@ impl<C: Borrow<Communicator>> Ddp<C> {
                 ),
             ));
         }
+        Ok(())
+    }
+
+    /// Copies or adds a checked gradient into its slot and, with `launch`, launches what became
+    /// ready.
+    fn ingest(&mut self, p: usize, bytes: &[u8], op: &'static str, launch: bool) -> Result<()> {
+        self.begin();
+        self.check_not_ready(p, op)?;
         let dtype = self.specs[p].dtype;
         let (b, off) = self.slot[p];
         let sz = dtype.size();
@@ -466,14 +538,20 @@ impl<C: Borrow<Communicator>> Ddp<C> {
         } else {
             dst.copy_from_slice(bytes);
         }
-        bucket.pending -= 1;
+        self.mark_ready(p, launch);
+        Ok(())
+    }
+
+    /// Parameter `p`'s gradient is in its slot; with `launch`, launches what became ready.
+    fn mark_ready(&mut self, p: usize, launch: bool) {
+        let b = self.slot[p].0;
+        self.buckets[b].pending -= 1;
         self.ready[p] = true;
         self.seen[p] = true;
         self.order.push(p);
         if launch && self.buckets[b].pending == 0 && self.syncing() {
             self.launch_ready();
         }
-        Ok(())
     }
 
     /// Launches, in bucket order, every bucket that is full and not yet launched, stopping at the

@@ -485,6 +485,121 @@ fn bad_input_gets_an_error_naming_rank_call_and_parameter() {
 }
 
 #[test]
+fn gradients_computed_in_their_slots_match_grad_ready_and_accumulate() {
+    // Odd parameters are written into their bucket slots, even ones handed over by grad_ready,
+    // in each rank's own order; ranks 0 and 2 overlap, 1 and 3 do not. Two micro-batches per
+    // step: the second adds into what the first left.
+    on_ranks(4, |comm| {
+        let rank = comm.rank();
+        let overlap = if rank.is_multiple_of(2) {
+            Overlap::On
+        } else {
+            Overlap::Off
+        };
+        let mut ddp = new_ddp(
+            comm,
+            DdpConfig {
+                overlap,
+                ..small_buckets()
+            },
+        )
+        .unwrap();
+        ddp.accumulate(2).unwrap();
+        for step in 0..3 {
+            for micro in 0..2 {
+                let m = step * 2 + micro;
+                for p in shuffled(LENS.len(), (rank * 10 + m) as u64) {
+                    let g = grad(rank, m, p, LENS[p]);
+                    if p % 2 == 0 {
+                        ddp.grad_ready(p, &g).unwrap();
+                        continue;
+                    }
+                    let (slot, fresh) = ddp.grad_slot::<f32>(p).unwrap();
+                    assert_eq!(fresh, micro == 0, "rank {rank} step {step} param {p}");
+                    assert_eq!(slot.len(), LENS[p]);
+                    if fresh {
+                        // Stale values (the last step's average) to overwrite.
+                        slot.copy_from_slice(&g);
+                    } else {
+                        let first = grad(rank, m - 1, p, LENS[p]);
+                        assert_eq!(slot, first.as_slice(), "the first micro-batch's gradient");
+                        for (x, y) in slot.iter_mut().zip(&g) {
+                            *x += y;
+                        }
+                    }
+                    ddp.grad_ready_in_place(p).unwrap();
+                }
+                if micro == 1 && overlap == Overlap::On {
+                    // Every bucket was launched as it filled, slots and copies alike.
+                    for p in 0..LENS.len() {
+                        assert!(ddp.grad::<f32>(p).is_err(), "rank {rank}: param {p} idle");
+                    }
+                }
+                ddp.finish().unwrap();
+            }
+            for (p, &len) in LENS.iter().enumerate() {
+                let want: Vec<f32> = avg_grad(4, step * 2, p, len)
+                    .iter()
+                    .zip(avg_grad(4, step * 2 + 1, p, len))
+                    .map(|(a, b)| a + b)
+                    .collect();
+                assert_eq!(
+                    ddp.grad::<f32>(p).unwrap(),
+                    want.as_slice(),
+                    "rank {rank} step {step} param {p}"
+                );
+            }
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn bad_slot_calls_get_an_error_naming_rank_call_and_parameter() {
+    on_ranks(2, |comm| {
+        let r = format!("rank {}", comm.rank());
+        let mut ddp = new_ddp(comm, small_buckets()).unwrap();
+        expect_invalid(
+            ddp.grad_slot::<f32>(9).map(|_| ()),
+            &[&r, "grad_slot", "out of range"],
+        );
+        expect_invalid(
+            ddp.grad_slot::<f64>(1).map(|_| ()),
+            &[&r, "grad_slot", "layer1.weight", "is f32", "f64"],
+        );
+        expect_invalid(
+            ddp.grad_ready_in_place(7),
+            &[&r, "grad_ready_in_place", "out of range"],
+        );
+        ddp.grad_slot::<f32>(1).unwrap().0.fill(1.0);
+        ddp.grad_ready_in_place(1).unwrap();
+        expect_invalid(
+            ddp.grad_ready_in_place(1),
+            &[
+                &r,
+                "grad_ready_in_place",
+                "layer1.weight",
+                "already got its gradient",
+            ],
+        );
+        expect_invalid(
+            ddp.grad_slot::<f32>(1).map(|_| ()),
+            &[&r, "grad_slot", "already got its gradient"],
+        );
+        expect_invalid(
+            ddp.grad_ready(1, &[1.0f32; 7]),
+            &[&r, "grad_ready", "already got its gradient"],
+        );
+        for p in (0..LENS.len()).filter(|&p| p != 1) {
+            ddp.grad_ready(p, &vec![1.0f32; LENS[p]]).unwrap();
+        }
+        ddp.finish().unwrap();
+        assert_eq!(ddp.grad::<f32>(1).unwrap(), &[1.0f32; 7]);
+        Ok(())
+    });
+}
+
+#[test]
 fn overlap_off_all_reduces_in_finish_and_ranks_may_differ() {
     // Ranks 0 and 2 overlap, 1 and 3 do not, each handing its gradients over in its own order.
     on_ranks(4, |comm| {

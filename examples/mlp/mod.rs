@@ -3,13 +3,14 @@
 //! plain Rust, trained with SGD on synthetic data that every rank can generate by sample index.
 //!
 //! Parameters are numbered layer by layer: `2 l` is layer l's weight (out x in, row-major),
-//! `2 l + 1` its bias. Backward hands each gradient over as soon as it is computed, last layer
-//! first: that is where DDP's `grad_ready` goes.
+//! `2 l + 1` its bias. Backward writes each gradient where a [`GradSink`] says and tells it as
+//! soon as it is done, last layer first: that is where DDP's `grad_ready` goes (or, computed in
+//! DDP's bucket slot, `grad_ready_in_place`).
 
 use std::time::{Duration, Instant};
 
 use oxccl::comm::{Communicator, ReduceOp};
-use oxccl::ddp::{Ddp, DdpConfig, Param};
+use oxccl::ddp::{Ddp, DdpConfig, DdpError, Param};
 
 /// Sizes of the model and of each rank's batch.
 #[derive(Clone, Debug)]
@@ -135,16 +136,16 @@ impl Mlp {
         acts
     }
 
-    /// Backward for the loss `sum over samples of 0.5 |y - t|^2 / norm`: calls `on_grad(p, g)`
-    /// for every parameter, last layer first, as soon as its gradient is computed; returns the
-    /// loss.
+    /// Backward for the loss `sum over samples of 0.5 |y - t|^2 / norm`: computes every
+    /// parameter's gradient into `sink.slot(p)`, last layer first, and calls `sink.ready(p)` as
+    /// soon as it is done; returns the loss.
     pub fn backward(
         &self,
         acts: &[Vec<f32>],
         targets: &[f32],
         batch: usize,
         norm: f32,
-        mut on_grad: impl FnMut(usize, &[f32]),
+        sink: &mut impl GradSink,
     ) -> f32 {
         let layers = self.dims.len() - 1;
         let y = &acts[layers];
@@ -161,19 +162,24 @@ impl Mlp {
         for l in (0..layers).rev() {
             let (n_in, n_out) = (self.dims[l], self.dims[l + 1]);
             let x = &acts[l];
-            let mut gw = vec![0.0f32; n_in * n_out];
-            let mut gb = vec![0.0f32; n_out];
+            let gw = sink.slot(2 * l, n_in * n_out);
             // Row by row of the weight gradient, summing over samples in order (cache-resident).
             for o in 0..n_out {
                 let row = &mut gw[o * n_in..(o + 1) * n_in];
+                row.fill(0.0);
                 for s in 0..batch {
-                    let d = dy[s * n_out + o];
-                    gb[o] += d;
-                    axpy(row, d, &x[s * n_in..(s + 1) * n_in]);
+                    axpy(row, dy[s * n_out + o], &x[s * n_in..(s + 1) * n_in]);
                 }
             }
-            on_grad(2 * l, &gw);
-            on_grad(2 * l + 1, &gb);
+            sink.ready(2 * l);
+            let gb = sink.slot(2 * l + 1, n_out);
+            for (o, g) in gb.iter_mut().enumerate() {
+                *g = 0.0;
+                for s in 0..batch {
+                    *g += dy[s * n_out + o];
+                }
+            }
+            sink.ready(2 * l + 1);
             if l > 0 {
                 // Through the weights, then through the previous layer's tanh.
                 let w = &self.params[2 * l];
@@ -224,11 +230,97 @@ fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     }
 }
 
+/// Where [`Mlp::backward`] writes each gradient, and whom it tells.
+pub trait GradSink {
+    /// Storage of `len` elements for parameter `p`'s gradient; backward overwrites it.
+    fn slot(&mut self, p: usize, len: usize) -> &mut [f32];
+    /// Parameter `p`'s gradient is in its slot.
+    fn ready(&mut self, p: usize);
+}
+
+/// Gradients kept in vectors of their own, one per parameter (sized on first use).
+impl GradSink for Vec<Vec<f32>> {
+    fn slot(&mut self, p: usize, len: usize) -> &mut [f32] {
+        let v = &mut self[p];
+        v.resize(len, 0.0);
+        v
+    }
+
+    fn ready(&mut self, _: usize) {}
+}
+
+/// Each gradient computed into one reused buffer and handed to a closure when done (for
+/// `Ddp::grad_ready`, which copies it).
+pub struct Handed<F: FnMut(usize, &[f32])> {
+    buf: Vec<f32>,
+    on_grad: F,
+}
+
+impl<F: FnMut(usize, &[f32])> Handed<F> {
+    /// Hands every gradient to `on_grad(p, g)`.
+    pub fn new(on_grad: F) -> Handed<F> {
+        Handed {
+            buf: Vec::new(),
+            on_grad,
+        }
+    }
+}
+
+impl<F: FnMut(usize, &[f32])> GradSink for Handed<F> {
+    fn slot(&mut self, _: usize, len: usize) -> &mut [f32] {
+        self.buf.resize(len, 0.0);
+        &mut self.buf
+    }
+
+    fn ready(&mut self, p: usize) {
+        (self.on_grad)(p, &self.buf);
+    }
+}
+
+/// Gradients computed in their DDP bucket slots (`Ddp::grad_slot`, then
+/// `Ddp::grad_ready_in_place`); after an error, into a scratch buffer, the error kept for the
+/// caller.
+struct Slots<'a, C: std::borrow::Borrow<Communicator>> {
+    ddp: &'a mut Ddp<C>,
+    rank: usize,
+    scratch: Vec<f32>,
+    failed: Option<DdpError>,
+}
+
+impl<C: std::borrow::Borrow<Communicator>> GradSink for Slots<'_, C> {
+    fn slot(&mut self, p: usize, len: usize) -> &mut [f32] {
+        if self.failed.is_none() {
+            match self.ddp.grad_slot::<f32>(p) {
+                Ok((slot, true)) => return slot,
+                Ok((_, false)) => {
+                    self.failed = Some(DdpError::InvalidArgument {
+                        rank: self.rank,
+                        op: "grad_slot",
+                        msg: "the example overwrites slots; it does not accumulate".into(),
+                    })
+                }
+                Err(e) => self.failed = Some(e),
+            }
+        }
+        self.scratch.resize(len, 0.0);
+        &mut self.scratch
+    }
+
+    fn ready(&mut self, p: usize) {
+        if self.failed.is_none() {
+            self.failed = self.ddp.grad_ready_in_place(p).err();
+        }
+    }
+}
+
 /// How a step communicates.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mode {
     /// DDP with `grad_ready` during backward: communication overlaps compute.
     Overlap,
+    /// DDP with each gradient computed in its bucket slot (`grad_slot`,
+    /// `grad_ready_in_place`): as `Overlap` without its copies.
+    InPlace,
     /// Backward first, then every gradient through `Ddp::sync`: no overlap.
     After,
     /// Backward only, local gradients (replicas drift apart): the compute time.
@@ -284,25 +376,39 @@ pub fn train_ddp<C: std::borrow::Borrow<Communicator>>(
             let acts = model.forward(&x, shape.batch);
             let norm = shape.batch as f32;
             let bwd = Instant::now();
-            if mode == Mode::Overlap {
-                let mut failed = None;
-                loss = model.backward(&acts, &t, shape.batch, norm, |p, g| {
-                    if failed.is_none() {
-                        failed = ddp.grad_ready(p, g).err();
+            match mode {
+                Mode::Overlap => {
+                    let mut failed = None;
+                    let mut sink = Handed::new(|p, g| {
+                        if failed.is_none() {
+                            failed = ddp.grad_ready(p, g).err();
+                        }
+                    });
+                    loss = model.backward(&acts, &t, shape.batch, norm, &mut sink);
+                    if let Some(e) = failed {
+                        return Err(e.into());
                     }
-                });
-                if let Some(e) = failed {
-                    return Err(e.into());
                 }
-            } else {
-                loss = model.backward(&acts, &t, shape.batch, norm, |p, g| {
-                    grads[p].copy_from_slice(g)
-                });
+                Mode::InPlace => {
+                    let mut sink = Slots {
+                        ddp: &mut ddp,
+                        rank,
+                        scratch: Vec::new(),
+                        failed: None,
+                    };
+                    loss = model.backward(&acts, &t, shape.batch, norm, &mut sink);
+                    if let Some(e) = sink.failed {
+                        return Err(e.into());
+                    }
+                }
+                Mode::After | Mode::ComputeOnly | Mode::CommOnly => {
+                    loss = model.backward(&acts, &t, shape.batch, norm, &mut grads);
+                }
             }
             backward = bwd.elapsed();
         }
         match mode {
-            Mode::Overlap => {
+            Mode::Overlap | Mode::InPlace => {
                 ddp.finish()?;
                 for p in 0..model.params.len() {
                     model.sgd(p, ddp.grad::<f32>(p)?, shape.lr);
@@ -340,9 +446,7 @@ pub fn train_reference(shape: &Shape, world: usize, steps: usize) -> Vec<Mlp> {
         let (x, t) = samples(shape, step * global, global);
         let acts = model.forward(&x, global);
         let mut grads = vec![Vec::new(); model.params.len()];
-        model.backward(&acts, &t, global, global as f32, |p, g| {
-            grads[p] = g.to_vec()
-        });
+        model.backward(&acts, &t, global, global as f32, &mut grads);
         for (p, g) in grads.iter().enumerate() {
             model.sgd(p, g, shape.lr);
         }
