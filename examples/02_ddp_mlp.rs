@@ -1,8 +1,10 @@
 //! 02_ddp_mlp: data-parallel training of a small MLP with oxccl's DDP. Forward and backward are
 //! written out layer by layer (examples/mlp/mod.rs); backward hands each gradient to
 //! `Ddp::grad_ready` as soon as it is computed, so the all-reduce of the last layers' bucket runs
-//! while the earlier layers are still being differentiated. Rank 0 prints the loss (averaged over
-//! ranks) after every step.
+//! while the earlier layers are still being differentiated (`--mode in-place`: backward computes
+//! each gradient in its bucket slot, `Ddp::grad_slot`, and declares it with
+//! `Ddp::grad_ready_in_place`, saving the copy). Rank 0 prints the loss (averaged over ranks)
+//! after every step.
 //!
 //! ```text
 //! cargo build --release --example 02_ddp_mlp
@@ -16,8 +18,9 @@
 //! larger for that with `--hidden 1024 --layers 4 --batch 32`, and add `--balance` to pick the
 //! batch at which backward takes as long as the all-reduce. It also prints the best ratio
 //! overlap could reach (the shorter of backward and the all-reduce hidden entirely) and how much
-//! of that it reached, and times DDP with overlap off (`DdpConfig::overlap`: all-reduces in
-//! `finish()`, what `Overlap::Auto` picks on a node with fewer than 2 CPUs per rank) beside it.
+//! of that it reached. It times DDP with overlap on and off (`DdpConfig::overlap`: off
+//! all-reduces in `finish()`, what `Overlap::Auto` picks on a node with fewer than 2 CPUs per
+//! rank), each with `grad_ready` and with the slots, and prints what `Auto` picks.
 
 #[path = "mlp/mod.rs"]
 mod mlp;
@@ -78,8 +81,9 @@ struct Args {
     /// How gradients are communicated (`all` times every mode, interleaved).
     #[arg(long, value_enum, default_value_t = ModeArg::Overlap)]
     mode: ModeArg,
-    /// DdpConfig::overlap for `--mode overlap`: `auto` overlaps where each rank has a CPU to
-    /// spare, `off` all-reduces the buckets in `finish()` (`--mode all` times `on` and `off`).
+    /// DdpConfig::overlap for `--mode overlap` and `in-place`: `auto` overlaps where each rank
+    /// has a CPU to spare, `off` all-reduces the buckets in `finish()` (`after`, `compute` and
+    /// `comm` call `sync`, which it does not change; `--mode all` times `on` and `off`).
     #[arg(long, value_enum, default_value_t = OverlapArg::Auto)]
     overlap: OverlapArg,
     /// Rounds of every mode with `--mode all`.

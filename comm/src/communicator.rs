@@ -58,6 +58,9 @@ pub struct Communicator {
     /// This rank's node as the `auto` rules counted it; communicators made from this one
     /// inherit it (`Config::node_ranks`, `Config::node_cpus`).
     node: crate::affinity::NodeShare,
+    /// This process's CPU count at init: what the `auto` rules count for a node whose CPU
+    /// lists are unknown.
+    cores: usize,
     /// The store server, when this rank hosts it (rank 0 without a launcher-hosted store).
     _server: Option<TcpStoreServer>,
 }
@@ -675,6 +678,7 @@ impl Communicator {
             transports,
             channels,
             node: share,
+            cores,
             _server: None,
         };
         comm.open_channels()?;
@@ -786,12 +790,11 @@ impl Communicator {
     }
 
     /// Whether this rank's node has `per_rank` CPUs for each of its ranks, as the `auto` rules
-    /// count them ([`Communicator::node_share`]; this process's CPU count where a rank's CPU list
-    /// is unknown): 1 is what `OXCCL_SPIN=auto` asks, 2 what `OXCCL_SOCKET_SEND_THREAD=auto`
+    /// counted them at init ([`Communicator::node_share`]; this process's CPU count then where a
+    /// rank's CPU list is unknown): 1 is what `OXCCL_SPIN=auto` asks, 2 what `OXCCL_SOCKET_SEND_THREAD=auto`
     /// asks (a CPU to spare beside the rank's own thread).
     pub fn node_holds(&self, per_rank: usize) -> bool {
-        let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-        self.node.holds(per_rank, cores)
+        self.node.holds(per_rank, self.cores)
     }
 
     /// Whether this rank's waits busy-poll before they yield the core (`OXCCL_SPIN`,

@@ -24,7 +24,10 @@ pub struct DdpConfig {
     /// (default 1 MiB; `usize::MAX` packs everything).
     pub sync_in_place_bytes: usize,
     /// When a full bucket's all-reduce starts in the `grad_ready` flow (default
-    /// [`Overlap::Auto`]). Ranks may differ: the collectives are the same either way.
+    /// [`Overlap::Auto`], decided alike on every rank). `On` and `Off` may differ between ranks:
+    /// DDP issues the same collectives in the same order either way, as long as the trainer
+    /// keeps the crate's rule of no collective of its own between a step's first gradient and
+    /// its `finish()`. Not used by `sync()`, which launches each bucket as soon as it is packed.
     pub overlap: Overlap,
 }
 
@@ -37,19 +40,20 @@ pub struct DdpConfig {
 /// all-reduce (docs/PERF.md, "Overlap on a node without a CPU to spare").
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Overlap {
-    /// [`Overlap::On`] where this rank's node has 2 CPUs or more for each of its ranks (the
+    /// [`Overlap::On`] where every rank's node has 2 CPUs or more for each of its ranks (the
     /// node's CPUs and ranks as the communicator counted them,
-    /// `Communicator::node_holds(2)`, the rule of `OXCCL_SOCKET_SEND_THREAD=auto`), and
-    /// [`Overlap::Off`] otherwise: ranks bound a core each (`oxccl launch --bind core`) or more
-    /// ranks than half the CPUs. It does not know about threads of the trainer's own (a backward
+    /// `Communicator::node_holds(2)`, the rule of `OXCCL_SOCKET_SEND_THREAD=auto`; agreed in
+    /// the all-reduce `Ddp::new` makes anyway), and [`Overlap::Off`] otherwise: ranks bound a
+    /// core each (`oxccl launch --bind core`) or more ranks than half the CPUs on some node. It does not know about threads of the trainer's own (a backward
     /// pass that uses every core): set `On` or `Off` there.
     #[default]
     Auto,
     /// A bucket's all-reduce starts as soon as its last gradient arrives, during backward
     /// (PyTorch's behaviour).
     On,
-    /// The buckets are all-reduced in `finish()`, one after another, each waited for on the
-    /// caller's thread before the next starts: backward, then the all-reduces.
+    /// The buckets are all-reduced in `finish()`, one after another, each waited for before the
+    /// next starts (so the caller's thread usually runs it: `Work::wait` runs an operation the
+    /// progress thread has not taken yet): backward, then the all-reduces.
     Off,
 }
 

@@ -65,6 +65,8 @@
 //! step slower than backward followed by the all-reduce. [`DdpConfig::overlap`] defaults to
 //! [`Overlap::Auto`], which overlaps only where there are 2 CPUs or more per rank and otherwise
 //! all-reduces the buckets one after another in `finish()`; [`Ddp::overlaps`] says which.
+//! Every rank decides `Auto` alike. [`Ddp::sync`] is not affected: it launches each bucket as
+//! soon as it is packed.
 //!
 //! Gradients are averaged (`ReduceOp::Avg`); with equal local batch sizes the result is the
 //! gradient of the global batch's mean loss.

@@ -55,6 +55,8 @@ pub struct Ddp<C: Borrow<Communicator> = Communicator> {
     ready: Vec<bool>,
     /// Gradient arrived in some micro-batch of this step (later ones add to it).
     seen: Vec<bool>,
+    /// `grad_slot` handed out the parameter's slot in this micro-batch.
+    slot_out: Vec<bool>,
     /// Arrival order in this micro-batch.
     order: Vec<usize>,
     next_launch: usize,
@@ -164,11 +166,13 @@ impl<C: Borrow<Communicator>> Ddp<C> {
             })
             .collect();
         // Every rank checks the others' parameter list and settings before anything else moves;
-        // a bad local setting is reported after the collective so no rank is left waiting.
+        // a bad local setting is reported after the collective so no rank is left waiting. The
+        // same all-reduce tells whether some rank's node lacks a CPU to spare (`Overlap::Auto`
+        // decides the same on every rank).
         let h = fingerprint(&specs, &cfg);
-        let mut fp = [h, !h];
+        let mut fp = [h, !h, u64::from(!c.node_holds(2))];
         c.all_reduce(&mut fp, ReduceOp::Max)?;
-        if fp != [h, !h] {
+        if fp[..2] != [h, !h] {
             let elems: usize = specs.iter().map(|s| s.len).sum();
             return Err(invalid(format!(
                 "the parameter list (count, lengths, dtypes) or the DdpConfig differs between \
@@ -188,7 +192,7 @@ impl<C: Borrow<Communicator>> Ddp<C> {
         let layout = plan(&specs, &order, cfg.first_bucket_bytes, cfg.bucket_cap_bytes);
         let n = specs.len();
         let overlap = match cfg.overlap {
-            Overlap::Auto => c.node_holds(2),
+            Overlap::Auto => fp[2] == 0,
             Overlap::On => true,
             Overlap::Off => false,
         };
@@ -210,6 +214,7 @@ impl<C: Borrow<Communicator>> Ddp<C> {
             slot: layout.slot,
             ready: vec![false; n],
             seen: vec![false; n],
+            slot_out: vec![false; n],
             order: Vec::with_capacity(n),
             next_launch: 0,
             phase: Phase::Idle,
@@ -260,7 +265,8 @@ impl<C: Borrow<Communicator>> Ddp<C> {
     }
 
     /// Whether `grad_ready` starts full buckets' all-reduces during backward
-    /// ([`DdpConfig::overlap`], `Auto` resolved at [`Ddp::new`]); when not, `finish()` runs them.
+    /// ([`DdpConfig::overlap`], `Auto` resolved at [`Ddp::new`], alike on every rank); when
+    /// not, `finish()` runs them.
     pub fn overlaps(&self) -> bool {
         self.overlap
     }
@@ -388,6 +394,7 @@ impl<C: Borrow<Communicator>> Ddp<C> {
             }
         }
         self.ready.fill(false);
+        self.slot_out.fill(false);
         self.order.clear();
         self.next_launch = 0;
         self.reduced = false;
@@ -439,7 +446,9 @@ impl<C: Borrow<Communicator>> Ddp<C> {
     /// `grad_ready`'s copy. The flag says what the slot holds: `true` (the parameter's first
     /// micro-batch of the step) stale values to overwrite, `false` (a later micro-batch of
     /// [`Ddp::accumulate`] or [`Ddp::no_sync`]) the sum of the earlier micro-batches'
-    /// gradients, to add to. Starts the micro-batch like `grad_ready`.
+    /// gradients, to add to. Starts the micro-batch like `grad_ready`. A slot handed out but
+    /// never declared ready counts as unused at `finish()` (its contents are then zeros, or the
+    /// earlier micro-batches' sum).
     ///
     /// # Errors
     /// `InvalidArgument` for an index out of range, a `T` that is not the parameter's dtype, or a
@@ -454,9 +463,18 @@ impl<C: Borrow<Communicator>> Ddp<C> {
                 ),
             ));
         };
-        self.check_param(param, T::DTYPE, s.bytes(), "grad_slot")?;
+        if T::DTYPE != s.dtype {
+            let msg = format!(
+                "parameter {param} ({}) is {}, its slot was asked for as {}",
+                s.name,
+                s.dtype.short_name(),
+                T::DTYPE.short_name()
+            );
+            return Err(self.invalid("grad_slot", msg));
+        }
         self.begin();
         self.check_not_ready(param, "grad_slot")?;
+        self.slot_out[param] = true;
         let fresh = !self.seen[param];
         let (b, off) = self.slot[param];
         let len = self.specs[param].len;
@@ -482,8 +500,9 @@ impl<C: Borrow<Communicator>> Ddp<C> {
     /// here on as [`Ddp::grad_ready`] after its copy (a full bucket's all-reduce starts).
     ///
     /// # Errors
-    /// `InvalidArgument` for an index out of range or a second gradient for one parameter in
-    /// one backward pass.
+    /// `InvalidArgument` for an index out of range, a parameter whose slot `grad_slot` did not
+    /// hand out in this backward pass, or a second gradient for one parameter in one backward
+    /// pass.
     pub fn grad_ready_in_place(&mut self, param: usize) -> Result<()> {
         if param >= self.specs.len() {
             return Err(self.invalid(
@@ -496,6 +515,16 @@ impl<C: Borrow<Communicator>> Ddp<C> {
         }
         self.begin();
         self.check_not_ready(param, "grad_ready_in_place")?;
+        if !self.slot_out[param] {
+            return Err(self.invalid(
+                "grad_ready_in_place",
+                format!(
+                    "parameter {param} ({}): its slot was not taken with grad_slot in this \
+                     backward pass",
+                    self.specs[param].name
+                ),
+            ));
+        }
         self.mark_ready(param, self.overlap);
         Ok(())
     }
@@ -622,8 +651,8 @@ impl<C: Borrow<Communicator>> Ddp<C> {
         let mut first_err: Option<DdpError> = None;
         for b in 0..self.buckets.len() {
             if self.next_launch == b {
-                // Overlap off (or `sync` with a hook launched less): one bucket at a time, so
-                // the waiter runs each all-reduce on this thread.
+                // Overlap off: one bucket at a time, so the waiter usually runs each all-reduce
+                // on this thread (unless the progress thread takes it first).
                 self.launch_next();
             }
             let Some(work) = self.buckets[b].work.take() else {

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use oxccl_comm::harness::spawn_world;
+use oxccl_comm::harness::{spawn_world, spawn_world_with};
 use oxccl_comm::{Communicator, Config, ReduceOp};
 use oxccl_ddp::{
     CommHook, CompressHook, Ddp, DdpConfig, DdpError, FlatBuffer, GradBucket, HookWork, Overlap,
@@ -15,10 +15,16 @@ use oxccl_kernels::bf16;
 /// Parameter lengths used by several tests: sizes around the small caps below, one empty.
 const LENS: [usize; 7] = [300, 7, 1000, 0, 64, 2500, 33];
 
+/// Small caps, overlap on (the tests of one mode or the other say so).
 fn small_buckets() -> DdpConfig {
+    small(Overlap::On)
+}
+
+fn small(overlap: Overlap) -> DdpConfig {
     DdpConfig {
         bucket_cap_bytes: 4096,
         first_bucket_bytes: 512,
+        overlap,
         ..DdpConfig::default()
     }
 }
@@ -77,9 +83,15 @@ fn shuffled(n: usize, seed: u64) -> Vec<usize> {
 
 #[test]
 fn grad_ready_averages_every_parameter_over_steps() {
+    for overlap in [Overlap::On, Overlap::Off] {
+        grad_ready_averages_every_parameter_over_steps_with(overlap);
+    }
+}
+
+fn grad_ready_averages_every_parameter_over_steps_with(overlap: Overlap) {
     on_ranks(4, |comm| {
         let rank = comm.rank();
-        let mut ddp = new_ddp(comm, small_buckets()).unwrap();
+        let mut ddp = new_ddp(comm, small(overlap)).unwrap();
         assert!(
             ddp.bucket_params().len() >= 4,
             "small caps give several buckets"
@@ -144,9 +156,15 @@ fn sync_writes_the_average_back_in_mixed_dtypes() {
 
 #[test]
 fn ranks_with_different_ready_orders_agree_and_rebuild_from_rank_0() {
+    for overlap in [Overlap::On, Overlap::Off] {
+        ranks_with_different_ready_orders_agree_and_rebuild_from_rank_0_with(overlap);
+    }
+}
+
+fn ranks_with_different_ready_orders_agree_and_rebuild_from_rank_0_with(overlap: Overlap) {
     let out = spawn_world(4, Config::default(), |comm| {
         let rank = comm.rank();
-        let mut ddp = new_ddp(comm, small_buckets()).unwrap();
+        let mut ddp = new_ddp(comm, small(overlap)).unwrap();
         let mut layouts = Vec::new();
         for step in 0..4 {
             // Every rank, every step: its own order.
@@ -183,9 +201,15 @@ fn ranks_with_different_ready_orders_agree_and_rebuild_from_rank_0() {
 
 #[test]
 fn accumulation_over_micro_batches_equals_the_large_batch() {
+    for overlap in [Overlap::On, Overlap::Off] {
+        accumulation_over_micro_batches_equals_the_large_batch_with(overlap);
+    }
+}
+
+fn accumulation_over_micro_batches_equals_the_large_batch_with(overlap: Overlap) {
     on_ranks(4, |comm| {
         let rank = comm.rank();
-        let mut ddp = new_ddp(comm, small_buckets()).unwrap();
+        let mut ddp = new_ddp(comm, small(overlap)).unwrap();
         ddp.accumulate(4).unwrap();
         for step in 0..2 {
             for micro in 0..4 {
@@ -239,12 +263,18 @@ fn accumulation_over_micro_batches_equals_the_large_batch() {
 
 #[test]
 fn an_unused_parameter_is_named_or_reduced_as_zeros() {
+    for overlap in [Overlap::On, Overlap::Off] {
+        an_unused_parameter_is_named_or_reduced_as_zeros_with(overlap);
+    }
+}
+
+fn an_unused_parameter_is_named_or_reduced_as_zeros_with(overlap: Overlap) {
     for find_unused in [false, true] {
         let out = spawn_world(3, Config::default(), |comm| {
             let rank = comm.rank();
             let cfg = DdpConfig {
                 find_unused_parameters: find_unused,
-                ..small_buckets()
+                ..small(overlap)
             };
             let mut ddp = new_ddp(comm, cfg).unwrap();
             let mut results = Vec::new();
@@ -366,10 +396,16 @@ impl CommHook for ShortHook {
 
 #[test]
 fn user_comm_hooks_run_per_bucket_and_bad_ones_are_caught() {
+    for overlap in [Overlap::On, Overlap::Off] {
+        user_comm_hooks_run_per_bucket_and_bad_ones_are_caught_with(overlap);
+    }
+}
+
+fn user_comm_hooks_run_per_bucket_and_bad_ones_are_caught_with(overlap: Overlap) {
     on_ranks(2, |comm| {
         let rank = comm.rank();
         let count = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let mut ddp = new_ddp(comm, small_buckets()).unwrap();
+        let mut ddp = new_ddp(comm, small(overlap)).unwrap();
         ddp.set_comm_hook(SumHook(Arc::clone(&count))).unwrap();
         for p in (0..LENS.len()).rev() {
             ddp.grad_ready(p, &vec![(rank + 1) as f32; LENS[p]])
@@ -571,6 +607,15 @@ fn bad_slot_calls_get_an_error_naming_rank_call_and_parameter() {
             ddp.grad_ready_in_place(7),
             &[&r, "grad_ready_in_place", "out of range"],
         );
+        expect_invalid(
+            ddp.grad_ready_in_place(2),
+            &[
+                &r,
+                "grad_ready_in_place",
+                "layer2.weight",
+                "not taken with grad_slot",
+            ],
+        );
         ddp.grad_slot::<f32>(1).unwrap().0.fill(1.0);
         ddp.grad_ready_in_place(1).unwrap();
         expect_invalid(
@@ -654,6 +699,10 @@ fn overlap_auto_asks_for_two_cpus_per_rank_of_the_node_groups_included() {
     // world and its groups of 2 ({0, 2}, {1, 3}, as a data-parallel group of a 2D layout) pick
     // alike: a group shares the node with the world's 4 ranks.
     let usable = oxccl_comm::affinity::usable_cpus().len();
+    if usable == 0 {
+        eprintln!("skipped: this system does not give CPU lists, so the node's count is unknown");
+        return;
+    }
     for given in [6, 8, 64] {
         let want = usable.max(given) >= 2 * 4;
         let cfg = Config {
@@ -665,8 +714,8 @@ fn overlap_auto_asks_for_two_cpus_per_rank_of_the_node_groups_included() {
                 .split(Some((comm.rank() % 2) as u32), 0)?
                 .expect("a color");
             let holds = (comm.node_holds(2), group.node_holds(2));
-            let world = new_ddp(&comm, small_buckets()).map(|d| d.overlaps());
-            let grouped = new_ddp(&group, small_buckets()).map(|d| d.overlaps());
+            let world = new_ddp(&comm, small(Overlap::Auto)).map(|d| d.overlaps());
+            let grouped = new_ddp(&group, small(Overlap::Auto)).map(|d| d.overlaps());
             Ok((holds, world.unwrap(), grouped.unwrap()))
         });
         for (rank, r) in out.into_iter().enumerate() {
@@ -689,6 +738,33 @@ fn overlap_auto_asks_for_two_cpus_per_rank_of_the_node_groups_included() {
     });
     for (rank, r) in out.into_iter().enumerate() {
         assert_eq!(r.unwrap(), (false, true), "rank {rank}");
+    }
+    // Two nodes, one with CPUs to spare and one without: Auto decides for every rank alike
+    // (off), so ranks never mix modes unasked.
+    let out = spawn_world_with(
+        4,
+        |rank| {
+            let mut c = Config {
+                node_id: Some(format!("node{}", rank / 2)),
+                ..Config::default()
+            };
+            if rank < 2 {
+                c.node_cpus = Some(64);
+            } else {
+                c.node_ranks = Some(1 << 20);
+            }
+            c
+        },
+        |comm| {
+            let holds = comm.node_holds(2);
+            Ok((
+                holds,
+                new_ddp(&comm, small(Overlap::Auto)).unwrap().overlaps(),
+            ))
+        },
+    );
+    for (rank, r) in out.into_iter().enumerate() {
+        assert_eq!(r.unwrap(), (rank < 2, false), "rank {rank}");
     }
 }
 
@@ -776,13 +852,20 @@ fn sync_reduces_large_gradients_in_place_and_accumulates() {
 
 #[test]
 fn a_no_sync_guard_taken_mid_backward_does_not_change_that_micro_batch() {
+    for overlap in [Overlap::On, Overlap::Off] {
+        a_no_sync_guard_taken_mid_backward_does_not_change_that_micro_batch_with(overlap);
+    }
+}
+
+fn a_no_sync_guard_taken_mid_backward_does_not_change_that_micro_batch_with(overlap: Overlap) {
     on_ranks(2, |comm| {
         let rank = comm.rank();
-        let mut ddp = new_ddp(comm, small_buckets()).unwrap();
+        let mut ddp = new_ddp(comm, small(overlap)).unwrap();
         for p in (0..LENS.len()).rev() {
             ddp.grad_ready(p, &grad(rank, 0, p, LENS[p])).unwrap();
         }
-        // The buckets were launched when they filled; finishing under a guard still reduces.
+        // With overlap the buckets were launched when they filled, without it they launch in
+        // finish(): either way, finishing under a guard still reduces.
         assert_eq!(ddp.no_sync().finish().unwrap(), Step::Synced { step: 0 });
         for (p, &len) in LENS.iter().enumerate() {
             assert_eq!(
