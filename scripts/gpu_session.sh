@@ -230,7 +230,7 @@ for phase in $phases; do
         for b in 4 8; do
             for mib in 4 25; do
                 step 40 "$bin/oxccl" launch -n 4 -- "$bin/02_ddp_mlp" --mode all --hidden 1024 \
-                    --layers 4 --batch "$b" --steps 8 --rounds 5 --bucket-mib "$mib" 2>&1 | tail -7
+                    --layers 4 --batch "$b" --steps 8 --rounds 5 --bucket-mib "$mib" 2>&1 | tail -14
             done
         done
         OX="$bin/oxccl" PEERS="$bin" GLOO_PY="$(command -v python3)" ROUNDS=2 SIZES="8 64M" \
@@ -242,7 +242,8 @@ for phase in $phases; do
         # it is less of the bytes. Batch 4, and --balance (the batch at which backward takes as
         # long as the all-reduce: where overlap can hide the most; the example prints the best
         # ratio possible and how much of it was reached). Each rank unbound, or on its own
-        # block of 4 CPUs (--bind block). Interleaved, DDP_REPS times.
+        # block of 4 CPUs (--bind block). Interleaved, DDP_REPS times. Since 2026-11-27 every
+        # run also times overlap off and the gradients computed in their bucket slots.
         for rep in $(seq "${DDP_REPS:-3}"); do
             for shape in "768 8" "512 16"; do
                 for bind in none block; do
@@ -251,7 +252,7 @@ for phase in $phases; do
                         echo "rep $rep hidden $1 layers $2 --bind $bind $batch"
                         step 30 "$bin/oxccl" launch -n 4 --bind "$bind" -- "$bin/02_ddp_mlp" --mode all \
                             --hidden "$1" --layers "$2" $batch --steps 8 --rounds 5 --bucket-mib 2 2>&1 |
-                            grep -E "^###|rror|balance:|batch|ms$|^\[0\] #" | grep -v "median step" | tail -12
+                            grep -E "^###|rror|balance:|batch|ms$|^\[0\] #" | grep -v "median step" | tail -18
                     done
                 done
             done
@@ -268,7 +269,7 @@ for phase in $phases; do
                     echo "rep $rep OXCCL_SPIN=$spin --bind $bind"
                     OXCCL_SPIN=$spin step 30 "$bin/oxccl" launch -n 4 --bind "$bind" -- \
                         "$bin/02_ddp_mlp" --mode all --hidden 1024 --layers 4 --batch 4 --steps 8 \
-                        --rounds 5 --bucket-mib 2 2>&1 | tail -6
+                        --rounds 5 --bucket-mib 2 2>&1 | tail -14
                 done
             done
         done
@@ -334,7 +335,7 @@ for phase in $phases; do
             for mib in 1 2 4 25; do
                 echo "batch $b bucket $mib MiB"
                 step 40 "$bin/oxccl" launch -n 4 -- "$bin/02_ddp_mlp" --mode all --hidden 1024 \
-                    --layers 4 --batch "$b" --steps 8 --rounds 3 --bucket-mib "$mib" 2>&1 | tail -6
+                    --layers 4 --batch "$b" --steps 8 --rounds 3 --bucket-mib "$mib" 2>&1 | tail -14
             done
         done
         ;;
@@ -388,7 +389,7 @@ for phase in $phases; do
                     set -- $shape
                     echo "rep $rep hidden $1 layers $2 batch $b"
                     step 30 "$bin/oxccl" launch -n 4 -- "$bin/02_ddp_mlp" --mode all --hidden "$1" \
-                        --layers "$2" --batch "$b" --steps 8 --rounds 5 --bucket-mib 2 2>&1 | tail -5
+                        --layers "$2" --batch "$b" --steps 8 --rounds 5 --bucket-mib 2 2>&1 | tail -14
                 done
             done
         done
@@ -525,7 +526,7 @@ for phase in $phases; do
                 for mib in 2 4 25; do
                     echo "rep $rep batch $b bucket $mib MiB"
                     step 30 "$bin/oxccl" launch -n 4 -- "$bin/02_ddp_mlp" --mode all --hidden 1024 \
-                        --layers 4 --batch "$b" --steps 8 --rounds 5 --bucket-mib "$mib" 2>&1 | tail -6
+                        --layers 4 --batch "$b" --steps 8 --rounds 5 --bucket-mib "$mib" 2>&1 | tail -14
                 done
             done
         done
