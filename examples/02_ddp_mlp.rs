@@ -220,7 +220,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             ("ddp in place", Mode::InPlace, Overlap::On),
             ("ddp in place, overlap off", Mode::InPlace, Overlap::Off),
         ];
-        // What Overlap::Auto picks for these ranks (the same rule on every rank of a node).
+        // What Overlap::Auto picks for these ranks (agreed across ranks, as `Ddp::new` does).
         let mut auto = [u8::from(comm.node_holds(2))];
         comm.all_reduce(&mut auto, ReduceOp::Min)?;
         // One list per mode, and the backward passes of compute only last.
@@ -278,8 +278,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     in_place_off / after
                 );
                 println!(
-                    "# Overlap::Auto picks {pick} here ({} CPUs for {} ranks on the node): {:.3}, \
-                     in place {:.3}",
+                    "# Overlap::Auto picks {pick} here ({} CPUs for {} ranks on rank 0's node): \
+                     {:.3}, in place {:.3}",
                     node.cpus.map_or("unknown".into(), |c| c.to_string()),
                     node.ranks,
                     picked / after,

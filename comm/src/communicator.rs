@@ -791,8 +791,8 @@ impl Communicator {
 
     /// Whether this rank's node has `per_rank` CPUs for each of its ranks, as the `auto` rules
     /// counted them at init ([`Communicator::node_share`]; this process's CPU count then where a
-    /// rank's CPU list is unknown): 1 is what `OXCCL_SPIN=auto` asks, 2 what `OXCCL_SOCKET_SEND_THREAD=auto`
-    /// asks (a CPU to spare beside the rank's own thread).
+    /// rank's CPU list is unknown): 1 is what `OXCCL_SPIN=auto` asks, 2 what
+    /// `OXCCL_SOCKET_SEND_THREAD=auto` asks (a CPU to spare beside the rank's own thread).
     pub fn node_holds(&self, per_rank: usize) -> bool {
         self.node.holds(per_rank, self.cores)
     }

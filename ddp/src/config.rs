@@ -44,8 +44,9 @@ pub enum Overlap {
     /// node's CPUs and ranks as the communicator counted them,
     /// `Communicator::node_holds(2)`, the rule of `OXCCL_SOCKET_SEND_THREAD=auto`; agreed in
     /// the all-reduce `Ddp::new` makes anyway), and [`Overlap::Off`] otherwise: ranks bound a
-    /// core each (`oxccl launch --bind core`) or more ranks than half the CPUs on some node. It does not know about threads of the trainer's own (a backward
-    /// pass that uses every core): set `On` or `Off` there.
+    /// core each (`oxccl launch --bind core`) or more ranks than half the CPUs on some node.
+    /// It does not know about threads of the trainer's own (a backward pass that uses every
+    /// core): set `On` or `Off` there.
     #[default]
     Auto,
     /// A bucket's all-reduce starts as soon as its last gradient arrives, during backward
