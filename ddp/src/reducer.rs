@@ -328,16 +328,21 @@ impl<C: Borrow<Communicator>> Ddp<C> {
         }
     }
 
-    fn check_param(&self, p: usize, dtype: DType, bytes: usize, op: &'static str) -> Result<()> {
-        let Some(s) = self.specs.get(p) else {
-            return Err(self.invalid(
+    /// Parameter `p`'s spec, or an error naming `op` for an index out of range.
+    fn spec(&self, p: usize, op: &'static str) -> Result<&ParamSpec> {
+        self.specs.get(p).ok_or_else(|| {
+            self.invalid(
                 op,
                 format!(
                     "parameter index {p} out of range ({} parameters)",
                     self.specs.len()
                 ),
-            ));
-        };
+            )
+        })
+    }
+
+    fn check_param(&self, p: usize, dtype: DType, bytes: usize, op: &'static str) -> Result<()> {
+        let s = self.spec(p, op)?;
         if dtype != s.dtype {
             return Err(self.invalid(
                 op,
@@ -454,15 +459,7 @@ impl<C: Borrow<Communicator>> Ddp<C> {
     /// `InvalidArgument` for an index out of range, a `T` that is not the parameter's dtype, or a
     /// parameter that already got its gradient in this backward pass.
     pub fn grad_slot<T: Element>(&mut self, param: usize) -> Result<(&mut [T], bool)> {
-        let Some(s) = self.specs.get(param) else {
-            return Err(self.invalid(
-                "grad_slot",
-                format!(
-                    "parameter index {param} out of range ({} parameters)",
-                    self.specs.len()
-                ),
-            ));
-        };
+        let s = self.spec(param, "grad_slot")?;
         if T::DTYPE != s.dtype {
             let msg = format!(
                 "parameter {param} ({}) is {}, its slot was asked for as {}",
@@ -504,15 +501,7 @@ impl<C: Borrow<Communicator>> Ddp<C> {
     /// hand out in this backward pass, or a second gradient for one parameter in one backward
     /// pass.
     pub fn grad_ready_in_place(&mut self, param: usize) -> Result<()> {
-        if param >= self.specs.len() {
-            return Err(self.invalid(
-                "grad_ready_in_place",
-                format!(
-                    "parameter index {param} out of range ({} parameters)",
-                    self.specs.len()
-                ),
-            ));
-        }
+        self.spec(param, "grad_ready_in_place")?;
         self.begin();
         self.check_not_ready(param, "grad_ready_in_place")?;
         if !self.slot_out[param] {
@@ -760,15 +749,7 @@ impl<C: Borrow<Communicator>> Ddp<C> {
     /// `InvalidArgument` for an index out of range, a `T` that is not the parameter's dtype, or a
     /// bucket whose all-reduce is in flight.
     pub fn grad<T: Element>(&self, param: usize) -> Result<&[T]> {
-        let Some(s) = self.specs.get(param) else {
-            return Err(self.invalid(
-                "grad",
-                format!(
-                    "parameter index {param} out of range ({} parameters)",
-                    self.specs.len()
-                ),
-            ));
-        };
+        let s = self.spec(param, "grad")?;
         if !self.reduced && self.phase == Phase::Idle && self.micro == 0 && self.step > 0 {
             return Err(self.invalid(
                 "grad",

@@ -47,6 +47,27 @@ fn avg_grad(n: usize, step: usize, p: usize, len: usize) -> Vec<f32> {
     s.iter().map(|x| x / n as f32).collect()
 }
 
+/// Every parameter's gradient in `ddp` is the average over `n` ranks of `grad(.., step, ..)`.
+fn assert_averaged<C: std::borrow::Borrow<Communicator>>(ddp: &Ddp<C>, n: usize, step: usize) {
+    let rank = ddp.comm().rank();
+    for (p, &len) in LENS.iter().enumerate() {
+        assert_eq!(
+            ddp.grad::<f32>(p).unwrap(),
+            avg_grad(n, step, p, len).as_slice(),
+            "rank {rank} step {step} param {p}"
+        );
+    }
+}
+
+/// Overlap on for even ranks, off for odd ones (ranks may differ).
+fn even_ranks_overlap(rank: usize) -> Overlap {
+    if rank.is_multiple_of(2) {
+        Overlap::On
+    } else {
+        Overlap::Off
+    }
+}
+
 /// Runs `f` on `n` threaded ranks and fails the test if any rank fails.
 fn on_ranks(n: usize, f: impl Fn(Communicator) -> oxccl_comm::Result<()> + Sync) {
     for (rank, r) in spawn_world(n, Config::default(), f).into_iter().enumerate() {
@@ -101,13 +122,7 @@ fn grad_ready_averages_every_parameter_over_steps_with(overlap: Overlap) {
                 ddp.grad_ready(p, &grad(rank, step, p, LENS[p])).unwrap();
             }
             assert_eq!(ddp.finish().unwrap(), Step::Synced { step: step as u64 });
-            for (p, &len) in LENS.iter().enumerate() {
-                assert_eq!(
-                    ddp.grad::<f32>(p).unwrap(),
-                    avg_grad(4, step, p, len).as_slice(),
-                    "rank {rank} step {step} param {p}"
-                );
-            }
+            assert_averaged(&ddp, 4, step);
         }
         Ok(())
     });
@@ -172,12 +187,7 @@ fn ranks_with_different_ready_orders_agree_and_rebuild_from_rank_0_with(overlap:
                 ddp.grad_ready(p, &grad(rank, step, p, LENS[p])).unwrap();
             }
             ddp.finish().unwrap();
-            for (p, &len) in LENS.iter().enumerate() {
-                assert_eq!(
-                    ddp.grad::<f32>(p).unwrap(),
-                    avg_grad(4, step, p, len).as_slice()
-                );
-            }
+            assert_averaged(&ddp, 4, step);
             layouts.push(ddp.bucket_params());
         }
         Ok(layouts)
@@ -527,11 +537,7 @@ fn gradients_computed_in_their_slots_match_grad_ready_and_accumulate() {
     // step: the second adds into what the first left.
     on_ranks(4, |comm| {
         let rank = comm.rank();
-        let overlap = if rank.is_multiple_of(2) {
-            Overlap::On
-        } else {
-            Overlap::Off
-        };
+        let overlap = even_ranks_overlap(rank);
         let mut ddp = new_ddp(
             comm,
             DdpConfig {
@@ -649,11 +655,7 @@ fn overlap_off_all_reduces_in_finish_and_ranks_may_differ() {
     // Ranks 0 and 2 overlap, 1 and 3 do not, each handing its gradients over in its own order.
     on_ranks(4, |comm| {
         let rank = comm.rank();
-        let overlap = if rank.is_multiple_of(2) {
-            Overlap::On
-        } else {
-            Overlap::Off
-        };
+        let overlap = even_ranks_overlap(rank);
         let cfg = DdpConfig {
             overlap,
             ..small_buckets()
@@ -680,13 +682,7 @@ fn overlap_off_all_reduces_in_finish_and_ranks_may_differ() {
                 }
             }
             assert_eq!(ddp.finish().unwrap(), Step::Synced { step: step as u64 });
-            for (p, &len) in LENS.iter().enumerate() {
-                assert_eq!(
-                    ddp.grad::<f32>(p).unwrap(),
-                    avg_grad(4, step, p, len).as_slice(),
-                    "rank {rank} step {step} param {p}"
-                );
-            }
+            assert_averaged(&ddp, 4, step);
         }
         Ok(())
     });
