@@ -45,8 +45,8 @@ pub enum Overlap {
     /// `Communicator::node_holds(2)`, the rule of `OXCCL_SOCKET_SEND_THREAD=auto`; agreed in
     /// the all-reduce `Ddp::new` makes anyway), and [`Overlap::Off`] otherwise: ranks bound a
     /// core each (`oxccl launch --bind core`) or more ranks than half the CPUs on some node.
-    /// It does not know about threads of the trainer's own (a backward pass that uses every
-    /// core): set `On` or `Off` there.
+    /// It counts one busy CPU per rank: where the trainer's backward pass uses more (threads of
+    /// its own) or fewer (it runs on a GPU and the CPU thread waits), set `On` or `Off`.
     #[default]
     Auto,
     /// A bucket's all-reduce starts as soon as its last gradient arrives, during backward
