@@ -7,6 +7,12 @@
 //! 25 MiB buckets. Each benchmark keeps one world of rank threads alive and times `iters`
 //! back-to-back calls on rank 0 (`iter_custom`). The target: sync within 1.1x the
 //! all-reduce (docs/PERF.md).
+//!
+//! Two more benchmarks feed the same gradients one by one, last first, with the default
+//! `DdpConfig` (`Overlap::Auto`): `grad_ready_25MiB_buckets` hands over each gradient (copied
+//! into its bucket) and `grad_slot_25MiB_buckets` writes each into its bucket slot
+//! (`Ddp::grad_slot`, filled with 1.0 where a backward pass would write its result, then
+//! `grad_ready_in_place`); both end with `finish()`.
 
 // criterion_group! generates an undocumented public function.
 #![allow(missing_docs)]
@@ -34,6 +40,10 @@ enum Op {
     AllReduce,
     /// `Ddp::sync` with `sync_in_place_bytes` set to this many bytes.
     Sync(usize),
+    /// `grad_ready` of every gradient, then `finish`.
+    GradReady,
+    /// Every gradient written into its slot (`grad_slot`, `grad_ready_in_place`), then `finish`.
+    GradSlot,
 }
 
 /// Rank threads over shared memory that run `iters` calls of `op` on command.
@@ -52,22 +62,40 @@ fn world(n: usize, op: Op) -> World {
         let cfg = DdpConfig {
             sync_in_place_bytes: match op {
                 Op::Sync(b) => b,
-                Op::AllReduce => usize::MAX,
+                Op::AllReduce | Op::GradReady | Op::GradSlot => usize::MAX,
             },
             ..DdpConfig::default()
         };
         let mut ddp = Ddp::new(c, &mut list, cfg).expect("ddp");
+        let n = lens.len();
         runner.serve(|| {
-            match op {
+            let step = |ddp: &mut Ddp<_>, grads: &[Vec<f32>]| -> oxccl::ddp::Result<()> {
+                for p in (0..n).rev() {
+                    if op == Op::GradReady {
+                        ddp.grad_ready(p, &grads[p])?;
+                    } else {
+                        ddp.grad_slot::<f32>(p)?.0.fill(1.0);
+                        ddp.grad_ready_in_place(p)?;
+                    }
+                }
+                ddp.finish().map(drop)
+            };
+            let r = match op {
                 Op::AllReduce => c.all_reduce(&mut flat, ReduceOp::Avg).map(drop),
-                Op::Sync(_) => ddp.sync(&mut grads).map(drop).map_err(|e| match e {
-                    oxccl::ddp::DdpError::Comm(e) => e,
-                    other => panic!("{other}"),
-                }),
-            }
-            .expect("operation");
+                Op::Sync(_) => ddp.sync(&mut grads).map(drop).map_err(comm_error),
+                Op::GradReady | Op::GradSlot => step(&mut ddp, &grads).map_err(comm_error),
+            };
+            r.expect("operation");
         });
     })
+}
+
+/// A DDP error that is the communicator's; anything else is a bug in the benchmark.
+fn comm_error(e: oxccl::ddp::DdpError) -> oxccl::comm::Error {
+    match e {
+        oxccl::ddp::DdpError::Comm(e) => e,
+        other => panic!("{other}"),
+    }
 }
 
 fn ddp_sync(c: &mut Criterion) {
@@ -82,6 +110,8 @@ fn ddp_sync(c: &mut Criterion) {
             (Op::AllReduce, "all_reduce"),
             (Op::Sync(1 << 20), "sync_25MiB_buckets"),
             (Op::Sync(4 << 20), "sync_25MiB_buckets_in_place_from_4MiB"),
+            (Op::GradReady, "grad_ready_25MiB_buckets"),
+            (Op::GradSlot, "grad_slot_25MiB_buckets"),
         ] {
             let world = world(n, op);
             g.bench_function(BenchmarkId::new(name, format!("{n}ranks")), |b| {
