@@ -538,14 +538,7 @@ fn gradients_computed_in_their_slots_match_grad_ready_and_accumulate() {
     on_ranks(4, |comm| {
         let rank = comm.rank();
         let overlap = even_ranks_overlap(rank);
-        let mut ddp = new_ddp(
-            comm,
-            DdpConfig {
-                overlap,
-                ..small_buckets()
-            },
-        )
-        .unwrap();
+        let mut ddp = new_ddp(comm, small(overlap)).unwrap();
         ddp.accumulate(2).unwrap();
         for step in 0..3 {
             for micro in 0..2 {
@@ -656,11 +649,7 @@ fn overlap_off_all_reduces_in_finish_and_ranks_may_differ() {
     on_ranks(4, |comm| {
         let rank = comm.rank();
         let overlap = even_ranks_overlap(rank);
-        let cfg = DdpConfig {
-            overlap,
-            ..small_buckets()
-        };
-        let mut ddp = new_ddp(comm, cfg).unwrap();
+        let mut ddp = new_ddp(comm, small(overlap)).unwrap();
         assert_eq!(ddp.overlaps(), overlap == Overlap::On);
         for step in 0..3 {
             for p in shuffled(LENS.len(), (rank * 10 + step) as u64) {
