@@ -20,7 +20,12 @@
 //! overlap could reach (the shorter of backward and the all-reduce hidden entirely) and how much
 //! of that it reached. It times DDP with overlap on and off (`DdpConfig::overlap`: off
 //! all-reduces in `finish()`, what `Overlap::Auto` picks on a node with fewer than 2 CPUs per
-//! rank), each with `grad_ready` and with the slots, and prints what `Auto` picks.
+//! rank), each with `grad_ready` and with the slots, and prints what `Auto` picks. Each mode's
+//! line splits its step into backward, the wait in `finish()` or `sync()` (the communication
+//! backward did not hide) and the rest (forward and the update). `--idle-backward-ms T` makes
+//! every backward pass also wait T ms with the CPU idle, as a trainer waits for an accelerator:
+//! it shows what overlap hides when the all-reduce does not compete with backward for a CPU
+//! (not issue 7's target, which is about this model's own compute).
 
 #[path = "mlp/mod.rs"]
 mod mlp;
@@ -99,6 +104,12 @@ struct Args {
     /// agrees; from 1 to 16 times `--batch`, at most 4096).
     #[arg(long)]
     balance: bool,
+    /// Milliseconds every backward pass also waits with the CPU idle, spread over the layers
+    /// (as a trainer waits for an accelerator that computes its backward): what an overlapped
+    /// all-reduce can hide without competing for a CPU. Not issue 7's target, which is the
+    /// model's own compute; 0 by default.
+    #[arg(long, default_value_t = 0.0)]
+    idle_backward_ms: f64,
 }
 
 fn median_ms(mut v: Vec<Duration>) -> f64 {
@@ -185,6 +196,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         output: args.output,
         batch: args.batch,
         lr: args.lr,
+        idle_backward: Duration::try_from_secs_f64(args.idle_backward_ms / 1e3)
+            .map_err(|e| format!("--idle-backward-ms {}: {e}", args.idle_backward_ms))?,
     };
     let cfg = DdpConfig {
         bucket_cap_bytes: (args.bucket_mib * (1 << 20) as f64) as usize,
@@ -202,11 +215,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if rank == 0 {
         println!(
             "# 02_ddp_mlp: {world} ranks, layers {}x{}, {params} parameters ({:.1} MiB of f32 \
-             gradients), batch {} per rank",
+             gradients), batch {} per rank{}",
             args.layers,
             args.hidden,
             (params * 4) as f64 / (1 << 20) as f64,
-            shape.batch
+            shape.batch,
+            if shape.idle_backward.is_zero() {
+                String::new()
+            } else {
+                format!(
+                    ", backward idle {:.2} ms",
+                    shape.idle_backward.as_secs_f64() * 1e3
+                )
+            }
         );
     }
 
@@ -223,8 +244,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         // What Overlap::Auto picks for these ranks (agreed across ranks, as `Ddp::new` does).
         let mut auto = [u8::from(comm.node_holds(2))];
         comm.all_reduce(&mut auto, ReduceOp::Min)?;
-        // One list per mode, and the backward passes of compute only last.
-        let mut times: Vec<Vec<Duration>> = vec![Vec::new(); modes.len() + 1];
+        // Per mode: step times, backward passes, and finish/sync calls.
+        let n = modes.len();
+        let mut times: Vec<Vec<Duration>> = vec![Vec::new(); 4 * n];
         for _ in 0..args.rounds {
             for (k, &(_, mode, overlap)) in modes.iter().enumerate() {
                 let cfg = DdpConfig {
@@ -233,10 +255,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 };
                 mlp::train_ddp(&comm, &shape, args.steps, mode, cfg, |step, _, _, r| {
                     if step > 0 {
-                        times[k].push(r.time); // step 0 warms up
-                        if mode == Mode::ComputeOnly {
-                            times[modes.len()].push(r.backward);
-                        }
+                        // Step 0 warms up.
+                        times[k].push(r.time);
+                        times[n + k].push(r.backward);
+                        times[2 * n + k].push(r.exposed);
+                        times[3 * n + k].push(r.time.saturating_sub(r.backward + r.exposed));
                     }
                     Ok(())
                 })?;
@@ -247,16 +270,25 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         comm.all_reduce(&mut med, ReduceOp::Max)?;
         if rank == 0 {
             println!(
-                "# median step time over {} rounds x {} steps (max over ranks)",
+                "# median step time over {} rounds x {} steps (max over ranks); of it, backward, \
+                 the wait in finish() or sync() (what backward did not hide), and the rest \
+                 (forward, update)",
                 args.rounds,
                 args.steps.saturating_sub(1)
             );
-            for ((name, _, _), ms) in modes.iter().zip(&med) {
-                println!("{name:>26}: {ms:8.2} ms");
+            for (k, (name, mode, _)) in modes.iter().enumerate() {
+                print!("{name:>26}: {:8.2} ms", med[k]);
+                if *mode != Mode::CommOnly {
+                    print!("   backward {:7.2} ms", med[n + k]);
+                }
+                if *mode != Mode::ComputeOnly {
+                    print!("   finish/sync {:7.2} ms", med[2 * n + k]);
+                }
+                print!("   rest {:7.2} ms", med[3 * n + k]); // forward, update
+                println!();
             }
-            let (comm_ms, after, overlap, off, bwd) = (med[1], med[2], med[3], med[4], med[7]);
+            let (comm_ms, after, overlap, off, bwd) = (med[1], med[2], med[3], med[4], med[n]);
             let (in_place, in_place_off) = (med[5], med[6]);
-            println!("{:>26}: {bwd:8.2} ms", "backward (of compute only)");
             // Overlap can hide at most the shorter of backward and the all-reduce.
             let hideable = bwd.min(comm_ms);
             if after > 0.0 && hideable > 0.0 {
@@ -290,6 +322,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     (after - hideable) / after,
                     100.0 * (after - overlap) / hideable
                 );
+                // What each step still waits for after backward: the whole all-reduce after
+                // `sync`, what overlap left of it in `finish()` (the backward column says what
+                // overlapping cost backward instead).
+                let (sync_ms, fin, fin_in_place) = (med[2 * n + 2], med[2 * n + 3], med[2 * n + 5]);
+                if sync_ms > 0.0 {
+                    println!(
+                        "# left after backward: sync {sync_ms:.2} ms; overlapping, finish() {fin:.2} \
+                         ms ({:.0} % of sync), in place {fin_in_place:.2} ms ({:.0} %)",
+                        100.0 * fin / sync_ms,
+                        100.0 * fin_in_place / sync_ms
+                    );
+                }
             } else {
                 println!("# no ratios: no step was timed (--steps 2 or more, --rounds 1 or more)");
             }

@@ -3,7 +3,8 @@
 //! rank's parameters bit-identical after every step. Once with ranks as threads (every way of
 //! feeding gradients: `grad_ready`, computed in the bucket slots, each with overlap on and off,
 //! and `sync`), once with ranks as processes started by `oxccl launch` (each rank a different one
-//! of the four `grad_ready` and slot ways: ranks may differ).
+//! of the four `grad_ready` and slot ways, two of them waiting in backward as
+//! `--idle-backward-ms` does: ranks may differ).
 //!
 //! The process ranks are this test binary: `rank_entry` does nothing in a normal run and trains
 //! when `OXCCL_TEST_DDP` is set.
@@ -13,6 +14,8 @@
 mod mlp;
 
 mod common;
+
+use std::time::Duration;
 
 use mlp::{Mode, Shape};
 use oxccl::comm::harness::spawn_world;
@@ -34,14 +37,20 @@ fn cfg(overlap: Overlap) -> DdpConfig {
 }
 
 /// Trains with DDP on `comm`; after every step checks the model against the reference and the
-/// replicas against each other. Returns the worst relative difference.
+/// replicas against each other. Returns the worst relative difference. `idle` is
+/// `Shape::idle_backward`: backward's waits, which change when gradients arrive, not what they
+/// are.
 fn train_and_check(
     comm: &Communicator,
     mode: Mode,
     overlap: Overlap,
+    idle: Duration,
     reference: &[mlp::Mlp],
 ) -> Result<f32, String> {
-    let shape = Shape::default();
+    let shape = Shape {
+        idle_backward: idle,
+        ..Shape::default()
+    };
     let mut worst = 0.0f32;
     mlp::train_ddp(
         comm,
@@ -88,7 +97,13 @@ fn ddp_matches_one_process_on_the_concatenated_batch_threads() {
         (Mode::After, Overlap::Auto),
     ] {
         let out = spawn_world(WORLD, Config::default(), |comm| {
-            Ok(train_and_check(&comm, mode, overlap, &reference))
+            Ok(train_and_check(
+                &comm,
+                mode,
+                overlap,
+                Duration::ZERO,
+                &reference,
+            ))
         });
         for r in out {
             let worst = r.unwrap().unwrap();
@@ -117,7 +132,10 @@ fn rank_entry() {
     } else {
         Mode::InPlace
     };
-    match train_and_check(&comm, mode, overlap, &reference) {
+    // Ranks 2 and 3 also wait 2 ms in every backward pass (`--idle-backward-ms`), so their
+    // gradients come late.
+    let idle = Duration::from_millis(if comm.rank() % 4 < 2 { 0 } else { 2 });
+    match train_and_check(&comm, mode, overlap, idle, &reference) {
         Ok(worst) => println!("RESULT rank={} ok worst={worst:e}", comm.rank()),
         Err(e) => {
             println!("RESULT rank={} FAILED {e}", comm.rank());

@@ -3,12 +3,13 @@
 //! initial broadcast, and errors for bad input.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use oxccl_comm::harness::{spawn_world, spawn_world_with};
-use oxccl_comm::{Communicator, Config, ReduceOp};
+use oxccl_comm::{Communicator, Config, ReduceOp, Work};
 use oxccl_ddp::{
     CommHook, CompressHook, Ddp, DdpConfig, DdpError, FlatBuffer, GradBucket, HookWork, Overlap,
-    Param, Step, TensorMut,
+    Param, Step, TensorMut, Typed,
 };
 use oxccl_kernels::bf16;
 
@@ -675,6 +676,72 @@ fn overlap_off_all_reduces_in_finish_and_ranks_may_differ() {
         }
         Ok(())
     });
+}
+
+/// The default hook's all-reduce (average, f32 buckets), each bucket's operation also kept
+/// where the test can ask whether it is done before `finish()` waits for it.
+type Watched = Arc<std::sync::Mutex<Option<Work<Typed<f32>>>>>;
+
+struct WatchHook(Arc<std::sync::Mutex<Vec<Watched>>>);
+
+impl CommHook for WatchHook {
+    fn name(&self) -> &str {
+        "watched all_reduce_avg"
+    }
+    fn start(&mut self, comm: &Communicator, bucket: GradBucket) -> HookWork {
+        let t = bucket.buffer.into_typed::<f32>().expect("f32 buckets");
+        let work: Watched = Arc::new(std::sync::Mutex::new(Some(
+            comm.all_reduce_async(t, ReduceOp::Avg),
+        )));
+        self.0.lock().unwrap().push(work.clone());
+        HookWork::new(move || {
+            let w = work.lock().unwrap().take().expect("waited once");
+            Ok(w.wait()?.into_inner())
+        })
+    }
+}
+
+#[test]
+fn overlap_on_reduces_buckets_in_the_background_before_finish() {
+    // What overlap is for: with `On`, a bucket's all-reduce is carried out by the progress
+    // thread while the trainer goes on (here it only polls), so every bucket is done before
+    // `finish()` is called; with `Off`, none is even started by then.
+    for overlap in [Overlap::On, Overlap::Off] {
+        on_ranks(4, |comm| {
+            let rank = comm.rank();
+            let started = Arc::new(std::sync::Mutex::new(Vec::new()));
+            let mut ddp = new_ddp(comm, small(overlap)).unwrap();
+            ddp.set_comm_hook(WatchHook(started.clone())).unwrap();
+            for step in 0..3 {
+                started.lock().unwrap().clear();
+                for p in shuffled(LENS.len(), (rank * 10 + step) as u64) {
+                    ddp.grad_ready(p, &grad(rank, step, p, LENS[p])).unwrap();
+                }
+                let works: Vec<Watched> = started.lock().unwrap().clone();
+                if overlap == Overlap::Off {
+                    assert!(works.is_empty(), "rank {rank}: launched before finish()");
+                } else {
+                    assert_eq!(works.len(), ddp.bucket_params().len(), "rank {rank}");
+                    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+                    let mut waiting: Vec<_> = (0..works.len()).collect();
+                    while !waiting.is_empty() {
+                        waiting.retain(|&b| {
+                            !works[b].lock().unwrap().as_ref().is_some_and(Work::is_done)
+                        });
+                        assert!(
+                            std::time::Instant::now() < deadline,
+                            "rank {rank} step {step}: buckets {waiting:?} not reduced in the \
+                             background"
+                        );
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                }
+                assert_eq!(ddp.finish().unwrap(), Step::Synced { step: step as u64 });
+                assert_averaged(&ddp, 4, step);
+            }
+            Ok(())
+        });
+    }
 }
 
 #[test]

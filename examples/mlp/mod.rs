@@ -27,6 +27,11 @@ pub struct Shape {
     pub batch: usize,
     /// SGD learning rate.
     pub lr: f32,
+    /// Time every backward pass also waits with the CPU idle, spread over the layers in
+    /// proportion to their work (as a trainer whose backward runs on an accelerator waits for
+    /// it): compute an overlapped all-reduce can hide without competing for a CPU. Zero by
+    /// default.
+    pub idle_backward: Duration,
 }
 
 impl Default for Shape {
@@ -38,6 +43,7 @@ impl Default for Shape {
             output: 4,
             batch: 16,
             lr: 0.2,
+            idle_backward: Duration::ZERO,
         }
     }
 }
@@ -138,16 +144,28 @@ impl Mlp {
 
     /// Backward for the loss `sum over samples of 0.5 |y - t|^2 / norm`: computes every
     /// parameter's gradient into `sink.slot(p)`, last layer first, and calls `sink.ready(p)` as
-    /// soon as it is done; returns the loss.
+    /// soon as it is done; returns the loss. `idle` is [`Shape::idle_backward`]: each layer's
+    /// weight gradient and the gradient passed down through its weights (none below the first
+    /// layer) each wait their share of it, in proportion to the weight's size.
     pub fn backward(
         &self,
         acts: &[Vec<f32>],
         targets: &[f32],
         batch: usize,
         norm: f32,
+        idle: Duration,
         sink: &mut impl GradSink,
     ) -> f32 {
         let layers = self.dims.len() - 1;
+        let weight = |l: usize| (self.dims[l] * self.dims[l + 1]) as f64;
+        let units: f64 = (0..layers)
+            .map(|l| weight(l) * if l > 0 { 2.0 } else { 1.0 })
+            .sum();
+        let wait = |l: usize| {
+            if !idle.is_zero() && units > 0.0 {
+                std::thread::sleep(idle.mul_f64(weight(l) / units));
+            }
+        };
         let y = &acts[layers];
         let mut loss = 0.0f32;
         // d loss / d y.
@@ -171,6 +189,7 @@ impl Mlp {
                     axpy(row, dy[s * n_out + o], &x[s * n_in..(s + 1) * n_in]);
                 }
             }
+            wait(l);
             sink.ready(2 * l);
             let gb = sink.slot(2 * l + 1, n_out);
             for (o, g) in gb.iter_mut().enumerate() {
@@ -193,6 +212,7 @@ impl Mlp {
                 for (d, &a) in dx.iter_mut().zip(x.iter()) {
                     *d *= 1.0 - a * a;
                 }
+                wait(l);
                 dy = dx;
             }
         }
@@ -339,6 +359,9 @@ pub struct StepReport {
     /// Wall time of the backward pass alone (with DDP's `grad_ready` calls in overlap mode;
     /// zero with communication only).
     pub backward: Duration,
+    /// Wall time of `Ddp::finish` or `Ddp::sync`: the communication backward did not hide
+    /// (zero with compute only).
+    pub exposed: Duration,
 }
 
 /// Trains with DDP for `steps` steps: rank r starts from seed r (rank 0's weights are broadcast)
@@ -384,7 +407,14 @@ pub fn train_ddp<C: std::borrow::Borrow<Communicator>>(
                             failed = ddp.grad_ready(p, g).err();
                         }
                     });
-                    loss = model.backward(&acts, &t, shape.batch, norm, &mut sink);
+                    loss = model.backward(
+                        &acts,
+                        &t,
+                        shape.batch,
+                        norm,
+                        shape.idle_backward,
+                        &mut sink,
+                    );
                     if let Some(e) = failed {
                         return Err(e.into());
                     }
@@ -396,27 +426,46 @@ pub fn train_ddp<C: std::borrow::Borrow<Communicator>>(
                         scratch: Vec::new(),
                         failed: None,
                     };
-                    loss = model.backward(&acts, &t, shape.batch, norm, &mut sink);
+                    loss = model.backward(
+                        &acts,
+                        &t,
+                        shape.batch,
+                        norm,
+                        shape.idle_backward,
+                        &mut sink,
+                    );
                     if let Some(e) = sink.failed {
                         return Err(e.into());
                     }
                 }
                 Mode::After | Mode::ComputeOnly | Mode::CommOnly => {
-                    loss = model.backward(&acts, &t, shape.batch, norm, &mut grads);
+                    loss = model.backward(
+                        &acts,
+                        &t,
+                        shape.batch,
+                        norm,
+                        shape.idle_backward,
+                        &mut grads,
+                    );
                 }
             }
             backward = bwd.elapsed();
         }
+        let mut exposed = Duration::ZERO;
         match mode {
             Mode::Overlap | Mode::InPlace => {
+                let t = Instant::now();
                 ddp.finish()?;
+                exposed = t.elapsed();
                 for p in 0..model.params.len() {
                     model.sgd(p, ddp.grad::<f32>(p)?, shape.lr);
                 }
             }
             Mode::After | Mode::ComputeOnly | Mode::CommOnly => {
                 if mode != Mode::ComputeOnly {
+                    let t = Instant::now();
                     ddp.sync(&mut grads)?;
+                    exposed = t.elapsed();
                 }
                 if mode != Mode::CommOnly {
                     for (p, g) in grads.iter().enumerate() {
@@ -430,6 +479,7 @@ pub fn train_ddp<C: std::borrow::Borrow<Communicator>>(
             loss,
             time,
             backward,
+            exposed,
         };
         each(step, &model, &ddp, report)?;
     }
@@ -446,7 +496,7 @@ pub fn train_reference(shape: &Shape, world: usize, steps: usize) -> Vec<Mlp> {
         let (x, t) = samples(shape, step * global, global);
         let acts = model.forward(&x, global);
         let mut grads = vec![Vec::new(); model.params.len()];
-        model.backward(&acts, &t, global, global as f32, &mut grads);
+        model.backward(&acts, &t, global, global as f32, Duration::ZERO, &mut grads);
         for (p, g) in grads.iter().enumerate() {
             model.sgd(p, g, shape.lr);
         }
