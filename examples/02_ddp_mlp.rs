@@ -284,7 +284,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 if *mode != Mode::ComputeOnly {
                     print!("   finish/sync {:7.2} ms", med[2 * n + k]);
                 }
-                print!("   rest {:7.2} ms", med[3 * n + k]); // forward, update
+                if *mode != Mode::CommOnly {
+                    print!("   rest {:7.2} ms", med[3 * n + k]); // forward, update
+                }
                 println!();
             }
             let (comm_ms, after, overlap, off, bwd) = (med[1], med[2], med[3], med[4], med[n]);

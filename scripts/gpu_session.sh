@@ -9,7 +9,7 @@
 # scripts/netns_tools.sh here:
 #   run(carry=["target/gpu-bin", ".netns-tools"], timeout_s=480,
 #       command="NETNS_TOOLS=.netns-tools scripts/gpu_session.sh")
-# PHASES (default "chbind ddpshape waitkernel channels threads cold tcpdev netns cpu mps kernels
+# PHASES (default "ddpshape chbind waitkernel channels threads cold tcpdev netns cpu mps kernels
 # nccl") picks and orders the phases:
 #   chbind   TCP channels on loopback by binding (--bind block / core), 1, 4 and auto channels, and
 #            gloo;
@@ -33,7 +33,8 @@
 #            ranks on loopback 1 MiB..64 MiB, then gloo at 64 MiB; and 2 namespaces x 2 ranks,
 #            hierarchical and flat ring with it;
 #   ddpshape the DDP overlap by model shape (hidden x layers 768 x 8, 512 x 16), batch 4 and
-#            --balance, 2 MiB buckets, --bind none and block, DDP_REPS (3) times;
+#            --balance, 2 MiB buckets, --bind none and block, DDP_REPS (3) times; then one traced
+#            run (oxccl trace --last: each bucket's all-reduce on the ranks' time line);
 #   ddpsize  the DDP overlap at batch 1 and 2 (1024 x 4, 768 x 8);
 #   chdiag   CPU time of 2 ranks on loopback by channels and sockets, and hierarchical against
 #            ring between namespaces with 4 channels;
@@ -68,7 +69,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bin=${BIN:-target/gpu-bin}
 budget=${BUDGET:-420}
-phases=${PHASES:-chbind ddpshape waitkernel channels threads cold tcpdev netns cpu mps kernels nccl}
+phases=${PHASES:-ddpshape chbind waitkernel channels threads cold tcpdev netns cpu mps kernels nccl}
 out=${OUT:-/tmp}
 exec > >(tee -a "$out/session.log") 2>&1
 tee_pid=$!
@@ -257,6 +258,12 @@ for phase in $phases; do
                 done
             done
         done
+        # One step's buckets on the ranks' time line: when each all-reduce started and how long
+        # it ran beside backward (gradients in their slots, overlap on, 768 x 8, --bind block).
+        rm -rf /tmp/ddptrace
+        step 30 "$bin/oxccl" launch -n 4 --bind block --trace-dir /tmp/ddptrace -- "$bin/02_ddp_mlp" \
+            --mode in-place --overlap on --hidden 768 --layers 8 --batch 4 --steps 10 --bucket-mib 2 2>&1 | tail -2
+        step 20 "$bin/oxccl" trace --last 20 /tmp/ddptrace 2>&1 | tail -88 | cut -c1-160
         ;;
     ddpspin)
         # DDP overlap at its best setting so far (batch 4, 2 MiB buckets: 0.760 on 16 cores),

@@ -46,7 +46,8 @@ pub enum Overlap {
     /// the all-reduce `Ddp::new` makes anyway), and [`Overlap::Off`] otherwise: ranks bound a
     /// core each (`oxccl launch --bind core`) or more ranks than half the CPUs on some node.
     /// It counts one busy CPU per rank: where the trainer's backward pass uses more (threads of
-    /// its own) or fewer (it runs on a GPU and the CPU thread waits), set `On` or `Off`.
+    /// its own) or fewer (it runs on a GPU and the CPU thread waits: docs/PERF.md, "Where the
+    /// step goes"), set `Off` or `On`.
     #[default]
     Auto,
     /// A bucket's all-reduce starts as soon as its last gradient arrives, during backward

@@ -5,12 +5,14 @@
 //! ```text
 //! OXCCL_TRACE_DIR=/tmp/trace oxccl launch -n 4 -- ./train     # or: oxccl launch --trace-dir /tmp/trace
 //! oxccl trace /tmp/trace
+//! oxccl trace --last 12 /tmp/trace     # and every rank's last 12 operations, on one time line
 //! ```
 //!
 //! The reading itself ([`analyze`]) is a pure function of the dumps, tested without processes.
 
 mod analyze;
 mod text;
+mod timeline;
 
 use std::path::{Path, PathBuf};
 
@@ -18,6 +20,7 @@ use clap::Args;
 use oxccl_comm::TraceDump;
 
 pub use analyze::analyze;
+pub use timeline::timeline;
 
 /// `oxccl trace` arguments.
 #[derive(Debug, Args)]
@@ -29,6 +32,11 @@ pub struct TraceArgs {
     /// Only communicators whose id contains this text.
     #[arg(long, value_name = "TEXT")]
     pub comm: Option<String>,
+
+    /// After the reading, list the last N operations of every rank on one time line per
+    /// communicator: when each started (after the earliest listed) and how long it took.
+    #[arg(long, value_name = "N")]
+    pub last: Option<usize>,
 }
 
 /// Reads every flight record under `paths` (directories: their `*.json` files; files: as they
@@ -98,8 +106,11 @@ pub fn run(args: TraceArgs) -> u8 {
         );
         return 2;
     }
-    let _ = std::io::stdout()
-        .lock()
-        .write_all(analyze(&dumps).as_bytes());
+    let mut text = analyze(&dumps);
+    if let Some(n) = args.last {
+        text.push('\n');
+        text.push_str(&timeline(&dumps, n));
+    }
+    let _ = std::io::stdout().lock().write_all(text.as_bytes());
     0
 }
