@@ -154,7 +154,7 @@ impl Mlp {
         batch: usize,
         norm: f32,
         idle: Duration,
-        sink: &mut impl GradSink,
+        sink: &mut dyn GradSink,
     ) -> f32 {
         let layers = self.dims.len() - 1;
         let weight = |l: usize| (self.dims[l] * self.dims[l + 1]) as f64;
@@ -398,6 +398,9 @@ pub fn train_ddp<C: std::borrow::Borrow<Communicator>>(
         if mode != Mode::CommOnly {
             let acts = model.forward(&x, shape.batch);
             let norm = shape.batch as f32;
+            let backward_into = |sink: &mut dyn GradSink| {
+                model.backward(&acts, &t, shape.batch, norm, shape.idle_backward, sink)
+            };
             let bwd = Instant::now();
             match mode {
                 Mode::Overlap => {
@@ -407,14 +410,7 @@ pub fn train_ddp<C: std::borrow::Borrow<Communicator>>(
                             failed = ddp.grad_ready(p, g).err();
                         }
                     });
-                    loss = model.backward(
-                        &acts,
-                        &t,
-                        shape.batch,
-                        norm,
-                        shape.idle_backward,
-                        &mut sink,
-                    );
+                    loss = backward_into(&mut sink);
                     if let Some(e) = failed {
                         return Err(e.into());
                     }
@@ -426,27 +422,13 @@ pub fn train_ddp<C: std::borrow::Borrow<Communicator>>(
                         scratch: Vec::new(),
                         failed: None,
                     };
-                    loss = model.backward(
-                        &acts,
-                        &t,
-                        shape.batch,
-                        norm,
-                        shape.idle_backward,
-                        &mut sink,
-                    );
+                    loss = backward_into(&mut sink);
                     if let Some(e) = sink.failed {
                         return Err(e.into());
                     }
                 }
                 Mode::After | Mode::ComputeOnly | Mode::CommOnly => {
-                    loss = model.backward(
-                        &acts,
-                        &t,
-                        shape.batch,
-                        norm,
-                        shape.idle_backward,
-                        &mut grads,
-                    );
+                    loss = backward_into(&mut grads);
                 }
             }
             backward = bwd.elapsed();

@@ -23,8 +23,9 @@ use super::text::{bytes, cause, dur, ranks, short, state};
 /// Most lines a list of ranks or operations gets in a section (the rest are counted).
 const LINES_MAX: usize = 16;
 
-/// Reads the dumps of every communicator in them; one section each, in id order.
-pub fn analyze(dumps: &[TraceDump]) -> String {
+/// Every communicator's dumps (in id order), one per rank (in order): of several dumps of one
+/// rank (a failure, then the close), the latest, which says the most.
+pub(super) fn latest_by_comm(dumps: &[TraceDump]) -> BTreeMap<&str, BTreeMap<usize, &TraceDump>> {
     let mut by_comm: BTreeMap<&str, BTreeMap<usize, &TraceDump>> = BTreeMap::new();
     for d in dumps {
         let slot = by_comm
@@ -32,13 +33,17 @@ pub fn analyze(dumps: &[TraceDump]) -> String {
             .or_default()
             .entry(d.rank)
             .or_insert(d);
-        // Several dumps of one rank (a failure, then the close): the latest says the most.
         if d.dumped_unix_ns > slot.dumped_unix_ns {
             *slot = d;
         }
     }
+    by_comm
+}
+
+/// Reads the dumps of every communicator in them; one section each, in id order.
+pub fn analyze(dumps: &[TraceDump]) -> String {
     let mut out = String::new();
-    for (comm, ranks) in by_comm {
+    for (comm, ranks) in latest_by_comm(dumps) {
         let ranked: Vec<&TraceDump> = ranks.into_values().collect();
         section(&mut out, comm, &ranked);
     }

@@ -2,31 +2,19 @@
 //! shared by the ranks of a communicator: when each started and how long it took. For a DDP
 //! step, when each bucket's all-reduce started and how long it ran beside backward.
 
-use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use oxccl_comm::TraceDump;
 
+use super::analyze::latest_by_comm;
 use super::text::{bytes, state};
 
 /// The last `n` records of every rank, communicator by communicator (in id order, ranks in
-/// order). Starts are given after the earliest start listed for the communicator; a start the
+/// order; of several dumps of a rank, the latest). Starts are given after the earliest start listed for the communicator; a start the
 /// coarse clock read (small operations between ranks that share memory) is marked `~`.
 pub fn timeline(dumps: &[TraceDump], n: usize) -> String {
-    let mut by_comm: BTreeMap<&str, BTreeMap<usize, &TraceDump>> = BTreeMap::new();
-    for d in dumps {
-        let slot = by_comm
-            .entry(&d.comm)
-            .or_default()
-            .entry(d.rank)
-            .or_insert(d);
-        // Several dumps of one rank (a failure, then the close): the latest holds the most.
-        if d.dumped_unix_ns > slot.dumped_unix_ns {
-            *slot = d;
-        }
-    }
     let mut out = String::new();
-    for (comm, ranks) in by_comm {
+    for (comm, ranks) in latest_by_comm(dumps) {
         fn tail(d: &TraceDump, n: usize) -> &[oxccl_comm::TraceRecord] {
             &d.records[d.records.len().saturating_sub(n)..]
         }
