@@ -33,7 +33,7 @@
 #            ranks on loopback 1 MiB..64 MiB, then gloo at 64 MiB; and 2 namespaces x 2 ranks,
 #            hierarchical and flat ring with it;
 #   ddpshape the DDP overlap by model shape (hidden x layers 768 x 8, 512 x 16), batch 4 and
-#            --balance, 2 MiB buckets, --bind none and block, DDP_REPS (3) times; then one traced
+#            --balance, 2 MiB buckets, --bind none and block, DDP_REPS (3) times, after one traced
 #            run (oxccl trace --last: each bucket's all-reduce on the ranks' time line);
 #   ddpsize  the DDP overlap at batch 1 and 2 (1024 x 4, 768 x 8);
 #   chdiag   CPU time of 2 ranks on loopback by channels and sockets, and hierarchical against
@@ -84,7 +84,7 @@ export OXCCL_REQUIRE_GPU=1 OXCCL_CACHE_DIR=/tmp/oxccl-cache OXCCL_TIMEOUT=20 RUS
 # Each phase may use at most its share (seconds from its start), and no step runs past the budget.
 declare -A share=([threads]=120 [kernels]=80 [mps]=140 [nccl]=30 [cpu]=70 [netns]=110 [cold]=110
     [tune]=200 [ddp]=120 [tcp]=120 [defaults]=120 [flake]=${FLAKE_SHARE:-100} [ddp2]=90 [tcp2]=90 [coldperf]=100 [tcpdev]=80 [sendthread]=100
-    [ddpspin]=100 [ddpshape]=150 [channels]=110 [waitkernel]=120 [waitquick]=70 [chbind]=110 [ddpsize]=90
+    [ddpspin]=100 [ddpshape]=240 [channels]=110 [waitkernel]=120 [waitquick]=70 [chbind]=110 [ddpsize]=90
     [chdiag]=70)
 phase_end=$budget
 # step LIMIT CMD...: runs CMD for at most LIMIT seconds, never past the phase's share or the budget.
@@ -245,6 +245,13 @@ for phase in $phases; do
         # ratio possible and how much of it was reached). Each rank unbound, or on its own
         # block of 4 CPUs (--bind block). Interleaved, DDP_REPS times. Since 2026-11-27 every
         # run also times overlap off and the gradients computed in their bucket slots.
+        # First, the last steps' buckets on the ranks' time line: when each all-reduce started
+        # and how long it ran beside backward (gradients in their slots, overlap on, 768 x 8,
+        # --bind block).
+        rm -rf /tmp/ddptrace
+        step 30 "$bin/oxccl" launch -n 4 --bind block --trace-dir /tmp/ddptrace -- "$bin/02_ddp_mlp" \
+            --mode in-place --overlap on --hidden 768 --layers 8 --batch 4 --steps 10 --bucket-mib 2 2>&1 | tail -2
+        step 20 "$bin/oxccl" trace --last 20 /tmp/ddptrace 2>&1 | tail -88 | cut -c1-160
         for rep in $(seq "${DDP_REPS:-3}"); do
             for shape in "768 8" "512 16"; do
                 for bind in none block; do
@@ -258,12 +265,6 @@ for phase in $phases; do
                 done
             done
         done
-        # One step's buckets on the ranks' time line: when each all-reduce started and how long
-        # it ran beside backward (gradients in their slots, overlap on, 768 x 8, --bind block).
-        rm -rf /tmp/ddptrace
-        step 30 "$bin/oxccl" launch -n 4 --bind block --trace-dir /tmp/ddptrace -- "$bin/02_ddp_mlp" \
-            --mode in-place --overlap on --hidden 768 --layers 8 --batch 4 --steps 10 --bucket-mib 2 2>&1 | tail -2
-        step 20 "$bin/oxccl" trace --last 20 /tmp/ddptrace 2>&1 | tail -88 | cut -c1-160
         ;;
     ddpspin)
         # DDP overlap at its best setting so far (batch 4, 2 MiB buckets: 0.760 on 16 cores),

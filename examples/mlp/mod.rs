@@ -161,9 +161,15 @@ impl Mlp {
         let units: f64 = (0..layers)
             .map(|l| weight(l) * if l > 0 { 2.0 } else { 1.0 })
             .sum();
-        let wait = |l: usize| {
+        // Each wait sleeps its share plus what was due before and not slept yet, less what
+        // earlier sleeps overshot: the waits add up to `idle`, give or take the last overshoot.
+        let (mut due, mut slept) = (0.0f64, Duration::ZERO);
+        let mut wait = |l: usize| {
             if !idle.is_zero() && units > 0.0 {
-                std::thread::sleep(idle.mul_f64(weight(l) / units));
+                due += weight(l) / units;
+                let t = Instant::now();
+                std::thread::sleep(idle.mul_f64(due.min(1.0)).saturating_sub(slept));
+                slept += t.elapsed();
             }
         };
         let y = &acts[layers];

@@ -35,8 +35,8 @@ pub struct TraceArgs {
 
     /// After the reading, list the last N operations of every rank on one time line per
     /// communicator: when each started (after the earliest listed) and how long it took.
-    #[arg(long, value_name = "N")]
-    pub last: Option<usize>,
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub last: Option<u32>,
 }
 
 /// Reads every flight record under `paths` (directories: their `*.json` files; files: as they
@@ -109,7 +109,7 @@ pub fn run(args: TraceArgs) -> u8 {
     let mut text = analyze(&dumps);
     if let Some(n) = args.last {
         text.push('\n');
-        text.push_str(&timeline(&dumps, n));
+        text.push_str(&timeline(&dumps, n as usize));
     }
     let _ = std::io::stdout().lock().write_all(text.as_bytes());
     0

@@ -10,8 +10,9 @@ use super::analyze::latest_by_comm;
 use super::text::{bytes, state};
 
 /// The last `n` records of every rank, communicator by communicator (in id order, ranks in
-/// order; of several dumps of a rank, the latest). Starts are given after the earliest start listed for the communicator; a start the
-/// coarse clock read (small operations between ranks that share memory) is marked `~`.
+/// order; of several dumps of a rank, the latest). Starts are given after the earliest start
+/// listed for the communicator; a start the coarse clock read (small operations between ranks
+/// that share memory) is marked `~`.
 pub fn timeline(dumps: &[TraceDump], n: usize) -> String {
     let mut out = String::new();
     for (comm, ranks) in latest_by_comm(dumps) {
