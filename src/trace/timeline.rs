@@ -4,10 +4,15 @@
 
 use std::fmt::Write as _;
 
-use oxccl_comm::TraceDump;
+use oxccl_comm::{TraceDump, TraceRecord};
 
 use super::analyze::latest_by_comm;
 use super::text::{bytes, state};
+
+/// A rank's last `n` records.
+fn tail(d: &TraceDump, n: usize) -> &[TraceRecord] {
+    &d.records[d.records.len().saturating_sub(n)..]
+}
 
 /// The last `n` records of every rank, communicator by communicator (in id order, ranks in
 /// order; of several dumps of a rank, the latest). Starts are given after the earliest start
@@ -16,9 +21,6 @@ use super::text::{bytes, state};
 pub fn timeline(dumps: &[TraceDump], n: usize) -> String {
     let mut out = String::new();
     for (comm, ranks) in latest_by_comm(dumps) {
-        fn tail(d: &TraceDump, n: usize) -> &[oxccl_comm::TraceRecord] {
-            &d.records[d.records.len().saturating_sub(n)..]
-        }
         let Some(t0) = ranks
             .values()
             .flat_map(|d| tail(d, n).iter().map(|r| r.start_unix_ns))
@@ -57,7 +59,7 @@ pub fn timeline(dumps: &[TraceDump], n: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use oxccl_comm::{TraceRecord, TraceState};
+    use oxccl_comm::TraceState;
 
     const MS: u64 = 1_000_000;
 
