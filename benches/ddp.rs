@@ -13,6 +13,11 @@
 //! into its bucket) and `grad_slot_25MiB_buckets` writes each into its bucket slot
 //! (`Ddp::grad_slot`, filled with 1.0 where a backward pass would write its result, then
 //! `grad_ready_in_place`); both end with `finish()`.
+//!
+//! `sync_25MiB_buckets_uneven_inputs` is `sync_25MiB_buckets` with
+//! `DdpConfig::uneven_inputs` set (every rank training): what the flag all-reduce each step
+//! costs. The `ddp/1MiB` group times the same three on a small model (16 gradients of 64 KiB,
+//! packed into buckets), where that flag is a larger share of the step.
 
 // criterion_group! generates an undocumented public function.
 #![allow(missing_docs)]
@@ -25,10 +30,10 @@ use common::World;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use oxccl::comm::config::TransportChoice;
 use oxccl::comm::ReduceOp;
-use oxccl::ddp::{Ddp, DdpConfig, Param};
+use oxccl::ddp::{Ddp, DdpConfig, Param, UnevenInputs};
 
 /// Parameter lengths (f32 elements) of the 100 MiB model.
-fn lens() -> Vec<usize> {
+fn lens_100mib() -> Vec<usize> {
     let mut v = vec![4 << 20; 4];
     v.extend(std::iter::repeat_n(512 << 10, 16));
     v.extend(std::iter::repeat_n(16 << 10, 64));
@@ -40,16 +45,18 @@ enum Op {
     AllReduce,
     /// `Ddp::sync` with `sync_in_place_bytes` set to this many bytes.
     Sync(usize),
+    /// As `Sync(1 MiB)` with `uneven_inputs` set: one more small all-reduce per step.
+    SyncUneven,
     /// `grad_ready` of every gradient, then `finish`.
     GradReady,
     /// Every gradient written into its slot (`grad_slot`, `grad_ready_in_place`), then `finish`.
     GradSlot,
 }
 
-/// Rank threads over shared memory that run `iters` calls of `op` on command.
-fn world(n: usize, op: Op) -> World {
+/// Rank threads over shared memory that run `iters` calls of `op` on gradients of `lens`
+/// elements on command.
+fn world(n: usize, op: Op, lens: Vec<usize>) -> World {
     World::new(n, TransportChoice::Shm, move |c, runner| {
-        let lens = lens();
         let total: usize = lens.iter().sum();
         let mut flat = vec![1.0f32; total];
         let mut grads: Vec<Vec<f32>> = lens.iter().map(|&l| vec![1.0f32; l]).collect();
@@ -62,7 +69,13 @@ fn world(n: usize, op: Op) -> World {
         let cfg = DdpConfig {
             sync_in_place_bytes: match op {
                 Op::Sync(b) => b,
+                Op::SyncUneven => 1 << 20,
                 Op::AllReduce | Op::GradReady | Op::GradSlot => usize::MAX,
+            },
+            uneven_inputs: if op == Op::SyncUneven {
+                UnevenInputs::DivideByWorldSize
+            } else {
+                UnevenInputs::Off
             },
             ..DdpConfig::default()
         };
@@ -82,7 +95,7 @@ fn world(n: usize, op: Op) -> World {
             };
             let r = match op {
                 Op::AllReduce => c.all_reduce(&mut flat, ReduceOp::Avg).map(drop),
-                Op::Sync(_) => ddp.sync(&mut grads).map(drop).map_err(comm_error),
+                Op::Sync(_) | Op::SyncUneven => ddp.sync(&mut grads).map(drop).map_err(comm_error),
                 Op::GradReady | Op::GradSlot => step(&mut ddp, &grads).map_err(comm_error),
             };
             r.expect("operation");
@@ -99,7 +112,7 @@ fn comm_error(e: oxccl::ddp::DdpError) -> oxccl::comm::Error {
 }
 
 fn ddp_sync(c: &mut Criterion) {
-    let bytes: usize = lens().iter().sum::<usize>() * 4;
+    let bytes: usize = lens_100mib().iter().sum::<usize>() * 4;
     let mut g = c.benchmark_group("ddp/100MiB");
     g.sample_size(10)
         .measurement_time(Duration::from_secs(4))
@@ -110,10 +123,11 @@ fn ddp_sync(c: &mut Criterion) {
             (Op::AllReduce, "all_reduce"),
             (Op::Sync(1 << 20), "sync_25MiB_buckets"),
             (Op::Sync(4 << 20), "sync_25MiB_buckets_in_place_from_4MiB"),
+            (Op::SyncUneven, "sync_25MiB_buckets_uneven_inputs"),
             (Op::GradReady, "grad_ready_25MiB_buckets"),
             (Op::GradSlot, "grad_slot_25MiB_buckets"),
         ] {
-            let world = world(n, op);
+            let world = world(n, op, lens_100mib());
             g.bench_function(BenchmarkId::new(name, format!("{n}ranks")), |b| {
                 b.iter_custom(|iters| world.run(iters))
             });
@@ -122,5 +136,28 @@ fn ddp_sync(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, ddp_sync);
+/// The flag of `uneven_inputs` on a small model: 16 gradients of 64 KiB (1 MiB), packed.
+fn ddp_sync_small(c: &mut Criterion) {
+    let lens = vec![16 << 10; 16];
+    let mut g = c.benchmark_group("ddp/1MiB");
+    g.sample_size(20)
+        .measurement_time(Duration::from_secs(3))
+        .warm_up_time(Duration::from_millis(500))
+        .throughput(Throughput::Bytes(1 << 20));
+    for n in [2usize, 4] {
+        for (op, name) in [
+            (Op::AllReduce, "all_reduce"),
+            (Op::Sync(1 << 20), "sync"),
+            (Op::SyncUneven, "sync_uneven_inputs"),
+        ] {
+            let world = world(n, op, lens.clone());
+            g.bench_function(BenchmarkId::new(name, format!("{n}ranks")), |b| {
+                b.iter_custom(|iters| world.run(iters))
+            });
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(benches, ddp_sync, ddp_sync_small);
 criterion_main!(benches);

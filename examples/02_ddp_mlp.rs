@@ -26,6 +26,12 @@
 //! every backward pass also wait T ms with the CPU idle, as a trainer waits for an accelerator:
 //! it shows what overlap hides when the all-reduce does not compete with backward for a CPU
 //! (not issue 7's target, which is about this model's own compute).
+//!
+//! `--uneven` gives the ranks uneven data (`DdpConfig::uneven_inputs`, PyTorch's `Join`): rank
+//! r runs out r steps early, then stands in for the other ranks' steps with `Ddp::join_step`,
+//! applying the same averaged gradients, so the replicas stay bit-identical; each step's
+//! gradient is the mean over the ranks still training (`--check` compares with one process on
+//! their concatenated batches).
 
 #[path = "mlp/mod.rs"]
 mod mlp;
@@ -35,7 +41,7 @@ use std::time::Duration;
 use clap::{Parser, ValueEnum};
 use mlp::{Mode, Shape};
 use oxccl::comm::{Communicator, ReduceOp};
-use oxccl::ddp::{DdpConfig, Overlap};
+use oxccl::ddp::{DdpConfig, Overlap, UnevenInputs};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum ModeArg {
@@ -110,6 +116,10 @@ struct Args {
     /// model's own compute; 0 by default.
     #[arg(long, default_value_t = 0.0)]
     idle_backward_ms: f64,
+    /// Uneven data: rank r has `--steps` minus r steps (at least 1), then stands in for the
+    /// others' steps with `Ddp::join_step` (`UnevenInputs::DivideByActiveRanks`).
+    #[arg(long)]
+    uneven: bool,
 }
 
 fn median_ms(mut v: Vec<Duration>) -> f64 {
@@ -187,6 +197,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "--check compares DDP training: use it with --mode overlap, in-place or after".into(),
         );
     }
+    if args.uneven
+        && !matches!(
+            args.mode,
+            ModeArg::Overlap | ModeArg::InPlace | ModeArg::After
+        )
+    {
+        return Err(
+            "--uneven trains with DDP: use it with --mode overlap, in-place or after".into(),
+        );
+    }
     let comm = Communicator::from_env()?;
     let (rank, world) = (comm.rank(), comm.size());
     let mut shape = Shape {
@@ -206,7 +226,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             OverlapArg::On => Overlap::On,
             OverlapArg::Off => Overlap::Off,
         },
+        uneven_inputs: if args.uneven {
+            UnevenInputs::DivideByActiveRanks
+        } else {
+            UnevenInputs::Off
+        },
         ..DdpConfig::default()
+    };
+    // Steps of data per rank (`--uneven`: rank r runs out r steps early).
+    let own_steps = |r: usize| {
+        if args.uneven {
+            args.steps.saturating_sub(r).max(1)
+        } else {
+            args.steps
+        }
     };
     let params: usize = mlp::Mlp::new(&shape, 0).params.iter().map(Vec::len).sum();
     if args.balance {
@@ -351,25 +384,31 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ModeArg::Comm => Mode::CommOnly,
     };
     let reference = if args.check {
-        mlp::train_reference(&shape, world, args.steps)
+        let steps: Vec<usize> = (0..world).map(own_steps).collect();
+        mlp::train_reference(&shape, &steps)
     } else {
         Vec::new()
     };
     let mut worst = 0.0f32;
-    mlp::train_ddp(
+    mlp::train_ddp_uneven(
         &comm,
         &shape,
-        args.steps,
+        own_steps(rank),
+        args.uneven,
         mode,
         cfg,
         |step, model, ddp, r| {
-            let mut loss = [r.loss];
-            ddp.comm().all_reduce(&mut loss, ReduceOp::Avg)?;
+            // The mean loss over the ranks that trained in this step.
+            let mut loss = [r.loss, if r.joined { 0.0 } else { 1.0 }];
+            ddp.comm().all_reduce(&mut loss, ReduceOp::Sum)?;
             let mut line = format!(
                 "step {step:>3}  loss {:.6}  {:7.2} ms",
-                loss[0],
+                loss[0] / loss[1].max(1.0),
                 r.time.as_secs_f64() * 1e3
             );
+            if args.uneven {
+                line += &format!("  ranks training {}", loss[1]);
+            }
             if args.check {
                 let diff = mlp::max_rel_diff(model, &reference[step]);
                 worst = worst.max(diff);

@@ -6,6 +6,10 @@
 //! of the four `grad_ready` and slot ways, two of them waiting in backward as
 //! `--idle-backward-ms` does: ranks may differ).
 //!
+//! With uneven data (`UnevenInputs::DivideByActiveRanks`, rank r having `UNEVEN[r]` steps, the
+//! ranks out of data standing in with `join_step`), the reference is one process on the
+//! concatenated batches of the ranks still training, threads and processes alike.
+//!
 //! The process ranks are this test binary: `rank_entry` does nothing in a normal run and trains
 //! when `OXCCL_TEST_DDP` is set.
 
@@ -20,10 +24,12 @@ use std::time::Duration;
 use mlp::{Mode, Shape};
 use oxccl::comm::harness::spawn_world;
 use oxccl::comm::{Communicator, Config};
-use oxccl::ddp::{DdpConfig, Overlap};
+use oxccl::ddp::{DdpConfig, Overlap, UnevenInputs};
 
 const STEPS: usize = 10;
 const WORLD: usize = 4;
+/// Steps of data per rank in the uneven runs: rank 0 is not the last to run out.
+const UNEVEN: [usize; WORLD] = [7, 10, 3, 10];
 
 /// Small buckets so that the MLP's gradients span several of them.
 fn cfg(overlap: Overlap) -> DdpConfig {
@@ -39,26 +45,41 @@ fn cfg(overlap: Overlap) -> DdpConfig {
 /// Trains with DDP on `comm`; after every step checks the model against the reference and the
 /// replicas against each other. Returns the worst relative difference. `idle` is
 /// `Shape::idle_backward`: backward's waits, which change when gradients arrive, not what they
-/// are.
+/// are. `steps`: this rank's steps of data, every rank's `STEPS` when `None`; else the rank
+/// stands in for the others' steps after its own (`join_step`).
 fn train_and_check(
     comm: &Communicator,
     mode: Mode,
     overlap: Overlap,
     idle: Duration,
     reference: &[mlp::Mlp],
+    steps: Option<usize>,
 ) -> Result<f32, String> {
     let shape = Shape {
         idle_backward: idle,
         ..Shape::default()
     };
+    let cfg = DdpConfig {
+        uneven_inputs: match steps {
+            Some(_) => UnevenInputs::DivideByActiveRanks,
+            None => UnevenInputs::Off,
+        },
+        ..cfg(overlap)
+    };
     let mut worst = 0.0f32;
-    mlp::train_ddp(
+    let mut done = 0;
+    mlp::train_ddp_uneven(
         comm,
         &shape,
-        STEPS,
+        steps.unwrap_or(STEPS),
+        steps.is_some(),
         mode,
-        cfg(overlap),
-        |step, model, ddp, _| {
+        cfg,
+        |step, model, ddp, r| {
+            done += 1;
+            if r.joined != (step >= steps.unwrap_or(STEPS)) {
+                return Err(format!("step {step}: joined is {}", r.joined).into());
+            }
             let want = match overlap {
                 Overlap::On => Some(true),
                 Overlap::Off => Some(false),
@@ -81,12 +102,48 @@ fn train_and_check(
         },
     )
     .map_err(|e| format!("rank {}: {mode:?}, {overlap:?}: {e}", comm.rank()))?;
+    if done != reference.len() {
+        return Err(format!(
+            "rank {}: {done} steps, the reference has {}",
+            comm.rank(),
+            reference.len()
+        ));
+    }
     Ok(worst)
 }
 
 #[test]
+fn uneven_ddp_matches_one_process_on_the_batches_of_the_ranks_training_threads() {
+    let reference = mlp::train_reference(&Shape::default(), &UNEVEN);
+    // Once ranks run out, the reference's steps are smaller than the full one's.
+    let full = mlp::train_reference(&Shape::default(), &[STEPS; WORLD]);
+    assert!(mlp::max_rel_diff(&reference[STEPS - 1], &full[STEPS - 1]) > 1e-4);
+    for (mode, overlap) in [
+        (Mode::Overlap, Overlap::On),
+        (Mode::InPlace, Overlap::Off),
+        (Mode::After, Overlap::Auto),
+    ] {
+        let out = spawn_world(WORLD, Config::default(), |comm| {
+            let steps = UNEVEN[comm.rank()];
+            Ok(train_and_check(
+                &comm,
+                mode,
+                overlap,
+                Duration::ZERO,
+                &reference,
+                Some(steps),
+            ))
+        });
+        for r in out {
+            let worst = r.unwrap().unwrap();
+            assert!(worst <= 1e-5);
+        }
+    }
+}
+
+#[test]
 fn ddp_matches_one_process_on_the_concatenated_batch_threads() {
-    let reference = mlp::train_reference(&Shape::default(), WORLD, STEPS);
+    let reference = mlp::train_reference(&Shape::default(), &[STEPS; WORLD]);
     // The reference moves: a test that compares against the initial model would pass trivially.
     assert!(mlp::max_rel_diff(&reference[STEPS - 1], &mlp::Mlp::new(&Shape::default(), 0)) > 1e-3);
     for (mode, overlap) in [
@@ -103,6 +160,7 @@ fn ddp_matches_one_process_on_the_concatenated_batch_threads() {
                 overlap,
                 Duration::ZERO,
                 &reference,
+                None,
             ))
         });
         for r in out {
@@ -119,7 +177,14 @@ fn rank_entry() {
         return;
     }
     let comm = Communicator::from_env().expect("communicator from the environment");
-    let reference = mlp::train_reference(&Shape::default(), comm.size(), STEPS);
+    // OXCCL_TEST_DDP=uneven: rank r has UNEVEN[r] steps of data.
+    let uneven = std::env::var("OXCCL_TEST_DDP").is_ok_and(|v| v == "uneven");
+    let steps = uneven.then(|| UNEVEN[comm.rank() % WORLD]);
+    let reference = if uneven {
+        mlp::train_reference(&Shape::default(), &UNEVEN[..comm.size()])
+    } else {
+        mlp::train_reference(&Shape::default(), &vec![STEPS; comm.size()])
+    };
     // Even ranks overlap, odd ones all-reduce in finish(); ranks 0 and 1 hand their gradients to
     // grad_ready, 2 and 3 compute them in the bucket slots: the collectives are the same.
     let overlap = if comm.rank().is_multiple_of(2) {
@@ -135,7 +200,7 @@ fn rank_entry() {
     // Ranks 2 and 3 also wait 2 ms in every backward pass (`--idle-backward-ms`), so their
     // gradients come late.
     let idle = Duration::from_millis(if comm.rank() % 4 < 2 { 0 } else { 2 });
-    match train_and_check(&comm, mode, overlap, idle, &reference) {
+    match train_and_check(&comm, mode, overlap, idle, &reference, steps) {
         Ok(worst) => println!("RESULT rank={} ok worst={worst:e}", comm.rank()),
         Err(e) => {
             println!("RESULT rank={} FAILED {e}", comm.rank());
@@ -147,5 +212,11 @@ fn rank_entry() {
 #[test]
 fn ddp_matches_one_process_on_the_concatenated_batch_processes() {
     let out = common::launch_self(WORLD, &[("OXCCL_TEST_DDP", "1")]);
+    common::assert_all_ok(&out, WORLD);
+}
+
+#[test]
+fn uneven_ddp_matches_one_process_on_the_batches_of_the_ranks_training_processes() {
+    let out = common::launch_self(WORLD, &[("OXCCL_TEST_DDP", "uneven")]);
     common::assert_all_ok(&out, WORLD);
 }

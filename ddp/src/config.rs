@@ -29,6 +29,31 @@ pub struct DdpConfig {
     /// keeps the crate's rule of no collective of its own between a step's first gradient and
     /// its `finish()`. Not used by `sync()`, which launches each bucket as soon as it is packed.
     pub overlap: Overlap,
+    /// Whether ranks may run out of data at different steps (PyTorch's `Join` context for
+    /// uneven inputs; default [`UnevenInputs::Off`]). When not `Off`, every synchronising step
+    /// also all-reduces a 16-byte flag, issued before its first bucket, and a rank with no
+    /// more data calls [`Ddp::join_step`](crate::Ddp::join_step) until it returns `None`: each
+    /// call stands in for one step of the ranks still training, with zero gradients. The same
+    /// on every rank ([`Ddp::new`](crate::Ddp::new) checks).
+    pub uneven_inputs: UnevenInputs,
+}
+
+/// Uneven inputs ([`DdpConfig::uneven_inputs`]): whether ranks may join (run out of data) early,
+/// and what a step's gradients are divided by once some have.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum UnevenInputs {
+    /// Every rank takes every step; [`Ddp::join_step`](crate::Ddp::join_step) is refused. No
+    /// flag is all-reduced.
+    #[default]
+    Off,
+    /// Joined ranks count as ranks with zero gradients: the sum over the ranks still training
+    /// is divided by the world size (PyTorch's `divide_by_initial_world_size=True`, its
+    /// default). Steps after some ranks joined are smaller, as if their batches were empty.
+    DivideByWorldSize,
+    /// The sum is divided by the number of ranks still training: the mean over the samples of
+    /// the step with equal local batches. Costs one pass over the gradients in each step with
+    /// joined ranks (they are averaged over the world size, then scaled).
+    DivideByActiveRanks,
 }
 
 /// When [`Ddp::grad_ready`](crate::Ddp::grad_ready) starts a full bucket's all-reduce.
@@ -68,6 +93,7 @@ impl Default for DdpConfig {
             rebuild_buckets: true,
             sync_in_place_bytes: 1 << 20,
             overlap: Overlap::Auto,
+            uneven_inputs: UnevenInputs::Off,
         }
     }
 }

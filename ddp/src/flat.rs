@@ -102,7 +102,8 @@ impl<T: Element> AsMut<[T]> for Typed<T> {
 }
 
 /// A caller's gradient or parameter storage as seen by DDP: a dtype and its bytes. Implemented
-/// for `Vec<T>`, `&mut Vec<T>`, `&mut [T]` and [`TensorMut`] (mixed dtypes in one list).
+/// for `Vec<T>`, `&mut Vec<T>`, `&mut [T]`, [`TensorMut`] and [`FlatBuffer`] (mixed dtypes in
+/// one list).
 /// `bytes` and `bytes_mut` must be the same bytes, aligned for the dtype (a misaligned one is
 /// reduced through a copy).
 pub trait GradBuf {
@@ -136,6 +137,18 @@ macro_rules! typed_grad_buf {
 }
 
 typed_grad_buf!(Vec<T>, &mut Vec<T>, &mut [T]);
+
+impl GradBuf for FlatBuffer {
+    fn dtype(&self) -> DType {
+        FlatBuffer::dtype(self)
+    }
+    fn bytes(&self) -> &[u8] {
+        FlatBuffer::bytes(self)
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        FlatBuffer::bytes_mut(self)
+    }
+}
 
 /// A mutable slice of any element type with its dtype: lets one list hold parameters or
 /// gradients of several dtypes.

@@ -57,6 +57,34 @@
 //! - **Comm hooks**: [`CommHook`] replaces the all-reduce of each bucket; [`CompressHook`] sends
 //!   f16 or bf16 on the wire.
 //! - **Buffers**: [`Ddp::broadcast_buffers`] copies rank 0's (e.g. batch-norm statistics).
+//! - **Uneven inputs** (PyTorch's `Join`): with [`DdpConfig::uneven_inputs`] set, a rank that
+//!   runs out of data calls [`Ddp::join_step`] in a loop; each call stands in for one step of
+//!   the ranks still training (their collectives, with zero gradients) and gives the same
+//!   averaged gradients, so a joined rank that applies them keeps an identical replica, optimizer
+//!   state included (PyTorch instead broadcasts the final parameters). The loop ends, on every
+//!   rank at once, when the last rank joins. The sum is divided by the world size
+//!   ([`UnevenInputs::DivideByWorldSize`], PyTorch's default) or by the ranks still training
+//!   ([`UnevenInputs::DivideByActiveRanks`]); [`Ddp::active_ranks`] says how many trained.
+//!   It costs one 16-byte all-reduce per synchronised step, issued before the first bucket.
+//!
+//! A rank with uneven data, fed through `sync`:
+//!
+//! ```no_run
+//! # use oxccl_ddp::Ddp;
+//! # fn backward(_w: &[f32], _batch: &[f32]) -> Vec<f32> { vec![0.0; 4] }
+//! # fn sgd(w: &mut [f32], g: &[f32]) { w.iter_mut().zip(g).for_each(|(x, g)| *x -= 0.1 * g) }
+//! # fn f(mut ddp: Ddp, my_batches: Vec<Vec<f32>>, w: &mut [f32]) -> oxccl_ddp::Result<()> {
+//! // Every rank built `ddp` with DdpConfig { uneven_inputs: UnevenInputs::DivideByActiveRanks, .. }.
+//! for batch in &my_batches {        // this rank's own data: as many steps as it has
+//!     let mut grads = [backward(w, batch)];
+//!     ddp.sync(&mut grads)?;
+//!     sgd(w, &grads[0]);
+//! }
+//! while ddp.join_step()?.is_some() { // then stand in until the last rank is done
+//!     sgd(w, ddp.grad::<f32>(0)?);   // the same update as the ranks still training
+//! }
+//! # Ok(()) }
+//! ```
 //!
 //! # Where overlap does not pay
 //!
@@ -97,7 +125,7 @@ pub mod hooks;
 mod layout;
 mod reducer;
 
-pub use config::{DdpConfig, Overlap, Param, Step};
+pub use config::{DdpConfig, Overlap, Param, Step, UnevenInputs};
 pub use error::{DdpError, Result};
 pub use flat::{FlatBuffer, GradBuf, TensorMut, Typed};
 pub use hooks::{AllReduceAvg, CommHook, CompressHook, GradBucket, HookWork};

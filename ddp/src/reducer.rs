@@ -4,9 +4,9 @@
 use std::borrow::Borrow;
 use std::ops::{Deref, DerefMut};
 
-use oxccl_comm::{Communicator, DType, Element, ReduceOp};
+use oxccl_comm::{Communicator, DType, Element, ReduceOp, Work};
 
-use crate::config::{DdpConfig, Overlap, Param, Step};
+use crate::config::{DdpConfig, Overlap, Param, Step, UnevenInputs};
 use crate::error::{DdpError, Result};
 use crate::flat::{FlatBuffer, GradBuf};
 use crate::hooks::{AllReduceAvg, CommHook, GradBucket, HookWork};
@@ -78,6 +78,16 @@ pub struct Ddp<C: Borrow<Communicator> = Communicator> {
     reduced: bool,
     /// `cfg.overlap` resolved at `new`: `grad_ready` launches full buckets.
     overlap: bool,
+    /// Uneven inputs: the flag all-reduce of this synchronising micro-batch, issued when it
+    /// began, and whether it began through `sync` (the flag says so to joined ranks).
+    join_flag: Option<(Work<Vec<u64>>, bool)>,
+    /// Inside `join_step`: the number of ranks still training, whose step this rank stands in
+    /// for with zero gradients.
+    shadow: Option<usize>,
+    /// Ranks that trained in the last synchronised step.
+    active: usize,
+    /// `join_step`'s zero gradients for `sync`, kept between calls.
+    shadow_grads: Vec<FlatBuffer>,
 }
 
 /// FNV-1a over the parameter count, lengths and dtypes, and the settings that shape the
@@ -93,6 +103,7 @@ fn fingerprint(specs: &[ParamSpec], cfg: &DdpConfig) -> u64 {
     eat(cfg.first_bucket_bytes as u64);
     eat(cfg.sync_in_place_bytes as u64);
     eat(u64::from(cfg.rebuild_buckets));
+    eat(cfg.uneven_inputs as u64);
     eat(specs.len() as u64);
     for s in specs {
         eat(s.len as u64);
@@ -197,6 +208,7 @@ impl<C: Borrow<Communicator>> Ddp<C> {
             Overlap::Off => false,
         };
         let node = c.node_share();
+        let world = c.size();
         tracing::debug!(
             rank,
             params = n,
@@ -230,6 +242,10 @@ impl<C: Borrow<Communicator>> Ddp<C> {
             sync_plan: None,
             reduced: false,
             overlap,
+            join_flag: None,
+            shadow: None,
+            active: world,
+            shadow_grads: Vec::new(),
         })
     }
 
@@ -378,13 +394,21 @@ impl<C: Borrow<Communicator>> Ddp<C> {
         }
     }
 
-    /// Starts a micro-batch (and, at its first micro-batch, a step) unless one is under way.
-    fn begin(&mut self) {
+    /// Starts a micro-batch (and, at its first micro-batch, a step) unless one is under way;
+    /// `via_sync` when `sync` starts it. With uneven inputs, a synchronising micro-batch issues
+    /// the flag all-reduce first, before any bucket.
+    fn begin(&mut self, via_sync: bool) {
         if self.phase == Phase::Backward {
             return;
         }
-        self.sync_now = self.syncing();
+        // `join_step` stands in for the last micro-batch of the others' step: it always reduces.
+        self.sync_now = self.shadow.is_some() || self.syncing();
         self.phase = Phase::Backward;
+        if self.sync_now && self.shadow.is_none() && self.cfg.uneven_inputs != UnevenInputs::Off {
+            let flag = vec![1u64, u64::from(via_sync)];
+            let work = self.comm.borrow().all_reduce_async(flag, ReduceOp::Sum);
+            self.join_flag = Some((work, via_sync));
+        }
         if self.micro == 0 {
             if let Some(order) = self.pending_order.take() {
                 self.relayout(&order);
@@ -469,7 +493,7 @@ impl<C: Borrow<Communicator>> Ddp<C> {
             );
             return Err(self.invalid("grad_slot", msg));
         }
-        self.begin();
+        self.begin(false);
         self.check_not_ready(param, "grad_slot")?;
         self.slot_out[param] = true;
         let fresh = !self.seen[param];
@@ -502,7 +526,7 @@ impl<C: Borrow<Communicator>> Ddp<C> {
     /// pass.
     pub fn grad_ready_in_place(&mut self, param: usize) -> Result<()> {
         self.spec(param, "grad_ready_in_place")?;
-        self.begin();
+        self.begin(false);
         self.check_not_ready(param, "grad_ready_in_place")?;
         if !self.slot_out[param] {
             return Err(self.invalid(
@@ -534,7 +558,7 @@ impl<C: Borrow<Communicator>> Ddp<C> {
     /// Copies or adds a checked gradient into its slot and, with `launch`, launches what became
     /// ready.
     fn ingest(&mut self, p: usize, bytes: &[u8], op: &'static str, launch: bool) -> Result<()> {
-        self.begin();
+        self.begin(false);
         self.check_not_ready(p, op)?;
         let dtype = self.specs[p].dtype;
         let (b, off) = self.slot[p];
@@ -610,7 +634,7 @@ impl<C: Borrow<Communicator>> Ddp<C> {
     }
 
     fn finish_with(&mut self, mut done: impl FnMut(&BucketSpec, &FlatBuffer)) -> Result<Step> {
-        self.begin();
+        self.begin(false);
         if !self.syncing() {
             self.micro += 1;
             self.phase = Phase::Idle;
@@ -638,6 +662,11 @@ impl<C: Borrow<Communicator>> Ddp<C> {
             self.launch_ready();
         }
         let mut first_err: Option<DdpError> = None;
+        // Uneven inputs: the flag went first, so it is done before any bucket is.
+        let factor = self.wait_flag().unwrap_or_else(|e| {
+            first_err = Some(e);
+            1.0
+        });
         for b in 0..self.buckets.len() {
             if self.next_launch == b {
                 // Overlap off: one bucket at a time, so the waiter usually runs each all-reduce
@@ -648,10 +677,14 @@ impl<C: Borrow<Communicator>> Ddp<C> {
                 continue;
             };
             match work.wait() {
-                Ok(buf)
+                Ok(mut buf)
                     if buf.dtype() == self.buckets[b].spec.dtype
                         && buf.len() == self.buckets[b].spec.len =>
                 {
+                    let dtype = buf.dtype();
+                    if let Err(e) = self.rescale(buf.bytes_mut(), dtype, factor, "finish") {
+                        first_err.get_or_insert(e);
+                    }
                     done(&self.buckets[b].spec, &buf);
                     self.buckets[b].buf = Some(buf);
                 }
@@ -696,7 +729,7 @@ impl<C: Borrow<Communicator>> Ddp<C> {
         }
         let step = self.step;
         self.step += 1;
-        if !unused.is_empty() && !self.cfg.find_unused_parameters {
+        if !unused.is_empty() && !self.cfg.find_unused_parameters && self.shadow.is_none() {
             return Err(DdpError::UnusedParameters {
                 rank: self.comm().rank(),
                 step,
@@ -704,6 +737,176 @@ impl<C: Borrow<Communicator>> Ddp<C> {
             });
         }
         Ok(Step::Synced { step })
+    }
+
+    /// Uneven inputs: waits for this step's flag (or, in `join_step`, takes the count it read),
+    /// records how many ranks trained in the step, and returns the factor the averages are
+    /// scaled by: 1 unless [`UnevenInputs::DivideByActiveRanks`] and some ranks joined.
+    fn wait_flag(&mut self) -> Result<f64> {
+        let world = self.comm().size();
+        let active = if let Some(n) = self.shadow {
+            n
+        } else if let Some((work, via_sync)) = self.join_flag.take() {
+            let op = if via_sync { "sync" } else { "finish" };
+            let (active, syncs) = match work.wait()?[..] {
+                [a, s] => (a as usize, s as usize),
+                _ => return Err(self.invalid(op, "the uneven-inputs flag came back misshapen")),
+            };
+            self.active = active;
+            if syncs != 0 && syncs != active {
+                return Err(self.invalid(
+                    op,
+                    format!(
+                        "of the {active} ranks training in step {}, {syncs} feed it through                          sync() and the others through grad_ready()/finish(); every rank must                          feed a step the same way",
+                        self.step
+                    ),
+                ));
+            }
+            active
+        } else {
+            world
+        };
+        self.active = active;
+        Ok(match self.cfg.uneven_inputs {
+            UnevenInputs::DivideByActiveRanks if active > 0 && active < world => {
+                world as f64 / active as f64
+            }
+            _ => 1.0,
+        })
+    }
+
+    /// Multiplies averaged gradients by `factor` (from [`Ddp::wait_flag`]) unless it is 1.
+    fn rescale(&self, bytes: &mut [u8], dtype: DType, factor: f64, op: &'static str) -> Result<()> {
+        if factor == 1.0 {
+            return Ok(());
+        }
+        oxccl_kernels::scale_bytes(dtype, bytes, factor).map_err(|e| {
+            self.invalid(
+                op,
+                format!(
+                    "dividing the sum by the {} ranks still training: {e}",
+                    self.active
+                ),
+            )
+        })
+    }
+
+    /// For a rank that has run out of data while others may still train, under
+    /// [`DdpConfig::uneven_inputs`] (PyTorch's `Join` context): stands in for one step of the
+    /// ranks still training, issuing the collectives their step issues with zero gradients of
+    /// its own. Returns `Some` after such a step, with its averaged gradients readable through
+    /// [`Ddp::grad`], the same values the training ranks get: apply them as they do and every
+    /// replica (optimizer state included) stays identical. Returns `None` once every rank has
+    /// joined: every rank's `join_step` returns `None` in the same call, and a next epoch can
+    /// start with every rank training. Call it between steps, in a loop, until `None`:
+    ///
+    /// ```no_run
+    /// # fn f(ddp: &mut oxccl_ddp::Ddp, params: &mut [f32]) -> oxccl_ddp::Result<()> {
+    /// while ddp.join_step()?.is_some() {
+    ///     for (x, g) in params.iter_mut().zip(ddp.grad::<f32>(0)?) {
+    ///         *x -= 0.1 * g;
+    ///     }
+    /// }
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// Collective with the training ranks' steps: it matches their `grad_ready`/`finish()` or
+    /// `sync()`, whichever they use (the flag says), with this rank's comm hook. Collectives the
+    /// trainer issues itself once per step (a loss all-reduce, `broadcast_buffers`) must be
+    /// issued by a joined rank too, once per `Some`, or the ranks' sequences part.
+    ///
+    /// # Errors
+    /// `InvalidArgument` when `uneven_inputs` is `Off`, in the middle of a step (a micro-batch
+    /// under way, or one of `accumulate(k)` done), or when the training ranks feed the step in
+    /// different ways; a collective's error.
+    pub fn join_step(&mut self) -> Result<Option<Step>> {
+        if self.cfg.uneven_inputs == UnevenInputs::Off {
+            return Err(self.invalid(
+                "join_step",
+                "DdpConfig::uneven_inputs is Off: set it, alike on every rank, to let ranks \
+                 join early",
+            ));
+        }
+        if self.phase == Phase::Backward || self.micro != 0 {
+            return Err(self.invalid(
+                "join_step",
+                format!(
+                    "called in the middle of step {} ({} micro-batch(es) done, one under way: \
+                     {}); join between steps, when this rank has no more data",
+                    self.step,
+                    self.micro,
+                    self.phase == Phase::Backward
+                ),
+            ));
+        }
+        let mut flag = [0u64; 2];
+        self.comm().all_reduce(&mut flag, ReduceOp::Sum)?;
+        let [active, syncs] = flag;
+        let active = active as usize;
+        if active == 0 {
+            self.active = 0;
+            return Ok(None);
+        }
+        let via_sync = syncs as usize == active;
+        if syncs != 0 && !via_sync {
+            self.active = active;
+            return Err(self.invalid(
+                "join_step",
+                format!(
+                    "of the {active} ranks training in step {}, {syncs} feed it through sync() \
+                     and the others through grad_ready()/finish(); every rank must feed a step \
+                     the same way",
+                    self.step
+                ),
+            ));
+        }
+        self.shadow = Some(active);
+        let r = if via_sync {
+            self.shadow_sync()
+        } else {
+            self.finish()
+        };
+        self.shadow = None;
+        r.map(Some)
+    }
+
+    /// `join_step` for ranks that use `sync`: zero gradients through the same path, then the
+    /// averages copied into the buckets for [`Ddp::grad`].
+    fn shadow_sync(&mut self) -> Result<Step> {
+        let mut zeros = std::mem::take(&mut self.shadow_grads);
+        if zeros.len() == self.specs.len() {
+            for z in &mut zeros {
+                z.bytes_mut().fill(0);
+            }
+        } else {
+            zeros = self
+                .specs
+                .iter()
+                .map(|s| FlatBuffer::zeros(s.dtype, s.len))
+                .collect();
+        }
+        let r = self.sync(&mut zeros);
+        if r.is_ok() && !self.reduced {
+            for (p, z) in zeros.iter().enumerate() {
+                let (b, off) = self.slot[p];
+                let bucket = &mut self.buckets[b];
+                let sz = bucket.spec.dtype.size();
+                let buf = bucket
+                    .buf
+                    .get_or_insert_with(|| FlatBuffer::zeros(bucket.spec.dtype, bucket.spec.len));
+                buf.bytes_mut()[off * sz..off * sz + z.bytes().len()].copy_from_slice(z.bytes());
+            }
+            self.reduced = true;
+        }
+        self.shadow_grads = zeros;
+        r
+    }
+
+    /// Ranks that trained in the last synchronised step: the world size, unless
+    /// [`DdpConfig::uneven_inputs`] is set and some had joined (after [`Ddp::join_step`], the
+    /// ranks it stood in for, this one not counted; 0 after it returned `None`).
+    pub fn active_ranks(&self) -> usize {
+        self.active
     }
 
     /// Broadcasts rank 0's observed gradient order; every rank rebuilds its buckets from it at

@@ -366,8 +366,11 @@ pub struct StepReport {
     /// zero with communication only).
     pub backward: Duration,
     /// Wall time of `Ddp::finish` or `Ddp::sync`: the communication backward did not hide
-    /// (zero with compute only).
+    /// (zero with compute only); of `Ddp::join_step` in a step this rank stood in for.
     pub exposed: Duration,
+    /// This rank had run out of data and stood in for the others' step (`Ddp::join_step`):
+    /// `loss` is 0.
+    pub joined: bool,
 }
 
 /// Trains with DDP for `steps` steps: rank r starts from seed r (rank 0's weights are broadcast)
@@ -380,6 +383,25 @@ pub fn train_ddp<C: std::borrow::Borrow<Communicator>>(
     comm: C,
     shape: &Shape,
     steps: usize,
+    mode: Mode,
+    cfg: DdpConfig,
+    each: impl FnMut(usize, &Mlp, &Ddp<C>, StepReport) -> Result<(), Box<dyn std::error::Error>>,
+) -> Result<Mlp, Box<dyn std::error::Error>> {
+    train_ddp_uneven(comm, shape, steps, false, mode, cfg, each)
+}
+
+/// As [`train_ddp`], for a rank with data for `steps` steps only: with `join`, it then stands in
+/// for the other ranks' steps (`Ddp::join_step`, `cfg.uneven_inputs` set alike on every rank)
+/// until every rank has joined, applying the averaged gradients as they do, and calls `each`
+/// for those steps too (`report.joined`).
+///
+/// # Errors
+/// Any DDP or communicator error.
+pub fn train_ddp_uneven<C: std::borrow::Borrow<Communicator>>(
+    comm: C,
+    shape: &Shape,
+    steps: usize,
+    join: bool,
     mode: Mode,
     cfg: DdpConfig,
     mut each: impl FnMut(usize, &Mlp, &Ddp<C>, StepReport) -> Result<(), Box<dyn std::error::Error>>,
@@ -468,20 +490,50 @@ pub fn train_ddp<C: std::borrow::Borrow<Communicator>>(
             time,
             backward,
             exposed,
+            joined: false,
+        };
+        each(step, &model, &ddp, report)?;
+    }
+    // Out of data: stand in for the other ranks' steps until every rank has joined.
+    for step in (steps..).take_while(|_| join) {
+        let start = Instant::now();
+        if ddp.join_step()?.is_none() {
+            break;
+        }
+        let exposed = start.elapsed();
+        for p in 0..model.params.len() {
+            model.sgd(p, ddp.grad::<f32>(p)?, shape.lr);
+        }
+        let report = StepReport {
+            loss: 0.0,
+            time: start.elapsed(),
+            backward: Duration::ZERO,
+            exposed,
+            joined: true,
         };
         each(step, &model, &ddp, report)?;
     }
     Ok(model)
 }
 
-/// One process on the concatenated batch of `world` ranks: the model DDP must reproduce. Returns
-/// the model after every step.
-pub fn train_reference(shape: &Shape, world: usize, steps: usize) -> Vec<Mlp> {
+/// One process on the concatenated batches of the ranks that have data in each step (rank r
+/// has `steps[r]` steps; equal counts for the usual run): the model DDP must reproduce, with
+/// `UnevenInputs::DivideByActiveRanks` where the counts differ. Returns the model after every
+/// step, up to the longest rank's last.
+pub fn train_reference(shape: &Shape, steps: &[usize]) -> Vec<Mlp> {
     let mut model = Mlp::new(shape, 0);
-    let global = shape.batch * world;
-    let mut out = Vec::with_capacity(steps);
-    for step in 0..steps {
-        let (x, t) = samples(shape, step * global, global);
+    let world = steps.len();
+    let last = steps.iter().copied().max().unwrap_or(0);
+    let mut out = Vec::with_capacity(last);
+    for step in 0..last {
+        let active: Vec<usize> = (0..world).filter(|&r| steps[r] > step).collect();
+        let (mut x, mut t) = (Vec::new(), Vec::new());
+        for &r in &active {
+            let (xr, tr) = samples(shape, (step * world + r) * shape.batch, shape.batch);
+            x.extend(xr);
+            t.extend(tr);
+        }
+        let global = active.len() * shape.batch;
         let acts = model.forward(&x, global);
         let mut grads = vec![Vec::new(); model.params.len()];
         model.backward(&acts, &t, global, global as f32, Duration::ZERO, &mut grads);

@@ -86,7 +86,7 @@ impl<C: Borrow<Communicator>> Ddp<C> {
                 "grad_ready was already called in this backward pass; use one or the other",
             ));
         }
-        self.begin();
+        self.begin(true);
         if !self.syncing() || !self.default_hook {
             return self.sync_through_buckets(grads);
         }
@@ -123,6 +123,12 @@ impl<C: Borrow<Communicator>> Ddp<C> {
 
     /// The synchronising call with the default hook: large gradients in place, small ones packed.
     fn sync_direct<G: GradBuf>(&mut self, sp: &mut SyncPlan, grads: &mut [G]) -> Result<Step> {
+        let mut first_err = None;
+        // Uneven inputs: the flag went first.
+        let factor = self.wait_flag().unwrap_or_else(|e| {
+            first_err = Some(e);
+            1.0
+        });
         let comm = self.comm.borrow();
         let small = &sp.small;
         let bufs = &mut sp.bufs;
@@ -134,7 +140,6 @@ impl<C: Borrow<Communicator>> Ddp<C> {
         }
         let mut left: Vec<usize> = small.buckets.iter().map(|b| b.params.len()).collect();
         let mut works: Vec<Option<HookWork>> = (0..small.buckets.len()).map(|_| None).collect();
-        let mut first_err = None;
         for &(p, in_place) in &sp.order {
             let s = &self.specs[p];
             let sz = s.dtype.size();
@@ -150,7 +155,8 @@ impl<C: Borrow<Communicator>> Ddp<C> {
                     self.add(g, acc, p)?;
                 }
                 // Issued whatever happened before, so every rank issues the same sequence.
-                let r = oxccl_kernels::with_dtype!(s.dtype, all_reduce_avg(comm, g, s.len));
+                let r = oxccl_kernels::with_dtype!(s.dtype, all_reduce_avg(comm, g, s.len))
+                    .and_then(|()| self.rescale(g, s.dtype, factor, "sync"));
                 if let Err(e) = r {
                     first_err.get_or_insert(e);
                 }
@@ -175,8 +181,11 @@ impl<C: Borrow<Communicator>> Ddp<C> {
         for (b, w) in works.into_iter().enumerate() {
             let Some(w) = w else { continue };
             match w.wait() {
-                Ok(buf) => {
+                Ok(mut buf) => {
                     let spec = &small.buckets[b];
+                    if let Err(e) = self.rescale(buf.bytes_mut(), spec.dtype, factor, "sync") {
+                        first_err.get_or_insert(e);
+                    }
                     let sz = spec.dtype.size();
                     for (&p, &off) in spec.params.iter().zip(&spec.offsets) {
                         let n = self.specs[p].len * sz;
