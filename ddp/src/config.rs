@@ -17,7 +17,8 @@ pub struct DdpConfig {
     /// default), `finish()` names them in [`DdpError::UnusedParameters`](crate::DdpError::UnusedParameters).
     pub find_unused_parameters: bool,
     /// Rebuild the buckets after the first step from the order in which gradients arrived
-    /// (rank 0's order, broadcast so every rank agrees). Default on.
+    /// (rank 0's order, or with uneven inputs that of the lowest rank that trained in the first
+    /// step, broadcast so every rank agrees). Default on.
     pub rebuild_buckets: bool,
     /// In [`Ddp::sync`](crate::Ddp::sync) with the default hook, gradients of at least this many bytes are
     /// all-reduced in place in the caller's memory instead of being copied through a bucket
@@ -31,10 +32,13 @@ pub struct DdpConfig {
     pub overlap: Overlap,
     /// Whether ranks may run out of data at different steps (PyTorch's `Join` context for
     /// uneven inputs; default [`UnevenInputs::Off`]). When not `Off`, every synchronising step
-    /// also all-reduces a 16-byte flag, issued before its first bucket, and a rank with no
+    /// also all-reduces a flag of one byte per rank (who trains, and through `sync` or
+    /// `grad_ready`), issued at the step's first gradient before any bucket, and a rank with no
     /// more data calls [`Ddp::join_step`](crate::Ddp::join_step) until it returns `None`: each
     /// call stands in for one step of the ranks still training, with zero gradients. The same
-    /// on every rank ([`Ddp::new`](crate::Ddp::new) checks).
+    /// on every rank ([`Ddp::new`](crate::Ddp::new) checks). Ranks that train in a step must
+    /// feed it the same way (all `sync`, or all `grad_ready`/`grad_slot`): the flag tells, and
+    /// every rank reports a step fed both ways as an error.
     pub uneven_inputs: UnevenInputs,
 }
 
@@ -52,7 +56,9 @@ pub enum UnevenInputs {
     DivideByWorldSize,
     /// The sum is divided by the number of ranks still training: the mean over the samples of
     /// the step with equal local batches. Costs one pass over the gradients in each step with
-    /// joined ranks (they are averaged over the world size, then scaled).
+    /// joined ranks: they are averaged over the world size, then scaled by world / active (so
+    /// a comm hook must return the average over the world size, as the built-in ones do).
+    /// Floating-point parameters only ([`Ddp::new`](crate::Ddp::new) refuses integer ones).
     DivideByActiveRanks,
 }
 

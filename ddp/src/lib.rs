@@ -49,14 +49,16 @@
 //!   bucket before it has launched, so all ranks launch in the same order whatever order their
 //!   gradients arrive in.
 //! - **Rebuilt order**: after the first step the buckets are rebuilt from the order in which
-//!   gradients arrived on rank 0 (broadcast, so every rank agrees).
+//!   gradients arrived on rank 0 (broadcast, so every rank agrees; with uneven inputs, on the
+//!   lowest rank that trained in the first step).
 //! - **Accumulation**: [`Ddp::accumulate`]`(k)` or the [`Ddp::no_sync`] guard: micro-batches
 //!   before the last only add into the buckets; the last one's backward reduces.
 //! - **Unused parameters**: a parameter that gets no gradient in a step is named in
 //!   [`DdpError::UnusedParameters`], or reduced as zeros with `find_unused_parameters`.
 //! - **Comm hooks**: [`CommHook`] replaces the all-reduce of each bucket; [`CompressHook`] sends
 //!   f16 or bf16 on the wire.
-//! - **Buffers**: [`Ddp::broadcast_buffers`] copies rank 0's (e.g. batch-norm statistics).
+//! - **Buffers**: [`Ddp::broadcast_buffers`] copies rank 0's (e.g. batch-norm statistics; with
+//!   uneven inputs, the lowest rank's that trained in the last step).
 //! - **Uneven inputs** (PyTorch's `Join`): with [`DdpConfig::uneven_inputs`] set, a rank that
 //!   runs out of data calls [`Ddp::join_step`] in a loop; each call stands in for one step of
 //!   the ranks still training (their collectives, with zero gradients) and gives the same
@@ -65,7 +67,10 @@
 //!   rank at once, when the last rank joins. The sum is divided by the world size
 //!   ([`UnevenInputs::DivideByWorldSize`], PyTorch's default) or by the ranks still training
 //!   ([`UnevenInputs::DivideByActiveRanks`]); [`Ddp::active_ranks`] says how many trained.
-//!   It costs one 16-byte all-reduce per synchronised step, issued before the first bucket.
+//!   It costs one all-reduce of a byte per rank in each synchronised step, issued at its first
+//!   gradient. The trainer's own per-step collectives (a loss all-reduce,
+//!   [`Ddp::broadcast_buffers`], which then broadcasts from a rank still training) go after
+//!   each step's `finish()`/`sync()`, and on a joined rank after each `join_step`.
 //!
 //! A rank with uneven data, fed through `sync`:
 //!

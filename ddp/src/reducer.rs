@@ -79,15 +79,28 @@ pub struct Ddp<C: Borrow<Communicator> = Communicator> {
     /// `cfg.overlap` resolved at `new`: `grad_ready` launches full buckets.
     overlap: bool,
     /// Uneven inputs: the flag all-reduce of this synchronising micro-batch, issued when it
-    /// began, and whether it began through `sync` (the flag says so to joined ranks).
-    join_flag: Option<(Work<Vec<u64>>, bool)>,
-    /// Inside `join_step`: the number of ranks still training, whose step this rank stands in
-    /// for with zero gradients.
-    shadow: Option<usize>,
+    /// began.
+    join_flag: Option<Work<Vec<u8>>>,
+    /// The micro-batch began through `sync` (for the flag, and for error messages).
+    via_sync: bool,
+    /// Inside `join_step`: who trains in the step this rank stands in for with zero gradients.
+    shadow: Option<Trainers>,
     /// Ranks that trained in the last synchronised step.
     active: usize,
+    /// The lowest rank that trained in the last synchronised step (0 without uneven inputs):
+    /// the root of the rebuilt order and of `broadcast_buffers`.
+    lead: usize,
     /// `join_step`'s zero gradients for `sync`, kept between calls.
     shadow_grads: Vec<FlatBuffer>,
+}
+
+/// Who trained in a step, read from the uneven-inputs flag (one byte per rank: 0 joined,
+/// 1 through `grad_ready`/`finish`, 2 through `sync`).
+#[derive(Clone, Copy, Debug)]
+struct Trainers {
+    active: usize,
+    syncs: usize,
+    lead: usize,
 }
 
 /// FNV-1a over the parameter count, lengths and dtypes, and the settings that shape the
@@ -112,18 +125,20 @@ fn fingerprint(specs: &[ParamSpec], cfg: &DdpConfig) -> u64 {
     h
 }
 
-/// Broadcasts `items` from rank 0, small ones packed together into buffers of up to `cap` bytes.
+/// Broadcasts `items` from rank `from`, small ones packed together into buffers of up to `cap`
+/// bytes.
 pub(crate) fn broadcast_coalesced(
     comm: &Communicator,
     items: Vec<&mut [u8]>,
     cap: usize,
+    from: usize,
 ) -> oxccl_comm::Result<()> {
-    let root = comm.rank() == 0;
+    let root = comm.rank() == from;
     let mut staged: Vec<u8> = Vec::new();
     let mut group: Vec<&mut [u8]> = Vec::new();
     let flush = |staged: &mut Vec<u8>, group: &mut Vec<&mut [u8]>| -> oxccl_comm::Result<()> {
         if !staged.is_empty() {
-            comm.broadcast(staged.as_mut_slice(), 0)?;
+            comm.broadcast(staged.as_mut_slice(), from)?;
             let mut off = 0;
             for g in group.iter_mut() {
                 g.copy_from_slice(&staged[off..off + g.len()]);
@@ -136,7 +151,7 @@ pub(crate) fn broadcast_coalesced(
     };
     for item in items {
         if item.len() >= cap {
-            comm.broadcast(item, 0)?;
+            comm.broadcast(item, from)?;
             continue;
         }
         if staged.len() + item.len() > cap {
@@ -197,8 +212,18 @@ impl<C: Borrow<Communicator>> Ddp<C> {
                 cfg.bucket_cap_bytes, cfg.first_bucket_bytes
             )));
         }
+        if cfg.uneven_inputs == UnevenInputs::DivideByActiveRanks {
+            if let Some(s) = specs.iter().find(|s| !s.dtype.is_float()) {
+                return Err(invalid(format!(
+                    "uneven_inputs DivideByActiveRanks scales averages by world / active ranks, \
+                     which parameter {} ({}) cannot take; use DivideByWorldSize",
+                    s.name,
+                    s.dtype.short_name()
+                )));
+            }
+        }
         let items = params.iter_mut().map(|p| p.tensor.bytes_mut()).collect();
-        broadcast_coalesced(c, items, cfg.bucket_cap_bytes)?;
+        broadcast_coalesced(c, items, cfg.bucket_cap_bytes, 0)?;
         let order: Vec<usize> = (0..specs.len()).rev().collect();
         let layout = plan(&specs, &order, cfg.first_bucket_bytes, cfg.bucket_cap_bytes);
         let n = specs.len();
@@ -243,8 +268,10 @@ impl<C: Borrow<Communicator>> Ddp<C> {
             reduced: false,
             overlap,
             join_flag: None,
+            via_sync: false,
             shadow: None,
             active: world,
+            lead: 0,
             shadow_grads: Vec::new(),
         })
     }
@@ -404,10 +431,12 @@ impl<C: Borrow<Communicator>> Ddp<C> {
         // `join_step` stands in for the last micro-batch of the others' step: it always reduces.
         self.sync_now = self.shadow.is_some() || self.syncing();
         self.phase = Phase::Backward;
+        self.via_sync = via_sync;
         if self.sync_now && self.shadow.is_none() && self.cfg.uneven_inputs != UnevenInputs::Off {
-            let flag = vec![1u64, u64::from(via_sync)];
-            let work = self.comm.borrow().all_reduce_async(flag, ReduceOp::Sum);
-            self.join_flag = Some((work, via_sync));
+            let c = self.comm.borrow();
+            let mut flag = vec![0u8; c.size()];
+            flag[c.rank()] = 1 + u8::from(via_sync);
+            self.join_flag = Some(c.all_reduce_async(flag, ReduceOp::Sum));
         }
         if self.micro == 0 {
             if let Some(order) = self.pending_order.take() {
@@ -682,7 +711,7 @@ impl<C: Borrow<Communicator>> Ddp<C> {
                         && buf.len() == self.buckets[b].spec.len =>
                 {
                     let dtype = buf.dtype();
-                    if let Err(e) = self.rescale(buf.bytes_mut(), dtype, factor, "finish") {
+                    if let Err(e) = self.rescale(buf.bytes_mut(), dtype, factor) {
                         first_err.get_or_insert(e);
                     }
                     done(&self.buckets[b].spec, &buf);
@@ -739,50 +768,85 @@ impl<C: Borrow<Communicator>> Ddp<C> {
         Ok(Step::Synced { step })
     }
 
-    /// Uneven inputs: waits for this step's flag (or, in `join_step`, takes the count it read),
-    /// records how many ranks trained in the step, and returns the factor the averages are
-    /// scaled by: 1 unless [`UnevenInputs::DivideByActiveRanks`] and some ranks joined.
+    /// The call a step's errors are reported under: `join_step`, `sync` or `finish`.
+    fn step_op(&self) -> &'static str {
+        if self.shadow.is_some() {
+            "join_step"
+        } else if self.via_sync {
+            "sync"
+        } else {
+            "finish"
+        }
+    }
+
+    /// Reads the uneven-inputs flag: one byte per rank.
+    fn read_flag(&self, flag: &[u8], op: &'static str) -> Result<Trainers> {
+        if let Some(r) = flag.iter().position(|&b| b > 2) {
+            return Err(self.invalid(
+                op,
+                format!("the uneven-inputs flag says {} for rank {r}", flag[r]),
+            ));
+        }
+        Ok(Trainers {
+            active: flag.iter().filter(|&&b| b != 0).count(),
+            syncs: flag.iter().filter(|&&b| b == 2).count(),
+            lead: flag.iter().position(|&b| b != 0).unwrap_or(0),
+        })
+    }
+
+    /// The error for a step that ranks feed in different ways.
+    fn mixed_feeds(&self, t: Trainers, op: &'static str) -> DdpError {
+        self.invalid(
+            op,
+            format!(
+                "of the {} ranks training in step {}, {} feed it through sync() and the others \
+                 through grad_ready()/finish(); every rank must feed a step the same way",
+                t.active, self.step, t.syncs
+            ),
+        )
+    }
+
+    /// Uneven inputs: waits for this step's flag (or, in `join_step`, takes what it read),
+    /// records who trained in the step, and returns the factor the averages are scaled by: 1
+    /// unless [`UnevenInputs::DivideByActiveRanks`] and some ranks joined. Ranks that fed the
+    /// step in different ways are an error here, after which the caller still issues the
+    /// step's collectives (every rank sees the same flag).
     fn wait_flag(&mut self) -> Result<f64> {
         let world = self.comm().size();
-        let active = if let Some(n) = self.shadow {
-            n
-        } else if let Some((work, via_sync)) = self.join_flag.take() {
-            let op = if via_sync { "sync" } else { "finish" };
-            let (active, syncs) = match work.wait()?[..] {
-                [a, s] => (a as usize, s as usize),
-                _ => return Err(self.invalid(op, "the uneven-inputs flag came back misshapen")),
-            };
-            self.active = active;
-            if syncs != 0 && syncs != active {
-                return Err(self.invalid(
-                    op,
-                    format!(
-                        "of the {active} ranks training in step {}, {syncs} feed it through                          sync() and the others through grad_ready()/finish(); every rank must                          feed a step the same way",
-                        self.step
-                    ),
-                ));
-            }
-            active
+        let op = self.step_op();
+        let t = if let Some(t) = self.shadow {
+            t
+        } else if let Some(work) = self.join_flag.take() {
+            let flag = work.wait()?;
+            self.read_flag(&flag, op)?
         } else {
-            world
+            Trainers {
+                active: world,
+                syncs: 0,
+                lead: 0,
+            }
         };
-        self.active = active;
+        self.active = t.active;
+        self.lead = t.lead;
+        if t.syncs != 0 && t.syncs != t.active {
+            return Err(self.mixed_feeds(t, op));
+        }
         Ok(match self.cfg.uneven_inputs {
-            UnevenInputs::DivideByActiveRanks if active > 0 && active < world => {
-                world as f64 / active as f64
+            UnevenInputs::DivideByActiveRanks if t.active > 0 && t.active < world => {
+                world as f64 / t.active as f64
             }
             _ => 1.0,
         })
     }
 
     /// Multiplies averaged gradients by `factor` (from [`Ddp::wait_flag`]) unless it is 1.
-    fn rescale(&self, bytes: &mut [u8], dtype: DType, factor: f64, op: &'static str) -> Result<()> {
+    fn rescale(&self, bytes: &mut [u8], dtype: DType, factor: f64) -> Result<()> {
         if factor == 1.0 {
             return Ok(());
         }
         oxccl_kernels::scale_bytes(dtype, bytes, factor).map_err(|e| {
             self.invalid(
-                op,
+                self.step_op(),
                 format!(
                     "dividing the sum by the {} ranks still training: {e}",
                     self.active
@@ -811,14 +875,19 @@ impl<C: Borrow<Communicator>> Ddp<C> {
     /// ```
     ///
     /// Collective with the training ranks' steps: it matches their `grad_ready`/`finish()` or
-    /// `sync()`, whichever they use (the flag says), with this rank's comm hook. Collectives the
-    /// trainer issues itself once per step (a loss all-reduce, `broadcast_buffers`) must be
-    /// issued by a joined rank too, once per `Some`, or the ranks' sequences part.
+    /// `sync()`, whichever they use (the flag, one byte per rank, says), with this rank's comm
+    /// hook. A joined rank learns of a step only from its flag, issued at the step's first
+    /// gradient: collectives the trainer issues itself once per step (a loss all-reduce,
+    /// [`Ddp::broadcast_buffers`]) must come after the step's `finish()`/`sync()` on training
+    /// ranks, and after each `Some` on a joined one, or the ranks' sequences part. A joined
+    /// rank waits in the flag while the others compute: the communicator's time-out
+    /// (`OXCCL_TIMEOUT`) must be longer than a step.
     ///
     /// # Errors
     /// `InvalidArgument` when `uneven_inputs` is `Off`, in the middle of a step (a micro-batch
     /// under way, or one of `accumulate(k)` done), or when the training ranks feed the step in
-    /// different ways; a collective's error.
+    /// different ways (reported once the step's collectives are done, as on the training
+    /// ranks); a collective's error.
     pub fn join_step(&mut self) -> Result<Option<Step>> {
         if self.cfg.uneven_inputs == UnevenInputs::Off {
             return Err(self.invalid(
@@ -828,40 +897,32 @@ impl<C: Borrow<Communicator>> Ddp<C> {
             ));
         }
         if self.phase == Phase::Backward || self.micro != 0 {
+            let doing = if self.phase == Phase::Backward {
+                "a micro-batch's gradients are arriving"
+            } else {
+                "micro-batches of accumulate(k) are done and the step's last is not"
+            };
             return Err(self.invalid(
                 "join_step",
                 format!(
-                    "called in the middle of step {} ({} micro-batch(es) done, one under way: \
-                     {}); join between steps, when this rank has no more data",
-                    self.step,
-                    self.micro,
-                    self.phase == Phase::Backward
-                ),
-            ));
-        }
-        let mut flag = [0u64; 2];
-        self.comm().all_reduce(&mut flag, ReduceOp::Sum)?;
-        let [active, syncs] = flag;
-        let active = active as usize;
-        if active == 0 {
-            self.active = 0;
-            return Ok(None);
-        }
-        let via_sync = syncs as usize == active;
-        if syncs != 0 && !via_sync {
-            self.active = active;
-            return Err(self.invalid(
-                "join_step",
-                format!(
-                    "of the {active} ranks training in step {}, {syncs} feed it through sync() \
-                     and the others through grad_ready()/finish(); every rank must feed a step \
-                     the same way",
+                    "called in the middle of step {} ({doing}); join between steps, when this \
+                     rank has no more data",
                     self.step
                 ),
             ));
         }
-        self.shadow = Some(active);
-        let r = if via_sync {
+        let mut flag = vec![0u8; self.comm().size()];
+        self.comm().all_reduce(&mut flag, ReduceOp::Sum)?;
+        let t = self.read_flag(&flag, "join_step")?;
+        if t.active == 0 {
+            // Every rank has joined; `lead` stays the last step's, a rank that trained to the end.
+            self.active = 0;
+            return Ok(None);
+        }
+        // Ranks that feed the step in different ways are reported at the end of the step;
+        // the bucket path is what `grad_ready` and a hooked `sync` issue.
+        self.shadow = Some(t);
+        let r = if t.syncs == t.active {
             self.shadow_sync()
         } else {
             self.finish()
@@ -909,11 +970,13 @@ impl<C: Borrow<Communicator>> Ddp<C> {
         self.active
     }
 
-    /// Broadcasts rank 0's observed gradient order; every rank rebuilds its buckets from it at
-    /// the start of the next step.
+    /// Broadcasts the observed gradient order of rank 0 (with uneven inputs, of the lowest rank
+    /// that trained in the step); every rank rebuilds its buckets from it at the start of the
+    /// next step.
     fn agree_order(&mut self) -> Result<()> {
         let n = self.specs.len();
-        let mut v: Vec<u64> = if self.comm().rank() == 0 {
+        let root = self.lead;
+        let mut v: Vec<u64> = if self.comm().rank() == root {
             let mut listed = vec![false; n];
             let mut full: Vec<u64> = Vec::with_capacity(n);
             for &p in &self.order {
@@ -925,7 +988,7 @@ impl<C: Borrow<Communicator>> Ddp<C> {
         } else {
             vec![0; n]
         };
-        self.comm().broadcast(&mut v, 0)?;
+        self.comm().broadcast(&mut v, root)?;
         let mut listed = vec![false; n];
         for &p in &v {
             match listed.get_mut(p as usize) {
@@ -933,7 +996,10 @@ impl<C: Borrow<Communicator>> Ddp<C> {
                 _ => {
                     return Err(self.invalid(
                         "rebuild_buckets",
-                        "the order received from rank 0 is not a permutation of the parameters",
+                        format!(
+                            "the order received from rank {root} is not a permutation of the \
+                             parameters"
+                        ),
                     ))
                 }
             }
@@ -986,13 +1052,17 @@ impl<C: Borrow<Communicator>> Ddp<C> {
 
     /// Broadcasts `buffers` (e.g. batch-norm running statistics) from rank 0 into every rank's,
     /// small ones packed together. Collective; call it where every rank does (e.g. before each
-    /// forward, as PyTorch's `broadcast_buffers`).
+    /// forward, as PyTorch's `broadcast_buffers`). With [`DdpConfig::uneven_inputs`] the root is
+    /// the lowest rank that trained in the last synchronised step (rank 0 until a rank has
+    /// joined; after the last `join_step`, one that trained to the end), so a joined rank's
+    /// stale buffers are never broadcast; call it after each step's `finish()`/`sync()`, and
+    /// on a joined rank after each `join_step` that returns `Some` (see there).
     ///
     /// # Errors
     /// The broadcast's errors.
     pub fn broadcast_buffers<G: GradBuf>(&self, buffers: &mut [G]) -> Result<()> {
         let items = buffers.iter_mut().map(|b| b.bytes_mut()).collect();
-        broadcast_coalesced(self.comm(), items, self.cfg.bucket_cap_bytes)?;
+        broadcast_coalesced(self.comm(), items, self.cfg.bucket_cap_bytes, self.lead)?;
         Ok(())
     }
 }

@@ -504,7 +504,7 @@ fn bad_input_gets_an_error_naming_rank_call_and_parameter() {
         let mut grads: Vec<Vec<f32>> = LENS.iter().map(|&n| vec![0.0; n]).collect();
         expect_invalid(
             ddp.sync(&mut grads),
-            &[&r, "sync", "grad_ready was already called"],
+            &[&r, "sync", "was already called in this backward pass"],
         );
         expect_invalid(ddp.sync(&mut grads[..3]), &[&r, "3 gradients given for 7"]);
         expect_invalid(ddp.accumulate(2), &[&r, "middle of a step"]);
@@ -640,6 +640,18 @@ fn bad_slot_calls_get_an_error_naming_rank_call_and_parameter() {
         }
         ddp.finish().unwrap();
         assert_eq!(ddp.grad::<f32>(1).unwrap(), &[1.0f32; 7]);
+        // A slot taken (even if not declared ready) and then `sync`: refused, nothing issued.
+        ddp.grad_slot::<f32>(2).unwrap().0.fill(1.0);
+        let mut grads: Vec<Vec<f32>> = LENS.iter().map(|&n| vec![0.0; n]).collect();
+        expect_invalid(
+            ddp.sync(&mut grads),
+            &[&r, "sync", "grad_ready or grad_slot was already called"],
+        );
+        ddp.grad_ready_in_place(2).unwrap();
+        for p in (0..LENS.len()).filter(|&p| p != 2) {
+            ddp.grad_ready(p, &vec![2.0f32; LENS[p]]).unwrap();
+        }
+        ddp.finish().unwrap();
         Ok(())
     });
 }

@@ -3,7 +3,7 @@
 //! ranks over shared memory, against a serial reference of which ranks trained in each step.
 
 use oxccl_comm::harness::spawn_world;
-use oxccl_comm::{Communicator, Config};
+use oxccl_comm::{Communicator, Config, ReduceOp};
 use oxccl_ddp::{CommHook, Ddp, DdpConfig, DdpError, Overlap, Param, Step, UnevenInputs};
 
 /// Parameter lengths: one above the in-place threshold of `cfg` for `sync`, one empty.
@@ -62,20 +62,73 @@ fn assert_close(got: &[f32], want: &[f32], what: &str) {
     }
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 enum Feed {
-    /// `grad_ready` per parameter (last first, or in a rank-dependent order), then `finish()`.
+    /// `grad_ready` per parameter, in a rank-dependent order, then `finish()`.
     GradReady,
-    /// `sync()` of every gradient.
+    /// `sync()` of every gradient (large ones in place, small ones packed).
     Sync,
+    /// `sync()` with a comm hook set on every rank: every gradient through the buckets.
+    SyncHooked,
+}
+
+/// How the micro-batches before a step's last one are kept from reducing.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Micro {
+    /// `Ddp::accumulate(k)`.
+    Accumulate,
+    /// A `no_sync` guard around each of them.
+    NoSync,
+}
+
+/// The order in which `rank` hands over its gradients: a rotation of the forward order, so no
+/// rank's is the default (reverse) one and the rebuilt buckets depend on whose order is used.
+fn ready_order(rank: usize) -> Vec<usize> {
+    let n = LENS.len();
+    (0..n).map(|i| (i + 2 * rank + 1) % n).collect()
+}
+
+/// Hash of a bucket layout, for comparing ranks'.
+fn layout_hash(buckets: &[Vec<usize>]) -> u64 {
+    buckets
+        .iter()
+        .flatten()
+        .chain(buckets.iter().map(Vec::len).collect::<Vec<_>>().iter())
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, &p| {
+            (h ^ p as u64).wrapping_mul(0x0100_0000_01b3)
+        })
+}
+
+/// Runs `f` on `ddp`, under a `no_sync` guard when `guard`.
+fn with_guard<R>(ddp: &mut Ddp, guard: bool, f: impl FnOnce(&mut Ddp) -> R) -> R {
+    if guard {
+        let mut g = ddp.no_sync();
+        f(&mut g)
+    } else {
+        f(ddp)
+    }
 }
 
 /// Runs one epoch where rank `r` has `batches[r]` steps of `micro` micro-batches each, then
 /// `join_step` until every rank has joined, then one more step on every rank; checks every
-/// rank's gradients after every step, its own or stood in for.
+/// rank's gradients after every step, its own or stood in for, and that every rank ends with
+/// the same rebuilt bucket layout, built from the order of the lowest rank that trained in
+/// step 0.
 fn epoch(batches: &[usize], micro: usize, feed: Feed, overlap: Overlap, uneven: UnevenInputs) {
+    epoch_with(batches, micro, Micro::Accumulate, feed, overlap, uneven);
+}
+
+fn epoch_with(
+    batches: &[usize],
+    micro: usize,
+    how: Micro,
+    feed: Feed,
+    overlap: Overlap,
+    uneven: UnevenInputs,
+) {
     let n = batches.len();
     let last = batches.iter().copied().max().unwrap_or(0);
+    let lead = (0..n).find(|&r| batches[r] > 0).unwrap_or(0);
     let out = spawn_world(n, Config::default(), |comm: Communicator| {
         let rank = comm.rank();
         let mut store: Vec<Vec<f32>> = LENS.iter().map(|&l| vec![0.0; l]).collect();
@@ -85,50 +138,49 @@ fn epoch(batches: &[usize], micro: usize, feed: Feed, overlap: Overlap, uneven: 
             .map(|(p, v)| Param::new(format!("w{p}"), v.as_mut_slice()))
             .collect();
         let mut ddp = Ddp::new(comm, &mut params, cfg(overlap, uneven)).unwrap();
-        ddp.accumulate(micro).unwrap();
+        let initial = ddp.bucket_params();
+        if how == Micro::Accumulate {
+            ddp.accumulate(micro).unwrap();
+        }
+        let hooked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        if feed == Feed::SyncHooked {
+            ddp.set_comm_hook(Counting(std::sync::Arc::clone(&hooked)))
+                .unwrap();
+        }
         let what = |step: usize, p: usize| {
-            format!("{feed:?} {overlap:?} {uneven:?} rank {rank} step {step} param {p}")
+            format!("{feed:?} {how:?} {overlap:?} {uneven:?} rank {rank} step {step} param {p}")
         };
         let active = |step: usize| (0..n).filter(|&r| batches[r] > step).count();
         for step in 0..batches[rank] {
             for m in 0..micro {
                 let batch = step * micro + m;
-                let s = match feed {
-                    Feed::GradReady => {
-                        // Odd ranks hand gradients over in another order than even ones.
-                        let order: Vec<usize> = if rank.is_multiple_of(2) {
-                            (0..LENS.len()).rev().collect()
-                        } else {
-                            (0..LENS.len()).collect()
-                        };
-                        for p in order {
+                let guard = how == Micro::NoSync && m + 1 < micro;
+                let s = with_guard(&mut ddp, guard, |ddp| {
+                    if feed == Feed::GradReady {
+                        for p in ready_order(rank) {
                             ddp.grad_ready(p, &grad(rank, batch, p)).unwrap();
                         }
                         ddp.finish().unwrap()
-                    }
-                    Feed::Sync => {
+                    } else {
                         let mut grads: Vec<Vec<f32>> =
                             (0..LENS.len()).map(|p| grad(rank, batch, p)).collect();
                         let s = ddp.sync(&mut grads).unwrap();
                         if m + 1 == micro {
                             for (p, g) in grads.iter().enumerate() {
-                                assert_close(
-                                    g,
-                                    &expected(batches, micro, step, p, uneven),
-                                    &what(step, p),
-                                );
+                                let want = expected(batches, micro, step, p, uneven);
+                                assert_close(g, &want, &what(step, p));
                             }
                         }
                         s
                     }
-                };
+                });
                 if m + 1 < micro {
                     assert_eq!(s, Step::Accumulated { micro_batch: m });
                     continue;
                 }
                 assert_eq!(s, Step::Synced { step: step as u64 }, "{}", what(step, 0));
                 assert_eq!(ddp.active_ranks(), active(step), "{}", what(step, 0));
-                if let Feed::GradReady = feed {
+                if feed != Feed::Sync {
                     for p in 0..LENS.len() {
                         let want = expected(batches, micro, step, p, uneven);
                         assert_close(ddp.grad::<f32>(p).unwrap(), &want, &what(step, p));
@@ -152,18 +204,43 @@ fn epoch(batches: &[usize], micro: usize, feed: Feed, overlap: Overlap, uneven: 
             "rank {rank} stood in until the last rank joined"
         );
         assert_eq!(ddp.active_ranks(), 0);
+        if feed == Feed::SyncHooked {
+            assert!(
+                hooked.load(std::sync::atomic::Ordering::Relaxed) >= last,
+                "rank {rank}: every step, stood in for or not, went through the hook"
+            );
+        }
         // A next epoch: every rank trains again, and every rank counts.
         let all = vec![last + 1; n];
         for m in 0..micro {
-            for p in (0..LENS.len()).rev() {
-                ddp.grad_ready(p, &grad(rank, last * micro + m, p)).unwrap();
-            }
-            ddp.finish().unwrap();
+            with_guard(&mut ddp, how == Micro::NoSync && m + 1 < micro, |ddp| {
+                for p in (0..LENS.len()).rev() {
+                    ddp.grad_ready(p, &grad(rank, last * micro + m, p)).unwrap();
+                }
+                ddp.finish().unwrap()
+            });
         }
         assert_eq!(ddp.active_ranks(), n);
         for p in 0..LENS.len() {
             let want = expected(&all, micro, last, p, uneven);
             assert_close(ddp.grad::<f32>(p).unwrap(), &want, &what(last, p));
+        }
+        // One layout everywhere, rebuilt from the order of the lowest rank that trained in
+        // step 0 (every order used here differs from the initial reverse one).
+        let layout = ddp.bucket_params();
+        let h = layout_hash(&layout);
+        let mut v = [h, !h];
+        ddp.comm().all_reduce(&mut v, ReduceOp::Max).unwrap();
+        assert_eq!(
+            v,
+            [h, !h],
+            "rank {rank}: bucket layouts differ between ranks"
+        );
+        if feed == Feed::GradReady && last > 1 {
+            assert_ne!(
+                layout, initial,
+                "rank {rank}: rebuilt from rank {lead}'s order"
+            );
         }
         Ok(())
     });
@@ -191,12 +268,13 @@ fn ranks_out_of_data_stand_in_with_sync_until_every_rank_joins() {
         UnevenInputs::DivideByActiveRanks,
     ] {
         epoch(&[3, 5, 1, 5], 1, Feed::Sync, Overlap::On, uneven);
+        epoch(&[3, 5, 1, 5], 1, Feed::SyncHooked, Overlap::Off, uneven);
     }
 }
 
 #[test]
-fn rank_0_without_data_still_agrees_on_the_rebuilt_buckets() {
-    // Rank 0 joins before the first step, so the order broadcast after it is rank 0's default.
+fn rank_0_without_data_leaves_the_rebuilt_order_to_the_lowest_rank_training() {
+    // Rank 0 joins before the first step: rank 1's order is broadcast after it.
     epoch(
         &[0, 3, 2, 1],
         1,
@@ -228,6 +306,22 @@ fn joined_ranks_stand_in_for_the_last_micro_batch_of_accumulated_steps() {
         Feed::Sync,
         Overlap::Off,
         UnevenInputs::DivideByActiveRanks,
+    );
+    epoch_with(
+        &[2, 3, 1],
+        2,
+        Micro::NoSync,
+        Feed::SyncHooked,
+        Overlap::On,
+        UnevenInputs::DivideByActiveRanks,
+    );
+    epoch_with(
+        &[1, 3, 2],
+        2,
+        Micro::NoSync,
+        Feed::GradReady,
+        Overlap::Off,
+        UnevenInputs::DivideByWorldSize,
     );
 }
 
@@ -350,5 +444,92 @@ fn a_ddp_with_a_flag_in_flight_can_move_to_another_thread() {
     });
     for r in out {
         r.unwrap();
+    }
+}
+
+#[test]
+fn mixed_feeds_are_named_on_every_rank_and_buffers_come_from_a_rank_still_training() {
+    let out = spawn_world(3, Config::default(), |comm: Communicator| {
+        let rank = comm.rank();
+        let r = format!("rank {rank}");
+        let comm = std::sync::Arc::new(comm);
+        // Integer parameters cannot be scaled by world / active ranks: refused at new().
+        let mut ints = vec![0u8; 4];
+        let cfg_active = cfg(Overlap::On, UnevenInputs::DivideByActiveRanks);
+        let e = Ddp::new(
+            std::sync::Arc::clone(&comm),
+            &mut [Param::new("counts", &mut ints)],
+            cfg_active,
+        )
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains(&r) && e.contains("counts (u8)") && e.contains("DivideByWorldSize"),
+            "{e}"
+        );
+        let mut w: Vec<Vec<f32>> = LENS.iter().map(|&l| vec![0.0; l]).collect();
+        let mut params: Vec<Param> = w
+            .iter_mut()
+            .enumerate()
+            .map(|(p, v)| Param::new(format!("w{p}"), v.as_mut_slice()))
+            .collect();
+        let mut ddp = Ddp::new(
+            comm,
+            &mut params,
+            cfg(Overlap::On, UnevenInputs::DivideByWorldSize),
+        )
+        .unwrap();
+        // With a hook `sync` issues what `grad_ready` does, so ranks that mix them stay in step;
+        // the flag still tells, and every rank names it.
+        let count = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        ddp.set_comm_hook(Counting(count)).unwrap();
+        let grads = |batch: usize| -> Vec<Vec<f32>> {
+            (0..LENS.len()).map(|p| grad(rank, batch, p)).collect()
+        };
+        let e = match rank {
+            0 => ddp.sync(&mut grads(0)).map(|_| ()),
+            1 => {
+                for p in (0..LENS.len()).rev() {
+                    ddp.grad_ready(p, &grad(rank, 0, p)).unwrap();
+                }
+                ddp.finish().map(|_| ())
+            }
+            _ => ddp.join_step().map(|_| ()),
+        }
+        .unwrap_err()
+        .to_string();
+        let op = ["sync", "finish", "join_step"][rank];
+        assert!(
+            e.contains(&r) && e.contains(op) && e.contains("1 feed it through sync()"),
+            "{e}"
+        );
+        // Still in step: every rank feeds the next one alike.
+        for p in (0..LENS.len()).rev() {
+            ddp.grad_ready(p, &grad(rank, 1, p)).unwrap();
+        }
+        assert_eq!(ddp.finish().unwrap(), Step::Synced { step: 0 });
+        // Rank 0 runs out: buffers come from rank 1, the lowest rank still training, and stay
+        // so after everyone joined.
+        for round in 0..2 {
+            let mut buffers = vec![vec![rank as f32 + 10.0 * round as f32; 3]];
+            if rank == 0 && round == 0 {
+                assert!(ddp.join_step().unwrap().is_some());
+            } else if round == 0 {
+                ddp.sync(&mut grads(2)).unwrap();
+            } else {
+                assert_eq!(ddp.join_step().unwrap(), None);
+            }
+            ddp.broadcast_buffers(&mut buffers).unwrap();
+            assert_eq!(
+                buffers[0],
+                vec![1.0 + 10.0 * round as f32; 3],
+                "{r} round {round}"
+            );
+        }
+        Ok(())
+    });
+    for (rank, r) in out.into_iter().enumerate() {
+        r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
     }
 }

@@ -80,10 +80,13 @@ impl<C: Borrow<Communicator>> Ddp<C> {
             }
             self.check_param(p, g.dtype(), n, "sync")?;
         }
-        if self.phase == Phase::Backward && self.ready.iter().any(|&r| r) {
+        if self.phase == Phase::Backward
+            && (self.ready.iter().any(|&r| r) || self.slot_out.iter().any(|&o| o))
+        {
             return Err(self.invalid(
                 "sync",
-                "grad_ready was already called in this backward pass; use one or the other",
+                "grad_ready or grad_slot was already called in this backward pass; use one or \
+                 the other",
             ));
         }
         self.begin(true);
@@ -156,7 +159,7 @@ impl<C: Borrow<Communicator>> Ddp<C> {
                 }
                 // Issued whatever happened before, so every rank issues the same sequence.
                 let r = oxccl_kernels::with_dtype!(s.dtype, all_reduce_avg(comm, g, s.len))
-                    .and_then(|()| self.rescale(g, s.dtype, factor, "sync"));
+                    .and_then(|()| self.rescale(g, s.dtype, factor));
                 if let Err(e) = r {
                     first_err.get_or_insert(e);
                 }
@@ -183,7 +186,7 @@ impl<C: Borrow<Communicator>> Ddp<C> {
             match w.wait() {
                 Ok(mut buf) => {
                     let spec = &small.buckets[b];
-                    if let Err(e) = self.rescale(buf.bytes_mut(), spec.dtype, factor, "sync") {
+                    if let Err(e) = self.rescale(buf.bytes_mut(), spec.dtype, factor) {
                         first_err.get_or_insert(e);
                     }
                     let sz = spec.dtype.size();
