@@ -112,26 +112,19 @@ fn train_and_check(
     Ok(worst)
 }
 
-#[test]
-fn uneven_ddp_matches_one_process_on_the_batches_of_the_ranks_training_threads() {
-    let reference = mlp::train_reference(&Shape::default(), &UNEVEN);
-    // Once ranks run out, the reference's steps are smaller than the full one's.
-    let full = mlp::train_reference(&Shape::default(), &[STEPS; WORLD]);
-    assert!(mlp::max_rel_diff(&reference[STEPS - 1], &full[STEPS - 1]) > 1e-4);
-    for (mode, overlap) in [
-        (Mode::Overlap, Overlap::On),
-        (Mode::InPlace, Overlap::Off),
-        (Mode::After, Overlap::Auto),
-    ] {
+/// `train_and_check` on `WORLD` threaded ranks for each (mode, overlap); `steps`: every rank's
+/// steps of data when uneven.
+fn threads(runs: &[(Mode, Overlap)], reference: &[mlp::Mlp], steps: Option<&[usize; WORLD]>) {
+    for &(mode, overlap) in runs {
         let out = spawn_world(WORLD, Config::default(), |comm| {
-            let steps = UNEVEN[comm.rank()];
+            let own = steps.map(|s| s[comm.rank()]);
             Ok(train_and_check(
                 &comm,
                 mode,
                 overlap,
                 Duration::ZERO,
-                &reference,
-                Some(steps),
+                reference,
+                own,
             ))
         });
         for r in out {
@@ -142,32 +135,38 @@ fn uneven_ddp_matches_one_process_on_the_batches_of_the_ranks_training_threads()
 }
 
 #[test]
+fn uneven_ddp_matches_one_process_on_the_batches_of_the_ranks_training_threads() {
+    let reference = mlp::train_reference(&Shape::default(), &UNEVEN);
+    // Once ranks run out, the reference's steps are smaller than the full one's.
+    let full = mlp::train_reference(&Shape::default(), &[STEPS; WORLD]);
+    assert!(mlp::max_rel_diff(&reference[STEPS - 1], &full[STEPS - 1]) > 1e-4);
+    threads(
+        &[
+            (Mode::Overlap, Overlap::On),
+            (Mode::InPlace, Overlap::Off),
+            (Mode::After, Overlap::Auto),
+        ],
+        &reference,
+        Some(&UNEVEN),
+    );
+}
+
+#[test]
 fn ddp_matches_one_process_on_the_concatenated_batch_threads() {
     let reference = mlp::train_reference(&Shape::default(), &[STEPS; WORLD]);
     // The reference moves: a test that compares against the initial model would pass trivially.
     assert!(mlp::max_rel_diff(&reference[STEPS - 1], &mlp::Mlp::new(&Shape::default(), 0)) > 1e-3);
-    for (mode, overlap) in [
-        (Mode::Overlap, Overlap::On),
-        (Mode::Overlap, Overlap::Off),
-        (Mode::InPlace, Overlap::On),
-        (Mode::InPlace, Overlap::Off),
-        (Mode::After, Overlap::Auto),
-    ] {
-        let out = spawn_world(WORLD, Config::default(), |comm| {
-            Ok(train_and_check(
-                &comm,
-                mode,
-                overlap,
-                Duration::ZERO,
-                &reference,
-                None,
-            ))
-        });
-        for r in out {
-            let worst = r.unwrap().unwrap();
-            assert!(worst <= 1e-5);
-        }
-    }
+    threads(
+        &[
+            (Mode::Overlap, Overlap::On),
+            (Mode::Overlap, Overlap::Off),
+            (Mode::InPlace, Overlap::On),
+            (Mode::InPlace, Overlap::Off),
+            (Mode::After, Overlap::Auto),
+        ],
+        &reference,
+        None,
+    );
 }
 
 /// Plays one rank when started by `oxccl launch` from the test below.

@@ -99,6 +99,27 @@ fn layout_hash(buckets: &[Vec<usize>]) -> u64 {
         })
 }
 
+/// A `Ddp` over parameters of the lengths in `LENS`, with the communicator held as `C`.
+fn new_ddp<C: std::borrow::Borrow<Communicator>>(
+    comm: C,
+    cfg: DdpConfig,
+) -> oxccl_ddp::Result<Ddp<C>> {
+    let mut store: Vec<Vec<f32>> = LENS.iter().map(|&l| vec![0.0; l]).collect();
+    let mut params: Vec<Param> = store
+        .iter_mut()
+        .enumerate()
+        .map(|(p, v)| Param::new(format!("w{p}"), v.as_mut_slice()))
+        .collect();
+    Ddp::new(comm, &mut params, cfg)
+}
+
+/// Runs `f` on `n` threaded ranks and fails the test if any rank fails.
+fn on_ranks(n: usize, f: impl Fn(Communicator) -> oxccl_comm::Result<()> + Sync) {
+    for (rank, r) in spawn_world(n, Config::default(), f).into_iter().enumerate() {
+        r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+    }
+}
+
 /// Runs `f` on `ddp`, under a `no_sync` guard when `guard`.
 fn with_guard<R>(ddp: &mut Ddp, guard: bool, f: impl FnOnce(&mut Ddp) -> R) -> R {
     if guard {
@@ -129,15 +150,9 @@ fn epoch_with(
     let n = batches.len();
     let last = batches.iter().copied().max().unwrap_or(0);
     let lead = (0..n).find(|&r| batches[r] > 0).unwrap_or(0);
-    let out = spawn_world(n, Config::default(), |comm: Communicator| {
+    on_ranks(n, |comm: Communicator| {
         let rank = comm.rank();
-        let mut store: Vec<Vec<f32>> = LENS.iter().map(|&l| vec![0.0; l]).collect();
-        let mut params: Vec<Param> = store
-            .iter_mut()
-            .enumerate()
-            .map(|(p, v)| Param::new(format!("w{p}"), v.as_mut_slice()))
-            .collect();
-        let mut ddp = Ddp::new(comm, &mut params, cfg(overlap, uneven)).unwrap();
+        let mut ddp = new_ddp(comm, cfg(overlap, uneven)).unwrap();
         let initial = ddp.bucket_params();
         if how == Micro::Accumulate {
             ddp.accumulate(micro).unwrap();
@@ -244,9 +259,6 @@ fn epoch_with(
         }
         Ok(())
     });
-    for (rank, r) in out.into_iter().enumerate() {
-        r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-    }
 }
 
 #[test]
@@ -340,20 +352,13 @@ impl CommHook for Counting {
 
 #[test]
 fn join_step_goes_through_the_comm_hook_and_bad_calls_are_named() {
-    let out = spawn_world(3, Config::default(), |comm: Communicator| {
+    on_ranks(3, |comm: Communicator| {
         let rank = comm.rank();
         let r = format!("rank {rank}");
-        let mut w: Vec<Vec<f32>> = LENS.iter().map(|&l| vec![0.0; l]).collect();
-        let mut params: Vec<Param> = w
-            .iter_mut()
-            .enumerate()
-            .map(|(p, v)| Param::new(format!("w{p}"), v.as_mut_slice()))
-            .collect();
         // Off: join_step is refused before any collective, on every rank alike.
         let comm = std::sync::Arc::new(comm);
-        let mut off = Ddp::new(
+        let mut off = new_ddp(
             std::sync::Arc::clone(&comm),
-            &mut params,
             cfg(Overlap::On, UnevenInputs::Off),
         )
         .unwrap();
@@ -369,11 +374,7 @@ fn join_step_goes_through_the_comm_hook_and_bad_calls_are_named() {
         } else {
             UnevenInputs::DivideByWorldSize
         };
-        match Ddp::new(
-            std::sync::Arc::clone(&comm),
-            &mut params,
-            cfg(Overlap::On, mixed),
-        ) {
+        match new_ddp(std::sync::Arc::clone(&comm), cfg(Overlap::On, mixed)) {
             Err(e @ DdpError::InvalidArgument { .. }) => {
                 assert!(e.to_string().contains("differs between ranks"), "{e}")
             }
@@ -382,12 +383,7 @@ fn join_step_goes_through_the_comm_hook_and_bad_calls_are_named() {
                 other.map(|_| ())
             ),
         }
-        let mut ddp = Ddp::new(
-            comm,
-            &mut params,
-            cfg(Overlap::On, UnevenInputs::DivideByWorldSize),
-        )
-        .unwrap();
+        let mut ddp = new_ddp(comm, cfg(Overlap::On, UnevenInputs::DivideByWorldSize)).unwrap();
         let buckets0 = ddp.bucket_params().len();
         let count = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         ddp.set_comm_hook(Counting(std::sync::Arc::clone(&count)))
@@ -422,15 +418,12 @@ fn join_step_goes_through_the_comm_hook_and_bad_calls_are_named() {
         );
         Ok(())
     });
-    for (rank, r) in out.into_iter().enumerate() {
-        r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-    }
 }
 
 #[test]
 fn a_ddp_with_a_flag_in_flight_can_move_to_another_thread() {
     fn send<T: Send>(_: &T) {}
-    let out = spawn_world(1, Config::default(), |comm: Communicator| {
+    on_ranks(1, |comm: Communicator| {
         let mut w = vec![0.0f32; 3];
         let cfg = cfg(Overlap::On, UnevenInputs::DivideByWorldSize);
         let mut ddp = Ddp::new(comm, &mut [Param::new("w", &mut w)], cfg).unwrap();
@@ -442,14 +435,11 @@ fn a_ddp_with_a_flag_in_flight_can_move_to_another_thread() {
         assert_eq!(ddp.join_step().unwrap(), None);
         Ok(())
     });
-    for r in out {
-        r.unwrap();
-    }
 }
 
 #[test]
 fn mixed_feeds_are_named_on_every_rank_and_buffers_come_from_a_rank_still_training() {
-    let out = spawn_world(3, Config::default(), |comm: Communicator| {
+    on_ranks(3, |comm: Communicator| {
         let rank = comm.rank();
         let r = format!("rank {rank}");
         let comm = std::sync::Arc::new(comm);
@@ -468,18 +458,7 @@ fn mixed_feeds_are_named_on_every_rank_and_buffers_come_from_a_rank_still_traini
             e.contains(&r) && e.contains("counts (u8)") && e.contains("DivideByWorldSize"),
             "{e}"
         );
-        let mut w: Vec<Vec<f32>> = LENS.iter().map(|&l| vec![0.0; l]).collect();
-        let mut params: Vec<Param> = w
-            .iter_mut()
-            .enumerate()
-            .map(|(p, v)| Param::new(format!("w{p}"), v.as_mut_slice()))
-            .collect();
-        let mut ddp = Ddp::new(
-            comm,
-            &mut params,
-            cfg(Overlap::On, UnevenInputs::DivideByWorldSize),
-        )
-        .unwrap();
+        let mut ddp = new_ddp(comm, cfg(Overlap::On, UnevenInputs::DivideByWorldSize)).unwrap();
         // With a hook `sync` issues what `grad_ready` does, so ranks that mix them stay in step;
         // the flag still tells, and every rank names it.
         let count = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -529,7 +508,4 @@ fn mixed_feeds_are_named_on_every_rank_and_buffers_come_from_a_rank_still_traini
         }
         Ok(())
     });
-    for (rank, r) in out.into_iter().enumerate() {
-        r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-    }
 }
