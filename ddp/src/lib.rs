@@ -67,10 +67,11 @@
 //!   rank at once, when the last rank joins. The sum is divided by the world size
 //!   ([`UnevenInputs::DivideByWorldSize`], PyTorch's default) or by the ranks still training
 //!   ([`UnevenInputs::DivideByActiveRanks`]); [`Ddp::active_ranks`] says how many trained.
-//!   It costs one all-reduce of a byte per rank in each synchronised step, issued at its first
-//!   gradient. The trainer's own per-step collectives (a loss all-reduce,
-//!   [`Ddp::broadcast_buffers`], which then broadcasts from a rank still training) go after
-//!   each step's `finish()`/`sync()`, and on a joined rank after each `join_step`.
+//!   It costs one all-reduce of a byte per rank in each synchronised step, issued at the first
+//!   gradient of its synchronising micro-batch. The trainer's own per-step collectives (a loss
+//!   all-reduce, [`Ddp::broadcast_buffers`], which then broadcasts from a rank still training)
+//!   go after each step's synchronising `finish()`/`sync()`, and on a joined rank after each
+//!   `join_step`.
 //!
 //! A rank with uneven data, fed through `sync`:
 //!

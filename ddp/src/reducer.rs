@@ -85,6 +85,8 @@ pub struct Ddp<C: Borrow<Communicator> = Communicator> {
     via_sync: bool,
     /// Inside `join_step`: who trains in the step this rank stands in for with zero gradients.
     shadow: Option<Trainers>,
+    /// The flag of this step, once read (`sync` reads it before choosing its path).
+    flag_read: Option<Trainers>,
     /// Ranks that trained in the last synchronised step.
     active: usize,
     /// The lowest rank that trained in the last synchronised step (0 without uneven inputs):
@@ -270,6 +272,7 @@ impl<C: Borrow<Communicator>> Ddp<C> {
             join_flag: None,
             via_sync: false,
             shadow: None,
+            flag_read: None,
             active: world,
             lead: 0,
             shadow_grads: Vec::new(),
@@ -555,9 +558,8 @@ impl<C: Borrow<Communicator>> Ddp<C> {
     /// pass.
     pub fn grad_ready_in_place(&mut self, param: usize) -> Result<()> {
         self.spec(param, "grad_ready_in_place")?;
-        self.begin(false);
-        self.check_not_ready(param, "grad_ready_in_place")?;
-        if !self.slot_out[param] {
+        // Checked before `begin`: a refused call starts no micro-batch (and sends no flag).
+        if self.phase != Phase::Backward || !self.slot_out[param] {
             return Err(self.invalid(
                 "grad_ready_in_place",
                 format!(
@@ -567,6 +569,7 @@ impl<C: Borrow<Communicator>> Ddp<C> {
                 ),
             ));
         }
+        self.check_not_ready(param, "grad_ready_in_place")?;
         self.mark_ready(param, self.overlap);
         Ok(())
     }
@@ -814,18 +817,8 @@ impl<C: Borrow<Communicator>> Ddp<C> {
     fn wait_flag(&mut self) -> Result<f64> {
         let world = self.comm().size();
         let op = self.step_op();
-        let t = if let Some(t) = self.shadow {
-            t
-        } else if let Some(work) = self.join_flag.take() {
-            let flag = work.wait()?;
-            self.read_flag(&flag, op)?
-        } else {
-            Trainers {
-                active: world,
-                syncs: 0,
-                lead: 0,
-            }
-        };
+        let t = self.trainers()?;
+        self.flag_read = None;
         self.active = t.active;
         self.lead = t.lead;
         if t.syncs != 0 && t.syncs != t.active {
@@ -837,6 +830,34 @@ impl<C: Borrow<Communicator>> Ddp<C> {
             }
             _ => 1.0,
         })
+    }
+
+    /// Who trains in this synchronising step: what `join_step` read, or this step's flag
+    /// (waited for once, kept until [`Ddp::wait_flag`]); every rank, without uneven inputs.
+    fn trainers(&mut self) -> Result<Trainers> {
+        if let Some(t) = self.shadow.or(self.flag_read) {
+            return Ok(t);
+        }
+        let op = self.step_op();
+        let t = if let Some(work) = self.join_flag.take() {
+            let flag = work.wait()?;
+            self.read_flag(&flag, op)?
+        } else if self.cfg.uneven_inputs != UnevenInputs::Off {
+            // Only after a call of this step failed half-way: the ranks are out of step.
+            return Err(self.invalid(
+                op,
+                "this step's uneven-inputs flag was already read by a call that failed; the \
+                 ranks are no longer in step",
+            ));
+        } else {
+            Trainers {
+                active: self.comm().size(),
+                syncs: 0,
+                lead: 0,
+            }
+        };
+        self.flag_read = Some(t);
+        Ok(t)
     }
 
     /// Multiplies averaged gradients by `factor` (from [`Ddp::wait_flag`]) unless it is 1.
@@ -878,7 +899,8 @@ impl<C: Borrow<Communicator>> Ddp<C> {
     /// `sync()`, whichever they use (the flag, one byte per rank, says), with this rank's comm
     /// hook. A joined rank learns of a step only from its flag, issued at the step's first
     /// gradient: collectives the trainer issues itself once per step (a loss all-reduce,
-    /// [`Ddp::broadcast_buffers`]) must come after the step's `finish()`/`sync()` on training
+    /// [`Ddp::broadcast_buffers`]) must come after the step's synchronising `finish()`/`sync()`
+    /// (not after an accumulating one) on training
     /// ranks, and after each `Some` on a joined one, or the ranks' sequences part. A joined
     /// rank waits in the flag while the others compute: the communicator's time-out
     /// (`OXCCL_TIMEOUT`) must be longer than a step.
@@ -1053,9 +1075,10 @@ impl<C: Borrow<Communicator>> Ddp<C> {
     /// Broadcasts `buffers` (e.g. batch-norm running statistics) from rank 0 into every rank's,
     /// small ones packed together. Collective; call it where every rank does (e.g. before each
     /// forward, as PyTorch's `broadcast_buffers`). With [`DdpConfig::uneven_inputs`] the root is
-    /// the lowest rank that trained in the last synchronised step (rank 0 until a rank has
-    /// joined; after the last `join_step`, one that trained to the end), so a joined rank's
-    /// stale buffers are never broadcast; call it after each step's `finish()`/`sync()`, and
+    /// the lowest rank that trained in the last synchronised step (rank 0 until rank 0
+    /// joins; after the last `join_step`, one that trained to the end), so a joined rank's
+    /// stale buffers are never broadcast; call it after each step's synchronising
+    /// `finish()`/`sync()`, and
     /// on a joined rank after each `join_step` that returns `Some` (see there).
     ///
     /// # Errors

@@ -652,6 +652,14 @@ fn bad_slot_calls_get_an_error_naming_rank_call_and_parameter() {
             ddp.grad_ready(p, &vec![2.0f32; LENS[p]]).unwrap();
         }
         ddp.finish().unwrap();
+        // A refused grad_ready_in_place starts no backward pass: sync may follow it.
+        expect_invalid(
+            ddp.grad_ready_in_place(3),
+            &[&r, "grad_ready_in_place", "not taken with grad_slot"],
+        );
+        let mut grads: Vec<Vec<f32>> = LENS.iter().map(|&n| vec![3.0; n]).collect();
+        assert_eq!(ddp.sync(&mut grads).unwrap(), Step::Synced { step: 2 });
+        assert!(grads.iter().flatten().all(|&x| x == 3.0));
         Ok(())
     });
 }

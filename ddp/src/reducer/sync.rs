@@ -12,6 +12,7 @@ use std::borrow::Borrow;
 use oxccl_comm::{Communicator, ReduceOp};
 
 use super::{Ddp, Phase, Step};
+use crate::config::UnevenInputs;
 use crate::error::Result;
 use crate::flat::{FlatBuffer, GradBuf};
 use crate::hooks::{AllReduceAvg, CommHook, GradBucket, HookWork};
@@ -80,9 +81,7 @@ impl<C: Borrow<Communicator>> Ddp<C> {
             }
             self.check_param(p, g.dtype(), n, "sync")?;
         }
-        if self.phase == Phase::Backward
-            && (self.ready.iter().any(|&r| r) || self.slot_out.iter().any(|&o| o))
-        {
+        if self.phase == Phase::Backward && !self.via_sync {
             return Err(self.invalid(
                 "sync",
                 "grad_ready or grad_slot was already called in this backward pass; use one or \
@@ -92,6 +91,14 @@ impl<C: Borrow<Communicator>> Ddp<C> {
         self.begin(true);
         if !self.syncing() || !self.default_hook {
             return self.sync_through_buckets(grads);
+        }
+        // Uneven inputs: when some training ranks feed this step through grad_ready, take the
+        // bucket path as they (and joined ranks) do; the step then ends in an error everywhere.
+        if self.cfg.uneven_inputs != UnevenInputs::Off {
+            let t = self.trainers()?;
+            if t.syncs != t.active {
+                return self.sync_through_buckets(grads);
+            }
         }
         if self.sync_plan.is_none() {
             self.sync_plan = Some(self.sync_plan());
@@ -154,8 +161,8 @@ impl<C: Borrow<Communicator>> Ddp<C> {
                 .map(|b| &b.bytes()[moff * sz..(moff + s.len) * sz]);
             if in_place {
                 let g = grads[p].bytes_mut();
-                if let Some(acc) = acc {
-                    self.add(g, acc, p)?;
+                if let Some(Err(e)) = acc.map(|acc| self.add(g, acc, p)) {
+                    first_err.get_or_insert(e);
                 }
                 // Issued whatever happened before, so every rank issues the same sequence.
                 let r = oxccl_kernels::with_dtype!(s.dtype, all_reduce_avg(comm, g, s.len))
@@ -170,8 +177,8 @@ impl<C: Borrow<Communicator>> Ddp<C> {
                 };
                 let dst = &mut buf.bytes_mut()[off * sz..(off + s.len) * sz];
                 dst.copy_from_slice(grads[p].bytes());
-                if let Some(acc) = acc {
-                    self.add(dst, acc, p)?;
+                if let Some(Err(e)) = acc.map(|acc| self.add(dst, acc, p)) {
+                    first_err.get_or_insert(e);
                 }
                 left[b] -= 1;
                 if left[b] == 0 {
