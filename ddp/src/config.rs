@@ -33,10 +33,10 @@ pub struct DdpConfig {
     /// Whether ranks may run out of data at different steps (PyTorch's `Join` context for
     /// uneven inputs; default [`UnevenInputs::Off`]). When not `Off`, every synchronising step
     /// also all-reduces a flag of one byte per rank (who trains, and through `sync` or
-    /// `grad_ready`), issued at the first gradient of the step's synchronising micro-batch, before
-    /// any bucket, and a rank with no
-    /// more data calls [`Ddp::join_step`](crate::Ddp::join_step) until it returns `None`: each
-    /// call stands in for one step of the ranks still training, with zero gradients. The same
+    /// `grad_ready`), issued at the first gradient of the step's synchronising micro-batch,
+    /// before any bucket, and a rank with no more data calls
+    /// [`Ddp::join_step`](crate::Ddp::join_step) until it returns `None`: each call stands in
+    /// for one step of the ranks still training, with zero gradients. The same
     /// on every rank ([`Ddp::new`](crate::Ddp::new) checks). Ranks that train in a step must
     /// feed it the same way (all `sync`, or all `grad_ready`/`grad_slot`): the flag tells, and
     /// a step fed both ways ends in an error on every rank (its collectives still matched:

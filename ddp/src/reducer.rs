@@ -897,13 +897,13 @@ impl<C: Borrow<Communicator>> Ddp<C> {
     ///
     /// Collective with the training ranks' steps: it matches their `grad_ready`/`finish()` or
     /// `sync()`, whichever they use (the flag, one byte per rank, says), with this rank's comm
-    /// hook. A joined rank learns of a step only from its flag, issued at the step's first
-    /// gradient: collectives the trainer issues itself once per step (a loss all-reduce,
-    /// [`Ddp::broadcast_buffers`]) must come after the step's synchronising `finish()`/`sync()`
-    /// (not after an accumulating one) on training
-    /// ranks, and after each `Some` on a joined one, or the ranks' sequences part. A joined
-    /// rank waits in the flag while the others compute: the communicator's time-out
-    /// (`OXCCL_TIMEOUT`) must be longer than a step.
+    /// hook. A joined rank learns of a step only from its flag, issued at the first gradient of
+    /// the step's synchronising micro-batch: collectives the trainer issues itself once per
+    /// step (a loss all-reduce, [`Ddp::broadcast_buffers`]) must come after the step's
+    /// synchronising `finish()`/`sync()` (not after an accumulating one) on training ranks, and
+    /// after each `Some` on a joined one, or the ranks' sequences part. A joined rank waits in
+    /// the flag while the others compute: the communicator's time-out (`OXCCL_TIMEOUT`) must
+    /// be longer than a step.
     ///
     /// # Errors
     /// `InvalidArgument` when `uneven_inputs` is `Off`, in the middle of a step (a micro-batch
