@@ -434,6 +434,33 @@ fn a_ddp_with_a_flag_in_flight_can_move_to_another_thread() {
     });
 }
 
+/// One step on 3 ranks fed both ways: rank 0 through `sync`, rank 1 through `grad_ready`, rank
+/// 2 joined. Every rank must get the error naming it, under its own call.
+fn mixed_step<C: std::borrow::Borrow<Communicator>>(ddp: &mut Ddp<C>, rank: usize) {
+    let e = match rank {
+        0 => {
+            let mut grads: Vec<Vec<f32>> = (0..LENS.len()).map(|p| grad(rank, 0, p)).collect();
+            ddp.sync(&mut grads).map(|_| ())
+        }
+        1 => {
+            for p in (0..LENS.len()).rev() {
+                ddp.grad_ready(p, &grad(rank, 0, p)).unwrap();
+            }
+            ddp.finish().map(|_| ())
+        }
+        _ => ddp.join_step().map(|_| ()),
+    }
+    .unwrap_err()
+    .to_string();
+    let op = ["sync", "finish", "join_step"][rank];
+    assert!(
+        e.contains(&format!("rank {rank}"))
+            && e.contains(op)
+            && e.contains("1 feed it through sync()"),
+        "{e}"
+    );
+}
+
 #[test]
 fn mixed_feeds_are_named_on_every_rank_and_buffers_come_from_a_rank_still_training() {
     on_ranks(3, |comm: Communicator| {
@@ -467,23 +494,7 @@ fn mixed_feeds_are_named_on_every_rank_and_buffers_come_from_a_rank_still_traini
         let grads = |batch: usize| -> Vec<Vec<f32>> {
             (0..LENS.len()).map(|p| grad(rank, batch, p)).collect()
         };
-        let e = match rank {
-            0 => ddp.sync(&mut grads(0)).map(|_| ()),
-            1 => {
-                for p in (0..LENS.len()).rev() {
-                    ddp.grad_ready(p, &grad(rank, 0, p)).unwrap();
-                }
-                ddp.finish().map(|_| ())
-            }
-            _ => ddp.join_step().map(|_| ()),
-        }
-        .unwrap_err()
-        .to_string();
-        let op = ["sync", "finish", "join_step"][rank];
-        assert!(
-            e.contains(&r) && e.contains(op) && e.contains("1 feed it through sync()"),
-            "{e}"
-        );
+        mixed_step(&mut ddp, rank);
         // Still in step: every rank feeds the next one alike.
         for p in (0..LENS.len()).rev() {
             ddp.grad_ready(p, &grad(rank, 1, p)).unwrap();
@@ -497,22 +508,7 @@ fn mixed_feeds_are_named_on_every_rank_and_buffers_come_from_a_rank_still_traini
         )
         .unwrap();
         for _ in 0..2 {
-            let e = match rank {
-                0 => plain.sync(&mut grads(0)).map(|_| ()),
-                1 => {
-                    for p in (0..LENS.len()).rev() {
-                        plain.grad_ready(p, &grad(rank, 0, p)).unwrap();
-                    }
-                    plain.finish().map(|_| ())
-                }
-                _ => plain.join_step().map(|_| ()),
-            }
-            .unwrap_err()
-            .to_string();
-            assert!(
-                e.contains(&r) && e.contains("1 feed it through sync()"),
-                "{e}"
-            );
+            mixed_step(&mut plain, rank);
         }
         let mut g = grads(3);
         assert_eq!(plain.sync(&mut g).unwrap(), Step::Synced { step: 0 });
