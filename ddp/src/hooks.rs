@@ -6,6 +6,9 @@
 //! [`CompressHook`] halves the bytes on the wire: f32/f64 buckets are pre-divided by the world
 //! size, rounded to f16 or bf16, summed, and widened back (PyTorch's `fp16_compress_hook` and
 //! `bf16_compress_hook`). Buckets of other dtypes go through the plain all-reduce.
+//! [`PowerSgd`](crate::PowerSgd) sends a low-rank approximation of each weight matrix instead
+//! (PyTorch's `powerSGD_hook`): two small all-reduces per bucket, the second issued while
+//! DDP waits on the bucket ([`CommHook::communicates_in_wait`]).
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
@@ -21,15 +24,40 @@ pub struct GradBucket {
     pub index: usize,
     /// The bucket's gradients, summed over this rank's micro-batches.
     pub buffer: FlatBuffer,
+    /// The parameters whose gradients the buffer holds, in buffer order.
+    pub params: Vec<BucketEntry>,
 }
+
+/// Where one parameter's gradient lies in a [`GradBucket`]'s buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BucketEntry {
+    /// The parameter's index (its position in the list given to [`Ddp::new`](crate::Ddp::new)).
+    pub param: usize,
+    /// Its first element in the buffer.
+    pub offset: usize,
+    /// Its number of elements.
+    pub len: usize,
+}
+
+/// What waiting on a hook runs: it may use the communicator again (a second round).
+type Finish = Box<dyn FnOnce(&Communicator) -> Result<FlatBuffer> + Send>;
 
 /// The pending result of a hook: waiting gives back the averaged bucket.
 #[must_use = "a bucket's gradients come back only through wait()"]
-pub struct HookWork(Box<dyn FnOnce() -> Result<FlatBuffer> + Send>);
+pub struct HookWork(Finish);
 
 impl HookWork {
     /// Work that completes by running `f` (which waits on the hook's collectives).
     pub fn new(f: impl FnOnce() -> Result<FlatBuffer> + Send + 'static) -> HookWork {
+        HookWork(Box::new(move |_: &Communicator| f()))
+    }
+
+    /// Work that completes by running `f` with the bucket's communicator: for hooks that issue
+    /// more collectives once the first ones are done (their [`CommHook::communicates_in_wait`]
+    /// must then say so).
+    pub fn with_comm(
+        f: impl FnOnce(&Communicator) -> Result<FlatBuffer> + Send + 'static,
+    ) -> HookWork {
         HookWork(Box::new(f))
     }
 
@@ -38,12 +66,13 @@ impl HookWork {
         HookWork::new(move || Ok(buffer))
     }
 
-    /// Waits for the hook's communication; returns the averaged bucket.
+    /// Waits for the hook's communication; returns the averaged bucket. `comm` is the
+    /// communicator the hook was started on.
     ///
     /// # Errors
     /// The hook's error, usually a collective's (`PeerLost`, `Timeout`, ...).
-    pub fn wait(self) -> Result<FlatBuffer> {
-        (self.0)()
+    pub fn wait(self, comm: &Communicator) -> Result<FlatBuffer> {
+        (self.0)(comm)
     }
 }
 
@@ -55,6 +84,15 @@ pub trait CommHook: Send {
     /// Starts averaging `bucket` across the ranks of `comm`. Called on every rank for every bucket
     /// in the same order; it must issue the same collectives on every rank.
     fn start(&mut self, comm: &Communicator, bucket: GradBucket) -> HookWork;
+
+    /// Whether waiting on this hook's work issues collectives ([`HookWork::with_comm`]).
+    /// DDP then starts every bucket of a step before waiting on the first, whatever each rank's
+    /// [`Overlap`](crate::Overlap), so that every rank issues the second rounds at the same
+    /// place in its sequence of collectives: every bucket's first round, then the second
+    /// rounds in bucket order. Default `false`.
+    fn communicates_in_wait(&self) -> bool {
+        false
+    }
 }
 
 /// The default hook: one async all-reduce with `ReduceOp::Avg` per bucket, in place.

@@ -56,7 +56,8 @@
 //! - **Unused parameters**: a parameter that gets no gradient in a step is named in
 //!   [`DdpError::UnusedParameters`], or reduced as zeros with `find_unused_parameters`.
 //! - **Comm hooks**: [`CommHook`] replaces the all-reduce of each bucket; [`CompressHook`] sends
-//!   f16 or bf16 on the wire.
+//!   f16 or bf16 on the wire; [`PowerSgd`] sends a low-rank approximation of each weight
+//!   matrix, with error feedback (PyTorch's `powerSGD_hook`).
 //! - **Buffers**: [`Ddp::broadcast_buffers`] copies rank 0's (e.g. batch-norm statistics; with
 //!   uneven inputs, the lowest rank's that trained in the last step).
 //! - **Uneven inputs** (PyTorch's `Join`): with [`DdpConfig::uneven_inputs`] set, a rank that
@@ -129,10 +130,12 @@ mod error;
 mod flat;
 pub mod hooks;
 mod layout;
+mod powersgd;
 mod reducer;
 
 pub use config::{DdpConfig, Overlap, Param, Step, UnevenInputs};
 pub use error::{DdpError, Result};
 pub use flat::{FlatBuffer, GradBuf, TensorMut, Typed};
-pub use hooks::{AllReduceAvg, CommHook, CompressHook, GradBucket, HookWork};
+pub use hooks::{AllReduceAvg, BucketEntry, CommHook, CompressHook, GradBucket, HookWork};
+pub use powersgd::{PowerSgd, PowerSgdConfig};
 pub use reducer::{Ddp, NoSync};

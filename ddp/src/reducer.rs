@@ -9,10 +9,25 @@ use oxccl_comm::{Communicator, DType, Element, ReduceOp, Work};
 use crate::config::{DdpConfig, Overlap, Param, Step, UnevenInputs};
 use crate::error::{DdpError, Result};
 use crate::flat::{FlatBuffer, GradBuf};
-use crate::hooks::{AllReduceAvg, CommHook, GradBucket, HookWork};
+use crate::hooks::{AllReduceAvg, BucketEntry, CommHook, GradBucket, HookWork};
 use crate::layout::{plan, BucketSpec, ParamSpec};
 
 mod sync;
+
+/// Where each member of a bucket lies in its buffer, for the hook.
+fn entries(spec: &BucketSpec) -> Vec<BucketEntry> {
+    let end = spec.offsets.iter().skip(1).copied().chain([spec.len]);
+    spec.params
+        .iter()
+        .zip(&spec.offsets)
+        .zip(end)
+        .map(|((&param, &offset), end)| BucketEntry {
+            param,
+            offset,
+            len: end - offset,
+        })
+        .collect()
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Phase {
@@ -644,9 +659,15 @@ impl<C: Borrow<Communicator>> Ddp<C> {
             .buf
             .take()
             .unwrap_or_else(|| FlatBuffer::zeros(bucket.spec.dtype, bucket.spec.len));
-        let work = self
-            .hook
-            .start(self.comm.borrow(), GradBucket { index: b, buffer });
+        let params = entries(&bucket.spec);
+        let work = self.hook.start(
+            self.comm.borrow(),
+            GradBucket {
+                index: b,
+                buffer,
+                params,
+            },
+        );
         self.buckets[b].work = Some(work);
         self.next_launch += 1;
     }
@@ -690,7 +711,7 @@ impl<C: Borrow<Communicator>> Ddp<C> {
             self.ready[p] = true;
             self.buckets[b].pending -= 1;
         }
-        if self.overlap {
+        if self.overlap || self.hook.communicates_in_wait() {
             self.launch_ready();
         }
         let mut first_err: Option<DdpError> = None;
@@ -708,7 +729,7 @@ impl<C: Borrow<Communicator>> Ddp<C> {
             let Some(work) = self.buckets[b].work.take() else {
                 continue;
             };
-            match work.wait() {
+            match work.wait(self.comm.borrow()) {
                 Ok(mut buf)
                     if buf.dtype() == self.buckets[b].spec.dtype
                         && buf.len() == self.buckets[b].spec.len =>

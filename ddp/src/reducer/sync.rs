@@ -16,7 +16,7 @@ use crate::config::UnevenInputs;
 use crate::error::Result;
 use crate::flat::{FlatBuffer, GradBuf};
 use crate::hooks::{AllReduceAvg, CommHook, GradBucket, HookWork};
-use crate::layout::{plan, Layout};
+use crate::layout::{plan, BucketSpec, Layout};
 
 /// The packed layout of the small gradients for `sync`, rebuilt with the main layout.
 pub(super) struct SyncPlan {
@@ -183,14 +183,14 @@ impl<C: Borrow<Communicator>> Ddp<C> {
                 left[b] -= 1;
                 if left[b] == 0 {
                     if let Some(buffer) = bufs[b].take() {
-                        works[b] = Some(self.hook_default(comm, b, buffer));
+                        works[b] = Some(self.hook_default(comm, b, buffer, &small.buckets[b]));
                     }
                 }
             }
         }
         for (b, w) in works.into_iter().enumerate() {
             let Some(w) = w else { continue };
-            match w.wait() {
+            match w.wait(comm) {
                 Ok(mut buf) => {
                     let spec = &small.buckets[b];
                     if let Err(e) = self.rescale(buf.bytes_mut(), spec.dtype, factor) {
@@ -227,8 +227,23 @@ impl<C: Borrow<Communicator>> Ddp<C> {
             .map_err(|e| self.invalid("sync", format!("accumulating parameter {p}: {e}")))
     }
 
-    fn hook_default(&self, comm: &Communicator, index: usize, buffer: FlatBuffer) -> HookWork {
-        CommHook::start(&mut AllReduceAvg, comm, GradBucket { index, buffer })
+    fn hook_default(
+        &self,
+        comm: &Communicator,
+        index: usize,
+        buffer: FlatBuffer,
+        spec: &BucketSpec,
+    ) -> HookWork {
+        let params = super::entries(spec);
+        CommHook::start(
+            &mut AllReduceAvg,
+            comm,
+            GradBucket {
+                index,
+                buffer,
+                params,
+            },
+        )
     }
 }
 
