@@ -41,7 +41,7 @@ use std::time::Duration;
 use clap::{Parser, ValueEnum};
 use mlp::{Mode, Shape};
 use oxccl::comm::{Communicator, ReduceOp};
-use oxccl::ddp::{DdpConfig, Overlap, UnevenInputs};
+use oxccl::ddp::{CommHook, DdpConfig, Overlap, PowerSgd, PowerSgdConfig, UnevenInputs};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum ModeArg {
@@ -120,6 +120,14 @@ struct Args {
     /// others' steps with `Ddp::join_step` (`UnevenInputs::DivideByActiveRanks`).
     #[arg(long)]
     uneven: bool,
+    /// Compress gradients with PowerSGD of this rank (`oxccl::ddp::PowerSgd`; 0, the default,
+    /// averages them exactly). With `--check`, the model is compared with the uncompressed
+    /// one only before compression starts; the replicas must stay identical throughout.
+    #[arg(long, default_value_t = 0)]
+    powersgd: usize,
+    /// Synchronised steps averaged exactly before PowerSGD starts compressing.
+    #[arg(long, default_value_t = 1)]
+    powersgd_start: u64,
 }
 
 fn median_ms(mut v: Vec<Duration>) -> f64 {
@@ -233,6 +241,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         },
         ..DdpConfig::default()
     };
+    // `--powersgd R`: the hook, made afresh for every training run.
+    let shapes = mlp::Mlp::new(&shape, 0).shapes();
+    let hook = || -> Option<Box<dyn CommHook>> {
+        (args.powersgd > 0).then(|| {
+            Box::new(PowerSgd::new(
+                PowerSgdConfig {
+                    rank: args.powersgd,
+                    start_step: args.powersgd_start,
+                    ..PowerSgdConfig::default()
+                },
+                shapes.clone(),
+            )) as Box<dyn CommHook>
+        })
+    };
     // Steps of data per rank (`--uneven`: rank r runs out r steps early).
     let own_steps = |r: usize| {
         if args.uneven {
@@ -286,16 +308,26 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     overlap,
                     ..cfg.clone()
                 };
-                mlp::train_ddp(&comm, &shape, args.steps, mode, cfg, |step, _, _, r| {
-                    if step > 0 {
-                        // Step 0 warms up.
-                        times[k].push(r.time);
-                        times[n + k].push(r.backward);
-                        times[2 * n + k].push(r.exposed);
-                        times[3 * n + k].push(r.time.saturating_sub(r.backward + r.exposed));
-                    }
-                    Ok(())
-                })?;
+                let steps = args.steps;
+                mlp::train_ddp_uneven(
+                    &comm,
+                    &shape,
+                    steps,
+                    false,
+                    mode,
+                    cfg,
+                    hook(),
+                    |step, _, _, r| {
+                        if step > 0 {
+                            // Step 0 warms up.
+                            times[k].push(r.time);
+                            times[n + k].push(r.backward);
+                            times[2 * n + k].push(r.exposed);
+                            times[3 * n + k].push(r.time.saturating_sub(r.backward + r.exposed));
+                        }
+                        Ok(())
+                    },
+                )?;
             }
         }
         // The slowest rank sets the pace: report the maximum of every rank's median.
@@ -397,6 +429,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         args.uneven,
         mode,
         cfg,
+        hook(),
         |step, model, ddp, r| {
             // The mean loss over the ranks that trained in this step.
             let mut loss = [r.loss, if r.joined { 0.0 } else { 1.0 }];
@@ -415,7 +448,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 let same = mlp::replicas_identical(ddp.comm(), model)?;
                 line +=
                     &format!("  max rel diff vs 1 process {diff:.2e}  replicas identical: {same}");
-                if diff > 1e-5 || !same {
+                // PowerSGD leaves the exact model once it compresses.
+                let exact = args.powersgd == 0 || (step as u64) < args.powersgd_start;
+                if (exact && diff > 1e-5) || !same {
                     return Err(format!("rank {rank}: step {step}: {line}").into());
                 }
             }
@@ -426,7 +461,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         },
     )?;
     if args.check && rank == 0 {
-        println!("check passed: worst relative difference {worst:.2e}, replicas bit-identical");
+        if args.powersgd > 0 {
+            println!(
+                "check passed: replicas bit-identical; PowerSGD from step {}, where the model \
+                 leaves the uncompressed one ({worst:.2e} at most)",
+                args.powersgd_start
+            );
+        } else {
+            println!("check passed: worst relative difference {worst:.2e}, replicas bit-identical");
+        }
     }
     Ok(())
 }

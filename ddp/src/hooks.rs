@@ -95,6 +95,21 @@ pub trait CommHook: Send {
     }
 }
 
+/// A boxed hook is a hook: for a hook chosen at run time (`Box<dyn CommHook>`).
+impl<H: CommHook + ?Sized> CommHook for Box<H> {
+    fn name(&self) -> &str {
+        (**self).name()
+    }
+
+    fn start(&mut self, comm: &Communicator, bucket: GradBucket) -> HookWork {
+        (**self).start(comm, bucket)
+    }
+
+    fn communicates_in_wait(&self) -> bool {
+        (**self).communicates_in_wait()
+    }
+}
+
 /// The default hook: one async all-reduce with `ReduceOp::Avg` per bucket, in place.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct AllReduceAvg;

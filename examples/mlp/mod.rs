@@ -10,7 +10,7 @@
 use std::time::{Duration, Instant};
 
 use oxccl::comm::{Communicator, ReduceOp};
-use oxccl::ddp::{Ddp, DdpConfig, DdpError, Param};
+use oxccl::ddp::{CommHook, Ddp, DdpConfig, DdpError, Param};
 
 /// Sizes of the model and of each rank's batch.
 #[derive(Clone, Debug)]
@@ -116,6 +116,21 @@ impl Mlp {
     pub fn names(&self) -> Vec<String> {
         (0..self.params.len())
             .map(|p| format!("layer{}.{}", p / 2, ["weight", "bias"][p % 2]))
+            .collect()
+    }
+
+    /// Parameter shapes, for `PowerSgd`: `[out, in]` for a weight (stored row by row), `[out]`
+    /// for a bias.
+    pub fn shapes(&self) -> Vec<Vec<usize>> {
+        (0..self.params.len())
+            .map(|p| {
+                let l = p / 2;
+                if p % 2 == 0 {
+                    vec![self.dims[l + 1], self.dims[l]]
+                } else {
+                    vec![self.dims[l + 1]]
+                }
+            })
             .collect()
     }
 
@@ -387,13 +402,13 @@ pub fn train_ddp<C: std::borrow::Borrow<Communicator>>(
     cfg: DdpConfig,
     each: impl FnMut(usize, &Mlp, &Ddp<C>, StepReport) -> Result<(), Box<dyn std::error::Error>>,
 ) -> Result<Mlp, Box<dyn std::error::Error>> {
-    train_ddp_uneven(comm, shape, steps, false, mode, cfg, each)
+    train_ddp_uneven(comm, shape, steps, false, mode, cfg, None, each)
 }
 
 /// As [`train_ddp`], for a rank with data for `steps` steps only: with `join`, it then stands in
 /// for the other ranks' steps (`Ddp::join_step`, `cfg.uneven_inputs` set alike on every rank)
 /// until every rank has joined, applying the averaged gradients as they do, and calls `each`
-/// for those steps too (`report.joined`).
+/// for those steps too (`report.joined`). `hook`: a comm hook to set (every rank alike).
 ///
 /// # Errors
 /// Any DDP or communicator error.
@@ -404,6 +419,7 @@ pub fn train_ddp_uneven<C: std::borrow::Borrow<Communicator>>(
     join: bool,
     mode: Mode,
     cfg: DdpConfig,
+    hook: Option<Box<dyn CommHook>>,
     mut each: impl FnMut(usize, &Mlp, &Ddp<C>, StepReport) -> Result<(), Box<dyn std::error::Error>>,
 ) -> Result<Mlp, Box<dyn std::error::Error>> {
     let (rank, world) = (comm.borrow().rank(), comm.borrow().size());
@@ -417,6 +433,9 @@ pub fn train_ddp_uneven<C: std::borrow::Borrow<Communicator>>(
         .collect();
     let mut ddp = Ddp::new(comm, &mut params, cfg)?;
     drop(params);
+    if let Some(hook) = hook {
+        ddp.set_comm_hook(hook)?;
+    }
     let mut grads: Vec<Vec<f32>> = model.params.iter().map(|p| vec![0.0; p.len()]).collect();
     for step in 0..steps {
         let (x, t) = samples(shape, (step * world + rank) * shape.batch, shape.batch);
