@@ -309,25 +309,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     ..cfg.clone()
                 };
                 let steps = args.steps;
-                mlp::train_ddp_uneven(
-                    &comm,
-                    &shape,
+                let run = mlp::Run {
                     steps,
-                    false,
+                    join: false,
                     mode,
                     cfg,
-                    hook(),
-                    |step, _, _, r| {
-                        if step > 0 {
-                            // Step 0 warms up.
-                            times[k].push(r.time);
-                            times[n + k].push(r.backward);
-                            times[2 * n + k].push(r.exposed);
-                            times[3 * n + k].push(r.time.saturating_sub(r.backward + r.exposed));
-                        }
-                        Ok(())
-                    },
-                )?;
+                    hook: hook(),
+                };
+                mlp::train_ddp_run(&comm, &shape, run, |step, _, _, r| {
+                    if step > 0 {
+                        // Step 0 warms up.
+                        times[k].push(r.time);
+                        times[n + k].push(r.backward);
+                        times[2 * n + k].push(r.exposed);
+                        times[3 * n + k].push(r.time.saturating_sub(r.backward + r.exposed));
+                    }
+                    Ok(())
+                })?;
             }
         }
         // The slowest rank sets the pace: report the maximum of every rank's median.
@@ -422,44 +420,41 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Vec::new()
     };
     let mut worst = 0.0f32;
-    mlp::train_ddp_uneven(
-        &comm,
-        &shape,
-        own_steps(rank),
-        args.uneven,
+    let run = mlp::Run {
+        steps: own_steps(rank),
+        join: args.uneven,
         mode,
         cfg,
-        hook(),
-        |step, model, ddp, r| {
-            // The mean loss over the ranks that trained in this step.
-            let mut loss = [r.loss, if r.joined { 0.0 } else { 1.0 }];
-            ddp.comm().all_reduce(&mut loss, ReduceOp::Sum)?;
-            let mut line = format!(
-                "step {step:>3}  loss {:.6}  {:7.2} ms",
-                loss[0] / loss[1].max(1.0),
-                r.time.as_secs_f64() * 1e3
-            );
-            if args.uneven {
-                line += &format!("  ranks training {}", loss[1]);
+        hook: hook(),
+    };
+    mlp::train_ddp_run(&comm, &shape, run, |step, model, ddp, r| {
+        // The mean loss over the ranks that trained in this step.
+        let mut loss = [r.loss, if r.joined { 0.0 } else { 1.0 }];
+        ddp.comm().all_reduce(&mut loss, ReduceOp::Sum)?;
+        let mut line = format!(
+            "step {step:>3}  loss {:.6}  {:7.2} ms",
+            loss[0] / loss[1].max(1.0),
+            r.time.as_secs_f64() * 1e3
+        );
+        if args.uneven {
+            line += &format!("  ranks training {}", loss[1]);
+        }
+        if args.check {
+            let diff = mlp::max_rel_diff(model, &reference[step]);
+            worst = worst.max(diff);
+            let same = mlp::replicas_identical(ddp.comm(), model)?;
+            line += &format!("  max rel diff vs 1 process {diff:.2e}  replicas identical: {same}");
+            // PowerSGD leaves the exact model once it compresses.
+            let exact = args.powersgd == 0 || (step as u64) < args.powersgd_start;
+            if (exact && diff > 1e-5) || !same {
+                return Err(format!("rank {rank}: step {step}: {line}").into());
             }
-            if args.check {
-                let diff = mlp::max_rel_diff(model, &reference[step]);
-                worst = worst.max(diff);
-                let same = mlp::replicas_identical(ddp.comm(), model)?;
-                line +=
-                    &format!("  max rel diff vs 1 process {diff:.2e}  replicas identical: {same}");
-                // PowerSGD leaves the exact model once it compresses.
-                let exact = args.powersgd == 0 || (step as u64) < args.powersgd_start;
-                if (exact && diff > 1e-5) || !same {
-                    return Err(format!("rank {rank}: step {step}: {line}").into());
-                }
-            }
-            if rank == 0 {
-                println!("{line}");
-            }
-            Ok(())
-        },
-    )?;
+        }
+        if rank == 0 {
+            println!("{line}");
+        }
+        Ok(())
+    })?;
     if args.check && rank == 0 {
         if args.powersgd > 0 {
             println!(

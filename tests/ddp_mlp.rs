@@ -107,51 +107,47 @@ fn train_and_check(
     let mut worst = 0.0f32;
     let mut done = 0;
     let mut last = None;
-    mlp::train_ddp_uneven(
-        comm,
-        &shape,
-        steps.unwrap_or(STEPS),
-        steps.is_some(),
+    let run = mlp::Run {
+        steps: steps.unwrap_or(STEPS),
+        join: steps.is_some(),
         mode,
         cfg,
-        psgd.then(powersgd),
-        |step, model, ddp, r| {
-            done += 1;
-            if r.joined != (step >= steps.unwrap_or(STEPS)) {
-                return Err(format!("step {step}: joined is {}", r.joined).into());
-            }
-            let want = match overlap {
-                Overlap::On => Some(true),
-                Overlap::Off => Some(false),
-                Overlap::Auto => None,
-            };
-            if want.is_some_and(|w| w != ddp.overlaps()) {
-                return Err(
-                    format!("asked for {overlap:?}, overlaps() is {}", ddp.overlaps()).into(),
-                );
-            }
-            let diff = mlp::max_rel_diff(model, &reference[step]);
-            if psgd && step as u64 >= PSGD_START {
-                last = Some(model.clone());
-                if step == STEPS - 1 && diff < 1e-4 {
-                    return Err(format!(
-                        "step {step}: still {diff:e} from the uncompressed reference: was \
+        hook: psgd.then(powersgd),
+    };
+    mlp::train_ddp_run(comm, &shape, run, |step, model, ddp, r| {
+        done += 1;
+        if r.joined != (step >= steps.unwrap_or(STEPS)) {
+            return Err(format!("step {step}: joined is {}", r.joined).into());
+        }
+        let want = match overlap {
+            Overlap::On => Some(true),
+            Overlap::Off => Some(false),
+            Overlap::Auto => None,
+        };
+        if want.is_some_and(|w| w != ddp.overlaps()) {
+            return Err(format!("asked for {overlap:?}, overlaps() is {}", ddp.overlaps()).into());
+        }
+        let diff = mlp::max_rel_diff(model, &reference[step]);
+        if psgd && step as u64 >= PSGD_START {
+            last = Some(model.clone());
+            if step == STEPS - 1 && diff < 1e-4 {
+                return Err(format!(
+                    "step {step}: still {diff:e} from the uncompressed reference: was \
                          anything compressed?"
-                    )
-                    .into());
-                }
-            } else {
-                worst = worst.max(diff);
-                if diff > 1e-5 {
-                    return Err(format!("step {step}: max relative difference {diff:e}").into());
-                }
+                )
+                .into());
             }
-            if !mlp::replicas_identical(ddp.comm(), model)? {
-                return Err(format!("step {step}: replicas differ").into());
+        } else {
+            worst = worst.max(diff);
+            if diff > 1e-5 {
+                return Err(format!("step {step}: max relative difference {diff:e}").into());
             }
-            Ok(())
-        },
-    )
+        }
+        if !mlp::replicas_identical(ddp.comm(), model)? {
+            return Err(format!("step {step}: replicas differ").into());
+        }
+        Ok(())
+    })
     .map_err(|e| format!("rank {}: {mode:?}, {overlap:?}: {e}", comm.rank()))?;
     if psgd {
         let shape = Shape::default();

@@ -402,26 +402,50 @@ pub fn train_ddp<C: std::borrow::Borrow<Communicator>>(
     cfg: DdpConfig,
     each: impl FnMut(usize, &Mlp, &Ddp<C>, StepReport) -> Result<(), Box<dyn std::error::Error>>,
 ) -> Result<Mlp, Box<dyn std::error::Error>> {
-    train_ddp_uneven(comm, shape, steps, false, mode, cfg, None, each)
+    let run = Run {
+        steps,
+        join: false,
+        mode,
+        cfg,
+        hook: None,
+    };
+    train_ddp_run(comm, shape, run, each)
 }
 
-/// As [`train_ddp`], for a rank with data for `steps` steps only: with `join`, it then stands in
-/// for the other ranks' steps (`Ddp::join_step`, `cfg.uneven_inputs` set alike on every rank)
-/// until every rank has joined, applying the averaged gradients as they do, and calls `each`
-/// for those steps too (`report.joined`). `hook`: a comm hook to set (every rank alike).
+/// How [`train_ddp_run`] trains.
+pub struct Run {
+    /// Steps of data this rank has.
+    pub steps: usize,
+    /// After them, stand in for the other ranks' steps (`Ddp::join_step`, `cfg.uneven_inputs`
+    /// set alike on every rank) until every rank has joined, applying the averaged gradients as
+    /// they do.
+    pub join: bool,
+    /// How gradients are handed to DDP.
+    pub mode: Mode,
+    /// DDP's settings.
+    pub cfg: DdpConfig,
+    /// A comm hook to set (every rank alike), or the default all-reduce.
+    pub hook: Option<Box<dyn CommHook>>,
+}
+
+/// As [`train_ddp`], as `run` says; with `run.join`, `each` is called for the steps this rank
+/// stood in for too (`report.joined`).
 ///
 /// # Errors
 /// Any DDP or communicator error.
-pub fn train_ddp_uneven<C: std::borrow::Borrow<Communicator>>(
+pub fn train_ddp_run<C: std::borrow::Borrow<Communicator>>(
     comm: C,
     shape: &Shape,
-    steps: usize,
-    join: bool,
-    mode: Mode,
-    cfg: DdpConfig,
-    hook: Option<Box<dyn CommHook>>,
+    run: Run,
     mut each: impl FnMut(usize, &Mlp, &Ddp<C>, StepReport) -> Result<(), Box<dyn std::error::Error>>,
 ) -> Result<Mlp, Box<dyn std::error::Error>> {
+    let Run {
+        steps,
+        join,
+        mode,
+        cfg,
+        hook,
+    } = run;
     let (rank, world) = (comm.borrow().rank(), comm.borrow().size());
     let mut model = Mlp::new(shape, rank as u64);
     let names = model.names();
