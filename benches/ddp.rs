@@ -18,6 +18,10 @@
 //! `DdpConfig::uneven_inputs` set (every rank training): what the flag all-reduce each step
 //! costs. The `ddp/1MiB` group times the same three on a small model (16 gradients of 64 KiB,
 //! packed into buckets), where that flag is a larger share of the step.
+//!
+//! `sync_powersgd_rank1` and `_rank4` are `sync` through the PowerSGD hook (`PowerSgd`, from
+//! the first step; the large gradients viewed as 2048 x 2048 and 1024 x 512 matrices, the small
+//! ones as 128 x 128): what compressing costs where the wire is shared memory.
 
 // criterion_group! generates an undocumented public function.
 #![allow(missing_docs)]
@@ -30,7 +34,7 @@ use common::World;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use oxccl::comm::config::TransportChoice;
 use oxccl::comm::ReduceOp;
-use oxccl::ddp::{Ddp, DdpConfig, Param, UnevenInputs};
+use oxccl::ddp::{Ddp, DdpConfig, Param, PowerSgd, PowerSgdConfig, UnevenInputs};
 
 /// Parameter lengths (f32 elements) of the 100 MiB model.
 fn lens_100mib() -> Vec<usize> {
@@ -51,6 +55,14 @@ enum Op {
     GradReady,
     /// Every gradient written into its slot (`grad_slot`, `grad_ready_in_place`), then `finish`.
     GradSlot,
+    /// `Ddp::sync` through the PowerSGD hook of this rank, compressing from the first step.
+    PowerSgd(usize),
+}
+
+/// Shapes for the 100 MiB model's parameters, for PowerSGD: square-ish matrices.
+fn shape_of(len: usize) -> Vec<usize> {
+    let rows = 1usize << (len.trailing_zeros() / 2);
+    vec![rows, len / rows]
 }
 
 /// Rank threads over shared memory that run `iters` calls of `op` on gradients of `lens`
@@ -70,7 +82,7 @@ fn world(n: usize, op: Op, lens: Vec<usize>) -> World {
             sync_in_place_bytes: match op {
                 Op::Sync(b) => b,
                 Op::SyncUneven => 1 << 20,
-                Op::AllReduce | Op::GradReady | Op::GradSlot => usize::MAX,
+                Op::AllReduce | Op::GradReady | Op::GradSlot | Op::PowerSgd(_) => usize::MAX,
             },
             uneven_inputs: if op == Op::SyncUneven {
                 UnevenInputs::DivideByWorldSize
@@ -80,6 +92,15 @@ fn world(n: usize, op: Op, lens: Vec<usize>) -> World {
             ..DdpConfig::default()
         };
         let mut ddp = Ddp::new(c, &mut list, cfg).expect("ddp");
+        if let Op::PowerSgd(rank) = op {
+            let cfg = PowerSgdConfig {
+                rank,
+                start_step: 0,
+                ..PowerSgdConfig::default()
+            };
+            let shapes = lens.iter().map(|&l| shape_of(l)).collect();
+            ddp.set_comm_hook(PowerSgd::new(cfg, shapes)).expect("hook");
+        }
         let n = lens.len();
         runner.serve(|| {
             let step = |ddp: &mut Ddp<_>, grads: &[Vec<f32>]| -> oxccl::ddp::Result<()> {
@@ -95,7 +116,9 @@ fn world(n: usize, op: Op, lens: Vec<usize>) -> World {
             };
             let r = match op {
                 Op::AllReduce => c.all_reduce(&mut flat, ReduceOp::Avg).map(drop),
-                Op::Sync(_) | Op::SyncUneven => ddp.sync(&mut grads).map(drop).map_err(comm_error),
+                Op::Sync(_) | Op::SyncUneven | Op::PowerSgd(_) => {
+                    ddp.sync(&mut grads).map(drop).map_err(comm_error)
+                }
                 Op::GradReady | Op::GradSlot => step(&mut ddp, &grads).map_err(comm_error),
             };
             r.expect("operation");
@@ -126,6 +149,8 @@ fn ddp_sync(c: &mut Criterion) {
             (Op::SyncUneven, "sync_25MiB_buckets_uneven_inputs"),
             (Op::GradReady, "grad_ready_25MiB_buckets"),
             (Op::GradSlot, "grad_slot_25MiB_buckets"),
+            (Op::PowerSgd(1), "sync_powersgd_rank1"),
+            (Op::PowerSgd(4), "sync_powersgd_rank4"),
         ] {
             let world = world(n, op, lens_100mib());
             g.bench_function(BenchmarkId::new(name, format!("{n}ranks")), |b| {

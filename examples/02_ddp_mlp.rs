@@ -427,7 +427,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         cfg,
         hook: hook(),
     };
-    mlp::train_ddp_run(&comm, &shape, run, |step, model, ddp, r| {
+    let model = mlp::train_ddp_run(&comm, &shape, run, |step, model, ddp, r| {
         // The mean loss over the ranks that trained in this step.
         let mut loss = [r.loss, if r.joined { 0.0 } else { 1.0 }];
         ddp.comm().all_reduce(&mut loss, ReduceOp::Sum)?;
@@ -455,6 +455,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         Ok(())
     })?;
+    if rank == 0 {
+        println!(
+            "held-out loss {:.6} (256 samples no step trains on)",
+            model.held_out_loss(&shape)
+        );
+    }
     if args.check && rank == 0 {
         if args.powersgd > 0 {
             println!(

@@ -64,19 +64,6 @@ fn powersgd() -> Box<dyn CommHook> {
     ))
 }
 
-/// Mean loss of `model` on 256 samples no step trains on.
-fn eval_loss(model: &mlp::Mlp) -> f32 {
-    let shape = Shape::default();
-    let (x, t) = mlp::samples(&shape, 1 << 20, 256);
-    let acts = model.forward(&x, 256);
-    let y = &acts[acts.len() - 1];
-    y.iter()
-        .zip(&t)
-        .map(|(y, t)| 0.5 * (y - t).powi(2))
-        .sum::<f32>()
-        / 256.0
-}
-
 /// Trains with DDP on `comm`; after every step checks the model against the reference and the
 /// replicas against each other. Returns the worst relative difference. `idle` is
 /// `Shape::idle_backward`: backward's waits, which change when gradients arrive, not what they
@@ -152,10 +139,10 @@ fn train_and_check(
     if psgd {
         let shape = Shape::default();
         let (start, exact) = (
-            eval_loss(&mlp::Mlp::new(&shape, 0)),
-            eval_loss(&reference[STEPS - 1]),
+            mlp::Mlp::new(&shape, 0).held_out_loss(&shape),
+            reference[STEPS - 1].held_out_loss(&shape),
         );
-        let got = eval_loss(&last.ok_or("no step")?);
+        let got = mlp::Mlp::held_out_loss(&last.ok_or("no step")?, &shape);
         // Compressed, the model must still learn: at least half of what the exact one does
         // (measured: 0.2054 at the start, 0.1577 uncompressed, 0.1600 with PowerSGD).
         if got > start - 0.5 * (start - exact) {

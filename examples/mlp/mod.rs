@@ -134,6 +134,19 @@ impl Mlp {
             .collect()
     }
 
+    /// Mean loss on 256 samples that no step trains on (from sample 2^20 on; training takes
+    /// samples from 0 up).
+    pub fn held_out_loss(&self, shape: &Shape) -> f32 {
+        let (x, t) = samples(shape, 1 << 20, 256);
+        let acts = self.forward(&x, 256);
+        let y = &acts[acts.len() - 1];
+        y.iter()
+            .zip(&t)
+            .map(|(y, t)| 0.5 * (y - t).powi(2))
+            .sum::<f32>()
+            / 256.0
+    }
+
     /// Activations of every layer for a batch: `acts[0]` is the input, `acts[l + 1]` layer l's
     /// output (tanh except the last).
     pub fn forward(&self, x: &[f32], batch: usize) -> Vec<Vec<f32>> {
