@@ -69,6 +69,9 @@ pub struct PowerSgd {
     /// Synchronised steps begun (counted at bucket 0), and the current one.
     started: u64,
     step: u64,
+    /// Buckets started in the current step: the next step drops the state of buckets this
+    /// one did not have (the layout changed).
+    used: Vec<usize>,
     /// Per bucket index: the error and `Q` kept between steps. A bucket's state is taken out
     /// while its work is in flight and put back when it completes.
     states: Arc<Mutex<HashMap<usize, State>>>,
@@ -127,6 +130,7 @@ impl PowerSgd {
             shapes,
             started: 0,
             step: 0,
+            used: Vec::new(),
             states: Arc::new(Mutex::new(HashMap::new())),
         }
     }
@@ -380,7 +384,12 @@ impl CommHook for PowerSgd {
         if bucket.index == 0 {
             self.step = self.started;
             self.started += 1;
+            // Every bucket of the last step is done (DDP waited for them), so its state is in
+            // the map: keep what the last step used.
+            let keep = std::mem::take(&mut self.used);
+            lock(&self.states).retain(|b, _| keep.contains(b));
         }
+        self.used.push(bucket.index);
         if self.step < self.cfg.start_step {
             return AllReduceAvg.start(comm, bucket);
         }
@@ -506,6 +515,38 @@ mod tests {
             let want: f64 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
             assert_eq!(dot(&a, &b), want, "n = {n}");
         }
+    }
+
+    #[test]
+    fn the_state_of_buckets_a_step_no_longer_has_is_dropped() {
+        let out = oxccl_comm::harness::spawn_world(1, oxccl_comm::Config::default(), |comm| {
+            let cfg = PowerSgdConfig {
+                start_step: 0,
+                ..PowerSgdConfig::default()
+            };
+            let mut h = PowerSgd::new(cfg, vec![vec![8, 8], vec![8, 8]]);
+            let bucket = |index: usize| GradBucket {
+                index,
+                buffer: FlatBuffer::zeros(DType::F32, 64),
+                params: vec![BucketEntry {
+                    param: index,
+                    offset: 0,
+                    len: 64,
+                }],
+            };
+            let mut kept = Vec::new();
+            // Step 0 has buckets 0 and 1, steps 1 and 2 bucket 0 only.
+            for step in [&[0usize, 1][..], &[0], &[0]] {
+                for &b in step {
+                    h.start(&comm, bucket(b)).wait(&comm).expect("hook");
+                }
+                kept.push(lock(&h.states).len());
+            }
+            Ok(kept)
+        });
+        let kept = out.into_iter().next().map(|r| r.expect("rank 0"));
+        // Step 1 cannot know yet that bucket 1 is gone; step 2 drops it.
+        assert_eq!(kept, Some(vec![2, 2, 1]));
     }
 
     #[test]
