@@ -277,38 +277,28 @@ fn uneven_ddp_matches_one_process_on_the_batches_of_the_ranks_training_processes
 fn powersgd_ddp_keeps_replicas_identical_and_learns_threads() {
     let reference = mlp::train_reference(&Shape::default(), &[STEPS; WORLD]);
     // Ranks feed gradients in different ways, as in the process test: the hook's two rounds
-    // must line up whatever each rank's mode and overlap.
-    let out = spawn_world(WORLD, Config::default(), |comm| {
-        let r = comm.rank();
-        let mode = [Mode::Overlap, Mode::InPlace, Mode::Overlap, Mode::InPlace][r];
-        let overlap = [Overlap::On, Overlap::On, Overlap::Off, Overlap::Off][r];
-        Ok(train_and_check(
-            &comm,
-            mode,
-            overlap,
-            Duration::ZERO,
-            &reference,
-            None,
-            true,
-        ))
-    });
-    for r in out {
-        r.unwrap().unwrap();
-    }
-    // And every rank through `sync`.
-    let out = spawn_world(WORLD, Config::default(), |comm| {
-        Ok(train_and_check(
-            &comm,
-            Mode::After,
-            Overlap::Auto,
-            Duration::ZERO,
-            &reference,
-            None,
-            true,
-        ))
-    });
-    for r in out {
-        r.unwrap().unwrap();
+    // must line up whatever each rank's mode and overlap. Then every rank through `sync`.
+    let mixed = |r: usize| {
+        (
+            [Mode::Overlap, Mode::InPlace, Mode::Overlap, Mode::InPlace][r],
+            [Overlap::On, Overlap::On, Overlap::Off, Overlap::Off][r],
+        )
+    };
+    let by_sync = |_: usize| (Mode::After, Overlap::Auto);
+    for how in [
+        &mixed as &(dyn Fn(usize) -> (Mode, Overlap) + Sync),
+        &by_sync,
+    ] {
+        let out = spawn_world(WORLD, Config::default(), |comm| {
+            let (mode, overlap) = how(comm.rank());
+            let none = Duration::ZERO;
+            Ok(train_and_check(
+                &comm, mode, overlap, none, &reference, None, true,
+            ))
+        });
+        for r in out {
+            r.unwrap().unwrap();
+        }
     }
 }
 
