@@ -20,7 +20,7 @@
 //! packed into buckets), where that flag is a larger share of the step.
 //!
 //! `sync_powersgd_rank1` and `_rank4` are `sync` through the PowerSGD hook (`PowerSgd`, from
-//! the first step; the large gradients viewed as 2048 x 2048 and 1024 x 512 matrices, the small
+//! the first step; the large gradients viewed as 2048 x 2048 and 512 x 1024 matrices, the small
 //! ones as 128 x 128): what compressing costs where the wire is shared memory.
 
 // criterion_group! generates an undocumented public function.

@@ -456,9 +456,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Ok(())
     })?;
     if rank == 0 {
+        // Held out while training stays below sample 2^20.
+        let held_out = args.steps * world * shape.batch < 1 << 20;
         println!(
-            "held-out loss {:.6} (256 samples no step trains on)",
-            model.held_out_loss(&shape)
+            "{} {:.6} (256 samples from 2^20 on{})",
+            if held_out { "held-out loss" } else { "loss" },
+            model.held_out_loss(&shape),
+            if held_out {
+                ", which no step trains on"
+            } else {
+                ", which training reached"
+            }
         );
     }
     if args.check && rank == 0 {

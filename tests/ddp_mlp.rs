@@ -11,7 +11,8 @@
 //! concatenated batches of the ranks still training, threads and processes alike.
 //!
 //! With the PowerSGD hook (rank 2, from step 2), the model must match the reference until
-//! compression starts, then leave it while the loss keeps falling, the replicas identical
+//! compression starts, then leave it, with the held-out loss after the last step at least halfway
+//! from the start to the exact model's, the replicas identical
 //! throughout: threads (every rank through `sync`, and ranks feeding in different ways) and
 //! processes.
 //!
@@ -50,7 +51,8 @@ fn cfg(overlap: Overlap) -> DdpConfig {
 /// Steps before PowerSGD starts compressing in the PowerSGD runs.
 const PSGD_START: u64 = 2;
 
-/// The PowerSGD hook of those runs: rank 2, compressing the MLP's two larger weights from
+/// The PowerSGD hook of those runs: rank 2, compressing the MLP's three weights of 64 rows
+/// (64 x 32 and twice 64 x 64; the 4 x 64 output weight would not shrink enough) from
 /// step `PSGD_START`.
 fn powersgd() -> Box<dyn CommHook> {
     let shapes = mlp::Mlp::new(&Shape::default(), 0).shapes();

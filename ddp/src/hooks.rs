@@ -7,8 +7,8 @@
 //! size, rounded to f16 or bf16, summed, and widened back (PyTorch's `fp16_compress_hook` and
 //! `bf16_compress_hook`). Buckets of other dtypes go through the plain all-reduce.
 //! [`PowerSgd`](crate::PowerSgd) sends a low-rank approximation of each weight matrix instead
-//! (PyTorch's `powerSGD_hook`): two small all-reduces per bucket, the second issued while
-//! DDP waits on the bucket ([`CommHook::communicates_in_wait`]).
+//! (PyTorch's `powerSGD_hook`): two small all-reduces per bucket with a matrix to compress, the
+//! second issued while DDP waits on the bucket ([`CommHook::communicates_in_wait`]).
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};

@@ -11,10 +11,24 @@
 //! 4. the averaged gradient is approximated by `P Q^T`; what it missed of this rank's `M` is the
 //!    error fed back next step.
 //!
-//! `(n + m) r` elements go on the wire instead of `n m`. Vectors, tensors that would not shrink
-//! by [`PowerSgdConfig::min_compression_rate`], and buckets of dtypes other than f32 and f64 are
-//! all-reduced in full, in the same collective as `P`. Every rank gets the same `P` and `Q`,
-//! hence the same result, so replicas stay identical.
+//! `(n + m) r` elements go on the wire instead of `n m`. Vectors and tensors that would not
+//! shrink by [`PowerSgdConfig::min_compression_rate`] are all-reduced in full, in the same
+//! collective as `P`; a bucket with nothing to compress, or of a dtype other than f32 and f64,
+//! goes through the plain average ([`AllReduceAvg`]). Every rank gets the same `P` and `Q`, hence
+//! the same result, so replicas stay identical.
+//!
+//! Each step's `Q` starts from the last step's (warm start) or zeros, orthonormalised; a column
+//! that is zero or depends on the others (after a step whose averaged gradient had lower rank
+//! than `r`, e.g. all zeros) is redrawn from noise seeded alike on every rank.
+//!
+//! Error feedback assumes, as training gives, that the gradients' dominant directions change
+//! slowly from step to step, so that the warm-started power iteration follows them: with an
+//! unrelated random subspace in every step, what it misses grows from step to step
+//! (`ddp/tests/powersgd.rs`).
+//!
+//! With error feedback, a rank whose gradient is zero still sends its residual: a rank that has
+//! joined ([`Ddp::join_step`](crate::Ddp::join_step)) keeps contributing what earlier steps'
+//! approximations missed of its gradients, as with PyTorch's hook.
 
 use std::collections::HashMap;
 use std::ops::{Add, AddAssign, Mul, Sub};
@@ -140,14 +154,26 @@ impl PowerSgd {
         &self.cfg
     }
 
-    /// Elements on the wire for one step of a bucket holding `params`, and the bucket's
-    /// elements: what compression saves, once `start_step` is reached.
+    /// Elements on the wire for one step of a bucket of `dtype` holding `params` (laid out one
+    /// after another from element 0), and the bucket's elements: what compression saves, once
+    /// `start_step` is reached. Buckets of dtypes other than f32 and f64 are sent in full.
     ///
     /// # Errors
     /// As the hook's: a parameter without a shape, or whose shape does not match its length.
-    pub fn wire_elements(&self, rank: usize, params: &[BucketEntry]) -> Result<(usize, usize)> {
-        let plan = self.plan(rank, params)?;
-        let full = params.iter().map(|e| e.len).sum();
+    pub fn wire_elements(
+        &self,
+        rank: usize,
+        dtype: DType,
+        params: &[BucketEntry],
+    ) -> Result<(usize, usize)> {
+        let full = params
+            .iter()
+            .try_fold(0usize, |a, e| a.checked_add(e.len))
+            .ok_or_else(|| Self::invalid(rank, "bucket length overflows".into()))?;
+        let plan = self.plan(rank, params, full)?;
+        if !matches!(dtype, DType::F32 | DType::F64) || plan.mats.is_empty() {
+            return Ok((full, full));
+        }
         Ok((plan.flat_len + plan.p_len + plan.q_len, full))
     }
 
@@ -160,7 +186,7 @@ impl PowerSgd {
     }
 
     /// Which matrices of the bucket are compressed, and where their factors go.
-    fn plan(&self, rank: usize, params: &[BucketEntry]) -> Result<Plan> {
+    fn plan(&self, rank: usize, params: &[BucketEntry], buffer_len: usize) -> Result<Plan> {
         let c = &self.cfg;
         if c.rank == 0 {
             return Err(Self::invalid(
@@ -179,6 +205,18 @@ impl PowerSgd {
         }
         let mut plan = Plan::default();
         for e in params {
+            if e.offset
+                .checked_add(e.len)
+                .is_none_or(|end| end > buffer_len)
+            {
+                return Err(Self::invalid(
+                    rank,
+                    format!(
+                        "parameter {} at elements {}..+{} lies outside the bucket of {buffer_len}",
+                        e.param, e.offset, e.len
+                    ),
+                ));
+            }
             let Some(dims) = self.shapes.get(e.param) else {
                 return Err(Self::invalid(
                     rank,
@@ -227,7 +265,7 @@ impl PowerSgd {
 
     fn start_typed<T: Real>(&mut self, comm: &Communicator, bucket: GradBucket) -> HookWork {
         let rank = comm.rank();
-        let plan = match self.plan(rank, &bucket.params) {
+        let plan = match self.plan(rank, &bucket.params, bucket.buffer.len()) {
             Ok(p) if !p.mats.is_empty() => p,
             Ok(_) => return AllReduceAvg.start(comm, bucket),
             Err(e) => return HookWork::new(move || Err(e)),
@@ -266,23 +304,33 @@ impl PowerSgd {
                 }
             }
         }
+        // The Q each matrix starts from: last step's (warm start) or zeros, orthonormalised, with
+        // noise (seeded alike on every rank) where a column is zero or depends on the others:
+        // a zero column would otherwise stay zero in every later step.
         let mut q = match st.q.take() {
             Some(q) if cfg.warm_start && q.len() == plan.q_len => q,
-            _ => {
-                let mut q = FlatBuffer::zeros(T::DTYPE, plan.q_len);
-                if let Some(qs) = q.as_mut_slice::<T>() {
-                    let mut s = cfg.seed ^ (index as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-                    s ^= self.step.wrapping_mul(0xbf58_476d_1ce4_e5b9);
-                    for x in qs.iter_mut() {
-                        *x = T::from_f64(uniform(&mut s));
-                    }
-                    for mat in &plan.mats {
-                        orthonormalise_rows(&mut qs[mat.q..mat.q + mat.r * mat.m], mat.r, mat.m);
+            _ => FlatBuffer::zeros(T::DTYPE, plan.q_len),
+        };
+        if let Some(qs) = q.as_mut_slice::<T>() {
+            let mut noise = cfg.seed ^ (index as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            noise ^= self.step.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            for mat in &plan.mats {
+                let qt = &mut qs[mat.q..mat.q + mat.r * mat.m];
+                orthonormalise_rows(qt, mat.r, mat.m);
+                let zero = T::from_f64(0.0);
+                let mut redrawn = false;
+                for row in qt.chunks_exact_mut(mat.m) {
+                    if row.iter().all(|&x| x == zero) {
+                        row.iter_mut()
+                            .for_each(|x| *x = T::from_f64(uniform(&mut noise)));
+                        redrawn = true;
                     }
                 }
-                q
+                if redrawn {
+                    orthonormalise_rows(qt, mat.r, mat.m);
+                }
             }
-        };
+        }
         let mut first = vec![T::from_f64(0.0); plan.flat_len + plan.p_len];
         let mut at = 0;
         for &(off, len) in &plan.flat {

@@ -918,7 +918,8 @@ impl<C: Borrow<Communicator>> Ddp<C> {
     ///
     /// Collective with the training ranks' steps: it matches their `grad_ready`/`finish()` or
     /// `sync()`, whichever they use (the flag, one byte per rank, says), with this rank's comm
-    /// hook. A joined rank learns of a step only from its flag, issued at the first gradient of
+    /// hook (a hook with state of its own may still send some: [`PowerSgd`](crate::PowerSgd)'s
+    /// error feedback sends what earlier steps missed of this rank's gradients). A joined rank learns of a step only from its flag, issued at the first gradient of
     /// the step's synchronising micro-batch: collectives the trainer issues itself once per
     /// step (a loss all-reduce, [`Ddp::broadcast_buffers`]) must come after the step's
     /// synchronising `finish()`/`sync()` (not after an accumulating one) on training ranks, and

@@ -134,8 +134,8 @@ impl Mlp {
             .collect()
     }
 
-    /// Mean loss on 256 samples that no step trains on (from sample 2^20 on; training takes
-    /// samples from 0 up).
+    /// Mean loss on 256 samples from sample 2^20 on: no step trains on them while steps x ranks
+    /// x batch stays below 2^20 (training takes samples from 0 up).
     pub fn held_out_loss(&self, shape: &Shape) -> f32 {
         let (x, t) = samples(shape, 1 << 20, 256);
         let acts = self.forward(&x, 256);
