@@ -26,9 +26,9 @@
 //! unrelated random subspace in every step, what it misses grows from step to step
 //! (`ddp/tests/powersgd.rs`).
 //!
-//! With error feedback, a rank whose gradient is zero still sends its residual: a rank that has
-//! joined ([`Ddp::join_step`](crate::Ddp::join_step)) keeps contributing what earlier steps'
-//! approximations missed of its gradients, as with PyTorch's hook.
+//! With error feedback, a rank whose gradient is zero still sends its residual (its last input
+//! less the averaged approximation): a rank that has joined
+//! ([`Ddp::join_step`](crate::Ddp::join_step)) keeps contributing it, as with PyTorch's hook.
 
 use std::collections::HashMap;
 use std::ops::{Add, AddAssign, Mul, Sub};
@@ -159,7 +159,9 @@ impl PowerSgd {
     /// `start_step` is reached. Buckets of dtypes other than f32 and f64 are sent in full.
     ///
     /// # Errors
-    /// As the hook's: a parameter without a shape, or whose shape does not match its length.
+    /// `InvalidArgument`, as the hook's for a bucket of f32 or f64: a parameter without a shape,
+    /// or whose shape does not match its length; a rank of 0 or a bad `min_compression_rate`;
+    /// lengths whose sum overflows.
     pub fn wire_elements(
         &self,
         rank: usize,
@@ -243,7 +245,7 @@ impl PowerSgd {
             };
             let r = c.rank.min(n).min(m);
             let full = (n * m) as f64;
-            let sent = ((n + m) * r) as f64;
+            let sent = (n + m) as f64 * r as f64;
             if r > 0 && sent * c.min_compression_rate < full {
                 plan.mats.push(Mat {
                     off: e.offset,

@@ -918,9 +918,10 @@ impl<C: Borrow<Communicator>> Ddp<C> {
     ///
     /// Collective with the training ranks' steps: it matches their `grad_ready`/`finish()` or
     /// `sync()`, whichever they use (the flag, one byte per rank, says), with this rank's comm
-    /// hook (a hook with state of its own may still send some: [`PowerSgd`](crate::PowerSgd)'s
-    /// error feedback sends what earlier steps missed of this rank's gradients). A joined rank learns of a step only from its flag, issued at the first gradient of
-    /// the step's synchronising micro-batch: collectives the trainer issues itself once per
+    /// hook (a hook with state of its own may still send some: with error feedback,
+    /// [`PowerSgd`](crate::PowerSgd) sends this rank's residual, its last input less the
+    /// averaged approximation). A joined rank learns of a step only from its flag, issued at
+    /// the first gradient of the step's synchronising micro-batch: collectives the trainer issues itself once per
     /// step (a loss all-reduce, [`Ddp::broadcast_buffers`]) must come after the step's
     /// synchronising `finish()`/`sync()` (not after an accumulating one) on training ranks, and
     /// after each `Some` on a joined one, or the ranks' sequences part. A joined rank waits in

@@ -550,4 +550,45 @@ fn wire_elements_count_what_compression_sends() {
         .wire_elements(0, DType::F32, &[e(1, 0), e(2, 24)])
         .unwrap();
     assert_eq!(flat, (36, 36));
+    // A member outside the bucket is an error, not a panic.
+    let outside = h.wire_elements(3, DType::F32, &[e(0, 0), e(1, 2000)]);
+    let msg = outside.unwrap_err().to_string();
+    assert!(
+        msg.contains("rank 3") && msg.contains("parameter 1 at elements 2000..+24 lies outside"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn a_step_of_zero_gradients_does_not_stop_later_ones_with_error_feedback() {
+    // Step 0 is all zeros (P, Q and the residual come out zero); step 1 the same rank-1
+    // gradient on both ranks, which a rank-1 approximation must give back.
+    let out = spawn_world(2, Config::default(), |comm| {
+        let mut w = vec![0.0f32; 32 * 48];
+        let mut ddp = Ddp::new(comm, &mut [Param::new("w", &mut w)], DdpConfig::default()).unwrap();
+        ddp.set_comm_hook(PowerSgd::new(
+            PowerSgdConfig {
+                start_step: 0,
+                ..PowerSgdConfig::default()
+            },
+            vec![vec![32, 48]],
+        ))
+        .unwrap();
+        let mut zeros = [vec![0.0f32; 32 * 48]];
+        ddp.sync(&mut zeros).unwrap();
+        let g: Vec<f32> = (0..32 * 48)
+            .map(|i| (rnd(&[7, (i / 48) as u64]) * rnd(&[8, (i % 48) as u64])) as f32)
+            .collect();
+        let mut grads = [g.clone()];
+        ddp.sync(&mut grads).unwrap();
+        Ok((zeros, grads, g))
+    });
+    for r in out {
+        let (zeros, grads, g) = r.unwrap();
+        assert!(zeros[0].iter().all(|&x| x == 0.0));
+        let want: Vec<f64> = g.iter().map(|&x| f64::from(x)).collect();
+        let got: Vec<f64> = grads[0].iter().map(|&x| f64::from(x)).collect();
+        let e = rel_err(&got, &want);
+        assert!(e < 1e-5, "relative error {e} after a zero step");
+    }
 }
