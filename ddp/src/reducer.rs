@@ -921,10 +921,10 @@ impl<C: Borrow<Communicator>> Ddp<C> {
     /// hook (a hook with state of its own may still send some: with error feedback,
     /// [`PowerSgd`](crate::PowerSgd) sends this rank's residual, its last input less the
     /// averaged approximation). A joined rank learns of a step only from its flag, issued at
-    /// the first gradient of the step's synchronising micro-batch: collectives the trainer issues itself once per
-    /// step (a loss all-reduce, [`Ddp::broadcast_buffers`]) must come after the step's
-    /// synchronising `finish()`/`sync()` (not after an accumulating one) on training ranks, and
-    /// after each `Some` on a joined one, or the ranks' sequences part. A joined rank waits in
+    /// the first gradient of the step's synchronising micro-batch: collectives the trainer
+    /// issues itself once per step (a loss all-reduce, [`Ddp::broadcast_buffers`]) must come
+    /// after the step's synchronising `finish()`/`sync()` (not after an accumulating one) on
+    /// training ranks, and after each `Some` on a joined one, or the ranks' sequences part. A joined rank waits in
     /// the flag while the others compute: the communicator's time-out (`OXCCL_TIMEOUT`) must
     /// be longer than a step.
     ///
