@@ -32,6 +32,11 @@
 //! applying the same averaged gradients, so the replicas stay bit-identical; each step's
 //! gradient is the mean over the ranks still training (`--check` compares with one process on
 //! their concatenated batches).
+//!
+//! `--powersgd R` sets the PowerSGD comm hook of rank R (`oxccl::ddp::PowerSgd`, from step
+//! `--powersgd-start`, 1 by default), `--compress fp16|bf16` the 16-bit one
+//! (`oxccl::ddp::CompressHook`): to see what compression saves on a slow link (docs/PERF.md,
+//! "PowerSGD"). The example ends with the loss on 256 samples no step trains on.
 
 #[path = "mlp/mod.rs"]
 mod mlp;
@@ -41,7 +46,9 @@ use std::time::Duration;
 use clap::{Parser, ValueEnum};
 use mlp::{Mode, Shape};
 use oxccl::comm::{Communicator, ReduceOp};
-use oxccl::ddp::{CommHook, DdpConfig, Overlap, PowerSgd, PowerSgdConfig, UnevenInputs};
+use oxccl::ddp::{
+    CommHook, CompressHook, DdpConfig, Overlap, PowerSgd, PowerSgdConfig, UnevenInputs,
+};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum ModeArg {
@@ -128,6 +135,17 @@ struct Args {
     /// Synchronised steps averaged exactly before PowerSGD starts compressing.
     #[arg(long, default_value_t = 1)]
     powersgd_start: u64,
+    /// Send every bucket as f16 or bf16 (`oxccl::ddp::CompressHook`); not with `--powersgd`.
+    /// With `--check`, only the replicas are compared.
+    #[arg(long, value_enum, default_value_t = CompressArg::None)]
+    compress: CompressArg,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum CompressArg {
+    None,
+    Fp16,
+    Bf16,
 }
 
 fn median_ms(mut v: Vec<Duration>) -> f64 {
@@ -241,19 +259,25 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         },
         ..DdpConfig::default()
     };
-    // `--powersgd R`: the hook, made afresh for every training run.
+    // `--powersgd R` or `--compress`: the hook, made afresh for every training run.
+    if args.powersgd > 0 && args.compress != CompressArg::None {
+        return Err("--powersgd and --compress each set a comm hook: choose one".into());
+    }
     let shapes = mlp::Mlp::new(&shape, 0).shapes();
     let hook = || -> Option<Box<dyn CommHook>> {
-        (args.powersgd > 0).then(|| {
-            Box::new(PowerSgd::new(
-                PowerSgdConfig {
-                    rank: args.powersgd,
-                    start_step: args.powersgd_start,
-                    ..PowerSgdConfig::default()
-                },
-                shapes.clone(),
-            )) as Box<dyn CommHook>
-        })
+        if args.powersgd > 0 {
+            let cfg = PowerSgdConfig {
+                rank: args.powersgd,
+                start_step: args.powersgd_start,
+                ..PowerSgdConfig::default()
+            };
+            return Some(Box::new(PowerSgd::new(cfg, shapes.clone())));
+        }
+        match args.compress {
+            CompressArg::None => None,
+            CompressArg::Fp16 => Some(Box::new(CompressHook::fp16())),
+            CompressArg::Bf16 => Some(Box::new(CompressHook::bf16())),
+        }
     };
     // Steps of data per rank (`--uneven`: rank r runs out r steps early).
     let own_steps = |r: usize| {
@@ -444,8 +468,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             worst = worst.max(diff);
             let same = mlp::replicas_identical(ddp.comm(), model)?;
             line += &format!("  max rel diff vs 1 process {diff:.2e}  replicas identical: {same}");
-            // PowerSGD leaves the exact model once it compresses.
-            let exact = args.powersgd == 0 || (step as u64) < args.powersgd_start;
+            // PowerSGD leaves the exact model once it compresses, 16-bit floats at once.
+            let exact = args.compress == CompressArg::None
+                && (args.powersgd == 0 || (step as u64) < args.powersgd_start);
             if (exact && diff > 1e-5) || !same {
                 return Err(format!("rank {rank}: step {step}: {line}").into());
             }
@@ -475,6 +500,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 "check passed: replicas bit-identical; PowerSGD from step {}, where the model \
                  leaves the uncompressed one ({worst:.2e} at most)",
                 args.powersgd_start
+            );
+        } else if args.compress != CompressArg::None {
+            println!(
+                "check passed: replicas bit-identical; {:?} on the wire, where the model leaves \
+                 the uncompressed one ({worst:.2e} at most)",
+                args.compress
             );
         } else {
             println!("check passed: worst relative difference {worst:.2e}, replicas bit-identical");
