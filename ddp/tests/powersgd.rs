@@ -257,6 +257,19 @@ fn an_average_of_the_approximations_rank_comes_back_exactly_on_every_rank() {
     }
 }
 
+/// The single 32 x 48 matrix of the one-parameter tests.
+const ROWS: usize = 32;
+const COLS: usize = 48;
+
+/// A `Ddp` over one 32 x 48 f32 parameter, its gradients through PowerSGD set as `cfg` says.
+fn one_matrix(comm: Communicator, cfg: PowerSgdConfig) -> Ddp {
+    let mut w = vec![0.0f32; ROWS * COLS];
+    let mut ddp = Ddp::new(comm, &mut [Param::new("w", &mut w)], DdpConfig::default()).unwrap();
+    ddp.set_comm_hook(PowerSgd::new(cfg, vec![vec![ROWS, COLS]]))
+        .unwrap();
+    ddp
+}
+
 /// Every rank's gradient of one `n x m` matrix is the same full-rank random matrix per rank in
 /// every step; returns, per rank, the mean of the averaged gradients over `steps`, the first
 /// step's and the last step's.
@@ -266,14 +279,10 @@ fn constant_gradients(
     cfg: PowerSgdConfig,
     grad: impl Fn(usize, usize) -> f32 + Sync,
 ) -> Vec<(Vec<f64>, Vec<f64>, Vec<f64>)> {
-    const SHAPE: [usize; 2] = [32, 48];
     let out = spawn_world(n_ranks, Config::default(), |comm| {
         let rank = comm.rank();
-        let mut w = vec![0.0f32; SHAPE[0] * SHAPE[1]];
-        let mut ddp = Ddp::new(comm, &mut [Param::new("w", &mut w)], DdpConfig::default()).unwrap();
-        ddp.set_comm_hook(PowerSgd::new(cfg.clone(), vec![SHAPE.to_vec()]))
-            .unwrap();
-        let g: Vec<f32> = (0..w.len()).map(|i| grad(rank, i)).collect();
+        let mut ddp = one_matrix(comm, cfg.clone());
+        let g: Vec<f32> = (0..ROWS * COLS).map(|i| grad(rank, i)).collect();
         let mut sum = vec![0.0f64; g.len()];
         let mut first = Vec::new();
         let mut last = Vec::new();
@@ -300,7 +309,7 @@ fn random_grad(rank: usize, i: usize) -> f32 {
 
 /// The mean over `n` ranks of `grad`, in f64.
 fn mean_of(n: usize, grad: impl Fn(usize, usize) -> f32) -> Vec<f64> {
-    (0..32 * 48)
+    (0..ROWS * COLS)
         .map(|i| (0..n).map(|r| f64::from(grad(r, i))).sum::<f64>() / n as f64)
         .collect()
 }
@@ -343,7 +352,7 @@ fn error_feedback_makes_the_mean_update_converge_on_the_mean_gradient() {
 /// A gradient whose mean has a decaying spectrum: `sum_k 2^-k a_k b_k^T`, each term scaled by
 /// a factor of each rank's.
 fn decaying_grad(rank: usize, i: usize) -> f32 {
-    let (row, col) = (i / 48, i % 48);
+    let (row, col) = (i / COLS, i % COLS);
     (0..6u64)
         .map(|k| {
             let a = rnd(&[10, k, row as u64]);
@@ -390,20 +399,15 @@ fn steps_before_start_step_are_averaged_in_full() {
     const N: usize = 4;
     let out = spawn_world(N, Config::default(), |comm| {
         let rank = comm.rank();
-        let mut w = vec![0.0f32; 32 * 48];
-        let mut ddp = Ddp::new(comm, &mut [Param::new("w", &mut w)], DdpConfig::default()).unwrap();
-        ddp.set_comm_hook(PowerSgd::new(
-            PowerSgdConfig {
-                start_step: 2,
-                ..PowerSgdConfig::default()
-            },
-            vec![vec![32, 48]],
-        ))
-        .unwrap();
+        let cfg = PowerSgdConfig {
+            start_step: 2,
+            ..PowerSgdConfig::default()
+        };
+        let mut ddp = one_matrix(comm, cfg);
         let mut got = Vec::new();
         for step in 0..3u64 {
             // Integers: their average over 4 ranks is exact in f32.
-            let mut grads = [(0..w.len())
+            let mut grads = [(0..ROWS * COLS)
                 .map(|i| ((rank as u64 * 7 + step * 3 + i as u64 * 5) % 17) as f32)
                 .collect::<Vec<_>>()];
             ddp.sync(&mut grads).unwrap();
@@ -413,7 +417,7 @@ fn steps_before_start_step_are_averaged_in_full() {
     });
     let out: Vec<_> = out.into_iter().map(Result::unwrap).collect();
     for step in 0..3u64 {
-        let want: Vec<f32> = (0..32 * 48u64)
+        let want: Vec<f32> = (0..(ROWS * COLS) as u64)
             .map(|i| {
                 (0..N as u64)
                     .map(|r| ((r * 7 + step * 3 + i * 5) % 17) as f32)
@@ -564,20 +568,15 @@ fn a_step_of_zero_gradients_does_not_stop_later_ones_with_error_feedback() {
     // Step 0 is all zeros (P, Q and the residual come out zero); step 1 the same rank-1
     // gradient on both ranks, which a rank-1 approximation must give back.
     let out = spawn_world(2, Config::default(), |comm| {
-        let mut w = vec![0.0f32; 32 * 48];
-        let mut ddp = Ddp::new(comm, &mut [Param::new("w", &mut w)], DdpConfig::default()).unwrap();
-        ddp.set_comm_hook(PowerSgd::new(
-            PowerSgdConfig {
-                start_step: 0,
-                ..PowerSgdConfig::default()
-            },
-            vec![vec![32, 48]],
-        ))
-        .unwrap();
-        let mut zeros = [vec![0.0f32; 32 * 48]];
+        let cfg = PowerSgdConfig {
+            start_step: 0,
+            ..PowerSgdConfig::default()
+        };
+        let mut ddp = one_matrix(comm, cfg);
+        let mut zeros = [vec![0.0f32; ROWS * COLS]];
         ddp.sync(&mut zeros).unwrap();
-        let g: Vec<f32> = (0..32 * 48)
-            .map(|i| (rnd(&[7, (i / 48) as u64]) * rnd(&[8, (i % 48) as u64])) as f32)
+        let g: Vec<f32> = (0..ROWS * COLS)
+            .map(|i| (rnd(&[7, (i / COLS) as u64]) * rnd(&[8, (i % COLS) as u64])) as f32)
             .collect();
         let mut grads = [g.clone()];
         ddp.sync(&mut grads).unwrap();
