@@ -36,18 +36,26 @@
 //! `--powersgd R` sets the PowerSGD comm hook of rank R (`oxccl::ddp::PowerSgd`, from step
 //! `--powersgd-start`, 1 by default), `--compress fp16|bf16` the 16-bit one
 //! (`oxccl::ddp::CompressHook`): to see what compression saves on a slow link (docs/PERF.md,
-//! "PowerSGD"). The example ends with the loss on 256 samples no step trains on.
+//! "PowerSGD"). `--local-sgd P` trains with post-local SGD from step `--local-sgd-start` (1 by
+//! default): gradients averaged only within groups of ranks (`oxccl::ddp::PostLocalSgd`; the
+//! ranks of each node, or `--local-sgd-group K` consecutive ranks), the parameters over every
+//! rank after every P-th step (`oxccl::ddp::ModelAverager`); `--check` then compares each group
+//! with one process that trains the groups' models and averages them alike, and the replicas
+//! within each group after every step and across groups after every average. The example ends
+//! with the loss of rank 0's model on 256 samples no step trains on.
 
 #[path = "mlp/mod.rs"]
 mod mlp;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
 use mlp::{Mode, Shape};
 use oxccl::comm::{Communicator, ReduceOp};
 use oxccl::ddp::{
-    CommHook, CompressHook, DdpConfig, Overlap, PowerSgd, PowerSgdConfig, UnevenInputs,
+    CommHook, CompressHook, DdpConfig, ModelAverager, Overlap, PostLocalSgd, PowerSgd,
+    PowerSgdConfig, UnevenInputs,
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -139,6 +147,18 @@ struct Args {
     /// With `--check`, only the replicas are compared.
     #[arg(long, value_enum, default_value_t = CompressArg::None)]
     compress: CompressArg,
+    /// Post-local SGD: from `--local-sgd-start`, average gradients only within each group of
+    /// ranks, and the parameters over every rank after every this many steps (0, the default:
+    /// ordinary DDP). Not with another hook or `--uneven`.
+    #[arg(long, default_value_t = 0)]
+    local_sgd: u64,
+    /// The first step of post-local SGD (the steps before it average over every rank).
+    #[arg(long, default_value_t = 1)]
+    local_sgd_start: u64,
+    /// Ranks per group for `--local-sgd`, consecutive ranks (0, the default: the ranks of each
+    /// node).
+    #[arg(long, default_value_t = 0)]
+    local_sgd_group: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -259,12 +279,41 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         },
         ..DdpConfig::default()
     };
-    // `--powersgd R` or `--compress`: the hook, made afresh for every training run.
-    if args.powersgd > 0 && args.compress != CompressArg::None {
-        return Err("--powersgd and --compress each set a comm hook: choose one".into());
+    // `--powersgd R`, `--compress` or `--local-sgd`: the hook, made afresh for every training
+    // run.
+    let hooks = usize::from(args.powersgd > 0)
+        + usize::from(args.compress != CompressArg::None)
+        + usize::from(args.local_sgd > 0);
+    if hooks > 1 {
+        return Err(
+            "--powersgd, --compress and --local-sgd each set a comm hook: choose one".into(),
+        );
     }
+    if args.local_sgd > 0 && args.uneven {
+        return Err("--local-sgd averages within groups, which --uneven cannot rescale".into());
+    }
+    // Post-local SGD's group: `--local-sgd-group` consecutive ranks, or the node's ranks.
+    let group = if args.local_sgd > 0 {
+        let color = match args.local_sgd_group {
+            0 => comm.node_index(),
+            k => rank / k,
+        };
+        let color = u32::try_from(color).map_err(|_| format!("group {color}: too many"))?;
+        let group = comm.split(Some(color), rank as i64)?;
+        Some(Arc::new(group.ok_or("the split gave this rank no group")?))
+    } else {
+        None
+    };
+    let averager =
+        || (args.local_sgd > 0).then(|| ModelAverager::new(args.local_sgd, args.local_sgd_start));
     let shapes = mlp::Mlp::new(&shape, 0).shapes();
     let hook = || -> Option<Box<dyn CommHook>> {
+        if let Some(group) = &group {
+            return Some(Box::new(PostLocalSgd::new(
+                Arc::clone(group),
+                args.local_sgd_start,
+            )));
+        }
         if args.powersgd > 0 {
             let cfg = PowerSgdConfig {
                 rank: args.powersgd,
@@ -339,6 +388,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     mode,
                     cfg,
                     hook: hook(),
+                    average: averager(),
                 };
                 mlp::train_ddp_run(&comm, &shape, run, |step, _, _, r| {
                     if step > 0 {
@@ -437,11 +487,28 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ModeArg::Compute => Mode::ComputeOnly,
         ModeArg::Comm => Mode::CommOnly,
     };
-    let reference = if args.check {
+    let reference = if args.check && group.is_none() {
         let steps: Vec<usize> = (0..world).map(own_steps).collect();
         mlp::train_reference(&shape, &steps)
     } else {
         Vec::new()
+    };
+    // Post-local SGD's reference: one model per group of consecutive ranks.
+    let local_reference = match &group {
+        Some(g) if args.check => {
+            let size = g.size();
+            if world % size != 0 || g.rank() != rank % size {
+                return Err(format!(
+                    "--check with --local-sgd needs groups of consecutive ranks of one size \
+                     (rank {rank} is rank {} of a group of {size})",
+                    g.rank()
+                )
+                .into());
+            }
+            let (start, period) = (args.local_sgd_start as usize, args.local_sgd as usize);
+            mlp::train_reference_local(&shape, world, size, args.steps, start, period)
+        }
+        _ => Vec::new(),
     };
     let mut worst = 0.0f32;
     let run = mlp::Run {
@@ -450,6 +517,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         mode,
         cfg,
         hook: hook(),
+        average: averager(),
     };
     let model = mlp::train_ddp_run(&comm, &shape, run, |step, model, ddp, r| {
         // The mean loss over the ranks that trained in this step.
@@ -463,7 +531,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         if args.uneven {
             line += &format!("  ranks training {}", loss[1]);
         }
-        if args.check {
+        if let (true, Some(g)) = (args.check, &group) {
+            // Within 1e-5 of the group's reference model; identical within the group, and
+            // across groups before local SGD and after every average.
+            let diff = mlp::max_rel_diff(model, &local_reference[step][rank / g.size()]);
+            worst = worst.max(diff);
+            let same = mlp::replicas_identical(g, model)?;
+            let global = (step as u64) < args.local_sgd_start || r.averaged;
+            let all_same = mlp::replicas_identical(ddp.comm(), model)?;
+            line += &format!(
+                "  max rel diff vs 1 process {diff:.2e}  identical in the group: {same}, \
+                 everywhere: {all_same}{}",
+                if r.averaged { "  (averaged)" } else { "" }
+            );
+            if diff > 1e-5 || !same || (global && !all_same) {
+                return Err(format!("rank {rank}: step {step}: {line}").into());
+            }
+        } else if args.check {
             let diff = mlp::max_rel_diff(model, &reference[step]);
             worst = worst.max(diff);
             let same = mlp::replicas_identical(ddp.comm(), model)?;
@@ -495,7 +579,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         );
     }
     if args.check && rank == 0 {
-        if args.powersgd > 0 {
+        if args.local_sgd > 0 {
+            println!(
+                "check passed: worst relative difference {worst:.2e} from one process that \
+                 trains each group's model, replicas identical within groups and after every \
+                 average"
+            );
+        } else if args.powersgd > 0 {
             println!(
                 "check passed: replicas bit-identical; PowerSGD from step {}, where the model \
                  leaves the uncompressed one ({worst:.2e} at most)",

@@ -16,6 +16,13 @@
 //! throughout: threads (every rank through `sync`, and ranks feeding in different ways) and
 //! processes.
 //!
+//! With post-local SGD (`PostLocalSgd` from step `LOCAL_START`, groups of 2 ranks, a
+//! `ModelAverager` every `LOCAL_PERIOD` steps), each rank's model must match one process that
+//! trains each group's model on its ranks' batches and averages them alike (within 1e-5), be
+//! identical within its group after every step and everywhere after every average, and differ
+//! between groups in the steps between: threads on 2 simulated nodes (the groups are the nodes,
+//! TCP between them) and processes (groups of consecutive ranks).
+//!
 //! The process ranks are this test binary: `rank_entry` does nothing in a normal run and trains
 //! when `OXCCL_TEST_DDP` is set.
 
@@ -28,9 +35,12 @@ mod common;
 use std::time::Duration;
 
 use mlp::{Mode, Shape};
-use oxccl::comm::harness::spawn_world;
+use oxccl::comm::harness::{spawn_world, spawn_world_on_nodes};
 use oxccl::comm::{Communicator, Config};
-use oxccl::ddp::{CommHook, DdpConfig, Overlap, PowerSgd, PowerSgdConfig, UnevenInputs};
+use oxccl::ddp::{
+    CommHook, DdpConfig, ModelAverager, Overlap, PostLocalSgd, PowerSgd, PowerSgdConfig,
+    UnevenInputs,
+};
 
 const STEPS: usize = 10;
 const WORLD: usize = 4;
@@ -102,6 +112,7 @@ fn train_and_check(
         mode,
         cfg,
         hook: psgd.then(powersgd),
+        average: None,
     };
     mlp::train_ddp_run(comm, &shape, run, |step, model, ddp, r| {
         done += 1;
@@ -163,6 +174,111 @@ fn train_and_check(
         ));
     }
     Ok(worst)
+}
+
+/// Post-local SGD in the local-SGD runs: from this step, averaged every `LOCAL_PERIOD` steps.
+const LOCAL_START: usize = 2;
+const LOCAL_PERIOD: usize = 3;
+
+/// Trains with DDP, the `PostLocalSgd` hook on `group` (consecutive ranks) and a
+/// `ModelAverager`; checks every step against `reference` (`mlp::train_reference_local`'s) and
+/// the replicas within the group and across groups. Returns the worst relative difference.
+fn train_and_check_local(
+    comm: &Communicator,
+    group: Communicator,
+    mode: Mode,
+    overlap: Overlap,
+    reference: &[Vec<mlp::Mlp>],
+) -> Result<f32, String> {
+    let rank = comm.rank();
+    let g = group.size();
+    if g == 0 || group.rank() != rank % g {
+        return Err(format!(
+            "rank {rank}: not rank {} of a group of {g}",
+            rank % g
+        ));
+    }
+    let check = std::sync::Arc::new(group);
+    let run = mlp::Run {
+        steps: STEPS,
+        join: false,
+        mode,
+        cfg: cfg(overlap),
+        hook: Some(Box::new(PostLocalSgd::new(
+            std::sync::Arc::clone(&check),
+            LOCAL_START as u64,
+        ))),
+        average: Some(ModelAverager::new(LOCAL_PERIOD as u64, LOCAL_START as u64)),
+    };
+    let mut worst = 0.0f32;
+    mlp::train_ddp_run(comm, &Shape::default(), run, |step, model, ddp, r| {
+        let diff = mlp::max_rel_diff(model, &reference[step][rank / g]);
+        worst = worst.max(diff);
+        let due = step >= LOCAL_START && (step - LOCAL_START).is_multiple_of(LOCAL_PERIOD);
+        if r.averaged != due {
+            return Err(format!("step {step}: averaged {}, due {due}", r.averaged).into());
+        }
+        let in_group = mlp::replicas_identical(&check, model)?;
+        let everywhere = mlp::replicas_identical(ddp.comm(), model)?;
+        // Between averages the groups train apart: their models must differ.
+        let global = step < LOCAL_START || due;
+        if diff > 1e-5 || !in_group || everywhere != global {
+            return Err(format!(
+                "step {step}: max relative difference {diff:e}, identical in the group \
+                 {in_group}, everywhere {everywhere} (expected {global})"
+            )
+            .into());
+        }
+        Ok(())
+    })
+    .map_err(|e| format!("rank {rank}: {mode:?}, {overlap:?}: {e}"))?;
+    Ok(worst)
+}
+
+/// How rank `r` feeds its gradients in the runs whose ranks differ.
+fn mixed(r: usize) -> (Mode, Overlap) {
+    (
+        [Mode::Overlap, Mode::InPlace, Mode::Overlap, Mode::InPlace][r % 4],
+        [Overlap::On, Overlap::On, Overlap::Off, Overlap::Off][r % 4],
+    )
+}
+
+#[test]
+fn local_sgd_ddp_matches_one_process_per_group_threads() {
+    let reference = mlp::train_reference_local(
+        &Shape::default(),
+        WORLD,
+        2,
+        STEPS,
+        LOCAL_START,
+        LOCAL_PERIOD,
+    );
+    // Two simulated nodes of two ranks; the node's ranks are the group.
+    for how in [mixed as fn(usize) -> (Mode, Overlap), |_| {
+        (Mode::After, Overlap::Auto)
+    }] {
+        let out = spawn_world_on_nodes(WORLD, 2, Config::default(), |comm| {
+            let color = u32::try_from(comm.node_index()).expect("a node index");
+            let group = comm.split(Some(color), comm.rank() as i64)?;
+            let (mode, overlap) = how(comm.rank());
+            Ok(train_and_check_local(
+                &comm,
+                group.expect("a group"),
+                mode,
+                overlap,
+                &reference,
+            ))
+        });
+        for r in out {
+            r.unwrap().unwrap();
+        }
+    }
+}
+
+#[test]
+fn local_sgd_ddp_matches_one_process_per_group_processes() {
+    let out = common::launch_self(WORLD, &[("OXCCL_TEST_DDP", "localsgd")]);
+    common::assert_all_ok(&out, WORLD);
 }
 
 /// `train_and_check` on `WORLD` threaded ranks for each (mode, overlap); `steps`: every rank's
@@ -230,6 +346,30 @@ fn rank_entry() {
         return;
     }
     let comm = Communicator::from_env().expect("communicator from the environment");
+    if std::env::var("OXCCL_TEST_DDP").is_ok_and(|v| v == "localsgd") {
+        // Groups of two consecutive ranks on the one node `oxccl launch` starts.
+        let reference = mlp::train_reference_local(
+            &Shape::default(),
+            comm.size(),
+            2,
+            STEPS,
+            LOCAL_START,
+            LOCAL_PERIOD,
+        );
+        let group = comm
+            .split(Some((comm.rank() / 2) as u32), comm.rank() as i64)
+            .expect("split")
+            .expect("a group");
+        let (mode, overlap) = mixed(comm.rank());
+        match train_and_check_local(&comm, group, mode, overlap, &reference) {
+            Ok(worst) => println!("RESULT rank={} ok worst={worst:e}", comm.rank()),
+            Err(e) => {
+                println!("RESULT rank={} FAILED {e}", comm.rank());
+                std::process::exit(1);
+            }
+        }
+        return;
+    }
     // OXCCL_TEST_DDP=uneven: rank r has UNEVEN[r] steps of data; =powersgd: the PowerSGD hook.
     let uneven = std::env::var("OXCCL_TEST_DDP").is_ok_and(|v| v == "uneven");
     let psgd = std::env::var("OXCCL_TEST_DDP").is_ok_and(|v| v == "powersgd");
@@ -280,12 +420,6 @@ fn powersgd_ddp_keeps_replicas_identical_and_learns_threads() {
     let reference = mlp::train_reference(&Shape::default(), &[STEPS; WORLD]);
     // Ranks feed gradients in different ways, as in the process test: the hook's two rounds
     // must line up whatever each rank's mode and overlap. Then every rank through `sync`.
-    let mixed = |r: usize| {
-        (
-            [Mode::Overlap, Mode::InPlace, Mode::Overlap, Mode::InPlace][r],
-            [Overlap::On, Overlap::On, Overlap::Off, Overlap::Off][r],
-        )
-    };
     let by_sync = |_: usize| (Mode::After, Overlap::Auto);
     for how in [
         &mixed as &(dyn Fn(usize) -> (Mode, Overlap) + Sync),

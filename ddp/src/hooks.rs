@@ -93,6 +93,15 @@ pub trait CommHook: Send {
     fn communicates_in_wait(&self) -> bool {
         false
     }
+
+    /// Whether the buffer [`HookWork::wait`] gives back is an average over every rank of DDP's
+    /// communicator, which [`UnevenInputs::DivideByActiveRanks`](crate::UnevenInputs) rescales
+    /// by world size / ranks training. A hook that averages over fewer ranks (e.g.
+    /// [`PostLocalSgd`](crate::PostLocalSgd), over a group) returns `false`, and
+    /// `Ddp::set_comm_hook` refuses it with that setting. Default `true`.
+    fn averages_every_rank(&self) -> bool {
+        true
+    }
 }
 
 /// A boxed hook is a hook: for a hook chosen at run time (`Box<dyn CommHook>`).
@@ -107,6 +116,10 @@ impl<H: CommHook + ?Sized> CommHook for Box<H> {
 
     fn communicates_in_wait(&self) -> bool {
         (**self).communicates_in_wait()
+    }
+
+    fn averages_every_rank(&self) -> bool {
+        (**self).averages_every_rank()
     }
 }
 

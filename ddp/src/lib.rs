@@ -130,6 +130,7 @@ mod error;
 mod flat;
 pub mod hooks;
 mod layout;
+mod local_sgd;
 mod powersgd;
 mod reducer;
 
@@ -137,5 +138,6 @@ pub use config::{DdpConfig, Overlap, Param, Step, UnevenInputs};
 pub use error::{DdpError, Result};
 pub use flat::{FlatBuffer, GradBuf, TensorMut, Typed};
 pub use hooks::{AllReduceAvg, BucketEntry, CommHook, CompressHook, GradBucket, HookWork};
+pub use local_sgd::{ModelAverager, PostLocalSgd};
 pub use powersgd::{PowerSgd, PowerSgdConfig};
 pub use reducer::{Ddp, NoSync};

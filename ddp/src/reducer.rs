@@ -340,12 +340,25 @@ impl<C: Borrow<Communicator>> Ddp<C> {
     /// Replaces the comm hook (default [`AllReduceAvg`]).
     ///
     /// # Errors
-    /// `InvalidArgument` in the middle of a step.
+    /// `InvalidArgument` in the middle of a step, or for a hook that does not average over every
+    /// rank ([`CommHook::averages_every_rank`]) with [`UnevenInputs::DivideByActiveRanks`].
     pub fn set_comm_hook(&mut self, hook: impl CommHook + 'static) -> Result<()> {
         if self.phase == Phase::Backward || self.micro != 0 {
             return Err(self.invalid(
                 "set_comm_hook",
                 "cannot change hooks in the middle of a step",
+            ));
+        }
+        if !hook.averages_every_rank()
+            && self.cfg.uneven_inputs == UnevenInputs::DivideByActiveRanks
+        {
+            return Err(self.invalid(
+                "set_comm_hook",
+                format!(
+                    "hook {} averages over fewer ranks than the communicator's, which \
+                     uneven_inputs DivideByActiveRanks cannot rescale; use DivideByWorldSize",
+                    hook.name()
+                ),
             ));
         }
         self.hook = Box::new(hook);

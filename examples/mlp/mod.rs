@@ -10,7 +10,7 @@
 use std::time::{Duration, Instant};
 
 use oxccl::comm::{Communicator, ReduceOp};
-use oxccl::ddp::{CommHook, Ddp, DdpConfig, DdpError, Param};
+use oxccl::ddp::{CommHook, Ddp, DdpConfig, DdpError, ModelAverager, Param};
 
 /// Sizes of the model and of each rank's batch.
 #[derive(Clone, Debug)]
@@ -399,6 +399,9 @@ pub struct StepReport {
     /// This rank had run out of data and stood in for the others' step (`Ddp::join_step`):
     /// `loss` is 0.
     pub joined: bool,
+    /// The run's `ModelAverager` averaged the parameters after this step's update (its time is
+    /// in `exposed`).
+    pub averaged: bool,
 }
 
 /// Trains with DDP for `steps` steps: rank r starts from seed r (rank 0's weights are broadcast)
@@ -421,6 +424,7 @@ pub fn train_ddp<C: std::borrow::Borrow<Communicator>>(
         mode,
         cfg,
         hook: None,
+        average: None,
     };
     train_ddp_run(comm, shape, run, each)
 }
@@ -439,6 +443,9 @@ pub struct Run {
     pub cfg: DdpConfig,
     /// A comm hook to set (every rank alike), or the default all-reduce.
     pub hook: Option<Box<dyn CommHook>>,
+    /// Averages the parameters over every rank after the updates it is due at (post-local SGD,
+    /// with the `PostLocalSgd` hook).
+    pub average: Option<ModelAverager>,
 }
 
 /// As [`train_ddp`], as `run` says; with `run.join`, `each` is called for the steps this rank
@@ -458,6 +465,7 @@ pub fn train_ddp_run<C: std::borrow::Borrow<Communicator>>(
         mode,
         cfg,
         hook,
+        mut average,
     } = run;
     let (rank, world) = (comm.borrow().rank(), comm.borrow().size());
     let mut model = Mlp::new(shape, rank as u64);
@@ -540,6 +548,7 @@ pub fn train_ddp_run<C: std::borrow::Borrow<Communicator>>(
                 }
             }
         }
+        let averaged = average_params(&mut average, ddp.comm(), &mut model, &mut exposed)?;
         let time = start.elapsed();
         let report = StepReport {
             loss,
@@ -547,6 +556,7 @@ pub fn train_ddp_run<C: std::borrow::Borrow<Communicator>>(
             backward,
             exposed,
             joined: false,
+            averaged,
         };
         each(step, &model, &ddp, report)?;
     }
@@ -556,20 +566,97 @@ pub fn train_ddp_run<C: std::borrow::Borrow<Communicator>>(
         if ddp.join_step()?.is_none() {
             break;
         }
-        let exposed = start.elapsed();
+        let mut exposed = start.elapsed();
         for p in 0..model.params.len() {
             model.sgd(p, ddp.grad::<f32>(p)?, shape.lr);
         }
+        let averaged = average_params(&mut average, ddp.comm(), &mut model, &mut exposed)?;
         let report = StepReport {
             loss: 0.0,
             time: start.elapsed(),
             backward: Duration::ZERO,
             exposed,
             joined: true,
+            averaged,
         };
         each(step, &model, &ddp, report)?;
     }
     Ok(model)
+}
+
+/// Runs `average` (when there is one) on the model's parameters; adds its time to `exposed`.
+fn average_params(
+    average: &mut Option<ModelAverager>,
+    comm: &Communicator,
+    model: &mut Mlp,
+    exposed: &mut Duration,
+) -> Result<bool, DdpError> {
+    let Some(avg) = average else {
+        return Ok(false);
+    };
+    let t = Instant::now();
+    let did = avg.average(comm, &mut model.params)?;
+    *exposed += t.elapsed();
+    Ok(did)
+}
+
+/// One process on the concatenated batches of `ranks`' samples of `step` (each rank's batch
+/// is `shape.batch` samples of a world of `world` ranks): one SGD step of `model`.
+fn reference_step(model: &mut Mlp, shape: &Shape, world: usize, step: usize, ranks: &[usize]) {
+    let (mut x, mut t) = (Vec::new(), Vec::new());
+    for &r in ranks {
+        let (xr, tr) = samples(shape, (step * world + r) * shape.batch, shape.batch);
+        x.extend(xr);
+        t.extend(tr);
+    }
+    let global = ranks.len() * shape.batch;
+    let acts = model.forward(&x, global);
+    let mut grads = vec![Vec::new(); model.params.len()];
+    model.backward(&acts, &t, global, global as f32, Duration::ZERO, &mut grads);
+    for (p, g) in grads.iter().enumerate() {
+        model.sgd(p, g, shape.lr);
+    }
+}
+
+/// Post-local SGD in one process: `world` ranks in groups of `group` consecutive ranks (`group`
+/// dividing `world`); before step `start` one model trains on every rank's batches, from it each
+/// group's model on its ranks' batches, and after the updates of steps `start`, `start +
+/// period`, ... the groups' models are replaced by their mean. Returns the groups' models after
+/// every step: what DDP with `PostLocalSgd` and a `ModelAverager` must reproduce on the ranks of
+/// each group.
+pub fn train_reference_local(
+    shape: &Shape,
+    world: usize,
+    group: usize,
+    steps: usize,
+    start: usize,
+    period: usize,
+) -> Vec<Vec<Mlp>> {
+    let groups = world / group.max(1);
+    let mut models = vec![Mlp::new(shape, 0); groups];
+    let mut out = Vec::with_capacity(steps);
+    for step in 0..steps {
+        for (g, model) in models.iter_mut().enumerate() {
+            let ranks: Vec<usize> = if step < start {
+                (0..world).collect()
+            } else {
+                (g * group..(g + 1) * group).collect()
+            };
+            reference_step(model, shape, world, step, &ranks);
+        }
+        if step >= start && (step - start).is_multiple_of(period.max(1)) {
+            let mut mean = models[0].clone();
+            for (p, m) in mean.params.iter_mut().enumerate() {
+                for (i, x) in m.iter_mut().enumerate() {
+                    let sum: f32 = models.iter().map(|g| g.params[p][i]).sum();
+                    *x = sum / groups as f32;
+                }
+            }
+            models = vec![mean; groups];
+        }
+        out.push(models.clone());
+    }
+    out
 }
 
 /// One process on the concatenated batches of the ranks that have data in each step (rank r
@@ -583,19 +670,7 @@ pub fn train_reference(shape: &Shape, steps: &[usize]) -> Vec<Mlp> {
     let mut out = Vec::with_capacity(last);
     for step in 0..last {
         let active: Vec<usize> = (0..world).filter(|&r| steps[r] > step).collect();
-        let (mut x, mut t) = (Vec::new(), Vec::new());
-        for &r in &active {
-            let (xr, tr) = samples(shape, (step * world + r) * shape.batch, shape.batch);
-            x.extend(xr);
-            t.extend(tr);
-        }
-        let global = active.len() * shape.batch;
-        let acts = model.forward(&x, global);
-        let mut grads = vec![Vec::new(); model.params.len()];
-        model.backward(&acts, &t, global, global as f32, Duration::ZERO, &mut grads);
-        for (p, g) in grads.iter().enumerate() {
-            model.sgd(p, g, shape.lr);
-        }
+        reference_step(&mut model, shape, world, step, &active);
         out.push(model.clone());
     }
     out
