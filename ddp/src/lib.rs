@@ -57,7 +57,10 @@
 //!   [`DdpError::UnusedParameters`], or reduced as zeros with `find_unused_parameters`.
 //! - **Comm hooks**: [`CommHook`] replaces the all-reduce of each bucket; [`CompressHook`] sends
 //!   f16 or bf16 on the wire; [`PowerSgd`] sends a low-rank approximation of each weight
-//!   matrix, with error feedback (PyTorch's `powerSGD_hook`).
+//!   matrix, with error feedback (PyTorch's `powerSGD_hook`); [`PostLocalSgd`] averages within
+//!   a group of ranks (a node) after a warm-up, with [`ModelAverager`] averaging the parameters
+//!   over every rank every few steps (PyTorch's `post_localSGD_hook` and
+//!   `PeriodicModelAverager`: post-local SGD).
 //! - **Buffers**: [`Ddp::broadcast_buffers`] copies rank 0's (e.g. batch-norm statistics; with
 //!   uneven inputs, the lowest rank's that trained in the last step).
 //! - **Uneven inputs** (PyTorch's `Join`): with [`DdpConfig::uneven_inputs`] set, a rank that
