@@ -292,27 +292,39 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if args.local_sgd > 0 && args.uneven {
         return Err("--local-sgd averages within groups, which --uneven cannot rescale".into());
     }
+    if args.local_sgd > 0 && args.mode == ModeArg::All {
+        // Its steps differ (one in P sends the parameters across): medians would hide that,
+        // and compute only would average too.
+        return Err(
+            "--local-sgd trains: use it with --mode overlap, in-place or after (mean step times: \
+             scripts/local_sgd_bench.sh)"
+                .into(),
+        );
+    }
     // Post-local SGD's group: `--local-sgd-group` consecutive ranks, or the node's ranks.
     let group = if args.local_sgd > 0 {
         let color = match args.local_sgd_group {
             0 => comm.node_index(),
             k => rank / k,
         };
-        let color = u32::try_from(color).map_err(|_| format!("group {color}: too many"))?;
+        let color = u32::try_from(color)
+            .map_err(|_| format!("rank {rank}: --local-sgd: group {color} is out of range"))?;
         let group = comm.split(Some(color), rank as i64)?;
-        Some(Arc::new(group.ok_or("the split gave this rank no group")?))
+        Some(Arc::new(group.ok_or_else(|| {
+            format!("rank {rank}: --local-sgd: the split gave this rank no group")
+        })?))
     } else {
         None
     };
     let averager =
         || (args.local_sgd > 0).then(|| ModelAverager::new(args.local_sgd, args.local_sgd_start));
     let shapes = mlp::Mlp::new(&shape, 0).shapes();
-    let hook = || -> Option<Box<dyn CommHook>> {
+    let hook = || -> Result<Option<Box<dyn CommHook>>, oxccl::ddp::DdpError> {
         if let Some(group) = &group {
-            return Some(Box::new(PostLocalSgd::new(
-                Arc::clone(group),
-                args.local_sgd_start,
-            )));
+            // Collective over the group (it learns its members' ranks): every rank makes one
+            // per run, at the same place.
+            let h = PostLocalSgd::new(&comm, Arc::clone(group), args.local_sgd_start)?;
+            return Ok(Some(Box::new(h)));
         }
         if args.powersgd > 0 {
             let cfg = PowerSgdConfig {
@@ -320,13 +332,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 start_step: args.powersgd_start,
                 ..PowerSgdConfig::default()
             };
-            return Some(Box::new(PowerSgd::new(cfg, shapes.clone())));
+            return Ok(Some(Box::new(PowerSgd::new(cfg, shapes.clone()))));
         }
-        match args.compress {
+        Ok(match args.compress {
             CompressArg::None => None,
             CompressArg::Fp16 => Some(Box::new(CompressHook::fp16())),
             CompressArg::Bf16 => Some(Box::new(CompressHook::bf16())),
-        }
+        })
     };
     // Steps of data per rank (`--uneven`: rank r runs out r steps early).
     let own_steps = |r: usize| {
@@ -387,7 +399,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     join: false,
                     mode,
                     cfg,
-                    hook: hook(),
+                    hook: hook()?,
                     average: averager(),
                 };
                 mlp::train_ddp_run(&comm, &shape, run, |step, _, _, r| {
@@ -497,10 +509,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let local_reference = match &group {
         Some(g) if args.check => {
             let size = g.size();
-            if world % size != 0 || g.rank() != rank % size {
+            // Every rank learns whether every group qualifies, so that all stop or none.
+            let mut fits = [u8::from(world % size == 0 && g.rank() == rank % size)];
+            comm.all_reduce(&mut fits, ReduceOp::Min)?;
+            if fits[0] == 0 {
                 return Err(format!(
-                    "--check with --local-sgd needs groups of consecutive ranks of one size \
-                     (rank {rank} is rank {} of a group of {size})",
+                    "rank {rank}: --check with --local-sgd needs groups of consecutive ranks of \
+                     one size (this rank is rank {} of a group of {size})",
                     g.rank()
                 )
                 .into());
@@ -516,7 +531,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         join: args.uneven,
         mode,
         cfg,
-        hook: hook(),
+        hook: hook()?,
         average: averager(),
     };
     let model = mlp::train_ddp_run(&comm, &shape, run, |step, model, ddp, r| {

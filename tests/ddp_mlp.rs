@@ -204,10 +204,10 @@ fn train_and_check_local(
         join: false,
         mode,
         cfg: cfg(overlap),
-        hook: Some(Box::new(PostLocalSgd::new(
-            std::sync::Arc::clone(&check),
-            LOCAL_START as u64,
-        ))),
+        hook: Some(Box::new(
+            PostLocalSgd::new(comm, std::sync::Arc::clone(&check), LOCAL_START as u64)
+                .map_err(|e| e.to_string())?,
+        )),
         average: Some(ModelAverager::new(LOCAL_PERIOD as u64, LOCAL_START as u64)),
     };
     let mut worst = 0.0f32;
@@ -235,11 +235,12 @@ fn train_and_check_local(
     Ok(worst)
 }
 
-/// How rank `r` feeds its gradients in the runs whose ranks differ.
+/// How rank `r` feeds its gradients in the runs whose ranks differ: every pair of ranks
+/// {0, 1} and {2, 3} (the local-SGD groups) mixes both modes and both overlaps.
 fn mixed(r: usize) -> (Mode, Overlap) {
     (
-        [Mode::Overlap, Mode::InPlace, Mode::Overlap, Mode::InPlace][r % 4],
-        [Overlap::On, Overlap::On, Overlap::Off, Overlap::Off][r % 4],
+        [Mode::Overlap, Mode::InPlace, Mode::InPlace, Mode::Overlap][r % 4],
+        [Overlap::On, Overlap::Off, Overlap::On, Overlap::Off][r % 4],
     )
 }
 

@@ -9,6 +9,8 @@
 //! [`PowerSgd`](crate::PowerSgd) sends a low-rank approximation of each weight matrix instead
 //! (PyTorch's `powerSGD_hook`): two small all-reduces per bucket with a matrix to compress, the
 //! second issued while DDP waits on the bucket ([`CommHook::communicates_in_wait`]).
+//! [`PostLocalSgd`](crate::PostLocalSgd) averages over a group of ranks (a node) once its
+//! warm-up is over ([`CommHook::averages_every_rank`] is then false).
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};

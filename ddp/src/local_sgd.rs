@@ -27,7 +27,10 @@
 
 use std::borrow::Borrow;
 
-use oxccl_comm::{Communicator, DType};
+use std::ops::Range;
+use std::sync::Arc;
+
+use oxccl_comm::{Communicator, DType, Error as CommError};
 
 use crate::error::{DdpError, Result};
 use crate::flat::{FlatBuffer, GradBuf};
@@ -44,6 +47,10 @@ use crate::hooks::{AllReduceAvg, CommHook, GradBucket, HookWork};
 /// (`Ddp::set_comm_hook` refuses): its rescaling assumes averages over every rank.
 pub struct PostLocalSgd<G: Borrow<Communicator> = Communicator> {
     group: G,
+    /// The rank in DDP's communicator of each of the group's ranks, and that communicator's
+    /// size: for errors that name DDP's ranks, and to check the hook runs on it.
+    members: Arc<[usize]>,
+    world: usize,
     start_step: u64,
     /// Synchronised steps begun (counted at bucket 0).
     started: u64,
@@ -59,21 +66,60 @@ impl<G: Borrow<Communicator>> std::fmt::Debug for PostLocalSgd<G> {
             .field("group_size", &g.size())
             .field("start_step", &self.start_step)
             .field("started", &self.started)
+            .field("local", &self.local)
             .finish()
     }
 }
 
 impl<G: Borrow<Communicator>> PostLocalSgd<G> {
-    /// Local SGD within `group` (a communicator of some of DDP's ranks, e.g. from
-    /// `Communicator::split`; every rank of DDP's communicator in exactly one group) from
-    /// synchronised step `start_step` (0: from the first step).
-    pub fn new(group: G, start_step: u64) -> PostLocalSgd<G> {
-        PostLocalSgd {
+    /// Local SGD within `group` (a communicator of some of the ranks of `comm`, DDP's
+    /// communicator, e.g. from `comm.split`; every rank of `comm` in exactly one group) from
+    /// synchronised step `start_step` (0: from the first step). Collective over `group`: it
+    /// gathers each member's rank in `comm`, so that the hook's errors (a `PeerLost` in the
+    /// group, ...) name ranks of `comm`, as DDP's other errors do.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a group that cannot be part of `comm` (larger, or ranks gathered
+    /// out of range or twice); the all-gather's errors.
+    pub fn new(comm: &Communicator, group: G, start_step: u64) -> Result<PostLocalSgd<G>> {
+        let g = group.borrow();
+        let invalid = |msg: String| DdpError::InvalidArgument {
+            rank: comm.rank(),
+            op: "PostLocalSgd::new",
+            msg,
+        };
+        if g.size() > comm.size() {
+            return Err(invalid(format!(
+                "the group has {} ranks, the communicator {}",
+                g.size(),
+                comm.size()
+            )));
+        }
+        let mut members = vec![0u64; g.size()];
+        g.all_gather(&[comm.rank() as u64], &mut members)?;
+        let members: Vec<usize> = members.into_iter().map(|r| r as usize).collect();
+        let mut seen = vec![false; comm.size()];
+        for &r in &members {
+            if r >= comm.size() || std::mem::replace(&mut seen[r], true) {
+                return Err(invalid(format!(
+                    "the group's ranks {members:?} are not distinct ranks of a communicator of {}",
+                    comm.size()
+                )));
+            }
+        }
+        Ok(PostLocalSgd {
             group,
+            members: members.into(),
+            world: comm.size(),
             start_step,
             started: 0,
             local: false,
-        }
+        })
+    }
+
+    /// The rank in DDP's communicator of each of the group's ranks.
+    pub fn members(&self) -> &[usize] {
+        &self.members
     }
 
     /// The group gradients are averaged in once local SGD has started.
@@ -90,6 +136,14 @@ impl<G: Borrow<Communicator>> PostLocalSgd<G> {
     pub fn steps(&self) -> u64 {
         self.started
     }
+
+    /// Counts `steps` synchronised steps as already begun (resuming from a checkpoint taken
+    /// after them), so that local SGD starts at the same step as in the first run.
+    #[must_use]
+    pub fn with_steps(mut self, steps: u64) -> PostLocalSgd<G> {
+        self.started = steps;
+        self
+    }
 }
 
 impl PostLocalSgd {
@@ -98,11 +152,11 @@ impl PostLocalSgd {
     /// rank calls it.
     ///
     /// # Errors
-    /// The split's errors.
+    /// The split's and [`PostLocalSgd::new`]'s errors.
     pub fn intra_node(comm: &Communicator, start_step: u64) -> Result<PostLocalSgd> {
         let color = u32::try_from(comm.node_index()).map_err(|_| DdpError::InvalidArgument {
             rank: comm.rank(),
-            op: "post-local SGD",
+            op: "PostLocalSgd::intra_node",
             msg: format!(
                 "node index {} does not fit a split color",
                 comm.node_index()
@@ -111,11 +165,77 @@ impl PostLocalSgd {
         let group = comm.split(Some(color), comm.rank() as i64)?;
         let group = group.ok_or_else(|| DdpError::InvalidArgument {
             rank: comm.rank(),
-            op: "post-local SGD",
+            op: "PostLocalSgd::intra_node",
             msg: "the split by node gave this rank no group".into(),
         })?;
-        Ok(PostLocalSgd::new(group, start_step))
+        PostLocalSgd::new(comm, group, start_step)
     }
+}
+
+/// `e`, from the group's collectives, with the group's ranks replaced by those of DDP's
+/// communicator (`members`; this rank is `rank` there).
+fn in_comm(e: DdpError, members: &[usize], rank: usize) -> DdpError {
+    let peer = |p: usize| members.get(p).copied().unwrap_or(p);
+    let DdpError::Comm(e) = e else { return e };
+    let note = |s: String| format!("{s} (post_local_sgd hook, group of ranks {members:?})");
+    DdpError::Comm(match e {
+        CommError::PeerLost {
+            peer: p,
+            op,
+            detail,
+            ..
+        } => CommError::PeerLost {
+            rank,
+            peer: peer(p),
+            op,
+            detail: note(detail),
+        },
+        CommError::Mismatch {
+            peer: p,
+            seq,
+            local,
+            remote,
+            ..
+        } => CommError::Mismatch {
+            rank,
+            peer: peer(p),
+            seq,
+            local: note(local),
+            remote,
+        },
+        CommError::Timeout {
+            op,
+            timeout,
+            detail,
+            ..
+        } => CommError::Timeout {
+            rank,
+            op,
+            timeout,
+            detail: note(detail),
+        },
+        CommError::Aborted { reason, .. } => CommError::Aborted {
+            rank,
+            reason: note(reason),
+        },
+        CommError::Transport {
+            peer: p,
+            transport,
+            msg,
+            ..
+        } => CommError::Transport {
+            rank,
+            peer: peer(p),
+            transport,
+            msg: note(msg),
+        },
+        CommError::InvalidArgument { op, msg, .. } => CommError::InvalidArgument {
+            rank,
+            op,
+            msg: note(msg),
+        },
+        other => other,
+    })
 }
 
 impl<G: Borrow<Communicator> + Send> CommHook for PostLocalSgd<G> {
@@ -128,11 +248,29 @@ impl<G: Borrow<Communicator> + Send> CommHook for PostLocalSgd<G> {
             self.local = self.started >= self.start_step;
             self.started += 1;
         }
-        if self.local {
-            AllReduceAvg.start(self.group.borrow(), bucket)
-        } else {
-            AllReduceAvg.start(comm, bucket)
+        let rank = comm.rank();
+        if comm.size() != self.world || self.members.get(self.group().rank()) != Some(&rank) {
+            let msg = format!(
+                "the hook was made for rank {:?} of a communicator of {}, and runs on rank \
+                 {rank} of one of {}",
+                self.members.get(self.group().rank()),
+                self.world,
+                comm.size()
+            );
+            return HookWork::new(move || {
+                Err(DdpError::InvalidArgument {
+                    rank,
+                    op: "post_local_sgd hook",
+                    msg,
+                })
+            });
         }
+        if !self.local {
+            return AllReduceAvg.start(comm, bucket);
+        }
+        let work = AllReduceAvg.start(self.group.borrow(), bucket);
+        let members = Arc::clone(&self.members);
+        HookWork::with_comm(move |c| work.wait(c).map_err(|e| in_comm(e, &members, rank)))
     }
 
     fn averages_every_rank(&self) -> bool {
@@ -142,25 +280,61 @@ impl<G: Borrow<Communicator> + Send> CommHook for PostLocalSgd<G> {
 
 /// Averages parameters across the ranks of a communicator once every `period` calls, from call
 /// `warmup_steps` on (PyTorch's `PeriodicModelAverager`): call [`ModelAverager::average`] once per
-/// optimizer step, after the update. With [`PostLocalSgd`], give it the same start as
-/// `warmup_steps`, so that the first local step is followed by an average.
-#[derive(Clone, Debug)]
+/// synchronised step (not per micro-batch), after the optimizer's update; a rank that has run
+/// out of data calls it after each [`Ddp::join_step`](crate::Ddp::join_step) that returns
+/// `Some`, as the ranks still training do after their steps. With [`PostLocalSgd`], give it the
+/// same start as `warmup_steps`, so that the first local step is followed by an average.
+/// Floating-point parameters only (an integer average would wrap and truncate).
+#[derive(Debug)]
 pub struct ModelAverager {
     period: u64,
     warmup_steps: u64,
     step: u64,
     cap_bytes: usize,
+    /// The last average's packing buffers, reused while the layout stays the same.
+    buffers: Vec<Option<FlatBuffer>>,
+}
+
+impl Clone for ModelAverager {
+    /// The settings and the step count (not the buffers).
+    fn clone(&self) -> ModelAverager {
+        ModelAverager {
+            buffers: Vec::new(),
+            ..*self
+        }
+    }
+}
+
+/// Consecutive items of one dtype packed into runs of at most `cap` bytes (an item larger than
+/// `cap` alone): `items` are (dtype, bytes); returns each run's dtype and item range.
+fn plan_runs(items: &[(DType, usize)], cap: usize) -> Vec<(DType, Range<usize>)> {
+    let mut runs: Vec<(DType, Range<usize>)> = Vec::new();
+    let mut bytes = 0;
+    for (i, &(dtype, n)) in items.iter().enumerate() {
+        match runs.last_mut() {
+            Some((d, r)) if *d == dtype && bytes + n <= cap => {
+                r.end = i + 1;
+                bytes += n;
+            }
+            _ => {
+                runs.push((dtype, i..i + 1));
+                bytes = n;
+            }
+        }
+    }
+    runs
 }
 
 impl ModelAverager {
     /// Averages at calls `warmup_steps`, `warmup_steps + period`, ... (counted from 0). A
-    /// `period` of 0 is refused by [`ModelAverager::average`].
+    /// `period` of 0 never averages, and [`ModelAverager::average`] refuses it.
     pub fn new(period: u64, warmup_steps: u64) -> ModelAverager {
         ModelAverager {
             period,
             warmup_steps,
             step: 0,
             cap_bytes: 25 << 20,
+            buffers: Vec::new(),
         }
     }
 
@@ -169,6 +343,13 @@ impl ModelAverager {
     #[must_use]
     pub fn with_bucket_cap_bytes(mut self, bytes: usize) -> ModelAverager {
         self.cap_bytes = bytes.max(1);
+        self
+    }
+
+    /// Counts `steps` calls as already made (resuming from a checkpoint taken after them).
+    #[must_use]
+    pub fn with_steps(mut self, steps: u64) -> ModelAverager {
+        self.step = steps;
         self
     }
 
@@ -190,44 +371,60 @@ impl ModelAverager {
     /// calls it alike, with the same parameter list (count, lengths, dtypes).
     ///
     /// # Errors
-    /// `InvalidArgument` for a `period` of 0 (on every rank, before any communication); the
-    /// all-reduces' errors.
+    /// `InvalidArgument` for a `period` of 0, or when due for a parameter of an integer dtype or
+    /// whose `GradBuf` views disagree in length: on every rank alike (given the same list),
+    /// before any communication, and the call is not counted. The all-reduces' errors
+    /// (`PeerLost`, `Timeout`, ...): every all-reduce is waited on, those that completed are
+    /// copied back and the first error is returned, so this rank's parameters may then be
+    /// partly averaged; treat it as the end of the step's replicas (see the crate docs, "After
+    /// a lost rank").
     pub fn average<P: GradBuf>(&mut self, comm: &Communicator, params: &mut [P]) -> Result<bool> {
+        let invalid = |msg: String| DdpError::InvalidArgument {
+            rank: comm.rank(),
+            op: "ModelAverager::average",
+            msg,
+        };
         if self.period == 0 {
-            return Err(DdpError::InvalidArgument {
-                rank: comm.rank(),
-                op: "model averager",
-                msg: "period must be at least 1".into(),
-            });
+            return Err(invalid("period must be at least 1".into()));
         }
-        let due = self.due();
-        self.step += 1;
-        if !due {
+        if !self.due() {
+            self.step += 1;
             return Ok(false);
         }
-        // Runs of one dtype, cut at `cap_bytes`: (dtype, first, end) over `params`.
-        let mut runs: Vec<(DType, usize, usize)> = Vec::new();
-        let mut bytes = 0;
-        for (i, p) in params.iter().enumerate() {
-            let n = p.bytes().len();
-            match runs.last_mut() {
-                Some((d, _, end)) if *d == p.dtype() && bytes + n <= self.cap_bytes => {
-                    *end = i + 1;
-                    bytes += n;
-                }
-                _ => {
-                    runs.push((p.dtype(), i, i + 1));
-                    bytes = n;
-                }
+        for (i, p) in params.iter_mut().enumerate() {
+            let dtype = p.dtype();
+            if !dtype.is_float() {
+                return Err(invalid(format!(
+                    "parameter {i} is {}: only floating-point parameters can be averaged",
+                    dtype.short_name()
+                )));
+            }
+            let (n, n_mut) = (p.bytes().len(), p.bytes_mut().len());
+            if n != n_mut || !n.is_multiple_of(dtype.size()) {
+                return Err(invalid(format!(
+                    "parameter {i} ({}): its views hold {n} and {n_mut} bytes",
+                    dtype.short_name()
+                )));
             }
         }
+        self.step += 1;
+        let items: Vec<(DType, usize)> = params
+            .iter()
+            .map(|p| (p.dtype(), p.bytes().len()))
+            .collect();
+        let runs = plan_runs(&items, self.cap_bytes);
+        self.buffers.resize_with(runs.len(), || None);
+        self.buffers.truncate(runs.len());
         // Every run's all-reduce is issued before the first is waited on.
         let mut pending = Vec::with_capacity(runs.len());
-        for (index, &(dtype, first, end)) in runs.iter().enumerate() {
-            let elems = params[first..end].iter().map(|p| p.elems()).sum();
-            let mut buffer = FlatBuffer::zeros(dtype, elems);
+        for (index, (dtype, range)) in runs.iter().enumerate() {
+            let elems = items[range.clone()].iter().map(|&(_, n)| n).sum::<usize>() / dtype.size();
+            let mut buffer = match self.buffers[index].take() {
+                Some(b) if b.dtype() == *dtype && b.len() == elems => b,
+                _ => FlatBuffer::zeros(*dtype, elems),
+            };
             let mut off = 0;
-            for p in &params[first..end] {
+            for p in &params[range.clone()] {
                 let b = p.bytes();
                 buffer.bytes_mut()[off..off + b.len()].copy_from_slice(b);
                 off += b.len();
@@ -239,16 +436,66 @@ impl ModelAverager {
             };
             pending.push(AllReduceAvg.start(comm, bucket));
         }
-        for (work, &(_, first, end)) in pending.into_iter().zip(&runs) {
-            let buffer = work.wait(comm)?;
-            let mut off = 0;
-            for p in &mut params[first..end] {
-                let b = p.bytes_mut();
-                let n = b.len();
-                b.copy_from_slice(&buffer.bytes()[off..off + n]);
-                off += n;
+        let mut first_err = None;
+        for (index, (work, (_, range))) in pending.into_iter().zip(runs).enumerate() {
+            match work.wait(comm) {
+                Ok(buffer) => {
+                    let mut off = 0;
+                    for p in &mut params[range] {
+                        let b = p.bytes_mut();
+                        let n = b.len();
+                        b.copy_from_slice(&buffer.bytes()[off..off + n]);
+                        off += n;
+                    }
+                    self.buffers[index] = Some(buffer);
+                }
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
             }
         }
-        Ok(true)
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(true),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_pack_one_dtype_up_to_the_cap() {
+        use DType::{BF16, F32, F64};
+        // Cut at the cap (8 + 8 fits 16, the third 8 does not), at a dtype change, a
+        // parameter over the cap alone, zero-length ones packed with their neighbours.
+        let items = [
+            (F32, 8),
+            (F32, 8),
+            (F32, 8),
+            (F64, 0),
+            (F64, 40),
+            (F64, 8),
+            (BF16, 0),
+            (BF16, 16),
+            (BF16, 2),
+        ];
+        let runs = plan_runs(&items, 16);
+        assert_eq!(
+            runs,
+            [
+                (F32, 0..2),
+                (F32, 2..3),
+                (F64, 3..4),
+                (F64, 4..5),
+                (F64, 5..6),
+                (BF16, 6..8),
+                (BF16, 8..9),
+            ]
+        );
+        assert!(plan_runs(&[], 16).is_empty());
+        // A cap of exactly the sum packs everything of one dtype together.
+        assert_eq!(plan_runs(&items[..3], 24), [(F32, 0..3)]);
     }
 }

@@ -98,17 +98,20 @@ fn gradients_average_over_every_rank_then_over_the_node() {
 fn parameters_are_averaged_when_due_and_only_then() {
     let out = spawn_world(N, Config::default(), |comm| {
         let rank = comm.rank();
-        // Every 3 calls from call 2; 24-byte all-reduces: a (20 bytes) alone, b (24) alone, c
-        // (28, over the cap) alone, d and e (8 + 8) together.
+        // Every 3 calls from call 2; 24-byte all-reduces: a (20 bytes), b (24), c (28, over the
+        // cap) alone, d and e (8 + 8) together, f (12) cut from them by the cap.
         let mut avg = ModelAverager::new(3, 2).with_bucket_cap_bytes(24);
         let value = |call: usize, p: usize, i: usize| ((rank * 16 + call * 4 + p) * 8 + i) as f64;
+        let lens = [5, 3, 7, 2, 2, 3];
         let mut averaged = Vec::new();
         for call in 0..9 {
-            let mut a: Vec<f32> = (0..5).map(|i| value(call, 0, i) as f32).collect();
-            let mut b: Vec<f64> = (0..3).map(|i| value(call, 1, i)).collect();
-            let mut c: Vec<f32> = (0..7).map(|i| value(call, 2, i) as f32).collect();
-            let mut d: Vec<i32> = (0..2).map(|i| value(call, 3, i) as i32).collect();
-            let mut e: Vec<i32> = (0..2).map(|i| value(call, 4, i) as i32).collect();
+            let v = |p: usize| (0..lens[p]).map(move |i| value(call, p, i));
+            let mut a: Vec<f32> = v(0).map(|x| x as f32).collect();
+            let mut b: Vec<f64> = v(1).collect();
+            let mut c: Vec<f32> = v(2).map(|x| x as f32).collect();
+            let mut d: Vec<f32> = v(3).map(|x| x as f32).collect();
+            let mut e: Vec<f32> = v(4).map(|x| x as f32).collect();
+            let mut f: Vec<f32> = v(5).map(|x| x as f32).collect();
             assert_eq!(avg.due(), call >= 2 && (call - 2) % 3 == 0);
             let did = {
                 let mut params = [
@@ -117,13 +120,14 @@ fn parameters_are_averaged_when_due_and_only_then() {
                     TensorMut::new(&mut c),
                     TensorMut::new(&mut d),
                     TensorMut::new(&mut e),
+                    TensorMut::new(&mut f),
                 ];
                 avg.average(&comm, &mut params).unwrap()
             };
             if did {
                 averaged.push(call);
             }
-            // Averaged: the mean over ranks (rank * 128 averages to 192: exact in every dtype).
+            // Averaged: the mean over ranks (rank * 128 averages to 192: exact).
             let want = |p: usize, i: usize| {
                 let own = value(call, p, i);
                 if did {
@@ -132,21 +136,22 @@ fn parameters_are_averaged_when_due_and_only_then() {
                     own
                 }
             };
-            let got: Vec<(usize, usize, f64)> = a
-                .iter()
-                .enumerate()
-                .map(|(i, &x)| (0, i, f64::from(x)))
-                .chain(b.iter().enumerate().map(|(i, &x)| (1, i, x)))
-                .chain(c.iter().enumerate().map(|(i, &x)| (2, i, f64::from(x))))
-                .chain(d.iter().enumerate().map(|(i, &x)| (3, i, f64::from(x))))
-                .chain(e.iter().enumerate().map(|(i, &x)| (4, i, f64::from(x))))
-                .collect();
-            for (p, i, x) in got {
-                assert_eq!(x, want(p, i), "rank {rank} call {call} param {p} [{i}]");
+            let wide = |x: &[f32]| x.iter().map(|&x| f64::from(x)).collect::<Vec<_>>();
+            let got = [wide(&a), b.clone(), wide(&c), wide(&d), wide(&e), wide(&f)];
+            for (p, xs) in got.iter().enumerate() {
+                for (i, &x) in xs.iter().enumerate() {
+                    assert_eq!(x, want(p, i), "rank {rank} call {call} param {p} [{i}]");
+                }
             }
         }
         assert_eq!(averaged, [2, 5, 8], "rank {rank}");
         assert_eq!(avg.steps(), 9);
+        // Resumed after 4 calls: the next one (call 4) is not due, call 5 is.
+        let mut resumed = ModelAverager::new(3, 2).with_steps(4);
+        let mut w = vec![rank as f32; 2];
+        assert!(!resumed.average(&comm, &mut [&mut w]).unwrap());
+        assert!(resumed.average(&comm, &mut [&mut w]).unwrap());
+        assert_eq!(w, [1.5, 1.5]);
         Ok(())
     });
     for r in out {
@@ -164,11 +169,25 @@ fn a_zero_period_and_rescaled_uneven_inputs_are_refused() {
             .unwrap_err();
         match &e {
             DdpError::InvalidArgument { rank: r, op, msg } => {
-                assert_eq!((*r, *op), (rank, "model averager"));
+                assert_eq!((*r, *op), (rank, "ModelAverager::average"));
                 assert!(msg.contains("period"), "{msg}");
             }
             e => panic!("rank {rank}: {e}"),
         }
+        // An integer parameter, when due: refused before any communication, and not counted.
+        let mut avg = ModelAverager::new(1, 0);
+        let mut n = vec![7i32; 2];
+        let e = avg
+            .average(&comm, &mut [TensorMut::new(&mut w), TensorMut::new(&mut n)])
+            .unwrap_err();
+        match &e {
+            DdpError::InvalidArgument { rank: r, op, msg } => {
+                assert_eq!((*r, *op), (rank, "ModelAverager::average"));
+                assert!(msg.contains("parameter 1 is i32"), "{msg}");
+            }
+            e => panic!("rank {rank}: {e}"),
+        }
+        assert_eq!((avg.steps(), avg.due()), (0, true));
         // Nothing was issued: the communicator goes on.
         let mut x = [rank as u32 + 1];
         comm.all_reduce(&mut x, ReduceOp::Sum).unwrap();
@@ -184,7 +203,7 @@ fn a_zero_period_and_rescaled_uneven_inputs_are_refused() {
                 ..DdpConfig::default()
             };
             let mut ddp = Ddp::new(&comm, &mut [Param::new("w", &mut w)], cfg).unwrap();
-            let set = ddp.set_comm_hook(PostLocalSgd::new(group(), 0));
+            let set = ddp.set_comm_hook(PostLocalSgd::new(&comm, group(), 0).unwrap());
             match (set, ok) {
                 (Ok(()), true) => {}
                 (Err(DdpError::InvalidArgument { op, msg, .. }), false) => {
@@ -213,7 +232,8 @@ fn with_groups_of_one_rank_each_replica_trains_alone_until_averaged() {
         let mut w = vec![0.0f32; 3];
         let mut ddp =
             Ddp::new(&comm, &mut [Param::new("w", &mut w)], DdpConfig::default()).unwrap();
-        ddp.set_comm_hook(PostLocalSgd::new(alone, 0)).unwrap();
+        ddp.set_comm_hook(PostLocalSgd::new(&comm, alone, 0).unwrap())
+            .unwrap();
         let mut avg = ModelAverager::new(2, 0);
         let mut history = Vec::new();
         for step in 0..3 {
@@ -253,4 +273,156 @@ fn with_groups_of_one_rank_each_replica_trains_alone_until_averaged() {
     for r in out {
         r.unwrap();
     }
+}
+
+#[test]
+fn local_sgd_counts_synchronised_steps_with_accumulation() {
+    // Two micro-batches per step, local from step 1: the switch comes at the second step, not
+    // at the second micro-batch. Groups {0, 1} and {2, 3}.
+    let out = spawn_world(N, Config::default(), |comm| {
+        let rank = comm.rank();
+        let group = comm
+            .split(Some((rank / 2) as u32), rank as i64)?
+            .expect("a group");
+        let mut w = vec![0.0f32; 3];
+        let mut ddp =
+            Ddp::new(&comm, &mut [Param::new("w", &mut w)], DdpConfig::default()).unwrap();
+        ddp.set_comm_hook(PostLocalSgd::new(&comm, group, 1).unwrap())
+            .unwrap();
+        ddp.accumulate(2).unwrap();
+        for step in 0..3 {
+            for micro in 0..2 {
+                let g: Vec<f32> = (0..3)
+                    .map(|i| grad(rank, i, 2 * step + micro) as f32)
+                    .collect();
+                ddp.grad_ready(0, &g).unwrap();
+                let want = if micro == 0 {
+                    Step::Accumulated { micro_batch: 0 }
+                } else {
+                    Step::Synced { step: step as u64 }
+                };
+                assert_eq!(ddp.finish().unwrap(), want);
+            }
+            let ranks = if step < 1 {
+                0..N
+            } else {
+                (rank / 2) * 2..(rank / 2) * 2 + 2
+            };
+            for (i, g) in ddp.grad::<f32>(0).unwrap().iter().enumerate() {
+                let sum = mean(ranks.clone(), i, 2 * step) + mean(ranks.clone(), i, 2 * step + 1);
+                assert_eq!(f64::from(*g), sum, "rank {rank} step {step} [{i}]");
+            }
+        }
+        Ok(())
+    });
+    for r in out {
+        r.unwrap();
+    }
+}
+
+#[test]
+fn a_joined_rank_stands_in_within_its_group_and_averages_with_everyone() {
+    // Uneven inputs (DivideByWorldSize): rank 3 trains 1 step, the others 4. Local from step 1
+    // in groups {0, 1} and {2, 3}, parameters averaged after steps 1 and 3. Rank 3's zeros count
+    // in its group's average, and it takes part in every average through its join loop.
+    const STEPS: usize = 4;
+    let out = spawn_world(N, Config::default(), |comm| {
+        let rank = comm.rank();
+        let group = comm
+            .split(Some((rank / 2) as u32), rank as i64)?
+            .expect("a group");
+        let mut w = vec![0.0f32; 2];
+        let cfg = DdpConfig {
+            uneven_inputs: UnevenInputs::DivideByWorldSize,
+            ..DdpConfig::default()
+        };
+        let mut ddp = Ddp::new(&comm, &mut [Param::new("w", &mut w)], cfg).unwrap();
+        ddp.set_comm_hook(PostLocalSgd::new(&comm, group, 1).unwrap())
+            .unwrap();
+        let mut avg = ModelAverager::new(2, 1);
+        let own = if rank == 3 { 1 } else { STEPS };
+        let mut steps = 0;
+        let update = |w: &mut Vec<f32>, g: &[f32], avg: &mut ModelAverager| {
+            w.iter_mut().zip(g).for_each(|(x, g)| *x -= g);
+            avg.average(&comm, &mut [&mut *w])
+        };
+        for step in 0..own {
+            let mut g = [(0..2)
+                .map(|i| grad(rank, i, step) as f32)
+                .collect::<Vec<_>>()];
+            ddp.sync(&mut g).unwrap();
+            update(&mut w, &g[0], &mut avg).unwrap();
+            steps += 1;
+        }
+        while ddp.join_step().unwrap().is_some() {
+            let g = ddp.grad::<f32>(0).unwrap().to_vec();
+            update(&mut w, &g, &mut avg).unwrap();
+            steps += 1;
+        }
+        Ok((steps, w))
+    });
+    let out: Vec<(usize, Vec<f32>)> = out.into_iter().map(|r| r.unwrap()).collect();
+    // The serial model: per group, minus the group's mean gradient (a joined rank's is zero)
+    // after step 0's global one; after steps 1 and 3 every replica is the mean of the groups'.
+    let g = |r: usize, i: usize, s: usize| if r == 3 && s >= 1 { 0.0 } else { grad(r, i, s) };
+    let mut model = [[0.0f64; 2]; 2];
+    for s in 0..STEPS {
+        for (k, m) in model.iter_mut().enumerate() {
+            for (i, x) in m.iter_mut().enumerate() {
+                let ranks = if s == 0 { 0..N } else { 2 * k..2 * k + 2 };
+                let n = ranks.len() as f64;
+                *x -= ranks.map(|r| g(r, i, s)).sum::<f64>() / n;
+            }
+        }
+        if s == 1 || s == 3 {
+            let mean = [0, 1].map(|i| (model[0][i] + model[1][i]) / 2.0);
+            model = [mean, mean];
+        }
+    }
+    for (rank, (steps, w)) in out.iter().enumerate() {
+        assert_eq!(*steps, STEPS, "rank {rank}");
+        for (i, x) in w.iter().enumerate() {
+            assert_eq!(f64::from(*x), model[0][i], "rank {rank} [{i}]");
+        }
+    }
+}
+
+#[test]
+fn a_rank_lost_in_the_group_is_named_by_its_rank_in_ddp() {
+    // Groups {0, 1} and {2, 3}, local from step 0; rank 3 leaves after step 0. Rank 2's group
+    // all-reduce of step 1 fails with PeerLost naming rank 3 (its rank in the group is 1),
+    // reported by rank 2 (the group's rank 0): the ranks `shrink` needs.
+    let out = spawn_world(N, Config::default(), |comm| {
+        let rank = comm.rank();
+        let group = comm
+            .split(Some((rank / 2) as u32), rank as i64)?
+            .expect("a group");
+        let mut w = vec![0.0f32; 3];
+        let mut ddp =
+            Ddp::new(&comm, &mut [Param::new("w", &mut w)], DdpConfig::default()).unwrap();
+        let hook = PostLocalSgd::new(&comm, group, 0).unwrap();
+        assert_eq!(hook.members(), [rank / 2 * 2, rank / 2 * 2 + 1]);
+        ddp.set_comm_hook(hook).unwrap();
+        for step in 0..2 {
+            if rank == 3 && step == 1 {
+                return Ok(None); // gone: its communicators close
+            }
+            let mut g = [vec![step as f32; 3]];
+            match ddp.sync(&mut g) {
+                Ok(_) => {}
+                Err(DdpError::Comm(e)) => return Ok(Some((e.lost_peer(), e.to_string()))),
+                Err(e) => panic!("rank {rank}: {e}"),
+            }
+        }
+        Ok(None)
+    });
+    let out: Vec<_> = out.into_iter().map(|r| r.unwrap()).collect();
+    let (lost, msg) = out[2].clone().expect("rank 2 sees the loss");
+    assert_eq!(lost, Some(3), "{msg}");
+    assert!(
+        msg.starts_with("rank 2:") && msg.contains("post_local_sgd"),
+        "{msg}"
+    );
+    // The other group never needed rank 3.
+    assert!(out[0].is_none() && out[1].is_none(), "{out:?}");
 }
