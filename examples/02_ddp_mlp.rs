@@ -48,7 +48,7 @@
 mod mlp;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
 use mlp::{Mode, Shape};
@@ -292,9 +292,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if args.local_sgd > 0 && args.uneven {
         return Err("--local-sgd averages within groups, which --uneven cannot rescale".into());
     }
-    if args.local_sgd > 0 && args.mode == ModeArg::All {
-        // Its steps differ (one in P sends the parameters across): medians would hide that,
-        // and compute only would average too.
+    if args.local_sgd > 0
+        && !matches!(
+            args.mode,
+            ModeArg::Overlap | ModeArg::InPlace | ModeArg::After
+        )
+    {
+        // Its steps differ (one in P sends the parameters across): `all`'s medians would hide
+        // that, and compute only would average the parameters too.
         return Err(
             "--local-sgd trains: use it with --mode overlap, in-place or after (mean step times: \
              scripts/local_sgd_bench.sh)"
@@ -509,13 +514,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let local_reference = match &group {
         Some(g) if args.check => {
             let size = g.size();
-            // Every rank learns whether every group qualifies, so that all stop or none.
-            let mut fits = [u8::from(world % size == 0 && g.rank() == rank % size)];
-            comm.all_reduce(&mut fits, ReduceOp::Min)?;
-            if fits[0] == 0 {
+            // Every rank learns whether every group qualifies (consecutive ranks, all of one
+            // size), so that all stop or none.
+            let fits = u64::from(world % size == 0 && g.rank() == rank % size);
+            let mut all = [fits, size as u64, u64::MAX - size as u64];
+            comm.all_reduce(&mut all, ReduceOp::Min)?;
+            if all[0] == 0 || all[1] != u64::MAX - all[2] {
                 return Err(format!(
-                    "rank {rank}: --check with --local-sgd needs groups of consecutive ranks of \
-                     one size (this rank is rank {} of a group of {size})",
+                    "rank {rank}: --check with --local-sgd needs groups of consecutive ranks, \
+                     all of one size: some group is not (this rank is rank {} of a group of \
+                     {size})",
                     g.rank()
                 )
                 .into());
@@ -526,6 +534,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         _ => Vec::new(),
     };
     let mut worst = 0.0f32;
+    let mut wall: (Option<Instant>, (usize, Instant)) = (None, (0, Instant::now()));
     let run = mlp::Run {
         steps: own_steps(rank),
         join: args.uneven,
@@ -577,8 +586,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         if rank == 0 {
             println!("{line}");
         }
+        // Wall time from the end of step 0 to the end of the last step, everything included
+        // (this loss all-reduce too, where local SGD's steps wait for the other groups).
+        wall.0.get_or_insert_with(Instant::now);
+        wall.1 = (step, Instant::now());
         Ok(())
     })?;
+    if let (0, Some(from)) = (rank, wall.0) {
+        let (last, to) = wall.1;
+        if last > 0 {
+            println!(
+                "wall time per step, steps 1-{last}: {:.2} ms (the loss all-reduce included)",
+                (to - from).as_secs_f64() * 1e3 / last as f64
+            );
+        }
+    }
     if rank == 0 {
         // Held out while training stays below sample 2^20.
         let held_out = args.steps * world * shape.batch < 1 << 20;

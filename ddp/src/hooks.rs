@@ -10,7 +10,7 @@
 //! (PyTorch's `powerSGD_hook`): two small all-reduces per bucket with a matrix to compress, the
 //! second issued while DDP waits on the bucket ([`CommHook::communicates_in_wait`]).
 //! [`PostLocalSgd`](crate::PostLocalSgd) averages over a group of ranks (a node) once its
-//! warm-up is over ([`CommHook::averages_every_rank`] is then false).
+//! warm-up is over (its [`CommHook::averages_every_rank`] is false).
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};

@@ -125,6 +125,11 @@
 //! the new communicator. [`Ddp::new`] broadcasts rank 0's parameters, so a replacement starts
 //! with the same replica as everyone. `ddp/tests/elastic.rs` does this, on 3 ranks with one lost
 //! and, in a second test, a replacement joining.
+//!
+//! With [`PostLocalSgd`], a lost rank fails at once only in its own group; the other groups
+//! learn of it at the next collective on DDP's communicator: the next [`ModelAverager`]
+//! average, up to `period` steps later (or the rebuild of the buckets after step 0). The
+//! hook's errors name ranks of DDP's communicator, so `lost_peer()` is the rank to shrink away.
 
 #![forbid(unsafe_code)]
 

@@ -26,7 +26,6 @@
 //! ```
 
 use std::borrow::Borrow;
-
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -176,8 +175,23 @@ impl PostLocalSgd {
 /// communicator (`members`; this rank is `rank` there).
 fn in_comm(e: DdpError, members: &[usize], rank: usize) -> DdpError {
     let peer = |p: usize| members.get(p).copied().unwrap_or(p);
-    let DdpError::Comm(e) = e else { return e };
-    let note = |s: String| format!("{s} (post_local_sgd hook, group of ranks {members:?})");
+    let note = |s: String| {
+        format!(
+            "{s} (post_local_sgd hook; ranks named inside this text are the group's: group \
+             rank i is rank members[i] here, members = {members:?})"
+        )
+    };
+    let e = match e {
+        DdpError::Comm(e) => e,
+        DdpError::InvalidArgument { op, msg, .. } => {
+            return DdpError::InvalidArgument {
+                rank,
+                op,
+                msg: note(msg),
+            }
+        }
+        other => return other,
+    };
     DdpError::Comm(match e {
         CommError::PeerLost {
             peer: p,
@@ -234,6 +248,11 @@ fn in_comm(e: DdpError, members: &[usize], rank: usize) -> DdpError {
             op,
             msg: note(msg),
         },
+        CommError::Cuda { op, msg, .. } => CommError::Cuda {
+            rank,
+            op,
+            msg: note(msg),
+        },
         other => other,
     })
 }
@@ -250,10 +269,11 @@ impl<G: Borrow<Communicator> + Send> CommHook for PostLocalSgd<G> {
         }
         let rank = comm.rank();
         if comm.size() != self.world || self.members.get(self.group().rank()) != Some(&rank) {
-            let msg = format!(
-                "the hook was made for rank {:?} of a communicator of {}, and runs on rank \
-                 {rank} of one of {}",
-                self.members.get(self.group().rank()),
+            let msg =
+                format!(
+                "the hook was made for rank {} of a communicator of {}, and runs on rank {rank} \
+                 of one of {}",
+                self.members.get(self.group().rank()).copied().unwrap_or(usize::MAX),
                 self.world,
                 comm.size()
             );
@@ -284,8 +304,8 @@ impl<G: Borrow<Communicator> + Send> CommHook for PostLocalSgd<G> {
 /// out of data calls it after each [`Ddp::join_step`](crate::Ddp::join_step) that returns
 /// `Some`, as the ranks still training do after their steps. With [`PostLocalSgd`], give it the
 /// same start as `warmup_steps`, so that the first local step is followed by an average.
-/// Floating-point parameters only (an integer average would wrap and truncate).
-#[derive(Debug)]
+/// Floating-point parameters only (an integer average would wrap and truncate). It keeps its
+/// packing buffers between averages: one more copy of the parameters in host memory.
 pub struct ModelAverager {
     period: u64,
     warmup_steps: u64,
@@ -293,6 +313,19 @@ pub struct ModelAverager {
     cap_bytes: usize,
     /// The last average's packing buffers, reused while the layout stays the same.
     buffers: Vec<Option<FlatBuffer>>,
+}
+
+impl std::fmt::Debug for ModelAverager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kept: usize = self.buffers.iter().flatten().map(|b| b.bytes().len()).sum();
+        f.debug_struct("ModelAverager")
+            .field("period", &self.period)
+            .field("warmup_steps", &self.warmup_steps)
+            .field("step", &self.step)
+            .field("cap_bytes", &self.cap_bytes)
+            .field("buffer_bytes", &kept)
+            .finish()
+    }
 }
 
 impl Clone for ModelAverager {
@@ -306,13 +339,14 @@ impl Clone for ModelAverager {
 }
 
 /// Consecutive items of one dtype packed into runs of at most `cap` bytes (an item larger than
-/// `cap` alone): `items` are (dtype, bytes); returns each run's dtype and item range.
+/// `cap` alone, or with empty items before it): `items` are (dtype, bytes); returns each run's
+/// dtype and item range.
 fn plan_runs(items: &[(DType, usize)], cap: usize) -> Vec<(DType, Range<usize>)> {
     let mut runs: Vec<(DType, Range<usize>)> = Vec::new();
     let mut bytes = 0;
     for (i, &(dtype, n)) in items.iter().enumerate() {
         match runs.last_mut() {
-            Some((d, r)) if *d == dtype && bytes + n <= cap => {
+            Some((d, r)) if *d == dtype && (bytes == 0 || bytes + n <= cap) => {
                 r.end = i + 1;
                 bytes += n;
             }
@@ -374,10 +408,10 @@ impl ModelAverager {
     /// `InvalidArgument` for a `period` of 0, or when due for a parameter of an integer dtype or
     /// whose `GradBuf` views disagree in length: on every rank alike (given the same list),
     /// before any communication, and the call is not counted. The all-reduces' errors
-    /// (`PeerLost`, `Timeout`, ...): every all-reduce is waited on, those that completed are
-    /// copied back and the first error is returned, so this rank's parameters may then be
-    /// partly averaged; treat it as the end of the step's replicas (see the crate docs, "After
-    /// a lost rank").
+    /// (`PeerLost`, `Timeout`, ...; the call counted): every all-reduce is waited on, those
+    /// that completed are copied back and the first error is returned, so this rank's
+    /// parameters may then be partly averaged; treat it as the end of the step's replicas (see
+    /// the crate docs, "After a lost rank").
     pub fn average<P: GradBuf>(&mut self, comm: &Communicator, params: &mut [P]) -> Result<bool> {
         let invalid = |msg: String| DdpError::InvalidArgument {
             rank: comm.rank(),
@@ -412,9 +446,12 @@ impl ModelAverager {
             .iter()
             .map(|p| (p.dtype(), p.bytes().len()))
             .collect();
-        let runs = plan_runs(&items, self.cap_bytes);
+        // Empty runs (of empty parameters) have nothing to average.
+        let runs: Vec<(DType, Range<usize>)> = plan_runs(&items, self.cap_bytes)
+            .into_iter()
+            .filter(|(_, r)| items[r.clone()].iter().any(|&(_, n)| n > 0))
+            .collect();
         self.buffers.resize_with(runs.len(), || None);
-        self.buffers.truncate(runs.len());
         // Every run's all-reduce is issued before the first is waited on.
         let mut pending = Vec::with_capacity(runs.len());
         for (index, (dtype, range)) in runs.iter().enumerate() {
@@ -469,7 +506,8 @@ mod tests {
     fn runs_pack_one_dtype_up_to_the_cap() {
         use DType::{BF16, F32, F64};
         // Cut at the cap (8 + 8 fits 16, the third 8 does not), at a dtype change, a
-        // parameter over the cap alone, zero-length ones packed with their neighbours.
+        // parameter over the cap alone (with the empty one before it), empty ones packed with
+        // their neighbours of the same dtype, and alone between other dtypes.
         let items = [
             (F32, 8),
             (F32, 8),
@@ -477,9 +515,12 @@ mod tests {
             (F64, 0),
             (F64, 40),
             (F64, 8),
+            (F64, 0),
             (BF16, 0),
             (BF16, 16),
             (BF16, 2),
+            (F32, 0),
+            (F64, 4),
         ];
         let runs = plan_runs(&items, 16);
         assert_eq!(
@@ -487,11 +528,12 @@ mod tests {
             [
                 (F32, 0..2),
                 (F32, 2..3),
-                (F64, 3..4),
-                (F64, 4..5),
-                (F64, 5..6),
-                (BF16, 6..8),
-                (BF16, 8..9),
+                (F64, 3..5),
+                (F64, 5..7),
+                (BF16, 7..9),
+                (BF16, 9..10),
+                (F32, 10..11),
+                (F64, 11..12),
             ]
         );
         assert!(plan_runs(&[], 16).is_empty());

@@ -163,7 +163,7 @@ fn parameters_are_averaged_when_due_and_only_then() {
 fn a_zero_period_and_rescaled_uneven_inputs_are_refused() {
     let out = spawn_world(2, Config::default(), |comm| {
         let rank = comm.rank();
-        let mut w = vec![1.0f32; 4];
+        let mut w = vec![rank as f32; 4];
         let e = ModelAverager::new(0, 0)
             .average(&comm, &mut [&mut w])
             .unwrap_err();
@@ -188,7 +188,12 @@ fn a_zero_period_and_rescaled_uneven_inputs_are_refused() {
             e => panic!("rank {rank}: {e}"),
         }
         assert_eq!((avg.steps(), avg.due()), (0, true));
-        // Nothing was issued: the communicator goes on.
+        // Nothing was averaged (w differs between the ranks) and nothing was issued: the
+        // communicator goes on.
+        assert_eq!(
+            (w.as_slice(), n.as_slice()),
+            ([rank as f32; 4].as_slice(), [7, 7].as_slice())
+        );
         let mut x = [rank as u32 + 1];
         comm.all_reduce(&mut x, ReduceOp::Sum).unwrap();
         assert_eq!(x, [3]);
@@ -425,4 +430,91 @@ fn a_rank_lost_in_the_group_is_named_by_its_rank_in_ddp() {
     );
     // The other group never needed rank 3.
     assert!(out[0].is_none() && out[1].is_none(), "{out:?}");
+}
+
+#[test]
+fn a_hook_on_another_communicator_or_a_group_larger_than_it_is_refused() {
+    let out = spawn_world(N, Config::default(), |comm| {
+        let rank = comm.rank();
+        let half = comm
+            .split(Some((rank / 2) as u32), rank as i64)?
+            .expect("a half");
+        // The whole world as the "group" of a half: larger than the communicator.
+        let world_again = comm.split(Some(0), rank as i64)?.expect("the world");
+        match PostLocalSgd::new(&half, world_again, 0) {
+            Err(DdpError::InvalidArgument { rank: r, op, msg }) => {
+                assert_eq!((r, op), (rank % 2, "PostLocalSgd::new"));
+                assert!(
+                    msg.contains("the group has 4 ranks, the communicator 2"),
+                    "{msg}"
+                );
+            }
+            r => panic!("rank {rank}: {r:?}"),
+        }
+        // A hook made for the world, set on a DDP of a half: every step fails on every rank
+        // with an error that says so, and nothing is issued on the group.
+        let group = comm
+            .split(Some((rank % 2) as u32), rank as i64)?
+            .expect("a group");
+        let hook = PostLocalSgd::new(&comm, group, 0).unwrap();
+        let mut w = vec![0.0f32; 2];
+        let mut ddp =
+            Ddp::new(&half, &mut [Param::new("w", &mut w)], DdpConfig::default()).unwrap();
+        ddp.set_comm_hook(hook).unwrap();
+        let mut g = [vec![1.0f32; 2]];
+        match ddp.sync(&mut g) {
+            Err(DdpError::InvalidArgument { op, msg, .. }) => {
+                assert_eq!(op, "post_local_sgd hook");
+                assert!(
+                    msg.contains(&format!("made for rank {rank} of a communicator of 4")),
+                    "{msg}"
+                );
+            }
+            r => panic!("rank {rank}: {r:?}"),
+        }
+        Ok(())
+    });
+    for r in out {
+        r.unwrap();
+    }
+}
+
+#[test]
+fn a_resumed_hook_starts_local_sgd_at_the_same_step() {
+    // start 3, resumed after 2 steps: the first step of the new run is step 2 (global), the
+    // second step 3 (local). Groups {0, 1} and {2, 3}.
+    let out = spawn_world(N, Config::default(), |comm| {
+        let rank = comm.rank();
+        let group = comm
+            .split(Some((rank / 2) as u32), rank as i64)?
+            .expect("a group");
+        let hook = PostLocalSgd::new(&comm, group, 3).unwrap().with_steps(2);
+        assert_eq!((hook.steps(), hook.start_step()), (2, 3));
+        let mut w = vec![0.0f32; 2];
+        let mut ddp =
+            Ddp::new(&comm, &mut [Param::new("w", &mut w)], DdpConfig::default()).unwrap();
+        ddp.set_comm_hook(hook).unwrap();
+        for (k, step) in [2usize, 3].into_iter().enumerate() {
+            let mut g = [(0..2)
+                .map(|i| grad(rank, i, step) as f32)
+                .collect::<Vec<_>>()];
+            assert_eq!(ddp.sync(&mut g).unwrap(), Step::Synced { step: k as u64 });
+            let ranks = if step < 3 {
+                0..N
+            } else {
+                (rank / 2) * 2..(rank / 2) * 2 + 2
+            };
+            for (i, x) in g[0].iter().enumerate() {
+                assert_eq!(
+                    f64::from(*x),
+                    mean(ranks.clone(), i, step),
+                    "rank {rank} step {step}"
+                );
+            }
+        }
+        Ok(())
+    });
+    for r in out {
+        r.unwrap();
+    }
 }
