@@ -296,16 +296,6 @@ impl PowerSgd {
                 ))
             });
         };
-        if cfg.error_feedback {
-            if let Some(err) = st.error.as_ref().and_then(|e| e.as_slice::<T>()) {
-                for mat in &plan.mats {
-                    let range = mat.off..mat.off + mat.n * mat.m;
-                    for (x, &e) in g[range.clone()].iter_mut().zip(&err[range]) {
-                        *x += e;
-                    }
-                }
-            }
-        }
         // The Q each matrix starts from: last step's (warm start) or zeros, orthonormalised, with
         // noise (seeded alike on every rank) where a column is zero or depends on the others:
         // a zero column would otherwise stay zero in every later step.
@@ -339,12 +329,26 @@ impl PowerSgd {
             first[at..at + len].copy_from_slice(&g[off..off + len]);
             at += len;
         }
+        // With error feedback, last step's residual is added to each row of a matrix just
+        // before the row's products with Q, while it is in cache (one pass over the matrices,
+        // not two).
+        let err = cfg
+            .error_feedback
+            .then(|| st.error.as_ref().and_then(|e| e.as_slice::<T>()))
+            .flatten()
+            .filter(|e| e.len() == g.len());
         if let Some(qs) = q.as_mut_slice::<T>() {
             for mat in &plan.mats {
                 let pt = &mut first[plan.flat_len + mat.p..][..mat.r * mat.n];
                 let qt = &qs[mat.q..mat.q + mat.r * mat.m];
                 for i in 0..mat.n {
-                    let row = &g[mat.off + i * mat.m..][..mat.m];
+                    let at = mat.off + i * mat.m;
+                    let row = &mut g[at..at + mat.m];
+                    if let Some(err) = err {
+                        for (x, &e) in row.iter_mut().zip(&err[at..at + mat.m]) {
+                            *x += e;
+                        }
+                    }
                     for k in 0..mat.r {
                         pt[k * mat.n + i] = dot(row, &qt[k * mat.m..][..mat.m]);
                     }
