@@ -4,7 +4,7 @@
 //! errors for a period of 0 and for uneven inputs that rescale by the ranks training.
 
 use oxccl_comm::harness::{spawn_world, spawn_world_on_nodes};
-use oxccl_comm::{Config, ReduceOp};
+use oxccl_comm::{Communicator, Config, ReduceOp};
 use oxccl_ddp::{
     Ddp, DdpConfig, DdpError, ModelAverager, Param, PostLocalSgd, Step, TensorMut, UnevenInputs,
 };
@@ -20,6 +20,26 @@ fn grad(rank: usize, i: usize, step: usize) -> f64 {
 fn mean(ranks: std::ops::Range<usize>, i: usize, step: usize) -> f64 {
     let n = ranks.len() as f64;
     ranks.map(|r| grad(r, i, step)).sum::<f64>() / n
+}
+
+/// This rank's group of two: ranks {0, 1} and {2, 3}.
+fn pair(comm: &Communicator) -> Communicator {
+    let rank = comm.rank();
+    comm.split(Some((rank / 2) as u32), rank as i64)
+        .expect("split")
+        .expect("a group")
+}
+
+/// DDP of the one parameter `w` on `comm` (rank 0's values are broadcast into it), with `hook`.
+fn with_hook<'a>(
+    comm: &'a Communicator,
+    w: &mut [f32],
+    cfg: DdpConfig,
+    hook: PostLocalSgd,
+) -> Ddp<&'a Communicator> {
+    let mut ddp = Ddp::new(comm, &mut [Param::new("w", w)], cfg).unwrap();
+    ddp.set_comm_hook(hook).unwrap();
+    ddp
 }
 
 #[test]
@@ -235,10 +255,8 @@ fn with_groups_of_one_rank_each_replica_trains_alone_until_averaged() {
         let rank = comm.rank();
         let alone = comm.split(Some(rank as u32), 0)?.expect("a group");
         let mut w = vec![0.0f32; 3];
-        let mut ddp =
-            Ddp::new(&comm, &mut [Param::new("w", &mut w)], DdpConfig::default()).unwrap();
-        ddp.set_comm_hook(PostLocalSgd::new(&comm, alone, 0).unwrap())
-            .unwrap();
+        let hook = PostLocalSgd::new(&comm, alone, 0).unwrap();
+        let mut ddp = with_hook(&comm, &mut w, DdpConfig::default(), hook);
         let mut avg = ModelAverager::new(2, 0);
         let mut history = Vec::new();
         for step in 0..3 {
@@ -286,14 +304,8 @@ fn local_sgd_counts_synchronised_steps_with_accumulation() {
     // at the second micro-batch. Groups {0, 1} and {2, 3}.
     let out = spawn_world(N, Config::default(), |comm| {
         let rank = comm.rank();
-        let group = comm
-            .split(Some((rank / 2) as u32), rank as i64)?
-            .expect("a group");
-        let mut w = vec![0.0f32; 3];
-        let mut ddp =
-            Ddp::new(&comm, &mut [Param::new("w", &mut w)], DdpConfig::default()).unwrap();
-        ddp.set_comm_hook(PostLocalSgd::new(&comm, group, 1).unwrap())
-            .unwrap();
+        let hook = PostLocalSgd::new(&comm, pair(&comm), 1).unwrap();
+        let mut ddp = with_hook(&comm, &mut [0.0; 3], DdpConfig::default(), hook);
         ddp.accumulate(2).unwrap();
         for step in 0..3 {
             for micro in 0..2 {
@@ -333,17 +345,13 @@ fn a_joined_rank_stands_in_within_its_group_and_averages_with_everyone() {
     const STEPS: usize = 4;
     let out = spawn_world(N, Config::default(), |comm| {
         let rank = comm.rank();
-        let group = comm
-            .split(Some((rank / 2) as u32), rank as i64)?
-            .expect("a group");
         let mut w = vec![0.0f32; 2];
         let cfg = DdpConfig {
             uneven_inputs: UnevenInputs::DivideByWorldSize,
             ..DdpConfig::default()
         };
-        let mut ddp = Ddp::new(&comm, &mut [Param::new("w", &mut w)], cfg).unwrap();
-        ddp.set_comm_hook(PostLocalSgd::new(&comm, group, 1).unwrap())
-            .unwrap();
+        let hook = PostLocalSgd::new(&comm, pair(&comm), 1).unwrap();
+        let mut ddp = with_hook(&comm, &mut w, cfg, hook);
         let mut avg = ModelAverager::new(2, 1);
         let own = if rank == 3 { 1 } else { STEPS };
         let mut steps = 0;
@@ -399,15 +407,9 @@ fn a_rank_lost_in_the_group_is_named_by_its_rank_in_ddp() {
     // reported by rank 2 (the group's rank 0): the ranks `shrink` needs.
     let out = spawn_world(N, Config::default(), |comm| {
         let rank = comm.rank();
-        let group = comm
-            .split(Some((rank / 2) as u32), rank as i64)?
-            .expect("a group");
-        let mut w = vec![0.0f32; 3];
-        let mut ddp =
-            Ddp::new(&comm, &mut [Param::new("w", &mut w)], DdpConfig::default()).unwrap();
-        let hook = PostLocalSgd::new(&comm, group, 0).unwrap();
+        let hook = PostLocalSgd::new(&comm, pair(&comm), 0).unwrap();
         assert_eq!(hook.members(), [rank / 2 * 2, rank / 2 * 2 + 1]);
-        ddp.set_comm_hook(hook).unwrap();
+        let mut ddp = with_hook(&comm, &mut [0.0; 3], DdpConfig::default(), hook);
         for step in 0..2 {
             if rank == 3 && step == 1 {
                 return Ok(None); // gone: its communicators close
@@ -436,9 +438,7 @@ fn a_rank_lost_in_the_group_is_named_by_its_rank_in_ddp() {
 fn a_hook_on_another_communicator_or_a_group_larger_than_it_is_refused() {
     let out = spawn_world(N, Config::default(), |comm| {
         let rank = comm.rank();
-        let half = comm
-            .split(Some((rank / 2) as u32), rank as i64)?
-            .expect("a half");
+        let half = pair(&comm);
         // The whole world as the "group" of a half: larger than the communicator.
         let world_again = comm.split(Some(0), rank as i64)?.expect("the world");
         match PostLocalSgd::new(&half, world_again, 0) {
@@ -457,10 +457,7 @@ fn a_hook_on_another_communicator_or_a_group_larger_than_it_is_refused() {
             .split(Some((rank % 2) as u32), rank as i64)?
             .expect("a group");
         let hook = PostLocalSgd::new(&comm, group, 0).unwrap();
-        let mut w = vec![0.0f32; 2];
-        let mut ddp =
-            Ddp::new(&half, &mut [Param::new("w", &mut w)], DdpConfig::default()).unwrap();
-        ddp.set_comm_hook(hook).unwrap();
+        let mut ddp = with_hook(&half, &mut [0.0; 2], DdpConfig::default(), hook);
         let mut g = [vec![1.0f32; 2]];
         match ddp.sync(&mut g) {
             Err(DdpError::InvalidArgument { op, msg, .. }) => {
@@ -485,15 +482,11 @@ fn a_resumed_hook_starts_local_sgd_at_the_same_step() {
     // second step 3 (local). Groups {0, 1} and {2, 3}.
     let out = spawn_world(N, Config::default(), |comm| {
         let rank = comm.rank();
-        let group = comm
-            .split(Some((rank / 2) as u32), rank as i64)?
-            .expect("a group");
-        let hook = PostLocalSgd::new(&comm, group, 3).unwrap().with_steps(2);
+        let hook = PostLocalSgd::new(&comm, pair(&comm), 3)
+            .unwrap()
+            .with_steps(2);
         assert_eq!((hook.steps(), hook.start_step()), (2, 3));
-        let mut w = vec![0.0f32; 2];
-        let mut ddp =
-            Ddp::new(&comm, &mut [Param::new("w", &mut w)], DdpConfig::default()).unwrap();
-        ddp.set_comm_hook(hook).unwrap();
+        let mut ddp = with_hook(&comm, &mut [0.0; 2], DdpConfig::default(), hook);
         for (k, step) in [2usize, 3].into_iter().enumerate() {
             let mut g = [(0..2)
                 .map(|i| grad(rank, i, step) as f32)
