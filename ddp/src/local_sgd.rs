@@ -26,14 +26,14 @@
 //! ```
 
 use std::borrow::Borrow;
-use std::ops::Range;
 use std::sync::Arc;
 
-use oxccl_comm::{Communicator, DType, Error as CommError};
+use oxccl_comm::{Communicator, Error as CommError};
 
 use crate::error::{DdpError, Result};
 use crate::flat::{FlatBuffer, GradBuf};
 use crate::hooks::{AllReduceAvg, CommHook, GradBucket, HookWork};
+use crate::layout::{plan, ParamSpec};
 
 /// The comm hook of post-local SGD: every bucket is averaged over every rank of DDP's
 /// communicator for the first `start_step` synchronised steps, then over the ranks of `group`
@@ -338,27 +338,6 @@ impl Clone for ModelAverager {
     }
 }
 
-/// Consecutive items of one dtype packed into runs of at most `cap` bytes (an item larger than
-/// `cap` alone, or with empty items before it): `items` are (dtype, bytes); returns each run's
-/// dtype and item range.
-fn plan_runs(items: &[(DType, usize)], cap: usize) -> Vec<(DType, Range<usize>)> {
-    let mut runs: Vec<(DType, Range<usize>)> = Vec::new();
-    let mut bytes = 0;
-    for (i, &(dtype, n)) in items.iter().enumerate() {
-        match runs.last_mut() {
-            Some((d, r)) if *d == dtype && (bytes == 0 || bytes + n <= cap) => {
-                r.end = i + 1;
-                bytes += n;
-            }
-            _ => {
-                runs.push((dtype, i..i + 1));
-                bytes = n;
-            }
-        }
-    }
-    runs
-}
-
 impl ModelAverager {
     /// Averages at calls `warmup_steps`, `warmup_steps + period`, ... (counted from 0). A
     /// `period` of 0 never averages, and [`ModelAverager::average`] refuses it.
@@ -400,9 +379,10 @@ impl ModelAverager {
     }
 
     /// Counts one step; when due, replaces every parameter with its average over the ranks of
-    /// `comm` (`ReduceOp::Avg`, the same bits on every rank), consecutive parameters of one dtype
-    /// packed together. Returns whether it averaged. Collective when due: every rank of `comm`
-    /// calls it alike, with the same parameter list (count, lengths, dtypes).
+    /// `comm` (`ReduceOp::Avg`, the same bits on every rank), parameters of one dtype packed
+    /// together as DDP packs gradients into buckets. Returns whether it averaged. Collective
+    /// when due: every rank of `comm` calls it alike, with the same parameter list (count,
+    /// lengths, dtypes).
     ///
     /// # Errors
     /// `InvalidArgument` for a `period` of 0, or when due for a parameter of an integer dtype or
@@ -442,29 +422,31 @@ impl ModelAverager {
             }
         }
         self.step += 1;
-        let items: Vec<(DType, usize)> = params
+        // DDP's bucket layout, in parameter order, every bucket capped alike.
+        let specs: Vec<ParamSpec> = params
             .iter()
-            .map(|p| (p.dtype(), p.bytes().len()))
+            .map(|p| ParamSpec {
+                name: String::new(),
+                len: p.bytes().len() / p.dtype().size(),
+                dtype: p.dtype(),
+            })
             .collect();
-        // Empty runs (of empty parameters) have nothing to average.
-        let runs: Vec<(DType, Range<usize>)> = plan_runs(&items, self.cap_bytes)
-            .into_iter()
-            .filter(|(_, r)| items[r.clone()].iter().any(|&(_, n)| n > 0))
-            .collect();
-        self.buffers.resize_with(runs.len(), || None);
-        // Every run's all-reduce is issued before the first is waited on.
-        let mut pending = Vec::with_capacity(runs.len());
-        for (index, (dtype, range)) in runs.iter().enumerate() {
-            let elems = items[range.clone()].iter().map(|&(_, n)| n).sum::<usize>() / dtype.size();
+        let order: Vec<usize> = (0..specs.len()).collect();
+        // Empty buckets (of empty parameters) have nothing to average.
+        let mut buckets = plan(&specs, &order, self.cap_bytes, self.cap_bytes).buckets;
+        buckets.retain(|b| b.len > 0);
+        self.buffers.resize_with(buckets.len(), || None);
+        // Every bucket's all-reduce is issued before the first is waited on.
+        let mut pending = Vec::with_capacity(buckets.len());
+        for (index, b) in buckets.iter().enumerate() {
             let mut buffer = match self.buffers[index].take() {
-                Some(b) if b.dtype() == *dtype && b.len() == elems => b,
-                _ => FlatBuffer::zeros(*dtype, elems),
+                Some(f) if f.dtype() == b.dtype && f.len() == b.len => f,
+                _ => FlatBuffer::zeros(b.dtype, b.len),
             };
-            let mut off = 0;
-            for p in &params[range.clone()] {
-                let b = p.bytes();
-                buffer.bytes_mut()[off..off + b.len()].copy_from_slice(b);
-                off += b.len();
+            let size = b.dtype.size();
+            for (&p, &off) in b.params.iter().zip(&b.offsets) {
+                let src = params[p].bytes();
+                buffer.bytes_mut()[off * size..][..src.len()].copy_from_slice(src);
             }
             let bucket = GradBucket {
                 index,
@@ -474,15 +456,14 @@ impl ModelAverager {
             pending.push(AllReduceAvg.start(comm, bucket));
         }
         let mut first_err = None;
-        for (index, (work, (_, range))) in pending.into_iter().zip(runs).enumerate() {
+        for (index, (work, b)) in pending.into_iter().zip(&buckets).enumerate() {
             match work.wait(comm) {
                 Ok(buffer) => {
-                    let mut off = 0;
-                    for p in &mut params[range] {
-                        let b = p.bytes_mut();
-                        let n = b.len();
-                        b.copy_from_slice(&buffer.bytes()[off..off + n]);
-                        off += n;
+                    let size = b.dtype.size();
+                    for (&p, &off) in b.params.iter().zip(&b.offsets) {
+                        let dst = params[p].bytes_mut();
+                        let n = dst.len();
+                        dst.copy_from_slice(&buffer.bytes()[off * size..][..n]);
                     }
                     self.buffers[index] = Some(buffer);
                 }
@@ -495,49 +476,5 @@ impl ModelAverager {
             Some(e) => Err(e),
             None => Ok(true),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn runs_pack_one_dtype_up_to_the_cap() {
-        use DType::{BF16, F32, F64};
-        // Cut at the cap (8 + 8 fits 16, the third 8 does not), at a dtype change, a
-        // parameter over the cap alone (with the empty one before it), empty ones packed with
-        // their neighbours of the same dtype, and alone between other dtypes.
-        let items = [
-            (F32, 8),
-            (F32, 8),
-            (F32, 8),
-            (F64, 0),
-            (F64, 40),
-            (F64, 8),
-            (F64, 0),
-            (BF16, 0),
-            (BF16, 16),
-            (BF16, 2),
-            (F32, 0),
-            (F64, 4),
-        ];
-        let runs = plan_runs(&items, 16);
-        assert_eq!(
-            runs,
-            [
-                (F32, 0..2),
-                (F32, 2..3),
-                (F64, 3..5),
-                (F64, 5..7),
-                (BF16, 7..9),
-                (BF16, 9..10),
-                (F32, 10..11),
-                (F64, 11..12),
-            ]
-        );
-        assert!(plan_runs(&[], 16).is_empty());
-        // A cap of exactly the sum packs everything of one dtype together.
-        assert_eq!(plan_runs(&items[..3], 24), [(F32, 0..3)]);
     }
 }

@@ -119,7 +119,8 @@ fn parameters_are_averaged_when_due_and_only_then() {
     let out = spawn_world(N, Config::default(), |comm| {
         let rank = comm.rank();
         // Every 3 calls from call 2; 24-byte all-reduces: a (20 bytes), b (24), c (28, over the
-        // cap) alone, d and e (8 + 8) together, f (12) cut from them by the cap.
+        // cap) alone, d and e (8 + 8) together, f (12) cut from them by the cap; h, an empty
+        // bf16 parameter, a bucket with nothing to average.
         let mut avg = ModelAverager::new(3, 2).with_bucket_cap_bytes(24);
         let value = |call: usize, p: usize, i: usize| ((rank * 16 + call * 4 + p) * 8 + i) as f64;
         let lens = [5, 3, 7, 2, 2, 3];
@@ -132,6 +133,7 @@ fn parameters_are_averaged_when_due_and_only_then() {
             let mut d: Vec<f32> = v(3).map(|x| x as f32).collect();
             let mut e: Vec<f32> = v(4).map(|x| x as f32).collect();
             let mut f: Vec<f32> = v(5).map(|x| x as f32).collect();
+            let mut h: Vec<half::bf16> = Vec::new();
             assert_eq!(avg.due(), call >= 2 && (call - 2) % 3 == 0);
             let did = {
                 let mut params = [
@@ -141,6 +143,7 @@ fn parameters_are_averaged_when_due_and_only_then() {
                     TensorMut::new(&mut d),
                     TensorMut::new(&mut e),
                     TensorMut::new(&mut f),
+                    TensorMut::new(&mut h),
                 ];
                 avg.average(&comm, &mut params).unwrap()
             };
