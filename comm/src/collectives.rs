@@ -398,12 +398,14 @@ fn reduce_one(
 }
 
 impl Communicator {
+    /// The `InvalidArgument` this rank reports for `op` (with its world ranks noted, for a
+    /// communicator made from another).
     pub(crate) fn invalid(&self, op: &str, msg: String) -> Error {
-        Error::InvalidArgument {
+        self.shared.named(Error::InvalidArgument {
             rank: self.rank,
             op: op.into(),
             msg,
-        }
+        })
     }
 
     fn check_root(&self, op: &str, root: usize) -> Result<()> {

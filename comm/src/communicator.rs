@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use crate::bootstrap::{self, FileStore, Store, StoreAddr, TcpStore, TcpStoreServer};
 use crate::config::{Config, TransportChoice};
 use crate::engine::Shared;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, WorldNames};
 use crate::prims::{Links, NodeLayout};
 use crate::trace::TraceDump;
 use crate::transport::shm::{self, Segment, ShmRecv, ShmSend, ShmWindow};
@@ -630,6 +630,7 @@ impl Communicator {
             .socket_send_thread
             .unwrap_or_else(|| share.holds(2, cores));
         let mut shared = Shared::new(rank, size, spin, &cfg, links, store.clone(), &id);
+        let channel = failures.is_some();
         if let Some(f) = failures {
             shared.share_failures(f);
         }
@@ -651,6 +652,10 @@ impl Communicator {
         if let Some((root_id, root_ranks)) = root {
             trace.owner.root_comm.clone_from(&root_id);
             trace.owner.root_rank = root_ranks.get(rank).copied().unwrap_or(rank);
+            // A channel's errors are its parent's to report (`crate::channels`).
+            if !channel {
+                shared.world = WorldNames::new(&id, &root_id, &root_ranks).map(Arc::new);
+            }
             shared.stalls.set_root(root_id, root_ranks);
         }
         let shared = Arc::new(shared);
@@ -903,6 +908,30 @@ impl Communicator {
     /// on every rank; it names the communicator's flight-record files ([`TraceDump::file_name`]).
     pub fn id(&self) -> &str {
         &self.id
+    }
+
+    /// The id of this communicator's world: the communicator it was made from by
+    /// [`Communicator::split`] and [`Communicator::shrink`], at any depth, back to one made by
+    /// `init`, [`Communicator::from_env`] or [`Communicator::grow`] (whose world is itself).
+    pub fn world_id(&self) -> &str {
+        self.shared.stalls.root().0
+    }
+
+    /// The rank in the world ([`Communicator::world_id`]) of each rank of this communicator,
+    /// like `torch.distributed.get_process_group_ranks`: the identity for the world itself, the
+    /// members in their new order for a split; after a shrink, each survivor's rank before it.
+    /// Errors of a communicator whose ranks are not the world's end with a note of the same
+    /// mapping, e.g. `(ranks named here are of communicator job/world0/split0/c1; its ranks
+    /// 0-1 are ranks [5, 3] of job/world0)`, while their fields (`lost_peer()` included) keep
+    /// this communicator's ranks, the ones its `shrink` takes.
+    pub fn world_ranks(&self) -> &[usize] {
+        self.shared.stalls.root().1
+    }
+
+    /// The world rank ([`Communicator::world_ranks`]) of `rank` of this communicator, like
+    /// `torch.distributed.get_global_rank`; `None` for a rank outside it.
+    pub fn world_rank(&self, rank: usize) -> Option<usize> {
+        self.world_ranks().get(rank).copied()
     }
 
     /// This rank's flight record of the communicator: its last operations (`OXCCL_TRACE_BUFFER`

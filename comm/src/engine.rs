@@ -23,7 +23,7 @@ use crossbeam_channel::{Receiver, Sender};
 
 use crate::bootstrap::Store;
 use crate::config::Config;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, WorldNames};
 use crate::prims::{Links, NodeLayout};
 use crate::stall::Stalls;
 use crate::trace::{Owner, Recorder};
@@ -89,6 +89,9 @@ pub(crate) struct Shared {
     /// The flight recorder (`OXCCL_TRACE_BUFFER`, `OXCCL_TRACE_DIR`): written by the running
     /// operation, readable by any thread while it runs.
     pub trace: Recorder,
+    /// For a communicator made from another (`split`, `shrink`): its ranks' ranks in the world,
+    /// noted in every error its operations report ([`Shared::named`]).
+    pub world: Option<Arc<WorldNames>>,
     /// Set when an operation gave up waiting for its turn: it never ran, so this rank's sequence
     /// numbers no longer match its peers'. The communicator breaks with `skipped` as the cause as
     /// soon as the execution state is free (see [`Shared::break_when_free`]).
@@ -158,6 +161,7 @@ impl Shared {
                     node: String::new(),
                 },
             ),
+            world: None,
             skipped_set: AtomicBool::new(false),
             skipped: Mutex::new(None),
             store,
@@ -222,7 +226,7 @@ impl Shared {
                     };
                     self.break_when_free(e.clone());
                     self.finish_turn(ticket);
-                    return Err(e);
+                    return Err(self.named(e));
                 }
                 t = self.wait_for_turns(t, left);
             }
@@ -249,7 +253,17 @@ impl Shared {
         };
         end.ok = result.is_ok();
         drop(end);
-        result
+        result.map_err(|e| self.named(e))
+    }
+
+    /// `e` as this rank reports it: with the world ranks of the ranks it names, for a
+    /// communicator made from another (the cause stays as it is where it is published and kept,
+    /// so each report is noted once).
+    pub(crate) fn named(&self, e: Error) -> Error {
+        match &self.world {
+            Some(w) => w.name(e),
+            None => e,
+        }
     }
 
     /// Records that an operation was skipped (`e`: why) and breaks the communicator with it: at
@@ -325,7 +339,7 @@ impl Shared {
             return b.clone();
         }
         let cause = self.publish_error(e);
-        tracing::warn!(rank = self.rank, error = %cause, "communicator failed; closing its connections");
+        tracing::warn!(rank = self.rank, error = %self.named(cause.clone()), "communicator failed; closing its connections");
         // Peers blocked on this rank learn at once: sockets close, shared-memory rings are
         // flagged closed and their doorbells rung.
         st.links.close(Instant::now());
@@ -460,6 +474,7 @@ impl Shared {
         });
         let mut work = Work::new(rx, self.work_deadline(ahead), self.rank, op);
         work.pending = Some((slot, ticket, ahead));
+        work.world.clone_from(&self.world);
         work
     }
 
@@ -608,6 +623,8 @@ pub struct Work<B> {
     /// The operation's body while it may not have started, with its ticket and how many
     /// operations were ahead: `wait` runs it itself if the progress thread has not taken it yet.
     pending: Option<(JobSlot, u64, u64)>,
+    /// The communicator's world ranks, noted in the errors the handle makes itself.
+    world: Option<Arc<WorldNames>>,
 }
 
 impl<B> Work<B> {
@@ -623,6 +640,7 @@ impl<B> Work<B> {
             rank,
             op,
             pending: None,
+            world: None,
         }
     }
 
@@ -671,20 +689,27 @@ impl<B> Work<B> {
     fn recv(self, left: Duration) -> Result<B> {
         match self.rx.recv_timeout(left) {
             Ok(r) => r,
-            Err(crossbeam_channel::RecvTimeoutError::Timeout) => Err(Error::Timeout {
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => Err(self.named(Error::Timeout {
                 rank: self.rank,
                 op: self.op.to_string(),
                 timeout: left,
                 detail: "async operation did not complete".into(),
-            }),
+            })),
             Err(crossbeam_channel::RecvTimeoutError::Disconnected) => Err(self.lost()),
         }
     }
 
     fn lost(&self) -> Error {
-        Error::Aborted {
+        self.named(Error::Aborted {
             rank: self.rank,
             reason: format!("{}: the progress thread dropped the operation", self.op),
+        })
+    }
+
+    fn named(&self, e: Error) -> Error {
+        match &self.world {
+            Some(w) => w.name(e),
+            None => e,
         }
     }
 }

@@ -239,6 +239,11 @@ impl Stalls {
         self.root_ranks = root_ranks;
     }
 
+    /// The root's id and the root rank of every rank of this communicator.
+    pub(crate) fn root(&self) -> (&str, &[usize]) {
+        (&self.root_id, &self.root_ranks)
+    }
+
     /// Looks for the communicator's first error under `key` (a channel: its parent's, where it
     /// publishes, `crate::channels`).
     pub(crate) fn set_error_key(&mut self, key: String) {

@@ -177,8 +177,9 @@ fn in_comm(e: DdpError, members: &[usize], rank: usize) -> DdpError {
     let peer = |p: usize| members.get(p).copied().unwrap_or(p);
     let note = |s: String| {
         format!(
-            "{s} (post_local_sgd hook; ranks named inside this text are the group's: group \
-             rank i is rank members[i] here, members = {members:?})"
+            "{s} (post_local_sgd hook: this error's rank and peer are DDP's; other ranks \
+             named in it are the group's, group rank i being DDP's rank members[i], members = \
+             {members:?})"
         )
     };
     let e = match e {

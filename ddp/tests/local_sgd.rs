@@ -433,6 +433,8 @@ fn a_rank_lost_in_the_group_is_named_by_its_rank_in_ddp() {
         msg.starts_with("rank 2:") && msg.contains("post_local_sgd"),
         "{msg}"
     );
+    // The group's own note names the world's ranks (here DDP's too).
+    assert!(msg.contains("its ranks 0-1 are ranks [2, 3] of"), "{msg}");
     // The other group never needed rank 3.
     assert!(out[0].is_none() && out[1].is_none(), "{out:?}");
 }
