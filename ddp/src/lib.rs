@@ -60,7 +60,8 @@
 //!   matrix, with error feedback (PyTorch's `powerSGD_hook`); [`PostLocalSgd`] averages within
 //!   a group of ranks (a node) after a warm-up, with [`ModelAverager`] averaging the parameters
 //!   over every rank every few steps (PyTorch's `post_localSGD_hook` and
-//!   `PeriodicModelAverager`: post-local SGD).
+//!   `PeriodicModelAverager`: post-local SGD), or [`HierarchicalAverager`] averaging nested
+//!   groups at periods of their own (`HierarchicalModelAverager`).
 //! - **Buffers**: [`Ddp::broadcast_buffers`] copies rank 0's (e.g. batch-norm statistics; with
 //!   uneven inputs, the lowest rank's that trained in the last step).
 //! - **Uneven inputs** (PyTorch's `Join`): with [`DdpConfig::uneven_inputs`] set, a rank that
@@ -146,6 +147,6 @@ pub use config::{DdpConfig, Overlap, Param, Step, UnevenInputs};
 pub use error::{DdpError, Result};
 pub use flat::{FlatBuffer, GradBuf, TensorMut, Typed};
 pub use hooks::{AllReduceAvg, BucketEntry, CommHook, CompressHook, GradBucket, HookWork};
-pub use local_sgd::{ModelAverager, PostLocalSgd};
+pub use local_sgd::{HierarchicalAverager, ModelAverager, PostLocalSgd};
 pub use powersgd::{PowerSgd, PowerSgdConfig};
 pub use reducer::{Ddp, NoSync};

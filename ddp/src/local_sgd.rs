@@ -3,7 +3,8 @@
 //! the ranks of one node, over shared memory), and the parameters across every rank once every
 //! `period` steps. Between averagings the groups' replicas drift apart; inside a group they stay
 //! bit-identical. On a slow link between nodes this sends one all-reduce of the parameters per
-//! `period` steps across it instead of one of the gradients per step.
+//! `period` steps across it instead of one of the gradients per step. [`HierarchicalAverager`]
+//! averages several tiers of groups, each at its own period.
 //!
 //! ```no_run
 //! use oxccl_comm::Communicator;
@@ -311,20 +312,17 @@ pub struct ModelAverager {
     period: u64,
     warmup_steps: u64,
     step: u64,
-    cap_bytes: usize,
-    /// The last average's packing buffers, reused while the layout stays the same.
-    buffers: Vec<Option<FlatBuffer>>,
+    packer: Packer,
 }
 
 impl std::fmt::Debug for ModelAverager {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let kept: usize = self.buffers.iter().flatten().map(|b| b.bytes().len()).sum();
         f.debug_struct("ModelAverager")
             .field("period", &self.period)
             .field("warmup_steps", &self.warmup_steps)
             .field("step", &self.step)
-            .field("cap_bytes", &self.cap_bytes)
-            .field("buffer_bytes", &kept)
+            .field("cap_bytes", &self.packer.cap_bytes)
+            .field("buffer_bytes", &self.packer.kept_bytes())
             .finish()
     }
 }
@@ -333,7 +331,10 @@ impl Clone for ModelAverager {
     /// The settings and the step count (not the buffers).
     fn clone(&self) -> ModelAverager {
         ModelAverager {
-            buffers: Vec::new(),
+            packer: Packer {
+                cap_bytes: self.packer.cap_bytes,
+                buffers: Vec::new(),
+            },
             ..*self
         }
     }
@@ -347,8 +348,7 @@ impl ModelAverager {
             period,
             warmup_steps,
             step: 0,
-            cap_bytes: 25 << 20,
-            buffers: Vec::new(),
+            packer: Packer::new(),
         }
     }
 
@@ -356,7 +356,7 @@ impl ModelAverager {
     /// parameter goes alone).
     #[must_use]
     pub fn with_bucket_cap_bytes(mut self, bytes: usize) -> ModelAverager {
-        self.cap_bytes = bytes.max(1);
+        self.packer.cap_bytes = bytes.max(1);
         self
     }
 
@@ -394,35 +394,75 @@ impl ModelAverager {
     /// parameters may then be partly averaged; treat it as the end of the step's replicas (see
     /// the crate docs, "After a lost rank").
     pub fn average<P: GradBuf>(&mut self, comm: &Communicator, params: &mut [P]) -> Result<bool> {
-        let invalid = |msg: String| DdpError::InvalidArgument {
-            rank: comm.rank(),
-            op: "ModelAverager::average",
-            msg,
-        };
         if self.period == 0 {
-            return Err(invalid("period must be at least 1".into()));
+            return Err(DdpError::InvalidArgument {
+                rank: comm.rank(),
+                op: "ModelAverager::average",
+                msg: "period must be at least 1".into(),
+            });
         }
         if !self.due() {
             self.step += 1;
             return Ok(false);
         }
-        for (i, p) in params.iter_mut().enumerate() {
-            let dtype = p.dtype();
-            if !dtype.is_float() {
-                return Err(invalid(format!(
-                    "parameter {i} is {}: only floating-point parameters can be averaged",
-                    dtype.short_name()
-                )));
-            }
-            let (n, n_mut) = (p.bytes().len(), p.bytes_mut().len());
-            if n != n_mut || !n.is_multiple_of(dtype.size()) {
-                return Err(invalid(format!(
-                    "parameter {i} ({}): its views hold {n} and {n_mut} bytes",
-                    dtype.short_name()
-                )));
-            }
-        }
+        check_params(comm, "ModelAverager::average", params)?;
         self.step += 1;
+        self.packer.average(comm, params)?;
+        Ok(true)
+    }
+}
+
+/// Refuses, on every rank alike (given the same list), parameters an average cannot take:
+/// integer ones, and `GradBuf` views that disagree in length.
+fn check_params<P: GradBuf>(comm: &Communicator, op: &'static str, params: &mut [P]) -> Result<()> {
+    let invalid = |msg: String| DdpError::InvalidArgument {
+        rank: comm.rank(),
+        op,
+        msg,
+    };
+    for (i, p) in params.iter_mut().enumerate() {
+        let dtype = p.dtype();
+        if !dtype.is_float() {
+            return Err(invalid(format!(
+                "parameter {i} is {}: only floating-point parameters can be averaged",
+                dtype.short_name()
+            )));
+        }
+        let (n, n_mut) = (p.bytes().len(), p.bytes_mut().len());
+        if n != n_mut || !n.is_multiple_of(dtype.size()) {
+            return Err(invalid(format!(
+                "parameter {i} ({}): its views hold {n} and {n_mut} bytes",
+                dtype.short_name()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Packs parameters into buckets (DDP's layout) and averages them over a communicator, keeping
+/// its buffers between averages.
+struct Packer {
+    cap_bytes: usize,
+    /// The last average's packing buffers, reused while the layout stays the same.
+    buffers: Vec<Option<FlatBuffer>>,
+}
+
+impl Packer {
+    fn new() -> Packer {
+        Packer {
+            cap_bytes: 25 << 20,
+            buffers: Vec::new(),
+        }
+    }
+
+    fn kept_bytes(&self) -> usize {
+        self.buffers.iter().flatten().map(|b| b.bytes().len()).sum()
+    }
+
+    /// Replaces every parameter (checked by [`check_params`]) with its average over `comm`:
+    /// every bucket's all-reduce is issued before the first is waited on, each one waited on,
+    /// those that completed copied back, and the first error returned.
+    fn average<P: GradBuf>(&mut self, comm: &Communicator, params: &mut [P]) -> Result<()> {
         // DDP's bucket layout, in parameter order, every bucket capped alike.
         let specs: Vec<ParamSpec> = params
             .iter()
@@ -437,7 +477,6 @@ impl ModelAverager {
         let mut buckets = plan(&specs, &order, self.cap_bytes, self.cap_bytes).buckets;
         buckets.retain(|b| b.len > 0);
         self.buffers.resize_with(buckets.len(), || None);
-        // Every bucket's all-reduce is issued before the first is waited on.
         let mut pending = Vec::with_capacity(buckets.len());
         for (index, b) in buckets.iter().enumerate() {
             let mut buffer = match self.buffers[index].take() {
@@ -473,9 +512,210 @@ impl ModelAverager {
                 }
             }
         }
-        match first_err {
-            Some(e) => Err(e),
-            None => Ok(true),
+        first_err.map_or(Ok(()), Err)
+    }
+}
+
+/// Averages parameters over nested groups of ranks, each at its own period (PyTorch's
+/// `HierarchicalModelAverager`): e.g. over the ranks of a node every 4 steps, cheaply over
+/// shared memory, and over every rank every 16, across the slow links. Each call counts one
+/// step, as [`ModelAverager::average`] does; at call `warmup_steps + k`, the level with the
+/// largest period that divides `k` averages (`k = 0` included: the largest level first), and
+/// none when no period divides `k`.
+///
+/// Levels are added with increasing periods, usually over growing groups, each group inside the
+/// next ([`HierarchicalAverager::by_group_sizes`] makes them so). `G` is how the groups are held:
+/// owned (the default), `Arc<Communicator>` or `&Communicator`.
+///
+/// ```no_run
+/// use oxccl_comm::Communicator;
+/// use oxccl_ddp::HierarchicalAverager;
+///
+/// let comm = Communicator::from_env()?;
+/// // Groups of 8 consecutive ranks every 4 steps, every rank every 16, from step 100.
+/// let mut averager = HierarchicalAverager::by_group_sizes(&comm, &[(4, 8), (16, comm.size())], 100)?;
+/// let mut w = vec![0.5f32; 4];
+/// for _step in 0..1000 {
+///     // ... backward, gradients averaged within the node (PostLocalSgd), update ...
+///     averager.average(&mut [&mut w])?;
+/// }
+/// # Ok::<(), oxccl_ddp::DdpError>(())
+/// ```
+pub struct HierarchicalAverager<G: Borrow<Communicator> = Communicator> {
+    levels: Vec<(u64, G)>,
+    warmup_steps: u64,
+    step: u64,
+    packer: Packer,
+}
+
+impl<G: Borrow<Communicator>> std::fmt::Debug for HierarchicalAverager<G> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let levels: Vec<(u64, usize)> = self
+            .levels
+            .iter()
+            .map(|(p, g)| (*p, g.borrow().size()))
+            .collect();
+        f.debug_struct("HierarchicalAverager")
+            .field("levels (period, group size)", &levels)
+            .field("warmup_steps", &self.warmup_steps)
+            .field("step", &self.step)
+            .field("cap_bytes", &self.packer.cap_bytes)
+            .field("buffer_bytes", &self.packer.kept_bytes())
+            .finish()
+    }
+}
+
+impl<G: Borrow<Communicator>> HierarchicalAverager<G> {
+    /// An averager of one level: over `group` every `period` calls from call `warmup_steps`
+    /// (what [`ModelAverager`] does over the communicator it is given). Add levels with
+    /// [`HierarchicalAverager::then`].
+    pub fn new(period: u64, group: G, warmup_steps: u64) -> HierarchicalAverager<G> {
+        HierarchicalAverager {
+            levels: vec![(period, group)],
+            warmup_steps,
+            step: 0,
+            packer: Packer::new(),
         }
+    }
+
+    /// Adds a level: over `group` every `period` calls. Periods must increase from level to
+    /// level (checked by [`HierarchicalAverager::average`], which refuses them otherwise).
+    #[must_use]
+    pub fn then(mut self, period: u64, group: G) -> HierarchicalAverager<G> {
+        self.levels.push((period, group));
+        self
+    }
+
+    /// Packs parameters into all-reduces of at most `bytes` (25 MiB by default; a larger
+    /// parameter goes alone).
+    #[must_use]
+    pub fn with_bucket_cap_bytes(mut self, bytes: usize) -> HierarchicalAverager<G> {
+        self.packer.cap_bytes = bytes.max(1);
+        self
+    }
+
+    /// Counts `steps` calls as already made (resuming from a checkpoint taken after them).
+    #[must_use]
+    pub fn with_steps(mut self, steps: u64) -> HierarchicalAverager<G> {
+        self.step = steps;
+        self
+    }
+
+    /// Calls made so far.
+    pub fn steps(&self) -> u64 {
+        self.step
+    }
+
+    /// The levels, in order: each one's period and group.
+    pub fn levels(&self) -> impl Iterator<Item = (u64, &Communicator)> + '_ {
+        self.levels.iter().map(|(p, g)| (*p, g.borrow()))
+    }
+
+    /// The level the next call averages over (its index in [`HierarchicalAverager::levels`]),
+    /// or `None`.
+    pub fn due(&self) -> Option<usize> {
+        let k = self.step.checked_sub(self.warmup_steps)?;
+        self.levels
+            .iter()
+            .rposition(|&(p, _)| p > 0 && k.is_multiple_of(p))
+    }
+
+    /// Counts one step; when a level is due ([`HierarchicalAverager::due`]), replaces every
+    /// parameter with its average over that level's group, as [`ModelAverager::average`] does.
+    /// Returns the level that averaged, or `None`. Collective over the due level's group: its
+    /// ranks call it alike, with the same parameter list.
+    ///
+    /// # Errors
+    /// `InvalidArgument` (naming this rank in the last level's group) for a period of 0 or
+    /// periods that do not increase, and when due for an integer parameter or `GradBuf` views
+    /// that disagree in length: before any communication, and the call is not counted. The
+    /// all-reduces' errors as for [`ModelAverager::average`] (the call counted).
+    pub fn average<P: GradBuf>(&mut self, params: &mut [P]) -> Result<Option<usize>> {
+        const OP: &str = "HierarchicalAverager::average";
+        let last = self.levels.last().map(|(_, g)| g.borrow());
+        let rank = last.map_or(0, Communicator::rank);
+        let periods: Vec<u64> = self.levels.iter().map(|&(p, _)| p).collect();
+        if periods.contains(&0) || periods.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(DdpError::InvalidArgument {
+                rank,
+                op: OP,
+                msg: format!(
+                    "periods {periods:?}: each must be at least 1 and larger than the one before"
+                ),
+            });
+        }
+        let Some(level) = self.due() else {
+            self.step += 1;
+            return Ok(None);
+        };
+        let group = self.levels[level].1.borrow();
+        check_params(group, OP, params)?;
+        self.step += 1;
+        self.packer.average(group, params)?;
+        Ok(Some(level))
+    }
+}
+
+impl HierarchicalAverager {
+    /// An averager over groups of consecutive ranks of `comm`, one level per `(period, size)`
+    /// (PyTorch's `period_group_size_dict`): level `i` averages over groups of `size` ranks
+    /// (`comm`'s ranks `j * size ..`, like `torch.distributed.new_subgroups`) every `period`
+    /// calls, from call `warmup_steps`. Collective over `comm`: every rank calls it alike. A
+    /// level over every rank is a communicator of its own (a split of `comm` into one group).
+    ///
+    /// # Errors
+    /// `InvalidArgument`, on every rank alike and before any split, when `levels` is empty,
+    /// a period is 0 or not larger than the one before, or a size is 0, does not divide
+    /// `comm.size()`, or does not divide the next level's size (so that each group lies inside
+    /// the next); the splits' errors.
+    pub fn by_group_sizes(
+        comm: &Communicator,
+        levels: &[(u64, usize)],
+        warmup_steps: u64,
+    ) -> Result<HierarchicalAverager> {
+        let invalid = |msg: String| DdpError::InvalidArgument {
+            rank: comm.rank(),
+            op: "HierarchicalAverager::by_group_sizes",
+            msg,
+        };
+        if levels.is_empty() {
+            return Err(invalid("no levels given".into()));
+        }
+        for (i, &(period, size)) in levels.iter().enumerate() {
+            if period == 0 || (i > 0 && period <= levels[i - 1].0) {
+                return Err(invalid(format!(
+                    "level {i}: period {period} must be at least 1 and larger than the one before"
+                )));
+            }
+            if size == 0 || !comm.size().is_multiple_of(size) {
+                return Err(invalid(format!(
+                    "level {i}: group size {size} does not divide the communicator's {} ranks",
+                    comm.size()
+                )));
+            }
+            if let Some(&(_, next)) = levels.get(i + 1) {
+                if !next.is_multiple_of(size) {
+                    return Err(invalid(format!(
+                        "level {i}: group size {size} does not divide the next level's {next}, \
+                         so its groups would not lie inside the next level's"
+                    )));
+                }
+            }
+        }
+        let rank = comm.rank();
+        let mut made = Vec::with_capacity(levels.len());
+        for &(period, size) in levels {
+            let color = u32::try_from(rank / size)
+                .map_err(|_| invalid(format!("group index {} too large", rank / size)))?;
+            let group = comm.split(Some(color), rank as i64)?;
+            let group = group.ok_or_else(|| invalid("a split gave this rank no group".into()))?;
+            made.push((period, group));
+        }
+        Ok(HierarchicalAverager {
+            levels: made,
+            warmup_steps,
+            step: 0,
+            packer: Packer::new(),
+        })
     }
 }

@@ -6,7 +6,8 @@
 use oxccl_comm::harness::{spawn_world, spawn_world_on_nodes};
 use oxccl_comm::{Communicator, Config, ReduceOp};
 use oxccl_ddp::{
-    Ddp, DdpConfig, DdpError, ModelAverager, Param, PostLocalSgd, Step, TensorMut, UnevenInputs,
+    Ddp, DdpConfig, DdpError, HierarchicalAverager, ModelAverager, Param, PostLocalSgd, Step,
+    TensorMut, UnevenInputs,
 };
 
 const N: usize = 4;
@@ -515,4 +516,160 @@ fn a_resumed_hook_starts_local_sgd_at_the_same_step() {
     for r in out {
         r.unwrap();
     }
+}
+
+/// This rank's parameter after `steps` calls of a hierarchical averager with `levels`
+/// ((period, group size), warm-up `warmup`), every rank adding `bump(rank, i, step)` to its
+/// parameter before each call: the serial reference of every rank at once.
+fn hierarchical_reference(levels: &[(u64, usize)], warmup: u64, steps: usize) -> Vec<Vec<f64>> {
+    let bump = |rank: usize, i: usize, step: usize| ((rank + 1) * (i + 2) * (step + 1)) as f64;
+    let mut p: Vec<Vec<f64>> = (0..N)
+        .map(|r| (0..5).map(|i| (10 * r + i) as f64).collect())
+        .collect();
+    for step in 0..steps {
+        for (r, pr) in p.iter_mut().enumerate() {
+            pr.iter_mut()
+                .enumerate()
+                .for_each(|(i, x)| *x += bump(r, i, step));
+        }
+        let Some(k) = (step as u64).checked_sub(warmup) else {
+            continue;
+        };
+        let Some(&(_, size)) = levels.iter().rev().find(|&&(period, _)| k % period == 0) else {
+            continue;
+        };
+        for group in p.chunks_mut(size) {
+            for i in 0..5 {
+                let m = group.iter().map(|pr| pr[i]).sum::<f64>() / size as f64;
+                group.iter_mut().for_each(|pr| pr[i] = m);
+            }
+        }
+    }
+    p
+}
+
+#[test]
+fn a_hierarchical_averager_averages_each_level_at_its_period() {
+    // Pairs every 2 calls, everyone every 4, from call 1: at calls 1 (everyone), 3 (pairs),
+    // 5 (everyone), 7 (pairs), 9 (everyone).
+    const LEVELS: [(u64, usize); 2] = [(2, 2), (4, N)];
+    const STEPS: usize = 10;
+    let expect_levels = [
+        None,
+        Some(1),
+        None,
+        Some(0),
+        None,
+        Some(1),
+        None,
+        Some(0),
+        None,
+        Some(1),
+    ];
+    let out = spawn_world(N, Config::default(), |comm| {
+        let rank = comm.rank();
+        let by_sizes = HierarchicalAverager::by_group_sizes(&comm, &LEVELS, 1).unwrap();
+        let sizes: Vec<(u64, usize)> = by_sizes.levels().map(|(p, g)| (p, g.size())).collect();
+        assert_eq!(sizes, LEVELS);
+        // The same levels by hand, over borrowed groups: f32 parameters in the first, f64 in
+        // the second, cut into one-element buckets.
+        let half = pair(&comm);
+        let by_hand = HierarchicalAverager::new(2, &half, 1)
+            .then(4, &comm)
+            .with_bucket_cap_bytes(1);
+        let bump = |i: usize, step: usize| ((rank + 1) * (i + 2) * (step + 1)) as f64;
+        let init = |i: usize| (10 * rank + i) as f64;
+        let mut a: Vec<f32> = (0..5).map(|i| init(i) as f32).collect();
+        let (mut b, mut c): (Vec<f64>, Vec<f32>) = (
+            (0..3).map(init).collect(),
+            (3..5).map(|i| init(i) as f32).collect(),
+        );
+        let (mut by_sizes, mut by_hand) = (by_sizes, by_hand);
+        for (step, &level) in expect_levels.iter().enumerate() {
+            a.iter_mut()
+                .enumerate()
+                .for_each(|(i, x)| *x += bump(i, step) as f32);
+            b.iter_mut()
+                .enumerate()
+                .for_each(|(i, x)| *x += bump(i, step));
+            c.iter_mut()
+                .enumerate()
+                .for_each(|(i, x)| *x += bump(i + 3, step) as f32);
+            assert_eq!(by_sizes.due(), level, "rank {rank} call {step}");
+            let got = by_sizes.average(&mut [&mut a[..]]).unwrap();
+            assert_eq!(got, level, "rank {rank} call {step}");
+            let got = by_hand
+                .average(&mut [TensorMut::new(&mut b), TensorMut::new(&mut c)])
+                .unwrap();
+            assert_eq!(got, level, "rank {rank} call {step}");
+            let reference = &hierarchical_reference(&LEVELS, 1, step + 1)[rank];
+            for (i, &want) in reference.iter().enumerate() {
+                let hand = if i < 3 { b[i] } else { f64::from(c[i - 3]) };
+                assert_eq!(
+                    (f64::from(a[i]), hand),
+                    (want, want),
+                    "rank {rank} call {step} [{i}]"
+                );
+            }
+        }
+        assert_eq!(by_sizes.steps(), STEPS as u64);
+        Ok(())
+    });
+    out.into_iter().for_each(|r| r.unwrap());
+}
+
+#[test]
+fn a_hierarchical_averager_refuses_bad_levels_before_communicating() {
+    let out = spawn_world(N, Config::default(), |comm| {
+        let rank = comm.rank();
+        let refused =
+            |levels: &[(u64, usize)], what: &str| match HierarchicalAverager::by_group_sizes(
+                &comm, levels, 0,
+            ) {
+                Err(DdpError::InvalidArgument { rank: r, op, msg }) => {
+                    assert_eq!((r, op), (rank, "HierarchicalAverager::by_group_sizes"));
+                    assert!(msg.contains(what), "{levels:?}: {msg}");
+                }
+                other => panic!("rank {rank}: {levels:?} accepted: {other:?}"),
+            };
+        refused(&[], "no levels");
+        refused(&[(4, 2), (2, N)], "larger than the one before");
+        refused(&[(0, 2)], "at least 1");
+        refused(&[(2, 3)], "does not divide the communicator's 4 ranks");
+        refused(&[(2, 0)], "group size 0");
+        // Groups of 4 do not lie inside groups of 2.
+        refused(&[(2, 4), (4, 2)], "does not divide the next level's 2");
+        // Nothing was split: the communicator runs on in step (its next split is its first).
+        let mut x = [1u32];
+        comm.all_reduce(&mut x, ReduceOp::Sum)?;
+        assert_eq!(x[0] as usize, N);
+        // Made by hand: periods that do not increase and a period of 0 are refused at the
+        // first call, which is not counted.
+        let half = pair(&comm);
+        let mut w = [1.0f32; 2];
+        for mut bad in [
+            HierarchicalAverager::new(2, &half, 0).then(2, &comm),
+            HierarchicalAverager::new(0, &half, 0),
+        ] {
+            match bad.average(&mut [&mut w[..]]) {
+                Err(DdpError::InvalidArgument { rank: r, msg, .. }) => {
+                    assert_eq!(r, bad.levels().last().unwrap().1.rank());
+                    assert!(msg.contains("larger than the one before"), "{msg}");
+                }
+                other => panic!("rank {rank}: accepted: {other:?}"),
+            }
+            assert_eq!(bad.steps(), 0);
+        }
+        // An integer parameter is refused when due, and the call is not counted.
+        let mut ok = HierarchicalAverager::new(1, &half, 0);
+        let mut n = [1i32; 2];
+        assert!(matches!(
+            ok.average(&mut [&mut n[..]]),
+            Err(DdpError::InvalidArgument { .. })
+        ));
+        assert_eq!(ok.steps(), 0);
+        assert_eq!(ok.average(&mut [&mut w[..]]).unwrap(), Some(0));
+        Ok(())
+    });
+    out.into_iter().for_each(|r| r.unwrap());
 }
