@@ -202,6 +202,30 @@ fn channels_between_processes_and_a_rank_killed_in_a_cut_all_reduce() {
     }
 }
 
+/// A rank killed in a group: the survivor's `PeerLost` names the group's rank (what the group's
+/// `shrink` takes) and ends with the group's ranks in the world.
+#[test]
+fn a_rank_killed_in_a_group_is_named_by_its_world_rank_too() {
+    let job = format!("mp-group-kill-{}", std::process::id());
+    let out = launch_job("group-kill", 4, "shm", &job);
+    assert!(
+        leftover_segments(&job).is_empty(),
+        "segments left: {:?}",
+        leftover_segments(&job)
+    );
+    assert!(!out.status.success(), "{}", show(&out));
+    let res = results(&out);
+    let line = res
+        .get(&1)
+        .unwrap_or_else(|| panic!("rank 1 reported nothing: {}", show(&out)));
+    assert!(
+        line.contains("err=peer-lost peer=0")
+            && line.contains("(ranks named here are of communicator ")
+            && line.contains("/split0/c1; its ranks 0-1 are ranks [3, 1] of "),
+        "{line}"
+    );
+}
+
 #[test]
 fn mismatched_collectives_give_mismatch_on_all_ranks() {
     for transport in ["tcp", "shm"] {

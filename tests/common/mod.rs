@@ -203,7 +203,9 @@ pub fn report(c: &Communicator, r: Result<(), Error>, t0: Instant) {
 /// Scenarios: `all` ([`scenario_all`]), `big` ([`scenario_big`]), `hello` (one all-reduce and a
 /// barrier), `loop` (1 MiB
 /// all-reduces until one fails), `kill` (rank 2 SIGKILLs itself in the 4th of a series of
-/// 4 MiB all-reduces), `mismatch` (rank 1 all-reduces 10 elements, the others 20),
+/// 4 MiB all-reduces), `group-kill` (groups of the even and of the odd ranks, in reverse order;
+/// world rank 3 SIGKILLs itself in the 4th of its group's all-reduces), `mismatch` (rank 1
+/// all-reduces 10 elements, the others 20),
 /// `fail-once` (first attempt, `OXCCL_RESTART_COUNT=0`: one all-reduce, then rank 2 exits with
 /// code 3 while the others go on all-reducing until they fail; later attempts: `hello`),
 /// `shrink` (rank 2 SIGKILLs itself in the 3rd of a series of 1 MiB all-reduces; the others
@@ -248,6 +250,32 @@ pub fn rank_entry() {
                 println!("CUT rank={} ops={cut}", c.rank());
             }
             result
+        }
+        "group-kill" => {
+            // SAFETY: setting a signal disposition to SIG_IGN has no memory-safety preconditions.
+            unsafe {
+                libc::signal(libc::SIGTERM, libc::SIG_IGN);
+            }
+            // Groups [2, 0] and [3, 1] (reverse order); world rank 3 dies in its group's 4th
+            // all-reduce.
+            let rank = c.rank();
+            let g = c
+                .split(Some((rank % 2) as u32), -(rank as i64))
+                .map(|g| g.expect("a group"));
+            g.and_then(|g| {
+                let mut v = vec![1.0f32; 1 << 16];
+                for i in 0..20 {
+                    if i == 3 && rank == 3 {
+                        // SAFETY: sending SIGKILL to our own pid; no memory is involved.
+                        unsafe {
+                            libc::kill(libc::getpid(), libc::SIGKILL);
+                        }
+                    }
+                    g.all_reduce(&mut v, ReduceOp::Sum)?;
+                    v.fill(1.0);
+                }
+                Ok(())
+            })
         }
         "mismatch" => {
             let mut v = vec![0.5f32; if c.rank() == 1 { 10 } else { 20 }];
