@@ -479,10 +479,10 @@ impl Communicator {
         )
     }
 
-    /// Fails an async call before anything is queued.
+    /// Fails an async call before anything is queued (`e` noted with the world ranks, once).
     pub(crate) fn failed_work<B>(&self, e: Error, op: &'static str) -> Work<B> {
         let (tx, rx) = crossbeam_channel::bounded(1);
-        let _ = tx.send(Err(e));
+        let _ = tx.send(Err(self.shared.named(e)));
         Work::new(rx, Instant::now(), self.rank, op)
     }
 

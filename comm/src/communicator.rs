@@ -864,10 +864,16 @@ impl Communicator {
 
     /// Makes the communicator `id` of `members` (ranks of this one, in their new order; this
     /// rank among them) through the store: this one's configuration, node id and stall lineage.
+    /// Errors of creating it name its ranks, noted with their world ranks.
     pub(crate) fn child(&self, members: &[usize], id: String) -> Result<Communicator> {
         let new_rank = members.iter().position(|&r| r == self.rank).unwrap_or(0);
         let lineage = self.shared.stalls.lineage(members);
+        let names = WorldNames::new(&id, &lineage.0, &lineage.1);
         self.derive(new_rank, members.len(), id, Some(lineage))
+            .map_err(|e| match &names {
+                Some(n) => n.name(e),
+                None => e,
+            })
     }
 
     /// Makes the communicator `id` of `size` ranks, this process being `rank`, through the store,
@@ -919,11 +925,12 @@ impl Communicator {
 
     /// The rank in the world ([`Communicator::world_id`]) of each rank of this communicator,
     /// like `torch.distributed.get_process_group_ranks`: the identity for the world itself, the
-    /// members in their new order for a split; after a shrink, each survivor's rank before it.
-    /// Errors of a communicator whose ranks are not the world's end with a note of the same
-    /// mapping, e.g. `(ranks named here are of communicator job/world0/split0/c1; its ranks
-    /// 0-1 are ranks [5, 3] of job/world0)`, while their fields (`lost_peer()` included) keep
-    /// this communicator's ranks, the ones its `shrink` takes.
+    /// members' world ranks in their new order for a split, the survivors' for a shrink.
+    /// Errors of a communicator whose ranks are not the world's carry a note of the same
+    /// mapping at the end of their text (of a `Timeout`'s detail), e.g. `(ranks named here are
+    /// of communicator job/world0/split0/c1; its ranks 0-1 are ranks [5, 3] of job/world0)`,
+    /// while their fields (`lost_peer()` included) keep this communicator's ranks, the ones
+    /// its `shrink` takes.
     pub fn world_ranks(&self) -> &[usize] {
         self.shared.stalls.root().1
     }

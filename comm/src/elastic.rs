@@ -495,8 +495,22 @@ impl Communicator {
     }
 
     /// Publishes this rank's arguments `args` of call `k` of `op` (new communicator `id`) and
-    /// compares them with those of `ranks` (ranks of this communicator).
+    /// compares them with those of `ranks` (ranks of this communicator); its errors noted with
+    /// this communicator's world ranks.
     fn agree(
+        &self,
+        op: &str,
+        k: u64,
+        id: &str,
+        args: &str,
+        ranks: &[usize],
+        who_calls: &str,
+    ) -> Result<()> {
+        self.agree_unnamed(op, k, id, args, ranks, who_calls)
+            .map_err(|e| self.shared.named(e))
+    }
+
+    fn agree_unnamed(
         &self,
         op: &str,
         k: u64,

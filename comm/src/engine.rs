@@ -1019,4 +1019,38 @@ mod tests {
         ));
         assert!(decode_error(b"junk", 0).is_none());
     }
+
+    #[test]
+    fn a_groups_reports_carry_the_note_once_and_its_stored_cause_none() {
+        let store = Arc::new(MemStore::new());
+        let cfg = Config {
+            timeout: Duration::from_secs(5),
+            ..Config::default()
+        };
+        let mut sh = Shared::new(0, 2, false, &cfg, Links::default(), store.clone(), "t");
+        sh.world = WorldNames::new("t", "w", &[3, 1]).map(Arc::new);
+        let sh = Arc::new(sh);
+        let note = "(ranks named here are of communicator t; its ranks 0-1 are ranks [3, 1] of w)";
+        let run = |f: fn() -> Error| {
+            let (t, ahead) = sh.take_ticket();
+            sh.run_turn(t, ahead, |_| -> Result<()> { Err(f()) })
+                .unwrap_err()
+                .to_string()
+        };
+        let first = run(|| Error::PeerLost {
+            rank: 0,
+            peer: 1,
+            op: "all-reduce".into(),
+            detail: "EOF".into(),
+        });
+        assert!(first.ends_with(note), "{first}");
+        // The broken state answers every later call, noted once.
+        let later = run(|| unreachable!("a broken communicator runs nothing"));
+        assert_eq!(later, first);
+        // What peers read, and the state kept, have no note: each reader notes it itself.
+        let stored = String::from_utf8(store.try_get("t/error").unwrap().unwrap()).unwrap();
+        assert!(!stored.contains("ranks named here"), "{stored}");
+        let kept = lock(&sh.exec).broken.clone().unwrap().to_string();
+        assert!(!kept.contains("ranks named here"), "{kept}");
+    }
 }

@@ -167,6 +167,12 @@ impl WorldNames {
     /// The note for an error naming `named` ranks of this communicator.
     fn note(&self, named: &[usize]) -> String {
         let world = |r: usize| self.ranks.get(r).copied();
+        if let [only] = self.ranks[..] {
+            return format!(
+                "(ranks named here are of communicator {}; its rank 0 is rank {only} of {})",
+                self.comm, self.world
+            );
+        }
         if self.ranks.len() <= NOTE_LIST_MAX {
             return format!(
                 "(ranks named here are of communicator {}; its ranks 0-{} are ranks {:?} of {})",
@@ -300,6 +306,16 @@ mod tests {
         assert_eq!(e.lost_peer(), Some(2), "the fields keep the group's ranks");
         let again = w.name(e.clone());
         assert_eq!(again.to_string(), e.to_string(), "named once");
+        let one = WorldNames::new("job/world0/shrink0", "job/world0", &[2]).unwrap();
+        let e = one.name(Error::Aborted {
+            rank: 0,
+            reason: "abort() was called".into(),
+        });
+        assert!(
+            e.to_string()
+                .ends_with("its rank 0 is rank 2 of job/world0)"),
+            "{e}"
+        );
         let store = w.name(Error::Store("gone".into()));
         assert_eq!(store.to_string(), "store: gone");
     }

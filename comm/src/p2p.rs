@@ -159,7 +159,8 @@ impl Communicator {
             P2pOp::Send { buf, peer } => Part::Send(peer, bytes(buf)),
             P2pOp::Recv { buf, peer } => Part::Recv(peer, bytes_mut(buf)),
         });
-        let batch = sort_batch((self.rank, self.size), T::DTYPE.size(), parts)?;
+        let batch = sort_batch((self.rank, self.size), T::DTYPE.size(), parts)
+            .map_err(|e| self.shared.named(e))?;
         if batch.sends.is_empty() && batch.recvs.is_empty() {
             batch.copy_to_self();
             return Ok(());

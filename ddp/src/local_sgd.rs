@@ -405,7 +405,7 @@ impl ModelAverager {
             self.step += 1;
             return Ok(false);
         }
-        check_params(comm, "ModelAverager::average", params)?;
+        check_params(comm.rank(), "ModelAverager::average", params)?;
         self.step += 1;
         self.packer.average(comm, params)?;
         Ok(true)
@@ -414,12 +414,8 @@ impl ModelAverager {
 
 /// Refuses, on every rank alike (given the same list), parameters an average cannot take:
 /// integer ones, and `GradBuf` views that disagree in length.
-fn check_params<P: GradBuf>(comm: &Communicator, op: &'static str, params: &mut [P]) -> Result<()> {
-    let invalid = |msg: String| DdpError::InvalidArgument {
-        rank: comm.rank(),
-        op,
-        msg,
-    };
+fn check_params<P: GradBuf>(rank: usize, op: &'static str, params: &mut [P]) -> Result<()> {
+    let invalid = |msg: String| DdpError::InvalidArgument { rank, op, msg };
     for (i, p) in params.iter_mut().enumerate() {
         let dtype = p.dtype();
         if !dtype.is_float() {
@@ -519,9 +515,10 @@ impl Packer {
 /// Averages parameters over nested groups of ranks, each at its own period (PyTorch's
 /// `HierarchicalModelAverager`): e.g. over the ranks of a node every 4 steps, cheaply over
 /// shared memory, and over every rank every 16, across the slow links. Each call counts one
-/// step, as [`ModelAverager::average`] does; at call `warmup_steps + k`, the level with the
-/// largest period that divides `k` averages (`k = 0` included: the largest level first), and
-/// none when no period divides `k`.
+/// step, as [`ModelAverager::average`] does; at call `s` (from 0), from `warmup_steps` on, the
+/// level with the largest period that divides `s` averages, and none when no period divides
+/// it: PyTorch's rule, which counts periods from step 0 (where [`ModelAverager`], like
+/// PyTorch's `PeriodicModelAverager`, counts them from the warm-up).
 ///
 /// Levels are added with increasing periods, usually over growing groups, each group inside the
 /// next ([`HierarchicalAverager::by_group_sizes`] makes them so). `G` is how the groups are held:
@@ -614,10 +611,12 @@ impl<G: Borrow<Communicator>> HierarchicalAverager<G> {
     /// The level the next call averages over (its index in [`HierarchicalAverager::levels`]),
     /// or `None`.
     pub fn due(&self) -> Option<usize> {
-        let k = self.step.checked_sub(self.warmup_steps)?;
+        if self.step < self.warmup_steps {
+            return None;
+        }
         self.levels
             .iter()
-            .rposition(|&(p, _)| p > 0 && k.is_multiple_of(p))
+            .rposition(|&(p, _)| p > 0 && self.step.is_multiple_of(p))
     }
 
     /// Counts one step; when a level is due ([`HierarchicalAverager::due`]), replaces every
@@ -648,8 +647,8 @@ impl<G: Borrow<Communicator>> HierarchicalAverager<G> {
             self.step += 1;
             return Ok(None);
         };
+        check_params(rank, OP, params)?;
         let group = self.levels[level].1.borrow();
-        check_params(group, OP, params)?;
         self.step += 1;
         self.packer.average(group, params)?;
         Ok(Some(level))
@@ -665,9 +664,10 @@ impl HierarchicalAverager {
     ///
     /// # Errors
     /// `InvalidArgument`, on every rank alike and before any split, when `levels` is empty,
-    /// a period is 0 or not larger than the one before, or a size is 0, does not divide
+    /// a period is 0 or not larger than the one before, a size is 0, does not divide
     /// `comm.size()`, or does not divide the next level's size (so that each group lies inside
-    /// the next); the splits' errors.
+    /// the next), or the last size is not `comm.size()` (as PyTorch asks: the last level
+    /// averages every rank); the splits' errors.
     pub fn by_group_sizes(
         comm: &Communicator,
         levels: &[(u64, usize)],
@@ -678,8 +678,15 @@ impl HierarchicalAverager {
             op: "HierarchicalAverager::by_group_sizes",
             msg,
         };
-        if levels.is_empty() {
+        let Some(&(_, last)) = levels.last() else {
             return Err(invalid("no levels given".into()));
+        };
+        if last != comm.size() {
+            return Err(invalid(format!(
+                "the last level's group size {last} is not the communicator's {} ranks: the \
+                 last level averages every rank",
+                comm.size()
+            )));
         }
         for (i, &(period, size)) in levels.iter().enumerate() {
             if period == 0 || (i > 0 && period <= levels[i - 1].0) {

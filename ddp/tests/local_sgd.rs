@@ -532,10 +532,15 @@ fn hierarchical_reference(levels: &[(u64, usize)], warmup: u64, steps: usize) ->
                 .enumerate()
                 .for_each(|(i, x)| *x += bump(r, i, step));
         }
-        let Some(k) = (step as u64).checked_sub(warmup) else {
+        let s = step as u64;
+        if s < warmup {
             continue;
-        };
-        let Some(&(_, size)) = levels.iter().rev().find(|&&(period, _)| k % period == 0) else {
+        }
+        let Some(&(_, size)) = levels
+            .iter()
+            .rev()
+            .find(|&&(period, _)| s.is_multiple_of(period))
+        else {
             continue;
         };
         for group in p.chunks_mut(size) {
@@ -550,13 +555,12 @@ fn hierarchical_reference(levels: &[(u64, usize)], warmup: u64, steps: usize) ->
 
 #[test]
 fn a_hierarchical_averager_averages_each_level_at_its_period() {
-    // Pairs every 2 calls, everyone every 4, from call 1: at calls 1 (everyone), 3 (pairs),
-    // 5 (everyone), 7 (pairs), 9 (everyone).
+    // Pairs every 2 calls, everyone every 4, from call 1 (PyTorch's rule: periods count from
+    // call 0): at calls 2 (pairs), 4 (everyone), 6 (pairs), 8 (everyone).
     const LEVELS: [(u64, usize); 2] = [(2, 2), (4, N)];
     const STEPS: usize = 10;
     let expect_levels = [
         None,
-        Some(1),
         None,
         Some(0),
         None,
@@ -565,6 +569,7 @@ fn a_hierarchical_averager_averages_each_level_at_its_period() {
         Some(0),
         None,
         Some(1),
+        None,
     ];
     let out = spawn_world(N, Config::default(), |comm| {
         let rank = comm.rank();
@@ -634,18 +639,29 @@ fn a_hierarchical_averager_refuses_bad_levels_before_communicating() {
             };
         refused(&[], "no levels");
         refused(&[(4, 2), (2, N)], "larger than the one before");
-        refused(&[(0, 2)], "at least 1");
-        refused(&[(2, 3)], "does not divide the communicator's 4 ranks");
-        refused(&[(2, 0)], "group size 0");
+        refused(&[(0, N)], "at least 1");
+        refused(
+            &[(2, 3), (4, N)],
+            "does not divide the communicator's 4 ranks",
+        );
+        refused(&[(2, 0), (4, N)], "group size 0");
+        refused(
+            &[(2, 2)],
+            "the last level's group size 2 is not the communicator's 4",
+        );
         // Groups of 4 do not lie inside groups of 2.
-        refused(&[(2, 4), (4, 2)], "does not divide the next level's 2");
-        // Nothing was split: the communicator runs on in step (its next split is its first).
+        refused(
+            &[(2, 4), (4, 2), (8, N)],
+            "does not divide the next level's 2",
+        );
+        // Nothing was split or sent: the next split is the communicator's first.
         let mut x = [1u32];
         comm.all_reduce(&mut x, ReduceOp::Sum)?;
         assert_eq!(x[0] as usize, N);
         // Made by hand: periods that do not increase and a period of 0 are refused at the
         // first call, which is not counted.
         let half = pair(&comm);
+        assert!(half.id().contains("/split0/"), "{}", half.id());
         let mut w = [1.0f32; 2];
         for mut bad in [
             HierarchicalAverager::new(2, &half, 0).then(2, &comm),

@@ -331,7 +331,9 @@ impl Communicator {
     /// `ncclCommGetAsyncError`); `None` while every device operation so far succeeded.
     pub fn device_async_error(&self) -> Option<Error> {
         let st = lock(&self.cuda);
-        st.as_ref().and_then(DeviceState::async_error)
+        st.as_ref()
+            .and_then(DeviceState::async_error)
+            .map(|e| self.shared.named(e))
     }
 }
 
@@ -526,8 +528,14 @@ impl StreamComm<'_> {
         self.launch(kind, T::DTYPE, Some((p, n)), Some((p, n)))
     }
 
-    /// Checks and enqueues one device operation (see the module documentation).
+    /// Checks and enqueues one device operation (see the module documentation); its errors
+    /// noted with the communicator's world ranks (once: those of its host parts are already).
     fn launch(&self, kind: Kind, dt: DType, input: Dev, output: Dev) -> Result<()> {
+        self.launch_unnamed(kind, dt, input, output)
+            .map_err(|e| self.comm.shared.named(e))
+    }
+
+    fn launch_unnamed(&self, kind: Kind, dt: DType, input: Dev, output: Dev) -> Result<()> {
         let comm = self.comm;
         let op = kind.name();
         let plan = plan::plan(
