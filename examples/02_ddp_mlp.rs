@@ -39,9 +39,12 @@
 //! "PowerSGD"). `--local-sgd P` trains with post-local SGD from step `--local-sgd-start` (1 by
 //! default): gradients averaged only within groups of ranks (`oxccl::ddp::PostLocalSgd`; the
 //! ranks of each node, or `--local-sgd-group K` consecutive ranks), the parameters over every
-//! rank after every P-th step (`oxccl::ddp::ModelAverager`); `--check` then compares each group
-//! with one process that trains the groups' models and averages them alike, and the replicas
-//! within each group after every step and across groups after every average. The example ends
+//! rank after every P-th step (`oxccl::ddp::ModelAverager`); `--local-sgd-levels P:K,...` adds
+//! levels below it, the parameters over groups of K consecutive ranks every P steps
+//! (`oxccl::ddp::HierarchicalAverager`, periods counted from step 0). `--check` then compares
+//! each group with one process that trains the groups' models and averages them alike, and the
+//! replicas within each group after every step and across groups after every average over
+//! every rank. The example ends
 //! with the loss of rank 0's model on 256 samples no step trains on.
 
 #[path = "mlp/mod.rs"]
@@ -54,8 +57,8 @@ use clap::{Parser, ValueEnum};
 use mlp::{Mode, Shape};
 use oxccl::comm::{Communicator, ReduceOp};
 use oxccl::ddp::{
-    CommHook, CompressHook, DdpConfig, ModelAverager, Overlap, PostLocalSgd, PowerSgd,
-    PowerSgdConfig, UnevenInputs,
+    CommHook, CompressHook, DdpConfig, HierarchicalAverager, ModelAverager, Overlap, PostLocalSgd,
+    PowerSgd, PowerSgdConfig, UnevenInputs,
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -159,6 +162,32 @@ struct Args {
     /// node).
     #[arg(long, default_value_t = 0)]
     local_sgd_group: usize,
+    /// Levels below `--local-sgd`'s average over every rank, as `P:K[,P:K...]`: the parameters
+    /// averaged over groups of K consecutive ranks every P steps
+    /// (`oxccl::ddp::HierarchicalAverager`; periods counted from step 0, as in PyTorch, and
+    /// `--local-sgd P` then counts from step 0 too).
+    #[arg(long, default_value = "")]
+    local_sgd_levels: String,
+}
+
+/// `--local-sgd-levels` (`P:K,...`) as (period, group size) pairs.
+fn parse_levels(text: &str) -> Result<Vec<(u64, usize)>, String> {
+    text.split(',')
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            let (p, k) = l
+                .split_once(':')
+                .ok_or_else(|| format!("--local-sgd-levels: {l:?} is not P:K"))?;
+            let p = p.trim().parse::<u64>();
+            let k = k.trim().parse::<usize>();
+            match (p, k) {
+                (Ok(p), Ok(k)) => Ok((p, k)),
+                _ => Err(format!(
+                    "--local-sgd-levels: {l:?} is not P:K (two integers)"
+                )),
+            }
+        })
+        .collect()
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -321,8 +350,42 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     } else {
         None
     };
-    let averager =
-        || (args.local_sgd > 0).then(|| ModelAverager::new(args.local_sgd, args.local_sgd_start));
+    // `--local-sgd-levels`: the levels below the average over every rank.
+    let mut levels =
+        parse_levels(&args.local_sgd_levels).map_err(|e| format!("rank {rank}: {e}"))?;
+    if !levels.is_empty() && args.local_sgd == 0 {
+        return Err("--local-sgd-levels needs --local-sgd P (the period over every rank)".into());
+    }
+    if !levels.is_empty() {
+        levels.push((args.local_sgd, world));
+    }
+    let averager = || -> Result<Option<mlp::Averager>, oxccl::ddp::DdpError> {
+        if args.local_sgd == 0 {
+            return Ok(None);
+        }
+        if levels.is_empty() {
+            let a = ModelAverager::new(args.local_sgd, args.local_sgd_start);
+            return Ok(Some(a.into()));
+        }
+        // Collective over the communicator (one split per level): every rank makes one per run.
+        let a = HierarchicalAverager::by_group_sizes(&comm, &levels, args.local_sgd_start)?;
+        Ok(Some(mlp::Averager::Hierarchical(a)))
+    };
+    // The size of the groups averaged after step `step`'s update, `world` for every rank.
+    let averaged_over = |step: usize| -> Option<usize> {
+        let (s, start) = (step as u64, args.local_sgd_start);
+        if args.local_sgd == 0 || s < start {
+            return None;
+        }
+        if levels.is_empty() {
+            return (s - start).is_multiple_of(args.local_sgd).then_some(world);
+        }
+        levels
+            .iter()
+            .rev()
+            .find(|&&(p, _)| p > 0 && s.is_multiple_of(p))
+            .map(|&(_, k)| k)
+    };
     let shapes = mlp::Mlp::new(&shape, 0).shapes();
     let hook = || -> Result<Option<Box<dyn CommHook>>, oxccl::ddp::DdpError> {
         if let Some(group) = &group {
@@ -405,7 +468,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     mode,
                     cfg,
                     hook: hook()?,
-                    average: averager(),
+                    average: averager()?,
                 };
                 mlp::train_ddp_run(&comm, &shape, run, |step, _, _, r| {
                     if step > 0 {
@@ -528,8 +591,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 )
                 .into());
             }
+            if let Some(&(_, k)) = levels.iter().find(|&&(_, k)| !k.is_multiple_of(size)) {
+                return Err(format!(
+                    "rank {rank}: --check with --local-sgd-levels needs levels of whole groups: \
+                     {k} ranks are not groups of {size}"
+                )
+                .into());
+            }
             let (start, period) = (args.local_sgd_start as usize, args.local_sgd as usize);
-            mlp::train_reference_local(&shape, world, size, args.steps, start, period)
+            if levels.is_empty() {
+                mlp::train_reference_local(&shape, world, size, args.steps, start, period)
+            } else {
+                mlp::train_reference_groups(&shape, world, size, args.steps, start, averaged_over)
+            }
         }
         _ => Vec::new(),
     };
@@ -541,7 +615,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         mode,
         cfg,
         hook: hook()?,
-        average: averager(),
+        average: averager()?,
     };
     let model = mlp::train_ddp_run(&comm, &shape, run, |step, model, ddp, r| {
         // The mean loss over the ranks that trained in this step.
@@ -557,11 +631,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         if let (true, Some(g)) = (args.check, &group) {
             // Within 1e-5 of the group's reference model; identical within the group, and
-            // across groups before local SGD and after every average.
+            // across groups before local SGD and after every average over every rank.
             let diff = mlp::max_rel_diff(model, &local_reference[step][rank / g.size()]);
             worst = worst.max(diff);
             let same = mlp::replicas_identical(g, model)?;
-            let global = (step as u64) < args.local_sgd_start || r.averaged;
+            if r.averaged != averaged_over(step).is_some() {
+                return Err(format!(
+                    "rank {rank}: step {step}: averaged: {}, expected {}",
+                    r.averaged,
+                    averaged_over(step).is_some()
+                )
+                .into());
+            }
+            let global = (step as u64) < args.local_sgd_start || averaged_over(step) == Some(world);
             let all_same = mlp::replicas_identical(ddp.comm(), model)?;
             line += &format!(
                 "  max rel diff vs 1 process {diff:.2e}  identical in the group: {same}, \

@@ -38,8 +38,8 @@ use mlp::{Mode, Shape};
 use oxccl::comm::harness::{spawn_world, spawn_world_on_nodes};
 use oxccl::comm::{Communicator, Config};
 use oxccl::ddp::{
-    CommHook, DdpConfig, ModelAverager, Overlap, PostLocalSgd, PowerSgd, PowerSgdConfig,
-    UnevenInputs,
+    CommHook, DdpConfig, HierarchicalAverager, ModelAverager, Overlap, PostLocalSgd, PowerSgd,
+    PowerSgdConfig, UnevenInputs,
 };
 
 const STEPS: usize = 10;
@@ -208,7 +208,7 @@ fn train_and_check_local(
             PostLocalSgd::new(comm, std::sync::Arc::clone(&check), LOCAL_START as u64)
                 .map_err(|e| e.to_string())?,
         )),
-        average: Some(ModelAverager::new(LOCAL_PERIOD as u64, LOCAL_START as u64)),
+        average: Some(ModelAverager::new(LOCAL_PERIOD as u64, LOCAL_START as u64).into()),
     };
     let mut worst = 0.0f32;
     mlp::train_ddp_run(comm, &Shape::default(), run, |step, model, ddp, r| {
@@ -273,6 +273,75 @@ fn local_sgd_ddp_matches_one_process_per_group_threads() {
         for r in out {
             r.unwrap().unwrap();
         }
+    }
+}
+
+/// Post-local SGD with three tiers: every rank alone (its gradients averaged over itself), its
+/// pair {0, 1} or {2, 3} averaged every 2 steps and every rank every 4 (a
+/// `HierarchicalAverager`, from step `LOCAL_START`), against one process per rank that averages
+/// the models alike.
+#[test]
+fn hierarchical_local_sgd_matches_one_process_per_rank_threads() {
+    let averaged = |s: usize| match s {
+        s if s < LOCAL_START => None,
+        s if s.is_multiple_of(4) => Some(WORLD),
+        s if s.is_multiple_of(2) => Some(2),
+        _ => None,
+    };
+    let shape = Shape::default();
+    let reference = mlp::train_reference_groups(&shape, WORLD, 1, STEPS, LOCAL_START, averaged);
+    let out = spawn_world(WORLD, Config::default(), |comm| {
+        let rank = comm.rank();
+        let alone = comm.split(Some(rank as u32), 0)?.expect("a group");
+        let pair = comm
+            .split(Some((rank / 2) as u32), rank as i64)?
+            .expect("a pair");
+        let levels = [(2, 2), (4, WORLD)];
+        let averager = HierarchicalAverager::by_group_sizes(&comm, &levels, LOCAL_START as u64)
+            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        let (mode, overlap) = mixed(rank);
+        let run = mlp::Run {
+            steps: STEPS,
+            join: false,
+            mode,
+            cfg: cfg(overlap),
+            hook: Some(Box::new(
+                PostLocalSgd::new(&comm, alone, LOCAL_START as u64).expect("hook"),
+            )),
+            average: Some(mlp::Averager::Hierarchical(averager)),
+        };
+        let mut worst = 0.0f32;
+        let r = mlp::train_ddp_run(&comm, &shape, run, |step, model, ddp, r| {
+            let diff = mlp::max_rel_diff(model, &reference[step][rank]);
+            worst = worst.max(diff);
+            let over = averaged(step);
+            let in_pair = mlp::replicas_identical(&pair, model)?;
+            let everywhere = mlp::replicas_identical(ddp.comm(), model)?;
+            let (want_pair, want_all) = match over {
+                _ if step < LOCAL_START => (true, true),
+                Some(WORLD) => (true, true),
+                Some(_) => (true, false),
+                None => (false, false),
+            };
+            if diff > 1e-5
+                || r.averaged != over.is_some()
+                || in_pair != want_pair
+                || everywhere != want_all
+            {
+                return Err(format!(
+                    "rank {rank} step {step}: diff {diff:e}, averaged {} (over {over:?}), \
+                     identical in the pair {in_pair}, everywhere {everywhere}",
+                    r.averaged
+                )
+                .into());
+            }
+            Ok(())
+        });
+        Ok(r.map(|_| worst).map_err(|e| e.to_string()))
+    });
+    for r in out {
+        let worst = r.unwrap().unwrap();
+        assert!(worst <= 1e-5, "{worst}");
     }
 }
 

@@ -10,7 +10,7 @@
 use std::time::{Duration, Instant};
 
 use oxccl::comm::{Communicator, ReduceOp};
-use oxccl::ddp::{CommHook, Ddp, DdpConfig, DdpError, ModelAverager, Param};
+use oxccl::ddp::{CommHook, Ddp, DdpConfig, DdpError, HierarchicalAverager, ModelAverager, Param};
 
 /// Sizes of the model and of each rank's batch.
 #[derive(Clone, Debug)]
@@ -399,8 +399,8 @@ pub struct StepReport {
     /// This rank had run out of data and stood in for the others' step (`Ddp::join_step`):
     /// `loss` is 0.
     pub joined: bool,
-    /// The run's `ModelAverager` averaged the parameters after this step's update (its time is
-    /// in `exposed`).
+    /// The run's averager averaged the parameters after this step's update (its time is in
+    /// `exposed`).
     pub averaged: bool,
 }
 
@@ -443,9 +443,41 @@ pub struct Run {
     pub cfg: DdpConfig,
     /// A comm hook to set (every rank alike), or the default all-reduce.
     pub hook: Option<Box<dyn CommHook>>,
-    /// Averages the parameters over every rank after the updates it is due at (post-local SGD,
-    /// with the `PostLocalSgd` hook).
-    pub average: Option<ModelAverager>,
+    /// Averages the parameters after the updates it is due at (post-local SGD, with the
+    /// `PostLocalSgd` hook).
+    pub average: Option<Averager>,
+}
+
+/// What averages the parameters in post-local SGD.
+pub enum Averager {
+    /// Over every rank of DDP's communicator, every few steps.
+    Periodic(ModelAverager),
+    /// Over nested groups, each at its own period.
+    Hierarchical(HierarchicalAverager),
+}
+
+impl From<ModelAverager> for Averager {
+    fn from(a: ModelAverager) -> Averager {
+        Averager::Periodic(a)
+    }
+}
+
+impl Averager {
+    /// Counts a step and averages when due (over `comm` for a periodic averager); returns
+    /// whether it averaged.
+    ///
+    /// # Errors
+    /// The averager's.
+    pub fn average(
+        &mut self,
+        comm: &Communicator,
+        params: &mut [Vec<f32>],
+    ) -> Result<bool, DdpError> {
+        match self {
+            Averager::Periodic(a) => a.average(comm, params),
+            Averager::Hierarchical(a) => Ok(a.average(params)?.is_some()),
+        }
+    }
 }
 
 /// As [`train_ddp`], as `run` says; with `run.join`, `each` is called for the steps this rank
@@ -586,7 +618,7 @@ pub fn train_ddp_run<C: std::borrow::Borrow<Communicator>>(
 
 /// Runs `average` (when there is one) on the model's parameters; adds its time to `exposed`.
 fn average_params(
-    average: &mut Option<ModelAverager>,
+    average: &mut Option<Averager>,
     comm: &Communicator,
     model: &mut Mlp,
     exposed: &mut Duration,
@@ -632,7 +664,25 @@ pub fn train_reference_local(
     start: usize,
     period: usize,
 ) -> Vec<Vec<Mlp>> {
-    let groups = world / group.max(1);
+    let every = |step: usize| {
+        (step >= start && (step - start).is_multiple_of(period.max(1))).then_some(world)
+    };
+    train_reference_groups(shape, world, group, steps, start, every)
+}
+
+/// As [`train_reference_local`], with the models averaged after step `s`'s update over groups
+/// of `averaged(s)` consecutive ranks (a multiple of `group` dividing `world`), or not at all
+/// for `None`: a `HierarchicalAverager`'s levels.
+pub fn train_reference_groups(
+    shape: &Shape,
+    world: usize,
+    group: usize,
+    steps: usize,
+    start: usize,
+    averaged: impl Fn(usize) -> Option<usize>,
+) -> Vec<Vec<Mlp>> {
+    let group = group.max(1);
+    let groups = world / group;
     let mut models = vec![Mlp::new(shape, 0); groups];
     let mut out = Vec::with_capacity(steps);
     for step in 0..steps {
@@ -644,15 +694,18 @@ pub fn train_reference_local(
             };
             reference_step(model, shape, world, step, &ranks);
         }
-        if step >= start && (step - start).is_multiple_of(period.max(1)) {
-            let mut mean = models[0].clone();
-            for (p, m) in mean.params.iter_mut().enumerate() {
-                for (i, x) in m.iter_mut().enumerate() {
-                    let sum: f32 = models.iter().map(|g| g.params[p][i]).sum();
-                    *x = sum / groups as f32;
+        if let Some(size) = averaged(step) {
+            // Each averaging group holds size / group of the groups' models, weighted alike.
+            for chunk in models.chunks_mut((size / group).max(1)) {
+                let mut mean = chunk[0].clone();
+                for (p, m) in mean.params.iter_mut().enumerate() {
+                    for (i, x) in m.iter_mut().enumerate() {
+                        let sum: f32 = chunk.iter().map(|g| g.params[p][i]).sum();
+                        *x = sum / chunk.len() as f32;
+                    }
                 }
+                chunk.fill(mean);
             }
-            models = vec![mean; groups];
         }
         out.push(models.clone());
     }
