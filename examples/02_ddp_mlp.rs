@@ -356,6 +356,28 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if !levels.is_empty() && args.local_sgd == 0 {
         return Err("--local-sgd-levels needs --local-sgd P (the period over every rank)".into());
     }
+    // Named by their flags here, before anything is computed (`by_group_sizes` checks them
+    // again, with the level over every rank added).
+    let mut period = 0;
+    for &(p, k) in &levels {
+        if p <= period || p >= args.local_sgd {
+            return Err(format!(
+                "rank {rank}: --local-sgd-levels: period {p} must be larger than the level's \
+                 before it and smaller than --local-sgd {}",
+                args.local_sgd
+            )
+            .into());
+        }
+        period = p;
+        let whole = args.local_sgd_group == 0 || k.is_multiple_of(args.local_sgd_group);
+        if k == 0 || !world.is_multiple_of(k) || !whole {
+            return Err(format!(
+                "rank {rank}: --local-sgd-levels: groups of {k} ranks must divide the {world} \
+                 ranks and be made of whole --local-sgd-group groups"
+            )
+            .into());
+        }
+    }
     if !levels.is_empty() {
         levels.push((args.local_sgd, world));
     }
@@ -573,6 +595,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     } else {
         Vec::new()
     };
+    // With --check, a communicator per level below every rank's (`rank / K`, as the
+    // averager's): its replicas must be identical after the level's averages.
+    let level_groups = if args.check {
+        let mut made = Vec::new();
+        for &(_, k) in levels.iter().filter(|&&(_, k)| k < world) {
+            let color = u32::try_from(rank / k)
+                .map_err(|_| format!("rank {rank}: level group {} out of range", rank / k))?;
+            let g = comm.split(Some(color), rank as i64)?;
+            made.push(g.ok_or_else(|| format!("rank {rank}: the split gave no level group"))?);
+        }
+        made
+    } else {
+        Vec::new()
+    };
     // Post-local SGD's reference: one model per group of consecutive ranks.
     let local_reference = match &group {
         Some(g) if args.check => {
@@ -645,12 +681,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
             let global = (step as u64) < args.local_sgd_start || averaged_over(step) == Some(world);
             let all_same = mlp::replicas_identical(ddp.comm(), model)?;
+            // After a level's average, its group's replicas too.
+            let mut level_same = true;
+            for lg in &level_groups {
+                let same_here = mlp::replicas_identical(lg, model)?;
+                level_same &= same_here || averaged_over(step) != Some(lg.size());
+            }
             line += &format!(
                 "  max rel diff vs 1 process {diff:.2e}  identical in the group: {same}, \
                  everywhere: {all_same}{}",
                 if r.averaged { "  (averaged)" } else { "" }
             );
-            if diff > 1e-5 || !same || (global && !all_same) {
+            if diff > 1e-5 || !same || (global && !all_same) || !level_same {
                 return Err(format!("rank {rank}: step {step}: {line}").into());
             }
         } else if args.check {
@@ -701,8 +743,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         if args.local_sgd > 0 {
             println!(
                 "check passed: worst relative difference {worst:.2e} from one process that \
-                 trains each group's model, replicas identical within groups and after every \
-                 average"
+                 trains each group's model, replicas identical within groups and everywhere \
+                 after every average over every rank"
             );
         } else if args.powersgd > 0 {
             println!(

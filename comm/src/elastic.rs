@@ -169,7 +169,8 @@ impl Communicator {
             &format!("exclude={list}"),
             &kept,
             "every rank not excluded must call it",
-        )?;
+        )
+        .map_err(|e| self.shared.named(e))?;
         tracing::info!(rank = self.rank, size = kept.len(), exclude = %list, "shrink");
         let c = self.child(&kept, id)?;
         self.forget_args(&c, &kept);
@@ -219,7 +220,8 @@ impl Communicator {
             &format!("new_size={new_size}"),
             &all,
             "every rank must call it",
-        )?;
+        )
+        .map_err(|e| self.shared.named(e))?;
         let mut offered = Vec::new();
         if self.rank == 0 {
             if let Err(e) = self.offer_places(&id, new_size, &mut offered) {
@@ -495,22 +497,9 @@ impl Communicator {
     }
 
     /// Publishes this rank's arguments `args` of call `k` of `op` (new communicator `id`) and
-    /// compares them with those of `ranks` (ranks of this communicator); its errors noted with
-    /// this communicator's world ranks.
+    /// compares them with those of `ranks` (ranks of this communicator). Callers note its
+    /// errors with this communicator's world ranks (`Shared::named`).
     fn agree(
-        &self,
-        op: &str,
-        k: u64,
-        id: &str,
-        args: &str,
-        ranks: &[usize],
-        who_calls: &str,
-    ) -> Result<()> {
-        self.agree_unnamed(op, k, id, args, ranks, who_calls)
-            .map_err(|e| self.shared.named(e))
-    }
-
-    fn agree_unnamed(
         &self,
         op: &str,
         k: u64,

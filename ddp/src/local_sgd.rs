@@ -563,9 +563,9 @@ impl<G: Borrow<Communicator>> std::fmt::Debug for HierarchicalAverager<G> {
 }
 
 impl<G: Borrow<Communicator>> HierarchicalAverager<G> {
-    /// An averager of one level: over `group` every `period` calls from call `warmup_steps`
-    /// (what [`ModelAverager`] does over the communicator it is given). Add levels with
-    /// [`HierarchicalAverager::then`].
+    /// An averager of one level: over `group` at calls `s >= warmup_steps` that `period`
+    /// divides (where [`ModelAverager`] counts its period from `warmup_steps`: the same calls
+    /// when `period` divides `warmup_steps`). Add levels with [`HierarchicalAverager::then`].
     pub fn new(period: u64, group: G, warmup_steps: u64) -> HierarchicalAverager<G> {
         HierarchicalAverager {
             levels: vec![(period, group)],
