@@ -870,10 +870,7 @@ impl Communicator {
         let lineage = self.shared.stalls.lineage(members);
         let names = WorldNames::new(&id, &lineage.0, &lineage.1);
         self.derive(new_rank, members.len(), id, Some(lineage))
-            .map_err(|e| match &names {
-                Some(n) => n.name(e),
-                None => e,
-            })
+            .map_err(|e| crate::error::named(names.as_ref(), e))
     }
 
     /// Makes the communicator `id` of `size` ranks, this process being `rank`, through the store,

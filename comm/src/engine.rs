@@ -260,10 +260,7 @@ impl Shared {
     /// communicator made from another (the cause stays as it is where it is published and kept,
     /// so each report is noted once).
     pub(crate) fn named(&self, e: Error) -> Error {
-        match &self.world {
-            Some(w) => w.name(e),
-            None => e,
-        }
+        crate::error::named(self.world.as_deref(), e)
     }
 
     /// Records that an operation was skipped (`e`: why) and breaks the communicator with it: at
@@ -707,10 +704,7 @@ impl<B> Work<B> {
     }
 
     fn named(&self, e: Error) -> Error {
-        match &self.world {
-            Some(w) => w.name(e),
-            None => e,
-        }
+        crate::error::named(self.world.as_deref(), e)
     }
 }
 

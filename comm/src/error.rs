@@ -146,6 +146,14 @@ pub(crate) struct WorldNames {
     ranks: Vec<usize>,
 }
 
+/// `e` with the note of `names` ([`WorldNames::name`]), or as it is without names.
+pub(crate) fn named(names: Option<&WorldNames>, e: Error) -> Error {
+    match names {
+        Some(n) => n.name(e),
+        None => e,
+    }
+}
+
 /// Most ranks a note lists one by one; a larger communicator's note names only the error's
 /// ranks.
 const NOTE_LIST_MAX: usize = 16;
