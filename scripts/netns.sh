@@ -16,13 +16,15 @@
 #
 # Usage:
 #   scripts/netns.sh up --nodes N [--prefix P] [--subnet A.B.C] [--rate R]
+#                       [--racks R [--rack-rate R2]]
 #       Create PREFIX-sw (bridge br0) and PREFIX-n0 .. PREFIX-n<N-1>, N in 1..16 (2 to 4 is
 #       the usual), addresses A.B.C.1 .. A.B.C.N. Fails (exit 1) if any of them already exists.
 #   scripts/netns.sh down [--prefix P]
 #       Stop every process still inside PREFIX-* (SIGTERM, 5 s, then SIGKILL, by pid) and
 #       delete the namespaces. Idempotent: succeeds when there is nothing to remove.
 #   scripts/netns.sh run --nodes N [--prefix P] [--subnet A.B.C] [--port PORT] [--nproc K]
-#                        [--timeout S] [--job-id ID] [--fail-grace S] [--rate R] -- CMD [ARGS...]
+#                        [--timeout S] [--job-id ID] [--fail-grace S] [--rate R]
+#                        [--racks R [--rack-rate R2]] -- CMD [ARGS...]
 #       `up`, then in every node k at once:
 #         ip netns exec PREFIX-n<k> env OXCCL_NODE_ID=node<k> OXCCL_BIN launch --nnodes N
 #           --node-rank k --master-addr A.B.C.1 --master-port PORT -n K --job-id ID
@@ -60,6 +62,15 @@
 #   --rate RATE    (up, run) limit every node's link to RATE each way, like a NIC's line rate
 #                  (tc tbf on eth0 and on the switch port), e.g. 5gbit; default: no limit (the
 #                  veth pairs then run as fast as the CPU copies)
+#   --racks R      (up, run) R racks of N/R consecutive nodes each (R divides N; default 1,
+#                  one bridge for every node): PREFIX-sw then holds one bridge per rack, rk<r>,
+#                  with rack r's switch ports, and a spine bridge, spine; each rack's bridge
+#                  reaches the spine through a veth pair, up<r> (in rk<r>) and dn<r> (in
+#                  spine): the rack's uplink, which the rack's nodes share for traffic to other
+#                  racks. Traffic inside a rack never crosses the spine.
+#   --rack-rate R2 (up, run; needs --racks) limit every rack's uplink to R2 each way (tc tbf on
+#                  up<r> and dn<r>), e.g. 1gbit under --rate 10gbit: an oversubscribed tier
+#                  above the nodes' links; default: no limit
 #   --node k       the node (link-down, link-up)
 #
 # Environment: OXCCL_BIN, the oxccl binary (default: target/release/oxccl under the repository
@@ -186,15 +197,40 @@ do_up() {
     CREATED=1
     local sw="$prefix-sw"
     ip -n "$sw" link set lo up
-    ip -n "$sw" link add br0 type bridge
-    ip -n "$sw" link set br0 up
+    local per_rack=$((nodes / RACKS)) r
+    if ((RACKS == 1)); then
+        ip -n "$sw" link add br0 type bridge
+        ip -n "$sw" link set br0 up
+    else
+        ip -n "$sw" link add spine type bridge
+        ip -n "$sw" link set spine up
+        for ((r = 0; r < RACKS; r++)); do
+            ip -n "$sw" link add "rk$r" type bridge
+            ip -n "$sw" link set "rk$r" up
+            # The rack's uplink: up<r> a port of its bridge, dn<r> a port of the spine.
+            ip -n "$sw" link add "up$r" type veth peer name "dn$r"
+            ip -n "$sw" link set "up$r" master "rk$r"
+            ip -n "$sw" link set "dn$r" master spine
+            ip -n "$sw" link set "up$r" up
+            ip -n "$sw" link set "dn$r" up
+            if [[ -n "$RACK_RATE" ]]; then
+                # Both ways: the rack's egress to the spine and the spine's egress to the rack.
+                tc -n "$sw" qdisc add dev "up$r" root tbf rate "$RACK_RATE" burst 1mb latency 100ms
+                tc -n "$sw" qdisc add dev "dn$r" root tbf rate "$RACK_RATE" burst 1mb latency 100ms
+            fi
+        done
+    fi
     for ((k = 0; k < nodes; k++)); do
         ns="$prefix-n$k"
         ip netns add "$ns"
         ip -n "$ns" link set lo up
         # Both ends are created inside our namespaces: v<k> in the switch, eth0 in the node.
         ip -n "$sw" link add "v$k" type veth peer name eth0 netns "$ns"
-        ip -n "$sw" link set "v$k" master br0
+        if ((RACKS == 1)); then
+            ip -n "$sw" link set "v$k" master br0
+        else
+            ip -n "$sw" link set "v$k" master "rk$((k / per_rack))"
+        fi
         ip -n "$sw" link set "v$k" up
         ip -n "$ns" addr add "$subnet.$((k + 1))/24" dev eth0
         ip -n "$ns" link set eth0 up
@@ -350,11 +386,14 @@ main() {
     local nodes="" prefix="oxccl" subnet="10.77.0" port="29500" nproc="1" timeout=""
     local job_id="" node="" fail_grace="10"
     RATE=""
+    RACKS=1
+    RACK_RATE=""
+    local racks_given=0
     while (($# > 0)); do
         case "$1" in
         --) shift; break ;;
         -h | --help) usage; exit 0 ;;
-        --nodes | --prefix | --subnet | --port | --nproc | --timeout | --job-id | --node | --fail-grace | --rate)
+        --nodes | --prefix | --subnet | --port | --nproc | --timeout | --job-id | --node | --fail-grace | --rate | --racks | --rack-rate)
             (($# >= 2)) || usage_error "$1 needs a value"
             case "$1" in
             --nodes) nodes="$2" ;;
@@ -367,6 +406,8 @@ main() {
             --node) node="$2" ;;
             --fail-grace) fail_grace="$2" ;;
             --rate) RATE="$2" ;;
+            --racks) RACKS="$2"; racks_given=1 ;;
+            --rack-rate) RACK_RATE="$2" ;;
             esac
             shift 2
             ;;
@@ -402,6 +443,18 @@ main() {
     if [[ -n "$RATE" ]]; then
         [[ "$RATE" =~ ^[0-9]+(\.[0-9]+)?[kmgt]?bit$ ]] ||
             usage_error "--rate '$RATE': a tc rate such as 5gbit or 800mbit"
+    fi
+    if ((racks_given)); then
+        in_range "$RACKS" 1 16 || usage_error "--racks '$RACKS': 1..16"
+        RACKS=$((10#$RACKS))
+        if [[ "$cmd" == up || "$cmd" == run ]] && ((10#$nodes % RACKS != 0)); then
+            usage_error "--racks $RACKS does not divide --nodes $nodes (racks hold equal numbers of consecutive nodes)"
+        fi
+    fi
+    if [[ -n "$RACK_RATE" ]]; then
+        ((RACKS > 1)) || usage_error "--rack-rate needs --racks R with R >= 2 (one rack has no uplink)"
+        [[ "$RACK_RATE" =~ ^[0-9]+(\.[0-9]+)?[kmgt]?bit$ ]] ||
+            usage_error "--rack-rate '$RACK_RATE': a tc rate such as 1gbit or 800mbit"
     fi
 
     require_root

@@ -428,6 +428,75 @@ fn transports_are_shm_inside_a_node_and_tcp_across() {
     }
 }
 
+/// `--racks 2 --rack-rate 1gbit` on 4 nodes of 1 rank: each node's switch port is on its rack's
+/// bridge (nodes 0-1 on rk0, 2-3 on rk1), each rack reaches the spine through a rate-limited
+/// uplink, and every collective is correct across the racks.
+#[test]
+fn racks_put_nodes_behind_rate_limited_uplinks() {
+    let prefix = prefix("racks");
+    // Each rank first prints its node's switch port (its bridge is named after "master") and
+    // the qdisc of its rack's uplink, then runs the `all` scenario.
+    let sw = format!("{prefix}-sw");
+    let mut cmd: Vec<String> = vec![
+        "sh".into(),
+        "-c".into(),
+        format!(
+            "k=$OXCCL_NODE_RANK; echo \"PORT $k $(ip -n {sw} -o link show v$k)\"; \
+             echo \"UPLINK $k $(tc -n {sw} qdisc show dev up$((k / 2)))\"; exec \"$@\""
+        ),
+        "sh".into(),
+    ];
+    cmd.extend(rank_cmd());
+    let job = Job::start(
+        &prefix,
+        &[
+            "--nodes",
+            "4",
+            "--racks",
+            "2",
+            "--rack-rate",
+            "1gbit",
+            "--rate",
+            "10gbit",
+            "--timeout",
+            "90",
+        ],
+        &[(SCENARIO, "all"), ("OXCCL_TIMEOUT", "60")],
+        &cmd,
+    );
+    let done = job.finish(Instant::now() + Duration::from_secs(120));
+    assert_no_namespaces(&prefix, &done);
+    if skipped(&done) {
+        return;
+    }
+    assert_eq!(done.code, Some(0), "{}", done.show());
+    let res = results_of(&done.stdout);
+    for k in 0..4 {
+        assert!(
+            res.get(&k).is_some_and(|l| l.ends_with(" ok")),
+            "rank {k}: {}",
+            done.show()
+        );
+        let port = done
+            .stdout
+            .lines()
+            .find_map(|l| l.split_once(&format!("PORT {k} ")).map(|(_, p)| p))
+            .unwrap_or_else(|| panic!("node {k} printed no PORT line: {}", done.show()));
+        let rack = format!(" master rk{} ", k / 2);
+        assert!(port.contains(&rack), "node {k}: {port:?} lacks {rack:?}");
+        let uplink = done
+            .stdout
+            .lines()
+            .find_map(|l| l.split_once(&format!("UPLINK {k} ")).map(|(_, q)| q))
+            .unwrap_or_else(|| panic!("node {k} printed no UPLINK line: {}", done.show()));
+        assert!(
+            uplink.contains("tbf") && uplink.contains("rate 1Gbit"),
+            "rack {}'s uplink: {uplink:?}",
+            k / 2
+        );
+    }
+}
+
 /// How long a rank on the far side of a cut from the store may additionally take to report: a
 /// failing rank tries for at most 3 s to publish its error in the store (comm's engine,
 /// `PUBLISH_BUDGET`) before it closes its connections.
