@@ -15,6 +15,12 @@ pub struct DdpConfig {
     pub first_bucket_bytes: usize,
     /// When set, parameters that got no gradient in a step are reduced as zeros; when not (the
     /// default), `finish()` names them in [`DdpError::UnusedParameters`](crate::DdpError::UnusedParameters).
+    /// The same on every rank ([`Ddp::new`](crate::Ddp::new) checks). Unlike PyTorch, which
+    /// leaves the `.grad` of a parameter unused on every rank as it was (`None` when it never
+    /// had one), such a parameter's average reads as zeros here: an optimizer with weight decay
+    /// or momentum still moves it unless the trainer skips it. PyTorch also does not rebuild the
+    /// buckets when this is set (without `static_graph`); here [`DdpConfig::rebuild_buckets`]
+    /// decides alone.
     pub find_unused_parameters: bool,
     /// Rebuild the buckets after the first step from the order in which gradients arrived
     /// (rank 0's order, or with uneven inputs that of the lowest rank that trained in the first

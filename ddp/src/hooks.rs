@@ -5,7 +5,10 @@
 //! over ranks. [`AllReduceAvg`] (the default) is one async all-reduce with `ReduceOp::Avg`.
 //! [`CompressHook`] halves the bytes on the wire: f32/f64 buckets are pre-divided by the world
 //! size, rounded to f16 or bf16, summed, and widened back (PyTorch's `fp16_compress_hook` and
-//! `bf16_compress_hook`). Buckets of other dtypes go through the plain all-reduce.
+//! `bf16_compress_hook`, which round first and divide in 16 bits: here each value is rounded
+//! once, not twice, and a gradient up to the world size times the format's largest finite value
+//! (f16: 65504) stays finite as long as the average does, where PyTorch's becomes infinite).
+//! Buckets of other dtypes go through the plain all-reduce.
 //! [`PowerSgd`](crate::PowerSgd) sends a low-rank approximation of each weight matrix instead
 //! (PyTorch's `powerSGD_hook`): two small all-reduces per bucket with a matrix to compress, the
 //! second issued while DDP waits on the bucket ([`CommHook::communicates_in_wait`]).

@@ -120,7 +120,9 @@
 //! # After a lost rank
 //!
 //! A rank that dies makes the step fail on the others with [`DdpError::Comm`] holding a
-//! `PeerLost` (`e.lost_peer()`), from `grad_ready`, `sync` or `finish`. The `Ddp` is then done
+//! `PeerLost` (`e.lost_peer()`), from `sync`, `finish` or `join_step` (`grad_ready` only
+//! launches buckets; what their all-reduces meet is reported by the `finish` that waits for
+//! them). The `Ddp` is then done
 //! with: drop it, shrink the lost rank away (`ddp.comm().shrink(&[lost])`, and `grow` back with a
 //! replacement if one comes), agree on the step to redo (e.g. rank 0's), and build a new `Ddp` on
 //! the new communicator. [`Ddp::new`] broadcasts rank 0's parameters, so a replacement starts
@@ -131,6 +133,9 @@
 //! learn of it at the next collective on DDP's communicator: the next [`ModelAverager`]
 //! average, up to `period` steps later (or the rebuild of the buckets after step 0). The
 //! hook's errors name ranks of DDP's communicator, so `lost_peer()` is the rank to shrink away.
+//! So do the errors of a [`HierarchicalAverager`] made by
+//! [`HierarchicalAverager::by_group_sizes`]: ranks of the communicator given to it (one made
+//! with [`HierarchicalAverager::new`] over groups of the trainer's own names their ranks).
 
 #![forbid(unsafe_code)]
 

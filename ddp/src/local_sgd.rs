@@ -172,15 +172,15 @@ impl PostLocalSgd {
     }
 }
 
-/// `e`, from the group's collectives, with the group's ranks replaced by those of DDP's
-/// communicator (`members`; this rank is `rank` there).
-fn in_comm(e: DdpError, members: &[usize], rank: usize) -> DdpError {
+/// `e`, from the group's collectives, with the group's ranks replaced by those of the
+/// communicator the group was made from (`members`; this rank is `rank` there). `who` begins
+/// the note and says which communicator that is (DDP's, for the hook).
+fn in_comm(e: DdpError, members: &[usize], rank: usize, who: &str) -> DdpError {
     let peer = |p: usize| members.get(p).copied().unwrap_or(p);
     let note = |s: String| {
         format!(
-            "{s} (post_local_sgd hook: this error's rank and peer are DDP's; other ranks \
-             named in it are the group's, group rank i being DDP's rank members[i], members = \
-             {members:?})"
+            "{s} ({who}; other ranks named in it are the group's, group rank i being rank \
+             members[i] there, members = {members:?})"
         )
     };
     let e = match e {
@@ -267,7 +267,7 @@ impl<G: Borrow<Communicator> + Send> CommHook for PostLocalSgd<G> {
     fn start(&mut self, comm: &Communicator, bucket: GradBucket) -> HookWork {
         if bucket.index == 0 {
             self.local = self.started >= self.start_step;
-            self.started += 1;
+            self.started = self.started.saturating_add(1);
         }
         let rank = comm.rank();
         if comm.size() != self.world || self.members.get(self.group().rank()) != Some(&rank) {
@@ -292,7 +292,12 @@ impl<G: Borrow<Communicator> + Send> CommHook for PostLocalSgd<G> {
         }
         let work = AllReduceAvg.start(self.group.borrow(), bucket);
         let members = Arc::clone(&self.members);
-        HookWork::with_comm(move |c| work.wait(c).map_err(|e| in_comm(e, &members, rank)))
+        HookWork::with_comm(move |c| {
+            work.wait(c).map_err(|e| {
+                let who = "post_local_sgd hook: this error's rank and peer are DDP's";
+                in_comm(e, &members, rank, who)
+            })
+        })
     }
 
     fn averages_every_rank(&self) -> bool {
@@ -402,11 +407,11 @@ impl ModelAverager {
             });
         }
         if !self.due() {
-            self.step += 1;
+            self.step = self.step.saturating_add(1);
             return Ok(false);
         }
         check_params(comm.rank(), "ModelAverager::average", params)?;
-        self.step += 1;
+        self.step = self.step.saturating_add(1);
         self.packer.average(comm, params)?;
         Ok(true)
     }
@@ -543,6 +548,10 @@ pub struct HierarchicalAverager<G: Borrow<Communicator> = Communicator> {
     warmup_steps: u64,
     step: u64,
     packer: Packer,
+    /// Made by [`HierarchicalAverager::by_group_sizes`]: each level's group as ranks of the
+    /// communicator it was split from, and this rank there, so that errors name those ranks
+    /// (the groups are the averager's own; the caller knows only that communicator).
+    members: Option<(Vec<Vec<usize>>, usize)>,
 }
 
 impl<G: Borrow<Communicator>> std::fmt::Debug for HierarchicalAverager<G> {
@@ -572,6 +581,7 @@ impl<G: Borrow<Communicator>> HierarchicalAverager<G> {
             warmup_steps,
             step: 0,
             packer: Packer::new(),
+            members: None,
         }
     }
 
@@ -628,7 +638,10 @@ impl<G: Borrow<Communicator>> HierarchicalAverager<G> {
     /// `InvalidArgument` (naming this rank in the last level's group) for a period of 0 or
     /// periods that do not increase, and when due for an integer parameter or `GradBuf` views
     /// that disagree in length: before any communication, and the call is not counted. The
-    /// all-reduces' errors as for [`ModelAverager::average`] (the call counted).
+    /// all-reduces' errors as for [`ModelAverager::average`] (the call counted); with levels
+    /// made by [`HierarchicalAverager::by_group_sizes`] their rank and peer are ranks of the
+    /// communicator given to it (`lost_peer()` is the rank to shrink away there), otherwise of
+    /// the level's group.
     pub fn average<P: GradBuf>(&mut self, params: &mut [P]) -> Result<Option<usize>> {
         const OP: &str = "HierarchicalAverager::average";
         let last = self.levels.last().map(|(_, g)| g.borrow());
@@ -644,13 +657,22 @@ impl<G: Borrow<Communicator>> HierarchicalAverager<G> {
             });
         }
         let Some(level) = self.due() else {
-            self.step += 1;
+            self.step = self.step.saturating_add(1);
             return Ok(None);
         };
         check_params(rank, OP, params)?;
         let group = self.levels[level].1.borrow();
-        self.step += 1;
-        self.packer.average(group, params)?;
+        self.step = self.step.saturating_add(1);
+        self.packer
+            .average(group, params)
+            .map_err(|e| match &self.members {
+                Some((members, rank)) => {
+                    let who = "HierarchicalAverager: this error's rank and peer are those of the \
+                           communicator given to by_group_sizes";
+                    in_comm(e, &members[level], *rank, who)
+                }
+                None => e,
+            })?;
         Ok(Some(level))
     }
 }
@@ -659,11 +681,13 @@ impl HierarchicalAverager {
     /// An averager over groups of consecutive ranks of `comm`, one level per `(period, size)`
     /// (PyTorch's `period_group_size_dict`): level `i` averages over groups of `size` ranks
     /// (`comm`'s ranks `j * size ..`, like `torch.distributed.new_subgroups`) every `period`
-    /// calls, from call `warmup_steps`. Collective over `comm`: every rank calls it alike. A
-    /// level over every rank is a communicator of its own (a split of `comm` into one group).
+    /// calls, from call `warmup_steps`. Collective over `comm`: every rank calls it alike (one
+    /// small all-reduce compares the levels and `warmup_steps` between ranks first). A level
+    /// over every rank is a communicator of its own (a split of `comm` into one group).
     ///
     /// # Errors
-    /// `InvalidArgument`, on every rank alike and before any split, when `levels` is empty,
+    /// `InvalidArgument`, on every rank alike and before any split, when the levels or
+    /// `warmup_steps` differ between ranks, `levels` is empty,
     /// a period is 0 or not larger than the one before, a size is 0, does not divide
     /// `comm.size()`, or does not divide the next level's size (so that each group lies inside
     /// the next), or the last size is not `comm.size()` (as PyTorch asks: the last level
@@ -678,6 +702,23 @@ impl HierarchicalAverager {
             op: "HierarchicalAverager::by_group_sizes",
             msg,
         };
+        // Every rank must give the same levels: a rank whose levels differ would average at
+        // other calls, or fail the checks below alone and leave the others waiting in a split.
+        let mut h = 0xcbf2_9ce4_8422_2325u64;
+        let words = levels.iter().flat_map(|&(p, k)| [p, k as u64]);
+        for v in [levels.len() as u64, warmup_steps].into_iter().chain(words) {
+            for b in v.to_le_bytes() {
+                h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+            }
+        }
+        let mut fp = [h, !h];
+        comm.all_reduce(&mut fp, oxccl_comm::ReduceOp::Max)?;
+        if fp != [h, !h] {
+            return Err(invalid(format!(
+                "the levels or warmup_steps differ between ranks; this rank has {levels:?} \
+                 from call {warmup_steps}"
+            )));
+        }
         let Some(&(_, last)) = levels.last() else {
             return Err(invalid("no levels given".into()));
         };
@@ -711,18 +752,23 @@ impl HierarchicalAverager {
         }
         let rank = comm.rank();
         let mut made = Vec::with_capacity(levels.len());
+        let mut members = Vec::with_capacity(levels.len());
         for &(period, size) in levels {
             let color = u32::try_from(rank / size)
                 .map_err(|_| invalid(format!("group index {} too large", rank / size)))?;
             let group = comm.split(Some(color), rank as i64)?;
             let group = group.ok_or_else(|| invalid("a split gave this rank no group".into()))?;
             made.push((period, group));
+            // Split with this rank as the key: the group's rank j is comm's rank base + j.
+            let base = rank / size * size;
+            members.push((base..base + size).collect());
         }
         Ok(HierarchicalAverager {
             levels: made,
             warmup_steps,
             step: 0,
             packer: Packer::new(),
+            members: Some((members, rank)),
         })
     }
 }

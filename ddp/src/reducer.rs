@@ -133,6 +133,7 @@ fn fingerprint(specs: &[ParamSpec], cfg: &DdpConfig) -> u64 {
     eat(cfg.first_bucket_bytes as u64);
     eat(cfg.sync_in_place_bytes as u64);
     eat(u64::from(cfg.rebuild_buckets));
+    eat(u64::from(cfg.find_unused_parameters));
     eat(cfg.uneven_inputs as u64);
     eat(specs.len() as u64);
     for s in specs {
@@ -1069,12 +1070,13 @@ impl<C: Borrow<Communicator>> Ddp<C> {
     /// Parameter `param`'s gradient in its bucket: after a synchronised `finish()` (or a `sync()`
     /// that went through the buckets, i.e. with a comm hook set) the average over ranks, until
     /// the next backward pass starts; in an accumulating step the local sum so far for the
-    /// parameters seen in it (others still hold the previous step's value). After an in-place
-    /// `sync()` the averages are in the caller's slices and this returns an error.
+    /// parameters seen in it (the others hold the previous step's average, or zeros in the step
+    /// after the buckets were rebuilt). After an in-place `sync()` the averages are in the
+    /// caller's slices and this returns an error.
     ///
     /// # Errors
     /// `InvalidArgument` for an index out of range, a `T` that is not the parameter's dtype, or a
-    /// bucket whose all-reduce is in flight.
+    /// bucket whose all-reduce is in flight or whose step failed in `finish()`.
     pub fn grad<T: Element>(&self, param: usize) -> Result<&[T]> {
         let s = self.spec(param, "grad")?;
         if !self.reduced && self.phase == Phase::Idle && self.micro == 0 && self.step > 0 {
@@ -1088,8 +1090,8 @@ impl<C: Borrow<Communicator>> Ddp<C> {
             self.invalid(
                 "grad",
                 format!(
-                    "parameter {param} ({}): its bucket's all-reduce is in flight; call finish() \
-                     first",
+                    "parameter {param} ({}): its bucket holds no averages: its all-reduce is in \
+                     flight (call finish() first), or the step's finish() failed",
                     s.name
                 ),
             )

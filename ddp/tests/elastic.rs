@@ -17,7 +17,8 @@ fn cfg() -> DdpConfig {
     DdpConfig {
         bucket_cap_bytes: 4096,
         first_bucket_bytes: 1024,
-        // Buckets launched during backward, so a lost rank can surface in grad_ready too.
+        // Buckets launched during backward: a lost rank's error then comes from the finish()
+        // that waits for them, not from the all-reduce finish() starts itself.
         overlap: oxccl_ddp::Overlap::On,
         ..DdpConfig::default()
     }

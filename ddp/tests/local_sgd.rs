@@ -654,7 +654,10 @@ fn a_hierarchical_averager_refuses_bad_levels_before_communicating() {
             &[(2, 4), (4, 2), (8, N)],
             "does not divide the next level's 2",
         );
-        // Nothing was split or sent: the next split is the communicator's first.
+        // Levels that differ between ranks (rank 0's last period) are refused on every rank.
+        let last = if rank == 0 { 4 } else { 8 };
+        refused(&[(2, 2), (last, N)], "differ between ranks");
+        // Nothing was split: the next split is the communicator's first.
         let mut x = [1u32];
         comm.all_reduce(&mut x, ReduceOp::Sum)?;
         assert_eq!(x[0] as usize, N);
@@ -685,6 +688,52 @@ fn a_hierarchical_averager_refuses_bad_levels_before_communicating() {
         ));
         assert_eq!(ok.steps(), 0);
         assert_eq!(ok.average(&mut [&mut w[..]]).unwrap(), Some(0));
+        Ok(())
+    });
+    out.into_iter().for_each(|r| r.unwrap());
+}
+
+#[test]
+fn a_rank_lost_under_a_hierarchical_averager_is_named_by_its_rank_in_the_communicator() {
+    // Pairs every 2 calls, everyone every 4, from call 0: call 0 averages everyone, rank 3
+    // leaves after it, and call 2 averages the pairs. Rank 2's pair all-reduce fails with
+    // PeerLost naming rank 3 of `comm` (rank 1 of the pair), the rank to shrink away.
+    let out = spawn_world(N, Config::default(), |comm| {
+        let rank = comm.rank();
+        let mut avg = HierarchicalAverager::by_group_sizes(&comm, &[(2, 2), (4, N)], 0).unwrap();
+        let mut w = [rank as f32; 3];
+        for call in 0..3 {
+            if rank == 3 && call == 1 {
+                return Ok(None); // gone: its communicators close
+            }
+            match avg.average(&mut [&mut w[..]]) {
+                Ok(_) => {}
+                Err(DdpError::Comm(e)) => return Ok(Some((e.lost_peer(), e.to_string()))),
+                Err(e) => panic!("rank {rank}: {e}"),
+            }
+        }
+        Ok(None)
+    });
+    let out: Vec<_> = out.into_iter().map(|r| r.unwrap()).collect();
+    let (lost, msg) = out[2].clone().expect("rank 2 sees the loss");
+    assert_eq!(lost, Some(3), "{msg}");
+    assert!(msg.starts_with("rank 2:"), "{msg}");
+    assert!(msg.contains("members = [2, 3]"), "{msg}");
+    // The pair {0, 1} never needed rank 3.
+    assert!(out[0].is_none() && out[1].is_none(), "{out:?}");
+}
+
+#[test]
+fn averagers_resumed_at_the_last_step_count_do_not_overflow() {
+    let out = spawn_world(2, Config::default(), |comm| {
+        let mut w = [comm.rank() as f32; 2];
+        let mut flat = ModelAverager::new(1, 0).with_steps(u64::MAX);
+        assert!(flat.average(&comm, &mut [&mut w[..]]).unwrap());
+        assert_eq!(flat.steps(), u64::MAX);
+        let mut tiers = HierarchicalAverager::new(1, &comm, 0).with_steps(u64::MAX);
+        assert_eq!(tiers.average(&mut [&mut w[..]]).unwrap(), Some(0));
+        assert_eq!(tiers.steps(), u64::MAX);
+        assert_eq!(w, [0.5; 2]);
         Ok(())
     });
     out.into_iter().for_each(|r| r.unwrap());

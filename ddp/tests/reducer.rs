@@ -519,6 +519,15 @@ fn bad_input_gets_an_error_naming_rank_call_and_parameter() {
         let mut w = vec![0.0f32; 10 + rank];
         let e = Ddp::new(&*comm, &mut [Param::new("w", &mut w)], DdpConfig::default());
         expect_invalid(e.map(|_| ()), &[&r, "new", "differs between ranks"]);
+        // So are settings that would make ranks end a step differently (one rank's finish()
+        // failing on an unused parameter while the others go on).
+        let mut w = vec![0.0f32; 10];
+        let cfg = DdpConfig {
+            find_unused_parameters: rank == 1,
+            ..DdpConfig::default()
+        };
+        let e = Ddp::new(&*comm, &mut [Param::new("w", &mut w)], cfg);
+        expect_invalid(e.map(|_| ()), &[&r, "new", "differs between ranks"]);
         let cfg = DdpConfig {
             bucket_cap_bytes: 0,
             ..DdpConfig::default()
