@@ -414,30 +414,49 @@ fn a_rank_lost_in_the_group_is_named_by_its_rank_in_ddp() {
         let hook = PostLocalSgd::new(&comm, pair(&comm), 0).unwrap();
         assert_eq!(hook.members(), [rank / 2 * 2, rank / 2 * 2 + 1]);
         let mut ddp = with_hook(&comm, &mut [0.0; 3], DdpConfig::default(), hook);
-        for step in 0..2 {
-            if rank == 3 && step == 1 {
-                return Ok(None); // gone: its communicators close
-            }
-            let mut g = [vec![step as f32; 3]];
-            match ddp.sync(&mut g) {
-                Ok(_) => {}
-                Err(DdpError::Comm(e)) => return Ok(Some((e.lost_peer(), e.to_string()))),
-                Err(e) => panic!("rank {rank}: {e}"),
-            }
-        }
-        Ok(None)
+        Ok(until_lost(rank, 2, |step| {
+            ddp.sync(&mut [vec![step as f32; 3]]).map(|_| ())
+        }))
     });
+    let msg = rank_3_lost_by_rank_2(out);
+    assert!(msg.contains("post_local_sgd"), "{msg}");
+    // The group's own note names the world's ranks (here DDP's too).
+    assert!(msg.contains("its ranks 0-1 are ranks [2, 3] of"), "{msg}");
+}
+
+/// A rank's first communication error: its lost peer and text.
+type Lost = Option<(Option<usize>, String)>;
+
+/// Calls `call(0)`, `call(1)`, ... `call(calls - 1)` on `rank`, rank 3 leaving (its
+/// communicators closing) before call 1: the first communication error, as its lost peer and
+/// text, or `None`.
+fn until_lost(
+    rank: usize,
+    calls: usize,
+    mut call: impl FnMut(usize) -> Result<(), DdpError>,
+) -> Lost {
+    for c in 0..calls {
+        if rank == 3 && c == 1 {
+            return None;
+        }
+        match call(c) {
+            Ok(()) => {}
+            Err(DdpError::Comm(e)) => return Some((e.lost_peer(), e.to_string())),
+            Err(e) => panic!("rank {rank}: {e}"),
+        }
+    }
+    None
+}
+
+/// The text of rank 2's error in `out` ([`until_lost`]'s, per rank), checked to name rank 3 as
+/// lost and to be reported by rank 2; ranks 0 and 1 (the other group) saw nothing.
+fn rank_3_lost_by_rank_2(out: Vec<oxccl_comm::Result<Lost>>) -> String {
     let out: Vec<_> = out.into_iter().map(|r| r.unwrap()).collect();
     let (lost, msg) = out[2].clone().expect("rank 2 sees the loss");
     assert_eq!(lost, Some(3), "{msg}");
-    assert!(
-        msg.starts_with("rank 2:") && msg.contains("post_local_sgd"),
-        "{msg}"
-    );
-    // The group's own note names the world's ranks (here DDP's too).
-    assert!(msg.contains("its ranks 0-1 are ranks [2, 3] of"), "{msg}");
-    // The other group never needed rank 3.
+    assert!(msg.starts_with("rank 2:"), "{msg}");
     assert!(out[0].is_none() && out[1].is_none(), "{out:?}");
+    msg
 }
 
 #[test]
@@ -702,25 +721,12 @@ fn a_rank_lost_under_a_hierarchical_averager_is_named_by_its_rank_in_the_communi
         let rank = comm.rank();
         let mut avg = HierarchicalAverager::by_group_sizes(&comm, &[(2, 2), (4, N)], 0).unwrap();
         let mut w = [rank as f32; 3];
-        for call in 0..3 {
-            if rank == 3 && call == 1 {
-                return Ok(None); // gone: its communicators close
-            }
-            match avg.average(&mut [&mut w[..]]) {
-                Ok(_) => {}
-                Err(DdpError::Comm(e)) => return Ok(Some((e.lost_peer(), e.to_string()))),
-                Err(e) => panic!("rank {rank}: {e}"),
-            }
-        }
-        Ok(None)
+        Ok(until_lost(rank, 3, |_| {
+            avg.average(&mut [&mut w[..]]).map(|_| ())
+        }))
     });
-    let out: Vec<_> = out.into_iter().map(|r| r.unwrap()).collect();
-    let (lost, msg) = out[2].clone().expect("rank 2 sees the loss");
-    assert_eq!(lost, Some(3), "{msg}");
-    assert!(msg.starts_with("rank 2:"), "{msg}");
+    let msg = rank_3_lost_by_rank_2(out);
     assert!(msg.contains("members = [2, 3]"), "{msg}");
-    // The pair {0, 1} never needed rank 3.
-    assert!(out[0].is_none() && out[1].is_none(), "{out:?}");
 }
 
 #[test]
