@@ -4,7 +4,7 @@
 # Each "node" is a network namespace PREFIX-n<k> with one interface, eth0, addressed
 # SUBNET.<k+1>/24 (node 0 is SUBNET.1), plus lo. The eth0 of every node is one end of a veth
 # pair whose other end, v<k>, is a port of the bridge br0 in a namespace of its own, PREFIX-sw
-# (the "switch"). The root namespace's networking is never touched: no interface, address, route
+# (the "switch"; with --racks, of its rack's bridge there, see below). The root namespace's networking is never touched: no interface, address, route
 # or firewall rule is added there, so only addresses made here ever receive the traffic. The
 # namespaces share everything else with the machine (file system, /dev/shm, processes, host
 # name), which is why `run` sets OXCCL_NODE_ID=node<k>: ranks in different namespaces must not
@@ -17,7 +17,7 @@
 # Usage:
 #   scripts/netns.sh up --nodes N [--prefix P] [--subnet A.B.C] [--rate R]
 #                       [--racks R [--rack-rate R2]]
-#       Create PREFIX-sw (bridge br0) and PREFIX-n0 .. PREFIX-n<N-1>, N in 1..16 (2 to 4 is
+#       Create PREFIX-sw (bridge br0, or with --racks rk0.. and spine) and PREFIX-n0 .. PREFIX-n<N-1>, N in 1..16 (2 to 4 is
 #       the usual), addresses A.B.C.1 .. A.B.C.N. Fails (exit 1) if any of them already exists.
 #   scripts/netns.sh down [--prefix P]
 #       Stop every process still inside PREFIX-* (SIGTERM, 5 s, then SIGKILL, by pid) and
@@ -68,7 +68,7 @@
 #                  reaches the spine through a veth pair, up<r> (in rk<r>) and dn<r> (in
 #                  spine): the rack's uplink, which the rack's nodes share for traffic to other
 #                  racks. Traffic inside a rack never crosses the spine.
-#   --rack-rate R2 (up, run; needs --racks) limit every rack's uplink to R2 each way (tc tbf on
+#   --rack-rate R2 (up, run; needs --racks R, R >= 2) limit every rack's uplink to R2 each way (tc tbf on
 #                  up<r> and dn<r>), e.g. 1gbit under --rate 10gbit: an oversubscribed tier
 #                  above the nodes' links; default: no limit
 #   --node k       the node (link-down, link-up)
@@ -444,10 +444,17 @@ main() {
         [[ "$RATE" =~ ^[0-9]+(\.[0-9]+)?[kmgt]?bit$ ]] ||
             usage_error "--rate '$RATE': a tc rate such as 5gbit or 800mbit"
     fi
+    if ((racks_given)) || [[ -n "$RACK_RATE" ]]; then
+        [[ "$cmd" == up || "$cmd" == run ]] ||
+            usage_error "--racks and --rack-rate are options of up and run, not $cmd"
+    fi
+    if [[ "$cmd" == up || "$cmd" == run ]]; then
+        nodes=$((10#$nodes))
+    fi
     if ((racks_given)); then
         in_range "$RACKS" 1 16 || usage_error "--racks '$RACKS': 1..16"
         RACKS=$((10#$RACKS))
-        if [[ "$cmd" == up || "$cmd" == run ]] && ((10#$nodes % RACKS != 0)); then
+        if ((nodes % RACKS != 0)); then
             usage_error "--racks $RACKS does not divide --nodes $nodes (racks hold equal numbers of consecutive nodes)"
         fi
     fi

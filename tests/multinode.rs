@@ -435,14 +435,15 @@ fn transports_are_shm_inside_a_node_and_tcp_across() {
 fn racks_put_nodes_behind_rate_limited_uplinks() {
     let prefix = prefix("racks");
     // Each rank first prints its node's switch port (its bridge is named after "master") and
-    // the qdisc of its rack's uplink, then runs the `all` scenario.
+    // the qdiscs of both ends of its rack's uplink, then runs the `all` scenario.
     let sw = format!("{prefix}-sw");
     let mut cmd: Vec<String> = vec![
         "sh".into(),
         "-c".into(),
         format!(
             "k=$OXCCL_NODE_RANK; echo \"PORT $k $(ip -n {sw} -o link show v$k)\"; \
-             echo \"UPLINK $k $(tc -n {sw} qdisc show dev up$((k / 2)))\"; exec \"$@\""
+             echo \"UPLINK $k $(tc -n {sw} qdisc show dev up$((k / 2)))\"; \
+             echo \"DOWNLINK $k $(tc -n {sw} qdisc show dev dn$((k / 2)))\"; exec \"$@\""
         ),
         "sh".into(),
     ];
@@ -484,16 +485,19 @@ fn racks_put_nodes_behind_rate_limited_uplinks() {
             .unwrap_or_else(|| panic!("node {k} printed no PORT line: {}", done.show()));
         let rack = format!(" master rk{} ", k / 2);
         assert!(port.contains(&rack), "node {k}: {port:?} lacks {rack:?}");
-        let uplink = done
-            .stdout
-            .lines()
-            .find_map(|l| l.split_once(&format!("UPLINK {k} ")).map(|(_, q)| q))
-            .unwrap_or_else(|| panic!("node {k} printed no UPLINK line: {}", done.show()));
-        assert!(
-            uplink.contains("tbf") && uplink.contains("rate 1Gbit"),
-            "rack {}'s uplink: {uplink:?}",
-            k / 2
-        );
+        // Both ways: the rack's end (towards the spine) and the spine's end (towards the rack).
+        for end in ["UPLINK", "DOWNLINK"] {
+            let qdisc = done
+                .stdout
+                .lines()
+                .find_map(|l| l.split_once(&format!("{end} {k} ")).map(|(_, q)| q))
+                .unwrap_or_else(|| panic!("node {k} printed no {end} line: {}", done.show()));
+            assert!(
+                qdisc.contains("tbf") && qdisc.contains("rate 1Gbit"),
+                "rack {}'s {end}: {qdisc:?}",
+                k / 2
+            );
+        }
     }
 }
 

@@ -548,9 +548,11 @@ pub struct HierarchicalAverager<G: Borrow<Communicator> = Communicator> {
     warmup_steps: u64,
     step: u64,
     packer: Packer,
-    /// Made by [`HierarchicalAverager::by_group_sizes`]: each level's group as ranks of the
-    /// communicator it was split from, and this rank there, so that errors name those ranks
-    /// (the groups are the averager's own; the caller knows only that communicator).
+    /// Made by [`HierarchicalAverager::by_group_sizes`]: each of its levels' groups as ranks of
+    /// the communicator it was split from, and this rank there, so that errors name those ranks
+    /// (the groups are the averager's own; the caller knows only that communicator). Levels
+    /// added after them with [`HierarchicalAverager::then`] have none: their errors name their
+    /// groups' ranks.
     members: Option<(Vec<Vec<usize>>, usize)>,
 }
 
@@ -663,13 +665,17 @@ impl<G: Borrow<Communicator>> HierarchicalAverager<G> {
         check_params(rank, OP, params)?;
         let group = self.levels[level].1.borrow();
         self.step = self.step.saturating_add(1);
+        let mapped = self
+            .members
+            .as_ref()
+            .and_then(|(m, rank)| Some((m.get(level)?, *rank)));
         self.packer
             .average(group, params)
-            .map_err(|e| match &self.members {
+            .map_err(|e| match mapped {
                 Some((members, rank)) => {
                     let who = "HierarchicalAverager: this error's rank and peer are those of the \
-                           communicator given to by_group_sizes";
-                    in_comm(e, &members[level], *rank, who)
+                               communicator given to by_group_sizes";
+                    in_comm(e, members, rank, who)
                 }
                 None => e,
             })?;

@@ -643,7 +643,7 @@ fn a_hierarchical_averager_averages_each_level_at_its_period() {
 }
 
 #[test]
-fn a_hierarchical_averager_refuses_bad_levels_before_communicating() {
+fn a_hierarchical_averager_refuses_bad_levels_before_splitting() {
     let out = spawn_world(N, Config::default(), |comm| {
         let rank = comm.rank();
         let refused =
@@ -743,4 +743,35 @@ fn averagers_resumed_at_the_last_step_count_do_not_overflow() {
         Ok(())
     });
     out.into_iter().for_each(|r| r.unwrap());
+}
+
+#[test]
+fn a_level_added_after_by_group_sizes_names_its_own_groups_ranks() {
+    // by_group_sizes' one level (everyone every 2 calls), then pairs every 4 by hand: call 0
+    // averages the pairs (the largest period dividing 0). Rank 3 leaves before it; rank 2's
+    // error names its pair's rank 1 (the level has no mapping to `comm`'s ranks) and nothing
+    // panics.
+    let out = spawn_world(N, Config::default(), |comm| {
+        let rank = comm.rank();
+        let pairs = pair(&comm);
+        let mut avg = HierarchicalAverager::by_group_sizes(&comm, &[(2, N)], 0)
+            .unwrap()
+            .then(4, pairs);
+        if rank == 3 {
+            return Ok(None); // gone: its communicators close
+        }
+        match avg.average(&mut [&mut [1.0f32; 2][..]]) {
+            Ok(level) => {
+                assert_eq!(level, Some(1), "rank {rank}");
+                Ok(None)
+            }
+            Err(DdpError::Comm(e)) => Ok(Some((e.lost_peer(), e.to_string()))),
+            Err(e) => panic!("rank {rank}: {e}"),
+        }
+    });
+    let out: Vec<_> = out.into_iter().map(|r| r.unwrap()).collect();
+    let (lost, msg) = out[2].clone().expect("rank 2 sees the loss");
+    assert_eq!(lost, Some(1), "{msg}");
+    assert!(!msg.contains("by_group_sizes"), "{msg}");
+    assert!(out[0].is_none() && out[1].is_none(), "{out:?}");
 }
