@@ -13,12 +13,15 @@ pub struct DdpConfig {
     /// Cap of the first bucket of each dtype (default 1 MiB): small, so that the first
     /// all-reduce starts early in backward.
     pub first_bucket_bytes: usize,
-    /// When set, parameters that got no gradient in a step are reduced as zeros; when not (the
-    /// default), `finish()` names them in [`DdpError::UnusedParameters`](crate::DdpError::UnusedParameters).
-    /// The same on every rank ([`Ddp::new`](crate::Ddp::new) checks). Unlike PyTorch, which
-    /// leaves the `.grad` of a parameter unused on every rank as it was (`None` when it never
-    /// had one), such a parameter's average reads as zeros here: an optimizer with weight decay
-    /// or momentum still moves it unless the trainer skips it. PyTorch also does not rebuild the
+    /// When set, parameters that got no gradient in a step are reduced as zeros, and each
+    /// synchronising step also all-reduces a byte per parameter (PyTorch's `local_used_map`) to
+    /// tell which no rank used ([`Ddp::unused_on_every_rank`](crate::Ddp::unused_on_every_rank));
+    /// when not (the default), `finish()` names them in
+    /// [`DdpError::UnusedParameters`](crate::DdpError::UnusedParameters). The same on every rank
+    /// ([`Ddp::new`](crate::Ddp::new) checks). PyTorch leaves the `.grad` of a parameter unused
+    /// on every rank as it was (`None` when it never had one); here its average reads as zeros,
+    /// and an optimizer with weight decay or momentum would still move it: skip the parameters
+    /// of `unused_on_every_rank` to do as PyTorch does. PyTorch also does not rebuild the
     /// buckets when this is set (without `static_graph`); here [`DdpConfig::rebuild_buckets`]
     /// decides alone.
     pub find_unused_parameters: bool,

@@ -54,7 +54,8 @@
 //! - **Accumulation**: [`Ddp::accumulate`]`(k)` or the [`Ddp::no_sync`] guard: micro-batches
 //!   before the last only add into the buckets; the last one's backward reduces.
 //! - **Unused parameters**: a parameter that gets no gradient in a step is named in
-//!   [`DdpError::UnusedParameters`], or reduced as zeros with `find_unused_parameters`.
+//!   [`DdpError::UnusedParameters`], or reduced as zeros with `find_unused_parameters`, which
+//!   also lists those no rank used ([`Ddp::unused_on_every_rank`]).
 //! - **Comm hooks**: [`CommHook`] replaces the all-reduce of each bucket; [`CompressHook`] sends
 //!   f16 or bf16 on the wire; [`PowerSgd`] sends a low-rank approximation of each weight
 //!   matrix, with error feedback (PyTorch's `powerSGD_hook`); [`PostLocalSgd`] averages within

@@ -710,13 +710,8 @@ impl HierarchicalAverager {
         };
         // Every rank must give the same levels: a rank whose levels differ would average at
         // other calls, or fail the checks below alone and leave the others waiting in a split.
-        let mut h = 0xcbf2_9ce4_8422_2325u64;
         let words = levels.iter().flat_map(|&(p, k)| [p, k as u64]);
-        for v in [levels.len() as u64, warmup_steps].into_iter().chain(words) {
-            for b in v.to_le_bytes() {
-                h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
-            }
-        }
+        let h = crate::reducer::fnv1a([levels.len() as u64, warmup_steps].into_iter().chain(words));
         let mut fp = [h, !h];
         comm.all_reduce(&mut fp, oxccl_comm::ReduceOp::Max)?;
         if fp != [h, !h] {

@@ -109,6 +109,9 @@ pub struct Ddp<C: Borrow<Communicator> = Communicator> {
     lead: usize,
     /// `join_step`'s zero gradients for `sync`, kept between calls.
     shadow_grads: Vec<FlatBuffer>,
+    /// With `find_unused_parameters`: the parameters no rank gave a gradient in the last
+    /// synchronised step.
+    unused_everywhere: Vec<usize>,
 }
 
 /// Who trained in a step, read from the uneven-inputs flag (one byte per rank: 0 joined,
@@ -120,27 +123,34 @@ struct Trainers {
     lead: usize,
 }
 
-/// FNV-1a over the parameter count, lengths and dtypes, and the settings that shape the
-/// sequence of collectives.
-fn fingerprint(specs: &[ParamSpec], cfg: &DdpConfig) -> u64 {
+/// FNV-1a over the little-endian bytes of `words`: a fingerprint ranks compare (one all-reduce
+/// of `[h, !h]` with `Max` tells whether every rank has the same).
+pub(crate) fn fnv1a(words: impl IntoIterator<Item = u64>) -> u64 {
     let mut h = 0xcbf2_9ce4_8422_2325u64;
-    let mut eat = |v: u64| {
+    for v in words {
         for b in v.to_le_bytes() {
             h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
         }
-    };
-    eat(cfg.bucket_cap_bytes as u64);
-    eat(cfg.first_bucket_bytes as u64);
-    eat(cfg.sync_in_place_bytes as u64);
-    eat(u64::from(cfg.rebuild_buckets));
-    eat(u64::from(cfg.find_unused_parameters));
-    eat(cfg.uneven_inputs as u64);
-    eat(specs.len() as u64);
-    for s in specs {
-        eat(s.len as u64);
-        eat(u64::from(s.dtype.to_u8()));
     }
     h
+}
+
+/// The fingerprint of the parameter count, lengths and dtypes, and the settings that shape the
+/// sequence of collectives.
+fn fingerprint(specs: &[ParamSpec], cfg: &DdpConfig) -> u64 {
+    let settings = [
+        cfg.bucket_cap_bytes as u64,
+        cfg.first_bucket_bytes as u64,
+        cfg.sync_in_place_bytes as u64,
+        u64::from(cfg.rebuild_buckets),
+        u64::from(cfg.find_unused_parameters),
+        cfg.uneven_inputs as u64,
+        specs.len() as u64,
+    ];
+    let params = specs
+        .iter()
+        .flat_map(|s| [s.len as u64, u64::from(s.dtype.to_u8())]);
+    fnv1a(settings.into_iter().chain(params))
 }
 
 /// Broadcasts `items` from rank `from`, small ones packed together into buffers of up to `cap`
@@ -292,6 +302,7 @@ impl<C: Borrow<Communicator>> Ddp<C> {
             active: world,
             lead: 0,
             shadow_grads: Vec::new(),
+            unused_everywhere: Vec::new(),
         })
     }
 
@@ -336,6 +347,15 @@ impl<C: Borrow<Communicator>> Ddp<C> {
     /// Number of synchronised steps so far.
     pub fn steps(&self) -> u64 {
         self.step
+    }
+
+    /// The parameters that no rank gave a gradient in the last synchronised step (none through
+    /// `sync`, which takes every gradient; a rank in [`Ddp::join_step`] gives none), in index
+    /// order; empty unless [`DdpConfig::find_unused_parameters`] is set. Their averages read as
+    /// zeros, where PyTorch leaves such a parameter's `.grad` untouched: skip them in the
+    /// optimizer's update to do as it does.
+    pub fn unused_on_every_rank(&self) -> &[usize] {
+        &self.unused_everywhere
     }
 
     /// Replaces the comm hook (default [`AllReduceAvg`]).
@@ -790,6 +810,19 @@ impl<C: Borrow<Communicator>> Ddp<C> {
         if self.cfg.rebuild_buckets && !self.rebuilt {
             self.rebuilt = true;
             self.agree_order()?;
+        }
+        if self.cfg.find_unused_parameters && !self.specs.is_empty() {
+            // PyTorch's local_used_map: a byte per parameter, set where this rank gave a
+            // gradient; every rank issues it in every synchronising step (the setting is the
+            // same everywhere, `new` checks).
+            let mut used = vec![u8::from(self.shadow.is_none()); self.specs.len()];
+            if self.shadow.is_none() {
+                for &p in &unused {
+                    used[p] = 0;
+                }
+            }
+            self.comm().all_reduce(&mut used, ReduceOp::Max)?;
+            self.unused_everywhere = (0..used.len()).filter(|&p| used[p] == 0).collect();
         }
         if let Some(e) = first_err {
             return Err(e);

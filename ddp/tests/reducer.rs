@@ -327,6 +327,44 @@ fn an_unused_parameter_is_named_or_reduced_as_zeros_with(overlap: Overlap) {
     );
 }
 
+#[test]
+fn parameters_no_rank_used_are_listed_with_find_unused_parameters() {
+    // Parameter 2 gets no gradient on any rank, parameter 4 none on rank 0 only (used
+    // elsewhere, so not listed); then a `sync`, which takes every gradient. Without the
+    // setting the list stays empty (and the step fails on the unused parameter).
+    for find_unused in [true, false] {
+        let out = spawn_world(3, Config::default(), |comm| {
+            let rank = comm.rank();
+            let cfg = DdpConfig {
+                find_unused_parameters: find_unused,
+                ..small(Overlap::On)
+            };
+            let mut ddp = new_ddp(comm, cfg).unwrap();
+            let mut lists = Vec::new();
+            for step in 0..3 {
+                for p in (0..LENS.len()).filter(|&p| p != 2 && (p, rank) != (4, 0)) {
+                    ddp.grad_ready(p, &grad(rank, step, p, LENS[p])).unwrap();
+                }
+                let r = ddp.finish();
+                assert_eq!(r.is_ok(), find_unused, "rank {rank} step {step}: {r:?}");
+                lists.push(ddp.unused_on_every_rank().to_vec());
+            }
+            let mut grads: Vec<Vec<f32>> = LENS.iter().map(|&n| vec![1.0; n]).collect();
+            ddp.sync(&mut grads).unwrap();
+            lists.push(ddp.unused_on_every_rank().to_vec());
+            Ok(lists)
+        });
+        let want: Vec<Vec<usize>> = if find_unused {
+            vec![vec![2], vec![2], vec![2], vec![]]
+        } else {
+            vec![vec![]; 4]
+        };
+        for (rank, r) in out.into_iter().enumerate() {
+            assert_eq!(r.unwrap(), want, "rank {rank}, find_unused {find_unused}");
+        }
+    }
+}
+
 /// The worst-case error of compressing to a 16-bit float with `mant` mantissa bits: every rank's
 /// value rounded once, every partial sum rounded once.
 fn compression_bound(vals: &[f32], mant: i32) -> f32 {

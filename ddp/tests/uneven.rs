@@ -538,3 +538,35 @@ fn mixed_feeds_are_named_on_every_rank_and_buffers_come_from_a_rank_still_traini
         Ok(())
     });
 }
+
+#[test]
+fn a_joined_rank_uses_no_parameter() {
+    // find_unused_parameters with 3 ranks; rank 2 joins after step 0. In step 1 parameter 1 gets
+    // a gradient on rank 1 only and parameter 4 on none of the trainers: only 4 is unused on
+    // every rank, on the joined rank too (it stands in with no parameter used).
+    on_ranks(3, |comm| {
+        let rank = comm.rank();
+        let cfg = DdpConfig {
+            find_unused_parameters: true,
+            ..cfg(Overlap::On, UnevenInputs::DivideByWorldSize)
+        };
+        let mut ddp = new_ddp(comm, cfg).unwrap();
+        for p in 0..LENS.len() {
+            ddp.grad_ready(p, &grad(rank, 0, p)).unwrap();
+        }
+        ddp.finish().unwrap();
+        assert_eq!(ddp.unused_on_every_rank(), &[] as &[usize], "rank {rank}");
+        if rank == 2 {
+            assert!(ddp.join_step().unwrap().is_some());
+        } else {
+            for p in (0..LENS.len()).filter(|&p| p != 4 && (p, rank) != (1, 0)) {
+                ddp.grad_ready(p, &grad(rank, 1, p)).unwrap();
+            }
+            ddp.finish().unwrap();
+        }
+        assert_eq!(ddp.unused_on_every_rank(), &[4], "rank {rank}");
+        // Everyone out: the training ranks join too.
+        while ddp.join_step().unwrap().is_some() {}
+        Ok(())
+    });
+}
