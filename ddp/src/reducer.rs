@@ -352,8 +352,9 @@ impl<C: Borrow<Communicator>> Ddp<C> {
     /// The parameters that no rank gave a gradient in the last synchronised step (none through
     /// `sync`, which takes every gradient; a rank in [`Ddp::join_step`] gives none), in index
     /// order; empty unless [`DdpConfig::find_unused_parameters`] is set. Their averages read as
-    /// zeros, where PyTorch leaves such a parameter's `.grad` untouched: skip them in the
-    /// optimizer's update to do as it does.
+    /// zeros (with the default and compression hooks; PowerSGD's error feedback may add
+    /// residuals of earlier steps), where PyTorch leaves such a parameter's `.grad` untouched:
+    /// skip them in the optimizer's update to do as it does.
     pub fn unused_on_every_rank(&self) -> &[usize] {
         &self.unused_everywhere
     }
@@ -821,7 +822,13 @@ impl<C: Borrow<Communicator>> Ddp<C> {
                     used[p] = 0;
                 }
             }
-            self.comm().all_reduce(&mut used, ReduceOp::Max)?;
+            if let Err(e) = self.comm().all_reduce(&mut used, ReduceOp::Max) {
+                if let Some(local) = &first_err {
+                    // Only one error is returned: the communicator's; say what came before it.
+                    tracing::warn!(error = %local, "ddp: step failed locally before the communicator failed");
+                }
+                return Err(e.into());
+            }
             self.unused_everywhere = (0..used.len()).filter(|&p| used[p] == 0).collect();
         }
         if let Some(e) = first_err {

@@ -330,8 +330,9 @@ fn an_unused_parameter_is_named_or_reduced_as_zeros_with(overlap: Overlap) {
 #[test]
 fn parameters_no_rank_used_are_listed_with_find_unused_parameters() {
     // Parameter 2 gets no gradient on any rank, parameter 4 none on rank 0 only (used
-    // elsewhere, so not listed); then a `sync`, which takes every gradient. Without the
-    // setting the list stays empty (and the step fails on the unused parameter).
+    // elsewhere, so not listed); then a `sync`, which takes every gradient; then a step of two
+    // micro-batches, where a gradient in the first one counts. Without the setting the list
+    // stays empty (and the step fails on the unused parameter).
     for find_unused in [true, false] {
         let out = spawn_world(3, Config::default(), |comm| {
             let rank = comm.rank();
@@ -352,12 +353,23 @@ fn parameters_no_rank_used_are_listed_with_find_unused_parameters() {
             let mut grads: Vec<Vec<f32>> = LENS.iter().map(|&n| vec![1.0; n]).collect();
             ddp.sync(&mut grads).unwrap();
             lists.push(ddp.unused_on_every_rank().to_vec());
+            // Two micro-batches: parameter 2 only in the first (used), 4 in neither.
+            ddp.accumulate(2).unwrap();
+            for micro in 0..2 {
+                for p in (0..LENS.len()).filter(|&p| p != 4 && (p != 2 || micro == 0)) {
+                    ddp.grad_ready(p, &grad(rank, 10 + micro, p, LENS[p]))
+                        .unwrap();
+                }
+                let r = ddp.finish();
+                assert!(micro == 0 || r.is_ok() == find_unused, "rank {rank}: {r:?}");
+            }
+            lists.push(ddp.unused_on_every_rank().to_vec());
             Ok(lists)
         });
         let want: Vec<Vec<usize>> = if find_unused {
-            vec![vec![2], vec![2], vec![2], vec![]]
+            vec![vec![2], vec![2], vec![2], vec![], vec![4]]
         } else {
-            vec![vec![]; 4]
+            vec![vec![]; 5]
         };
         for (rank, r) in out.into_iter().enumerate() {
             assert_eq!(r.unwrap(), want, "rank {rank}, find_unused {find_unused}");
