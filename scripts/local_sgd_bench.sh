@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # local_sgd_bench.sh: post-local SGD against exact DDP and the compression hooks on 2 nodes of
-# 2 ranks (network namespaces, scripts/netns.sh; needs root; another layout with NETNS) with each
-# node's link limited to RATE: the wall time per step of 02_ddp_mlp (the 12.2 MiB MLP, --mode in-place), rank 0's,
-# over steps 1 to STEPS-1 (step 0 warms up; the example's per-step loss all-reduce included),
-# and its held-out loss at the end.
+# 2 ranks (network namespaces, scripts/netns.sh; needs root; another layout with NETNS) with
+# each node's link limited to RATE: the wall time per step of 02_ddp_mlp (the 12.2 MiB MLP,
+# --mode in-place), rank 0's, over steps 1 to STEPS-1 (step 0 warms up; the example's per-step
+# loss all-reduce included), and its held-out loss at the end.
 #
 # Usage: scripts/local_sgd_bench.sh [ROUNDS] [RATE...]      (defaults: 3, 1gbit 10gbit)
 # Env:   STEPS (41), BIN (target/release), HOOKS (the configurations, ';'-separated), ARGS,

@@ -4,8 +4,9 @@
 # Each "node" is a network namespace PREFIX-n<k> with one interface, eth0, addressed
 # SUBNET.<k+1>/24 (node 0 is SUBNET.1), plus lo. The eth0 of every node is one end of a veth
 # pair whose other end, v<k>, is a port of the bridge br0 in a namespace of its own, PREFIX-sw
-# (the "switch"; with --racks, of its rack's bridge there, see below). The root namespace's networking is never touched: no interface, address, route
-# or firewall rule is added there, so only addresses made here ever receive the traffic. The
+# (the "switch"; with --racks, of its rack's bridge there, see below). The root namespace's
+# networking is never touched: no interface, address, route or firewall rule is added there,
+# so only addresses made here ever receive the traffic. The
 # namespaces share everything else with the machine (file system, /dev/shm, processes, host
 # name), which is why `run` sets OXCCL_NODE_ID=node<k>: ranks in different namespaces must not
 # count as one node (they would otherwise try shared memory with each other).
@@ -17,8 +18,9 @@
 # Usage:
 #   scripts/netns.sh up --nodes N [--prefix P] [--subnet A.B.C] [--rate R]
 #                       [--racks R [--rack-rate R2]]
-#       Create PREFIX-sw (bridge br0, or with --racks rk0.. and spine) and PREFIX-n0 .. PREFIX-n<N-1>, N in 1..16 (2 to 4 is
-#       the usual), addresses A.B.C.1 .. A.B.C.N. Fails (exit 1) if any of them already exists.
+#       Create PREFIX-sw (bridge br0, or with --racks rk0.. and spine) and PREFIX-n0 ..
+#       PREFIX-n<N-1>, N in 1..16 (2 to 4 is the usual), addresses A.B.C.1 .. A.B.C.N. Fails
+#       (exit 1) if any of them already exists.
 #   scripts/netns.sh down [--prefix P]
 #       Stop every process still inside PREFIX-* (SIGTERM, 5 s, then SIGKILL, by pid) and
 #       delete the namespaces. Idempotent: succeeds when there is nothing to remove.
@@ -68,9 +70,9 @@
 #                  reaches the spine through a veth pair, up<r> (in rk<r>) and dn<r> (in
 #                  spine): the rack's uplink, which the rack's nodes share for traffic to other
 #                  racks. Traffic inside a rack never crosses the spine.
-#   --rack-rate R2 (up, run; needs --racks R, R >= 2) limit every rack's uplink to R2 each way (tc tbf on
-#                  up<r> and dn<r>), e.g. 1gbit under --rate 10gbit: an oversubscribed tier
-#                  above the nodes' links; default: no limit
+#   --rack-rate R2 (up, run; needs --racks R, R >= 2) limit every rack's uplink to R2 each
+#                  way (tc tbf on up<r> and dn<r>), e.g. 1gbit under --rate 10gbit: an
+#                  oversubscribed tier above the nodes' links; default: no limit
 #   --node k       the node (link-down, link-up)
 #
 # Environment: OXCCL_BIN, the oxccl binary (default: target/release/oxccl under the repository
