@@ -414,11 +414,11 @@ fn a_rank_lost_in_the_group_is_named_by_its_rank_in_ddp() {
         let hook = PostLocalSgd::new(&comm, pair(&comm), 0).unwrap();
         assert_eq!(hook.members(), [rank / 2 * 2, rank / 2 * 2 + 1]);
         let mut ddp = with_hook(&comm, &mut [0.0; 3], DdpConfig::default(), hook);
-        Ok(until_lost(rank, 2, |step| {
+        Ok(until_lost(rank, 1, 2, |step| {
             ddp.sync(&mut [vec![step as f32; 3]]).map(|_| ())
         }))
     });
-    let msg = rank_3_lost_by_rank_2(out);
+    let msg = rank_3_lost_by_rank_2(out, (2, 3));
     assert!(msg.contains("post_local_sgd"), "{msg}");
     // The group's own note names the world's ranks (here DDP's too).
     assert!(msg.contains("its ranks 0-1 are ranks [2, 3] of"), "{msg}");
@@ -428,15 +428,16 @@ fn a_rank_lost_in_the_group_is_named_by_its_rank_in_ddp() {
 type Lost = Option<(Option<usize>, String)>;
 
 /// Calls `call(0)`, `call(1)`, ... `call(calls - 1)` on `rank`, rank 3 leaving (its
-/// communicators closing) before call 1: the first communication error, as its lost peer and
-/// text, or `None`.
+/// communicators closing) before call `leave`: the first communication error, as its lost peer
+/// and text, or `None`.
 fn until_lost(
     rank: usize,
+    leave: usize,
     calls: usize,
     mut call: impl FnMut(usize) -> Result<(), DdpError>,
 ) -> Lost {
     for c in 0..calls {
-        if rank == 3 && c == 1 {
+        if rank == 3 && c == leave {
             return None;
         }
         match call(c) {
@@ -448,13 +449,14 @@ fn until_lost(
     None
 }
 
-/// The text of rank 2's error in `out` ([`until_lost`]'s, per rank), checked to name rank 3 as
-/// lost and to be reported by rank 2; ranks 0 and 1 (the other group) saw nothing.
-fn rank_3_lost_by_rank_2(out: Vec<oxccl_comm::Result<Lost>>) -> String {
+/// The text of rank 2's error in `out` ([`until_lost`]'s, per rank), checked to be reported by
+/// rank 2 and to name rank 3 as lost, the two numbered `(reporter, lost)` in the error; ranks 0
+/// and 1 (the other group) saw nothing.
+fn rank_3_lost_by_rank_2(out: Vec<oxccl_comm::Result<Lost>>, named: (usize, usize)) -> String {
     let out: Vec<_> = out.into_iter().map(|r| r.unwrap()).collect();
     let (lost, msg) = out[2].clone().expect("rank 2 sees the loss");
-    assert_eq!(lost, Some(3), "{msg}");
-    assert!(msg.starts_with("rank 2:"), "{msg}");
+    assert_eq!(lost, Some(named.1), "{msg}");
+    assert!(msg.starts_with(&format!("rank {}:", named.0)), "{msg}");
     assert!(out[0].is_none() && out[1].is_none(), "{out:?}");
     msg
 }
@@ -721,11 +723,11 @@ fn a_rank_lost_under_a_hierarchical_averager_is_named_by_its_rank_in_the_communi
         let rank = comm.rank();
         let mut avg = HierarchicalAverager::by_group_sizes(&comm, &[(2, 2), (4, N)], 0).unwrap();
         let mut w = [rank as f32; 3];
-        Ok(until_lost(rank, 3, |_| {
+        Ok(until_lost(rank, 1, 3, |_| {
             avg.average(&mut [&mut w[..]]).map(|_| ())
         }))
     });
-    let msg = rank_3_lost_by_rank_2(out);
+    let msg = rank_3_lost_by_rank_2(out, (2, 3));
     assert!(msg.contains("members = [2, 3]"), "{msg}");
 }
 
@@ -757,21 +759,13 @@ fn a_level_added_after_by_group_sizes_names_its_own_groups_ranks() {
         let mut avg = HierarchicalAverager::by_group_sizes(&comm, &[(2, N)], 0)
             .unwrap()
             .then(4, pairs);
-        if rank == 3 {
-            return Ok(None); // gone: its communicators close
-        }
-        match avg.average(&mut [&mut [1.0f32; 2][..]]) {
-            Ok(level) => {
-                assert_eq!(level, Some(1), "rank {rank}");
-                Ok(None)
-            }
-            Err(DdpError::Comm(e)) => Ok(Some((e.lost_peer(), e.to_string()))),
-            Err(e) => panic!("rank {rank}: {e}"),
-        }
+        Ok(until_lost(rank, 0, 1, |_| {
+            let level = avg.average(&mut [&mut [1.0f32; 2][..]])?;
+            assert_eq!(level, Some(1), "rank {rank}");
+            Ok(())
+        }))
     });
-    let out: Vec<_> = out.into_iter().map(|r| r.unwrap()).collect();
-    let (lost, msg) = out[2].clone().expect("rank 2 sees the loss");
-    assert_eq!(lost, Some(1), "{msg}");
+    // Ranks 2 and 3 are their pair's ranks 0 and 1.
+    let msg = rank_3_lost_by_rank_2(out, (0, 1));
     assert!(!msg.contains("by_group_sizes"), "{msg}");
-    assert!(out[0].is_none() && out[1].is_none(), "{out:?}");
 }
