@@ -35,6 +35,7 @@
 #   ddpshape the DDP overlap by model shape (hidden x layers 768 x 8, 512 x 16), batch 4 and
 #            --balance, 2 MiB buckets, --bind none and block, DDP_REPS (3) times, after one traced
 #            run (oxccl trace --last: each bucket's all-reduce on the ranks' time line);
+#            DDPSHAPE_SHARE (240) seconds at most (330 lets 3 repetitions finish on 16 cores);
 #   ddpsize  the DDP overlap at batch 1 and 2 (1024 x 4, 768 x 8);
 #   chdiag   CPU time of 2 ranks on loopback by channels and sockets, and hierarchical against
 #            ring between namespaces with 4 channels;
@@ -84,7 +85,7 @@ export OXCCL_REQUIRE_GPU=1 OXCCL_CACHE_DIR=/tmp/oxccl-cache OXCCL_TIMEOUT=20 RUS
 # Each phase may use at most its share (seconds from its start), and no step runs past the budget.
 declare -A share=([threads]=120 [kernels]=80 [mps]=140 [nccl]=30 [cpu]=70 [netns]=110 [cold]=110
     [tune]=200 [ddp]=120 [tcp]=120 [defaults]=120 [flake]=${FLAKE_SHARE:-100} [ddp2]=90 [tcp2]=90 [coldperf]=100 [tcpdev]=80 [sendthread]=100
-    [ddpspin]=100 [ddpshape]=240 [channels]=110 [waitkernel]=120 [waitquick]=70 [chbind]=110 [ddpsize]=90
+    [ddpspin]=100 [ddpshape]=${DDPSHAPE_SHARE:-240} [channels]=110 [waitkernel]=120 [waitquick]=70 [chbind]=110 [ddpsize]=90
     [chdiag]=70)
 phase_end=$budget
 # step LIMIT CMD...: runs CMD for at most LIMIT seconds, never past the phase's share or the budget.

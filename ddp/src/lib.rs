@@ -35,7 +35,9 @@
 //! A backward pass that can write its results anywhere computes each gradient in its bucket
 //! slot instead of handing over a copy (PyTorch's `gradient_as_bucket_view`):
 //! [`Ddp::grad_slot`] gives the slot (and whether to overwrite or add to it, in accumulation),
-//! [`Ddp::grad_ready_in_place`] declares it done.
+//! [`Ddp::grad_ready_in_place`] declares it done. Skipping the copy also leaves backward less
+//! slowed by the all-reduces beside it: where overlap pays (CPUs to spare), the slots make it pay
+//! more (docs/PERF.md, "H100 session (2026-11-27)").
 //!
 //! Frameworks that return all gradients at once (candle, burn) call [`Ddp::sync`] with them
 //! instead: it packs bucket by bucket, launching each as soon as it is packed, and writes the
