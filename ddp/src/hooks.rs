@@ -107,6 +107,18 @@ pub trait CommHook: Send {
     fn averages_every_rank(&self) -> bool {
         true
     }
+
+    /// Settings that must be alike on every rank, by name and value (a float as its bits). DDP
+    /// compares them and the hook's [`CommHook::name`] between the ranks in one small
+    /// all-reduce, before the first bucket of the first step after
+    /// [`Ddp::set_comm_hook`](crate::Ddp::set_comm_hook), and when they differ fails that step
+    /// and every later one on every rank alike, naming them, without starting the hook. A
+    /// setting that differs could otherwise go unnoticed: PowerSGD's seed, say, gives each
+    /// rank other random matrices, and the averages are wrong with no error. Default: none
+    /// (the name is still compared).
+    fn settings(&self) -> Vec<(&'static str, u64)> {
+        Vec::new()
+    }
 }
 
 /// A boxed hook is a hook: for a hook chosen at run time (`Box<dyn CommHook>`).
@@ -125,6 +137,10 @@ impl<H: CommHook + ?Sized> CommHook for Box<H> {
 
     fn averages_every_rank(&self) -> bool {
         (**self).averages_every_rank()
+    }
+
+    fn settings(&self) -> Vec<(&'static str, u64)> {
+        (**self).settings()
     }
 }
 

@@ -31,6 +31,7 @@ use std::sync::Arc;
 
 use oxccl_comm::{Communicator, Error as CommError};
 
+use crate::agree::{agree, fnv1a, Setting};
 use crate::error::{DdpError, Result};
 use crate::flat::{FlatBuffer, GradBuf};
 use crate::hooks::{AllReduceAvg, CommHook, GradBucket, HookWork};
@@ -303,6 +304,10 @@ impl<G: Borrow<Communicator> + Send> CommHook for PostLocalSgd<G> {
     fn averages_every_rank(&self) -> bool {
         false
     }
+
+    fn settings(&self) -> Vec<(&'static str, u64)> {
+        vec![("start_step", self.start_step)]
+    }
 }
 
 /// Averages parameters across the ranks of a communicator once every `period` calls, from call
@@ -318,6 +323,8 @@ pub struct ModelAverager {
     warmup_steps: u64,
     step: u64,
     packer: Packer,
+    /// The ranks' settings were found alike (at the first average).
+    agreed: bool,
 }
 
 impl std::fmt::Debug for ModelAverager {
@@ -328,18 +335,21 @@ impl std::fmt::Debug for ModelAverager {
             .field("step", &self.step)
             .field("cap_bytes", &self.packer.cap_bytes)
             .field("buffer_bytes", &self.packer.kept_bytes())
+            .field("agreed", &self.agreed)
             .finish()
     }
 }
 
 impl Clone for ModelAverager {
-    /// The settings and the step count (not the buffers).
+    /// The settings and the step count (not the buffers; the clone compares the settings
+    /// across ranks again at its first average).
     fn clone(&self) -> ModelAverager {
         ModelAverager {
             packer: Packer {
                 cap_bytes: self.packer.cap_bytes,
                 buffers: Vec::new(),
             },
+            agreed: false,
             ..*self
         }
     }
@@ -354,6 +364,7 @@ impl ModelAverager {
             warmup_steps,
             step: 0,
             packer: Packer::new(),
+            agreed: false,
         }
     }
 
@@ -388,12 +399,17 @@ impl ModelAverager {
     /// `comm` (`ReduceOp::Avg`, the same bits on every rank), parameters of one dtype packed
     /// together as DDP packs gradients into buckets. Returns whether it averaged. Collective
     /// when due: every rank of `comm` calls it alike, with the same parameter list (count,
-    /// lengths, dtypes).
+    /// lengths, dtypes). The first call that averages also compares, in one small all-reduce,
+    /// the period, `warmup_steps`, the call's number, the bucket cap and the parameter list
+    /// between the ranks: a rank set up differently would otherwise average at other calls, with
+    /// the others' averages of other steps, and leave them waiting at the end.
     ///
     /// # Errors
     /// `InvalidArgument` for a `period` of 0, or when due for a parameter of an integer dtype or
     /// whose `GradBuf` views disagree in length: on every rank alike (given the same list),
-    /// before any communication, and the call is not counted. The all-reduces' errors
+    /// before any communication, and the call is not counted. `InvalidArgument` naming each
+    /// setting that differs between the ranks, at the first average: on every rank that reached
+    /// it alike, and the call is not counted. The all-reduces' errors
     /// (`PeerLost`, `Timeout`, ...; the call counted): every all-reduce is waited on, those
     /// that completed are copied back and the first error is returned, so this rank's
     /// parameters may then be partly averaged; treat it as the end of the step's replicas (see
@@ -410,11 +426,39 @@ impl ModelAverager {
             self.step = self.step.saturating_add(1);
             return Ok(false);
         }
-        check_params(comm.rank(), "ModelAverager::average", params)?;
+        const OP: &str = "ModelAverager::average";
+        check_params(comm.rank(), OP, params)?;
+        if !self.agreed {
+            let settings = [
+                Setting::number("period", self.period),
+                Setting::number("warmup_steps", self.warmup_steps),
+                Setting::number(
+                    "the call's number (0-based, counting with_steps)",
+                    self.step,
+                ),
+                Setting::number("the bucket cap", self.packer.cap_bytes as u64),
+                param_list(params),
+            ];
+            agree(comm, OP, &settings, &mut [])?;
+            self.agreed = true;
+        }
         self.step = self.step.saturating_add(1);
         self.packer.average(comm, params)?;
         Ok(true)
     }
+}
+
+/// The parameter count, lengths and dtypes, as one setting to compare.
+fn param_list<P: GradBuf>(params: &[P]) -> Setting {
+    let bytes: usize = params.iter().map(|p| p.bytes().len()).sum();
+    let words = params
+        .iter()
+        .flat_map(|p| [p.bytes().len() as u64, u64::from(p.dtype().to_u8())]);
+    Setting::described(
+        "the parameter list (count, lengths, dtypes)",
+        fnv1a([params.len() as u64].into_iter().chain(words)),
+        format!("{} parameters, {bytes} bytes", params.len()),
+    )
 }
 
 /// Refuses, on every rank alike (given the same list), parameters an average cannot take:
@@ -711,15 +755,17 @@ impl HierarchicalAverager {
         // Every rank must give the same levels: a rank whose levels differ would average at
         // other calls, or fail the checks below alone and leave the others waiting in a split.
         let words = levels.iter().flat_map(|&(p, k)| [p, k as u64]);
-        let h = crate::reducer::fnv1a([levels.len() as u64, warmup_steps].into_iter().chain(words));
-        let mut fp = [h, !h];
-        comm.all_reduce(&mut fp, oxccl_comm::ReduceOp::Max)?;
-        if fp != [h, !h] {
-            return Err(invalid(format!(
-                "the levels or warmup_steps differ between ranks; this rank has {levels:?} \
-                 from call {warmup_steps}"
-            )));
-        }
+        let h = fnv1a([levels.len() as u64].into_iter().chain(words));
+        let settings = [
+            Setting::described("the levels (period, group size)", h, format!("{levels:?}")),
+            Setting::number("warmup_steps", warmup_steps),
+        ];
+        agree(
+            comm,
+            "HierarchicalAverager::by_group_sizes",
+            &settings,
+            &mut [],
+        )?;
         let Some(&(_, last)) = levels.last() else {
             return Err(invalid("no levels given".into()));
         };

@@ -434,6 +434,27 @@ impl CommHook for PowerSgd {
         true
     }
 
+    fn settings(&self) -> Vec<(&'static str, u64)> {
+        let c = &self.cfg;
+        let dims = self
+            .shapes
+            .iter()
+            .flat_map(|s| std::iter::once(s.len() as u64).chain(s.iter().map(|&d| d as u64)));
+        vec![
+            ("rank", c.rank as u64),
+            ("start_step", c.start_step),
+            (
+                "min_compression_rate (its bits)",
+                c.min_compression_rate.to_bits(),
+            ),
+            ("error_feedback", u64::from(c.error_feedback)),
+            ("warm_start", u64::from(c.warm_start)),
+            ("seed", c.seed),
+            ("the shape count", self.shapes.len() as u64),
+            ("the shapes (fingerprint)", crate::agree::fnv1a(dims)),
+        ]
+    }
+
     fn start(&mut self, comm: &Communicator, bucket: GradBucket) -> HookWork {
         if bucket.index == 0 {
             self.step = self.started;

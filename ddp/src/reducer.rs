@@ -6,6 +6,7 @@ use std::ops::{Deref, DerefMut};
 
 use oxccl_comm::{Communicator, DType, Element, ReduceOp, Work};
 
+use crate::agree::{agree, differing, fnv1a, fnv1a_str, Setting};
 use crate::config::{DdpConfig, Overlap, Param, Step, UnevenInputs};
 use crate::error::{DdpError, Result};
 use crate::flat::{FlatBuffer, GradBuf};
@@ -35,6 +36,17 @@ enum Phase {
     Idle,
     /// Gradients of a micro-batch are arriving.
     Backward,
+}
+
+/// Whether the comm hook's settings were compared between the ranks ([`CommHook::settings`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum HookCheck {
+    /// Alike on every rank (or the default hook, which has none).
+    Agreed,
+    /// Not yet: before the next bucket the hook would start.
+    Pending,
+    /// They differ, as the message says: no bucket goes through the hook.
+    Refused(String),
 }
 
 struct Bucket {
@@ -112,6 +124,8 @@ pub struct Ddp<C: Borrow<Communicator> = Communicator> {
     /// With `find_unused_parameters`: the parameters no rank gave a gradient in the last
     /// synchronised step.
     unused_everywhere: Vec<usize>,
+    /// The hook's settings compared between the ranks.
+    hook_check: HookCheck,
 }
 
 /// Who trained in a step, read from the uneven-inputs flag (one byte per rank: 0 joined,
@@ -123,34 +137,41 @@ struct Trainers {
     lead: usize,
 }
 
-/// FNV-1a over the little-endian bytes of `words`: a fingerprint ranks compare (one all-reduce
-/// of `[h, !h]` with `Max` tells whether every rank has the same).
-pub(crate) fn fnv1a(words: impl IntoIterator<Item = u64>) -> u64 {
-    let mut h = 0xcbf2_9ce4_8422_2325u64;
-    for v in words {
-        for b in v.to_le_bytes() {
-            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
-        }
-    }
-    h
-}
-
-/// The fingerprint of the parameter count, lengths and dtypes, and the settings that shape the
-/// sequence of collectives.
-fn fingerprint(specs: &[ParamSpec], cfg: &DdpConfig) -> u64 {
-    let settings = [
-        cfg.bucket_cap_bytes as u64,
-        cfg.first_bucket_bytes as u64,
-        cfg.sync_in_place_bytes as u64,
-        u64::from(cfg.rebuild_buckets),
-        u64::from(cfg.find_unused_parameters),
-        cfg.uneven_inputs as u64,
-        specs.len() as u64,
-    ];
-    let params = specs
-        .iter()
-        .flat_map(|s| [s.len as u64, u64::from(s.dtype.to_u8())]);
-    fnv1a(settings.into_iter().chain(params))
+/// The settings every rank must share for `new`: those that shape the sequence of collectives,
+/// and the parameter count, lengths and dtypes.
+fn settings(specs: &[ParamSpec], cfg: &DdpConfig) -> Vec<Setting> {
+    let elems: usize = specs.iter().map(|s| s.len).sum();
+    let list = fnv1a(
+        specs
+            .iter()
+            .flat_map(|s| [s.len as u64, u64::from(s.dtype.to_u8())]),
+    );
+    vec![
+        Setting::number("bucket_cap_bytes", cfg.bucket_cap_bytes as u64),
+        Setting::number("first_bucket_bytes", cfg.first_bucket_bytes as u64),
+        Setting::number("sync_in_place_bytes", cfg.sync_in_place_bytes as u64),
+        Setting::described(
+            "rebuild_buckets",
+            u64::from(cfg.rebuild_buckets),
+            cfg.rebuild_buckets.to_string(),
+        ),
+        Setting::described(
+            "find_unused_parameters",
+            u64::from(cfg.find_unused_parameters),
+            cfg.find_unused_parameters.to_string(),
+        ),
+        Setting::described(
+            "uneven_inputs",
+            cfg.uneven_inputs as u64,
+            format!("{:?}", cfg.uneven_inputs),
+        ),
+        Setting::number("the parameter count", specs.len() as u64),
+        Setting::described(
+            "the parameter list (lengths, dtypes)",
+            list,
+            format!("{} parameters, {elems} elements", specs.len()),
+        ),
+    ]
 }
 
 /// Broadcasts `items` from rank `from`, small ones packed together into buffers of up to `cap`
@@ -223,17 +244,8 @@ impl<C: Borrow<Communicator>> Ddp<C> {
         // a bad local setting is reported after the collective so no rank is left waiting. The
         // same all-reduce tells whether some rank's node lacks a CPU to spare (`Overlap::Auto`
         // decides the same on every rank).
-        let h = fingerprint(&specs, &cfg);
-        let mut fp = [h, !h, u64::from(!c.node_holds(2))];
-        c.all_reduce(&mut fp, ReduceOp::Max)?;
-        if fp[..2] != [h, !h] {
-            let elems: usize = specs.iter().map(|s| s.len).sum();
-            return Err(invalid(format!(
-                "the parameter list (count, lengths, dtypes) or the DdpConfig differs between \
-                 ranks; this rank has {} parameters, {elems} elements, {cfg:?}",
-                specs.len()
-            )));
-        }
+        let mut short_of_cpus = [u64::from(!c.node_holds(2))];
+        agree(c, "new", &settings(&specs, &cfg), &mut short_of_cpus)?;
         if cfg.bucket_cap_bytes == 0 || cfg.first_bucket_bytes == 0 {
             return Err(invalid(format!(
                 "bucket caps must be positive (bucket_cap_bytes {}, first_bucket_bytes {})",
@@ -256,7 +268,7 @@ impl<C: Borrow<Communicator>> Ddp<C> {
         let layout = plan(&specs, &order, cfg.first_bucket_bytes, cfg.bucket_cap_bytes);
         let n = specs.len();
         let overlap = match cfg.overlap {
-            Overlap::Auto => fp[2] == 0,
+            Overlap::Auto => short_of_cpus[0] == 0,
             Overlap::On => true,
             Overlap::Off => false,
         };
@@ -303,6 +315,7 @@ impl<C: Borrow<Communicator>> Ddp<C> {
             lead: 0,
             shadow_grads: Vec::new(),
             unused_everywhere: Vec::new(),
+            hook_check: HookCheck::Agreed,
         })
     }
 
@@ -386,6 +399,7 @@ impl<C: Borrow<Communicator>> Ddp<C> {
         self.hook = Box::new(hook);
         self.default_hook = false;
         self.sync_plan = None;
+        self.hook_check = HookCheck::Pending;
         Ok(())
     }
 
@@ -686,9 +700,66 @@ impl<C: Borrow<Communicator>> Ddp<C> {
         }
     }
 
+    /// Compares the hook's name and settings between the ranks once after `set_comm_hook` (see
+    /// [`CommHook::settings`]): one all-reduce of three words, and when only the settings
+    /// differ, a second one that names them. Every rank calls it at the same point (before
+    /// the first bucket it launches in the step) and gets the same answer.
+    fn check_hook(&mut self) -> Result<()> {
+        const OP: &str = "set_comm_hook";
+        match &self.hook_check {
+            HookCheck::Agreed => return Ok(()),
+            HookCheck::Refused(msg) => return Err(self.invalid(OP, msg.clone())),
+            HookCheck::Pending => {}
+        }
+        let name = self.hook.name().to_string();
+        let settings: Vec<Setting> = self
+            .hook
+            .settings()
+            .into_iter()
+            .map(|(n, v)| Setting::number(n, v))
+            .collect();
+        let all = fnv1a(
+            self.hook
+                .settings()
+                .into_iter()
+                .flat_map(|(n, v)| [fnv1a_str(n), v]),
+        );
+        let summary = [
+            Setting::described("the comm hook", fnv1a_str(&name), name.clone()),
+            Setting::number("the hook's setting count", settings.len() as u64),
+            Setting::described("the hook's settings", all, format!("{name}'s")),
+        ];
+        let c = self.comm.borrow();
+        let mut d = differing(c, &summary, &mut [])?;
+        if d.len() == 1 && d[0].0 == 2 {
+            // The same hook with other values: say which (the summary's word if none by name).
+            let named = differing(c, &settings, &mut [])?;
+            if !named.is_empty() {
+                d = named;
+            }
+        }
+        if d.is_empty() {
+            self.hook_check = HookCheck::Agreed;
+            return Ok(());
+        }
+        let msg: Vec<String> = d.into_iter().map(|(_, m)| m).collect();
+        let msg = format!(
+            "hook {name}: {}; no bucket goes through it (every step fails) until set_comm_hook \
+             gives every rank the same",
+            msg.join("; ")
+        );
+        self.hook_check = HookCheck::Refused(msg.clone());
+        Err(self.invalid(OP, msg))
+    }
+
     /// Launches bucket `next_launch` through the hook.
     fn launch_next(&mut self) {
         let b = self.next_launch;
+        if let Err(e) = self.check_hook() {
+            self.buckets[b].work = Some(HookWork::new(move || Err(e)));
+            self.next_launch += 1;
+            return;
+        }
         let bucket = &mut self.buckets[b];
         let buffer = bucket
             .buf

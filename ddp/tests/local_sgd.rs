@@ -677,7 +677,13 @@ fn a_hierarchical_averager_refuses_bad_levels_before_splitting() {
         );
         // Levels that differ between ranks (rank 0's last period) are refused on every rank.
         let last = if rank == 0 { 4 } else { 8 };
-        refused(&[(2, 2), (last, N)], "differ between ranks");
+        refused(
+            &[(2, 2), (last, N)],
+            &format!(
+                "the levels (period, group size) differs between ranks: this rank has [(2, 2), \
+                 ({last}, 4)]"
+            ),
+        );
         // Nothing was split: the next split is the communicator's first.
         let mut x = [1u32];
         comm.all_reduce(&mut x, ReduceOp::Sum)?;
@@ -768,4 +774,102 @@ fn a_level_added_after_by_group_sizes_names_its_own_groups_ranks() {
     // Ranks 2 and 3 are their pair's ranks 0 and 1.
     let msg = rank_3_lost_by_rank_2(out, (0, 1));
     assert!(!msg.contains("by_group_sizes"), "{msg}");
+}
+
+#[test]
+fn model_averagers_set_up_differently_on_some_rank_are_refused_on_every_rank() {
+    let out = spawn_world(N, Config::default(), |comm| {
+        let rank = comm.rank();
+        let refused = |mut avg: ModelAverager, params: &mut [&mut [f32]], what: &str| {
+            let steps = avg.steps();
+            match avg.average(&comm, params) {
+                Err(DdpError::InvalidArgument { rank: r, op, msg }) => {
+                    assert_eq!((r, op), (rank, "ModelAverager::average"));
+                    assert!(msg.contains(what), "rank {rank}: {msg}");
+                }
+                other => panic!("rank {rank}: accepted: {other:?}"),
+            }
+            // Not counted, and nothing averaged.
+            assert_eq!(avg.steps(), steps);
+            assert!(params.iter().all(|p| p.iter().all(|&x| x == rank as f32)));
+        };
+        let mut w = vec![rank as f32; 4];
+        let mut v = [rank as f32; 2];
+        // Rank 3 averages every 4 calls, the others every 2: the first call (0) compares.
+        let period = if rank == 3 { 4 } else { 2 };
+        let what = format!("period differs between ranks: {period} here, from 2 to 4");
+        refused(ModelAverager::new(period, 0), &mut [&mut w], &what);
+        // Resumed at other call counts: the first due call is a different one.
+        let avg = ModelAverager::new(1, 0).with_steps(rank as u64 % 2);
+        let what = format!(
+            "the call's number (0-based, counting with_steps) differs between ranks: {} here, \
+             from 0 to 1",
+            rank % 2
+        );
+        refused(avg, &mut [&mut w], &what);
+        // Another parameter list, and another bucket cap, named together.
+        let avg = ModelAverager::new(1, 0).with_bucket_cap_bytes(if rank == 0 { 8 } else { 16 });
+        let mut params: Vec<&mut [f32]> = vec![&mut w[..]];
+        if rank == 1 {
+            params.push(&mut v[..]);
+        }
+        let n = params.len();
+        let list = format!(
+            "the parameter list (count, lengths, dtypes) differs between ranks: this rank has {n} \
+             parameters"
+        );
+        let cap = format!(
+            "the bucket cap differs between ranks: {} here, from 8 to 16",
+            if rank == 0 { 8 } else { 16 }
+        );
+        refused(avg.clone(), &mut params, &list);
+        refused(avg, &mut params, &cap);
+        // Alike: it averages, and the check is made once.
+        let mut avg = ModelAverager::new(1, 0);
+        assert!(avg.average(&comm, &mut [&mut w[..]]).unwrap());
+        assert_eq!(w, [1.5; 4]);
+        assert!(avg.average(&comm, &mut [&mut w[..]]).unwrap());
+        // The communicator is in step.
+        let mut x = [1u32];
+        comm.all_reduce(&mut x, ReduceOp::Sum)?;
+        assert_eq!(x[0] as usize, N);
+        Ok(())
+    });
+    for r in out {
+        r.unwrap();
+    }
+}
+
+#[test]
+fn post_local_sgd_starting_at_another_step_on_one_rank_is_refused_on_every_rank() {
+    let out = spawn_world(N, Config::default(), |comm| {
+        let rank = comm.rank();
+        let start = u64::from(rank == 3);
+        let mut w = vec![0.0f32; 4];
+        let hook = PostLocalSgd::new(&comm, pair(&comm), start).unwrap();
+        let mut ddp = with_hook(&comm, &mut w, DdpConfig::default(), hook);
+        let g = vec![rank as f32; 4];
+        ddp.grad_ready(0, &g).unwrap();
+        match ddp.finish() {
+            Err(DdpError::InvalidArgument { rank: r, op, msg }) => {
+                assert_eq!((r, op), (rank, "set_comm_hook"));
+                let what = format!("start_step differs between ranks: {start} here, from 0 to 1");
+                assert!(
+                    msg.contains("post_local_sgd") && msg.contains(&what),
+                    "{msg}"
+                );
+            }
+            other => panic!("rank {rank}: accepted: {other:?}"),
+        }
+        // Alike: the step averages over every rank (before the start step).
+        ddp.set_comm_hook(PostLocalSgd::new(&comm, pair(&comm), 1).unwrap())
+            .unwrap();
+        ddp.grad_ready(0, &g).unwrap();
+        assert_eq!(ddp.finish().unwrap(), Step::Synced { step: 0 });
+        assert_eq!(ddp.grad::<f32>(0).unwrap(), [1.5; 4]);
+        Ok(())
+    });
+    for r in out {
+        r.unwrap();
+    }
 }

@@ -123,6 +123,14 @@ fn give(ddp: &mut Ddp, p: usize, g: &[f64]) {
     .unwrap();
 }
 
+/// One step of `low_rank_grad`s through `grad_ready`, last parameter first, then `finish()`.
+fn low_rank_step(ddp: &mut Ddp, rank: usize, step: usize) -> oxccl_ddp::Result<Step> {
+    for p in (0..MODEL.len()).rev() {
+        give(ddp, p, &low_rank_grad(rank, step, p));
+    }
+    ddp.finish()
+}
+
 /// Parameter `p`'s averaged gradient, as f64.
 fn read(ddp: &Ddp, p: usize) -> Vec<f64> {
     match MODEL[p].1 {
@@ -505,16 +513,10 @@ fn bad_shapes_and_settings_are_named_on_every_rank_and_the_next_step_goes_on() {
             let mut model = Model::new();
             let mut ddp = model.ddp(comm, small_buckets(Overlap::On));
             ddp.set_comm_hook(bad_hook(k).0).unwrap();
-            for p in (0..MODEL.len()).rev() {
-                give(&mut ddp, p, &low_rank_grad(rank, 0, p));
-            }
-            let e = ddp.finish().unwrap_err();
+            let e = low_rank_step(&mut ddp, rank, 0).unwrap_err();
             // A good hook, and the next step goes through.
             ddp.set_comm_hook(psgd(1, 0)).unwrap();
-            for p in (0..MODEL.len()).rev() {
-                give(&mut ddp, p, &low_rank_grad(rank, 1, p));
-            }
-            ddp.finish().unwrap();
+            low_rank_step(&mut ddp, rank, 1).unwrap();
             Ok((rank, e))
         });
         for r in out {
@@ -589,5 +591,75 @@ fn a_step_of_zero_gradients_does_not_stop_later_ones_with_error_feedback() {
         let got: Vec<f64> = grads[0].iter().map(|&x| f64::from(x)).collect();
         let e = rel_err(&got, &want);
         assert!(e < 1e-5, "relative error {e} after a zero step");
+    }
+}
+
+#[test]
+fn settings_that_differ_between_ranks_are_named_before_anything_is_compressed() {
+    // Each case sets one rank apart; without the check a seed or warm start that differs
+    // averages each rank's approximation against other random matrices, with no error.
+    let apart = |rank: usize, k: usize| {
+        let mut cfg = PowerSgdConfig {
+            start_step: 0,
+            ..PowerSgdConfig::default()
+        };
+        let one = rank == 1;
+        let what = match k {
+            0 => {
+                cfg.seed = u64::from(one) * 7;
+                format!(
+                    "seed differs between ranks: {} here, from 0 to 7",
+                    u64::from(one) * 7
+                )
+            }
+            1 => {
+                cfg.warm_start = !one;
+                format!(
+                    "warm_start differs between ranks: {} here, from 0 to 1",
+                    u64::from(!one)
+                )
+            }
+            2 => {
+                cfg.rank = 1 + usize::from(one);
+                format!(
+                    "rank differs between ranks: {} here, from 1 to 2",
+                    1 + usize::from(one)
+                )
+            }
+            _ => {
+                cfg.start_step = u64::from(one);
+                format!(
+                    "start_step differs between ranks: {} here, from 0 to 1",
+                    u64::from(one)
+                )
+            }
+        };
+        (PowerSgd::new(cfg, shapes()), what)
+    };
+    for k in 0..4 {
+        let out = spawn_world(2, Config::default(), |comm| {
+            let rank = comm.rank();
+            let mut model = Model::new();
+            let mut ddp = model.ddp(comm, small_buckets(Overlap::On));
+            let (hook, what) = apart(rank, k);
+            ddp.set_comm_hook(hook).unwrap();
+            let e = low_rank_step(&mut ddp, rank, 0).unwrap_err();
+            // The same settings everywhere, and the next step goes through.
+            ddp.set_comm_hook(psgd(1, 0)).unwrap();
+            assert_eq!(
+                low_rank_step(&mut ddp, rank, 1).unwrap(),
+                Step::Synced { step: 0 }
+            );
+            Ok((rank, e, what))
+        });
+        for r in out {
+            let (rank, e, what) = r.unwrap();
+            let msg = e.to_string();
+            let head = format!("rank {rank}: ddp set_comm_hook: hook powersgd: ");
+            assert!(matches!(e, DdpError::InvalidArgument { .. }), "{e:?}");
+            for n in [head.as_str(), what.as_str()] {
+                assert!(msg.contains(n), "case {k}: {msg:?} lacks {n:?}");
+            }
+        }
     }
 }

@@ -568,7 +568,12 @@ fn bad_input_gets_an_error_naming_rank_call_and_parameter() {
         // Parameter lists that differ between ranks are caught before any gradient moves.
         let mut w = vec![0.0f32; 10 + rank];
         let e = Ddp::new(&*comm, &mut [Param::new("w", &mut w)], DdpConfig::default());
-        expect_invalid(e.map(|_| ()), &[&r, "new", "differs between ranks"]);
+        let list = format!(
+            "the parameter list (lengths, dtypes) differs between ranks: this rank has 1 \
+             parameters, {} elements",
+            10 + rank
+        );
+        expect_invalid(e.map(|_| ()), &[&r, "new", &list]);
         // So are settings that would make ranks end a step differently (one rank's finish()
         // failing on an unused parameter while the others go on).
         let mut w = vec![0.0f32; 10];
@@ -577,7 +582,28 @@ fn bad_input_gets_an_error_naming_rank_call_and_parameter() {
             ..DdpConfig::default()
         };
         let e = Ddp::new(&*comm, &mut [Param::new("w", &mut w)], cfg);
-        expect_invalid(e.map(|_| ()), &[&r, "new", "differs between ranks"]);
+        let unused = format!(
+            "find_unused_parameters differs between ranks: this rank has {}",
+            rank == 1
+        );
+        expect_invalid(e.map(|_| ()), &[&r, "new", &unused]);
+        // Every setting that differs is named, with its range across the ranks.
+        let cfg = DdpConfig {
+            bucket_cap_bytes: 4096 << rank,
+            sync_in_place_bytes: 1 << 20,
+            rebuild_buckets: rank == 0,
+            ..DdpConfig::default()
+        };
+        let e = Ddp::new(&*comm, &mut [Param::new("w", &mut w)], cfg);
+        let cap = format!(
+            "bucket_cap_bytes differs between ranks: {} here, from 4096 to 8192 across the ranks",
+            4096 << rank
+        );
+        let rebuild = format!(
+            "rebuild_buckets differs between ranks: this rank has {}",
+            rank == 0
+        );
+        expect_invalid(e.map(|_| ()), &[&r, "new", &cap, &rebuild]);
         let cfg = DdpConfig {
             bucket_cap_bytes: 0,
             ..DdpConfig::default()
@@ -1006,4 +1032,116 @@ fn a_no_sync_guard_taken_mid_backward_does_not_change_that_micro_batch_with(over
         }
         Ok(())
     });
+}
+
+/// The default all-reduce under another name, with one setting: a user hook whose settings
+/// DDP compares between the ranks.
+struct Tagged(u64);
+
+impl CommHook for Tagged {
+    fn name(&self) -> &str {
+        "tagged"
+    }
+
+    fn start(&mut self, comm: &Communicator, bucket: GradBucket) -> HookWork {
+        oxccl_ddp::AllReduceAvg.start(comm, bucket)
+    }
+
+    fn settings(&self) -> Vec<(&'static str, u64)> {
+        vec![("k", self.0)]
+    }
+}
+
+/// One step of `LENS`' gradients of `step`, through `grad_ready` (`via_sync` false) or `sync`.
+fn one_step<C: std::borrow::Borrow<Communicator>>(
+    ddp: &mut Ddp<C>,
+    step: usize,
+    via_sync: bool,
+) -> oxccl_ddp::Result<Step> {
+    let rank = ddp.comm().rank();
+    if via_sync {
+        let mut grads: Vec<Vec<f32>> = (0..LENS.len())
+            .map(|p| grad(rank, step, p, LENS[p]))
+            .collect();
+        let s = ddp.sync(&mut grads)?;
+        for (p, g) in grads.iter().enumerate() {
+            assert_eq!(g, &avg_grad(2, step, p, LENS[p]), "rank {rank} param {p}");
+        }
+        return Ok(s);
+    }
+    for p in (0..LENS.len()).rev() {
+        ddp.grad_ready(p, &grad(rank, step, p, LENS[p]))?;
+    }
+    ddp.finish()
+}
+
+#[test]
+fn hooks_whose_settings_differ_between_ranks_fail_every_step_on_every_rank() {
+    for (overlap, via_sync) in [
+        (Overlap::On, false),
+        (Overlap::Off, false),
+        (Overlap::On, true),
+    ] {
+        on_ranks(2, |comm| {
+            let rank = comm.rank();
+            let r = format!("rank {rank}: ddp set_comm_hook: hook ");
+            let mut ddp = new_ddp(&comm, small(overlap)).unwrap();
+            // Another hook on each rank (one would round to f16, the other to bf16).
+            if rank == 0 {
+                ddp.set_comm_hook(CompressHook::fp16()).unwrap();
+            } else {
+                ddp.set_comm_hook(CompressHook::bf16()).unwrap();
+            }
+            let name = ["fp16_compress", "bf16_compress"][rank];
+            let msg = format!("the comm hook differs between ranks: this rank has {name}");
+            // Refused before any bucket goes through it, in this step and the next.
+            for step in 0..2 {
+                expect_invalid(one_step(&mut ddp, step, via_sync), &[&r, &msg]);
+            }
+            // The same hook with another setting: the setting is named, with its range.
+            ddp.set_comm_hook(Tagged(rank as u64)).unwrap();
+            let msg = format!("k differs between ranks: {rank} here, from 0 to 1 across the ranks");
+            expect_invalid(one_step(&mut ddp, 2, via_sync), &[&r, "tagged", &msg]);
+            // Alike again: the step goes through and averages.
+            ddp.set_comm_hook(Tagged(7)).unwrap();
+            assert_eq!(
+                one_step(&mut ddp, 3, via_sync).unwrap(),
+                Step::Synced { step: 0 }
+            );
+            if !via_sync {
+                assert_averaged(&ddp, 2, 3);
+            }
+            // The communicator is still in step.
+            let mut x = [rank as u32 + 1];
+            comm.all_reduce(&mut x, ReduceOp::Sum)?;
+            assert_eq!(x, [3]);
+            Ok(())
+        });
+    }
+}
+
+#[test]
+fn a_custom_hook_on_one_rank_only_fails_instead_of_hanging() {
+    // Rank 0 compares its hook's settings; rank 1's default hook has none to compare, so the
+    // comparison meets rank 1's first bucket: the communicator sees two different calls.
+    let cfg = Config {
+        timeout: Duration::from_secs(20),
+        ..Config::default()
+    };
+    let out = spawn_world(2, cfg, |comm| {
+        let mut ddp = new_ddp(&comm, small(Overlap::On)).unwrap();
+        if comm.rank() == 0 {
+            ddp.set_comm_hook(Tagged(1)).unwrap();
+        }
+        Ok(one_step(&mut ddp, 0, false))
+    });
+    for (rank, r) in out.into_iter().enumerate() {
+        match r {
+            Ok(Err(DdpError::Comm(e))) => {
+                let s = e.to_string();
+                assert!(s.contains("collective mismatch"), "rank {rank}: {s}");
+            }
+            other => panic!("rank {rank}: expected a communicator error, got {other:?}"),
+        }
+    }
 }
