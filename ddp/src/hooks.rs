@@ -110,12 +110,15 @@ pub trait CommHook: Send {
 
     /// Settings that must be alike on every rank, by name and value (a float as its bits). DDP
     /// compares them and the hook's [`CommHook::name`] between the ranks in one small
-    /// all-reduce, before the first bucket of the first step after
-    /// [`Ddp::set_comm_hook`](crate::Ddp::set_comm_hook), and when they differ fails that step
-    /// and every later one on every rank alike, naming them, without starting the hook. A
-    /// setting that differs could otherwise go unnoticed: PowerSGD's seed, say, gives each
-    /// rank other random matrices, and the averages are wrong with no error. Default: none
-    /// (the name is still compared).
+    /// all-reduce (a second one names the settings when only their values differ), before the
+    /// first bucket of the first step after [`Ddp::set_comm_hook`](crate::Ddp::set_comm_hook),
+    /// and when they differ fails that step and every later one on every rank alike, naming
+    /// them, without starting the hook. A setting that differs could otherwise go unnoticed:
+    /// PowerSGD's seed, say, gives each rank other random matrices, and the averages are wrong
+    /// with no error. The comparison blocks: with overlap, the `grad_ready` that fills the
+    /// first bucket waits there for every rank to reach its first bucket (a rank with overlap
+    /// off reaches it in `finish()`), once per `set_comm_hook`. Default: none (the name is
+    /// still compared).
     fn settings(&self) -> Vec<(&'static str, u64)> {
         Vec::new()
     }

@@ -119,18 +119,24 @@
 //! different place in each rank's sequence. `Ddp::new` checks that every rank has the same
 //! parameters and `DdpConfig`.
 //!
-//! Settings that must be alike on every rank are compared, each in one small all-reduce that
-//! takes every value's largest and smallest, and the error names each one that differs, with its
-//! range across the ranks (`bucket_cap_bytes differs between ranks: 4096 here, from 4096 to
-//! 8192 across the ranks`), on every rank alike: the `DdpConfig` and parameter list at
-//! [`Ddp::new`]; a comm hook's name and [`CommHook::settings`] (PowerSGD's, post-local SGD's
-//! start) before the first bucket after [`Ddp::set_comm_hook`], which fails that step and every
-//! later one until a hook alike is set; a [`ModelAverager`]'s period, warm-up, call count,
-//! bucket cap and parameter list at its first average; and a [`HierarchicalAverager`]'s levels
-//! in [`HierarchicalAverager::by_group_sizes`]. Without it a rank set up differently would
-//! average other steps' values or against other random matrices with no error, or leave the
-//! others waiting. A hook set on some ranks only still meets another rank's first bucket: the
-//! communicator reports that as a collective mismatch.
+//! Settings that must be alike on every rank are compared in a small all-reduce that takes
+//! every value's largest and smallest. The error names each one that differs, with its range
+//! across the ranks (`bucket_cap_bytes differs between ranks: 4096 here, from 4096 to 8192
+//! across the ranks`), on every rank alike. Compared are:
+//! - the `DdpConfig` and parameter list, at [`Ddp::new`];
+//! - a comm hook's name and [`CommHook::settings`] (PowerSGD's, post-local SGD's start), before
+//!   the first bucket after [`Ddp::set_comm_hook`] (a second all-reduce names the settings when
+//!   only their values differ); the step's call reports it, and every later step fails alike
+//!   until a hook alike is set;
+//! - a [`ModelAverager`]'s period, warm-up, call count, bucket cap and parameter list, at its
+//!   first average on each communicator;
+//! - a [`HierarchicalAverager`]'s levels, in [`HierarchicalAverager::by_group_sizes`].
+//!
+//! Without it a rank set up differently would average other steps' values or against other
+//! random matrices with no error, or leave the others waiting. The comparison can only name
+//! what it meets: a hook set on some ranks only meets another rank's first bucket, and
+//! averagers whose first averages fall on different calls meet other collectives; the
+//! communicator reports those as a collective mismatch (or a time-out).
 
 //!
 //! # After a lost rank

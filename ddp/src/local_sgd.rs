@@ -306,7 +306,10 @@ impl<G: Borrow<Communicator> + Send> CommHook for PostLocalSgd<G> {
     }
 
     fn settings(&self) -> Vec<(&'static str, u64)> {
-        vec![("start_step", self.start_step)]
+        vec![
+            ("start_step", self.start_step),
+            ("steps begun (with_steps)", self.started),
+        ]
     }
 }
 
@@ -323,8 +326,8 @@ pub struct ModelAverager {
     warmup_steps: u64,
     step: u64,
     packer: Packer,
-    /// The ranks' settings were found alike (at the first average).
-    agreed: bool,
+    /// The communicator (its id) on which the ranks' settings were found alike.
+    agreed_on: Option<String>,
 }
 
 impl std::fmt::Debug for ModelAverager {
@@ -335,22 +338,24 @@ impl std::fmt::Debug for ModelAverager {
             .field("step", &self.step)
             .field("cap_bytes", &self.packer.cap_bytes)
             .field("buffer_bytes", &self.packer.kept_bytes())
-            .field("agreed", &self.agreed)
+            .field("agreed_on", &self.agreed_on)
             .finish()
     }
 }
 
 impl Clone for ModelAverager {
-    /// The settings and the step count (not the buffers; the clone compares the settings
-    /// across ranks again at its first average).
+    /// The settings, the step count and the communicator they were compared on (not the
+    /// buffers).
     fn clone(&self) -> ModelAverager {
         ModelAverager {
+            period: self.period,
+            warmup_steps: self.warmup_steps,
+            step: self.step,
             packer: Packer {
                 cap_bytes: self.packer.cap_bytes,
                 buffers: Vec::new(),
             },
-            agreed: false,
-            ..*self
+            agreed_on: self.agreed_on.clone(),
         }
     }
 }
@@ -364,7 +369,7 @@ impl ModelAverager {
             warmup_steps,
             step: 0,
             packer: Packer::new(),
-            agreed: false,
+            agreed_on: None,
         }
     }
 
@@ -399,36 +404,34 @@ impl ModelAverager {
     /// `comm` (`ReduceOp::Avg`, the same bits on every rank), parameters of one dtype packed
     /// together as DDP packs gradients into buckets. Returns whether it averaged. Collective
     /// when due: every rank of `comm` calls it alike, with the same parameter list (count,
-    /// lengths, dtypes). The first call that averages also compares, in one small all-reduce,
-    /// the period, `warmup_steps`, the call's number, the bucket cap and the parameter list
-    /// between the ranks: a rank set up differently would otherwise average at other calls, with
-    /// the others' averages of other steps, and leave them waiting at the end.
+    /// lengths, dtypes).
+    ///
+    /// The first call that averages on a communicator (and a call with a `period` of 0) first
+    /// compares, in one small all-reduce, the period, `warmup_steps`, the call's number, the
+    /// bucket cap and the parameter list between its ranks: a rank set up differently would
+    /// otherwise average at other calls, with the others' averages of other steps, and leave
+    /// them waiting at the end. That needs the ranks' first averages to fall on the same call
+    /// (one warm-up that differs can make them miss each other): otherwise the comparison meets
+    /// another collective, and the communicator reports a mismatch or a time-out.
     ///
     /// # Errors
-    /// `InvalidArgument` for a `period` of 0, or when due for a parameter of an integer dtype or
-    /// whose `GradBuf` views disagree in length: on every rank alike (given the same list),
-    /// before any communication, and the call is not counted. `InvalidArgument` naming each
-    /// setting that differs between the ranks, at the first average: on every rank that reached
-    /// it alike, and the call is not counted. The all-reduces' errors
+    /// `InvalidArgument` naming each setting that differs between the ranks, on every rank
+    /// alike, and the call is not counted. Then `InvalidArgument` for a `period` of 0, or when
+    /// due for a parameter of an integer dtype or whose `GradBuf` views disagree in length: on
+    /// every rank alike, before any averaging, and the call is not counted. The all-reduces' errors
     /// (`PeerLost`, `Timeout`, ...; the call counted): every all-reduce is waited on, those
     /// that completed are copied back and the first error is returned, so this rank's
     /// parameters may then be partly averaged; treat it as the end of the step's replicas (see
     /// the crate docs, "After a lost rank").
     pub fn average<P: GradBuf>(&mut self, comm: &Communicator, params: &mut [P]) -> Result<bool> {
-        if self.period == 0 {
-            return Err(DdpError::InvalidArgument {
-                rank: comm.rank(),
-                op: "ModelAverager::average",
-                msg: "period must be at least 1".into(),
-            });
-        }
-        if !self.due() {
+        const OP: &str = "ModelAverager::average";
+        if !self.due() && self.period > 0 {
             self.step = self.step.saturating_add(1);
             return Ok(false);
         }
-        const OP: &str = "ModelAverager::average";
-        check_params(comm.rank(), OP, params)?;
-        if !self.agreed {
+        // Due, or a period of 0 that the others may not share: compare first (once per
+        // communicator), so that no rank fails alone and leaves the others waiting.
+        if self.agreed_on.as_deref() != Some(comm.id()) {
             let settings = [
                 Setting::number("period", self.period),
                 Setting::number("warmup_steps", self.warmup_steps),
@@ -440,8 +443,16 @@ impl ModelAverager {
                 param_list(params),
             ];
             agree(comm, OP, &settings, &mut [])?;
-            self.agreed = true;
+            self.agreed_on = Some(comm.id().to_string());
         }
+        if self.period == 0 {
+            return Err(DdpError::InvalidArgument {
+                rank: comm.rank(),
+                op: OP,
+                msg: "period must be at least 1".into(),
+            });
+        }
+        check_params(comm.rank(), OP, params)?;
         self.step = self.step.saturating_add(1);
         self.packer.average(comm, params)?;
         Ok(true)
@@ -457,7 +468,7 @@ fn param_list<P: GradBuf>(params: &[P]) -> Setting {
     Setting::described(
         "the parameter list (count, lengths, dtypes)",
         fnv1a([params.len() as u64].into_iter().chain(words)),
-        format!("{} parameters, {bytes} bytes", params.len()),
+        format!("{} parameter(s), {bytes} bytes", params.len()),
     )
 }
 
@@ -757,7 +768,11 @@ impl HierarchicalAverager {
         let words = levels.iter().flat_map(|&(p, k)| [p, k as u64]);
         let h = fnv1a([levels.len() as u64].into_iter().chain(words));
         let settings = [
-            Setting::described("the levels (period, group size)", h, format!("{levels:?}")),
+            Setting::described(
+                "the list of levels (period, group size)",
+                h,
+                format!("{levels:?}"),
+            ),
             Setting::number("warmup_steps", warmup_steps),
         ];
         agree(

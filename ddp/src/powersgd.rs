@@ -441,7 +441,7 @@ impl CommHook for PowerSgd {
             .iter()
             .flat_map(|s| std::iter::once(s.len() as u64).chain(s.iter().map(|&d| d as u64)));
         vec![
-            ("rank", c.rank as u64),
+            ("rank (of each matrix's approximation)", c.rank as u64),
             ("start_step", c.start_step),
             (
                 "min_compression_rate (its bits)",

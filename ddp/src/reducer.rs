@@ -169,7 +169,7 @@ fn settings(specs: &[ParamSpec], cfg: &DdpConfig) -> Vec<Setting> {
         Setting::described(
             "the parameter list (lengths, dtypes)",
             list,
-            format!("{} parameters, {elems} elements", specs.len()),
+            format!("{} parameter(s), {elems} elements", specs.len()),
         ),
     ]
 }
@@ -701,14 +701,15 @@ impl<C: Borrow<Communicator>> Ddp<C> {
     }
 
     /// Compares the hook's name and settings between the ranks once after `set_comm_hook` (see
-    /// [`CommHook::settings`]): one all-reduce of three words, and when only the settings
-    /// differ, a second one that names them. Every rank calls it at the same point (before
-    /// the first bucket it launches in the step) and gets the same answer.
+    /// [`CommHook::settings`]): one all-reduce of three settings (six words), and when only the
+    /// settings' values differ, a second one that names them. Every rank calls it at the same
+    /// point (before the first bucket it launches in the step) and gets the same answer; the
+    /// error is reported under the call that reports the step's errors.
     fn check_hook(&mut self) -> Result<()> {
-        const OP: &str = "set_comm_hook";
+        let op = self.step_op();
         match &self.hook_check {
             HookCheck::Agreed => return Ok(()),
-            HookCheck::Refused(msg) => return Err(self.invalid(OP, msg.clone())),
+            HookCheck::Refused(msg) => return Err(self.invalid(op, msg.clone())),
             HookCheck::Pending => {}
         }
         let name = self.hook.name().to_string();
@@ -718,16 +719,17 @@ impl<C: Borrow<Communicator>> Ddp<C> {
             .into_iter()
             .map(|(n, v)| Setting::number(n, v))
             .collect();
-        let all = fnv1a(
-            self.hook
-                .settings()
-                .into_iter()
-                .flat_map(|(n, v)| [fnv1a_str(n), v]),
-        );
+        let pairs = self.hook.settings();
+        let all = fnv1a(pairs.iter().flat_map(|&(n, v)| [fnv1a_str(n), v]));
+        let listed: Vec<String> = pairs.iter().map(|(n, v)| format!("{n} {v}")).collect();
         let summary = [
             Setting::described("the comm hook", fnv1a_str(&name), name.clone()),
             Setting::number("the hook's setting count", settings.len() as u64),
-            Setting::described("the hook's settings", all, format!("{name}'s")),
+            Setting::described(
+                "the hook's settings",
+                all,
+                format!("[{}]", listed.join(", ")),
+            ),
         ];
         let c = self.comm.borrow();
         let mut d = differing(c, &summary, &mut [])?;
@@ -744,18 +746,20 @@ impl<C: Borrow<Communicator>> Ddp<C> {
         }
         let msg: Vec<String> = d.into_iter().map(|(_, m)| m).collect();
         let msg = format!(
-            "hook {name}: {}; no bucket goes through it (every step fails) until set_comm_hook \
-             gives every rank the same",
+            "hook {name} (given to set_comm_hook): {}; no bucket goes through it (every step \
+             fails) until set_comm_hook gives every rank the same",
             msg.join("; ")
         );
         self.hook_check = HookCheck::Refused(msg.clone());
-        Err(self.invalid(OP, msg))
+        Err(self.invalid(op, msg))
     }
 
     /// Launches bucket `next_launch` through the hook.
     fn launch_next(&mut self) {
         let b = self.next_launch;
         if let Err(e) = self.check_hook() {
+            // No average: grad() refuses the bucket until a step fills it again.
+            self.buckets[b].buf = None;
             self.buckets[b].work = Some(HookWork::new(move || Err(e)));
             self.next_launch += 1;
             return;

@@ -680,7 +680,7 @@ fn a_hierarchical_averager_refuses_bad_levels_before_splitting() {
         refused(
             &[(2, 2), (last, N)],
             &format!(
-                "the levels (period, group size) differs between ranks: this rank has [(2, 2), \
+                "the list of levels (period, group size) differs between ranks: this rank has [(2, 2), \
                  ({last}, 4)]"
             ),
         );
@@ -816,7 +816,7 @@ fn model_averagers_set_up_differently_on_some_rank_are_refused_on_every_rank() {
         let n = params.len();
         let list = format!(
             "the parameter list (count, lengths, dtypes) differs between ranks: this rank has {n} \
-             parameters"
+             parameter(s)"
         );
         let cap = format!(
             "the bucket cap differs between ranks: {} here, from 8 to 16",
@@ -824,11 +824,41 @@ fn model_averagers_set_up_differently_on_some_rank_are_refused_on_every_rank() {
         );
         refused(avg.clone(), &mut params, &list);
         refused(avg, &mut params, &cap);
-        // Alike: it averages, and the check is made once.
+        // A period of 0 on one rank: named on every rank, none left waiting.
+        let p = u64::from(rank != 2);
+        let what = format!("period differs between ranks: {p} here, from 0 to 1");
+        refused(ModelAverager::new(p, 0), &mut [&mut w], &what);
+        // Alike: it averages.
         let mut avg = ModelAverager::new(1, 0);
         assert!(avg.average(&comm, &mut [&mut w[..]]).unwrap());
         assert_eq!(w, [1.5; 4]);
+        // A clone keeps the comparison made: the clone on rank 0 does not compare again
+        // (the others would not meet it).
+        let mut avg = if rank == 0 { avg.clone() } else { avg };
         assert!(avg.average(&comm, &mut [&mut w[..]]).unwrap());
+        // On another communicator the settings are compared again: rank 3, resumed at another
+        // call, is named in its pair; the other pair averages.
+        let half = pair(&comm);
+        let mut avg = if rank == 3 { avg.with_steps(7) } else { avg };
+        w = vec![rank as f32; 4];
+        let got = avg.average(&half, &mut [&mut w[..]]);
+        if rank < 2 {
+            assert!(got.unwrap());
+            assert_eq!(w, [0.5; 4]);
+        } else {
+            let calls = if rank == 3 { 7 } else { 2 };
+            let what = format!(
+                "the call's number (0-based, counting with_steps) differs between ranks: \
+                 {calls} here, from 2 to 7"
+            );
+            match got {
+                Err(DdpError::InvalidArgument { rank: r, msg, .. }) => {
+                    assert_eq!(r, rank - 2);
+                    assert!(msg.contains(&what), "rank {rank}: {msg}");
+                }
+                other => panic!("rank {rank}: accepted: {other:?}"),
+            }
+        }
         // The communicator is in step.
         let mut x = [1u32];
         comm.all_reduce(&mut x, ReduceOp::Sum)?;
@@ -852,10 +882,10 @@ fn post_local_sgd_starting_at_another_step_on_one_rank_is_refused_on_every_rank(
         ddp.grad_ready(0, &g).unwrap();
         match ddp.finish() {
             Err(DdpError::InvalidArgument { rank: r, op, msg }) => {
-                assert_eq!((r, op), (rank, "set_comm_hook"));
+                assert_eq!((r, op), (rank, "finish"));
                 let what = format!("start_step differs between ranks: {start} here, from 0 to 1");
                 assert!(
-                    msg.contains("post_local_sgd") && msg.contains(&what),
+                    msg.contains("post_local_sgd (given to set_comm_hook)") && msg.contains(&what),
                     "{msg}"
                 );
             }

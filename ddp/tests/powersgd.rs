@@ -622,7 +622,7 @@ fn settings_that_differ_between_ranks_are_named_before_anything_is_compressed() 
             2 => {
                 cfg.rank = 1 + usize::from(one);
                 format!(
-                    "rank differs between ranks: {} here, from 1 to 2",
+                    "rank (of each matrix's approximation) differs between ranks: {} here, from 1 to 2",
                     1 + usize::from(one)
                 )
             }
@@ -655,7 +655,7 @@ fn settings_that_differ_between_ranks_are_named_before_anything_is_compressed() 
         for r in out {
             let (rank, e, what) = r.unwrap();
             let msg = e.to_string();
-            let head = format!("rank {rank}: ddp set_comm_hook: hook powersgd: ");
+            let head = format!("rank {rank}: ddp finish: hook powersgd (given to set_comm_hook): ");
             assert!(matches!(e, DdpError::InvalidArgument { .. }), "{e:?}");
             for n in [head.as_str(), what.as_str()] {
                 assert!(msg.contains(n), "case {k}: {msg:?} lacks {n:?}");

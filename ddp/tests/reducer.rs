@@ -570,7 +570,7 @@ fn bad_input_gets_an_error_naming_rank_call_and_parameter() {
         let e = Ddp::new(&*comm, &mut [Param::new("w", &mut w)], DdpConfig::default());
         let list = format!(
             "the parameter list (lengths, dtypes) differs between ranks: this rank has 1 \
-             parameters, {} elements",
+             parameter(s), {} elements",
             10 + rank
         );
         expect_invalid(e.map(|_| ()), &[&r, "new", &list]);
@@ -1077,15 +1077,19 @@ fn one_step<C: std::borrow::Borrow<Communicator>>(
 
 #[test]
 fn hooks_whose_settings_differ_between_ranks_fail_every_step_on_every_rank() {
-    for (overlap, via_sync) in [
-        (Overlap::On, false),
-        (Overlap::Off, false),
-        (Overlap::On, true),
+    // Overlap per rank (it may differ between ranks): the comparison happens in grad_ready on
+    // a rank with overlap, in finish() on one without.
+    for (overlaps, via_sync) in [
+        ([Overlap::On; 2], false),
+        ([Overlap::Off; 2], false),
+        ([Overlap::On, Overlap::Off], false),
+        ([Overlap::On; 2], true),
     ] {
         on_ranks(2, |comm| {
             let rank = comm.rank();
-            let r = format!("rank {rank}: ddp set_comm_hook: hook ");
-            let mut ddp = new_ddp(&comm, small(overlap)).unwrap();
+            let op = if via_sync { "sync" } else { "finish" };
+            let r = format!("rank {rank}: ddp {op}: hook ");
+            let mut ddp = new_ddp(&comm, small(overlaps[rank])).unwrap();
             // Another hook on each rank (one would round to f16, the other to bf16).
             if rank == 0 {
                 ddp.set_comm_hook(CompressHook::fp16()).unwrap();
@@ -1096,7 +1100,12 @@ fn hooks_whose_settings_differ_between_ranks_fail_every_step_on_every_rank() {
             let msg = format!("the comm hook differs between ranks: this rank has {name}");
             // Refused before any bucket goes through it, in this step and the next.
             for step in 0..2 {
-                expect_invalid(one_step(&mut ddp, step, via_sync), &[&r, &msg]);
+                expect_invalid(
+                    one_step(&mut ddp, step, via_sync),
+                    &[&r, "(given to set_comm_hook)", &msg],
+                );
+                // Nothing was averaged, so there is nothing to read.
+                expect_invalid(ddp.grad::<f32>(0), &[&format!("rank {rank}: ddp grad")]);
             }
             // The same hook with another setting: the setting is named, with its range.
             ddp.set_comm_hook(Tagged(rank as u64)).unwrap();
