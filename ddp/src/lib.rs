@@ -124,10 +124,10 @@
 //! across the ranks (`bucket_cap_bytes differs between ranks: 4096 here, from 4096 to 8192
 //! across the ranks`), on every rank alike. Compared are:
 //! - the `DdpConfig` and parameter list, at [`Ddp::new`];
-//! - a comm hook's name and [`CommHook::settings`] (PowerSGD's, post-local SGD's start), before
+//! - a comm hook's name and [`CommHook::settings`] (PowerSGD's; post-local SGD's start and resumed step count), before
 //!   the first bucket after [`Ddp::set_comm_hook`] (a second all-reduce names the settings when
 //!   only their values differ); the step's call reports it, and every later step fails alike
-//!   until a hook alike is set;
+//!   until every rank calls `set_comm_hook` again with hooks alike;
 //! - a [`ModelAverager`]'s period, warm-up, call count, bucket cap and parameter list, at its
 //!   first average on each communicator;
 //! - a [`HierarchicalAverager`]'s levels, in [`HierarchicalAverager::by_group_sizes`].

@@ -374,17 +374,20 @@ impl ModelAverager {
     }
 
     /// Packs parameters into all-reduces of at most `bytes` (25 MiB by default; a larger
-    /// parameter goes alone).
+    /// parameter goes alone). The next average compares the settings again.
     #[must_use]
     pub fn with_bucket_cap_bytes(mut self, bytes: usize) -> ModelAverager {
         self.packer.cap_bytes = bytes.max(1);
+        self.agreed_on = None;
         self
     }
 
-    /// Counts `steps` calls as already made (resuming from a checkpoint taken after them).
+    /// Counts `steps` calls as already made (resuming from a checkpoint taken after them). The
+    /// next average compares the settings again.
     #[must_use]
     pub fn with_steps(mut self, steps: u64) -> ModelAverager {
         self.step = steps;
+        self.agreed_on = None;
         self
     }
 
@@ -406,8 +409,9 @@ impl ModelAverager {
     /// when due: every rank of `comm` calls it alike, with the same parameter list (count,
     /// lengths, dtypes).
     ///
-    /// The first call that averages on a communicator (and a call with a `period` of 0) first
-    /// compares, in one small all-reduce, the period, `warmup_steps`, the call's number, the
+    /// The first call that averages on a communicator (by its id: again after a call on another
+    /// one, or after `with_steps` or `with_bucket_cap_bytes`), and a call with a `period` of 0,
+    /// first compares, in one small all-reduce, the period, `warmup_steps`, the call's number, the
     /// bucket cap and the parameter list between its ranks: a rank set up differently would
     /// otherwise average at other calls, with the others' averages of other steps, and leave
     /// them waiting at the end. That needs the ranks' first averages to fall on the same call

@@ -747,7 +747,7 @@ impl<C: Borrow<Communicator>> Ddp<C> {
         let msg: Vec<String> = d.into_iter().map(|(_, m)| m).collect();
         let msg = format!(
             "hook {name} (given to set_comm_hook): {}; no bucket goes through it (every step \
-             fails) until set_comm_hook gives every rank the same",
+             fails) until every rank calls set_comm_hook again with hooks alike",
             msg.join("; ")
         );
         self.hook_check = HookCheck::Refused(msg.clone());

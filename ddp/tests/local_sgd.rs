@@ -836,6 +836,20 @@ fn model_averagers_set_up_differently_on_some_rank_are_refused_on_every_rank() {
         // (the others would not meet it).
         let mut avg = if rank == 0 { avg.clone() } else { avg };
         assert!(avg.average(&comm, &mut [&mut w[..]]).unwrap());
+        // Resumed (with_steps) after the comparison: compared again, so rank 1's other count
+        // is named.
+        let calls = if rank == 1 { 9 } else { 2 };
+        let what = format!(
+            "the call's number (0-based, counting with_steps) differs between ranks: {calls} \
+             here, from 2 to 9"
+        );
+        let mut resumed = avg.clone().with_steps(calls);
+        let before = w.clone();
+        match resumed.average(&comm, &mut [&mut w[..]]) {
+            Err(DdpError::InvalidArgument { msg, .. }) => assert!(msg.contains(&what), "{msg}"),
+            other => panic!("rank {rank}: accepted: {other:?}"),
+        }
+        assert_eq!(w, before);
         // On another communicator the settings are compared again: rank 3, resumed at another
         // call, is named in its pair; the other pair averages.
         let half = pair(&comm);
