@@ -911,6 +911,22 @@ fn post_local_sgd_starting_at_another_step_on_one_rank_is_refused_on_every_rank(
         ddp.grad_ready(0, &g).unwrap();
         assert_eq!(ddp.finish().unwrap(), Step::Synced { step: 0 });
         assert_eq!(ddp.grad::<f32>(0).unwrap(), [1.5; 4]);
+        // Resumed at other step counts: named too.
+        let begun = if rank == 0 { 3 } else { 4 };
+        let hook = PostLocalSgd::new(&comm, pair(&comm), 1)
+            .unwrap()
+            .with_steps(begun);
+        ddp.set_comm_hook(hook).unwrap();
+        ddp.grad_ready(0, &g).unwrap();
+        match ddp.finish() {
+            Err(DdpError::InvalidArgument { msg, .. }) => {
+                let what = format!(
+                    "steps begun (with_steps) differs between ranks: {begun} here, from 3 to 4"
+                );
+                assert!(msg.contains(&what), "{msg}");
+            }
+            other => panic!("rank {rank}: accepted: {other:?}"),
+        }
         Ok(())
     });
     for r in out {

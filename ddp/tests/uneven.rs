@@ -570,3 +570,55 @@ fn a_joined_rank_uses_no_parameter() {
         Ok(())
     });
 }
+
+/// The default all-reduce with one setting, which DDP compares between the ranks.
+struct Keyed(u64);
+
+impl CommHook for Keyed {
+    fn name(&self) -> &str {
+        "keyed"
+    }
+    fn start(&mut self, comm: &Communicator, bucket: oxccl_ddp::GradBucket) -> oxccl_ddp::HookWork {
+        oxccl_ddp::AllReduceAvg.start(comm, bucket)
+    }
+    fn settings(&self) -> Vec<(&'static str, u64)> {
+        vec![("k", self.0)]
+    }
+}
+
+#[test]
+fn a_hook_whose_settings_differ_is_refused_in_join_step_too() {
+    on_ranks(3, |comm: Communicator| {
+        let rank = comm.rank();
+        let mut ddp = new_ddp(&comm, cfg(Overlap::On, UnevenInputs::DivideByWorldSize)).unwrap();
+        // Ranks 0 and 1 train, rank 2 has no data and stands in.
+        let step = |ddp: &mut Ddp<&Communicator>, batch: usize| {
+            if rank == 2 {
+                return ddp.join_step();
+            }
+            for p in (0..LENS.len()).rev() {
+                ddp.grad_ready(p, &grad(rank, batch, p))?;
+            }
+            ddp.finish().map(Some)
+        };
+        ddp.set_comm_hook(Keyed(u64::from(rank == 2))).unwrap();
+        match step(&mut ddp, 0) {
+            Err(DdpError::InvalidArgument { rank: r, op, msg }) => {
+                let call = if rank == 2 { "join_step" } else { "finish" };
+                assert_eq!((r, op), (rank, call));
+                let what = format!("k differs between ranks: {} here", u64::from(rank == 2));
+                assert!(msg.contains("keyed") && msg.contains(&what), "{msg}");
+            }
+            other => panic!("rank {rank}: accepted: {other:?}"),
+        }
+        // Alike: the stand-in step goes through, then every rank joins.
+        ddp.set_comm_hook(Keyed(5)).unwrap();
+        assert_eq!(step(&mut ddp, 1).unwrap(), Some(Step::Synced { step: 0 }));
+        assert_eq!(ddp.active_ranks(), 2);
+        assert_eq!(ddp.join_step().unwrap(), None);
+        let mut x = [1u32];
+        comm.all_reduce(&mut x, ReduceOp::Sum)?;
+        assert_eq!(x, [3]);
+        Ok(())
+    });
+}
