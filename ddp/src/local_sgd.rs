@@ -411,19 +411,19 @@ impl ModelAverager {
     ///
     /// The first call that averages on a communicator (by its id: again after a call on another
     /// one, or after `with_steps` or `with_bucket_cap_bytes`), and a call with a `period` of 0,
-    /// first compares, in one small all-reduce, the period, `warmup_steps`, the call's number, the
-    /// bucket cap and the parameter list between its ranks: a rank set up differently would
-    /// otherwise average at other calls, with the others' averages of other steps, and leave
-    /// them waiting at the end. That needs the ranks' first averages to fall on the same call
-    /// (one warm-up that differs can make them miss each other): otherwise the comparison meets
-    /// another collective, and the communicator reports a mismatch or a time-out.
+    /// first compares, in one small all-reduce, the period, `warmup_steps`, the call's number,
+    /// the bucket cap and the parameter list between its ranks: a rank set up differently
+    /// would otherwise average at other calls, with the others' averages of other steps, and
+    /// leave them waiting at the end. That needs the ranks' first averages to fall on the same
+    /// call (one warm-up that differs can make them miss each other): otherwise the comparison
+    /// meets another collective, and the communicator reports a mismatch or a time-out.
     ///
     /// # Errors
     /// `InvalidArgument` naming each setting that differs between the ranks, on every rank
     /// alike, and the call is not counted. Then `InvalidArgument` for a `period` of 0, or when
     /// due for a parameter of an integer dtype or whose `GradBuf` views disagree in length: on
-    /// every rank alike, before any averaging, and the call is not counted. The all-reduces' errors
-    /// (`PeerLost`, `Timeout`, ...; the call counted): every all-reduce is waited on, those
+    /// every rank alike, before any averaging, and the call is not counted. The all-reduces'
+    /// errors (`PeerLost`, `Timeout`, ...; the call counted): every all-reduce is waited on, those
     /// that completed are copied back and the first error is returned, so this rank's
     /// parameters may then be partly averaged; treat it as the end of the step's replicas (see
     /// the crate docs, "After a lost rank").

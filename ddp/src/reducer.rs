@@ -713,13 +713,8 @@ impl<C: Borrow<Communicator>> Ddp<C> {
             HookCheck::Pending => {}
         }
         let name = self.hook.name().to_string();
-        let settings: Vec<Setting> = self
-            .hook
-            .settings()
-            .into_iter()
-            .map(|(n, v)| Setting::number(n, v))
-            .collect();
         let pairs = self.hook.settings();
+        let settings: Vec<Setting> = pairs.iter().map(|&(n, v)| Setting::number(n, v)).collect();
         let all = fnv1a(pairs.iter().flat_map(|&(n, v)| [fnv1a_str(n), v]));
         let listed: Vec<String> = pairs.iter().map(|(n, v)| format!("{n} {v}")).collect();
         let summary = [

@@ -198,7 +198,7 @@ fn a_zero_period_and_rescaled_uneven_inputs_are_refused() {
             }
             e => panic!("rank {rank}: {e}"),
         }
-        // An integer parameter, when due: refused before any communication, and not counted.
+        // An integer parameter, when due: refused before any averaging, and not counted.
         let mut avg = ModelAverager::new(1, 0);
         let mut n = vec![7i32; 2];
         let e = avg
@@ -212,8 +212,8 @@ fn a_zero_period_and_rescaled_uneven_inputs_are_refused() {
             e => panic!("rank {rank}: {e}"),
         }
         assert_eq!((avg.steps(), avg.due()), (0, true));
-        // Nothing was averaged (w differs between the ranks) and nothing was issued: the
-        // communicator goes on.
+        // Nothing was averaged (w differs between the ranks), and only the comparison of the
+        // settings was issued, alike on every rank: the communicator goes on.
         assert_eq!(
             (w.as_slice(), n.as_slice()),
             ([rank as f32; 4].as_slice(), [7, 7].as_slice())
