@@ -20,8 +20,9 @@ pub struct DdpConfig {
     /// [`DdpError::UnusedParameters`](crate::DdpError::UnusedParameters). The same on every rank
     /// ([`Ddp::new`](crate::Ddp::new) checks). PyTorch leaves the `.grad` of a parameter unused
     /// on every rank as it was (`None` when it never had one); here its average reads as zeros
-    /// (PowerSGD's error feedback may add residuals), and an optimizer with weight decay or momentum would still move it: skip the parameters
-    /// of `unused_on_every_rank` to do as PyTorch does. PyTorch also does not rebuild the
+    /// (PowerSGD's error feedback may add residuals), and an optimizer with weight decay or
+    /// momentum would still move it: skip the parameters of `unused_on_every_rank` to do as
+    /// PyTorch does. PyTorch also does not rebuild the
     /// buckets when this is set (without `static_graph`); here [`DdpConfig::rebuild_buckets`]
     /// decides alone.
     pub find_unused_parameters: bool,
