@@ -124,12 +124,13 @@
 //! across the ranks (`bucket_cap_bytes differs between ranks: 4096 here, from 4096 to 8192
 //! across the ranks`), on every rank alike. Compared are:
 //! - the `DdpConfig` and parameter list, at [`Ddp::new`];
-//! - a comm hook's name and [`CommHook::settings`] (PowerSGD's; post-local SGD's start and resumed step count), before
-//!   the first bucket after [`Ddp::set_comm_hook`] (a second all-reduce names the settings when
-//!   only their values differ); the step's call reports it, and every later step fails alike
-//!   until every rank calls `set_comm_hook` again with hooks alike;
+//! - a comm hook's name and [`CommHook::settings`] (PowerSGD's; post-local SGD's start and
+//!   resumed step count), before the first bucket after [`Ddp::set_comm_hook`] (a second
+//!   all-reduce names the settings when only their values differ); the step's call reports it,
+//!   and every later step fails alike until every rank calls `set_comm_hook` again with hooks
+//!   alike;
 //! - a [`ModelAverager`]'s period, warm-up, call count, bucket cap and parameter list, at its
-//!   first average on each communicator;
+//!   first average on each communicator (again after `with_steps` or `with_bucket_cap_bytes`);
 //! - a [`HierarchicalAverager`]'s levels, in [`HierarchicalAverager::by_group_sizes`].
 //!
 //! Without it a rank set up differently would average other steps' values or against other
