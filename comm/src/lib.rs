@@ -28,37 +28,30 @@
 //! `topology` (data/tensor/pipeline group placement, [`Topology::setup`]), and with the `cuda`
 //! feature `cuda` (collectives on device buffers, enqueued on a CUDA stream).
 
-pub mod affinity;
-pub mod algorithm;
-pub mod bootstrap;
-pub mod channels;
-mod collectives;
-mod communicator;
-pub mod config;
+mod algorithm;
+mod api;
+mod base;
 #[cfg(feature = "cuda")]
-pub mod cuda;
-mod elastic;
-pub mod engine;
-pub mod error;
-pub mod harness;
-pub mod logging;
-mod objects;
-pub mod op;
-mod p2p;
-mod prims;
-mod stall;
-pub mod topology;
-pub mod trace;
+mod device;
+mod engine;
+#[cfg(test)]
+mod layers;
 pub mod transport;
-pub mod tuning;
 
-pub use communicator::Communicator;
-pub use config::Config;
+pub use api::{harness, topology};
+pub use base::{affinity, bootstrap, config, error, logging, op, trace, tuning};
+
+pub use api::buffers::Buffers;
+pub use api::communicator::Communicator;
+#[cfg(feature = "cuda")]
+pub use api::device as cuda;
+pub use api::p2p::{OwnedP2pOp, P2pOp};
+pub use base::buffer::{Buf, BufError, BufMut, BufOwner};
+pub use base::config::Config;
+pub use base::error::{Error, Result};
+pub use base::op::Collective;
+pub use base::trace::{TraceDump, TraceRecord, TraceState};
+pub use base::tuning::Algorithm;
 pub use engine::Work;
-pub use error::{Error, Result};
-pub use op::Collective;
 pub use oxccl_kernels::{DType, Element, ReduceOp};
-pub use p2p::{OwnedP2pOp, P2pOp};
 pub use topology::Topology;
-pub use trace::{TraceDump, TraceRecord, TraceState};
-pub use tuning::Algorithm;

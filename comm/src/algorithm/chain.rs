@@ -13,8 +13,8 @@
 
 use oxccl_kernels::{DType, ReduceOp};
 
-use crate::error::Result;
-use crate::prims::{Ctx, RecvMode};
+use crate::algorithm::prims::{Ctx, RecvMode};
+use crate::base::error::Result;
 
 /// Chain broadcast from `root`, in place, or out of place on the root (`src`: the root sends from
 /// `src` and mirrors each piece into `buf` as it goes out).

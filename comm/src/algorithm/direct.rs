@@ -24,15 +24,15 @@
 //!   buffer) while a peer still reads it. Out-of-place costs nothing extra.
 //!
 //! The tuner picks them by size (thresholds measured on the development machine, in
-//! `crate::tuning`); `OXCCL_ALGO=all-reduce=one-shot|two-shot|single-copy` forces one.
+//! `crate::base::tuning`); `OXCCL_ALGO=all-reduce=one-shot|two-shot|single-copy` forces one.
 
 use std::ops::Range;
 
 use oxccl_kernels::{reduce_bytes, reduce_into_bytes, DType, KernelError, ReduceOp};
 
 use crate::algorithm::partition;
-use crate::error::{Error, Result};
-use crate::prims::{copy, Ctx};
+use crate::algorithm::prims::{copy, Ctx};
+use crate::base::error::{Error, Result};
 
 /// Bytes read from a peer per `process_vm_readv` before they are reduced (fits in L2).
 pub(crate) const BLOCK: usize = 256 << 10;

@@ -5,8 +5,8 @@
 //! other, so none leaves before all have entered. Zero payload bytes; one slot per round.
 
 use super::ring_sub;
-use crate::error::Result;
-use crate::prims::{Ctx, RecvMode};
+use crate::algorithm::prims::{Ctx, RecvMode};
+use crate::base::error::Result;
 
 /// Dissemination barrier.
 pub(crate) fn barrier(ctx: &mut Ctx<'_>) -> Result<()> {

@@ -21,8 +21,8 @@
 use oxccl_kernels::{DType, ReduceOp};
 
 use super::split_pair;
-use crate::error::Result;
-use crate::prims::{Ctx, RecvMode};
+use crate::algorithm::prims::{Ctx, RecvMode};
+use crate::base::error::Result;
 
 /// Folds ranks beyond the largest power of two `p <= n` into their partners; returns this rank's
 /// index among the `p` participants (`None` for a rank folded away) and `rem = n - p`.

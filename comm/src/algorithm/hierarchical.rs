@@ -30,8 +30,8 @@ use std::ops::Range;
 use oxccl_kernels::{DType, ReduceOp};
 
 use super::{blocks, partition, ring, ring_sub};
-use crate::error::{Error, Result};
-use crate::prims::{Ctx, NodeLayout, RecvMode, RecvPart, SendPart};
+use crate::algorithm::prims::{Ctx, NodeLayout, RecvMode, RecvPart, SendPart};
+use crate::base::error::{Error, Result};
 
 fn layout<'c>(ctx: &Ctx<'c>) -> Result<&'c NodeLayout> {
     ctx.layout.ok_or_else(|| Error::InvalidArgument {

@@ -11,8 +11,8 @@
 
 use std::ops::Range;
 
-use crate::error::Result;
-use crate::prims::{Ctx, RecvMode};
+use crate::algorithm::prims::{Ctx, RecvMode};
+use crate::base::error::Result;
 use crate::transport::Tag;
 
 /// Gather to `root`: `block` is this rank's data; at the root `out` has `n` blocks and block

@@ -1,4 +1,4 @@
-//! Collective algorithms, one file each, written against the primitives in `crate::prims` (and so
+//! Collective algorithms, one file each, written against the primitives in `crate::algorithm::prims` (and so
 //! against the transport trait only: no algorithm knows which backend carries its bytes).
 //!
 //! | file | algorithms |
@@ -27,6 +27,7 @@ pub(crate) mod halving_doubling;
 pub(crate) mod hierarchical;
 pub(crate) mod linear;
 pub(crate) mod pairwise;
+pub(crate) mod prims;
 pub(crate) mod ring;
 pub(crate) mod tree;
 

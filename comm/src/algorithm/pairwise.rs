@@ -8,8 +8,8 @@
 use std::ops::Range;
 
 use super::ring_sub;
-use crate::error::Result;
-use crate::prims::{Ctx, RecvMode};
+use crate::algorithm::prims::{Ctx, RecvMode};
+use crate::base::error::Result;
 use crate::transport::Tag;
 
 /// All-to-all: `input` and `output` hold `n` blocks of equal size.

@@ -26,8 +26,8 @@ use std::ops::Range;
 use oxccl_kernels::{finish_avg_bytes, DType, ReduceOp};
 
 use super::{blocks, partition, ring_sub, split_pair, split_pair_mut};
-use crate::error::{Error, Result};
-use crate::prims::{Ctx, RecvMode};
+use crate::algorithm::prims::{Ctx, RecvMode};
+use crate::base::error::{Error, Result};
 
 /// Reduce-scatter steps of one block. With `src` (the out-of-place input, indexed like `buf`),
 /// the first send reads `src` and every received chunk is combined with `src` into `buf`, so the

@@ -15,8 +15,8 @@
 
 use oxccl_kernels::{DType, ReduceOp};
 
-use crate::error::Result;
-use crate::prims::{Ctx, RecvMode};
+use crate::algorithm::prims::{Ctx, RecvMode};
+use crate::base::error::Result;
 
 /// Parent and children (in receive order for a reduce) of virtual rank `v` among `n`.
 pub(crate) fn binomial(v: usize, n: usize) -> (Option<usize>, Vec<usize>) {

@@ -11,7 +11,7 @@
 //!
 //! Nothing blocks: `try_*` return `None` when no slot is ready and [`SendConn::progress`] /
 //! [`RecvConn::progress`] move bytes without waiting. The waiting (spin, yield, poll, deadlines)
-//! lives in one place, the primitives in `crate::prims`, so every backend gets the same deadlines
+//! lives in one place, the primitives in `crate::algorithm::prims`, so every backend gets the same deadlines
 //! and abort behaviour. The model fits every medium oxccl targets: TCP (slots are staging
 //! buffers, progress is non-blocking socket I/O), shared memory (slots live in a mapped ring, post
 //! is a release-store of the head counter), CUDA IPC (slots in device memory) and RDMA (slots are
@@ -21,34 +21,38 @@
 //! to. The receiver compares it with what it expects, which is how ranks that call different
 //! collectives get [`crate::Error::Mismatch`] instead of garbage.
 
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda_ipc;
+mod links;
+pub(crate) mod select;
 pub mod shm;
 pub mod tcp;
 
+pub(crate) use links::Links;
+pub(crate) use select::Selector;
+
 use std::os::fd::RawFd;
 
-use bytemuck::{Pod, Zeroable};
+use std::sync::Arc;
+use std::time::Instant;
 
-use crate::error::Result;
+use crate::base::bootstrap::Store;
+use crate::base::config::Config;
+use crate::base::error::Result;
 
-/// What each slot carries besides its payload: which operation it belongs to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Pod, Zeroable)]
-#[repr(C)]
-pub struct Tag {
-    /// Sequence number of the operation (collective counter, or per-pair counter for send/recv).
-    pub seq: u64,
-    /// Packed operation description (collective, dtype, reduce op, root); see `crate::op`.
-    pub desc: u64,
-    /// Element count of the operation as the caller gave it.
-    pub count: u64,
-}
+pub use crate::base::op::Tag;
 
-/// Which way a backend wants to be polled when the waiter sleeps.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PollDir {
-    /// Wake when readable.
-    Read,
-    /// Wake when writable.
-    Write,
+pub use crate::base::sys::PollDir;
+
+/// What a rank sleeps on while it waits for peers that write into its memory: they ring it
+/// when they post (shared memory's doorbell, a futex in the rank's segment). An eventcount: read
+/// [`Doorbell::seq`] before a round of checks, then [`Doorbell::sleep_since`] ends at once if a
+/// peer rang after that read.
+pub trait Doorbell: Send + Sync {
+    /// The counter, read before a round of checks.
+    fn seq(&self) -> u32;
+    /// Sleeps at most `timeout`, unless the bell rang since the counter read `seen`.
+    fn sleep_since(&self, seen: u32, timeout: std::time::Duration);
 }
 
 /// The send half of a connection to one peer.
@@ -254,11 +258,11 @@ pub struct PeerInfo {
     /// Address of the rank's TCP listener (`ip:port`, IPv6 in brackets).
     pub tcp_addr: String,
     /// CPUs the rank may run on (empty: unknown), cut to its CPU quota
-    /// ([`crate::affinity::usable_cpus`]); see [`crate::affinity`].
+    /// ([`crate::base::affinity::usable_cpus`]); see [`crate::base::affinity`].
     pub cpus: Vec<usize>,
     /// Ranks on this rank's node as the communicator it was made from counted them (0: none);
     /// the `auto` rules of `OXCCL_SOCKET_CHANNELS`, `OXCCL_SPIN` and `OXCCL_SOCKET_SEND_THREAD`
-    /// share the node's CPUs among at least that many ([`crate::affinity::node_share`]).
+    /// share the node's CPUs among at least that many ([`crate::base::affinity::node_share`]).
     pub node_ranks: usize,
     /// CPUs on this rank's node as the communicator it was made from counted them (0: none).
     pub node_cpus: usize,
@@ -279,7 +283,7 @@ impl PeerInfo {
             self.node_id,
             self.pid,
             self.tcp_addr,
-            crate::affinity::encode_cpus(&self.cpus),
+            crate::base::affinity::encode_cpus(&self.cpus),
             self.node_ranks,
             self.node_cpus
         );
@@ -289,9 +293,9 @@ impl PeerInfo {
         s.into_bytes()
     }
 
-    /// The rank as [`crate::affinity::node_share`] counts it.
-    pub fn node_member(&self) -> crate::affinity::NodeMember<'_> {
-        crate::affinity::NodeMember {
+    /// The rank as [`crate::base::affinity::node_share`] counts it.
+    pub fn node_member(&self) -> crate::base::affinity::NodeMember<'_> {
+        crate::base::affinity::NodeMember {
             cpus: &self.cpus,
             node_ranks: self.node_ranks,
             node_cpus: self.node_cpus,
@@ -335,7 +339,7 @@ impl PeerInfo {
             .to_string();
         let cpus = it
             .next()
-            .and_then(crate::affinity::decode_cpus)
+            .and_then(crate::base::affinity::decode_cpus)
             .ok_or_else(|| bad("CPU list (line 5)"))?;
         let node_ranks = it
             .next()
@@ -364,30 +368,102 @@ impl PeerInfo {
     }
 }
 
-/// A connection backend. One instance per communicator and rank.
-pub trait Transport: Send {
-    /// Short name used in logs (`tcp`, `shm`, ...).
+/// What a transport needs to know of the communicator it connects: who is who, where ranks
+/// meet (the store, under keys below `id`), the settings, and which backend the selector gave
+/// every pair.
+pub(crate) struct Group<'a> {
+    /// This rank.
+    pub rank: usize,
+    /// Ranks in the communicator.
+    pub size: usize,
+    /// The communicator's id (the same on every rank): store keys live below it.
+    pub id: &'a str,
+    /// Where ranks publish what peers need to connect.
+    pub store: &'a Arc<dyn Store>,
+    /// The communicator's settings.
+    pub cfg: &'a Config,
+    /// Every rank's record, this rank's included, indexed by rank.
+    pub peers: &'a [PeerInfo],
+    /// This rank hosts the store server (its leaving takes the store down for everyone): CUDA
+    /// IPC's tear-down waits for the peers before such a rank leaves.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub hosts_store: bool,
+    /// The selector, which says for any pair of ranks which backend connects them.
+    pub selector: &'a Selector,
+    /// When connecting must be done.
+    pub deadline: Instant,
+}
+
+impl Group<'_> {
+    /// The backend that carries host memory between ranks `a` and `b` (the same answer on
+    /// every rank), `None` for `a == b` or when none can.
+    pub fn host_route(&self, a: usize, b: usize) -> Option<&'static str> {
+        (a != b)
+            .then(|| self.selector.host(&self.peers[a], &self.peers[b]).ok())
+            .flatten()
+    }
+}
+
+/// Which memory a backend carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Memory {
+    /// Host memory, through slots ([`SendConn`], [`RecvConn`]): every host collective, and
+    /// device buffers staged through pinned host memory.
+    Host,
+    /// Device memory, read in place by kernels on the peers' streams (CUDA IPC).
+    Device,
+}
+
+/// Whether a backend can connect ranks `a` and `b`: a pure function of their records and the
+/// communicator's settings, so both ranks of a pair (and every other rank) answer alike.
+pub(crate) type CanConnect = fn(a: &PeerInfo, b: &PeerInfo, cfg: &Config) -> Reach;
+
+/// The rule of backends that connect only ranks of one node (shared memory, CUDA IPC).
+pub(crate) fn same_node(a: &PeerInfo, b: &PeerInfo, _: &Config) -> Reach {
+    if a.node_id == b.node_id {
+        Reach::Yes
+    } else {
+        Reach::No(format!(
+            "rank {} is on node {:?} and rank {} on node {:?}: shared memory only connects \
+             ranks of one node",
+            a.rank, a.node_id, b.rank, b.node_id
+        ))
+    }
+}
+
+/// A connection backend, as in NCCL's transport table: whether it can connect a pair of ranks,
+/// then a connect in two steps, [`Transport::setup`] (this rank's side, published for the
+/// peers; never waits) and [`Transport::connect`] (the peers' sides met, the send and receive
+/// halves made). Every rank sets up every backend it was given peers for before any rank
+/// connects one, so no rank waits for a peer that is waiting for it. One instance per
+/// communicator and rank, made before the ranks exchange their records ([`Transport::advertise`]
+/// adds what peers need to the record).
+///
+/// Adding a backend: a folder under `transport/`, an implementation of this trait, and its row
+/// in [`select::backends`] (in priority order).
+pub(crate) trait Transport: Send {
+    /// Short name used in logs and by `OXCCL_TRANSPORT` (`shm`, `tcp`, `cuda_ipc`).
     fn name(&self) -> &'static str;
-    /// Whether this backend can connect `me` to `peer`.
-    fn can_connect(&self, me: &PeerInfo, peer: &PeerInfo) -> Reach;
-    /// Opens the send half to `peer` (does not wait for the peer to accept).
+    /// The memory this backend carries.
+    fn memory(&self) -> Memory;
+    /// The rule that says whether this backend can connect a pair.
+    fn can_connect(&self) -> CanConnect;
+    /// Adds what peers need to connect to this rank (an address) to this rank's record.
+    fn advertise(&self, me: &mut PeerInfo) {
+        let _ = me;
+    }
+    /// Makes this rank's side of the connections to `peers` (the ranks the selector gave this
+    /// backend) and publishes what they need through the store; never waits for a peer.
     ///
     /// # Errors
-    /// The peer cannot be reached before `deadline`.
-    fn connect_send(
-        &mut self,
-        peer: &PeerInfo,
-        deadline: std::time::Instant,
-    ) -> Result<Box<dyn SendConn>>;
-    /// Accepts the receive halves from every rank in `from`, in any arrival order.
+    /// A local resource cannot be made (a full `/dev/shm`), or the store fails.
+    fn setup(&mut self, group: &Group<'_>, peers: &[usize]) -> Result<()>;
+    /// Meets each of `peers`' sides (waiting at most until `group.deadline`) and puts the send
+    /// and receive halves to them into `links`.
     ///
     /// # Errors
-    /// Some rank did not connect before `deadline`.
-    fn accept_recvs(
-        &mut self,
-        from: &[usize],
-        deadline: std::time::Instant,
-    ) -> Result<Vec<(usize, Box<dyn RecvConn>)>>;
+    /// A peer does not connect in time, or connecting fails (naming the peer).
+    fn connect(&mut self, group: &Group<'_>, peers: &[usize], links: &mut Links) -> Result<()>;
 }
 
 #[cfg(test)]

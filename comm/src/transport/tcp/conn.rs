@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use socket2::SockRef;
 
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 use crate::transport::{PollDir, RecvConn, SendConn, Tag};
 
 /// Every frame on the wire is a multiple of this (one cache line).

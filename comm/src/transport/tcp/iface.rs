@@ -7,8 +7,8 @@
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, UdpSocket};
 
-use crate::config::SocketFamily;
-use crate::error::{Error, Result};
+use crate::base::config::SocketFamily;
+use crate::base::error::{Error, Result};
 
 /// A parsed interface filter.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -23,9 +23,9 @@ use socket2::{Domain, Protocol, SockRef, Socket, Type};
 pub(crate) use conn::{padding_candidates, small_sender};
 pub use conn::{TcpRecv, TcpSend};
 
-use crate::config::Config;
-use crate::error::{Error, Result};
-use crate::transport::{PeerInfo, Reach, RecvConn, SendConn, Transport};
+use crate::base::config::Config;
+use crate::base::error::{Error, Result};
+use crate::transport::{CanConnect, Group, Links, Memory, PeerInfo, Reach, Transport};
 
 const MAGIC: u64 = 0x4f58_4343_4c01_7463; // "OXCCL\x01tc"
 const HELLO: usize = 32;
@@ -275,32 +275,51 @@ impl TcpTransport {
     }
 }
 
+/// Ranks with a TCP address (every rank has one): the selector's rule for this backend.
+pub(crate) fn can_connect(_: &PeerInfo, b: &PeerInfo, _: &Config) -> Reach {
+    if b.tcp_addr.parse::<SocketAddr>().is_ok() {
+        Reach::Yes
+    } else {
+        Reach::No(format!("no TCP address for rank {}", b.rank))
+    }
+}
+
 impl Transport for TcpTransport {
     fn name(&self) -> &'static str {
         "tcp"
     }
 
-    fn can_connect(&self, _me: &PeerInfo, peer: &PeerInfo) -> Reach {
-        if peer.tcp_addr.parse::<SocketAddr>().is_ok() {
-            Reach::Yes
-        } else {
-            Reach::No(format!("no TCP address for rank {}", peer.rank))
+    fn memory(&self) -> Memory {
+        Memory::Host
+    }
+
+    fn can_connect(&self) -> CanConnect {
+        can_connect
+    }
+
+    fn advertise(&self, me: &mut PeerInfo) {
+        me.tcp_addr = self.addr();
+    }
+
+    /// Nothing to make: the listener was bound when the backend was made, and its address is
+    /// in this rank's record.
+    fn setup(&mut self, _: &Group<'_>, _: &[usize]) -> Result<()> {
+        Ok(())
+    }
+
+    /// A full mesh among `peers`: this rank opens its send halves first (the peers' listen
+    /// backlogs complete the handshakes without them), then accepts its receive halves in any
+    /// order.
+    fn connect(&mut self, group: &Group<'_>, peers: &[usize], links: &mut Links) -> Result<()> {
+        for &p in peers {
+            let send = self.connect_tcp_send(&group.peers[p], group.deadline)?;
+            links.send[p] = Some(Box::new(send));
         }
-    }
-
-    fn connect_send(&mut self, peer: &PeerInfo, deadline: Instant) -> Result<Box<dyn SendConn>> {
-        Ok(Box::new(self.connect_tcp_send(peer, deadline)?))
-    }
-
-    fn accept_recvs(
-        &mut self,
-        from: &[usize],
-        deadline: Instant,
-    ) -> Result<Vec<(usize, Box<dyn RecvConn>)>> {
-        let conns = self.accept_tcp_recvs(from, deadline)?;
-        Ok(conns
-            .into_iter()
-            .map(|(r, c)| (r, Box::new(c) as Box<dyn RecvConn>))
-            .collect())
+        for (p, conn) in self.accept_tcp_recvs(peers, group.deadline)? {
+            links.recv[p] = Some(Box::new(conn));
+            let addr = &group.peers[p].tcp_addr;
+            tracing::info!(rank = self.rank, peer = p, transport = "tcp", %addr, nsocks = self.cfg.nsocks, "connected");
+        }
+        Ok(())
     }
 }

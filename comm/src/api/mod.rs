@@ -1,0 +1,12 @@
+//! The user API: what a trainer calls.
+
+pub mod buffers;
+pub(crate) mod collectives;
+pub mod communicator;
+#[cfg(feature = "cuda")]
+pub mod device;
+pub(crate) mod elastic;
+pub mod harness;
+pub(crate) mod objects;
+pub mod p2p;
+pub mod topology;

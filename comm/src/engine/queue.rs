@@ -1,0 +1,125 @@
+//! The progress thread: async operations queued in ticket order, run by it (or by the thread
+//! that waits for them first), and stopped when the communicator goes.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+
+use super::{lock, ExecState, Job, JobSlot, Shared, TicketedJob, Work};
+use crate::base::error::Result;
+
+impl Shared {
+    /// Takes a ticket and queues the job `make(ticket, ahead)` makes, both under the worker lock,
+    /// so queued jobs sit in ticket order even when several threads queue at once (a job queued
+    /// behind a later ticket would wait for a turn that cannot come). Returns the ticket and how
+    /// many operations were ahead.
+    pub(crate) fn submit_ticketed<F>(self: &Arc<Self>, make: F) -> (u64, u64)
+    where
+        F: FnOnce(u64, u64) + Send + 'static,
+    {
+        let mut w = lock(&self.worker);
+        let (ticket, ahead) = self.take_ticket();
+        let job: Job = Box::new(move || make(ticket, ahead));
+        if w.is_none() {
+            let (tx, rx): (Sender<Job>, Receiver<Job>) = crossbeam_channel::unbounded();
+            let name = format!("oxccl-progress-r{}", self.rank);
+            match std::thread::Builder::new().name(name).spawn(move || {
+                for job in rx {
+                    job();
+                }
+            }) {
+                Ok(h) => *w = Some((tx, h)),
+                Err(e) => {
+                    tracing::error!(
+                        rank = self.rank,
+                        "could not start the progress thread: {e}; running inline"
+                    );
+                    drop(w);
+                    job();
+                    return (ticket, ahead);
+                }
+            }
+        }
+        if let Some((tx, _)) = w.as_ref() {
+            if let Err(e) = tx.send(job) {
+                (e.into_inner())();
+            }
+        }
+        (ticket, ahead)
+    }
+
+    /// Queues `run` on the progress thread as the next operation: it gets the execution state
+    /// and `buf` when its turn comes, and the returned [`Work`] (named `op`) gives back what
+    /// `finish` makes of `buf`.
+    pub(crate) fn submit_work<B, R, F>(
+        self: &Arc<Self>,
+        op: &'static str,
+        buf: B,
+        run: F,
+        finish: fn(B) -> R,
+    ) -> Work<R>
+    where
+        B: Send + 'static,
+        R: Send + 'static,
+        F: FnOnce(&Shared, &mut ExecState, &mut B) -> Result<()> + Send + 'static,
+    {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        let shared = Arc::clone(self);
+        let body: TicketedJob = Box::new(move |ticket: u64, ahead: u64| {
+            let mut buf = buf;
+            let r = shared.run_turn(ticket, ahead, |st| run(&shared, st, &mut buf));
+            let _ = tx.send(r.map(|()| finish(buf)));
+        });
+        // Whoever takes the body first runs it: the progress thread when its turn comes, or the
+        // thread that waits on the operation before the progress thread got to it.
+        let slot: JobSlot = Arc::new(Mutex::new(Some(body)));
+        let queued = Arc::clone(&slot);
+        let (ticket, ahead) = self.submit_ticketed(move |ticket, ahead| {
+            let body = lock(&queued).take();
+            if let Some(body) = body {
+                body(ticket, ahead);
+            }
+        });
+        let mut work = Work::new(rx, self.work_deadline(ahead), self.rank, op);
+        work.pending = Some((slot, ticket, ahead));
+        work.world.clone_from(&self.world);
+        work
+    }
+
+    /// The deadline of an async operation queued with `ahead` operations before it: each of them
+    /// and this one have their own time-out (and may read a stall report).
+    pub(crate) fn work_deadline(&self, ahead: u64) -> Instant {
+        // Slack: a second, and the stall report a timed-out operation reads.
+        Instant::now()
+            + self.timeout * (ahead as u32 + 2)
+            + Duration::from_secs(1)
+            + crate::base::stall::READ_BUDGET_MAX
+    }
+
+    /// Lets queued jobs finish and stops the progress thread, then waits (bounded) until every
+    /// operation issued so far has had its turn: one that a waiting thread took over from the
+    /// progress thread (see [`Work::wait`]) may still be running there.
+    pub(crate) fn stop_worker(&self) {
+        let w = lock(&self.worker).take();
+        if let Some((tx, h)) = w {
+            drop(tx);
+            let _ = h.join();
+        }
+        let mut t = lock(&self.turn);
+        let outstanding = u32::try_from(t.next_ticket - t.serving).unwrap_or(u32::MAX);
+        // Each of them may take its own time-out (as `run_turn` allows), and a second of slack.
+        let budget = self
+            .timeout
+            .saturating_mul(outstanding.saturating_add(1))
+            .saturating_add(Duration::from_secs(1));
+        let deadline = Instant::now().checked_add(budget);
+        while t.serving < t.next_ticket {
+            let left = deadline.map_or(budget, |d| d.saturating_duration_since(Instant::now()));
+            if left.is_zero() {
+                break;
+            }
+            t = self.wait_for_turns(t, left);
+        }
+    }
+}

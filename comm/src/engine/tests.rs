@@ -1,0 +1,340 @@
+//! Unit tests of the engine: turns, the progress thread, failure publication.
+
+use super::failure::{decode_error, encode_error};
+use super::*;
+use crate::base::bootstrap::MemStore;
+
+fn shared(timeout: Duration) -> (Arc<Shared>, Arc<MemStore>) {
+    let store = Arc::new(MemStore::new());
+    let cfg = Config {
+        timeout,
+        ..Config::default()
+    };
+    let sh = Shared::new(0, 2, false, &cfg, Links::default(), store.clone(), "t");
+    (Arc::new(sh), store)
+}
+
+fn is_turn_timeout(r: &Result<u64>) -> bool {
+    matches!(r, Err(Error::Timeout { op, .. }) if op == "waiting for earlier operations")
+}
+
+/// Runs the first ticket's operation on another thread and holds it there (bounded) until
+/// the returned sender is used; returns once it runs.
+fn hold_first_turn(sh: &Arc<Shared>) -> (Sender<()>, std::thread::JoinHandle<Result<()>>) {
+    let (go_tx, go_rx) = crossbeam_channel::bounded::<()>(1);
+    let (ran_tx, ran_rx) = crossbeam_channel::bounded::<()>(1);
+    let (t0, _) = sh.take_ticket();
+    let first = std::thread::spawn({
+        let sh = Arc::clone(sh);
+        move || {
+            sh.run_turn(t0, 0, |st| {
+                let _ = ran_tx.send(());
+                let _ = go_rx.recv_timeout(Duration::from_secs(60));
+                st.coll_seq += 1;
+                Ok(())
+            })
+        }
+    });
+    ran_rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("first operation runs");
+    (go_tx, first)
+}
+
+/// An operation that times out waiting for its turn never runs: the next one must not take
+/// its sequence number (peers would pair different data), so the communicator breaks and
+/// every later operation reports the time-out.
+#[test]
+fn a_turn_time_out_breaks_the_communicator() {
+    let (sh, store) = shared(Duration::from_millis(5));
+    let (go_tx, first) = hold_first_turn(&sh);
+    let (t1, ahead) = sh.take_ticket();
+    let skipped = sh.run_turn(t1, ahead, |st| {
+        st.coll_seq += 1;
+        Ok(st.coll_seq)
+    });
+    assert!(is_turn_timeout(&skipped), "{skipped:?}");
+    go_tx.send(()).unwrap();
+    first
+        .join()
+        .unwrap()
+        .expect("the operation ahead completes");
+    // The running operation broke the communicator as it ended: the cause is published.
+    assert!(store.try_get("t/error").unwrap().is_some());
+    let (t2, ahead) = sh.take_ticket();
+    let next = sh.run_turn(t2, ahead, |st| Ok(st.coll_seq));
+    assert!(is_turn_timeout(&next), "{next:?}");
+}
+
+/// A ticket that a later one passed over (it gave up waiting first) fails as soon as it
+/// sees the line has moved past it, instead of waiting out its own deadline.
+#[test]
+fn a_passed_over_ticket_fails_at_once() {
+    let (sh, _store) = shared(Duration::from_millis(50));
+    let (go_tx, first) = hold_first_turn(&sh);
+    let (t1, a1) = sh.take_ticket();
+    let (t2, a2) = sh.take_ticket();
+    // Ticket 2 starts waiting now (deadline 3 x 50 ms + 1 s); ticket 1 half a second later
+    // (deadline 2 x 50 ms + 1 s from then), so ticket 2 gives up first.
+    let third = std::thread::spawn({
+        let sh = Arc::clone(&sh);
+        move || sh.run_turn(t2, a2, |_| Ok(2))
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    let second = sh.run_turn(t1, a1, |_| Ok(1));
+    let third = third.join().unwrap();
+    assert!(is_turn_timeout(&third), "{third:?}");
+    match &second {
+        Err(Error::Timeout { detail, .. }) => {
+            assert!(detail.contains("a later operation gave up"), "{detail}")
+        }
+        other => panic!("{other:?}"),
+    }
+    go_tx.send(()).unwrap();
+    first
+        .join()
+        .unwrap()
+        .expect("the running operation completes");
+}
+
+/// With no operation running when the wait ends, the communicator breaks at once.
+#[test]
+fn a_turn_time_out_with_nothing_running_breaks_at_once() {
+    let (sh, store) = shared(Duration::from_millis(5));
+    let _never_runs = sh.take_ticket();
+    let (t1, ahead) = sh.take_ticket();
+    let r = sh.run_turn(t1, ahead, |st| Ok(st.coll_seq));
+    assert!(is_turn_timeout(&r), "{r:?}");
+    assert!(store.try_get("t/error").unwrap().is_some());
+    assert!(lock(&sh.exec).broken.is_some());
+}
+
+/// Holds the progress thread (after serving its own turn, so later turns are free) until
+/// the returned sender is used or dropped.
+fn hold_progress_thread(sh: &Arc<Shared>) -> Sender<()> {
+    let (gate_tx, gate_rx) = crossbeam_channel::bounded::<()>(1);
+    let (held_tx, held_rx) = crossbeam_channel::bounded::<()>(1);
+    let s = Arc::clone(sh);
+    sh.submit_ticketed(move |ticket, ahead| {
+        let _ = s.run_turn(ticket, ahead, |_| Ok(()));
+        let _ = held_tx.send(());
+        let _ = gate_rx.recv_timeout(Duration::from_secs(60));
+    });
+    held_rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the progress thread runs the holding job");
+    gate_tx
+}
+
+/// Queues an operation that appends `tag` and the thread it ran on to `log`.
+fn logged(
+    sh: &Arc<Shared>,
+    log: &Arc<Mutex<Vec<(u32, std::thread::ThreadId)>>>,
+    tag: u32,
+) -> Work<u32> {
+    let log = Arc::clone(log);
+    sh.submit_work(
+        "logged",
+        tag,
+        move |_, st, tag| {
+            st.coll_seq += 1;
+            lock(&log).push((*tag, std::thread::current().id()));
+            Ok(())
+        },
+        |tag| tag,
+    )
+}
+
+/// `wait()` on an operation the progress thread has not taken runs it on the waiting
+/// thread; one the progress thread has finished is only collected.
+#[test]
+fn wait_runs_an_operation_the_progress_thread_has_not_taken() {
+    let (sh, _store) = shared(Duration::from_millis(200));
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let gate = hold_progress_thread(&sh);
+    let w = logged(&sh, &log, 1);
+    // The progress thread is held: without the waiter running it, this times out.
+    assert_eq!(w.wait().expect("runs on the waiting thread"), 1);
+    assert_eq!(lock(&log)[0], (1, std::thread::current().id()));
+    drop(gate);
+    let w = logged(&sh, &log, 2);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !w.is_done() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(w.wait().expect("done on the progress thread"), 2);
+    let (tag, thread) = lock(&log)[1];
+    assert_eq!(tag, 2);
+    assert_ne!(thread, std::thread::current().id());
+    sh.stop_worker();
+}
+
+/// A waiter that takes a later operation still runs it after the earlier ones, which the
+/// progress thread runs once it is free: the order on the wire is the issue order.
+#[test]
+fn a_waiter_keeps_the_turn_order() {
+    let (sh, _store) = shared(Duration::from_secs(30));
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let gate = hold_progress_thread(&sh);
+    let first = logged(&sh, &log, 1);
+    let second = logged(&sh, &log, 2);
+    let parked = Arc::clone(&sh);
+    let release = std::thread::spawn(move || {
+        // Open the gate once this thread waits for its turn in `second` (it took the job).
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while lock(&parked.turn).waiters == 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        drop(gate);
+    });
+    // Taken by this thread, it waits for its turn until the progress thread ran `first`.
+    assert_eq!(second.wait().unwrap(), 2);
+    assert_eq!(first.wait().unwrap(), 1);
+    release.join().unwrap();
+    let log = lock(&log).clone();
+    assert_eq!(log.iter().map(|e| e.0).collect::<Vec<_>>(), [1, 2]);
+    assert_ne!(log[0].1, std::thread::current().id());
+    assert_eq!(log[1].1, std::thread::current().id());
+    assert_eq!(lock(&sh.exec).coll_seq, 2);
+    sh.stop_worker();
+}
+
+/// Dropping a communicator stops its progress thread; an operation a waiting thread took
+/// over is still running then, and must end before the connections close.
+#[test]
+fn stopping_waits_for_an_operation_a_waiter_runs() {
+    let (sh, _store) = shared(Duration::from_secs(30));
+    let gate = hold_progress_thread(&sh);
+    let (started_tx, started_rx) = crossbeam_channel::bounded::<()>(1);
+    let done = Arc::new(AtomicBool::new(false));
+    let finished = Arc::clone(&done);
+    let w = sh.submit_work(
+        "slow",
+        (),
+        move |_, _, _| {
+            let _ = started_tx.send(());
+            std::thread::sleep(Duration::from_millis(100));
+            finished.store(true, Ordering::SeqCst);
+            Ok(())
+        },
+        |b| b,
+    );
+    let waiter = std::thread::spawn(move || w.wait());
+    // The progress thread is held, so the waiter is the one running it.
+    started_rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the waiter runs the operation");
+    drop(gate);
+    sh.stop_worker();
+    assert!(
+        done.load(Ordering::SeqCst),
+        "stop_worker returned while the operation was running"
+    );
+    waiter.join().unwrap().unwrap();
+}
+
+/// An operation that panics (here on the thread that waits for it) still ends its turn:
+/// the next operation fails at once with the cause instead of waiting out its deadline.
+#[test]
+fn a_panicking_operation_breaks_the_communicator_and_ends_its_turn() {
+    let (sh, store) = shared(Duration::from_secs(2));
+    let w = sh.submit_work(
+        "boom",
+        (),
+        |_, _, _| -> Result<()> { panic!("a bug in an operation") },
+        |b| b,
+    );
+    let waited = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| w.wait()));
+    // Run on this thread (the panic reaches the caller) or on the progress thread (its
+    // result channel is dropped): either way an error, never a result.
+    assert!(!matches!(waited, Ok(Ok(()))), "{waited:?}");
+    let (t, ahead) = sh.take_ticket();
+    let next = sh.run_turn(t, ahead, |_| Ok(()));
+    match &next {
+        Err(Error::Aborted { reason, .. }) => assert!(reason.contains("panicked"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(store.try_get("t/error").unwrap().is_some());
+    sh.stop_worker();
+}
+
+#[test]
+fn errors_survive_the_store() {
+    let e = Error::Mismatch {
+        rank: 1,
+        peer: 2,
+        seq: 9,
+        local: "a\nb".into(),
+        remote: "c".into(),
+    };
+    match decode_error(&encode_error(&e), 5).unwrap() {
+        Error::Mismatch {
+            rank,
+            peer,
+            seq,
+            local,
+            remote,
+        } => {
+            assert_eq!(
+                (rank, peer, seq, local.as_str(), remote.as_str()),
+                (1, 2, 9, "a b", "c")
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+    let e = Error::PeerLost {
+        rank: 3,
+        peer: 2,
+        op: "x".into(),
+        detail: "eof".into(),
+    };
+    assert_eq!(
+        decode_error(&encode_error(&e), 0).unwrap().lost_peer(),
+        Some(2)
+    );
+    let e = Error::Timeout {
+        rank: 3,
+        op: "x".into(),
+        timeout: Duration::from_secs(1),
+        detail: "d".into(),
+    };
+    assert!(matches!(
+        decode_error(&encode_error(&e), 0).unwrap(),
+        Error::Aborted { rank: 0, .. }
+    ));
+    assert!(decode_error(b"junk", 0).is_none());
+}
+
+#[test]
+fn a_groups_reports_carry_the_note_once_and_its_stored_cause_none() {
+    let store = Arc::new(MemStore::new());
+    let cfg = Config {
+        timeout: Duration::from_secs(5),
+        ..Config::default()
+    };
+    let mut sh = Shared::new(0, 2, false, &cfg, Links::default(), store.clone(), "t");
+    sh.world = WorldNames::new("t", "w", &[3, 1]).map(Arc::new);
+    let sh = Arc::new(sh);
+    let note = "(ranks named here are of communicator t; its ranks 0-1 are ranks [3, 1] of w)";
+    let run = |f: fn() -> Error| {
+        let (t, ahead) = sh.take_ticket();
+        sh.run_turn(t, ahead, |_| -> Result<()> { Err(f()) })
+            .unwrap_err()
+            .to_string()
+    };
+    let first = run(|| Error::PeerLost {
+        rank: 0,
+        peer: 1,
+        op: "all-reduce".into(),
+        detail: "EOF".into(),
+    });
+    assert!(first.ends_with(note), "{first}");
+    // The broken state answers every later call, noted once.
+    let later = run(|| unreachable!("a broken communicator runs nothing"));
+    assert_eq!(later, first);
+    // What peers read, and the state kept, have no note: each reader notes it itself.
+    let stored = String::from_utf8(store.try_get("t/error").unwrap().unwrap()).unwrap();
+    assert!(!stored.contains("ranks named here"), "{stored}");
+    let kept = lock(&sh.exec).broken.clone().unwrap().to_string();
+    assert!(!kept.contains("ranks named here"), "{kept}");
+}

@@ -1,0 +1,243 @@
+//! The shared-memory backend's connect lifecycle ([`Transport`]): set-up creates this rank's
+//! segment (one receive ring per shared-memory peer, and the direct window's staging when every
+//! rank of the communicator shares the node) and publishes its name; connect maps every peer's
+//! segment, makes a send half into this rank's ring in the peer's segment and a receive half on
+//! the peer's ring in this one, waits until every peer has mapped this rank's segment, unlinks
+//! its name (the mappings stay), and, when every rank is a shared-memory peer, agrees on the
+//! single-copy path and opens the window.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::{job_prefix, probe_single_copy, Segment, ShmRecv, ShmSend, ShmWindow, UnlinkGuard};
+use crate::base::bootstrap::{hash_id, init_store_error};
+use crate::base::error::{Error, Result};
+use crate::transport::{same_node, CanConnect, Group, Links, Memory, Transport, Window};
+
+/// The shared-memory backend of one rank of one communicator.
+#[derive(Default)]
+pub(crate) struct ShmTransport {
+    /// This rank's segment once set up, with the guard that unlinks its name (when every peer
+    /// has mapped it, or when set-up fails and this is dropped).
+    own: Option<(Arc<Segment>, String, UnlinkGuard)>,
+}
+
+/// Ranks of one node (the selector's rule for this backend).
+pub(crate) fn can_connect(
+    a: &crate::transport::PeerInfo,
+    b: &crate::transport::PeerInfo,
+    cfg: &crate::base::config::Config,
+) -> crate::transport::Reach {
+    same_node(a, b, cfg)
+}
+
+/// Whether every rank of the communicator is a shared-memory peer of this one (the direct
+/// window then connects them all).
+fn everyone(group: &Group<'_>, peers: &[usize]) -> bool {
+    peers.len() + 1 == group.size
+}
+
+/// The store error of `what` on `key` during init, for `group`'s rank (a time-out when waiting
+/// ran out of time).
+fn failed(group: &Group<'_>, e: Error, what: &str, key: &str, waiting_for: Option<&str>) -> Error {
+    let (rank, timeout) = (group.rank, group.cfg.timeout);
+    init_store_error(rank, e, what, key, waiting_for, timeout, group.deadline)
+}
+
+/// Time left until `deadline`, at least a millisecond (a store wait of zero would not ask).
+fn left(deadline: Instant) -> Duration {
+    deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1))
+}
+
+impl Transport for ShmTransport {
+    fn name(&self) -> &'static str {
+        "shm"
+    }
+
+    fn memory(&self) -> Memory {
+        Memory::Host
+    }
+
+    fn can_connect(&self) -> CanConnect {
+        can_connect
+    }
+
+    fn setup(&mut self, group: &Group<'_>, peers: &[usize]) -> Result<()> {
+        let (rank, id, cfg) = (group.rank, group.id, group.cfg);
+        let job = id.split('/').next().unwrap_or("oxccl");
+        // Unique even for ranks that are threads of one process in several tests at once.
+        static SEGMENTS: AtomicU64 = AtomicU64::new(0);
+        let n = SEGMENTS.fetch_add(1, Ordering::Relaxed);
+        let name = format!(
+            "{}{:016x}-r{rank}-p{}-{n}",
+            job_prefix(job),
+            hash_id(id),
+            std::process::id()
+        );
+        let direct = if everyone(group, peers) {
+            cfg.direct_bytes
+        } else {
+            0
+        };
+        let (seg, path) =
+            Segment::create(rank, &name, peers.len(), cfg.slot_bytes, cfg.nslots, direct)?;
+        // The name goes at the end of `connect` (every peer has mapped the segment), or when
+        // this backend is dropped after a failure: the mappings stay.
+        let unlink = UnlinkGuard::new(path.clone());
+        let path = path.to_string_lossy().into_owned();
+        let key = format!("{id}/shm/{rank}");
+        group
+            .store
+            .set(&key, path.as_bytes())
+            .map_err(|e| failed(group, e, "publishing the shared-memory segment", &key, None))?;
+        self.own = Some((Arc::new(seg), path, unlink));
+        Ok(())
+    }
+
+    fn connect(&mut self, group: &Group<'_>, peers: &[usize], links: &mut Links) -> Result<()> {
+        let rank = group.rank;
+        let (own, _, unlink) = self
+            .own
+            .take()
+            .ok_or_else(|| Error::Config(format!("rank {rank}: shm connect before its set-up")))?;
+        let mut segs: Vec<Option<Arc<Segment>>> = vec![None; group.size];
+        segs[rank] = Some(own.clone());
+        let all = everyone(group, peers);
+        let mut can_read_all = group.cfg.single_copy;
+        for (ring, &p) in peers.iter().enumerate() {
+            let (peer_seg, peer_path) = map_peer(group, p)?;
+            let pid = group.peers[p].pid;
+            if all && can_read_all && !probe_single_copy(pid, &peer_seg) {
+                tracing::info!(
+                    rank,
+                    peer = p,
+                    "process_vm_readv cannot read this peer: no single-copy path"
+                );
+                can_read_all = false;
+            }
+            let ring_at_p = ring_in_peer(group, p, &peer_seg, &peer_path)?;
+            segs[p] = Some(peer_seg.clone());
+            let send = ShmSend::new(rank, p, pid, peer_seg.clone(), ring_at_p, own.clone());
+            links.send[p] = Some(Box::new(send));
+            let recv = ShmRecv::new(rank, p, pid, own.clone(), ring, peer_seg);
+            links.recv[p] = Some(Box::new(recv));
+            let key = format!("{}/shm_mapped/{p}", group.id);
+            group
+                .store
+                .add(&key, 1)
+                .map_err(|e| failed(group, e, "counting a mapped segment", &key, None))?;
+        }
+        wait_mapped(group, peers.len())?;
+        drop(unlink); // every peer has mapped it: the name goes, the mappings stay
+        links.bell = Some(own);
+        if all {
+            let segs = segs
+                .into_iter()
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| {
+                    Error::Config(format!("rank {rank}: a shared-memory peer has no segment"))
+                })?;
+            let window = open_window(group, segs, can_read_all)?;
+            links.window = Some(Box::new(window) as Box<dyn Window>);
+        }
+        Ok(())
+    }
+}
+
+/// Maps `p`'s segment, once `p` has published its name; returns it and its path.
+fn map_peer(group: &Group<'_>, p: usize) -> Result<(Arc<Segment>, String)> {
+    let key = format!("{}/shm/{p}", group.id);
+    let rec = group.store.get(&key, left(group.deadline)).map_err(|e| {
+        let waiting = format!("rank {p} never published its shared-memory segment");
+        let what = "reading a shared-memory segment name";
+        failed(group, e, what, &key, Some(&waiting))
+    })?;
+    let path = String::from_utf8_lossy(&rec).into_owned();
+    let seg = Segment::open(group.rank, p, &path)?;
+    tracing::info!(rank = group.rank, peer = p, transport = "shm", segment = %path, "connected");
+    Ok((Arc::new(seg), path))
+}
+
+/// This rank's ring in `p`'s segment: its position among `p`'s shared-memory peers (which the
+/// selector gives every rank alike).
+fn ring_in_peer(group: &Group<'_>, p: usize, peer_seg: &Segment, path: &str) -> Result<usize> {
+    let ring = (0..group.size)
+        .filter(|&q| group.host_route(p, q) == Some("shm"))
+        .position(|q| q == group.rank)
+        .unwrap_or(0);
+    if ring >= peer_seg.nrings() {
+        return Err(Error::Transport {
+            rank: group.rank,
+            peer: p,
+            transport: "shm",
+            msg: format!("{path} has no ring for this rank"),
+        });
+    }
+    Ok(ring)
+}
+
+/// Waits until `peers` peers have mapped this rank's segment (its name may go then).
+fn wait_mapped(group: &Group<'_>, peers: usize) -> Result<()> {
+    let mut backoff = Duration::from_micros(100);
+    let key = format!("{}/shm_mapped/{}", group.id, group.rank);
+    let mapped = || {
+        group
+            .store
+            .add(&key, 0)
+            .map_err(|e| failed(group, e, "reading the mapped-segment count", &key, None))
+    };
+    while mapped()? < peers as i64 {
+        if Instant::now() >= group.deadline {
+            return Err(Error::Timeout {
+                rank: group.rank,
+                op: "init".into(),
+                timeout: group.cfg.timeout,
+                detail: "shared-memory peers did not map this rank's segment".into(),
+            });
+        }
+        std::thread::sleep(backoff);
+        backoff = (backoff * 2).min(Duration::from_millis(10));
+    }
+    Ok(())
+}
+
+/// The direct window over every rank's segment (`segs`, indexed by rank), with the single-copy
+/// path only if every rank can read every other (all ranks decide the same, through the
+/// store).
+fn open_window(
+    group: &Group<'_>,
+    segs: Vec<Arc<Segment>>,
+    can_read_all: bool,
+) -> Result<ShmWindow> {
+    let (rank, id) = (group.rank, group.id);
+    let key = format!("{id}/single_copy/{rank}");
+    group
+        .store
+        .set(&key, if can_read_all { b"1" } else { b"0" })
+        .map_err(|e| {
+            failed(
+                group,
+                e,
+                "publishing the single-copy capability",
+                &key,
+                None,
+            )
+        })?;
+    let mut single_copy = true;
+    for p in 0..group.size {
+        let key = format!("{id}/single_copy/{p}");
+        let v = group.store.get(&key, left(group.deadline)).map_err(|e| {
+            let waiting = format!("rank {p} never published its single-copy capability");
+            let what = "reading a single-copy capability";
+            failed(group, e, what, &key, Some(&waiting))
+        })?;
+        single_copy &= v == b"1";
+    }
+    let pids = group.peers.iter().map(|p| p.pid).collect();
+    let staging = group.cfg.direct_bytes;
+    tracing::info!(rank, staging, single_copy, "shared-memory window");
+    Ok(ShmWindow::new(rank, segs, pids, single_copy))
+}
