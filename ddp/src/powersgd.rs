@@ -265,6 +265,10 @@ impl PowerSgd {
         Ok(plan)
     }
 
+    /// One step of a bucket of `T` elements (see the module docs): the first round (the
+    /// uncompressed values and `P = M Q`) is issued here; the hook's work waits for it, computes
+    /// and all-reduces `Q = M^T P`, writes the approximation `P Q^T` into the bucket and keeps the
+    /// error and `Q` for the next step.
     fn start_typed<T: Real>(&mut self, comm: &Communicator, bucket: GradBucket) -> HookWork {
         let rank = comm.rank();
         let plan = match self.plan(rank, &bucket.params, bucket.buffer.len()) {
@@ -277,16 +281,7 @@ impl PowerSgd {
             buffer: mut buf,
             params,
         } = bucket;
-        let old = lock(&self.states).remove(&index);
-        let mut st = match old {
-            Some(s) if s.key == params && s.dtype == T::DTYPE => s,
-            _ => State {
-                key: params,
-                dtype: T::DTYPE,
-                error: None,
-                q: None,
-            },
-        };
+        let mut st = self.take_state::<T>(index, params);
         let cfg = self.cfg.clone();
         let Some(g) = buf.as_mut_slice::<T>() else {
             return HookWork::new(move || {
@@ -296,6 +291,72 @@ impl PowerSgd {
                 ))
             });
         };
+        let mut q = self.start_q::<T>(&mut st, &plan, index);
+        let mut first = pack_flat(&plan, g);
+        // With error feedback, last step's residual is added to each row of a matrix just
+        // before the row's products with Q, while it is in cache (one pass over the matrices,
+        // not two).
+        let err = cfg
+            .error_feedback
+            .then(|| st.error.as_ref().and_then(|e| e.as_slice::<T>()))
+            .flatten()
+            .filter(|e| e.len() == g.len());
+        if let Some(qs) = q.as_mut_slice::<T>() {
+            compute_p(&plan, g, err, qs, &mut first);
+        }
+        let work = comm.all_reduce_async(first, ReduceOp::Avg);
+        let states = Arc::clone(&self.states);
+        HookWork::with_comm(move |comm| {
+            let mut first = work.wait()?;
+            let Some(g) = buf.as_mut_slice::<T>() else {
+                return Err(Self::invalid(rank, "bucket dtype changed".into()));
+            };
+            unpack_flat(&plan, g, &first);
+            let pts = &mut first[plan.flat_len..];
+            let mut qn = compute_q(&plan, g, pts);
+            comm.all_reduce(&mut qn, ReduceOp::Avg)?;
+            let mut err = if cfg.error_feedback {
+                Some(
+                    st.error
+                        .take()
+                        .filter(|e| e.len() == g.len())
+                        .unwrap_or_else(|| FlatBuffer::zeros(T::DTYPE, g.len())),
+                )
+            } else {
+                None
+            };
+            let err_rows = err.as_mut().and_then(|e| e.as_mut_slice::<T>());
+            approximate(&plan, g, pts, &qn, err_rows);
+            if cfg.warm_start {
+                if let Some(qs) = q.as_mut_slice::<T>() {
+                    qs.copy_from_slice(&qn);
+                }
+                st.q = Some(q);
+            }
+            st.error = err;
+            lock(&states).insert(index, st);
+            Ok(buf)
+        })
+    }
+
+    /// Bucket `index`'s state, taken out of the map while its work is in flight: the one kept
+    /// from the last step if it was for the same members and dtype, else a fresh one.
+    fn take_state<T: Real>(&self, index: usize, params: Vec<BucketEntry>) -> State {
+        let old = lock(&self.states).remove(&index);
+        match old {
+            Some(s) if s.key == params && s.dtype == T::DTYPE => s,
+            _ => State {
+                key: params,
+                dtype: T::DTYPE,
+                error: None,
+                q: None,
+            },
+        }
+    }
+
+    /// The `Q` (transposed) each matrix of bucket `index` starts this step from.
+    fn start_q<T: Real>(&self, st: &mut State, plan: &Plan, index: usize) -> FlatBuffer {
+        let cfg = &self.cfg;
         // The Q each matrix starts from: last step's (warm start) or zeros, orthonormalised, with
         // noise (seeded alike on every rank) where a column is zero or depends on the others:
         // a zero column would otherwise stay zero in every later step.
@@ -323,105 +384,93 @@ impl PowerSgd {
                 }
             }
         }
-        let mut first = vec![T::from_f64(0.0); plan.flat_len + plan.p_len];
-        let mut at = 0;
-        for &(off, len) in &plan.flat {
-            first[at..at + len].copy_from_slice(&g[off..off + len]);
-            at += len;
+        q
+    }
+}
+
+/// The first round's buffer: the uncompressed values of `g`, one range after another, then room
+/// for every matrix's `P^T`.
+fn pack_flat<T: Real>(plan: &Plan, g: &[T]) -> Vec<T> {
+    let mut first = vec![T::from_f64(0.0); plan.flat_len + plan.p_len];
+    let mut at = 0;
+    for &(off, len) in &plan.flat {
+        first[at..at + len].copy_from_slice(&g[off..off + len]);
+        at += len;
+    }
+    first
+}
+
+/// `P = M Q` of every matrix, written transposed into `first` past the uncompressed values, with
+/// last step's residual `err` (with error feedback) added to each row of `g` first.
+fn compute_p<T: Real>(plan: &Plan, g: &mut [T], err: Option<&[T]>, qs: &[T], first: &mut [T]) {
+    for mat in &plan.mats {
+        let pt = &mut first[plan.flat_len + mat.p..][..mat.r * mat.n];
+        let qt = &qs[mat.q..mat.q + mat.r * mat.m];
+        for i in 0..mat.n {
+            let at = mat.off + i * mat.m;
+            let row = &mut g[at..at + mat.m];
+            if let Some(err) = err {
+                for (x, &e) in row.iter_mut().zip(&err[at..at + mat.m]) {
+                    *x += e;
+                }
+            }
+            for k in 0..mat.r {
+                pt[k * mat.n + i] = dot(row, &qt[k * mat.m..][..mat.m]);
+            }
         }
-        // With error feedback, last step's residual is added to each row of a matrix just
-        // before the row's products with Q, while it is in cache (one pass over the matrices,
-        // not two).
-        let err = cfg
-            .error_feedback
-            .then(|| st.error.as_ref().and_then(|e| e.as_slice::<T>()))
-            .flatten()
-            .filter(|e| e.len() == g.len());
-        if let Some(qs) = q.as_mut_slice::<T>() {
-            for mat in &plan.mats {
-                let pt = &mut first[plan.flat_len + mat.p..][..mat.r * mat.n];
-                let qt = &qs[mat.q..mat.q + mat.r * mat.m];
-                for i in 0..mat.n {
-                    let at = mat.off + i * mat.m;
-                    let row = &mut g[at..at + mat.m];
-                    if let Some(err) = err {
-                        for (x, &e) in row.iter_mut().zip(&err[at..at + mat.m]) {
-                            *x += e;
-                        }
-                    }
-                    for k in 0..mat.r {
-                        pt[k * mat.n + i] = dot(row, &qt[k * mat.m..][..mat.m]);
-                    }
-                }
+    }
+}
+
+/// Copies the averaged uncompressed values from the first round's buffer back into `g`.
+fn unpack_flat<T: Real>(plan: &Plan, g: &mut [T], first: &[T]) {
+    let mut at = 0;
+    for &(off, len) in &plan.flat {
+        g[off..off + len].copy_from_slice(&first[at..at + len]);
+        at += len;
+    }
+}
+
+/// Orthonormalises the columns of every averaged `P` (the rows of `pts`, its `P^T`s) and returns
+/// `Q = M^T P` of every matrix, transposed, one after another.
+fn compute_q<T: Real>(plan: &Plan, g: &[T], pts: &mut [T]) -> Vec<T> {
+    let mut qn = vec![T::from_f64(0.0); plan.q_len];
+    for mat in &plan.mats {
+        let pt = &mut pts[mat.p..mat.p + mat.r * mat.n];
+        orthonormalise_rows(pt, mat.r, mat.n);
+        let qt = &mut qn[mat.q..mat.q + mat.r * mat.m];
+        for i in 0..mat.n {
+            let row = &g[mat.off + i * mat.m..][..mat.m];
+            for k in 0..mat.r {
+                axpy(&mut qt[k * mat.m..][..mat.m], pt[k * mat.n + i], row);
             }
         }
-        let work = comm.all_reduce_async(first, ReduceOp::Avg);
-        let states = Arc::clone(&self.states);
-        HookWork::with_comm(move |comm| {
-            let mut first = work.wait()?;
-            let Some(g) = buf.as_mut_slice::<T>() else {
-                return Err(Self::invalid(rank, "bucket dtype changed".into()));
-            };
-            let mut at = 0;
-            for &(off, len) in &plan.flat {
-                g[off..off + len].copy_from_slice(&first[at..at + len]);
-                at += len;
+    }
+    qn
+}
+
+/// Replaces every matrix of `g` by its approximation `P Q^T` (from the averaged `pts` and `qn`),
+/// writing what it missed of each row into `err` (with error feedback).
+fn approximate<T: Real>(plan: &Plan, g: &mut [T], pts: &[T], qn: &[T], mut err: Option<&mut [T]>) {
+    let mut approx = Vec::new();
+    for mat in &plan.mats {
+        let pt = &pts[mat.p..mat.p + mat.r * mat.n];
+        let qt = &qn[mat.q..mat.q + mat.r * mat.m];
+        approx.clear();
+        approx.resize(mat.m, T::from_f64(0.0));
+        for i in 0..mat.n {
+            approx.fill(T::from_f64(0.0));
+            for k in 0..mat.r {
+                axpy(&mut approx, pt[k * mat.n + i], &qt[k * mat.m..][..mat.m]);
             }
-            let pts = &mut first[plan.flat_len..];
-            let mut qn = vec![T::from_f64(0.0); plan.q_len];
-            for mat in &plan.mats {
-                let pt = &mut pts[mat.p..mat.p + mat.r * mat.n];
-                orthonormalise_rows(pt, mat.r, mat.n);
-                let qt = &mut qn[mat.q..mat.q + mat.r * mat.m];
-                for i in 0..mat.n {
-                    let row = &g[mat.off + i * mat.m..][..mat.m];
-                    for k in 0..mat.r {
-                        axpy(&mut qt[k * mat.m..][..mat.m], pt[k * mat.n + i], row);
-                    }
+            let at = mat.off + i * mat.m;
+            let row = &mut g[at..at + mat.m];
+            if let Some(e) = err.as_deref_mut() {
+                for ((e, &x), &a) in e[at..at + mat.m].iter_mut().zip(&*row).zip(&approx) {
+                    *e = x - a;
                 }
             }
-            comm.all_reduce(&mut qn, ReduceOp::Avg)?;
-            let mut err = if cfg.error_feedback {
-                Some(
-                    st.error
-                        .take()
-                        .filter(|e| e.len() == g.len())
-                        .unwrap_or_else(|| FlatBuffer::zeros(T::DTYPE, g.len())),
-                )
-            } else {
-                None
-            };
-            let mut approx = Vec::new();
-            for mat in &plan.mats {
-                let pt = &pts[mat.p..mat.p + mat.r * mat.n];
-                let qt = &qn[mat.q..mat.q + mat.r * mat.m];
-                approx.clear();
-                approx.resize(mat.m, T::from_f64(0.0));
-                for i in 0..mat.n {
-                    approx.fill(T::from_f64(0.0));
-                    for k in 0..mat.r {
-                        axpy(&mut approx, pt[k * mat.n + i], &qt[k * mat.m..][..mat.m]);
-                    }
-                    let at = mat.off + i * mat.m;
-                    let row = &mut g[at..at + mat.m];
-                    if let Some(e) = err.as_mut().and_then(|e| e.as_mut_slice::<T>()) {
-                        for ((e, &x), &a) in e[at..at + mat.m].iter_mut().zip(&*row).zip(&approx) {
-                            *e = x - a;
-                        }
-                    }
-                    row.copy_from_slice(&approx);
-                }
-            }
-            if cfg.warm_start {
-                if let Some(qs) = q.as_mut_slice::<T>() {
-                    qs.copy_from_slice(&qn);
-                }
-                st.q = Some(q);
-            }
-            st.error = err;
-            lock(&states).insert(index, st);
-            Ok(buf)
-        })
+            row.copy_from_slice(&approx);
+        }
     }
 }
 

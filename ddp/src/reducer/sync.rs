@@ -11,8 +11,8 @@ use std::borrow::Borrow;
 
 use oxccl_comm::{Communicator, ReduceOp};
 
-use super::{Ddp, Phase, Step};
-use crate::config::UnevenInputs;
+use super::{Ddp, Phase};
+use crate::config::{Step, UnevenInputs};
 use crate::error::Result;
 use crate::flat::{FlatBuffer, GradBuf};
 use crate::hooks::{AllReduceAvg, CommHook, GradBucket, HookWork};

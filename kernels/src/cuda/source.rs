@@ -1,0 +1,143 @@
+//! The generated CUDA C: the entry point of every kernel, one line each, named from [`table`]
+//! as the Rust dispatch names them, appended to [`BASE_SOURCE`] whole ([`source`]) or in
+//! [`PARTS`] parts ([`part_sources`]).
+
+use super::{BARRIER_KERNEL, BASE_SOURCE, COPY_KERNEL, KERNEL_OPS};
+use crate::{DType, ReduceOp};
+
+/// Every `(dtype, op)` pair that has a reduce kernel: the one list the generated CUDA source and
+/// the Rust dispatch are both built from.
+pub fn table() -> impl Iterator<Item = (DType, ReduceOp)> {
+    DType::ALL
+        .into_iter()
+        .flat_map(|d| KERNEL_OPS.into_iter().map(move |o| (d, o)))
+}
+
+/// The C type of `dt` in the CUDA source (the source typedefs the short names).
+fn ctype(dt: DType) -> &'static str {
+    match dt {
+        DType::F32 => "float",
+        DType::F64 => "double",
+        other => other.short_name(),
+    }
+}
+
+/// The kernel an operation runs: `Avg` and `PreMulSum` combine as `Sum`.
+fn kernel_op(op: ReduceOp) -> ReduceOp {
+    match op {
+        ReduceOp::Avg | ReduceOp::PreMulSum(_) => ReduceOp::Sum,
+        op => op,
+    }
+}
+
+fn op_struct(op: ReduceOp) -> &'static str {
+    match kernel_op(op) {
+        ReduceOp::Prod => "OpProd",
+        ReduceOp::Min => "OpMin",
+        ReduceOp::Max => "OpMax",
+        _ => "OpSum",
+    }
+}
+
+/// Name of the reduce kernel for `(dt, op)` (`Avg` and `PreMulSum` share the sum kernel).
+pub fn reduce_kernel_name(dt: DType, op: ReduceOp) -> String {
+    format!("oxccl_reduce_{}_{}", dt.short_name(), kernel_op(op).name())
+}
+
+/// Name of the divide kernel for `dt`.
+pub fn div_kernel_name(dt: DType) -> String {
+    format!("oxccl_div_{}", dt.short_name())
+}
+
+/// Name of the scale kernel for a float `dt` (`None` for integers).
+pub fn scale_kernel_name(dt: DType) -> Option<String> {
+    dt.is_float()
+        .then(|| format!("oxccl_scale_{}", dt.short_name()))
+}
+
+/// Every kernel name [`source`] defines.
+pub fn kernel_names() -> Vec<String> {
+    let mut names: Vec<String> = table().map(|(d, o)| reduce_kernel_name(d, o)).collect();
+    names.extend(DType::ALL.into_iter().map(div_kernel_name));
+    names.extend(DType::ALL.into_iter().filter_map(scale_kernel_name));
+    names.push(COPY_KERNEL.to_string());
+    names.push(BARRIER_KERNEL.to_string());
+    names
+}
+
+/// Every generated entry point: its name and its one line of CUDA C (one per [`table`] entry,
+/// the divide and scale kernels of every dtype, and the copy kernel). The barrier kernel is
+/// written out in [`BASE_SOURCE`].
+fn entries() -> Vec<(String, String)> {
+    let mut e = Vec::new();
+    for (dt, op) in table() {
+        let name = reduce_kernel_name(dt, op);
+        let line = format!(
+            "extern \"C\" __global__ void {name}({t}* dst, Inputs in, int k, usize n) \
+             {{ reduce_any<{t}, {o}>(dst, in, k, n); }}",
+            t = ctype(dt),
+            o = op_struct(op),
+        );
+        e.push((name, line));
+    }
+    for dt in DType::ALL {
+        let name = div_kernel_name(dt);
+        let line = format!(
+            "extern \"C\" __global__ void {name}({t}* dst, const {t}* src, u64 d, usize n) \
+             {{ div_elems<{t}>(dst, src, d, n); }}",
+            t = ctype(dt),
+        );
+        e.push((name, line));
+        if let Some(name) = scale_kernel_name(dt) {
+            let line = format!(
+                "extern \"C\" __global__ void {name}({t}* dst, const {t}* src, double f, usize n) \
+                 {{ scale_elems<{t}>(dst, src, f, n); }}",
+                t = ctype(dt),
+            );
+            e.push((name, line));
+        }
+    }
+    e.push((
+        COPY_KERNEL.to_string(),
+        format!(
+            "extern \"C\" __global__ void {COPY_KERNEL}(u8* dst, const u8* src, usize n) \
+             {{ copy_bytes(dst, src, n); }}"
+        ),
+    ));
+    e
+}
+
+/// The complete CUDA C source: [`BASE_SOURCE`] plus every generated entry point (for reading;
+/// the kernels are compiled from [`part_sources`]).
+pub fn source() -> String {
+    let mut s = String::from(BASE_SOURCE);
+    for (_, line) in entries() {
+        s.push_str(&line);
+        s.push('\n');
+    }
+    s
+}
+
+/// Into how many sources the entry points are split, compiled by NVRTC at the same time and
+/// loaded as as many modules: compiling the whole table as one program keeps NVRTC busy on one
+/// core for about 6 s, most of it in the reduce kernels, which the first device collective on a
+/// machine with empty caches waited for; in parts it takes about that divided by the cores (up
+/// to this many: 3 s on 2 cores). A fixed number, so a part's source, and so its cache key, is
+/// the same everywhere.
+pub const PARTS: usize = 8;
+
+/// The [`PARTS`] sources: each is [`BASE_SOURCE`] (templates, and the barrier kernel, which part
+/// 0 provides) plus every `PARTS`-th generated entry point, with the names it defines.
+pub fn part_sources() -> Vec<(Vec<String>, String)> {
+    let mut parts: Vec<(Vec<String>, String)> = (0..PARTS)
+        .map(|_| (Vec::new(), String::from(BASE_SOURCE)))
+        .collect();
+    for (i, (name, line)) in entries().into_iter().enumerate() {
+        let (names, src) = &mut parts[i % PARTS];
+        names.push(name);
+        src.push_str(&line);
+        src.push('\n');
+    }
+    parts[0].0.push(BARRIER_KERNEL.to_string());
+    parts
+}
