@@ -22,11 +22,18 @@
 //! not gets [`Error::Mismatch`] on every rank involved, a rank that dies gets
 //! [`Error::PeerLost`] on every survivor, and every wait has a deadline (`OXCCL_TIMEOUT`).
 //!
-//! Layout: `bootstrap` (stores, launcher variables), `transport` (the slot-based transport trait
-//! and its TCP backend), `algorithm` (one file per algorithm, written against the trait only),
-//! `tuning` (pure algorithm choice), `engine` (ordering, progress thread, failure propagation),
-//! `topology` (data/tensor/pipeline group placement, [`Topology::setup`]), and with the `cuda`
-//! feature `cuda` (collectives on device buffers, enqueued on a CUDA stream).
+//! Host buffers go in as typed slices (`&mut [T]`) or as untyped views ([`Buf`], [`BufMut`]:
+//! bytes and a [`DType`], through [`Communicator::buffers`]); with the `cuda` feature, device
+//! buffers go in through [`Communicator::on_stream`](crate::cuda::StreamComm) with the same
+//! names. Every collective follows one naming rule: `x` in place, `x_into` out of place, and
+//! `_async` for either form.
+//!
+//! The source is in layers, each using only those below it (a unit test checks it): `api`
+//! (the communicator and its calls), `engine` (ordering, progress thread, failure propagation,
+//! channels), `algorithm` (one file per algorithm, and the primitives they share), `transport`
+//! (the slot traits, the selector, one folder per backend: shared memory, TCP, CUDA IPC),
+//! `device` (pinned staging for device buffers) and `base` (rendezvous, configuration, tuning,
+//! trace, errors, the `libc` calls). docs/ARCHITECTURE.md walks through them.
 
 mod algorithm;
 mod api;
@@ -36,16 +43,17 @@ mod device;
 mod engine;
 #[cfg(test)]
 mod layers;
-pub mod transport;
+mod transport;
 
 pub use api::{harness, topology};
-pub use base::{affinity, bootstrap, config, error, logging, op, trace, tuning};
+pub use base::{bootstrap, config, error};
 
 pub use api::buffers::Buffers;
-pub use api::communicator::Communicator;
+pub use api::communicator::{Communicator, Stats};
 #[cfg(feature = "cuda")]
 pub use api::device as cuda;
 pub use api::p2p::{OwnedP2pOp, P2pOp};
+pub use base::affinity::NodeShare;
 pub use base::buffer::{Buf, BufError, BufMut, BufOwner};
 pub use base::config::Config;
 pub use base::error::{Error, Result};
@@ -55,3 +63,17 @@ pub use base::tuning::Algorithm;
 pub use engine::Work;
 pub use oxccl_kernels::{DType, Element, ReduceOp};
 pub use topology::Topology;
+
+/// What the `oxccl` command-line tool and the test suites use of this crate's insides: CPU
+/// affinity, logging set-up, operation descriptions, the flight recorder's file format, the
+/// tuner's override syntax, shared-memory segment names. Not part of the API: it may change in
+/// any release.
+#[doc(hidden)]
+pub mod internal {
+    pub use crate::base::{affinity, logging, op, trace, tuning};
+
+    /// Shared-memory segment names (what `oxccl launch` removes after a crashed job).
+    pub mod shm {
+        pub use crate::transport::shm::{job_prefix, SHM_DIR};
+    }
+}

@@ -62,7 +62,8 @@ impl FlatBuffer {
         Some(&mut bytemuck::cast_slice_mut::<u64, T>(&mut self.words)[..self.len])
     }
 
-    /// The buffer as a typed owner for the communicator's async calls, or the buffer back when
+    /// The buffer as a typed owner (for calls that need one; the communicator's untyped calls
+    /// take the buffer itself, see [`oxccl_comm::BufOwner`]), or the buffer back when
     /// `T` is not its dtype.
     ///
     /// # Errors
@@ -218,5 +219,17 @@ mod tests {
         assert_eq!(list[0].dtype(), DType::F64);
         assert_eq!(list[0].elems(), 3);
         assert_eq!(list[1].elems(), 7);
+    }
+}
+
+/// A flat buffer goes to the communicator's untyped calls as it is
+/// ([`oxccl_comm::Buffers::all_reduce_async`]).
+impl oxccl_comm::BufOwner for FlatBuffer {
+    fn view(&mut self) -> oxccl_comm::BufMut<'_> {
+        let dtype = self.dtype;
+        let whole = self.len * dtype.size();
+        let bytes = &mut bytemuck::cast_slice_mut(&mut self.words)[..whole];
+        // `len` elements of `dtype` are a whole number of them: the view cannot be refused.
+        oxccl_comm::BufMut::host(bytes, dtype).expect("len * size bytes are whole elements")
     }
 }

@@ -19,7 +19,7 @@ use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use oxccl_comm::{Communicator, DType, Element, ReduceOp};
 
-use crate::error::{DdpError, Result};
+use crate::error::Result;
 use crate::flat::FlatBuffer;
 
 /// A full bucket handed to a hook.
@@ -151,36 +151,18 @@ impl<H: CommHook + ?Sized> CommHook for Box<H> {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct AllReduceAvg;
 
-fn avg_typed<T: Element>(comm: &Communicator, buf: FlatBuffer) -> HookWork {
-    match buf.into_typed::<T>() {
-        Ok(t) => {
-            let work = comm.all_reduce_async(t, ReduceOp::Avg);
-            HookWork::new(move || Ok(work.wait()?.into_inner()))
-        }
-        Err(buf) => {
-            let rank = comm.rank();
-            HookWork::new(move || {
-                Err(DdpError::InvalidArgument {
-                    rank,
-                    op: "all_reduce hook",
-                    msg: format!(
-                        "bucket dtype {} dispatched as another",
-                        buf.dtype().short_name()
-                    ),
-                })
-            })
-        }
-    }
-}
-
 impl CommHook for AllReduceAvg {
     fn name(&self) -> &str {
         "all_reduce_avg"
     }
 
+    /// The bucket's flat buffer goes to the communicator as it is (an untyped view of its
+    /// dtype): no typed copy on the way.
     fn start(&mut self, comm: &Communicator, bucket: GradBucket) -> HookWork {
-        let buf = bucket.buffer;
-        oxccl_kernels::with_dtype!(buf.dtype(), avg_typed(comm, buf))
+        let work = comm
+            .buffers()
+            .all_reduce_async(bucket.buffer, ReduceOp::Avg);
+        HookWork::new(move || Ok(work.wait()?))
     }
 }
 

@@ -318,9 +318,8 @@ impl Communicator {
         }
     }
 
-    /// How this communicator's device collectives run: `Some("cuda_ipc")`, `Some("staged")`
-    /// (through pinned host memory), or `None` before its first device collective decided it.
-    pub fn device_path(&self) -> Option<&'static str> {
+    /// How this communicator's device collectives run ([`crate::Stats::device_path`]).
+    pub(crate) fn device_path(&self) -> Option<&'static str> {
         match lock(&self.cuda).as_ref().map(|s| &s.ipc) {
             Some(IpcMode::On(_)) => Some("cuda_ipc"),
             Some(IpcMode::Off) => Some("staged"),

@@ -1,8 +1,7 @@
 //! The transport trait: how bytes move between two ranks, whatever the medium.
 //!
 //! A transport connects a *send half* on one rank to a *receive half* on another, like NCCL's
-//! connectors. Each half owns a fixed number of **slots** (NCCL's FIFO steps) of `slot_size()`
-//! bytes:
+//! connectors. Each half owns a fixed number of **slots** (NCCL's FIFO steps) of a fixed size:
 //!
 //! - the sender asks for the next free slot ([`SendConn::try_slot`]), fills it (copy or reduce
 //!   straight into it) and posts it with a [`Tag`] ([`SendConn::post`]);
@@ -57,8 +56,6 @@ pub trait Doorbell: Send + Sync {
 
 /// The send half of a connection to one peer.
 pub trait SendConn: Send {
-    /// Bytes a slot holds.
-    fn slot_size(&self) -> usize;
     /// The next free slot, or `None` if every slot is still in flight.
     ///
     /// # Errors
@@ -84,7 +81,7 @@ pub trait SendConn: Send {
     /// Sends the rest of a message straight from the caller's memory, without staging it in a
     /// slot: `data` starts at the first byte not taken yet (the caller advances by what earlier
     /// calls returned, and keeps calling until everything is taken before it posts anything
-    /// else). The receiver sees ordinary frames of at most `min(frame, slot_size())` bytes tagged
+    /// else). The receiver sees ordinary frames of at most `frame` bytes, and at most a slot, tagged
     /// `tag` (smaller frames let the receiver start on a message before all of it has arrived).
     /// Returns how many bytes were taken now (possibly 0), or `None` when the backend has no such
     /// path (the default) and the caller must use slots.

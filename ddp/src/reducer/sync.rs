@@ -9,11 +9,11 @@
 
 use std::borrow::Borrow;
 
-use oxccl_comm::{Communicator, ReduceOp};
+use oxccl_comm::{BufMut, Communicator, ReduceOp};
 
 use super::{Ddp, Phase};
 use crate::config::{Step, UnevenInputs};
-use crate::error::Result;
+use crate::error::{DdpError, Result};
 use crate::flat::{FlatBuffer, GradBuf};
 use crate::hooks::{AllReduceAvg, CommHook, GradBucket, HookWork};
 use crate::layout::{plan, BucketSpec, Layout};
@@ -165,7 +165,7 @@ impl<C: Borrow<Communicator>> Ddp<C> {
                     first_err.get_or_insert(e);
                 }
                 // Issued whatever happened before, so every rank issues the same sequence.
-                let r = oxccl_kernels::with_dtype!(s.dtype, all_reduce_avg(comm, g, s.len))
+                let r = all_reduce_avg(comm, g, s.dtype)
                     .and_then(|()| self.rescale(g, s.dtype, factor));
                 if let Err(e) = r {
                     first_err.get_or_insert(e);
@@ -247,22 +247,14 @@ impl<C: Borrow<Communicator>> Ddp<C> {
     }
 }
 
-/// In-place average of one gradient of `len` elements in the caller's memory; through an aligned
-/// copy when a [`GradBuf`] hands out bytes that are not aligned for `T`.
-fn all_reduce_avg<T: oxccl_comm::Element>(
-    comm: &Communicator,
-    bytes: &mut [u8],
-    len: usize,
-) -> Result<()> {
-    if let Ok(v) = bytemuck::try_cast_slice_mut::<u8, T>(bytes) {
-        comm.all_reduce(v, ReduceOp::Avg)?;
-        return Ok(());
-    }
-    let mut tmp = FlatBuffer::zeros(T::DTYPE, len);
-    tmp.bytes_mut().copy_from_slice(bytes);
-    if let Some(v) = tmp.as_mut_slice::<T>() {
-        comm.all_reduce(v, ReduceOp::Avg)?;
-    }
-    bytes.copy_from_slice(tmp.bytes());
+/// In-place average of one gradient in the caller's memory, as an untyped view of its dtype
+/// (the collectives take bytes at any alignment).
+fn all_reduce_avg(comm: &Communicator, bytes: &mut [u8], dtype: oxccl_comm::DType) -> Result<()> {
+    let view = BufMut::host(bytes, dtype).map_err(|e| DdpError::InvalidArgument {
+        rank: comm.rank(),
+        op: "sync",
+        msg: e.to_string(),
+    })?;
+    comm.buffers().all_reduce(view, ReduceOp::Avg)?;
     Ok(())
 }

@@ -12,12 +12,55 @@ use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use crate::base::affinity::NodeShare;
 use crate::base::bootstrap::{Store, TcpStoreServer};
 use crate::base::config::Config;
 use crate::base::error::{Result, WorldNames};
 use crate::base::trace::TraceDump;
 use crate::engine::Engine;
 use crate::transport::{PeerInfo, Selector};
+
+/// Counters and tuning diagnostics of a communicator ([`Communicator::stats`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Stats {
+    /// The transport that carries host memory to each rank (`"shm"`, `"tcp"`; `"self"` for this
+    /// rank), as the selector chose it at init.
+    pub transports: Vec<&'static str>,
+    /// Whether this rank's waits busy-poll before they yield the core (`OXCCL_SPIN`,
+    /// [`Config::spin`], `auto` resolved at init).
+    pub spins: bool,
+    /// Channels this communicator runs (`OXCCL_SOCKET_CHANNELS`, [`Config::socket_channels`],
+    /// `auto` resolved at init): 1 without TCP peers.
+    pub channels: usize,
+    /// Operations (all-reduce, broadcast, reduce) cut across the channels so far, or `None`
+    /// without channels (one asked for, or no TCP peers).
+    pub channel_ops: Option<u64>,
+    /// Exchanges whose large messages to TCP peers went out on this rank's send thread so far
+    /// (`OXCCL_SOCKET_SEND_THREAD`, [`Config::socket_send_thread`]), or `None` without one.
+    pub send_thread_exchanges: Option<u64>,
+    /// This rank's node as the `auto` rules (`OXCCL_SPIN`, `OXCCL_SOCKET_SEND_THREAD`,
+    /// `OXCCL_SOCKET_CHANNELS`) counted it at init: the CPUs its ranks may use together and the
+    /// ranks sharing them, the parent's counts included for a communicator made from another.
+    pub node: NodeShare,
+    /// This process's CPU count at init (what [`Stats::node_holds`] counts where a rank's CPU
+    /// list is unknown).
+    pub cores: usize,
+    /// How device collectives run: `Some("cuda_ipc")`, `Some("staged")` (through pinned host
+    /// memory), or `None` before the first one decided it.
+    #[cfg(feature = "cuda")]
+    pub device_path: Option<&'static str>,
+}
+
+impl Stats {
+    /// Whether this rank's node has `per_rank` CPUs for each of its ranks, as the `auto` rules
+    /// counted them at init: 1 is what `OXCCL_SPIN=auto` asks, 2 what
+    /// `OXCCL_SOCKET_SEND_THREAD=auto` and DDP's `Overlap::Auto` ask (a CPU to spare beside the
+    /// rank's own thread).
+    pub fn node_holds(&self, per_rank: usize) -> bool {
+        self.node.holds(per_rank, self.cores)
+    }
+}
 
 /// A group of ranks that run collectives together. `Send + Sync`: share it by reference (or in an
 /// `Arc`) between threads; operations are run in the order they are issued.
@@ -61,7 +104,7 @@ pub struct Communicator {
     channels: usize,
     /// This rank's node as the `auto` rules counted it; communicators made from this one
     /// inherit it (`Config::node_ranks`, `Config::node_cpus`).
-    node: crate::base::affinity::NodeShare,
+    node: NodeShare,
     /// This process's CPU count at init: what the `auto` rules count for a node whose CPU
     /// lists are unknown.
     cores: usize,
@@ -112,12 +155,6 @@ impl Communicator {
         self.peers.iter().map(|p| p.node_id.as_str()).collect()
     }
 
-    /// The transport this rank uses to reach `peer`: `"shm"`, `"tcp"`, or `"self"` for this rank;
-    /// `None` for a rank outside the communicator.
-    pub fn transport_to(&self, peer: usize) -> Option<&'static str> {
-        self.transports.get(peer).copied()
-    }
-
     /// Whether the hierarchical all-reduce can run: the communicator spans at least two nodes,
     /// each with at least two of its ranks (the hierarchical reduce-scatter and all-gather also
     /// need the same number of ranks on every node).
@@ -125,53 +162,25 @@ impl Communicator {
         self.shared.layout.is_some()
     }
 
-    /// This rank's node as the `auto` rules (`OXCCL_SPIN`, `OXCCL_SOCKET_SEND_THREAD`,
-    /// `OXCCL_SOCKET_CHANNELS`) counted it at init: the CPUs its ranks may use together and the
-    /// ranks sharing them, the parent's counts included for a communicator made from another.
-    /// Layers above use it the same way, e.g. DDP's `Overlap::Auto` (a spare CPU per rank).
-    pub fn node_share(&self) -> crate::base::affinity::NodeShare {
-        self.node
-    }
-
-    /// Whether this rank's node has `per_rank` CPUs for each of its ranks, as the `auto` rules
-    /// counted them at init ([`Communicator::node_share`]; this process's CPU count then where a
-    /// rank's CPU list is unknown): 1 is what `OXCCL_SPIN=auto` asks, 2 what
-    /// `OXCCL_SOCKET_SEND_THREAD=auto` asks (a CPU to spare beside the rank's own thread).
-    pub fn node_holds(&self, per_rank: usize) -> bool {
-        self.node.holds(per_rank, self.cores)
-    }
-
-    /// Whether this rank's waits busy-poll before they yield the core (`OXCCL_SPIN`,
-    /// [`Config::spin`], `auto` resolved at init).
-    pub fn spins(&self) -> bool {
-        self.shared.spin
-    }
-
-    /// How many exchanges so far sent their large messages to TCP peers from this rank's send
-    /// thread (`OXCCL_SOCKET_SEND_THREAD`; [`Config::socket_send_thread`]), or `None` when this
-    /// communicator has no send thread.
-    pub fn send_thread_exchanges(&self) -> Option<u64> {
-        self.shared
-            .send_thread
-            .as_ref()
-            .map(|t| t.exchanges.load(Ordering::Relaxed))
-    }
-
-    /// Channels this communicator runs (`OXCCL_SOCKET_CHANNELS`, [`Config::socket_channels`],
-    /// `auto` resolved at init): 1 without TCP peers.
-    pub fn channels(&self) -> usize {
-        self.shared.channels.get().map_or(1, |c| c.comms.len() + 1)
-    }
-
-    /// How many operations (all-reduce, broadcast, reduce) were cut across this communicator's
-    /// channels
-    /// (`OXCCL_SOCKET_CHANNELS`, [`Config::socket_channels`]), or `None` when it has none (one
-    /// channel asked for, or no TCP peers).
-    pub fn channel_ops(&self) -> Option<u64> {
-        self.shared
-            .channels
-            .get()
-            .map(|c| c.ops.load(std::sync::atomic::Ordering::Relaxed))
+    /// Counters and tuning diagnostics: what the `auto` rules decided at init and what the
+    /// channels and the send thread did so far (see [`Stats`]).
+    pub fn stats(&self) -> Stats {
+        let channels = self.shared.channels.get();
+        Stats {
+            transports: self.transports.clone(),
+            spins: self.shared.spin,
+            channels: channels.map_or(1, |c| c.comms.len() + 1),
+            channel_ops: channels.map(|c| c.ops.load(Ordering::Relaxed)),
+            send_thread_exchanges: self
+                .shared
+                .send_thread
+                .as_ref()
+                .map(|t| t.exchanges.load(Ordering::Relaxed)),
+            node: self.node,
+            cores: self.cores,
+            #[cfg(feature = "cuda")]
+            device_path: self.device_path(),
+        }
     }
 
     /// The configuration this communicator runs with.

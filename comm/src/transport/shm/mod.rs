@@ -336,11 +336,6 @@ impl Segment {
         self.nrings
     }
 
-    /// Bytes of one staging half of the direct area.
-    pub fn direct_bytes(&self) -> usize {
-        self.direct
-    }
-
     /// Where the owner mapped this segment in its own address space (for the single-copy probe).
     pub fn owner_base(&self) -> usize {
         self.atomic_u64(40).load(Ordering::Relaxed) as usize
@@ -471,10 +466,6 @@ impl ShmSend {
 }
 
 impl SendConn for ShmSend {
-    fn slot_size(&self) -> usize {
-        self.dst.slot_size
-    }
-
     fn try_slot(&mut self) -> Result<Option<&mut [u8]>> {
         if self.dst.closed(self.ring).load(Ordering::Acquire) & RECEIVER_CLOSED != 0 {
             return Err(lost(

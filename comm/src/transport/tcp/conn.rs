@@ -279,10 +279,6 @@ impl TcpSend {
 }
 
 impl SendConn for TcpSend {
-    fn slot_size(&self) -> usize {
-        self.slot_size
-    }
-
     fn try_slot(&mut self) -> Result<Option<&mut [u8]>> {
         if self.direct.is_some() {
             self.finish_direct()?;
