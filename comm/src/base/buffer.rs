@@ -328,7 +328,7 @@ mod tests {
         let e = Buf::host(&bytes[..7], DType::F16).unwrap_err();
         assert_eq!(
             e.to_string(),
-            "7 bytes are not a whole number of f16 elements (2 bytes each)"
+            "7 bytes are not a whole number of half elements (2 bytes each)"
         );
         let mut typed = vec![1u64, 2, 3];
         let mut v = BufMut::from(&mut typed[..]);
