@@ -24,7 +24,7 @@
 //!
 //! Host buffers go in as typed slices (`&mut [T]`) or as untyped views ([`Buf`], [`BufMut`]:
 //! bytes and a [`DType`], through [`Communicator::buffers`]); with the `cuda` feature, device
-//! buffers go in through [`Communicator::on_stream`](crate::cuda::StreamComm) with the same
+//! buffers go in through `Communicator::on_stream` (the `cuda` module) with the same
 //! names. Every collective follows one naming rule: `x` in place, `x_into` out of place, and
 //! `_async` for either form.
 //!

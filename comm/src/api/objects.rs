@@ -8,7 +8,7 @@ use crate::base::error::Result;
 impl Communicator {
     /// Every rank's `mine`, in rank order, whatever their lengths (dataset shard lists, metadata,
     /// checksums of a checkpoint): an all-gather of the lengths, then an
-    /// [`all_gather_v`](Self::all_gather_v) of the bytes.
+    /// [`all_gather_v_into`](Self::all_gather_v_into) of the bytes.
     ///
     /// ```no_run
     /// # fn f(comm: &oxccl_comm::Communicator) -> oxccl_comm::Result<()> {
@@ -26,7 +26,7 @@ impl Communicator {
     /// twice the total.
     pub fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
         let mut lens = vec![0u64; self.size()];
-        self.all_gather(&[mine.len() as u64], &mut lens)?;
+        self.all_gather_into(&[mine.len() as u64], &mut lens)?;
         let counts = lens
             .iter()
             .map(|&l| usize::try_from(l))
@@ -46,7 +46,7 @@ impl Communicator {
                 )
             })?;
         let mut all = self.zeroed("all_gather_bytes", counts.iter().sum())?;
-        self.all_gather_v(mine, &mut all, &counts)?;
+        self.all_gather_v_into(mine, &mut all, &counts)?;
         let mut out = Vec::with_capacity(counts.len());
         let mut at = 0;
         for &c in &counts {

@@ -83,7 +83,7 @@ pub struct Config {
     /// has on the communicator's most crowded node, 1 to [`crate::base::affinity::AUTO_CHANNELS_MAX`],
     /// with at most [`crate::base::affinity::AUTO_CHANNEL_PEERS`] TCP peers times channels per rank
     /// ([`crate::base::affinity::auto_channels`]); `1..=16` that many). Parts are at least
-    /// [`crate::engine::channels::CHANNEL_PART_MIN`] bytes, so smaller operations use fewer channels.
+    /// 1 MiB, so smaller operations use fewer channels.
     /// Every rank must use the same setting.
     pub socket_channels: Option<usize>,
     /// Ranks on this process's node that share its CPUs, counted by the communicator this

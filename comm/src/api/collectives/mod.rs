@@ -127,7 +127,7 @@ impl Communicator {
     ///
     /// # Errors
     /// `InvalidArgument` unless `input.len() == output.len() * size()`.
-    pub fn reduce_scatter<T: Element>(
+    pub fn reduce_scatter_into<T: Element>(
         &self,
         input: &[T],
         output: &mut [T],
@@ -141,11 +141,11 @@ impl Communicator {
     ///
     /// # Errors
     /// `InvalidArgument` unless `buf.len()` is a multiple of `size()`.
-    pub fn reduce_scatter_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+    pub fn reduce_scatter<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
         self.call(Kind::ReduceScatter(op), None, buf.into())
     }
 
-    /// Asynchronous in-place reduce-scatter (see [`Communicator::reduce_scatter_in_place`]).
+    /// Asynchronous in-place reduce-scatter (see [`Communicator::reduce_scatter`]).
     pub fn reduce_scatter_async<T: Element, B: AsMut<[T]> + Send + 'static>(
         &self,
         mut buf: B,
@@ -160,7 +160,7 @@ impl Communicator {
         )
     }
 
-    /// Asynchronous out-of-place reduce-scatter (see [`Communicator::reduce_scatter`]): the job
+    /// Asynchronous out-of-place reduce-scatter (see [`Communicator::reduce_scatter_into`]): the job
     /// owns `input` and `output` until `wait()` gives both back. Partial results go to the
     /// communicator's reusable scratch buffer (a fresh one while another call holds it).
     pub fn reduce_scatter_into_async<T, I, O>(
@@ -181,7 +181,7 @@ impl Communicator {
     ///
     /// # Errors
     /// `InvalidArgument` unless `output.len() == input.len() * size()`.
-    pub fn all_gather<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
+    pub fn all_gather_into<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
         self.call(Kind::AllGather, Some(input.into()), output.into())
     }
 
@@ -189,11 +189,11 @@ impl Communicator {
     ///
     /// # Errors
     /// `InvalidArgument` unless `buf.len()` is a multiple of `size()`.
-    pub fn all_gather_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
+    pub fn all_gather<T: Element>(&self, buf: &mut [T]) -> Result<()> {
         self.call(Kind::AllGather, None, buf.into())
     }
 
-    /// Asynchronous in-place all-gather (see [`Communicator::all_gather_in_place`]).
+    /// Asynchronous in-place all-gather (see [`Communicator::all_gather`]).
     pub fn all_gather_async<T: Element, B: AsMut<[T]> + Send + 'static>(
         &self,
         mut buf: B,
@@ -202,7 +202,7 @@ impl Communicator {
         self.call_async_with(Kind::AllGather, (T::DTYPE, n), buf, typed_mut::<T, B>)
     }
 
-    /// Asynchronous out-of-place all-gather (see [`Communicator::all_gather`]): the job owns
+    /// Asynchronous out-of-place all-gather (see [`Communicator::all_gather_into`]): the job owns
     /// `input` and `output` until `wait()` gives both back.
     pub fn all_gather_into_async<T, I, O>(&self, input: I, output: O) -> Work<(I, O)>
     where
@@ -265,7 +265,7 @@ impl Communicator {
     ///
     /// # Errors
     /// `InvalidArgument` for a bad root, or on the root when the lengths differ.
-    pub fn reduce<T: Element>(
+    pub fn reduce_into<T: Element>(
         &self,
         input: &[T],
         output: &mut [T],
@@ -279,20 +279,15 @@ impl Communicator {
     ///
     /// # Errors
     /// `InvalidArgument` for a bad root.
-    pub fn reduce_in_place<T: Element>(
-        &self,
-        buf: &mut [T],
-        op: ReduceOp,
-        root: usize,
-    ) -> Result<()> {
+    pub fn reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
         self.call(Kind::Reduce { op, root }, None, buf.into())
     }
 
-    /// Asynchronous [`reduce`](Self::reduce): the job owns `input` and `output` until `wait()`
+    /// Asynchronous [`reduce_into`](Self::reduce_into): the job owns `input` and `output` until `wait()`
     /// gives both back, the root's `output` holding the reduction (other ranks' `output` is not
     /// touched and may be empty; their partial results go to the communicator's reusable
     /// scratch buffer).
-    pub fn reduce_async<T, I, O>(
+    pub fn reduce_into_async<T, I, O>(
         &self,
         input: I,
         output: O,
@@ -307,9 +302,9 @@ impl Communicator {
         self.io_async(Kind::Reduce { op, root }, input, output)
     }
 
-    /// Asynchronous [`reduce_in_place`](Self::reduce_in_place): `wait()` gives `buf` back, the
+    /// Asynchronous [`reduce`](Self::reduce): `wait()` gives `buf` back, the
     /// root's holding the reduction and every other rank's unchanged.
-    pub fn reduce_in_place_async<T: Element, B: AsMut<[T]> + Send + 'static>(
+    pub fn reduce_async<T: Element, B: AsMut<[T]> + Send + 'static>(
         &self,
         mut buf: B,
         op: ReduceOp,
@@ -329,13 +324,18 @@ impl Communicator {
     ///
     /// # Errors
     /// `InvalidArgument` for a bad root or, on the root, a wrong output length.
-    pub fn gather<T: Element>(&self, input: &[T], output: &mut [T], root: usize) -> Result<()> {
+    pub fn gather_into<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        root: usize,
+    ) -> Result<()> {
         self.call(Kind::Gather { root }, Some(input.into()), output.into())
     }
 
-    /// Asynchronous [`gather`](Self::gather): the job owns `input` and `output` until `wait()`
+    /// Asynchronous [`gather_into`](Self::gather_into): the job owns `input` and `output` until `wait()`
     /// gives both back (the root's `output` holding every rank's input).
-    pub fn gather_async<T, I, O>(&self, input: I, output: O, root: usize) -> Work<(I, O)>
+    pub fn gather_into_async<T, I, O>(&self, input: I, output: O, root: usize) -> Work<(I, O)>
     where
         T: Element,
         I: AsRef<[T]> + Send + 'static,
@@ -344,9 +344,9 @@ impl Communicator {
         self.io_async(Kind::Gather { root }, input, output)
     }
 
-    /// Asynchronous [`scatter`](Self::scatter): the job owns `input` and `output` until `wait()`
+    /// Asynchronous [`scatter_into`](Self::scatter_into): the job owns `input` and `output` until `wait()`
     /// gives both back (`output` holding this rank's block of the root's input).
-    pub fn scatter_async<T, I, O>(&self, input: I, output: O, root: usize) -> Work<(I, O)>
+    pub fn scatter_into_async<T, I, O>(&self, input: I, output: O, root: usize) -> Work<(I, O)>
     where
         T: Element,
         I: AsRef<[T]> + Send + 'static,
@@ -360,7 +360,12 @@ impl Communicator {
     ///
     /// # Errors
     /// `InvalidArgument` for a bad root or, on the root, a wrong input length.
-    pub fn scatter<T: Element>(&self, input: &[T], output: &mut [T], root: usize) -> Result<()> {
+    pub fn scatter_into<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        root: usize,
+    ) -> Result<()> {
         self.call(Kind::Scatter { root }, Some(input.into()), output.into())
     }
 
@@ -369,13 +374,13 @@ impl Communicator {
     ///
     /// # Errors
     /// `InvalidArgument` unless both lengths are equal and divisible by `size()`.
-    pub fn all_to_all<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
+    pub fn all_to_all_into<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
         self.call(Kind::AllToAll, Some(input.into()), output.into())
     }
 
-    /// Asynchronous [`all_to_all`](Self::all_to_all): the job owns `input` and `output` until
+    /// Asynchronous [`all_to_all_into`](Self::all_to_all_into): the job owns `input` and `output` until
     /// `wait()`, which gives both back.
-    pub fn all_to_all_async<T, I, O>(&self, input: I, output: O) -> Work<(I, O)>
+    pub fn all_to_all_into_async<T, I, O>(&self, input: I, output: O) -> Work<(I, O)>
     where
         T: Element,
         I: AsRef<[T]> + Send + 'static,

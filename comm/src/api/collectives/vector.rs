@@ -109,7 +109,7 @@ impl Communicator {
     /// `InvalidArgument` for a bad root, a `counts` without one entry per rank, an `input` of
     /// other than `counts[rank]` elements, or a root `output` of other than their sum. A rank
     /// and the root that disagree on the rank's count fail with `Mismatch` naming both.
-    pub fn gather_v<T: Element>(
+    pub fn gather_v_into<T: Element>(
         &self,
         input: &[T],
         output: &mut [T],
@@ -138,7 +138,7 @@ impl Communicator {
     /// `InvalidArgument` for a bad root, a `counts` without one entry per rank, an `output` of
     /// other than `counts[rank]` elements, or a root `input` of other than their sum. A rank
     /// and the root that disagree on the rank's count fail with `Mismatch` naming both.
-    pub fn scatter_v<T: Element>(
+    pub fn scatter_v_into<T: Element>(
         &self,
         input: &[T],
         output: &mut [T],
@@ -158,9 +158,9 @@ impl Communicator {
         })
     }
 
-    /// Asynchronous [`gather_v`](Self::gather_v): the job owns `input` and `output` until
+    /// Asynchronous [`gather_v_into`](Self::gather_v_into): the job owns `input` and `output` until
     /// `wait()` gives both back. The counts are checked here and copied.
-    pub fn gather_v_async<T, I, O>(
+    pub fn gather_v_into_async<T, I, O>(
         &self,
         input: I,
         mut output: O,
@@ -191,9 +191,9 @@ impl Communicator {
             })
     }
 
-    /// Asynchronous [`scatter_v`](Self::scatter_v): the job owns `input` and `output` until
+    /// Asynchronous [`scatter_v_into`](Self::scatter_v_into): the job owns `input` and `output` until
     /// `wait()` gives both back. The counts are checked here and copied.
-    pub fn scatter_v_async<T, I, O>(
+    pub fn scatter_v_into_async<T, I, O>(
         &self,
         input: I,
         mut output: O,
@@ -226,7 +226,7 @@ impl Communicator {
 
     /// The byte ranges of every rank's block in the input and the output of an all-to-all-v
     /// with `ni` input and `no` output elements of `elem` bytes; `InvalidArgument` for count
-    /// lists that do not fit (see [`all_to_all_v`](Self::all_to_all_v)).
+    /// lists that do not fit (see [`all_to_all_v_into`](Self::all_to_all_v_into)).
     fn all_to_all_v_blocks(
         &self,
         send_counts: &[usize],
@@ -287,17 +287,17 @@ impl Communicator {
     /// layers): rank r's `input` holds `send_counts[j]` elements for each rank j, in rank order,
     /// and its `output` receives `recv_counts[j]` elements from each rank j, in rank order.
     /// `send_counts[j]` on rank r must equal `recv_counts[r]` on rank j; ranks usually learn
-    /// their `recv_counts` first with an [`all_to_all`](Self::all_to_all) of the send counts.
+    /// their `recv_counts` first with an [`all_to_all_into`](Self::all_to_all_into) of the send counts.
     ///
     /// ```no_run
     /// # fn f(comm: &oxccl_comm::Communicator, tokens: &[f32], send_counts: &[usize])
     /// #     -> oxccl_comm::Result<()> {
     /// let counts: Vec<u64> = send_counts.iter().map(|&c| c as u64).collect();
     /// let mut theirs = vec![0u64; comm.size()];
-    /// comm.all_to_all(&counts, &mut theirs)?; // what every rank will send me
+    /// comm.all_to_all_into(&counts, &mut theirs)?; // what every rank will send me
     /// let recv_counts: Vec<usize> = theirs.iter().map(|&c| c as usize).collect();
     /// let mut received = vec![0f32; recv_counts.iter().sum()];
-    /// comm.all_to_all_v(tokens, send_counts, &mut received, &recv_counts)?;
+    /// comm.all_to_all_v_into(tokens, send_counts, &mut received, &recv_counts)?;
     /// # Ok(()) }
     /// ```
     ///
@@ -307,7 +307,7 @@ impl Communicator {
     /// `InvalidArgument` unless both count lists have `size()` entries, they sum to the input
     /// and output lengths, and `send_counts[rank] == recv_counts[rank]`. Two ranks that disagree
     /// on the count between them fail with `Mismatch` naming both counts.
-    pub fn all_to_all_v<T: Element>(
+    pub fn all_to_all_v_into<T: Element>(
         &self,
         input: &[T],
         send_counts: &[usize],
@@ -323,11 +323,11 @@ impl Communicator {
         })
     }
 
-    /// Asynchronous [`all_to_all_v`](Self::all_to_all_v) (torch's `all_to_all_single` with
+    /// Asynchronous [`all_to_all_v_into`](Self::all_to_all_v_into) (torch's `all_to_all_single` with
     /// `async_op=True`: an MoE layer can compute while its tokens travel): the job owns `input`
     /// and `output` until `wait()`, which gives both back. The counts are checked here and
     /// copied.
-    pub fn all_to_all_v_async<T, I, O>(
+    pub fn all_to_all_v_into_async<T, I, O>(
         &self,
         input: I,
         send_counts: &[usize],
@@ -386,10 +386,10 @@ impl Communicator {
     /// ```no_run
     /// # fn f(comm: &oxccl_comm::Communicator, mine: &[f32]) -> oxccl_comm::Result<()> {
     /// let mut counts = vec![0u64; comm.size()];
-    /// comm.all_gather(&[mine.len() as u64], &mut counts)?; // every rank's length
+    /// comm.all_gather_into(&[mine.len() as u64], &mut counts)?; // every rank's length
     /// let counts: Vec<usize> = counts.iter().map(|&c| c as usize).collect();
     /// let mut all = vec![0f32; counts.iter().sum()];
-    /// comm.all_gather_v(mine, &mut all, &counts)?;
+    /// comm.all_gather_v_into(mine, &mut all, &counts)?;
     /// # Ok(()) }
     /// ```
     ///
@@ -398,7 +398,7 @@ impl Communicator {
     /// # Errors
     /// `InvalidArgument` unless `counts` has `size()` entries, `input.len() == counts[rank]` and
     /// `output.len()` is their sum. Ranks that pass different `counts` fail with `Mismatch`.
-    pub fn all_gather_v<T: Element>(
+    pub fn all_gather_v_into<T: Element>(
         &self,
         input: &[T],
         output: &mut [T],
@@ -416,9 +416,9 @@ impl Communicator {
         })
     }
 
-    /// Asynchronous [`all_gather_v`](Self::all_gather_v): the job owns `input` and `output`
+    /// Asynchronous [`all_gather_v_into`](Self::all_gather_v_into): the job owns `input` and `output`
     /// until `wait()`, which gives both back. The counts are checked here and copied.
-    pub fn all_gather_v_async<T, I, O>(
+    pub fn all_gather_v_into_async<T, I, O>(
         &self,
         input: I,
         mut output: O,
@@ -451,7 +451,7 @@ impl Communicator {
     /// # Errors
     /// `InvalidArgument` unless `counts` has `size()` entries, `output.len() == counts[rank]`
     /// and `input.len()` is their sum. Ranks that pass different `counts` fail with `Mismatch`.
-    pub fn reduce_scatter_v<T: Element>(
+    pub fn reduce_scatter_v_into<T: Element>(
         &self,
         input: &[T],
         output: &mut [T],
@@ -473,9 +473,9 @@ impl Communicator {
         })
     }
 
-    /// Asynchronous [`reduce_scatter_v`](Self::reduce_scatter_v): the job owns `input` and
+    /// Asynchronous [`reduce_scatter_v_into`](Self::reduce_scatter_v_into): the job owns `input` and
     /// `output` until `wait()`, which gives both back. The counts are checked here and copied.
-    pub fn reduce_scatter_v_async<T, I, O>(
+    pub fn reduce_scatter_v_into_async<T, I, O>(
         &self,
         input: I,
         mut output: O,

@@ -197,7 +197,7 @@ impl Communicator {
     pub fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Communicator>> {
         let mine = [color.map_or(-1, i64::from), key];
         let mut all = vec![0i64; 2 * self.size];
-        self.all_gather(&mine, &mut all)?;
+        self.all_gather_into(&mine, &mut all)?;
         let k = self.splits.fetch_add(1, Ordering::Relaxed);
         let Some(c) = color else { return Ok(None) };
         let mut members: Vec<(i64, usize)> = (0..self.size)
