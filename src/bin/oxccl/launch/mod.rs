@@ -107,7 +107,7 @@
 //!   launcher is gone), or does not answer for 60 s, stops its ranks and exits with code 1.
 //!
 //! Every store request of the launchers has a 5 s reply time-out. The keys are described in
-//! `src/launch/nodes.rs`.
+//! `nodes.rs`.
 //!
 //! Note that `PR_SET_PDEATHSIG` fires when the *thread* that spawned the ranks exits: call
 //! [`launch`] from a thread that outlives the call (it always does, since [`launch`] blocks
@@ -198,8 +198,8 @@ pub struct LaunchConfig {
     /// Extra environment for every rank, applied before the launcher's own variables.
     pub env: Vec<(OsString, OsString)>,
     /// Catch SIGINT, SIGTERM and SIGHUP while the job runs and forward them to the ranks
-    /// (default off for library use; the `oxccl` binary turns it on). The handlers stay
-    /// installed (as no-ops) after [`launch`] returns.
+    /// (default off; `oxccl launch` and the `oxccl perf --np` parent turn it on). The handlers
+    /// stay installed (as no-ops) after [`launch`] returns.
     pub forward_signals: bool,
     /// Make the launcher a child subreaper while the job runs (Linux; default on), so orphaned
     /// grandchildren of the ranks are re-parented to it and reaped.
@@ -529,11 +529,6 @@ pub struct LaunchOutcome {
 }
 
 impl LaunchOutcome {
-    /// Whether every rank of the last attempt exited with status 0.
-    pub fn success(&self) -> bool {
-        self.end == JobEnd::Success
-    }
-
     /// The launcher's exit code, per the contract in the [module docs](self).
     pub fn exit_code(&self) -> i32 {
         match &self.end {
@@ -1133,6 +1128,8 @@ pub fn signal_name(sig: i32) -> Option<&'static str> {
 
 #[cfg(test)]
 mod tests {
+    use std::time::{SystemTime, UNIX_EPOCH};
+
     use super::*;
 
     #[test]
@@ -1205,5 +1202,45 @@ mod tests {
         // The launcher's own list, whatever its numbers.
         assert_eq!(bound_cpus(Bind::Block, &[2, 3, 6, 7], 1, 2), [6, 7]);
         assert_eq!("Block".parse::<Bind>(), Ok(Bind::Block));
+    }
+
+    #[test]
+    fn library_api_reports_outcomes() {
+        let mut cfg = LaunchConfig::new(2, "sh", ["-c", "test \"$OXCCL_WORLD_SIZE\" = 2"]);
+        let ok = launch(&cfg).unwrap();
+        assert_eq!(ok.end, JobEnd::Success);
+        assert_eq!((ok.attempts, ok.exit_code()), (1, 0));
+
+        cfg.args = vec!["-c".into(), "exit $((OXCCL_LOCAL_RANK + 6))".into()];
+        let failed = launch(&cfg).unwrap();
+        let JobEnd::RankFailed(f) = &failed.end else {
+            panic!("{failed:?}")
+        };
+        assert!(matches!(f.termination, Termination::Exited(6 | 7)), "{f:?}");
+        assert_eq!(failed.exit_code(), f.termination.exit_code());
+
+        cfg.nnodes = 2;
+        assert_eq!(launch(&cfg).unwrap_err().exit_code(), 2);
+    }
+
+    #[test]
+    fn a_rank_that_cannot_start_leaves_no_segments() {
+        // A stale segment of the attempt (as a rank started before the failing one could leave).
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .subsec_nanos();
+        let job = format!("spawnfail-shm-{}-{nanos}", std::process::id());
+        let prefix = oxccl_comm::transport::shm::job_prefix(&format!("{job}-r0"));
+        let stale = std::path::Path::new(oxccl_comm::transport::shm::SHM_DIR)
+            .join(format!("{prefix}stale"));
+        std::fs::write(&stale, b"x").unwrap();
+        let mut cfg = LaunchConfig::new(2, "/nonexistent/oxccl-no-such-cmd", Vec::<String>::new());
+        cfg.job_id = Some(job);
+        let err = launch(&cfg).unwrap_err();
+        let left = stale.exists();
+        let _ = std::fs::remove_file(&stale);
+        assert_eq!(err.exit_code(), 127, "{err}");
+        assert!(!left, "{} was left behind", stale.display());
     }
 }

@@ -40,12 +40,8 @@ use oxccl_comm::{Collective, DType, ReduceOp};
 
 use crate::launch::{launch, Bind, JobEnd, LaunchConfig, MAX_NPROC_PER_NODE};
 
-pub use format::{Measure, Row};
-pub use sweep::{
-    busbw_factor, geometry, parse_size, step_from, sweep, Geometry, Step, MAX_SWEEP_SIZES,
-};
-
-pub use bench::Average;
+use bench::Average;
+use sweep::{parse_size, step_from, Step};
 
 /// Arguments of `oxccl perf` (nccl-tests' flags plus `--np`, `--transport`, `--algo`,
 /// `--json`, `--plot`).
@@ -403,13 +399,6 @@ const LAUNCHER_VARS: [&str; 8] = [
     "OMPI_COMM_WORLD_RANK",
     "OMPI_COMM_WORLD_SIZE",
 ];
-
-/// Whether a launcher started this process as one rank of a job.
-pub fn under_launcher() -> bool {
-    RANK_VARS
-        .iter()
-        .any(|k| std::env::var_os(k).is_some_and(|v| !v.is_empty()))
-}
 
 /// How this process takes part in the run.
 #[derive(Debug, Clone, PartialEq, Eq)]
