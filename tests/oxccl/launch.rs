@@ -7,7 +7,7 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-mod common;
+use crate::common;
 
 const MARKER_VAR: &str = "OXCCL_LAUNCH_TEST_MARKER";
 
