@@ -46,13 +46,21 @@
 //! replicas within each group after every step and across groups after every average over
 //! every rank. The example ends
 //! with the loss of rank 0's model on 256 samples no step trains on.
+//!
+//! The timing of `--balance` and `--mode all` is in `02_ddp_mlp/timing.rs`, what `--check`
+//! compares with in `02_ddp_mlp/check.rs`.
 
+#[path = "02_ddp_mlp/check.rs"]
+mod check;
 #[path = "mlp/mod.rs"]
 mod mlp;
+#[path = "02_ddp_mlp/timing.rs"]
+mod timing;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use check::References;
 use clap::{Parser, ValueEnum};
 use mlp::{Mode, Shape};
 use oxccl::comm::{Communicator, ReduceOp};
@@ -197,94 +205,29 @@ enum CompressArg {
     Bf16,
 }
 
-fn median_ms(mut v: Vec<Duration>) -> f64 {
-    v.sort();
-    v.get(v.len() / 2).map_or(0.0, |d| d.as_secs_f64() * 1e3)
+/// The modes that train with DDP (what `--check`, `--uneven` and `--local-sgd` need).
+fn trains(mode: ModeArg) -> bool {
+    matches!(mode, ModeArg::Overlap | ModeArg::InPlace | ModeArg::After)
 }
 
-/// The slowest rank's median of `what` over `steps` steps of `mode` (step 0 left out).
-fn timed(
-    comm: &Communicator,
-    shape: &Shape,
-    cfg: &DdpConfig,
-    mode: Mode,
-    what: fn(&mlp::StepReport) -> Duration,
-) -> Result<f64, Box<dyn std::error::Error>> {
-    let mut v = Vec::new();
-    mlp::train_ddp(comm, shape, 6, mode, cfg.clone(), |step, _, _, r| {
-        if step > 0 {
-            v.push(what(&r));
-        }
-        Ok(())
-    })?;
-    let mut ms = [median_ms(v)];
-    comm.all_reduce(&mut ms, ReduceOp::Max)?;
-    Ok(ms[0])
-}
-
-/// `--balance`: the batch at which backward takes about as long as the all-reduce of the
-/// gradients. Backward's time is fitted as a line in the batch (it has a part that does not
-/// grow with it: reading every weight) from `--batch` and twice that. Every rank computes it
-/// from the same maxima, so every rank gets the same.
-fn balance(
-    comm: &Communicator,
-    shape: &Shape,
-    cfg: &DdpConfig,
-) -> Result<usize, Box<dyn std::error::Error>> {
-    let comm_ms = timed(comm, shape, cfg, Mode::CommOnly, |r| r.time)?;
-    let b0 = shape.batch.max(1);
-    let at = |batch: usize| {
-        let s = Shape {
-            batch,
-            ..shape.clone()
-        };
-        timed(comm, &s, cfg, Mode::ComputeOnly, |r| r.backward)
-    };
-    let (t0, t1) = (at(b0)?, at(2 * b0)?);
-    let per_sample = (t1 - t0) / b0 as f64;
-    let batch = if per_sample > 0.0 {
-        let fixed = t0 - per_sample * b0 as f64;
-        // At most 16 times --batch: a slope lost in noise would otherwise ask for thousands.
-        let most = (16 * b0).min(4096) as f64;
-        ((comm_ms - fixed) / per_sample).round().clamp(1.0, most) as usize
-    } else {
-        b0
-    };
-    if comm.rank() == 0 {
-        println!(
-            "# balance: comm only {comm_ms:.2} ms; backward {t0:.2} ms at batch {b0}, {t1:.2} ms at \
-             batch {}: batch {batch}",
-            2 * b0
-        );
-    }
-    Ok(batch)
-}
-
-fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args = Args::parse();
-    if args.check
-        && !matches!(
-            args.mode,
-            ModeArg::Overlap | ModeArg::InPlace | ModeArg::After
-        )
-    {
+/// The modes `--check` and `--uneven` need (checked before the communicator is made).
+fn check_modes(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
+    if args.check && !trains(args.mode) {
         return Err(
             "--check compares DDP training: use it with --mode overlap, in-place or after".into(),
         );
     }
-    if args.uneven
-        && !matches!(
-            args.mode,
-            ModeArg::Overlap | ModeArg::InPlace | ModeArg::After
-        )
-    {
+    if args.uneven && !trains(args.mode) {
         return Err(
             "--uneven trains with DDP: use it with --mode overlap, in-place or after".into(),
         );
     }
-    let comm = Communicator::from_env()?;
-    let (rank, world) = (comm.rank(), comm.size());
-    let mut shape = Shape {
+    Ok(())
+}
+
+/// The model and batch the flags ask for (`--batch`, before `--balance`).
+fn shape_of(args: &Args) -> Result<Shape, String> {
+    Ok(Shape {
         input: args.input,
         hidden: args.hidden,
         layers: args.layers,
@@ -293,8 +236,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         lr: args.lr,
         idle_backward: Duration::try_from_secs_f64(args.idle_backward_ms / 1e3)
             .map_err(|e| format!("--idle-backward-ms {}: {e}", args.idle_backward_ms))?,
-    };
-    let cfg = DdpConfig {
+    })
+}
+
+/// DDP's settings: `--bucket-mib`, `--overlap`, `--uneven`.
+fn ddp_config(args: &Args) -> DdpConfig {
+    DdpConfig {
         bucket_cap_bytes: (args.bucket_mib * (1 << 20) as f64) as usize,
         overlap: match args.overlap {
             OverlapArg::Auto => Overlap::Auto,
@@ -307,9 +254,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             UnevenInputs::Off
         },
         ..DdpConfig::default()
-    };
-    // `--powersgd R`, `--compress` or `--local-sgd`: the hook, made afresh for every training
-    // run.
+    }
+}
+
+/// `--powersgd R`, `--compress` and `--local-sgd` each set the comm hook: at most one of them,
+/// and `--local-sgd` neither with `--uneven` nor outside the modes that train.
+fn check_hooks(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let hooks = usize::from(args.powersgd > 0)
         + usize::from(args.compress != CompressArg::None)
         + usize::from(args.local_sgd > 0);
@@ -321,12 +271,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if args.local_sgd > 0 && args.uneven {
         return Err("--local-sgd averages within groups, which --uneven cannot rescale".into());
     }
-    if args.local_sgd > 0
-        && !matches!(
-            args.mode,
-            ModeArg::Overlap | ModeArg::InPlace | ModeArg::After
-        )
-    {
+    if args.local_sgd > 0 && !trains(args.mode) {
         // Its steps differ (one in P sends the parameters across): `all`'s medians would hide
         // that, and compute only would average the parameters too.
         return Err(
@@ -335,22 +280,39 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .into(),
         );
     }
-    // Post-local SGD's group: `--local-sgd-group` consecutive ranks, or the node's ranks.
-    let group = if args.local_sgd > 0 {
-        let color = match args.local_sgd_group {
-            0 => comm.node_index(),
-            k => rank / k,
-        };
-        let color = u32::try_from(color)
-            .map_err(|_| format!("rank {rank}: --local-sgd: group {color} is out of range"))?;
-        let group = comm.split(Some(color), rank as i64)?;
-        Some(Arc::new(group.ok_or_else(|| {
-            format!("rank {rank}: --local-sgd: the split gave this rank no group")
-        })?))
-    } else {
-        None
+    Ok(())
+}
+
+/// Post-local SGD's group (with `--local-sgd`): `--local-sgd-group` consecutive ranks, or the
+/// node's ranks. Collective: every rank splits.
+fn local_sgd_group(
+    args: &Args,
+    comm: &Communicator,
+) -> Result<Option<Arc<Communicator>>, Box<dyn std::error::Error>> {
+    if args.local_sgd == 0 {
+        return Ok(None);
+    }
+    let rank = comm.rank();
+    let color = match args.local_sgd_group {
+        0 => comm.node_index(),
+        k => rank / k,
     };
-    // `--local-sgd-levels`: the levels below the average over every rank.
+    let color = u32::try_from(color)
+        .map_err(|_| format!("rank {rank}: --local-sgd: group {color} is out of range"))?;
+    let group = comm.split(Some(color), rank as i64)?;
+    Ok(Some(Arc::new(group.ok_or_else(|| {
+        format!("rank {rank}: --local-sgd: the split gave this rank no group")
+    })?)))
+}
+
+/// `--local-sgd-levels`: the levels below the average over every rank, checked against
+/// `--local-sgd` and the world, with that average appended as the last level (empty without
+/// levels).
+fn local_sgd_levels(
+    args: &Args,
+    rank: usize,
+    world: usize,
+) -> Result<Vec<(u64, usize)>, Box<dyn std::error::Error>> {
     let mut levels =
         parse_levels(&args.local_sgd_levels).map_err(|e| format!("rank {rank}: {e}"))?;
     if !levels.is_empty() && args.local_sgd == 0 {
@@ -381,39 +343,66 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if !levels.is_empty() {
         levels.push((args.local_sgd, world));
     }
-    let averager = || -> Result<Option<mlp::Averager>, oxccl::ddp::DdpError> {
+    Ok(levels)
+}
+
+/// What every training run of this process is made of besides the model: the flags, the
+/// communicator, and post-local SGD's group and levels. The comm hook and the averager are
+/// made afresh for every run.
+struct Setup<'a> {
+    args: &'a Args,
+    comm: &'a Communicator,
+    /// Post-local SGD's group ([`local_sgd_group`]).
+    group: Option<Arc<Communicator>>,
+    /// `--local-sgd-levels` ([`local_sgd_levels`]).
+    levels: Vec<(u64, usize)>,
+    /// The shapes of the model's parameters (for PowerSGD).
+    shapes: Vec<Vec<usize>>,
+}
+
+impl Setup<'_> {
+    /// The model averager of `--local-sgd`, if any.
+    fn averager(&self) -> Result<Option<mlp::Averager>, oxccl::ddp::DdpError> {
+        let args = self.args;
         if args.local_sgd == 0 {
             return Ok(None);
         }
-        if levels.is_empty() {
+        if self.levels.is_empty() {
             let a = ModelAverager::new(args.local_sgd, args.local_sgd_start);
             return Ok(Some(a.into()));
         }
         // Collective over the communicator (one split per level): every rank makes one per run.
-        let a = HierarchicalAverager::by_group_sizes(&comm, &levels, args.local_sgd_start)?;
+        let a =
+            HierarchicalAverager::by_group_sizes(self.comm, &self.levels, args.local_sgd_start)?;
         Ok(Some(mlp::Averager::Hierarchical(a)))
-    };
-    // The size of the groups averaged after step `step`'s update, `world` for every rank.
-    let averaged_over = |step: usize| -> Option<usize> {
+    }
+
+    /// The size of the groups averaged after step `step`'s update, the world for every rank.
+    fn averaged_over(&self, step: usize) -> Option<usize> {
+        let args = self.args;
         let (s, start) = (step as u64, args.local_sgd_start);
         if args.local_sgd == 0 || s < start {
             return None;
         }
-        if levels.is_empty() {
-            return (s - start).is_multiple_of(args.local_sgd).then_some(world);
+        if self.levels.is_empty() {
+            return (s - start)
+                .is_multiple_of(args.local_sgd)
+                .then_some(self.comm.size());
         }
-        levels
+        self.levels
             .iter()
             .rev()
             .find(|&&(p, _)| p > 0 && s.is_multiple_of(p))
             .map(|&(_, k)| k)
-    };
-    let shapes = mlp::Mlp::new(&shape, 0).shapes();
-    let hook = || -> Result<Option<Box<dyn CommHook>>, oxccl::ddp::DdpError> {
-        if let Some(group) = &group {
+    }
+
+    /// The comm hook of `--local-sgd`, `--powersgd` or `--compress`, if any.
+    fn hook(&self) -> Result<Option<Box<dyn CommHook>>, oxccl::ddp::DdpError> {
+        let args = self.args;
+        if let Some(group) = &self.group {
             // Collective over the group (it learns its members' ranks): every rank makes one
             // per run, at the same place.
-            let h = PostLocalSgd::new(&comm, Arc::clone(group), args.local_sgd_start)?;
+            let h = PostLocalSgd::new(self.comm, Arc::clone(group), args.local_sgd_start)?;
             return Ok(Some(Box::new(h)));
         }
         if args.powersgd > 0 {
@@ -422,25 +411,45 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 start_step: args.powersgd_start,
                 ..PowerSgdConfig::default()
             };
-            return Ok(Some(Box::new(PowerSgd::new(cfg, shapes.clone()))));
+            return Ok(Some(Box::new(PowerSgd::new(cfg, self.shapes.clone()))));
         }
         Ok(match args.compress {
             CompressArg::None => None,
             CompressArg::Fp16 => Some(Box::new(CompressHook::fp16())),
             CompressArg::Bf16 => Some(Box::new(CompressHook::bf16())),
         })
-    };
-    // Steps of data per rank (`--uneven`: rank r runs out r steps early).
-    let own_steps = |r: usize| {
-        if args.uneven {
-            args.steps.saturating_sub(r).max(1)
+    }
+
+    /// Steps of data of rank `r` (`--uneven`: rank r runs out r steps early).
+    fn own_steps(&self, r: usize) -> usize {
+        if self.args.uneven {
+            self.args.steps.saturating_sub(r).max(1)
         } else {
-            args.steps
+            self.args.steps
         }
+    }
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = Args::parse();
+    check_modes(&args)?;
+    let comm = Communicator::from_env()?;
+    let (rank, world) = (comm.rank(), comm.size());
+    let mut shape = shape_of(&args)?;
+    let cfg = ddp_config(&args);
+    check_hooks(&args)?;
+    let group = local_sgd_group(&args, &comm)?;
+    let levels = local_sgd_levels(&args, rank, world)?;
+    let setup = Setup {
+        args: &args,
+        comm: &comm,
+        group,
+        levels,
+        shapes: mlp::Mlp::new(&shape, 0).shapes(),
     };
     let params: usize = mlp::Mlp::new(&shape, 0).params.iter().map(Vec::len).sum();
     if args.balance {
-        shape.batch = balance(&comm, &shape, &cfg)?;
+        shape.batch = timing::balance(&comm, &shape, &cfg)?;
     }
     if rank == 0 {
         println!(
@@ -460,128 +469,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
         );
     }
-
     if args.mode == ModeArg::All {
-        let modes = [
-            ("compute only", Mode::ComputeOnly, Overlap::Auto),
-            ("comm only", Mode::CommOnly, Overlap::Auto),
-            ("backward then all-reduce", Mode::After, Overlap::Auto),
-            ("ddp overlap", Mode::Overlap, Overlap::On),
-            ("ddp, overlap off", Mode::Overlap, Overlap::Off),
-            ("ddp in place", Mode::InPlace, Overlap::On),
-            ("ddp in place, overlap off", Mode::InPlace, Overlap::Off),
-        ];
-        // What Overlap::Auto picks for these ranks (agreed across ranks, as `Ddp::new` does).
-        let mut auto = [u8::from(comm.node_holds(2))];
-        comm.all_reduce(&mut auto, ReduceOp::Min)?;
-        // Per mode: step times, backward passes, and finish/sync calls.
-        let n = modes.len();
-        let mut times: Vec<Vec<Duration>> = vec![Vec::new(); 4 * n];
-        for _ in 0..args.rounds {
-            for (k, &(_, mode, overlap)) in modes.iter().enumerate() {
-                let cfg = DdpConfig {
-                    overlap,
-                    ..cfg.clone()
-                };
-                let steps = args.steps;
-                let run = mlp::Run {
-                    steps,
-                    join: false,
-                    mode,
-                    cfg,
-                    hook: hook()?,
-                    average: averager()?,
-                };
-                mlp::train_ddp_run(&comm, &shape, run, |step, _, _, r| {
-                    if step > 0 {
-                        // Step 0 warms up.
-                        times[k].push(r.time);
-                        times[n + k].push(r.backward);
-                        times[2 * n + k].push(r.exposed);
-                        times[3 * n + k].push(r.time.saturating_sub(r.backward + r.exposed));
-                    }
-                    Ok(())
-                })?;
-            }
-        }
-        // The slowest rank sets the pace: report the maximum of every rank's median.
-        let mut med: Vec<f64> = times.into_iter().map(median_ms).collect();
-        comm.all_reduce(&mut med, ReduceOp::Max)?;
-        if rank == 0 {
-            println!(
-                "# median step time over {} rounds x {} steps (max over ranks); of it, backward, \
-                 the wait in finish() or sync() (what backward did not hide), and the rest \
-                 (forward, update)",
-                args.rounds,
-                args.steps.saturating_sub(1)
-            );
-            for (k, (name, mode, _)) in modes.iter().enumerate() {
-                print!("{name:>26}: {:8.2} ms", med[k]);
-                if *mode != Mode::CommOnly {
-                    print!("   backward {:7.2} ms", med[n + k]);
-                }
-                if *mode != Mode::ComputeOnly {
-                    print!("   finish/sync {:7.2} ms", med[2 * n + k]);
-                }
-                if *mode != Mode::CommOnly {
-                    print!("   rest {:7.2} ms", med[3 * n + k]); // forward, update
-                }
-                println!();
-            }
-            let (comm_ms, after, overlap, off, bwd) = (med[1], med[2], med[3], med[4], med[n]);
-            let (in_place, in_place_off) = (med[5], med[6]);
-            // Overlap can hide at most the shorter of backward and the all-reduce.
-            let hideable = bwd.min(comm_ms);
-            if after > 0.0 && hideable > 0.0 {
-                println!(
-                    "# overlap / (backward then all-reduce) = {:.3}",
-                    overlap / after
-                );
-                let node = comm.node_share();
-                let (pick, picked, picked_in_place) = if auto[0] == 1 {
-                    ("on", overlap, in_place)
-                } else {
-                    ("off", off, in_place_off)
-                };
-                println!(
-                    "# overlap off / (backward then all-reduce) = {:.3}; in place: on {:.3}, off \
-                     {:.3}",
-                    off / after,
-                    in_place / after,
-                    in_place_off / after
-                );
-                println!(
-                    "# Overlap::Auto picks {pick} here ({} CPUs for {} ranks on rank 0's node): \
-                     {:.3}, in place {:.3}",
-                    node.cpus.map_or("unknown".into(), |c| c.to_string()),
-                    node.ranks,
-                    picked / after,
-                    picked_in_place / after
-                );
-                println!(
-                    "# at best (min(backward, comm only) hidden) = {:.3}; hidden: {:.0} % of that",
-                    (after - hideable) / after,
-                    100.0 * (after - overlap) / hideable
-                );
-                // What each step still waits for after backward: the whole all-reduce after
-                // `sync`, what overlap left of it in `finish()` (the backward column says what
-                // overlapping cost backward instead).
-                let (sync_ms, fin, fin_in_place) = (med[2 * n + 2], med[2 * n + 3], med[2 * n + 5]);
-                if sync_ms > 0.0 {
-                    println!(
-                        "# left after backward: sync {sync_ms:.2} ms; overlapping, finish() {fin:.2} \
-                         ms ({:.0} % of sync), in place {fin_in_place:.2} ms ({:.0} %)",
-                        100.0 * fin / sync_ms,
-                        100.0 * fin_in_place / sync_ms
-                    );
-                }
-            } else {
-                println!("# no ratios: no step was timed (--steps 2 or more, --rounds 1 or more)");
-            }
-        }
-        return Ok(());
+        return timing::run_every_mode(&setup, &shape, &cfg);
     }
+    train(&setup, &shape, cfg)
+}
 
+/// Trains once with the flags' mode; rank 0 prints every step's loss (the mean over the ranks
+/// that trained in it), with `--check` what the step's check found (any rank stops at the
+/// first step that fails it), then the wall time per step, the held-out loss and the check's
+/// verdict.
+fn train(
+    setup: &Setup<'_>,
+    shape: &Shape,
+    cfg: DdpConfig,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let (args, comm) = (setup.args, setup.comm);
+    let rank = comm.rank();
     let mode = match args.mode {
         ModeArg::Overlap | ModeArg::All => Mode::Overlap,
         ModeArg::InPlace => Mode::InPlace,
@@ -589,71 +493,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ModeArg::Compute => Mode::ComputeOnly,
         ModeArg::Comm => Mode::CommOnly,
     };
-    let reference = if args.check && group.is_none() {
-        let steps: Vec<usize> = (0..world).map(own_steps).collect();
-        mlp::train_reference(&shape, &steps)
-    } else {
-        Vec::new()
-    };
-    // With --check, a communicator per level below every rank's (`rank / K`, as the
-    // averager's): its replicas must be identical after the level's averages.
-    let level_groups = if args.check {
-        let mut made = Vec::new();
-        for &(_, k) in levels.iter().filter(|&&(_, k)| k < world) {
-            let color = u32::try_from(rank / k)
-                .map_err(|_| format!("rank {rank}: level group {} out of range", rank / k))?;
-            let g = comm.split(Some(color), rank as i64)?;
-            made.push(g.ok_or_else(|| format!("rank {rank}: the split gave no level group"))?);
-        }
-        made
-    } else {
-        Vec::new()
-    };
-    // Post-local SGD's reference: one model per group of consecutive ranks.
-    let local_reference = match &group {
-        Some(g) if args.check => {
-            let size = g.size();
-            // Every rank learns whether every group qualifies (consecutive ranks, all of one
-            // size), so that all stop or none.
-            let fits = u64::from(world % size == 0 && g.rank() == rank % size);
-            let mut all = [fits, size as u64, u64::MAX - size as u64];
-            comm.all_reduce(&mut all, ReduceOp::Min)?;
-            if all[0] == 0 || all[1] != u64::MAX - all[2] {
-                return Err(format!(
-                    "rank {rank}: --check with --local-sgd needs groups of consecutive ranks, \
-                     all of one size: some group is not (this rank is rank {} of a group of \
-                     {size})",
-                    g.rank()
-                )
-                .into());
-            }
-            if let Some(&(_, k)) = levels.iter().find(|&&(_, k)| !k.is_multiple_of(size)) {
-                return Err(format!(
-                    "rank {rank}: --check with --local-sgd-levels needs levels of whole groups: \
-                     {k} ranks are not groups of {size}"
-                )
-                .into());
-            }
-            let (start, period) = (args.local_sgd_start as usize, args.local_sgd as usize);
-            if levels.is_empty() {
-                mlp::train_reference_local(&shape, world, size, args.steps, start, period)
-            } else {
-                mlp::train_reference_groups(&shape, world, size, args.steps, start, averaged_over)
-            }
-        }
-        _ => Vec::new(),
-    };
+    let references = References::new(setup, shape)?;
     let mut worst = 0.0f32;
     let mut wall: (Option<Instant>, (usize, Instant)) = (None, (0, Instant::now()));
     let run = mlp::Run {
-        steps: own_steps(rank),
+        steps: setup.own_steps(rank),
         join: args.uneven,
         mode,
         cfg,
-        hook: hook()?,
-        average: averager()?,
+        hook: setup.hook()?,
+        average: setup.averager()?,
     };
-    let model = mlp::train_ddp_run(&comm, &shape, run, |step, model, ddp, r| {
+    let model = mlp::train_ddp_run(comm, shape, run, |step, model, ddp, r| {
         // The mean loss over the ranks that trained in this step.
         let mut loss = [r.loss, if r.joined { 0.0 } else { 1.0 }];
         ddp.comm().all_reduce(&mut loss, ReduceOp::Sum)?;
@@ -665,47 +516,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         if args.uneven {
             line += &format!("  ranks training {}", loss[1]);
         }
-        if let (true, Some(g)) = (args.check, &group) {
-            // Within 1e-5 of the group's reference model; identical within the group, and
-            // across groups before local SGD and after every average over every rank.
-            let diff = mlp::max_rel_diff(model, &local_reference[step][rank / g.size()]);
+        if let (true, Some(g)) = (args.check, &setup.group) {
+            let diff = references.check_local_step(setup, g, step, model, &r, &mut line)?;
             worst = worst.max(diff);
-            let same = mlp::replicas_identical(g, model)?;
-            if r.averaged != averaged_over(step).is_some() {
-                return Err(format!(
-                    "rank {rank}: step {step}: averaged: {}, expected {}",
-                    r.averaged,
-                    averaged_over(step).is_some()
-                )
-                .into());
-            }
-            let global = (step as u64) < args.local_sgd_start || averaged_over(step) == Some(world);
-            let all_same = mlp::replicas_identical(ddp.comm(), model)?;
-            // After a level's average, its group's replicas too.
-            let mut level_same = true;
-            for lg in &level_groups {
-                let same_here = mlp::replicas_identical(lg, model)?;
-                level_same &= same_here || averaged_over(step) != Some(lg.size());
-            }
-            line += &format!(
-                "  max rel diff vs 1 process {diff:.2e}  identical in the group: {same}, \
-                 everywhere: {all_same}{}",
-                if r.averaged { "  (averaged)" } else { "" }
-            );
-            if diff > 1e-5 || !same || (global && !all_same) || !level_same {
-                return Err(format!("rank {rank}: step {step}: {line}").into());
-            }
         } else if args.check {
-            let diff = mlp::max_rel_diff(model, &reference[step]);
+            let diff = references.check_step(setup, step, model, &mut line)?;
             worst = worst.max(diff);
-            let same = mlp::replicas_identical(ddp.comm(), model)?;
-            line += &format!("  max rel diff vs 1 process {diff:.2e}  replicas identical: {same}");
-            // PowerSGD leaves the exact model once it compresses, 16-bit floats at once.
-            let exact = args.compress == CompressArg::None
-                && (args.powersgd == 0 || (step as u64) < args.powersgd_start);
-            if (exact && diff > 1e-5) || !same {
-                return Err(format!("rank {rank}: step {step}: {line}").into());
-            }
         }
         if rank == 0 {
             println!("{line}");
@@ -716,7 +532,24 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         wall.1 = (step, Instant::now());
         Ok(())
     })?;
-    if let (0, Some(from)) = (rank, wall.0) {
+    if rank == 0 {
+        print_end(args, shape, comm.size(), &model, wall, worst);
+    }
+    Ok(())
+}
+
+/// Rank 0's last lines: the wall time per step (`wall`: the end of step 0, and the last step
+/// and its end), the held-out loss of `model`, and with `--check` the verdict (`worst`: the
+/// largest difference from the reference).
+fn print_end(
+    args: &Args,
+    shape: &Shape,
+    world: usize,
+    model: &mlp::Mlp,
+    wall: (Option<Instant>, (usize, Instant)),
+    worst: f32,
+) {
+    if let Some(from) = wall.0 {
         let (last, to) = wall.1;
         if last > 0 {
             println!(
@@ -725,42 +558,40 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             );
         }
     }
-    if rank == 0 {
-        // Held out while training stays below sample 2^20.
-        let held_out = args.steps * world * shape.batch < 1 << 20;
-        println!(
-            "{} {:.6} (256 samples from 2^20 on{})",
-            if held_out { "held-out loss" } else { "loss" },
-            model.held_out_loss(&shape),
-            if held_out {
-                ", which no step trains on"
-            } else {
-                ", which training reached"
-            }
-        );
-    }
-    if args.check && rank == 0 {
-        if args.local_sgd > 0 {
-            println!(
-                "check passed: worst relative difference {worst:.2e} from one process that \
-                 trains each group's model, replicas identical within groups and everywhere \
-                 after every average over every rank"
-            );
-        } else if args.powersgd > 0 {
-            println!(
-                "check passed: replicas bit-identical; PowerSGD from step {}, where the model \
-                 leaves the uncompressed one ({worst:.2e} at most)",
-                args.powersgd_start
-            );
-        } else if args.compress != CompressArg::None {
-            println!(
-                "check passed: replicas bit-identical; {:?} on the wire, where the model leaves \
-                 the uncompressed one ({worst:.2e} at most)",
-                args.compress
-            );
+    // Held out while training stays below sample 2^20.
+    let held_out = args.steps * world * shape.batch < 1 << 20;
+    println!(
+        "{} {:.6} (256 samples from 2^20 on{})",
+        if held_out { "held-out loss" } else { "loss" },
+        model.held_out_loss(shape),
+        if held_out {
+            ", which no step trains on"
         } else {
-            println!("check passed: worst relative difference {worst:.2e}, replicas bit-identical");
+            ", which training reached"
         }
+    );
+    if !args.check {
+        return;
     }
-    Ok(())
+    if args.local_sgd > 0 {
+        println!(
+            "check passed: worst relative difference {worst:.2e} from one process that \
+             trains each group's model, replicas identical within groups and everywhere \
+             after every average over every rank"
+        );
+    } else if args.powersgd > 0 {
+        println!(
+            "check passed: replicas bit-identical; PowerSGD from step {}, where the model \
+             leaves the uncompressed one ({worst:.2e} at most)",
+            args.powersgd_start
+        );
+    } else if args.compress != CompressArg::None {
+        println!(
+            "check passed: replicas bit-identical; {:?} on the wire, where the model leaves \
+             the uncompressed one ({worst:.2e} at most)",
+            args.compress
+        );
+    } else {
+        println!("check passed: worst relative difference {worst:.2e}, replicas bit-identical");
+    }
 }

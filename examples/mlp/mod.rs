@@ -1,4 +1,4 @@
-//! The model behind examples/02_ddp_mlp.rs (and tests/ddp_mlp.rs): a multi-layer perceptron
+//! The model behind examples/02_ddp_mlp.rs (and tests/oxccl/ddp_mlp.rs): a multi-layer perceptron
 //! with tanh hidden layers and a mean-squared-error loss, forward and backward written out in
 //! plain Rust, trained with SGD on synthetic data that every rank can generate by sample index.
 //!

@@ -3,20 +3,12 @@
 //!
 //! The ranks are this test binary itself: `rank_entry` does nothing in a normal test run, and
 //! plays a rank when `OXCCL_TEST_SCENARIO` is set (the launcher runs
-//! `<this binary> rank_entry --exact --nocapture`). The scenarios live in `tests/common/mod.rs`,
-//! shared with `tests/multinode.rs`.
-
-mod common;
+//! `<this binary> rank_entry --exact --nocapture`). The scenarios live in `common.rs`, shared
+//! with `multinode` and `trace`.
 
 use std::process::{Command, Output, Stdio};
 
-use common::{free_port, rank_cmd, results, show, SCENARIO};
-
-/// The rank program (see `common::rank_entry`). A no-op in normal test runs.
-#[test]
-fn rank_entry() {
-    common::rank_entry();
-}
+use crate::common::{self, free_port, rank_cmd, results, show, SCENARIO};
 
 fn launch(scenario: &str, n: usize, transport: &str) -> Output {
     launch_job(

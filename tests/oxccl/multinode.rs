@@ -10,9 +10,7 @@
 //!
 //! Each test uses its own namespace prefix (`oxmn<pid>-<test>`), so they run concurrently, and
 //! checks afterwards that `ip netns list` shows none of its namespaces. The ranks are this test
-//! binary itself (`rank_entry`, see `tests/common/mod.rs`).
-
-mod common;
+//! binary itself (`rank_entry`, see `common.rs`).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, Command, Stdio};
@@ -20,18 +18,12 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-use common::{rank_cmd, results_of, SCENARIO};
+use crate::common::{rank_cmd, results_of, SCENARIO};
 
 const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/netns.sh");
 
 /// The script's "skipped" exit code.
 const SKIP: i32 = 77;
-
-/// The rank program (see `common::rank_entry`). A no-op in normal test runs.
-#[test]
-fn rank_entry() {
-    common::rank_entry();
-}
 
 /// A namespace prefix unique to this test process and test.
 fn prefix(tag: &str) -> String {
@@ -310,7 +302,7 @@ fn skipped(done: &Finished) -> bool {
     true
 }
 
-/// Every collective (the `all` scenario of tests/multiprocess.rs) on 2 nodes x 2 ranks: shared
+/// Every collective (the `all` scenario of `multiprocess`) on 2 nodes x 2 ranks: shared
 /// memory inside a node, TCP between the namespaces.
 #[test]
 fn every_collective_is_correct_across_two_nodes() {

@@ -172,7 +172,7 @@ pub fn mismatches<T: Copy + PartialEq>(got: &[T], table: &[T], start: usize) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::{bf16, f16, F8E4M3, F8E5M2};
+    use oxccl_kernels::{bf16, f16, F8E4M3, F8E5M2};
 
     fn sums_exact<T: Element>(n: usize, op: ReduceOp) {
         let p = Pattern::<T>::new(n, Some(op));

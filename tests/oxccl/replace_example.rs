@@ -4,16 +4,16 @@
 //! `oxccl launch --respawn 1` (this test binary: `rank_entry` does nothing in a normal run and
 //! plays a rank, or the replacement, when `OXCCL_TEST_REPLACE` is set).
 
-#[path = "../examples/05_replace_a_lost_rank.rs"]
+#[path = "../../examples/05_replace_a_lost_rank.rs"]
 #[allow(dead_code)]
 mod replace;
-
-mod common;
 
 use std::process::Command;
 
 use oxccl::comm::harness::spawn_world_and_joiners;
 use oxccl::comm::{Communicator, Config};
+
+use crate::common;
 
 fn expected_history(history: &[Vec<usize>]) -> bool {
     common::lost_member_2_at_step_3(history, &[0, 1, 3, 4])
@@ -59,8 +59,7 @@ fn a_lost_rank_is_replaced_as_threads() {
 
 /// Plays one rank, or the replacement (`OXCCL_JOIN=1`), when started by `oxccl launch` from
 /// the test below: rank 2 exits with code 3 at step 3, the launcher starts its replacement.
-#[test]
-fn rank_entry() {
+pub(crate) fn play_rank() {
     if std::env::var("OXCCL_TEST_REPLACE").is_err() {
         return;
     }

@@ -8,7 +8,7 @@
 //! oxccl trace --last 12 /tmp/trace     # and every rank's last 12 operations, on one time line
 //! ```
 //!
-//! The reading itself ([`analyze`]) is a pure function of the dumps, tested without processes.
+//! The reading itself ([`analyze()`]) is a pure function of the dumps, tested without processes.
 
 mod analyze;
 mod text;

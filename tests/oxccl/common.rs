@@ -1,16 +1,14 @@
-//! Shared by the multi-process test files (`tests/multiprocess.rs`, `tests/multinode.rs`,
-//! `tests/ddp_mlp.rs`, `tests/moe_example.rs`, `tests/launch.rs`): the rank side of their
-//! scenarios and helpers to start ranks and read what they printed.
+//! Shared by the multi-process tests (`multiprocess`, `multinode`, `trace`, `ddp_mlp`,
+//! `moe_example`, `survive_example`, `replace_example`, `launch`): the rank side of the
+//! scenarios of `multiprocess`, `multinode` and `trace`, and helpers to start ranks and read what
+//! they printed.
 //!
-//! A test binary is its own rank program: each file has a `#[test] fn rank_entry()` calling
-//! [`rank_entry`], which does nothing in a normal test run and plays a rank when
-//! `OXCCL_TEST_SCENARIO` is set. The launcher runs [`rank_cmd`], i.e.
+//! The test binary is its own rank program: its one `#[test] fn rank_entry()` (in `main.rs`)
+//! does nothing in a normal test run and plays a rank when one of the tests' variables is set;
+//! with `OXCCL_TEST_SCENARIO` it calls [`play_scenario`]. The launcher runs [`rank_cmd`], i.e.
 //! `<this binary> rank_entry --exact --nocapture ...`. Every scenario ends with one line
 //! `RESULT rank=R ok` or `RESULT rank=R err=KIND peer=P ms=T msg=...` on stdout (see
 //! [`report`]), read back by [`results`].
-
-// Each test file uses only some of these helpers.
-#![allow(dead_code)]
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -197,8 +195,8 @@ pub fn report(c: &Communicator, r: Result<(), Error>, t0: Instant) {
     let _ = std::io::stdout().flush();
 }
 
-/// The rank program: plays the scenario named by `OXCCL_TEST_SCENARIO`, or does nothing if it
-/// is unset (a normal test run).
+/// The rank program of `multiprocess`, `multinode` and `trace`: plays the scenario named by
+/// `OXCCL_TEST_SCENARIO`, or does nothing if it is unset (a normal test run).
 ///
 /// Scenarios: `all` ([`scenario_all`]), `big` ([`scenario_big`]), `hello` (one all-reduce and a
 /// barrier), `loop` (1 MiB
@@ -214,7 +212,7 @@ pub fn report(c: &Communicator, r: Result<(), Error>, t0: Instant) {
 /// never sends while the others enter a fourth; every rank reports, then rank 1 exits with code
 /// 3, for the flight-record tests), `spins` (each rank prints whether it and a group of its own
 /// busy-poll).
-pub fn rank_entry() {
+pub fn play_scenario() {
     let Ok(scenario) = std::env::var(SCENARIO) else {
         return;
     };
@@ -320,7 +318,7 @@ fn scenario_spins(c: &Communicator) -> Result<(), Error> {
     Ok(())
 }
 
-/// The `trace-hang` scenario: see [`rank_entry`].
+/// The `trace-hang` scenario: see [`play_scenario`].
 fn scenario_trace_hang(c: &Communicator) -> Result<(), Error> {
     let mut v = vec![1.0f32; 1024];
     for _ in 0..3 {
@@ -342,7 +340,7 @@ fn scenario_trace_hang(c: &Communicator) -> Result<(), Error> {
     Ok(())
 }
 
-/// The `shrink` scenario: see [`rank_entry`].
+/// The `shrink` scenario: see [`play_scenario`].
 fn scenario_shrink(c: &Communicator) -> Result<(), Error> {
     let me = c.rank();
     let mut v = vec![1.0f32; 1 << 18];
@@ -381,7 +379,8 @@ fn scenario_shrink(c: &Communicator) -> Result<(), Error> {
     panic!("old rank {me}: the all-reduces went on without rank 2");
 }
 
-/// The command line that makes this test binary play a rank (with `OXCCL_TEST_SCENARIO` set).
+/// The command line that makes this test binary play a rank (with `OXCCL_TEST_SCENARIO` or
+/// another variable of the tests set: see `rank_entry` in `main.rs`).
 pub fn rank_cmd() -> Vec<String> {
     let me = std::env::current_exe()
         .unwrap()

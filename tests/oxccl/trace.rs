@@ -2,16 +2,9 @@
 //! waits for a message that never comes while the others wait for it in an all-reduce; the
 //! launcher's reading and `oxccl trace DIR` name the rank and the message.
 
-mod common;
-
 use std::process::Command;
 
-use common::{rank_cmd, show, SCENARIO};
-
-#[test]
-fn rank_entry() {
-    common::rank_entry();
-}
+use crate::common::{rank_cmd, show, SCENARIO};
 
 #[test]
 fn trace_dir_names_the_rank_that_never_reached_the_collective() {

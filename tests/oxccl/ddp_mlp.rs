@@ -24,13 +24,11 @@
 //! TCP between them) and processes (groups of consecutive ranks).
 //!
 //! The process ranks are this test binary: `rank_entry` does nothing in a normal run and trains
-//! when `OXCCL_TEST_DDP` is set.
+//! ([`play_rank`]) when `OXCCL_TEST_DDP` is set.
 
-#[path = "../examples/mlp/mod.rs"]
+#[path = "../../examples/mlp/mod.rs"]
 #[allow(dead_code)]
 mod mlp;
-
-mod common;
 
 use std::time::Duration;
 
@@ -41,6 +39,8 @@ use oxccl::ddp::{
     CommHook, DdpConfig, HierarchicalAverager, ModelAverager, Overlap, PostLocalSgd, PowerSgd,
     PowerSgdConfig, UnevenInputs,
 };
+
+use crate::common;
 
 const STEPS: usize = 10;
 const WORLD: usize = 4;
@@ -409,9 +409,9 @@ fn ddp_matches_one_process_on_the_concatenated_batch_threads() {
     );
 }
 
-/// Plays one rank when started by `oxccl launch` from the test below.
-#[test]
-fn rank_entry() {
+/// Plays one rank when started by `oxccl launch` from the tests below (`OXCCL_TEST_DDP` set;
+/// does nothing otherwise).
+pub(crate) fn play_rank() {
     if std::env::var("OXCCL_TEST_DDP").is_err() {
         return;
     }

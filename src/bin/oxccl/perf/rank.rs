@@ -198,7 +198,7 @@ fn run_all(comm: &Communicator, args: &PerfArgs, plan: &Plan) -> Result<u64, Err
     let mut cycle = 0u32;
     while args.run_cycles == 0 || cycle < args.run_cycles {
         for &dt in &plan.dtypes {
-            crate::kernels::with_dtype!(dt, run_dtype(comm, &spec, plan, cycle, &mut sink))?;
+            oxccl_kernels::with_dtype!(dt, run_dtype(comm, &spec, plan, cycle, &mut sink))?;
         }
         cycle = cycle.wrapping_add(1);
     }

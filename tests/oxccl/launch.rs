@@ -1,4 +1,5 @@
-//! End-to-end tests of `oxccl launch` (the binary) and of `oxccl::launch::launch`.
+//! End-to-end tests of `oxccl launch` (the binary; the `launch` function it calls has unit tests
+//! of its own in `src/bin/oxccl/launch/`).
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
@@ -6,9 +7,7 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use oxccl::launch::{launch, JobEnd, LaunchConfig, Termination};
-
-mod common;
+use crate::common;
 
 const MARKER_VAR: &str = "OXCCL_LAUNCH_TEST_MARKER";
 
@@ -550,25 +549,6 @@ fn timeout_kills_the_job() {
 }
 
 #[test]
-fn library_api_reports_outcomes() {
-    let mut cfg = LaunchConfig::new(2, "sh", ["-c", "test \"$OXCCL_WORLD_SIZE\" = 2"]);
-    let ok = launch(&cfg).unwrap();
-    assert!(ok.success());
-    assert_eq!((ok.attempts, ok.exit_code()), (1, 0));
-
-    cfg.args = vec!["-c".into(), "exit $((OXCCL_LOCAL_RANK + 6))".into()];
-    let failed = launch(&cfg).unwrap();
-    let JobEnd::RankFailed(f) = &failed.end else {
-        panic!("{failed:?}")
-    };
-    assert!(matches!(f.termination, Termination::Exited(6 | 7)), "{f:?}");
-    assert_eq!(failed.exit_code(), f.termination.exit_code());
-
-    cfg.nnodes = 2;
-    assert_eq!(launch(&cfg).unwrap_err().exit_code(), 2);
-}
-
-#[test]
 fn absurd_rank_counts_and_timeouts_are_refused() {
     let m = marker("limits");
     let (out, _, stderr, _) = run(oxccl(&m).args(["launch", "-n", "5000", "--", "true"]));
@@ -598,23 +578,6 @@ fn a_signal_while_the_ranks_start_stops_the_job() {
     assert_eq!(out.status.code(), Some(128 + libc::SIGTERM), "{stderr}");
     assert!(took < Duration::from_secs(20), "took {took:?}");
     assert_no_survivors(&m);
-}
-
-#[test]
-fn a_rank_that_cannot_start_leaves_no_segments() {
-    // A stale segment of the attempt (as a rank started before the failing one could leave).
-    let job = format!("spawnfail-{}", marker("shm"));
-    let prefix = oxccl::comm::transport::shm::job_prefix(&format!("{job}-r0"));
-    let stale =
-        std::path::Path::new(oxccl::comm::transport::shm::SHM_DIR).join(format!("{prefix}stale"));
-    std::fs::write(&stale, b"x").unwrap();
-    let mut cfg = LaunchConfig::new(2, "/nonexistent/oxccl-no-such-cmd", Vec::<String>::new());
-    cfg.job_id = Some(job);
-    let err = launch(&cfg).unwrap_err();
-    let left = stale.exists();
-    let _ = std::fs::remove_file(&stale);
-    assert_eq!(err.exit_code(), 127, "{err}");
-    assert!(!left, "{} was left behind", stale.display());
 }
 
 /// The launcher of node `node` of a 2-node job on loopback, `n` ranks running `sh -c script`.

@@ -5,14 +5,19 @@
 //! oxccl launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 -n 8 -- ./train
 //! ```
 //!
-//! See [`oxccl::launch`] for the environment every rank gets and the exit-code contract.
+//! See [`launch`](mod@launch) for the environment every rank gets and the exit-code contract,
+//! [`perf`] for `oxccl perf` and [`trace`] for `oxccl trace`; `oxccl topo` is in this file.
+
+mod launch;
+mod perf;
+mod trace;
 
 use std::ffi::OsString;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use oxccl::launch::{launch, Bind, JobEnd, LaunchConfig};
+use launch::{launch, Bind, JobEnd, LaunchConfig};
 
 /// oxccl: collective communication for Rust trainers.
 #[derive(Debug, Parser)]
@@ -36,7 +41,7 @@ enum Cmd {
     ///
     /// Starts --np local ranks itself, or runs as one rank under oxccl launch, torchrun, srun or
     /// mpirun. Example: oxccl perf all-reduce --np 4 -b 8 -e 64M -d all -o all.
-    Perf(Box<oxccl::perf::PerfArgs>),
+    Perf(Box<perf::PerfArgs>),
 
     /// Print the process groups of a placement, in creation order (no communicator needed).
     ///
@@ -52,7 +57,7 @@ enum Cmd {
     /// job stopped, which point-to-point message never came, and who the others waited for.
     /// Example: OXCCL_TRACE_DIR=/tmp/t oxccl launch -n 4 -- ./train; oxccl trace /tmp/t.
     #[command(arg_required_else_help = true)]
-    Trace(oxccl::trace::TraceArgs),
+    Trace(trace::TraceArgs),
 }
 
 #[derive(Debug, Args)]
@@ -111,14 +116,14 @@ fn topo_world(dims: &[(String, usize)], world: Option<usize>) -> Result<usize, S
 }
 
 fn run_topo(args: TopoArgs) -> u8 {
-    use oxccl::comm::topology;
+    use oxccl_comm::topology;
     let result = topology::parse_dims(&args.dims).and_then(|dims| {
-        let world = topo_world(&dims, args.world).map_err(oxccl::comm::Error::Config)?;
+        let world = topo_world(&dims, args.world).map_err(oxccl_comm::Error::Config)?;
         let dims: Vec<(&str, usize)> = dims.iter().map(|(n, s)| (n.as_str(), *s)).collect();
         let mut plans = topology::plan_groups(0, world, &dims)?;
         if let Some(ep) = args.moe_ep {
             let data = plans.iter().find(|p| p.name == "data").ok_or_else(|| {
-                oxccl::comm::Error::Config("--moe-ep needs a 'data' dimension".into())
+                oxccl_comm::Error::Config("--moe-ep needs a 'data' dimension".into())
             })?;
             let moe = topology::plan_moe(0, data, ep)?;
             plans.extend(moe);
@@ -303,7 +308,7 @@ fn run_launch(args: LaunchArgs) -> u8 {
 /// After a failed job: what this node's flight records in `dir` written since `started` show
 /// (`oxccl trace DIR`; older records of other jobs are left out).
 fn print_trace(dir: &std::path::Path, started: std::time::SystemTime) {
-    let (mut dumps, problems) = oxccl::trace::load(&[dir.to_path_buf()]);
+    let (mut dumps, problems) = trace::load(&[dir.to_path_buf()]);
     for p in problems {
         note!("--trace-dir: skipped {p}");
     }
@@ -326,16 +331,16 @@ fn print_trace(dir: &std::path::Path, started: std::time::SystemTime) {
     use std::io::Write as _;
     let _ = std::io::stderr()
         .lock()
-        .write_all(oxccl::trace::analyze(&dumps).as_bytes());
+        .write_all(trace::analyze(&dumps).as_bytes());
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    oxccl::comm::logging::init();
+    oxccl_comm::logging::init();
     ExitCode::from(match cli.command {
         Cmd::Launch(args) => run_launch(args),
-        Cmd::Perf(args) => oxccl::perf::run(*args),
+        Cmd::Perf(args) => perf::run(*args),
         Cmd::Topo(args) => run_topo(args),
-        Cmd::Trace(args) => oxccl::trace::run(args),
+        Cmd::Trace(args) => trace::run(args),
     })
 }

@@ -1,0 +1,49 @@
+//! The `oxccl` package's integration tests, in one test binary: one module per area (`launch`,
+//! `perf`, `topo` and `trace` run the `oxccl` binary; `multiprocess` and `multinode` start ranks
+//! as processes, the latter in network namespaces; `ddp_mlp`, `moe_example`, `survive_example`
+//! and `replace_example` check the examples' code as threads and as processes), and `common`,
+//! the rank side of the scenarios and the helpers to start ranks.
+//!
+//! This binary is also the rank program of the tests that start ranks as processes: they run
+//! `<this binary> rank_entry --exact --nocapture ...` ([`common::rank_cmd`]) with a variable
+//! naming what the rank plays, and [`rank_entry`] plays it.
+
+mod common;
+mod ddp_mlp;
+mod launch;
+mod moe_example;
+mod multinode;
+mod multiprocess;
+mod perf;
+mod replace_example;
+mod survive_example;
+mod topo;
+mod trace;
+
+/// The rank program: does nothing in a normal test run; started as a rank, it plays what the
+/// one variable set names: a scenario of `common` (`OXCCL_TEST_SCENARIO`, for `multiprocess`,
+/// `multinode` and `trace`), a DDP rank (`OXCCL_TEST_DDP`), the MoE exchange
+/// (`OXCCL_TEST_MOE`), or the steps of example 04 (`OXCCL_TEST_SURVIVE`) or 05
+/// (`OXCCL_TEST_REPLACE`).
+#[test]
+fn rank_entry() {
+    let programs: [(&str, fn()); 5] = [
+        (common::SCENARIO, common::play_scenario),
+        ("OXCCL_TEST_DDP", ddp_mlp::play_rank),
+        ("OXCCL_TEST_MOE", moe_example::play_rank),
+        ("OXCCL_TEST_SURVIVE", survive_example::play_rank),
+        ("OXCCL_TEST_REPLACE", replace_example::play_rank),
+    ];
+    let set: Vec<&(&str, fn())> = programs
+        .iter()
+        .filter(|(var, _)| std::env::var_os(var).is_some())
+        .collect();
+    match set.as_slice() {
+        [] => {}
+        [(_, play)] => play(),
+        more => panic!(
+            "more than one rank program asked for: {:?}",
+            more.iter().map(|(var, _)| var).collect::<Vec<_>>()
+        ),
+    }
+}
