@@ -26,8 +26,8 @@ fn world(n: usize, transport: TransportChoice, coll: Collective, bytes: usize) -
         runner.serve(|| {
             match coll {
                 Collective::AllReduce => c.all_reduce(&mut buf, ReduceOp::Sum),
-                Collective::ReduceScatter => c.reduce_scatter_in_place(&mut buf, ReduceOp::Sum),
-                Collective::AllGather => c.all_gather_in_place(&mut out),
+                Collective::ReduceScatter => c.reduce_scatter(&mut buf, ReduceOp::Sum),
+                Collective::AllGather => c.all_gather(&mut out),
                 _ => c.broadcast(&mut buf, 0),
             }
             .expect("collective");

@@ -77,14 +77,14 @@ pub fn dispatch_combine(
     // 2. Counts: rank j learns sent[j] of every rank.
     let counts: Vec<u64> = sent.iter().map(|&c| c as u64).collect();
     let mut theirs = vec![0u64; n];
-    comm.all_to_all(&counts, &mut theirs)?;
+    comm.all_to_all_into(&counts, &mut theirs)?;
     let received: Vec<usize> = theirs.iter().map(|&c| c as usize).collect();
 
     // 3. Dispatch: counts in f32 elements, a row per token.
     let send_counts: Vec<usize> = sent.iter().map(|c| c * row).collect();
     let recv_counts: Vec<usize> = received.iter().map(|c| c * row).collect();
     let mut recv_buf = vec![0f32; recv_counts.iter().sum()];
-    comm.all_to_all_v(&send_buf, &send_counts, &mut recv_buf, &recv_counts)?;
+    comm.all_to_all_v_into(&send_buf, &send_counts, &mut recv_buf, &recv_counts)?;
 
     // 4. The experts of this rank, on every received token (the index stays in the row).
     for r in recv_buf.chunks_exact_mut(row) {
@@ -98,7 +98,7 @@ pub fn dispatch_combine(
 
     // 5. Combine: the same blocks go back, so the counts are swapped.
     let mut back = vec![0f32; send_buf.len()];
-    comm.all_to_all_v(&recv_buf, &recv_counts, &mut back, &send_counts)?;
+    comm.all_to_all_v_into(&recv_buf, &recv_counts, &mut back, &send_counts)?;
     for (&(e, t), r) in order.iter().zip(back.chunks_exact(row)) {
         let want = expert(e, &token(rank, t));
         if r[..DIM] != want[..] || r[DIM] as usize != e {

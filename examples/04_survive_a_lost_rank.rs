@@ -207,7 +207,7 @@ pub fn train(
     }
     // Every rank must hold the same weights.
     let mut all = vec![0f32; DIM * comm.size()];
-    comm.all_gather(&state.w, &mut all)?;
+    comm.all_gather_into(&state.w, &mut all)?;
     if all.chunks(DIM).any(|other| other != state.w.as_slice()) {
         return Err(Error::InvalidArgument {
             rank: comm.rank(),

@@ -85,7 +85,7 @@ pub enum UnevenInputs {
 pub enum Overlap {
     /// [`Overlap::On`] where every rank's node has 2 CPUs or more for each of its ranks (the
     /// node's CPUs and ranks as the communicator counted them,
-    /// `Communicator::node_holds(2)`, the rule of `OXCCL_SOCKET_SEND_THREAD=auto`; agreed in
+    /// `comm.stats().node_holds(2)`, the rule of `OXCCL_SOCKET_SEND_THREAD=auto`; agreed in
     /// the all-reduce `Ddp::new` makes anyway), and [`Overlap::Off`] otherwise: ranks bound a
     /// core each (`oxccl launch --bind core`) or more ranks than half the CPUs on some node.
     /// It counts one busy CPU per rank: where the trainer's backward pass uses more (threads of

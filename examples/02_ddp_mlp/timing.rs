@@ -92,7 +92,7 @@ pub(crate) fn run_every_mode(
 ) -> Result<(), Box<dyn std::error::Error>> {
     let comm = setup.comm;
     // What Overlap::Auto picks for these ranks (agreed across ranks, as `Ddp::new` does).
-    let mut auto = [u8::from(comm.node_holds(2))];
+    let mut auto = [u8::from(comm.stats().node_holds(2))];
     comm.all_reduce(&mut auto, ReduceOp::Min)?;
     let med = time_every_mode(setup, shape, cfg)?;
     if comm.rank() == 0 {
@@ -188,7 +188,7 @@ fn print_ratios(comm: &Communicator, med: &[f64], auto_on: bool) {
         "# overlap / (backward then all-reduce) = {:.3}",
         overlap / after
     );
-    let node = comm.node_share();
+    let node = comm.stats().node;
     let (pick, picked, picked_in_place) = if auto_on {
         ("on", overlap, in_place)
     } else {

@@ -38,10 +38,10 @@ pub fn scenario_all(c: &Communicator) -> Result<(), Error> {
         c.all_reduce(&mut v, ReduceOp::Max)?;
         assert!(v.iter().all(|&x| x == n as i64 - 1), "all_reduce max");
         let mut out = vec![0u32; count];
-        c.reduce_scatter(&vec![1u32; count * n], &mut out, ReduceOp::Sum)?;
+        c.reduce_scatter_into(&vec![1u32; count * n], &mut out, ReduceOp::Sum)?;
         assert!(out.iter().all(|&x| x == n as u32), "reduce_scatter");
         let mut out = vec![0u8; count * n];
-        c.all_gather(&vec![me as u8; count], &mut out)?;
+        c.all_gather_into(&vec![me as u8; count], &mut out)?;
         assert!(
             out.iter()
                 .enumerate()
@@ -53,10 +53,10 @@ pub fn scenario_all(c: &Communicator) -> Result<(), Error> {
         c.broadcast(&mut b, root)?;
         assert!(b.iter().all(|&x| x == root as f64), "broadcast");
         let mut out = vec![0i32; if me == root { count } else { 0 }];
-        c.reduce(&vec![1i32; count], &mut out, ReduceOp::Sum, root)?;
+        c.reduce_into(&vec![1i32; count], &mut out, ReduceOp::Sum, root)?;
         assert!(out.iter().all(|&x| x == n as i32), "reduce");
         let mut out = vec![0u64; if me == root { count * n } else { 0 }];
-        c.gather(&vec![me as u64; count], &mut out, root)?;
+        c.gather_into(&vec![me as u64; count], &mut out, root)?;
         assert!(
             out.iter()
                 .enumerate()
@@ -69,13 +69,13 @@ pub fn scenario_all(c: &Communicator) -> Result<(), Error> {
             vec![]
         };
         let mut out = vec![99u64; count];
-        c.scatter(&inp, &mut out, root)?;
+        c.scatter_into(&inp, &mut out, root)?;
         assert!(out.iter().all(|&x| x == me as u64), "scatter");
         let inp: Vec<u32> = (0..count * n)
             .map(|k| (me * 1000 + k / count.max(1)) as u32)
             .collect();
         let mut out = vec![0u32; count * n];
-        c.all_to_all(&inp, &mut out)?;
+        c.all_to_all_into(&inp, &mut out)?;
         assert!(
             out.iter()
                 .enumerate()
@@ -140,7 +140,7 @@ fn scenario_big(c: &Communicator) -> Result<(), Error> {
         "big broadcast"
     );
     let mut r = vec![0f32; len];
-    c.reduce(&mine, &mut r, ReduceOp::Sum, n - 1)?;
+    c.reduce_into(&mine, &mut r, ReduceOp::Sum, n - 1)?;
     assert!(me != n - 1 || ok(&r), "big reduce");
     let mut b: Vec<i64> = (0..len).map(|i| val(me, i) as i64 - 5).collect();
     c.all_reduce(&mut b, ReduceOp::Sum)?;
@@ -150,7 +150,7 @@ fn scenario_big(c: &Communicator) -> Result<(), Error> {
             .all(|(i, &x)| x == sum(i) as i64 - 5 * n as i64),
         "big i64 all_reduce"
     );
-    if let Some(cut) = c.channel_ops() {
+    if let Some(cut) = c.stats().channel_ops {
         println!("CUT rank={me} ops={cut}");
     }
     Ok(())
@@ -244,7 +244,7 @@ pub fn play_scenario() {
                 }
                 v.fill(1.0);
             }
-            if let Some(cut) = c.channel_ops() {
+            if let Some(cut) = c.stats().channel_ops {
                 println!("CUT rank={} ops={cut}", c.rank());
             }
             result
@@ -310,11 +310,15 @@ pub fn play_scenario() {
 }
 
 /// The `spins` scenario: every rank makes a group of its own (`split` by rank) and prints
-/// `SPINS rank=R world=W group=G`, whether each busy-polls (`Communicator::spins`).
+/// `SPINS rank=R world=W group=G`, whether each busy-polls (`Stats::spins`).
 fn scenario_spins(c: &Communicator) -> Result<(), Error> {
     let g = c.split(Some(c.rank() as u32), 0)?;
-    let group = g.as_ref().is_some_and(Communicator::spins);
-    println!("SPINS rank={} world={} group={group}", c.rank(), c.spins());
+    let group = g.as_ref().is_some_and(|g| g.stats().spins);
+    println!(
+        "SPINS rank={} world={} group={group}",
+        c.rank(),
+        c.stats().spins
+    );
     Ok(())
 }
 
@@ -370,7 +374,7 @@ fn scenario_shrink(c: &Communicator) -> Result<(), Error> {
                 assert!(v.iter().all(|&x| x == 3.0), "old rank {me}");
             }
             let mut all = vec![0u32; 3];
-            fewer.all_gather(&[me as u32], &mut all)?;
+            fewer.all_gather_into(&[me as u32], &mut all)?;
             assert_eq!(all, [0, 1, 3], "old rank {me}");
             return Ok(());
         }

@@ -189,7 +189,7 @@ fn no_prefix_leaves_lines_bare() {
 fn bind_core_gives_each_local_rank_its_own_cpu() {
     // Each rank prints its allowed CPUs; with --bind core local rank i gets the launcher's i-th
     // CPU (wrapping), without it every rank keeps the launcher's whole set.
-    let cpus = oxccl::comm::affinity::allowed_cpus();
+    let cpus = oxccl::comm::internal::affinity::allowed_cpus();
     let show = "grep Cpus_allowed_list /proc/self/status | cut -f2";
     let m = marker("bind");
     let (out, stdout, stderr, _) = run(oxccl(&m).args([
@@ -205,7 +205,7 @@ fn bind_core_gives_each_local_rank_its_own_cpu() {
     }
     let (out, stdout, _, _) = run(oxccl(&m).args(["launch", "--np", "2", "--", "sh", "-c", show]));
     assert!(out.status.success());
-    let all = oxccl::comm::affinity::encode_cpus(&cpus);
+    let all = oxccl::comm::internal::affinity::encode_cpus(&cpus);
     assert_eq!(stdout.matches(&format!("] {all}\n")).count(), 2, "{stdout}");
     let (out, _, stderr, _) =
         run(oxccl(&m).args(["launch", "--np", "2", "--bind", "socket", "--", "true"]));
@@ -217,7 +217,7 @@ fn bind_core_gives_each_local_rank_its_own_cpu() {
 fn bind_block_gives_each_local_rank_its_share_of_the_cpus() {
     // With --bind block, local rank i of n gets the i-th block of max(1, cpus / n) of the
     // launcher's CPUs: one rank keeps them all, two split them in halves (one each on 2 CPUs).
-    let cpus = oxccl::comm::affinity::allowed_cpus();
+    let cpus = oxccl::comm::internal::affinity::allowed_cpus();
     let show = "grep Cpus_allowed_list /proc/self/status | cut -f2";
     let m = marker("bindblock");
     for np in [1usize, 2] {
@@ -241,7 +241,7 @@ fn bind_block_gives_each_local_rank_its_share_of_the_cpus() {
             _ => vec![&cpus[..half], &cpus[half..2 * half]],
         };
         for (lr, block) in blocks.iter().enumerate() {
-            let want = oxccl::comm::affinity::encode_cpus(block);
+            let want = oxccl::comm::internal::affinity::encode_cpus(block);
             assert!(
                 stdout.lines().any(|l| l == format!("[{lr}] {want}")),
                 "{np} ranks: rank {lr} should run on CPUs {want}:\n{stdout}"

@@ -65,7 +65,7 @@ fn launch_job_env(
 
 /// Segments of `job` still in /dev/shm.
 fn leftover_segments(job: &str) -> Vec<String> {
-    let prefix = oxccl::comm::transport::shm::job_prefix(job);
+    let prefix = oxccl::comm::internal::shm::job_prefix(job);
     std::fs::read_dir("/dev/shm")
         .map(|d| {
             d.flatten()

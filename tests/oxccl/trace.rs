@@ -56,7 +56,7 @@ fn trace_dir_names_the_rank_that_never_reached_the_collective() {
             let list = list
                 .trim_start_matches("ranks ")
                 .trim_start_matches("rank ");
-            failed.extend(oxccl::comm::affinity::decode_cpus(list).unwrap_or_default());
+            failed.extend(oxccl::comm::internal::affinity::decode_cpus(list).unwrap_or_default());
         }
         failed.sort_unstable();
         assert_eq!(failed, [0, 2, 3], "{text}");

@@ -70,7 +70,7 @@ impl<G: Borrow<Communicator>> PostLocalSgd<G> {
             )));
         }
         let mut members = vec![0u64; g.size()];
-        g.all_gather(&[comm.rank() as u64], &mut members)?;
+        g.all_gather_into(&[comm.rank() as u64], &mut members)?;
         let members: Vec<usize> = members.into_iter().map(|r| r as usize).collect();
         let mut seen = vec![false; comm.size()];
         for &r in &members {

@@ -244,7 +244,8 @@ impl<C: Borrow<Communicator>> Ddp<C> {
         // a bad local setting is reported after the collective so no rank is left waiting. The
         // same all-reduce tells whether some rank's node lacks a CPU to spare (`Overlap::Auto`
         // decides the same on every rank).
-        let mut short_of_cpus = [u64::from(!c.node_holds(2))];
+        let stats = c.stats();
+        let mut short_of_cpus = [u64::from(!stats.node_holds(2))];
         agree(c, "new", &settings(&specs, &cfg), &mut short_of_cpus)?;
         if cfg.bucket_cap_bytes == 0 || cfg.first_bucket_bytes == 0 {
             return Err(invalid(format!(
@@ -272,7 +273,7 @@ impl<C: Borrow<Communicator>> Ddp<C> {
             Overlap::On => true,
             Overlap::Off => false,
         };
-        let node = c.node_share();
+        let node = stats.node;
         let world = c.size();
         tracing::debug!(
             rank,

@@ -336,7 +336,7 @@ fn print_trace(dir: &std::path::Path, started: std::time::SystemTime) {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    oxccl_comm::logging::init();
+    oxccl_comm::internal::logging::init();
     ExitCode::from(match cli.command {
         Cmd::Launch(args) => run_launch(args),
         Cmd::Perf(args) => perf::run(*args),

@@ -422,8 +422,8 @@ fn finish_on_nodes(
 /// Removes whatever shared-memory segments of this job are left in `/dev/shm` (a rank killed
 /// between creating its segment and its peers mapping it). Every rank is gone when this runs.
 fn remove_shm_segments(job_id: &str) {
-    let prefix = oxccl_comm::transport::shm::job_prefix(job_id);
-    let Ok(dir) = std::fs::read_dir(oxccl_comm::transport::shm::SHM_DIR) else {
+    let prefix = oxccl_comm::internal::shm::job_prefix(job_id);
+    let Ok(dir) = std::fs::read_dir(oxccl_comm::internal::shm::SHM_DIR) else {
         return;
     };
     for entry in dir.flatten() {

@@ -32,9 +32,9 @@ fn a_rank_that_cannot_start_leaves_no_segments() {
         .unwrap()
         .subsec_nanos();
     let job = format!("spawnfail-shm-{}-{nanos}", std::process::id());
-    let prefix = oxccl_comm::transport::shm::job_prefix(&format!("{job}-r0"));
+    let prefix = oxccl_comm::internal::shm::job_prefix(&format!("{job}-r0"));
     let stale =
-        std::path::Path::new(oxccl_comm::transport::shm::SHM_DIR).join(format!("{prefix}stale"));
+        std::path::Path::new(oxccl_comm::internal::shm::SHM_DIR).join(format!("{prefix}stale"));
     std::fs::write(&stale, b"x").unwrap();
     let mut cfg = LaunchConfig::new(2, "/nonexistent/oxccl-no-such-cmd", Vec::<String>::new());
     cfg.job_id = Some(job);

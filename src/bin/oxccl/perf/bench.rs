@@ -378,10 +378,10 @@ impl<'c, T: Element> Bench<'c, T> {
             let buf = &mut self.b[base..base + g.full];
             return match coll {
                 Collective::AllReduce => comm.all_reduce(buf, op),
-                Collective::ReduceScatter => comm.reduce_scatter_in_place(buf, op),
-                Collective::AllGather => comm.all_gather_in_place(buf),
+                Collective::ReduceScatter => comm.reduce_scatter(buf, op),
+                Collective::AllGather => comm.all_gather(buf),
                 Collective::Broadcast => comm.broadcast(buf, root),
-                Collective::Reduce => comm.reduce_in_place(buf, op, root),
+                Collective::Reduce => comm.reduce(buf, op, root),
                 _ => Ok(()),
             };
         }
@@ -391,29 +391,31 @@ impl<'c, T: Element> Bench<'c, T> {
         let at_root = rank == root;
         match coll {
             Collective::AllReduce => comm.all_reduce_into(inp, out, op),
-            Collective::ReduceScatter => comm.reduce_scatter(inp, out, op),
-            Collective::AllGather => comm.all_gather(inp, out),
+            Collective::ReduceScatter => comm.reduce_scatter_into(inp, out, op),
+            Collective::AllGather => comm.all_gather_into(inp, out),
             Collective::Broadcast => comm.broadcast_into(inp, out, root),
-            Collective::Reduce => comm.reduce(inp, if at_root { out } else { &mut [] }, op, root),
-            Collective::Gather => comm.gather(inp, if at_root { out } else { &mut [] }, root),
-            Collective::Scatter => comm.scatter(if at_root { inp } else { &[] }, out, root),
-            Collective::AllToAll => comm.all_to_all(inp, out),
+            Collective::Reduce => {
+                comm.reduce_into(inp, if at_root { out } else { &mut [] }, op, root)
+            }
+            Collective::Gather => comm.gather_into(inp, if at_root { out } else { &mut [] }, root),
+            Collective::Scatter => comm.scatter_into(if at_root { inp } else { &[] }, out, root),
+            Collective::AllToAll => comm.all_to_all_into(inp, out),
             Collective::SendRecv => comm.send_recv(inp, (rank + 1) % n, out, (rank + n - 1) % n),
             Collective::Barrier => comm.barrier(),
             Collective::AllToAllV => {
-                comm.all_to_all_v(inp, &self.v_counts.1, out, &self.v_counts.2)
+                comm.all_to_all_v_into(inp, &self.v_counts.1, out, &self.v_counts.2)
             }
-            Collective::AllGatherV => comm.all_gather_v(&inp[..mine], out, &self.v_counts.1),
+            Collective::AllGatherV => comm.all_gather_v_into(&inp[..mine], out, &self.v_counts.1),
             Collective::GatherV => {
                 let out = if at_root { out } else { &mut [] };
-                comm.gather_v(&inp[..mine], out, &self.v_counts.1, root)
+                comm.gather_v_into(&inp[..mine], out, &self.v_counts.1, root)
             }
             Collective::ScatterV => {
                 let inp = if at_root { inp } else { &[] };
-                comm.scatter_v(inp, &mut out[..mine], &self.v_counts.1, root)
+                comm.scatter_v_into(inp, &mut out[..mine], &self.v_counts.1, root)
             }
             Collective::ReduceScatterV => {
-                comm.reduce_scatter_v(inp, &mut out[..mine], &self.v_counts.1, op)
+                comm.reduce_scatter_v_into(inp, &mut out[..mine], &self.v_counts.1, op)
             }
         }
     }
@@ -435,7 +437,7 @@ impl<'c, T: Element> Bench<'c, T> {
                 Collective::AllReduce => comm.all_reduce_async::<T, _>(w, op).wait()?,
                 Collective::ReduceScatter => comm.reduce_scatter_async::<T, _>(w, op).wait()?,
                 Collective::AllGather => comm.all_gather_async::<T, _>(w).wait()?,
-                Collective::Reduce => comm.reduce_in_place_async::<T, _>(w, op, root).wait()?,
+                Collective::Reduce => comm.reduce_async::<T, _>(w, op, root).wait()?,
                 _ => comm.broadcast_async::<T, _>(w, root).wait()?,
             };
             self.b = w.v;
@@ -464,25 +466,27 @@ impl<'c, T: Element> Bench<'c, T> {
                 .wait()?,
             Collective::AllGather => comm.all_gather_into_async::<T, _, _>(inp, out).wait()?,
             Collective::AllGatherV => comm
-                .all_gather_v_async::<T, _, _>(inp, out, counts)
+                .all_gather_v_into_async::<T, _, _>(inp, out, counts)
                 .wait()?,
             Collective::ReduceScatterV => comm
-                .reduce_scatter_v_async::<T, _, _>(inp, out, counts, op)
+                .reduce_scatter_v_into_async::<T, _, _>(inp, out, counts, op)
                 .wait()?,
-            Collective::Reduce => comm.reduce_async::<T, _, _>(inp, out, op, root).wait()?,
-            Collective::Gather => comm.gather_async::<T, _, _>(inp, out, root).wait()?,
-            Collective::Scatter => comm.scatter_async::<T, _, _>(inp, out, root).wait()?,
-            Collective::AllToAll => comm.all_to_all_async::<T, _, _>(inp, out).wait()?,
+            Collective::Reduce => comm
+                .reduce_into_async::<T, _, _>(inp, out, op, root)
+                .wait()?,
+            Collective::Gather => comm.gather_into_async::<T, _, _>(inp, out, root).wait()?,
+            Collective::Scatter => comm.scatter_into_async::<T, _, _>(inp, out, root).wait()?,
+            Collective::AllToAll => comm.all_to_all_into_async::<T, _, _>(inp, out).wait()?,
             Collective::AllToAllV => {
                 let (sc, rc) = (&self.v_counts.1, &self.v_counts.2);
-                comm.all_to_all_v_async::<T, _, _>(inp, sc, out, rc)
+                comm.all_to_all_v_into_async::<T, _, _>(inp, sc, out, rc)
                     .wait()?
             }
             Collective::GatherV => comm
-                .gather_v_async::<T, _, _>(inp, out, counts, root)
+                .gather_v_into_async::<T, _, _>(inp, out, counts, root)
                 .wait()?,
             Collective::ScatterV => comm
-                .scatter_v_async::<T, _, _>(inp, out, counts, root)
+                .scatter_v_into_async::<T, _, _>(inp, out, counts, root)
                 .wait()?,
             _ => comm
                 .broadcast_into_async::<T, _, _>(inp, out, root)

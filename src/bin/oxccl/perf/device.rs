@@ -184,16 +184,16 @@ impl DevArenas {
         let at_root = rank == root;
         match coll {
             Collective::AllReduce => dev.all_reduce_into(&inp, &mut out, op),
-            Collective::ReduceScatter => dev.reduce_scatter(&inp, &mut out, op),
-            Collective::AllGather => dev.all_gather(&inp, &mut out),
+            Collective::ReduceScatter => dev.reduce_scatter_into(&inp, &mut out, op),
+            Collective::AllGather => dev.all_gather_into(&inp, &mut out),
             Collective::Broadcast => dev.broadcast_into(&inp, &mut out, root),
-            Collective::Reduce if at_root => dev.reduce(&inp, &mut out, op, root),
-            Collective::Reduce => dev.reduce(&inp, &mut out.slice_mut(..0), op, root),
-            Collective::Gather if at_root => dev.gather(&inp, &mut out, root),
-            Collective::Gather => dev.gather(&inp, &mut out.slice_mut(..0), root),
-            Collective::Scatter if at_root => dev.scatter(&inp, &mut out, root),
-            Collective::Scatter => dev.scatter(&inp.slice(..0), &mut out, root),
-            Collective::AllToAll => dev.all_to_all(&inp, &mut out),
+            Collective::Reduce if at_root => dev.reduce_into(&inp, &mut out, op, root),
+            Collective::Reduce => dev.reduce_into(&inp, &mut out.slice_mut(..0), op, root),
+            Collective::Gather if at_root => dev.gather_into(&inp, &mut out, root),
+            Collective::Gather => dev.gather_into(&inp, &mut out.slice_mut(..0), root),
+            Collective::Scatter if at_root => dev.scatter_into(&inp, &mut out, root),
+            Collective::Scatter => dev.scatter_into(&inp.slice(..0), &mut out, root),
+            Collective::AllToAll => dev.all_to_all_into(&inp, &mut out),
             Collective::SendRecv => {
                 // Even ranks send first, odd ranks receive first: no cycle of waiting senders.
                 let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);

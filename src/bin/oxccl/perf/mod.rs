@@ -122,7 +122,7 @@ fn parent(args: &PerfArgs, plan: &Plan, overriding: bool) -> u8 {
     }
     cfg.bind = args
         .bind
-        .unwrap_or_else(|| default_bind(np, oxccl_comm::affinity::allowed_cpus().len()));
+        .unwrap_or_else(|| default_bind(np, oxccl_comm::internal::affinity::allowed_cpus().len()));
     cfg.forward_signals = true;
     if let Some(t) = &args.transport {
         cfg.env

@@ -123,7 +123,8 @@ impl Plan {
             }
         }
         if let Some(spec) = &a.algo {
-            oxccl_comm::tuning::AlgoOverride::parse(spec).map_err(|e| format!("--algo: {e}"))?;
+            oxccl_comm::internal::tuning::AlgoOverride::parse(spec)
+                .map_err(|e| format!("--algo: {e}"))?;
         }
         let cuda = match a.device.trim().to_ascii_lowercase().as_str() {
             "host" | "cpu" => false,

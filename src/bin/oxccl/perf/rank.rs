@@ -119,7 +119,7 @@ pub fn rank_main(args: &PerfArgs, plan: &Plan) -> u8 {
 fn run_all(comm: &Communicator, args: &PerfArgs, plan: &Plan) -> Result<u64, Error> {
     let (rank, n) = (comm.rank(), comm.size());
     let mut pids = vec![0u64; n];
-    comm.all_gather(&[u64::from(std::process::id())], &mut pids)?;
+    comm.all_gather_into(&[u64::from(std::process::id())], &mut pids)?;
     // GPU ordinal of every rank (-1: host buffers).
     let mine: i64 = if plan.cuda {
         device_ordinal(comm)? as i64
@@ -127,7 +127,7 @@ fn run_all(comm: &Communicator, args: &PerfArgs, plan: &Plan) -> Result<u64, Err
         -1
     };
     let mut ordinals = vec![0i64; n];
-    comm.all_gather(&[mine], &mut ordinals)?;
+    comm.all_gather_into(&[mine], &mut ordinals)?;
     let nodes = comm.node_ids();
     let meta = Meta {
         oxccl_version: env!("CARGO_PKG_VERSION").into(),
@@ -205,15 +205,16 @@ fn run_all(comm: &Communicator, args: &PerfArgs, plan: &Plan) -> Result<u64, Err
     let totals = sink.totals;
     drop(sink.progress);
     if is0 {
-        if let Some(n) = comm.send_thread_exchanges() {
+        let stats = comm.stats();
+        if let Some(n) = stats.send_thread_exchanges {
             out(&[format!(
                 "# Send thread on (OXCCL_SOCKET_SEND_THREAD): rank 0 sent from it in {n} exchanges"
             )]);
         }
-        if let Some(n) = comm.channel_ops() {
+        if let Some(n) = stats.channel_ops {
             out(&[format!(
                 "# {} channels (OXCCL_SOCKET_CHANNELS={}): rank 0 cut {n} operations across them",
-                comm.channels(),
+                stats.channels,
                 comm.config()
                     .socket_channels
                     .map_or_else(|| "auto".to_owned(), |k| k.to_string())

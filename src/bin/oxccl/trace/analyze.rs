@@ -15,7 +15,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 
-use oxccl_comm::trace::MAX_RANKS;
+use oxccl_comm::internal::trace::MAX_RANKS;
 use oxccl_comm::{TraceDump, TraceRecord, TraceState};
 
 use super::text::{bytes, cause, dur, ranks, short, state};

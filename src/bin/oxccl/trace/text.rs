@@ -1,6 +1,6 @@
 //! How the reading of flight records words things: durations, sizes, rank lists, errors.
 
-use oxccl_comm::affinity::encode_cpus;
+use oxccl_comm::internal::affinity::encode_cpus;
 use oxccl_comm::{TraceRecord, TraceState};
 
 /// `1500` -> `1.50 us`, and so on up to seconds.

@@ -91,7 +91,7 @@ mod tests {
 
     fn dump(comm: &str, rank: usize, records: Vec<TraceRecord>) -> TraceDump {
         TraceDump {
-            format: oxccl_comm::trace::FORMAT.into(),
+            format: oxccl_comm::internal::trace::FORMAT.into(),
             comm: comm.into(),
             rank,
             size: 2,

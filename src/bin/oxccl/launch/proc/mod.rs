@@ -35,7 +35,7 @@ fn deadline_in(d: Duration) -> Instant {
 /// [`super::bound_cpus`]); `None` without binding or if the launcher's CPUs cannot be read.
 #[cfg(target_os = "linux")]
 fn cpu_set(bind: super::Bind, local_rank: usize, nproc: usize) -> Option<libc::cpu_set_t> {
-    let cpus = oxccl_comm::affinity::allowed_cpus();
+    let cpus = oxccl_comm::internal::affinity::allowed_cpus();
     let chosen = super::bound_cpus(bind, &cpus, local_rank, nproc);
     if chosen.is_empty() {
         return None;

@@ -6,7 +6,7 @@ const MS: u64 = 1_000_000;
 
 fn dump(rank: usize, size: usize, records: Vec<TraceRecord>) -> TraceDump {
     TraceDump {
-        format: oxccl_comm::trace::FORMAT.into(),
+        format: oxccl_comm::internal::trace::FORMAT.into(),
         comm: "job/world1".into(),
         rank,
         size,
