@@ -319,22 +319,24 @@ mod tests {
     #[test]
     fn views_count_whole_elements_and_refuse_the_rest() {
         let mut bytes = [0u8; 12];
-        let v = BufMut::host(&mut bytes, DType::F32).unwrap();
-        assert_eq!(
-            (v.count(), v.dtype(), v.is_device()),
-            (3, DType::F32, false)
-        );
-        drop(v);
+        {
+            let v = BufMut::host(&mut bytes, DType::F32).unwrap();
+            assert_eq!(
+                (v.count(), v.dtype(), v.is_device()),
+                (3, DType::F32, false)
+            );
+        }
         let e = Buf::host(&bytes[..7], DType::F16).unwrap_err();
         assert_eq!(
             e.to_string(),
             "7 bytes are not a whole number of half elements (2 bytes each)"
         );
-        let mut typed = vec![1u64, 2, 3];
-        let mut v = BufMut::from(&mut typed[..]);
-        v.bytes_mut().unwrap()[0] = 9;
-        assert_eq!(v.reborrow().count(), 3);
-        drop(v);
+        let mut typed = [1u64, 2, 3];
+        {
+            let mut v = BufMut::from(&mut typed[..]);
+            v.bytes_mut().unwrap()[0] = 9;
+            assert_eq!(v.reborrow().count(), 3);
+        }
         assert_eq!(typed[0], 9);
         let mut owned = vec![0.5f64; 4];
         assert_eq!(BufOwner::view(&mut owned).bytes().unwrap().len(), 32);

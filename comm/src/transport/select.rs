@@ -35,7 +35,7 @@ pub(crate) fn backends(
 
 #[cfg(feature = "cuda")]
 fn cuda_ipc() -> Box<dyn Transport> {
-    Box::new(super::cuda_ipc::CudaIpcTransport::default())
+    Box::new(super::cuda_ipc::CudaIpcTransport)
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -1,7 +1,8 @@
 //! Collectives on device buffers (feature `cuda`), ordered on CUDA streams like NCCL's.
 //!
 //! [`Communicator::on_stream`] binds a communicator to a stream the caller owns and offers the
-//! same collectives as the host API, by the same names, on cudarc device buffers
+//! same collectives as the host API, by the same names (`x` in place, `x_into` out of place;
+//! reduce-scatter and all-gather exist out of place only), on cudarc device buffers
 //! ([`CudaSlice`](cudarc::driver::CudaSlice), [`CudaView`](cudarc::driver::CudaView),
 //! [`CudaViewMut`](cudarc::driver::CudaViewMut)):
 //!
@@ -283,7 +284,7 @@ impl StreamComm<'_> {
     ///
     /// # Errors
     /// `InvalidArgument` unless `input.len() == output.len() * size()`.
-    pub fn reduce_scatter<T: Element>(
+    pub fn reduce_scatter_into<T: Element>(
         &self,
         input: &impl DevicePtr<T>,
         output: &mut impl DevicePtrMut<T>,
@@ -296,7 +297,7 @@ impl StreamComm<'_> {
     ///
     /// # Errors
     /// `InvalidArgument` unless `output.len() == input.len() * size()`.
-    pub fn all_gather<T: Element>(
+    pub fn all_gather_into<T: Element>(
         &self,
         input: &impl DevicePtr<T>,
         output: &mut impl DevicePtrMut<T>,
@@ -325,12 +326,27 @@ impl StreamComm<'_> {
         self.launch_io(Kind::Broadcast { root }, input, output)
     }
 
+    /// In-place reduce: the root's `buf` ends with the reduction; other ranks' `buf` is read
+    /// only. (The same staging and CUDA IPC plans as [`StreamComm::reduce_into`] with one buffer
+    /// as input and output; not yet run on a GPU.)
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a root outside the communicator.
+    pub fn reduce<T: Element>(
+        &self,
+        buf: &mut impl DevicePtrMut<T>,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        self.launch_in_place(Kind::Reduce { op, root }, buf)
+    }
+
     /// Reduce: the root's `output` = reduction of every rank's `input`; `output` is not touched
     /// on other ranks (it may be empty there).
     ///
     /// # Errors
     /// `InvalidArgument` for a bad root, or on the root when the lengths differ.
-    pub fn reduce<T: Element>(
+    pub fn reduce_into<T: Element>(
         &self,
         input: &impl DevicePtr<T>,
         output: &mut impl DevicePtrMut<T>,
@@ -345,7 +361,7 @@ impl StreamComm<'_> {
     ///
     /// # Errors
     /// `InvalidArgument` for a bad root or, on the root, a wrong output length.
-    pub fn gather<T: Element>(
+    pub fn gather_into<T: Element>(
         &self,
         input: &impl DevicePtr<T>,
         output: &mut impl DevicePtrMut<T>,
@@ -358,7 +374,7 @@ impl StreamComm<'_> {
     ///
     /// # Errors
     /// `InvalidArgument` for a bad root or, on the root, a wrong input length.
-    pub fn scatter<T: Element>(
+    pub fn scatter_into<T: Element>(
         &self,
         input: &impl DevicePtr<T>,
         output: &mut impl DevicePtrMut<T>,
@@ -371,7 +387,7 @@ impl StreamComm<'_> {
     ///
     /// # Errors
     /// `InvalidArgument` unless both lengths are equal and divisible by `size()`.
-    pub fn all_to_all<T: Element>(
+    pub fn all_to_all_into<T: Element>(
         &self,
         input: &impl DevicePtr<T>,
         output: &mut impl DevicePtrMut<T>,

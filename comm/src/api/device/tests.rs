@@ -141,13 +141,13 @@ fn staged_operations_match_the_host_calls() {
                 Some(&mut got),
             )?;
             let mut want = vec![0; 10];
-            comm.reduce_scatter(&wide, &mut want, ReduceOp::Sum)?;
+            comm.reduce_scatter_into(&wide, &mut want, ReduceOp::Sum)?;
             checks.push(("reduce_scatter", got, want));
 
             let mut got = vec![0; 10 * n];
             staged(&comm, Kind::AllGather, Some(&input), Some(&mut got))?;
             let mut want = vec![0; 10 * n];
-            comm.all_gather(&input, &mut want)?;
+            comm.all_gather_into(&input, &mut want)?;
             checks.push(("all_gather", got, want));
 
             let root = n - 1;
@@ -170,27 +170,27 @@ fn staged_operations_match_the_host_calls() {
                 out,
             )?;
             let mut want = vec![0; 10];
-            comm.reduce(&input, &mut want, ReduceOp::Sum, 0)?;
+            comm.reduce_into(&input, &mut want, ReduceOp::Sum, 0)?;
             checks.push(("reduce", got, want));
 
             let mut got = vec![0; 10 * n];
             let out = (r == root).then_some(&mut got[..]);
             staged(&comm, Kind::Gather { root }, Some(&input), out)?;
             let mut want = vec![0; 10 * n];
-            comm.gather(&input, &mut want, root)?;
+            comm.gather_into(&input, &mut want, root)?;
             checks.push(("gather", got, want));
 
             let mut got = vec![0; 10];
             let src = (r == 0).then_some(&wide[..]);
             staged(&comm, Kind::Scatter { root: 0 }, src, Some(&mut got))?;
             let mut want = vec![0; 10];
-            comm.scatter(&wide, &mut want, 0)?;
+            comm.scatter_into(&wide, &mut want, 0)?;
             checks.push(("scatter", got, want));
 
             let mut got = vec![0; 10 * n];
             staged(&comm, Kind::AllToAll, Some(&wide), Some(&mut got))?;
             let mut want = vec![0; 10 * n];
-            comm.all_to_all(&wide, &mut want)?;
+            comm.all_to_all_into(&wide, &mut want)?;
             checks.push(("all_to_all", got, want));
 
             // A ring of sends: staged send to the next rank, staged receive from the previous.
@@ -311,7 +311,7 @@ fn staged_on_the_progress_thread(size: usize) {
                 10,
             )?;
             let mut want = vec![0; 10];
-            comm.reduce_scatter(&wide, &mut want, ReduceOp::Min)?;
+            comm.reduce_scatter_into(&wide, &mut want, ReduceOp::Min)?;
             if wait() != want {
                 bad.push(format!("round {round} reduce_scatter"));
             }

@@ -222,7 +222,7 @@ fn run_all(comm: &Communicator, args: &PerfArgs, plan: &Plan) -> Result<u64, Err
         }
         out(&totals.footer());
         #[cfg(feature = "cuda")]
-        if let Some(path) = comm.device_path() {
+        if let Some(path) = comm.stats().device_path {
             out(&[format!(
                 "# Device collectives ran {}",
                 match path {
