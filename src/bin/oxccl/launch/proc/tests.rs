@@ -87,7 +87,14 @@ fn a_failed_rank_stops_the_start() {
 /// record); without one they are terminated at once.
 #[test]
 fn the_others_get_the_settle_time_to_end_on_their_own() {
-    let script = "if [ \"$OXCCL_RANK\" = 0 ]; then exit 3; fi; sleep 2; exit 0";
+    // Rank 0 fails only once rank 1 has started (the starting loop stops starting ranks after a
+    // failure, which a loaded machine may reach before rank 1 otherwise).
+    let started = std::env::temp_dir().join(format!("oxccl-settle-{}", std::process::id()));
+    let script = format!(
+        "if [ \"$OXCCL_RANK\" = 0 ]; then for i in $(seq 600); do [ -e {f} ] && break; \
+         sleep 0.05; done; exit 3; fi; touch {f}; sleep 2; exit 0",
+        f = started.display()
+    );
     for (settle, want) in [
         (Duration::from_secs(20), Termination::Exited(0)),
         (
@@ -102,7 +109,8 @@ fn the_others_get_the_settle_time_to_end_on_their_own() {
             failure_settle: settle,
             ..ctx(None, None)
         };
-        let mut job = Job::spawn(&cfg(script), specs(0..2), None, &ctx).unwrap();
+        let _ = std::fs::remove_file(&started);
+        let mut job = Job::spawn(&cfg(&script), specs(0..2), None, &ctx).unwrap();
         match job.supervise(&ctx) {
             AttemptEnd::Failed(f) => assert_eq!(f.rank, 0),
             other => panic!("{other:?}"),
@@ -111,6 +119,7 @@ fn the_others_get_the_settle_time_to_end_on_their_own() {
         assert_eq!(Termination::from_status(st), want, "settle {settle:?}");
         job.finish();
     }
+    let _ = std::fs::remove_file(&started);
 }
 
 #[test]
