@@ -104,12 +104,12 @@ fn all_collectives<T: Element>(
             // reduce to a root that moves with the count
             let root = count % n;
             let mut out = vec![T::from_f64(99.0); if me == root { count } else { 0 }];
-            comm.reduce(&inp, &mut out, op, root)?;
+            comm.reduce_into(&inp, &mut out, op, root)?;
             check(&format!("reduce {tag}"), me, &out, |i| {
                 expect::<T>(n, i, op)
             });
             let mut buf = input::<T>(me, count, op);
-            comm.reduce_in_place(&mut buf, op, root)?;
+            comm.reduce(&mut buf, op, root)?;
             if me == root {
                 check(&format!("reduce_in_place {tag}"), me, &buf, |i| {
                     expect::<T>(n, i, op)
@@ -128,12 +128,12 @@ fn all_collectives<T: Element>(
             // reduce-scatter: every rank's input has n shards of `count`
             let inp = input::<T>(me, count * n, op);
             let mut out = vec![T::from_f64(99.0); count];
-            comm.reduce_scatter(&inp, &mut out, op)?;
+            comm.reduce_scatter_into(&inp, &mut out, op)?;
             check(&format!("reduce_scatter {tag}"), me, &out, |j| {
                 expect::<T>(n, me * count + j, op)
             });
             let mut buf = inp.clone();
-            comm.reduce_scatter_in_place(&mut buf, op)?;
+            comm.reduce_scatter(&mut buf, op)?;
             check(
                 &format!("reduce_scatter_in_place {tag}"),
                 me,
@@ -149,13 +149,13 @@ fn all_collectives<T: Element>(
         // all-gather
         let inp = input::<T>(me, count, op);
         let mut out = vec![T::from_f64(99.0); count * n];
-        comm.all_gather(&inp, &mut out)?;
+        comm.all_gather_into(&inp, &mut out)?;
         check(&format!("all_gather {tag}"), me, &out, |k| {
             val::<T>(k / count.max(1), k % count.max(1), op)
         });
         let mut buf = vec![T::from_f64(99.0); count * n];
         buf[me * count..(me + 1) * count].copy_from_slice(&inp);
-        comm.all_gather_in_place(&mut buf)?;
+        comm.all_gather(&mut buf)?;
         check(&format!("all_gather_in_place {tag}"), me, &buf, |k| {
             val::<T>(k / count.max(1), k % count.max(1), op)
         });
@@ -173,7 +173,7 @@ fn all_collectives<T: Element>(
         });
         // gather / scatter
         let mut out = vec![T::from_f64(99.0); if me == root { count * n } else { 0 }];
-        comm.gather(&inp, &mut out, root)?;
+        comm.gather_into(&inp, &mut out, root)?;
         check(&format!("gather {tag}"), me, &out, |k| {
             val::<T>(k / count.max(1), k % count.max(1), op)
         });
@@ -183,14 +183,14 @@ fn all_collectives<T: Element>(
             Vec::new()
         };
         let mut out = vec![T::from_f64(99.0); count];
-        comm.scatter(&sin, &mut out, root)?;
+        comm.scatter_into(&sin, &mut out, root)?;
         check(&format!("scatter {tag}"), me, &out, |j| {
             val::<T>(root, me * count + j, op)
         });
         // all-to-all: block j of rank r goes to block r of rank j
         let ain = input::<T>(me, count * n, op);
         let mut out = vec![T::from_f64(99.0); count * n];
-        comm.all_to_all(&ain, &mut out)?;
+        comm.all_to_all_into(&ain, &mut out)?;
         check(&format!("all_to_all {tag}"), me, &out, |k| {
             let (r, j) = (k / count.max(1), k % count.max(1));
             val::<T>(r, me * count + j, op)
@@ -492,7 +492,7 @@ fn async_forms_in_place_and_out_of_place() {
                 std::thread::scope(|s| {
                     let blocking = s.spawn(|| {
                         let mut out = vec![0u32; BIG];
-                        c.reduce_scatter(
+                        c.reduce_scatter_into(
                             &input::<u32>(me, BIG * size, ReduceOp::Sum),
                             &mut out,
                             ReduceOp::Sum,
@@ -561,7 +561,12 @@ fn hierarchical(nodes: usize, per_node: usize) {
                 (false, true) => "shm",
                 (false, false) => "tcp",
             };
-            assert_eq!(c.transport_to(p), Some(want), "rank {} to {p}", c.rank());
+            assert_eq!(
+                c.stats().transports.get(p).copied(),
+                Some(want),
+                "rank {} to {p}",
+                c.rank()
+            );
         }
         every_dtype(&c, false)
     }) {
@@ -612,7 +617,7 @@ fn float_tolerance() {
         c.all_reduce(&mut v, ReduceOp::Sum)?;
         // Every rank holds the same bits.
         let mut all = vec![T::from_f64(0.0); len * n];
-        c.all_gather(&v, &mut all)?;
+        c.all_gather_into(&v, &mut all)?;
         for r in 0..n {
             assert!(
                 bytemuck::cast_slice::<T, u8>(&all[r * len..(r + 1) * len])

@@ -2,7 +2,6 @@
 //! kernel the Rust dispatch names is in the PTX. Needs only libnvrtc (no GPU, no driver): CI
 //! installs the `nvidia-cuda-nvrtc` wheel, puts its lib directory on LD_LIBRARY_PATH and sets
 //! OXCCL_REQUIRE_NVRTC=1, which turns a missing NVRTC into a failure instead of a visible skip.
-#![cfg(feature = "cuda")]
 
 use oxccl_kernels::cuda::{
     compile_ptx, compile_ptx_parts, compile_wait_ptx, kernel_names, nvrtc_available, part_sources,

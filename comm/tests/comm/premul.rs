@@ -98,10 +98,10 @@ fn every_collective<T: Element>(c: &Communicator, count: usize) -> Result<()> {
     // Reduce-scatter: rank `me`'s shard of the full reduction.
     let mine = &want_full[me * count..(me + 1) * count];
     let mut out = vec![zero; count];
-    c.reduce_scatter(&full, &mut out, op)?;
+    c.reduce_scatter_into(&full, &mut out, op)?;
     expect(&out, mine, &format!("{name}: reduce_scatter"));
     let mut buf = full.clone();
-    c.reduce_scatter_in_place(&mut buf, op)?;
+    c.reduce_scatter(&mut buf, op)?;
     expect(
         &buf[me * count..(me + 1) * count],
         mine,
@@ -129,14 +129,14 @@ fn every_collective<T: Element>(c: &Communicator, count: usize) -> Result<()> {
     let at: usize = counts[..me].iter().sum();
     let (vin, vwant) = (input::<T>(me, total), want::<T>(n, total));
     let mut out = vec![zero; counts[me]];
-    c.reduce_scatter_v(&vin, &mut out, &counts, op)?;
+    c.reduce_scatter_v_into(&vin, &mut out, &counts, op)?;
     expect(
         &out,
         &vwant[at..at + counts[me]],
         &format!("{name}: reduce_scatter_v"),
     );
     let (_, o) = c
-        .reduce_scatter_v_async::<T, _, _>(vin.clone(), vec![zero; counts[me]], &counts, op)
+        .reduce_scatter_v_into_async::<T, _, _>(vin.clone(), vec![zero; counts[me]], &counts, op)
         .wait()?;
     expect(
         &o,
@@ -147,12 +147,12 @@ fn every_collective<T: Element>(c: &Communicator, count: usize) -> Result<()> {
     // Reduce to every root in turn: out of place, then in place (other ranks keep their input).
     for root in 0..n {
         let mut out = vec![zero; if me == root { full.len() } else { 0 }];
-        c.reduce(&full, &mut out, op, root)?;
+        c.reduce_into(&full, &mut out, op, root)?;
         if me == root {
             expect(&out, &want_full, &format!("{name}: reduce to {root}"));
         }
         let mut buf = full.clone();
-        c.reduce_in_place(&mut buf, op, root)?;
+        c.reduce(&mut buf, op, root)?;
         let w = if me == root { &want_full } else { &full };
         expect(&buf, w, &format!("{name}: reduce_in_place to {root}"));
     }
@@ -281,8 +281,10 @@ fn a_fractional_factor_for_integers_fails_at_once() {
             let mut buf = [1i32; 8];
             let errors = [
                 c.all_reduce(&mut buf, bad).unwrap_err(),
-                c.reduce_scatter(&[1u8; 4], &mut [0u8; 2], bad).unwrap_err(),
-                c.reduce(&[1i64; 2], &mut [0i64; 2], bad, 0).unwrap_err(),
+                c.reduce_scatter_into(&[1u8; 4], &mut [0u8; 2], bad)
+                    .unwrap_err(),
+                c.reduce_into(&[1i64; 2], &mut [0i64; 2], bad, 0)
+                    .unwrap_err(),
                 c.all_reduce_async::<i32, _>(vec![1i32; 4], bad)
                     .wait()
                     .unwrap_err(),

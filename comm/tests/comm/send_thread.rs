@@ -71,14 +71,14 @@ fn collectives_of(c: &Communicator, len: usize) -> Result<u64> {
     check("all_reduce_into", rank, &out, |i| sum(n, i));
 
     let mut shard = vec![0f32; len / n];
-    c.reduce_scatter(&mine, &mut shard, ReduceOp::Sum)?;
+    c.reduce_scatter_into(&mine, &mut shard, ReduceOp::Sum)?;
     check("reduce_scatter", rank, &shard, |i| {
         sum(n, rank * (len / n) + i)
     });
 
     let piece = input(rank, len / n);
     let mut all = vec![0f32; len];
-    c.all_gather(&piece, &mut all)?;
+    c.all_gather_into(&piece, &mut all)?;
     check("all_gather", rank, &all, |i| {
         val(i / (len / n), i % (len / n))
     });
@@ -92,14 +92,14 @@ fn collectives_of(c: &Communicator, len: usize) -> Result<u64> {
     check("broadcast", rank, &b, |i| val(1, i));
 
     let mut r = vec![0f32; len];
-    c.reduce(&mine, &mut r, ReduceOp::Sum, 0)?;
+    c.reduce_into(&mine, &mut r, ReduceOp::Sum, 0)?;
     if rank == 0 {
         check("reduce", rank, &r, |i| sum(n, i));
     }
 
     // Block j of rank r's input is val(r, j * blk + i); rank r receives block r from everyone.
     let mut a2a = vec![0f32; len];
-    c.all_to_all(&mine, &mut a2a)?;
+    c.all_to_all_into(&mine, &mut a2a)?;
     let blk = len / n;
     check("all_to_all", rank, &a2a, |i| {
         val(i / blk, rank * blk + i % blk)
@@ -110,14 +110,19 @@ fn collectives_of(c: &Communicator, len: usize) -> Result<u64> {
     c.send_recv(&mine, (rank + 1) % n, &mut got, (rank + n - 1) % n)?;
     check("send_recv", rank, &got, |i| val((rank + n - 1) % n, i));
 
-    Ok(c.send_thread_exchanges().unwrap_or(0))
+    Ok(c.stats().send_thread_exchanges.unwrap_or(0))
 }
 
 #[test]
 fn every_collective_over_tcp_with_the_send_thread() {
     for n in [2, 3, 4] {
         let res = spawn_world(n, cfg(60), |c| {
-            assert_eq!(c.send_thread_exchanges(), Some(0), "rank {}", c.rank());
+            assert_eq!(
+                c.stats().send_thread_exchanges,
+                Some(0),
+                "rank {}",
+                c.rank()
+            );
             every_collective(&c)
         });
         for (rank, r) in res.into_iter().enumerate() {
@@ -173,7 +178,7 @@ fn hierarchical_and_mixed_nodes_with_the_send_thread() {
 fn without_tcp_peers_or_when_off_there_is_no_send_thread() {
     let mut shm = cfg(30);
     shm.transport = TransportChoice::Shm;
-    let res = spawn_world(2, shm, |c| Ok(c.send_thread_exchanges()));
+    let res = spawn_world(2, shm, |c| Ok(c.stats().send_thread_exchanges));
     for r in res {
         assert_eq!(r.unwrap(), None);
     }
@@ -183,7 +188,7 @@ fn without_tcp_peers_or_when_off_there_is_no_send_thread() {
         let mut v = input(c.rank(), LEN);
         c.all_reduce(&mut v, ReduceOp::Sum)?;
         check("all_reduce", c.rank(), &v, |i| sum(2, i));
-        Ok(c.send_thread_exchanges())
+        Ok(c.stats().send_thread_exchanges)
     });
     for r in res {
         assert_eq!(r.unwrap(), None);

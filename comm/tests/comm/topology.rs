@@ -43,7 +43,11 @@ fn check_group(world: &Communicator, topo: &Topology, name: &str, per_node: usiz
         } else {
             "tcp"
         };
-        assert_eq!(g.transport_to(i), Some(want), "{name}: rank {me} to {r}");
+        assert_eq!(
+            g.stats().transports.get(i).copied(),
+            Some(want),
+            "{name}: rank {me} to {r}"
+        );
     }
     let mut v = [me as u64, 1];
     g.all_reduce(&mut v, ReduceOp::Sum)?;
@@ -70,7 +74,10 @@ fn three_dimensions_on_two_nodes() {
         assert_eq!(topo.ranks_in_group("pipe")?, [me % 4, me % 4 + 4]);
         assert_eq!(
             topo.group("pipe")?
-                .transport_to(1 - topo.group_rank("pipe")?),
+                .stats()
+                .transports
+                .get(1 - topo.group_rank("pipe")?)
+                .copied(),
             Some("tcp")
         );
         let e = topo.group("expert").unwrap_err().to_string();

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use oxccl_comm::config::TransportChoice;
-use oxccl_comm::trace::PRECISE_MIN_BYTES;
+use oxccl_comm::internal::trace::PRECISE_MIN_BYTES;
 use oxccl_comm::{
     harness::spawn_world, Config, Error, OwnedP2pOp, ReduceOp, TraceDump, TraceRecord, TraceState,
 };
@@ -38,7 +38,7 @@ fn run_calls(t: TransportChoice) -> Vec<TraceDump> {
         let mut big = vec![me as u8; 256 << 10];
         c.broadcast(&mut big, 1)?;
         let mut all = vec![0u32; n];
-        c.all_gather(&[me as u32], &mut all)?;
+        c.all_gather_into(&[me as u32], &mut all)?;
         let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
         let mut got = vec![0i64; 8];
         // Ring of sends: even ranks send first, odd ones receive first.

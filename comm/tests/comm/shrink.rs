@@ -25,7 +25,7 @@ fn check_members(c: &Communicator, me: usize, old: &[usize]) -> Result<()> {
     c.all_reduce(&mut x, ReduceOp::Sum)?;
     assert!(x.iter().all(|&v| v as usize == old.len()), "old rank {me}");
     let mut all = vec![0u64; old.len()];
-    c.all_gather(&[me as u64], &mut all)?;
+    c.all_gather_into(&[me as u64], &mut all)?;
     assert_eq!(all, old.iter().map(|&r| r as u64).collect::<Vec<_>>());
     Ok(())
 }

@@ -38,14 +38,25 @@ fn rooted(c: &Communicator, root: usize, count: usize) -> Result<()> {
     let total: usize = counts.iter().sum();
     let premul = ReduceOp::premul_sum((me + 1) as f64);
 
-    let reduce = c.reduce_async::<f32, _, _>(ramp(me, count), vec![0.0; full(count)], premul, root);
-    let reduce_ip = c.reduce_in_place_async::<f32, _>(ramp(me, count), ReduceOp::Max, root);
-    let gather = c.gather_async::<f32, _, _>(ramp(me, count), vec![0.0; full(n * count)], root);
-    let scatter = c.scatter_async::<f32, _, _>(ramp(me, full(n * count)), vec![0.0; count], root);
-    let gather_v =
-        c.gather_v_async::<f32, _, _>(ramp(me, counts[me]), vec![0.0; full(total)], &counts, root);
-    let scatter_v =
-        c.scatter_v_async::<f32, _, _>(ramp(me, full(total)), vec![0.0; counts[me]], &counts, root);
+    let reduce =
+        c.reduce_into_async::<f32, _, _>(ramp(me, count), vec![0.0; full(count)], premul, root);
+    let reduce_ip = c.reduce_async::<f32, _>(ramp(me, count), ReduceOp::Max, root);
+    let gather =
+        c.gather_into_async::<f32, _, _>(ramp(me, count), vec![0.0; full(n * count)], root);
+    let scatter =
+        c.scatter_into_async::<f32, _, _>(ramp(me, full(n * count)), vec![0.0; count], root);
+    let gather_v = c.gather_v_into_async::<f32, _, _>(
+        ramp(me, counts[me]),
+        vec![0.0; full(total)],
+        &counts,
+        root,
+    );
+    let scatter_v = c.scatter_v_into_async::<f32, _, _>(
+        ramp(me, full(total)),
+        vec![0.0; counts[me]],
+        &counts,
+        root,
+    );
     let barrier = c.barrier_async();
 
     let what = |op: &str| format!("rank {me} of {n}, root {root}, count {count}: {op}");
@@ -119,34 +130,34 @@ fn bad_rooted_async_calls_fail_in_their_work() {
     for r in spawn_world(2, cfg(TransportChoice::Shm), |c| {
         let (me, n) = (c.rank(), c.size());
         let mut errors = vec![
-            c.reduce_async::<f32, _, _>(vec![1.0; 4], vec![0.0; 4], ReduceOp::Sum, n)
+            c.reduce_into_async::<f32, _, _>(vec![1.0; 4], vec![0.0; 4], ReduceOp::Sum, n)
                 .wait()
                 .unwrap_err(),
-            c.reduce_in_place_async::<f32, _>(vec![1.0; 4], ReduceOp::Sum, 7)
+            c.reduce_async::<f32, _>(vec![1.0; 4], ReduceOp::Sum, 7)
                 .wait()
                 .unwrap_err(),
-            c.gather_async::<f32, _, _>(vec![1.0; 4], vec![0.0; 8], n)
+            c.gather_into_async::<f32, _, _>(vec![1.0; 4], vec![0.0; 8], n)
                 .wait()
                 .unwrap_err(),
-            c.scatter_async::<f32, _, _>(vec![1.0; 8], vec![0.0; 4], n)
+            c.scatter_into_async::<f32, _, _>(vec![1.0; 8], vec![0.0; 4], n)
                 .wait()
                 .unwrap_err(),
-            c.gather_v_async::<f32, _, _>(vec![1.0; 1], vec![0.0; 3], &[1, 2], n)
+            c.gather_v_into_async::<f32, _, _>(vec![1.0; 1], vec![0.0; 3], &[1, 2], n)
                 .wait()
                 .unwrap_err(),
-            c.scatter_v_async::<f32, _, _>(vec![1.0; 3], vec![0.0; 1], &[1], 0)
+            c.scatter_v_into_async::<f32, _, _>(vec![1.0; 3], vec![0.0; 1], &[1], 0)
                 .wait()
                 .unwrap_err(),
         ];
         if me == 0 {
             // Wrong lengths on the root only: the other rank does not call.
             errors.push(
-                c.gather_async::<f32, _, _>(vec![1.0; 4], vec![0.0; 7], 0)
+                c.gather_into_async::<f32, _, _>(vec![1.0; 4], vec![0.0; 7], 0)
                     .wait()
                     .unwrap_err(),
             );
             errors.push(
-                c.reduce_async::<f32, _, _>(vec![1.0; 4], vec![0.0; 3], ReduceOp::Sum, 0)
+                c.reduce_into_async::<f32, _, _>(vec![1.0; 4], vec![0.0; 3], ReduceOp::Sum, 0)
                     .wait()
                     .unwrap_err(),
             );
@@ -176,7 +187,7 @@ fn async_gather_v_with_a_disputed_count_is_a_mismatch() {
         let me = c.rank();
         let root_len = if me == 0 { 7 } else { 0 };
         let r = c
-            .gather_v_async::<i32, _, _>(vec![1; counts[me]], vec![0; root_len], counts, 0)
+            .gather_v_into_async::<i32, _, _>(vec![1; counts[me]], vec![0; root_len], counts, 0)
             .wait();
         Ok(r.map(|_| ()))
     });

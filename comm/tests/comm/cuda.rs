@@ -26,13 +26,12 @@
 //! `cargo test -p oxccl-comm --features cuda --test cuda --no-run` and run the binary there with
 //! `--ignored --test-threads 1`. Without a driver the tests print SKIPPED, and
 //! `OXCCL_REQUIRE_GPU=1` turns that into a failure.
-#![cfg(feature = "cuda")]
 
 use std::sync::Arc;
 
 use oxccl_comm::cuda::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use oxccl_comm::harness::spawn_world;
-use oxccl_comm::tuning::AlgoOverride;
+use oxccl_comm::internal::tuning::AlgoOverride;
 use oxccl_comm::{Communicator, Config, Element, ReduceOp, Result};
 use oxccl_kernels::cuda::driver_available;
 use oxccl_kernels::{with_dtype, DType};
@@ -169,7 +168,7 @@ fn every_collective<T: Element>(
     let mut d = zeros::<T>(s, count);
     trace("dev reduce_scatter");
     gated(comm, gate, || {
-        dev.reduce_scatter(
+        dev.reduce_scatter_into(
             &typed!(dw, T, count * n),
             &mut typed!(mut d, T, count),
             ReduceOp::Min,
@@ -177,17 +176,17 @@ fn every_collective<T: Element>(
     })?;
     let mut want = vec![T::from_f64(0.0); count];
     trace("comm reduce_scatter");
-    comm.reduce_scatter(&wide, &mut want, ReduceOp::Min)?;
+    comm.reduce_scatter_into(&wide, &mut want, ReduceOp::Min)?;
     check("reduce_scatter", download(s, &d), &want);
 
     let mut d = zeros::<T>(s, count * n);
     trace("dev all_gather");
     gated(comm, gate, || {
-        dev.all_gather(&typed!(di, T, count), &mut typed!(mut d, T, count * n))
+        dev.all_gather_into(&typed!(di, T, count), &mut typed!(mut d, T, count * n))
     })?;
     let mut want = vec![T::from_f64(0.0); count * n];
     trace("comm all_gather");
-    comm.all_gather(&input, &mut want)?;
+    comm.all_gather_into(&input, &mut want)?;
     check("all_gather", download(s, &d), &want);
 
     let root = n - 1;
@@ -204,7 +203,7 @@ fn every_collective<T: Element>(
     let mut d = zeros::<T>(s, count);
     trace("dev reduce");
     gated(comm, gate, || {
-        dev.reduce(
+        dev.reduce_into(
             &typed!(di, T, count),
             &mut typed!(mut d, T, count),
             ReduceOp::Sum,
@@ -213,7 +212,7 @@ fn every_collective<T: Element>(
     })?;
     let mut want = vec![T::from_f64(0.0); count];
     trace("comm reduce");
-    comm.reduce(&input, &mut want, ReduceOp::Sum, 0)?;
+    comm.reduce_into(&input, &mut want, ReduceOp::Sum, 0)?;
     if r == 0 {
         check("reduce", download(s, &d), &want);
     }
@@ -221,7 +220,7 @@ fn every_collective<T: Element>(
     let mut d = zeros::<T>(s, count * n);
     trace("dev gather");
     gated(comm, gate, || {
-        dev.gather(
+        dev.gather_into(
             &typed!(di, T, count),
             &mut typed!(mut d, T, count * n),
             root,
@@ -229,7 +228,7 @@ fn every_collective<T: Element>(
     })?;
     let mut want = vec![T::from_f64(0.0); count * n];
     trace("comm gather");
-    comm.gather(&input, &mut want, root)?;
+    comm.gather_into(&input, &mut want, root)?;
     if r == root {
         check("gather", download(s, &d), &want);
     }
@@ -237,21 +236,21 @@ fn every_collective<T: Element>(
     let mut d = zeros::<T>(s, count);
     trace("dev scatter");
     gated(comm, gate, || {
-        dev.scatter(&typed!(dw, T, count * n), &mut typed!(mut d, T, count), 0)
+        dev.scatter_into(&typed!(dw, T, count * n), &mut typed!(mut d, T, count), 0)
     })?;
     let mut want = vec![T::from_f64(0.0); count];
     trace("comm scatter");
-    comm.scatter(&wide, &mut want, 0)?;
+    comm.scatter_into(&wide, &mut want, 0)?;
     check("scatter", download(s, &d), &want);
 
     let mut d = zeros::<T>(s, count * n);
     trace("dev all_to_all");
     gated(comm, gate, || {
-        dev.all_to_all(&typed!(dw, T, count * n), &mut typed!(mut d, T, count * n))
+        dev.all_to_all_into(&typed!(dw, T, count * n), &mut typed!(mut d, T, count * n))
     })?;
     let mut want = vec![T::from_f64(0.0); count * n];
     trace("comm all_to_all");
-    comm.all_to_all(&wide, &mut want)?;
+    comm.all_to_all_into(&wide, &mut want)?;
     check("all_to_all", download(s, &d), &want);
 
     // Device send to the next rank, device receive from the previous one.
@@ -505,7 +504,7 @@ fn cuda_ipc_mismatched_collectives_are_reported_not_hung() {
             let d = upload(s, &[1.0f32; 64]);
             let mut o = zeros::<f32>(s, 128);
             comm.on_stream(s)
-                .all_gather(&typed!(d, f32, 64), &mut typed!(mut o, f32, 128))
+                .all_gather_into(&typed!(d, f32, 64), &mut typed!(mut o, f32, 128))
         });
         // Each names the other: as a mismatch, or as a rank that gave up (after seeing the
         // mismatch first); at least one reports the mismatch itself. Barriers on the host

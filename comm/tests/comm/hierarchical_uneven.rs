@@ -133,9 +133,9 @@ fn uneven_nodes_reduce_scatter_and_all_gather_stay_flat() {
     for r in world(&nodes, forced, |c| {
         let n = c.size();
         let rs = c
-            .reduce_scatter(&vec![1f32; 4 * n], &mut [0f32; 4], ReduceOp::Sum)
+            .reduce_scatter_into(&vec![1f32; 4 * n], &mut [0f32; 4], ReduceOp::Sum)
             .err();
-        let ag = c.all_gather(&[1f32; 4], &mut vec![0f32; 4 * n]).err();
+        let ag = c.all_gather_into(&[1f32; 4], &mut vec![0f32; 4 * n]).err();
         Ok([rs, ag])
     }) {
         for e in r.unwrap() {
@@ -149,10 +149,10 @@ fn uneven_nodes_reduce_scatter_and_all_gather_stay_flat() {
         let (me, n) = (c.rank(), c.size());
         let count = 300_000;
         let mut out = vec![0f32; count];
-        c.reduce_scatter(&vec![1f32; count * n], &mut out, ReduceOp::Sum)?;
+        c.reduce_scatter_into(&vec![1f32; count * n], &mut out, ReduceOp::Sum)?;
         assert!(out.iter().all(|&v| v == n as f32), "rank {me}");
         let mut all = vec![0f32; count * n];
-        c.all_gather(&vec![me as f32; count], &mut all)?;
+        c.all_gather_into(&vec![me as f32; count], &mut all)?;
         for r in 0..n {
             assert!(all[r * count..(r + 1) * count]
                 .iter()

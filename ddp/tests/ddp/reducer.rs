@@ -855,7 +855,7 @@ fn overlap_auto_asks_for_two_cpus_per_rank_of_the_node_groups_included() {
     // (`Config::node_cpus`; the union of the ranks' CPU lists counts where it is more). The
     // world and its groups of 2 ({0, 2}, {1, 3}, as a data-parallel group of a 2D layout) pick
     // alike: a group shares the node with the world's 4 ranks.
-    let usable = oxccl_comm::affinity::usable_cpus().len();
+    let usable = oxccl_comm::internal::affinity::usable_cpus().len();
     if usable == 0 {
         eprintln!("skipped: this system does not give CPU lists, so the node's count is unknown");
         return;
@@ -870,7 +870,7 @@ fn overlap_auto_asks_for_two_cpus_per_rank_of_the_node_groups_included() {
             let group = comm
                 .split(Some((comm.rank() % 2) as u32), 0)?
                 .expect("a color");
-            let holds = (comm.node_holds(2), group.node_holds(2));
+            let holds = (comm.stats().node_holds(2), group.stats().node_holds(2));
             let world = new_ddp(&comm, small(Overlap::Auto)).map(|d| d.overlaps());
             let grouped = new_ddp(&group, small(Overlap::Auto)).map(|d| d.overlaps());
             Ok((holds, world.unwrap(), grouped.unwrap()))
@@ -913,7 +913,7 @@ fn overlap_auto_asks_for_two_cpus_per_rank_of_the_node_groups_included() {
             c
         },
         |comm| {
-            let holds = comm.node_holds(2);
+            let holds = comm.stats().node_holds(2);
             Ok((
                 holds,
                 new_ddp(&comm, small(Overlap::Auto)).unwrap().overlaps(),

@@ -1,4 +1,4 @@
-//! `Communicator::all_gather_v`, `reduce_scatter_v`, `gather_v` and `scatter_v`: random shard
+//! `Communicator::all_gather_v_into`, `reduce_scatter_v`, `gather_v` and `scatter_v`: random shard
 //! lengths (empty shards included) against a serial reference over shared memory, TCP and two
 //! simulated nodes, blocking and async; shards longer than a ring block; bad count lists; ranks
 //! that disagree on the counts; `all_gather_bytes` and `broadcast_bytes`.
@@ -34,19 +34,19 @@ fn run_rank(c: &Communicator, counts: &[usize], seed: u64) -> Result<()> {
     // All-gather-v: every rank's shard, in rank order.
     let want: Vec<i64> = (0..n).flat_map(shard).collect();
     let mut out = vec![-1i64; total];
-    c.all_gather_v(&shard(me), &mut out, counts)?;
+    c.all_gather_v_into(&shard(me), &mut out, counts)?;
     assert_eq!(
         out, want,
         "all_gather_v: rank {me} of {n}, counts {counts:?}"
     );
     let (back, out) = c
-        .all_gather_v_async(shard(me), vec![-1i64; total], counts)
+        .all_gather_v_into_async(shard(me), vec![-1i64; total], counts)
         .wait()?;
     assert_eq!(back, shard(me));
     assert_eq!(out, want, "all_gather_v_async: rank {me} of {n}");
     let small: Vec<u8> = shard(me).iter().map(|&v| v as u8).collect();
     let mut out8 = vec![0u8; total];
-    c.all_gather_v(&small, &mut out8, counts)?;
+    c.all_gather_v_into(&small, &mut out8, counts)?;
     let want8: Vec<u8> = want.iter().map(|&v| v as u8).collect();
     assert_eq!(out8, want8, "all_gather_v u8: rank {me} of {n}");
 
@@ -63,13 +63,13 @@ fn run_rank(c: &Communicator, counts: &[usize], seed: u64) -> Result<()> {
             })
             .collect();
         let mut out = vec![-1i64; counts[me]];
-        c.reduce_scatter_v(&input, &mut out, counts, op)?;
+        c.reduce_scatter_v_into(&input, &mut out, counts, op)?;
         assert_eq!(
             out, want,
             "reduce_scatter_v {op}: rank {me} of {n}, counts {counts:?}"
         );
         let (back, out) = c
-            .reduce_scatter_v_async(input.clone(), vec![-1i64; counts[me]], counts, op)
+            .reduce_scatter_v_into_async(input.clone(), vec![-1i64; counts[me]], counts, op)
             .wait()?;
         assert_eq!(back, input);
         assert_eq!(out, want, "reduce_scatter_v_async {op}: rank {me} of {n}");
@@ -79,7 +79,7 @@ fn run_rank(c: &Communicator, counts: &[usize], seed: u64) -> Result<()> {
         .map(|i| ((me + i) % 4) as f32 * n as f32)
         .collect();
     let mut out = vec![-1.0f32; counts[me]];
-    c.reduce_scatter_v(&input, &mut out, counts, ReduceOp::Avg)?;
+    c.reduce_scatter_v_into(&input, &mut out, counts, ReduceOp::Avg)?;
     let want: Vec<f32> = (at..at + counts[me])
         .map(|i| (0..n).map(|r| ((r + i) % 4) as f32).sum())
         .collect();
@@ -89,7 +89,7 @@ fn run_rank(c: &Communicator, counts: &[usize], seed: u64) -> Result<()> {
     let all: Vec<i64> = (0..n).flat_map(shard).collect();
     for root in [0, n - 1] {
         let mut got = vec![-1i64; if me == root { total } else { 0 }];
-        c.gather_v(&shard(me), &mut got, counts, root)?;
+        c.gather_v_into(&shard(me), &mut got, counts, root)?;
         if me == root {
             assert_eq!(
                 got, all,
@@ -98,7 +98,7 @@ fn run_rank(c: &Communicator, counts: &[usize], seed: u64) -> Result<()> {
         }
         let input = if me == root { all.clone() } else { Vec::new() };
         let mut mine = vec![-1i64; counts[me]];
-        c.scatter_v(&input, &mut mine, counts, root)?;
+        c.scatter_v_into(&input, &mut mine, counts, root)?;
         assert_eq!(mine, shard(me), "scatter_v from {root}: rank {me} of {n}");
     }
     Ok(())
@@ -146,7 +146,7 @@ fn shards_longer_than_a_block() {
             let byte = |r: usize, i: usize| ((r * 3 + i * 7) % 41) as u8;
             let mine: Vec<u8> = (0..counts[me]).map(|i| byte(me, i)).collect();
             let mut all = vec![0u8; total];
-            c.all_gather_v(&mine, &mut all, &counts)?;
+            c.all_gather_v_into(&mine, &mut all, &counts)?;
             for (r, &len) in counts.iter().enumerate() {
                 let from: usize = counts[..r].iter().sum();
                 let ok = (0..len).all(|i| all[from + i] == byte(r, i));
@@ -157,7 +157,7 @@ fn shards_longer_than_a_block() {
             }
             let input: Vec<u8> = (0..total).map(|i| byte(me, i)).collect();
             let mut out = vec![0u8; counts[me]];
-            c.reduce_scatter_v(&input, &mut out, &counts, ReduceOp::Sum)?;
+            c.reduce_scatter_v_into(&input, &mut out, &counts, ReduceOp::Sum)?;
             let ok = (0..counts[me]).all(|i| out[i] == (0..3).map(|r| byte(r, at + i)).sum::<u8>());
             assert!(ok, "reduce_scatter_v: rank {me} ({t:?})");
             Ok(())
@@ -176,48 +176,62 @@ fn bad_count_lists_are_named() {
         let me = c.rank();
         let mut errs = Vec::new();
         let mut out = vec![0.0f32; 6];
-        errs.push(c.all_gather_v(&[1.0f32; 2], &mut out, &[2, 2]).err());
-        errs.push(c.all_gather_v(&[1.0f32; 3], &mut out, &[2, 2, 2]).err());
+        errs.push(c.all_gather_v_into(&[1.0f32; 2], &mut out, &[2, 2]).err());
+        errs.push(
+            c.all_gather_v_into(&[1.0f32; 3], &mut out, &[2, 2, 2])
+                .err(),
+        );
         let mut seven = vec![2, 2, 2];
         seven[(me + 1) % 3] = 3;
-        errs.push(c.all_gather_v(&[1.0f32; 2], &mut out, &seven).err());
+        errs.push(c.all_gather_v_into(&[1.0f32; 2], &mut out, &seven).err());
         errs.push(
-            c.all_gather_v(&[1.0f32; 2], &mut out, &[usize::MAX, 2, 2])
+            c.all_gather_v_into(&[1.0f32; 2], &mut out, &[usize::MAX, 2, 2])
                 .err(),
         );
         let mut shard = vec![0.0f32; 2];
         errs.push(
-            c.reduce_scatter_v(&[1.0f32; 6], &mut shard, &[2, 2], ReduceOp::Sum)
+            c.reduce_scatter_v_into(&[1.0f32; 6], &mut shard, &[2, 2], ReduceOp::Sum)
                 .err(),
         );
         let mut big = vec![0.0f32; 3];
         errs.push(
-            c.reduce_scatter_v(&[1.0f32; 6], &mut big, &[2, 2, 2], ReduceOp::Sum)
+            c.reduce_scatter_v_into(&[1.0f32; 6], &mut big, &[2, 2, 2], ReduceOp::Sum)
                 .err(),
         );
         errs.push(
-            c.reduce_scatter_v(&[1.0f32; 7], &mut shard, &[2, 2, 2], ReduceOp::Sum)
+            c.reduce_scatter_v_into(&[1.0f32; 7], &mut shard, &[2, 2, 2], ReduceOp::Sum)
                 .err(),
         );
         errs.push(
-            c.all_gather_v_async(vec![1.0f32; 2], vec![0.0f32; 6], &[2, 2])
+            c.all_gather_v_into_async(vec![1.0f32; 2], vec![0.0f32; 6], &[2, 2])
                 .wait()
                 .err(),
         );
         errs.push(
-            c.reduce_scatter_v_async(vec![1.0f32; 6], vec![0.0f32; 3], &[2, 2, 2], ReduceOp::Sum)
-                .wait()
-                .err(),
+            c.reduce_scatter_v_into_async(
+                vec![1.0f32; 6],
+                vec![0.0f32; 3],
+                &[2, 2, 2],
+                ReduceOp::Sum,
+            )
+            .wait()
+            .err(),
         );
         let mut root_out = vec![0.0f32; if me == 0 { 5 } else { 0 }];
-        errs.push(c.gather_v(&[1.0f32; 2], &mut root_out, &[2, 2, 2], 3).err());
-        errs.push(c.gather_v(&[1.0f32; 3], &mut root_out, &[2, 2, 2], 0).err());
         errs.push(
-            c.scatter_v(&[1.0f32; 2], &mut [0.0f32; 2], &[2, 2], 0)
+            c.gather_v_into(&[1.0f32; 2], &mut root_out, &[2, 2, 2], 3)
+                .err(),
+        );
+        errs.push(
+            c.gather_v_into(&[1.0f32; 3], &mut root_out, &[2, 2, 2], 0)
+                .err(),
+        );
+        errs.push(
+            c.scatter_v_into(&[1.0f32; 2], &mut [0.0f32; 2], &[2, 2], 0)
                 .err(),
         );
         let mut ok = vec![0.0f32; 6];
-        let after = c.all_gather_v(&[me as f32; 2], &mut ok, &[2, 2, 2]);
+        let after = c.all_gather_v_into(&[me as f32; 2], &mut ok, &[2, 2, 2]);
         Ok((errs, after, ok))
     });
     for (rank, r) in res.into_iter().enumerate() {
@@ -295,9 +309,9 @@ fn ranks_disagreeing_on_the_counts_get_a_mismatch() {
                 let counts = if c.rank() == 0 { rank0 } else { others };
                 let (mine, total) = (counts[c.rank()], counts.iter().sum());
                 let first = if gather {
-                    c.all_gather_v(&vec![1i32; mine], &mut vec![0i32; total], counts)
+                    c.all_gather_v_into(&vec![1i32; mine], &mut vec![0i32; total], counts)
                 } else {
-                    c.reduce_scatter_v(
+                    c.reduce_scatter_v_into(
                         &vec![1i32; total],
                         &mut vec![0i32; mine],
                         counts,
@@ -353,14 +367,14 @@ fn gather_v_and_scatter_v_disagreeing_on_a_count_get_a_mismatch() {
                 let (me, total) = (c.rank(), counts.iter().sum::<usize>());
                 let root_len = if me == 0 { total } else { 0 };
                 let first = if gather {
-                    c.gather_v(
+                    c.gather_v_into(
                         &vec![1i32; counts[me]],
                         &mut vec![0i32; root_len],
                         counts,
                         0,
                     )
                 } else {
-                    c.scatter_v(
+                    c.scatter_v_into(
                         &vec![1i32; root_len],
                         &mut vec![0i32; counts[me]],
                         counts,

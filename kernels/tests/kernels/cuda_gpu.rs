@@ -4,7 +4,6 @@
 //! payloads: inputs are NaN-free, but products of 8 inputs overflow and infinity times zero is
 //! NaN, which the f16 conversion on the device makes canonical.
 //! Without a driver or device the tests print SKIPPED; OXCCL_REQUIRE_GPU=1 makes that a failure.
-#![cfg(feature = "cuda")]
 
 use std::sync::Arc;
 

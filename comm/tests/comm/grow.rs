@@ -29,7 +29,7 @@ fn check_works(c: &Communicator, tag: u64, tags: &[u64]) -> Result<()> {
     c.all_reduce(&mut x, ReduceOp::Sum)?;
     assert!(x.iter().all(|&v| v as usize == tags.len()), "tag {tag}");
     let mut all = vec![0u64; tags.len()];
-    c.all_gather(&[tag], &mut all)?;
+    c.all_gather_into(&[tag], &mut all)?;
     assert_eq!(all, tags, "tag {tag}");
     Ok(())
 }
@@ -62,8 +62,11 @@ fn a_communicator_grows_by_joining_processes() {
                 // Tags: old ranks their rank, joiners 100 + their rank in the grown one.
                 check_works(&big, me, &[0, 1, 102, 103])?;
                 if nodes {
-                    assert_eq!(big.transport_to(2), Some("tcp"));
-                    assert_eq!(big.transport_to(1 - c.rank()), Some("shm"));
+                    assert_eq!(big.stats().transports.get(2).copied(), Some("tcp"));
+                    assert_eq!(
+                        big.stats().transports.get(1 - c.rank()).copied(),
+                        Some("shm")
+                    );
                 }
                 check_works(&c, me, &[0, 1])?;
                 Ok(big.rank())

@@ -98,12 +98,12 @@ fn all_reduces(c: &Communicator, len: usize) -> Result<()> {
     c.broadcast_into(&mine, &mut out, 0)?;
     check("broadcast_into", rank, &out, |i| val(0, i) as f32);
     let mut out = vec![0f32; len];
-    c.reduce(&mine, &mut out, ReduceOp::Sum, n - 1)?;
+    c.reduce_into(&mine, &mut out, ReduceOp::Sum, n - 1)?;
     if rank == n - 1 {
         check("reduce", rank, &out, sum);
     }
     let mut v = mine.clone();
-    c.reduce_in_place(&mut v, ReduceOp::Max, 0)?;
+    c.reduce(&mut v, ReduceOp::Max, 0)?;
     if rank == 0 {
         check("reduce_in_place max", rank, &v, |i| {
             (0..n).map(|r| val(r, i) as f32).fold(0.0, f32::max)
@@ -126,11 +126,11 @@ const LENS: [usize; 4] = [(3 * MIB + 12) / 4, 5 * MIB / 8, MIB / 4, 1024];
 fn every_all_reduce_over_tcp_across_channels() {
     for (n, k) in [(2, 3), (3, 2), (4, 4)] {
         let res = spawn_world(n, cfg(k, 60), |c| {
-            assert_eq!(c.channel_ops(), Some(0), "rank {}", c.rank());
+            assert_eq!(c.stats().channel_ops, Some(0), "rank {}", c.rank());
             for len in LENS {
                 all_reduces(&c, len)?;
             }
-            Ok(c.channel_ops())
+            Ok(c.stats().channel_ops)
         });
         for (rank, r) in res.into_iter().enumerate() {
             let used = r.unwrap_or_else(|e| panic!("{n} ranks, {k} channels: rank {rank}: {e}"));
@@ -159,7 +159,7 @@ fn with_the_send_thread_and_a_pre_multiplied_sum() {
         check("all_reduce premul", rank, &v, |i| {
             (0..n).map(|r| val(r, i) as f32 * 0.5).sum::<f32>()
         });
-        Ok((c.channel_ops(), c.send_thread_exchanges()))
+        Ok((c.stats().channel_ops, c.stats().send_thread_exchanges))
     });
     for (rank, r) in res.into_iter().enumerate() {
         let (cut, sent) = r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
@@ -181,7 +181,7 @@ fn hierarchical_nodes_cut_their_all_reduces_too() {
     let res = spawn_world_on_nodes(4, 2, c, |c| {
         assert!(c.is_hierarchical());
         all_reduces(&c, LENS[0])?;
-        Ok(c.channel_ops())
+        Ok(c.stats().channel_ops)
     });
     for (rank, r) in res.into_iter().enumerate() {
         let used = r.unwrap_or_else(|e| panic!("2 x 2: rank {rank}: {e}"));
@@ -199,7 +199,7 @@ fn without_tcp_peers_or_with_one_channel_there_are_none() {
     for c in [shm, one] {
         let res = spawn_world(2, c, |c| {
             all_reduces(&c, LENS[0])?;
-            Ok(c.channel_ops())
+            Ok(c.stats().channel_ops)
         });
         for r in res {
             assert_eq!(r.unwrap(), None);
@@ -210,16 +210,16 @@ fn without_tcp_peers_or_with_one_channel_there_are_none() {
 /// What `OXCCL_SOCKET_CHANNELS=auto` should pick for `ranks` ranks of this process on one node
 /// over TCP that share it with `node_ranks` in all.
 fn auto_for(ranks: usize, node_ranks: usize) -> usize {
-    let cpus = oxccl_comm::affinity::usable_cpus();
+    let cpus = oxccl_comm::internal::affinity::usable_cpus();
     let members: Vec<_> = (0..ranks)
-        .map(|_| oxccl_comm::affinity::NodeMember {
+        .map(|_| oxccl_comm::internal::affinity::NodeMember {
             cpus: &cpus,
             node_ranks,
             node_cpus: 0,
         })
         .collect();
-    let share = oxccl_comm::affinity::node_share(&members);
-    oxccl_comm::affinity::auto_channels(&[share], ranks - 1)
+    let share = oxccl_comm::internal::affinity::node_share(&members);
+    oxccl_comm::internal::affinity::auto_channels(&[share], ranks - 1)
 }
 
 #[test]
@@ -233,7 +233,7 @@ fn auto_gives_each_rank_a_channel_per_two_cpus() {
     let want = auto_for(2, 0);
     let res = spawn_world(2, auto, |c| {
         all_reduces(&c, LENS[0])?;
-        Ok((c.channels(), c.channel_ops()))
+        Ok((c.stats().channels, c.stats().channel_ops))
     });
     for (rank, r) in res.into_iter().enumerate() {
         let (k, ops) = r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
@@ -254,10 +254,10 @@ fn auto_counts_every_rank_of_the_node_in_groups_and_given_counts() {
     };
     let want = auto_for(2, 0);
     let res = spawn_world_on_nodes(4, 2, auto.clone(), |c| {
-        let world = c.channels();
+        let world = c.stats().channels;
         let g = c.split(Some((c.rank() % 2) as u32), 0)?.expect("a color");
         all_reduces(&g, LENS[0])?;
-        Ok((world, g.channels(), g.config().node_ranks))
+        Ok((world, g.stats().channels, g.config().node_ranks))
     });
     for (rank, r) in res.into_iter().enumerate() {
         let got = r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
@@ -269,11 +269,11 @@ fn auto_counts_every_rank_of_the_node_in_groups_and_given_counts() {
         node_ranks: Some(64),
         ..auto
     };
-    let res = spawn_world(2, crowded, |c| Ok(c.channels()));
+    let res = spawn_world(2, crowded, |c| Ok(c.stats().channels));
     for (rank, r) in res.into_iter().enumerate() {
         let k = r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
         assert_eq!(k, auto_for(2, 64), "rank {rank}");
-        let cpus = oxccl_comm::affinity::usable_cpus().len();
+        let cpus = oxccl_comm::internal::affinity::usable_cpus().len();
         if cpus < 4 * 64 {
             assert_eq!(k, 1, "rank {rank}: {cpus} CPUs");
         }
@@ -284,10 +284,10 @@ fn auto_counts_every_rank_of_the_node_in_groups_and_given_counts() {
 fn groups_count_every_rank_of_their_node_to_spin() {
     // 4 ranks of one node on as many CPUs as this process has: a group of 2 of them spins only
     // where the world does (a CPU for each of the node's 4 ranks), not where 2 alone would.
-    let cpus = oxccl_comm::affinity::usable_cpus().len();
+    let cpus = oxccl_comm::internal::affinity::usable_cpus().len();
     let res = spawn_world(4, Config::default(), |c| {
         let g = c.split(Some((c.rank() / 2) as u32), 0)?.expect("a color");
-        Ok((c.spins(), g.spins(), g.config().node_ranks))
+        Ok((c.stats().spins, g.stats().spins, g.config().node_ranks))
     });
     for (rank, r) in res.into_iter().enumerate() {
         let got = r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
@@ -389,7 +389,7 @@ fn a_missing_peer_times_out_and_abort_ends_a_cut_all_reduce() {
                 .all_reduce(&mut v, ReduceOp::Sum)
                 .expect_err("rank 1 never comes");
             assert!(matches!(e, Error::Timeout { rank: 0, .. }), "{e}");
-            assert_eq!(c.channel_ops(), Some(1));
+            assert_eq!(c.stats().channel_ops, Some(1));
         } else {
             std::thread::sleep(Duration::from_millis(6000));
         }

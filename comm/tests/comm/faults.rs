@@ -190,18 +190,16 @@ fn a_peer_that_leaves_early_is_lost_on(t: TransportChoice) {
 #[test]
 fn bad_arguments_are_rejected_before_anything_is_sent() {
     let res = spawn_world(2, cfg(30), |c| {
-        let e = c
-            .reduce_scatter_in_place(&mut [0f32; 7], ReduceOp::Sum)
-            .unwrap_err();
+        let e = c.reduce_scatter(&mut [0f32; 7], ReduceOp::Sum).unwrap_err();
         assert!(
             matches!(e, Error::InvalidArgument { .. }) && e.to_string().contains("divisible"),
             "{e}"
         );
-        let e = c.all_gather(&[1u8; 3], &mut [0u8; 5]).unwrap_err();
+        let e = c.all_gather_into(&[1u8; 3], &mut [0u8; 5]).unwrap_err();
         assert!(e.to_string().contains(&format!("rank {}", c.rank())), "{e}");
         assert!(c.broadcast(&mut [0i8; 3], 9).is_err());
         assert!(c.send(&[0u8; 1], c.rank()).is_err());
-        assert!(c.all_to_all(&[0u32; 3], &mut [0u32; 3]).is_err());
+        assert!(c.all_to_all_into(&[0u32; 3], &mut [0u32; 3]).is_err());
         assert!(c
             .all_reduce_into(&[0u32; 3], &mut [0u32; 4], ReduceOp::Sum)
             .is_err());
@@ -364,7 +362,7 @@ fn ipv6_sockets_slots_and_shared_memory_variants() {
                 .enumerate()
                 .all(|(i, &v)| v == 3.0 * (i % 7) as f64));
             let mut out = vec![0u32; 3 * 1001];
-            c.all_gather(&vec![c.rank() as u32; 1001], &mut out)?;
+            c.all_gather_into(&vec![c.rank() as u32; 1001], &mut out)?;
             assert!(out.iter().enumerate().all(|(i, &v)| v as usize == i / 1001));
             Ok(())
         });
@@ -441,7 +439,7 @@ fn window_and_slots_disagreeing_is_a_mismatch_not_a_hang() {
         .iter()
         .map(|a| {
             let mut c = tcfg(TransportChoice::Shm, 30);
-            c.algo = oxccl_comm::tuning::AlgoOverride::parse(a).unwrap();
+            c.algo = oxccl_comm::internal::tuning::AlgoOverride::parse(a).unwrap();
             c
         })
         .collect();
@@ -467,7 +465,7 @@ fn window_and_slots_disagreeing_is_a_mismatch_not_a_hang() {
 fn direct_algorithms_fail_cleanly_without_a_window() {
     // Over TCP there is no shared-memory window: forcing a direct algorithm is a clear error.
     let mut c = tcfg(TransportChoice::Tcp, 10);
-    c.algo = oxccl_comm::tuning::AlgoOverride::parse("all-reduce=one-shot").unwrap();
+    c.algo = oxccl_comm::internal::tuning::AlgoOverride::parse("all-reduce=one-shot").unwrap();
     for r in spawn_world(2, c, |c| {
         let mut v = vec![1u8; 10];
         Ok(c.all_reduce(&mut v, ReduceOp::Sum))
@@ -493,7 +491,7 @@ fn ranks_with_different_staging_sizes_agree() {
             .map(|&d| {
                 let mut c = tcfg(TransportChoice::Shm, 30);
                 c.direct_bytes = d;
-                c.algo = oxccl_comm::tuning::AlgoOverride::parse(algo).unwrap();
+                c.algo = oxccl_comm::internal::tuning::AlgoOverride::parse(algo).unwrap();
                 c
             })
             .collect();

@@ -1,4 +1,4 @@
-//! `Communicator::all_to_all_v`: random count matrices (empty blocks included) against a serial
+//! `Communicator::all_to_all_v_into`: random count matrices (empty blocks included) against a serial
 //! reference over shared memory, TCP and two simulated nodes; bad count lists; ranks that
 //! disagree on a count.
 
@@ -32,21 +32,21 @@ fn run_rank(c: &Communicator, counts: &[Vec<usize>], seed: u64) -> Result<()> {
         .flat_map(|to| (0..send[to]).map(move |i| val(me, to, i, seed)))
         .collect();
     let mut output = vec![-1i64; recv.iter().sum()];
-    c.all_to_all_v(&input, &send, &mut output, &recv)?;
+    c.all_to_all_v_into(&input, &send, &mut output, &recv)?;
     let want: Vec<i64> = (0..n)
         .flat_map(|from| (0..recv[from]).map(move |i| val(from, me, i, seed)))
         .collect();
     assert_eq!(output, want, "rank {me} of {n}, counts {counts:?}");
     // The async form: owns both buffers until `wait()`; a blocking call issued meanwhile on
     // another thread would queue behind it, so the caller computes instead.
-    let work = c.all_to_all_v_async(input.clone(), &send, vec![-1i64; want.len()], &recv);
+    let work = c.all_to_all_v_into_async(input.clone(), &send, vec![-1i64; want.len()], &recv);
     let (back_in, out) = work.wait()?;
     assert_eq!(back_in, input);
     assert_eq!(out, want, "rank {me} of {n}, async");
     // One-byte elements too, same matrix.
     let input: Vec<u8> = input.iter().map(|&v| v as u8).collect();
     let mut output = vec![0u8; want.len()];
-    c.all_to_all_v(&input, &send, &mut output, &recv)?;
+    c.all_to_all_v_into(&input, &send, &mut output, &recv)?;
     let want: Vec<u8> = want.iter().map(|&v| v as u8).collect();
     assert_eq!(output, want, "rank {me} of {n}, u8");
     Ok(())
@@ -89,14 +89,16 @@ fn async_all_to_all_and_bad_lengths() {
         let res = spawn_world(3, cfg(t), |c| {
             let me = c.rank() as i32;
             let inp: Vec<i32> = (0..12).map(|i| me * 100 + i).collect();
-            let (_, out) = c.all_to_all_async(inp, vec![0i32; 12]).wait()?;
+            let (_, out) = c.all_to_all_into_async(inp, vec![0i32; 12]).wait()?;
             let want: Vec<i32> = (0..3)
                 .flat_map(|r| (0..4).map(move |i| r * 100 + me * 4 + i))
                 .collect();
             assert_eq!(out, want, "rank {me}");
-            let bad = c.all_to_all_async(vec![0i32; 12], vec![0i32; 11]).wait();
+            let bad = c
+                .all_to_all_into_async(vec![0i32; 12], vec![0i32; 11])
+                .wait();
             let bad_v = c
-                .all_to_all_v_async(vec![0i32; 6], &[2, 2, 2], vec![0i32; 6], &[2, 2])
+                .all_to_all_v_into_async(vec![0i32; 6], &[2, 2, 2], vec![0i32; 6], &[2, 2])
                 .wait();
             c.barrier()?;
             Ok((bad.err(), bad_v.err()))
@@ -133,7 +135,7 @@ fn bad_count_lists_are_named() {
             (vec![usize::MAX, 2, 2], vec![2, 2, 2]),
             (vec![1, 1, 4], vec![2, 2, 2]),
         ] {
-            errs.push(c.all_to_all_v(&inp, &send, &mut out, &recv).err());
+            errs.push(c.all_to_all_v_into(&inp, &send, &mut out, &recv).err());
             if errs.last().unwrap().is_none() {
                 return Ok((errs, Err(Error::Config("unexpected success".into()))));
             }
@@ -188,7 +190,7 @@ fn ranks_disagreeing_on_a_count_get_a_mismatch() {
             };
             let inp = vec![7i32; send.iter().sum()];
             let mut out = vec![0i32; recv.iter().sum()];
-            let first = c.all_to_all_v(&inp, &send, &mut out, &recv);
+            let first = c.all_to_all_v_into(&inp, &send, &mut out, &recv);
             Ok((first, c.barrier()))
         });
         let mut mismatches = 0;

@@ -36,7 +36,7 @@ proptest! {
             c.broadcast(&mut b, root)?;
             let inp: Vec<i64> = (0..count).map(|i| val(me, i, seed)).collect();
             let mut out = vec![0i64; if me == root { count } else { 0 }];
-            c.reduce(&inp, &mut out, op, root)?;
+            c.reduce_into(&inp, &mut out, op, root)?;
             Ok((v, b, out, root))
         });
         for (me, r) in res.into_iter().enumerate() {

@@ -46,7 +46,7 @@ fn world_ranks_through_splits_and_shrinks() {
                 let expect: Vec<usize> = sub_ranks.iter().copied().filter(|&w| w != 2).collect();
                 assert_eq!(fewer.world_ranks(), &expect[..]);
                 let mut all = vec![0u64; fewer.size()];
-                fewer.all_gather(&[r as u64], &mut all)?;
+                fewer.all_gather_into(&[r as u64], &mut all)?;
                 assert_eq!(all, expect.iter().map(|&w| w as u64).collect::<Vec<_>>());
                 left = Some(fewer.world_ranks().to_vec());
             }

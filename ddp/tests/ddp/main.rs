@@ -1,0 +1,7 @@
+//! The integration tests of oxccl-ddp, one module per area, in one test binary.
+
+mod elastic;
+mod local_sgd;
+mod powersgd;
+mod reducer;
+mod uneven;
