@@ -8,3 +8,8 @@
 pub use oxccl_comm as comm;
 pub use oxccl_ddp as ddp;
 pub use oxccl_kernels as kernels;
+
+/// The README's API screen, compiled by `cargo test --doc` so that it stays true to the code.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeApiScreen;
