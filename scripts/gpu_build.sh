@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Builds, on a machine without a GPU (or cargo on the GPU machine), every binary the GPU checks of
-# issues 5 and 6 need, and the CPU figures of issues 4 and 7 that want more than 2 cores, and
-# copies them into target/gpu-bin (64 MiB carry limit: release builds, stripped). Then, with the device tool:
-#   run(carry=["target/gpu-bin"], command="scripts/gpu_session.sh")   (one budgeted call), or
-#   run(carry=["target/gpu-bin"], command="scripts/gpu_run.sh target/gpu-bin")
+# Builds, on a machine without a GPU (or cargo on the GPU machine), every binary the GPU checks
+# need (device collectives and kernels), and the CPU figures that want more than 2 cores, and
+# copies them into target/gpu-bin (release builds, stripped, to stay under 64 MiB). Then, on the
+# GPU machine with target/gpu-bin copied there:
+#   scripts/gpu_session.sh   (one budgeted run of every check), or
+#   scripts/gpu_run.sh target/gpu-bin
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=target/gpu-bin
@@ -16,10 +17,12 @@ for l in sys.stdin:
     m = json.loads(l)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == sys.argv[1]:
         print(m["executable"])' "$1" | tail -1; }
-cp "$(cargo test --release -p oxccl-kernels --features cuda --test cuda_gpu --no-run \
-    --message-format json 2>/dev/null | exe cuda_gpu)" "$out/kernels_cuda_gpu"
-cp "$(cargo test --release -p oxccl-comm --features cuda --test cuda --no-run \
-    --message-format json 2>/dev/null | exe cuda)" "$out/comm_cuda"
+# The crates' test binaries (one per crate): the GPU tests are their `cuda_gpu::` (kernels) and
+# `cuda::` (comm, ignored without a GPU) modules, which the session scripts select.
+cp "$(cargo test --release -p oxccl-kernels --features cuda --test kernels --no-run \
+    --message-format json 2>/dev/null | exe kernels)" "$out/kernels_cuda_gpu"
+cp "$(cargo test --release -p oxccl-comm --features cuda --test comm --no-run \
+    --message-format json 2>/dev/null | exe comm)" "$out/comm_cuda"
 cargo build --release -q -p oxccl-kernels --features cuda --example cuda_bench
 cp target/release/examples/cuda_bench "$out/"
 cargo build --release -q --features cuda --bin oxccl

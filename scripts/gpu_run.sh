@@ -45,13 +45,13 @@ for phase in $phases; do
     kernels)
         step nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.memory --format=csv
         # Issue 5: kernels against the host, then bandwidth against a device-to-device copy.
-        step "$bin/kernels_cuda_gpu" --test-threads 1
+        step "$bin/kernels_cuda_gpu" cuda_gpu:: --test-threads 1
         step "$bin/cuda_bench" 256
         ;;
     comm)
         # Issue 6: 2, 4 and 8 ranks (threads) on one GPU, every collective and dtype, over CUDA
         # IPC and staged; faults.
-        limit=400 step "$bin/comm_cuda" --ignored --test-threads 1
+        limit=400 step "$bin/comm_cuda" --ignored cuda:: --test-threads 1
         ;;
     perf-ipc)
         # Ranks as processes (cuIpcOpenMemHandle): every collective checked over CUDA IPC

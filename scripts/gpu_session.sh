@@ -108,7 +108,7 @@ short() {
     cut -c1-300 | awk '/^###|^test |test result|rror|FAILED/ {print; next} /panicked/ {print; p=1; next} p {print; p=0}' |
         head -"${1:-14}"
 }
-ctest() { local limit=$1; shift; step "$limit" "$bin/comm_cuda" --ignored --exact "$@" 2>&1 | short; }
+ctest() { local limit=$1 t=$2; shift 2; step "$limit" "$bin/comm_cuda" --ignored --exact "cuda::$t" "$@" 2>&1 | short; }
 perf() { local limit=$1; shift; step "$limit" "$bin/oxccl" perf "$@" 2>&1 | grep -E "^###|^ +[0-9]|rror|wrong|Avg bus|Out of bounds|Send thread|channels \(OXCCL" | cut -c1-200; }
 
 # Ranks as processes on one GPU need MPS (without it the driver time-slices their contexts).
@@ -155,7 +155,7 @@ run4() {
     local name=$1 t=$2
     shift 2
     local log="$out/trace4_$name.log"
-    step 35 env "$@" OXCCL_DEBUG=trace OXCCL_TEST_TRACE=1 "$bin/comm_cuda" --ignored --exact "$t" --nocapture >"$log" 2>&1
+    step 35 env "$@" OXCCL_DEBUG=trace OXCCL_TEST_TRACE=1 "$bin/comm_cuda" --ignored --exact "cuda::$t" --nocapture >"$log" 2>&1
     grep -E "^###|^test |test result|panicked" "$log" | head -6 | cut -c1-300
     if ! grep -q "test result: ok" "$log"; then
         echo "### $name did not pass: the barrier chosen, then the last test step and oxccl CUDA step of each rank"
@@ -198,7 +198,7 @@ for phase in $phases; do
         unset CUDA_DEVICE_MAX_CONNECTIONS
         ;;
     kernels)
-        step 60 "$bin/kernels_cuda_gpu" --test-threads 1 2>&1 | short 20
+        step 60 "$bin/kernels_cuda_gpu" cuda_gpu:: --test-threads 1 2>&1 | short 20
         step 30 "$bin/cuda_bench" 256 f32,bf16,f8e4m3,f8e5m2 2>&1 | cut -c1-200
         ;;
     mps)
@@ -312,7 +312,7 @@ for phase in $phases; do
         log="$out/cold.log"
         rm -rf "$OXCCL_CACHE_DIR" /tmp/cold-driver-cache
         step 90 env OXCCL_DEBUG=trace CUDA_CACHE_PATH=/tmp/cold-driver-cache "$bin/comm_cuda" --ignored \
-            --exact cuda_ipc_two_ranks_on_one_gpu_every_collective_and_dtype >"$log" 2>&1
+            --exact cuda::cuda_ipc_two_ranks_on_one_gpu_every_collective_and_dtype >"$log" 2>&1
         grep -E "^###|test result|loading the kernels|allocating scratch" "$log" | head -8 | cut -c1-200
         gzip -f "$log"
         ctest 30 cuda_ipc_two_ranks_on_one_gpu_every_collective_and_dtype
@@ -510,7 +510,7 @@ for phase in $phases; do
             if [ "${FLAKE_AB:-1}" = 1 ]; then tr="$tr OXCCL_TEST_UNGATED=$((k % 2))"; echo "run $k: $tr"; fi
             # shellcheck disable=SC2086
             step 18 env OXCCL_TIMEOUT=8 $tr "$bin/comm_cuda" --ignored --exact \
-                cuda_ipc_device_barrier_two_ranks_every_collective_and_dtype --nocapture >"$log" 2>&1
+                cuda::cuda_ipc_device_barrier_two_ranks_every_collective_and_dtype --nocapture >"$log" 2>&1
             grep -E "^###|test result|panicked" "$log" | head -3 | cut -c1-200
             # Budget spent: no log to keep, and no later run would start either.
             if grep -q '^### SKIPPED' "$log"; then

@@ -149,7 +149,7 @@
 //! with: drop it, shrink the lost rank away (`ddp.comm().shrink(&[lost])`, and `grow` back with a
 //! replacement if one comes), agree on the step to redo (e.g. rank 0's), and build a new `Ddp` on
 //! the new communicator. [`Ddp::new`] broadcasts rank 0's parameters, so a replacement starts
-//! with the same replica as everyone. `ddp/tests/elastic.rs` does this, on 3 ranks with one lost
+//! with the same replica as everyone. `ddp/tests/ddp/elastic.rs` does this, on 3 ranks with one lost
 //! and, in a second test, a replacement joining.
 //!
 //! With [`PostLocalSgd`], a lost rank fails at once only in its own group; the other groups

@@ -24,7 +24,7 @@
 //! Error feedback assumes, as training gives, that the gradients' dominant directions change
 //! slowly from step to step, so that the warm-started power iteration follows them: with an
 //! unrelated random subspace in every step, what it misses grows from step to step
-//! (`ddp/tests/powersgd.rs`).
+//! (`ddp/tests/ddp/powersgd.rs`).
 //!
 //! With error feedback, a rank whose gradient is zero still sends its residual (its last input
 //! less the averaged approximation): a rank that has joined

@@ -60,7 +60,7 @@ pub(crate) struct Stalls {
     posted: AtomicBool,
     /// The posted entry, to take it back.
     entry: Mutex<Option<Entry>>,
-    /// Where a communicator's first error is published (see `engine.rs`).
+    /// Where a communicator's first error is published (see `crate::engine`).
     error_key: String,
     /// The helper thread that writes posts, started by the first one.
     writer: Mutex<Option<Sender<Write>>>,

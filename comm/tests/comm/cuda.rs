@@ -18,12 +18,12 @@
 //! Ignored by default (CI has no GPU). On a machine with one:
 //!
 //! ```text
-//! cargo test -p oxccl-comm --features cuda --test cuda -- --ignored --test-threads 1
+//! cargo test -p oxccl-comm --features cuda --test comm -- cuda --ignored --test-threads 1
 //! ```
 //!
 //! (one test at a time: every test's ranks share the device's primary context, and the tests
 //! that force GPU-side waits could hold up another test's ranks), or build here with
-//! `cargo test -p oxccl-comm --features cuda --test cuda --no-run` and run the binary there with
+//! `cargo test -p oxccl-comm --features cuda --test comm --no-run` and run the binary there with
 //! `--ignored --test-threads 1`. Without a driver the tests print SKIPPED, and
 //! `OXCCL_REQUIRE_GPU=1` turns that into a failure.
 
@@ -361,7 +361,7 @@ fn small_slots() -> Config {
 }
 
 #[test]
-#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored --test-threads 1"]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test comm -- cuda --ignored --test-threads 1"]
 fn two_ranks_on_one_gpu_every_collective_and_dtype() {
     if gpu_or_skip() {
         run_world(2, small_parts());
@@ -369,7 +369,7 @@ fn two_ranks_on_one_gpu_every_collective_and_dtype() {
 }
 
 #[test]
-#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored --test-threads 1"]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test comm -- cuda --ignored --test-threads 1"]
 fn three_ranks_on_one_gpu_every_collective_and_dtype() {
     // Between 2 ranks and 4 (which hung on an H100 with GPU-side waits, and pass on an H200
     // with the host-side waits threads use now): a wait that needs a third rank to close a
@@ -380,7 +380,7 @@ fn three_ranks_on_one_gpu_every_collective_and_dtype() {
 }
 
 #[test]
-#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored --test-threads 1"]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test comm -- cuda --ignored --test-threads 1"]
 fn four_ranks_on_one_gpu_every_collective_and_dtype() {
     if gpu_or_skip() {
         run_world(4, small_parts());
@@ -388,7 +388,7 @@ fn four_ranks_on_one_gpu_every_collective_and_dtype() {
 }
 
 #[test]
-#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored --test-threads 1"]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test comm -- cuda --ignored --test-threads 1"]
 fn cuda_ipc_two_ranks_on_one_gpu_every_collective_and_dtype() {
     if gpu_or_skip() {
         run_world(2, small_slots());
@@ -396,7 +396,7 @@ fn cuda_ipc_two_ranks_on_one_gpu_every_collective_and_dtype() {
 }
 
 #[test]
-#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored --test-threads 1"]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test comm -- cuda --ignored --test-threads 1"]
 fn cuda_ipc_device_barrier_two_ranks_every_collective_and_dtype() {
     // Ranks that are threads of one process meet on the host by default; the barrier kernel
     // (the default between processes) here.
@@ -412,7 +412,7 @@ fn cuda_ipc_device_barrier_two_ranks_every_collective_and_dtype() {
 }
 
 #[test]
-#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored --test-threads 1"]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test comm -- cuda --ignored --test-threads 1"]
 fn cuda_ipc_four_ranks_on_one_gpu_every_collective_and_dtype() {
     if gpu_or_skip() {
         run_world(4, small_slots());
@@ -420,7 +420,7 @@ fn cuda_ipc_four_ranks_on_one_gpu_every_collective_and_dtype() {
 }
 
 #[test]
-#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored --test-threads 1"]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test comm -- cuda --ignored --test-threads 1"]
 fn cuda_ipc_ring_steps_two_ranks_every_collective_and_dtype() {
     // OXCCL_ALGO=ring: all-reduce, reduce-scatter and all-gather read only the previous rank's
     // slot, in many chunks (4 KiB slots); the other collectives keep their plans.
@@ -436,7 +436,7 @@ fn cuda_ipc_ring_steps_two_ranks_every_collective_and_dtype() {
 }
 
 #[test]
-#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored --test-threads 1"]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test comm -- cuda --ignored --test-threads 1"]
 fn cuda_ipc_eight_ranks_with_default_slots() {
     if gpu_or_skip() {
         run_world(
@@ -494,7 +494,7 @@ fn ipc_fault(
 }
 
 #[test]
-#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored --test-threads 1"]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test comm -- cuda --ignored --test-threads 1"]
 fn cuda_ipc_mismatched_collectives_are_reported_not_hung() {
     if !gpu_or_skip() {
         return;
@@ -529,7 +529,7 @@ fn cuda_ipc_mismatched_collectives_are_reported_not_hung() {
 }
 
 #[test]
-#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored --test-threads 1"]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test comm -- cuda --ignored --test-threads 1"]
 fn cuda_ipc_a_missing_rank_times_out_naming_it() {
     if !gpu_or_skip() {
         return;
@@ -547,7 +547,7 @@ fn cuda_ipc_a_missing_rank_times_out_naming_it() {
 }
 
 #[test]
-#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored --test-threads 1"]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test comm -- cuda --ignored --test-threads 1"]
 fn cuda_ipc_barriers_wait_for_a_peer_whose_stream_is_behind() {
     if !gpu_or_skip() {
         return;
@@ -596,7 +596,7 @@ fn cuda_ipc_barriers_wait_for_a_peer_whose_stream_is_behind() {
 }
 
 #[test]
-#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored --test-threads 1"]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test comm -- cuda --ignored --test-threads 1"]
 fn calls_that_wait_for_their_host_collectives_give_the_same_results() {
     if gpu_or_skip() {
         run_world(
@@ -610,7 +610,7 @@ fn calls_that_wait_for_their_host_collectives_give_the_same_results() {
 }
 
 #[test]
-#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored --test-threads 1"]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test comm -- cuda --ignored --test-threads 1"]
 fn staged_calls_with_stream_waits_give_the_same_results() {
     // Ranks that are threads of one process wait on the host by default; forced stream waits
     // (the default between processes) here.
@@ -626,7 +626,7 @@ fn staged_calls_with_stream_waits_give_the_same_results() {
 }
 
 #[test]
-#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored --test-threads 1"]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test comm -- cuda --ignored --test-threads 1"]
 fn back_to_back_operations_stay_in_stream_order() {
     if !gpu_or_skip() {
         return;
@@ -663,7 +663,7 @@ fn back_to_back(cfg: Config) {
 }
 
 #[test]
-#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test cuda -- --ignored --test-threads 1"]
+#[ignore = "needs a GPU: cargo test -p oxccl-comm --features cuda --test comm -- cuda --ignored --test-threads 1"]
 fn a_bad_call_is_refused_before_anything_is_enqueued() {
     if !gpu_or_skip() {
         return;

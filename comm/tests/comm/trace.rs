@@ -1,6 +1,6 @@
 //! The flight recorder on threaded ranks: what every rank records of the same calls, what a
 //! failure and a close write to `OXCCL_TRACE_DIR`, and that recording can be turned off.
-//! (`tests/trace.rs` of the `oxccl` package runs `oxccl trace` on records of real processes.)
+//! (`tests/oxccl/trace.rs` of the `oxccl` package runs `oxccl trace` on records of real processes.)
 
 use std::path::PathBuf;
 use std::time::Duration;

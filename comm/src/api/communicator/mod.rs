@@ -4,7 +4,8 @@
 //! ([`Communicator::init`]), by splitting another one ([`Communicator::split`]), or by changing
 //! another one's ranks ([`Communicator::shrink`], [`Communicator::grow`], in `elastic.rs`).
 //! Creating one is collective: every rank publishes its address in the store, reads everyone
-//! else's, and opens its connections. The collectives themselves are in `collectives.rs`.
+//! else's, and opens its connections. The calls themselves are in `api/buffers.rs` (the one
+//! dispatch) and `api/collectives/`.
 
 mod init;
 

@@ -126,10 +126,10 @@
 //! Built and type-checked on every CI run; the staging plans and the IPC plans (on a concurrent
 //! host model of the slots and the barrier protocol) are unit-tested without a GPU, and the
 //! barrier kernel is compiled to PTX. The GPU paths themselves are exercised only by
-//! `comm/tests/cuda.rs`, whose tests are ignored without a GPU (on an H100 the 2-rank tests
+//! `comm/tests/comm/cuda.rs`, whose tests are ignored without a GPU (on an H100 the 2-rank tests
 //! passed; the 4- and 8-rank ones hung, with stream waits and the barrier kernel, before ranks
 //! that are threads waited on the host; the host waits are not yet run on a GPU): run them with
-//! `cargo test -p oxccl-comm --features cuda --test cuda -- --ignored` on a machine with one.
+//! `cargo test -p oxccl-comm --features cuda --test comm -- cuda --ignored` on a machine with one.
 
 mod staged;
 mod state;

@@ -267,7 +267,7 @@ fn staged_async(
 
 #[test]
 fn staged_operations_on_the_progress_thread_interleave_with_host_calls() {
-    // The order of the GPU test (comm/tests/cuda.rs): each device call returns once queued,
+    // The order of the GPU test (comm/tests/comm/cuda.rs): each device call returns once queued,
     // the same collective on host memory follows at once on the calling thread, then the
     // result is awaited; device send/recv in a ring. 3, 4 and 8 ranks: the 4- and 8-thread GPU
     // runs hang, and this shows that oxccl's own ordering of host work is not why.

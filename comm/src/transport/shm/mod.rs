@@ -15,7 +15,7 @@
 //! and its meta (length and [`Tag`](super::Tag)), then publishes with a release-store of
 //! `head + 1`; the receiver acquire-loads `head`, reduces or copies straight out of the slot, then
 //! release-stores `tail + 1`. No locks, no copies beyond the one into the slot.
-//! `comm/tests/loom_ring.rs` model-checks this protocol (same orderings) with loom.
+//! `comm/tests/comm/loom_ring.rs` model-checks this protocol (same orderings) with loom.
 //!
 //! **Direct window.** When every rank of the communicator shares memory, each segment also ends
 //! with a direct area: a step counter, the tag and buffer addresses published with each half, and
