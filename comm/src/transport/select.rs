@@ -208,8 +208,15 @@ pub(crate) fn connect_all(
                 .flatten()
         })
         .collect();
+    // Device buffers between a pair without a device backend are staged through pinned host
+    // memory over the host backend (with the `cuda` feature; there are none without it).
+    let staged = if cfg!(feature = "cuda") {
+        "staged"
+    } else {
+        "none (feature cuda)"
+    };
     for (p, host) in routes.iter().enumerate().filter(|&(p, _)| p != me) {
-        let device = device[p].unwrap_or("staged");
+        let device = device[p].unwrap_or(staged);
         tracing::info!(rank = me, peer = p, host, device, "transport selected");
     }
     let given = |b: &dyn Transport| -> Vec<usize> {
