@@ -28,8 +28,8 @@
 //! Cost while on: a clock read and a dozen plain atomic stores at the start of every
 //! operation, a clock read and three at its end; no lock, no allocation (the ring is made with
 //! the communicator; a failed operation keeps its error's text). Records are atomic words under
-//! a sequence lock per slot, so any thread reads them without waiting (`comm/tests/
-//! loom_trace_slot.rs` model-checks the protocol). Small operations between ranks that share
+//! a sequence lock per slot, so any thread reads them without waiting
+//! (`comm/tests/comm/loom_trace_slot.rs` model-checks the protocol). Small operations between ranks that share
 //! memory read the coarse clock (3 ns against 20 for the exact one). Off
 //! (`OXCCL_TRACE_BUFFER=0`): one branch.
 //! Writing a file happens on a helper thread, waited for at most [`WRITE_BUDGET`], so a
