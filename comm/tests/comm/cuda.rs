@@ -107,51 +107,90 @@ fn download(s: &Arc<CudaStream>, b: &CudaSlice<u8>) -> Vec<u8> {
     s.clone_dtoh(b).expect("download")
 }
 
-/// Every device collective of `T` against the host call, on one rank.
-fn every_collective<T: Element>(
-    comm: &Communicator,
-    s: &Arc<CudaStream>,
+/// What one rank's device calls of `T` are checked with: their inputs, the step trace
+/// (`OXCCL_TEST_TRACE=1`: every step on stderr, to see where a run that hangs stopped) and the
+/// list of calls whose result differs from the host call's.
+struct Case<'a, T: Element> {
+    comm: &'a Communicator,
+    s: &'a Arc<CudaStream>,
     gate: bool,
-) -> Result<Vec<String>> {
-    let dev = comm.on_stream(s);
-    let (r, n) = (comm.rank(), comm.size());
-    let count = 1031; // odd: parts and shards end on no 16-byte boundary
-    let input: Vec<T> = values(r, count);
-    let wide: Vec<T> = values(r + 10, count * n);
-    // OXCCL_TEST_TRACE=1: every step on stderr, to see where a run that hangs stopped.
-    let tracing = std::env::var_os("OXCCL_TEST_TRACE").is_some();
-    let trace = |what: &str| {
-        if tracing {
+    /// Elements per rank: odd, so parts and shards end on no 16-byte boundary.
+    count: usize,
+    input: Vec<T>,
+    wide: Vec<T>,
+    tracing: bool,
+    bad: Vec<String>,
+}
+
+impl<T: Element> Case<'_, T> {
+    fn trace(&self, what: &str) {
+        if self.tracing {
+            let (r, n) = (self.comm.rank(), self.comm.size());
             eprintln!(
                 "[{:?}] rank {r}/{n} {}: {what}",
                 std::time::Instant::now(),
                 T::DTYPE
             );
         }
-    };
-    let mut bad = Vec::new();
-    let mut check = |what: &str, got: Vec<u8>, want: &[T]| {
-        trace(&format!("checked {what}"));
-        if got != as_bytes(want) {
-            bad.push(format!("{} {what}", T::DTYPE));
-        }
-    };
+    }
 
+    fn check(&mut self, what: &str, got: Vec<u8>, want: &[T]) {
+        self.trace(&format!("checked {what}"));
+        if got != as_bytes(want) {
+            self.bad.push(format!("{} {what}", T::DTYPE));
+        }
+    }
+}
+
+/// Every device collective of `T` against the host call, on one rank.
+fn every_collective<T: Element>(
+    comm: &Communicator,
+    s: &Arc<CudaStream>,
+    gate: bool,
+) -> Result<Vec<String>> {
+    let (r, n) = (comm.rank(), comm.size());
+    let count = 1031;
+    let mut case = Case {
+        comm,
+        s,
+        gate,
+        count,
+        input: values::<T>(r, count),
+        wide: values::<T>(r + 10, count * n),
+        tracing: std::env::var_os("OXCCL_TEST_TRACE").is_some(),
+        bad: Vec::new(),
+    };
+    reductions(&mut case)?;
+    placements(&mut case)?;
+    send_recv(&mut case)?;
+    s.synchronize().expect("stream");
+    if let Some(e) = comm.device_async_error() {
+        return Err(e);
+    }
+    Ok(case.bad)
+}
+
+/// All-reduce (in place and out of place), reduce-scatter and reduce.
+fn reductions<T: Element>(case: &mut Case<'_, T>) -> Result<()> {
+    let (comm, s, gate, count) = (case.comm, case.s, case.gate, case.count);
+    let dev = comm.on_stream(s);
+    let (r, n) = (comm.rank(), comm.size());
+    let (input, wide) = (case.input.clone(), case.wide.clone());
+    let di = upload(s, &input);
     for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Avg] {
         let mut d = upload(s, &input);
-        trace("dev all_reduce");
+        case.trace("dev all_reduce");
         gated(comm, gate, || {
             dev.all_reduce(&mut typed!(mut d, T, count), op)
         })?;
         let mut want = input.clone();
-        trace("comm all_reduce");
+        case.trace("comm all_reduce");
         comm.all_reduce(&mut want, op)?;
-        check(&format!("all_reduce {op}"), download(s, &d), &want);
+        case.check(&format!("all_reduce {op}"), download(s, &d), &want);
     }
 
-    let di = upload(s, &input);
     let mut d = zeros::<T>(s, count);
-    trace("dev all_reduce_into");
+    case.trace("dev all_reduce_into");
     gated(comm, gate, || {
         dev.all_reduce_into(
             &typed!(di, T, count),
@@ -160,13 +199,13 @@ fn every_collective<T: Element>(
         )
     })?;
     let mut want = input.clone();
-    trace("comm all_reduce");
+    case.trace("comm all_reduce");
     comm.all_reduce(&mut want, ReduceOp::Prod)?;
-    check("all_reduce_into prod", download(s, &d), &want);
+    case.check("all_reduce_into prod", download(s, &d), &want);
 
     let dw = upload(s, &wide);
     let mut d = zeros::<T>(s, count);
-    trace("dev reduce_scatter");
+    case.trace("dev reduce_scatter");
     gated(comm, gate, || {
         dev.reduce_scatter_into(
             &typed!(dw, T, count * n),
@@ -175,33 +214,12 @@ fn every_collective<T: Element>(
         )
     })?;
     let mut want = vec![T::from_f64(0.0); count];
-    trace("comm reduce_scatter");
+    case.trace("comm reduce_scatter");
     comm.reduce_scatter_into(&wide, &mut want, ReduceOp::Min)?;
-    check("reduce_scatter", download(s, &d), &want);
-
-    let mut d = zeros::<T>(s, count * n);
-    trace("dev all_gather");
-    gated(comm, gate, || {
-        dev.all_gather_into(&typed!(di, T, count), &mut typed!(mut d, T, count * n))
-    })?;
-    let mut want = vec![T::from_f64(0.0); count * n];
-    trace("comm all_gather");
-    comm.all_gather_into(&input, &mut want)?;
-    check("all_gather", download(s, &d), &want);
-
-    let root = n - 1;
-    let mut d = upload(s, &input);
-    trace("dev broadcast");
-    gated(comm, gate, || {
-        dev.broadcast(&mut typed!(mut d, T, count), root)
-    })?;
-    let mut want = input.clone();
-    trace("comm broadcast");
-    comm.broadcast(&mut want, root)?;
-    check("broadcast", download(s, &d), &want);
+    case.check("reduce_scatter", download(s, &d), &want);
 
     let mut d = zeros::<T>(s, count);
-    trace("dev reduce");
+    case.trace("dev reduce");
     gated(comm, gate, || {
         dev.reduce_into(
             &typed!(di, T, count),
@@ -211,14 +229,45 @@ fn every_collective<T: Element>(
         )
     })?;
     let mut want = vec![T::from_f64(0.0); count];
-    trace("comm reduce");
+    case.trace("comm reduce");
     comm.reduce_into(&input, &mut want, ReduceOp::Sum, 0)?;
     if r == 0 {
-        check("reduce", download(s, &d), &want);
+        case.check("reduce", download(s, &d), &want);
     }
 
+    Ok(())
+}
+
+/// All-gather, broadcast, gather, scatter and all-to-all.
+fn placements<T: Element>(case: &mut Case<'_, T>) -> Result<()> {
+    let (comm, s, gate, count) = (case.comm, case.s, case.gate, case.count);
+    let dev = comm.on_stream(s);
+    let (r, n) = (comm.rank(), comm.size());
+    let (input, wide) = (case.input.clone(), case.wide.clone());
+    let (di, dw) = (upload(s, &input), upload(s, &wide));
     let mut d = zeros::<T>(s, count * n);
-    trace("dev gather");
+    case.trace("dev all_gather");
+    gated(comm, gate, || {
+        dev.all_gather_into(&typed!(di, T, count), &mut typed!(mut d, T, count * n))
+    })?;
+    let mut want = vec![T::from_f64(0.0); count * n];
+    case.trace("comm all_gather");
+    comm.all_gather_into(&input, &mut want)?;
+    case.check("all_gather", download(s, &d), &want);
+
+    let root = n - 1;
+    let mut d = upload(s, &input);
+    case.trace("dev broadcast");
+    gated(comm, gate, || {
+        dev.broadcast(&mut typed!(mut d, T, count), root)
+    })?;
+    let mut want = input.clone();
+    case.trace("comm broadcast");
+    comm.broadcast(&mut want, root)?;
+    case.check("broadcast", download(s, &d), &want);
+
+    let mut d = zeros::<T>(s, count * n);
+    case.trace("dev gather");
     gated(comm, gate, || {
         dev.gather_into(
             &typed!(di, T, count),
@@ -227,57 +276,61 @@ fn every_collective<T: Element>(
         )
     })?;
     let mut want = vec![T::from_f64(0.0); count * n];
-    trace("comm gather");
+    case.trace("comm gather");
     comm.gather_into(&input, &mut want, root)?;
     if r == root {
-        check("gather", download(s, &d), &want);
+        case.check("gather", download(s, &d), &want);
     }
 
     let mut d = zeros::<T>(s, count);
-    trace("dev scatter");
+    case.trace("dev scatter");
     gated(comm, gate, || {
         dev.scatter_into(&typed!(dw, T, count * n), &mut typed!(mut d, T, count), 0)
     })?;
     let mut want = vec![T::from_f64(0.0); count];
-    trace("comm scatter");
+    case.trace("comm scatter");
     comm.scatter_into(&wide, &mut want, 0)?;
-    check("scatter", download(s, &d), &want);
+    case.check("scatter", download(s, &d), &want);
 
     let mut d = zeros::<T>(s, count * n);
-    trace("dev all_to_all");
+    case.trace("dev all_to_all");
     gated(comm, gate, || {
         dev.all_to_all_into(&typed!(dw, T, count * n), &mut typed!(mut d, T, count * n))
     })?;
     let mut want = vec![T::from_f64(0.0); count * n];
-    trace("comm all_to_all");
+    case.trace("comm all_to_all");
     comm.all_to_all_into(&wide, &mut want)?;
-    check("all_to_all", download(s, &d), &want);
+    case.check("all_to_all", download(s, &d), &want);
 
-    // Device send to the next rank, device receive from the previous one.
+    Ok(())
+}
+
+/// Device send to the next rank, device receive from the previous one.
+fn send_recv<T: Element>(case: &mut Case<'_, T>) -> Result<()> {
+    let (comm, s, gate, count) = (case.comm, case.s, case.gate, case.count);
+    let dev = comm.on_stream(s);
+    let (r, n) = (comm.rank(), comm.size());
+    let di = upload(s, &case.input);
     let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
     let mut d = zeros::<T>(s, count);
     // One gated window for the pair: with an odd number of ranks the last rank's send meets
     // rank 0's receive only after rank 0's own send.
     gated(comm, gate, || {
         if r % 2 == 0 {
-            trace("dev send");
+            case.trace("dev send");
             dev.send(&typed!(di, T, count), next)?;
-            trace("dev recv");
+            case.trace("dev recv");
             dev.recv(&mut typed!(mut d, T, count), prev)
         } else {
-            trace("dev recv");
+            case.trace("dev recv");
             dev.recv(&mut typed!(mut d, T, count), prev)?;
-            trace("dev send");
+            case.trace("dev send");
             dev.send(&typed!(di, T, count), next)
         }
     })?;
-    check("send/recv", download(s, &d), &values::<T>(prev, count));
+    case.check("send/recv", download(s, &d), &values::<T>(prev, count));
 
-    s.synchronize().expect("stream");
-    if let Some(e) = comm.device_async_error() {
-        return Err(e);
-    }
-    Ok(bad)
+    Ok(())
 }
 
 /// Runs a rank's device call (or send/recv pair) `f`, with `gate`: between two host barriers, so
