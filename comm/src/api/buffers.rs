@@ -47,14 +47,15 @@ pub(crate) fn with_scratch<R>(
 /// typed call of the same name.
 ///
 /// ```no_run
-/// # fn f(comm: &oxccl_comm::Communicator) -> oxccl_comm::Result<()> {
+/// # fn f(comm: &oxccl_comm::Communicator) -> Result<(), Box<dyn std::error::Error>> {
 /// use oxccl_comm::{Buf, BufMut, DType, ReduceOp};
 ///
 /// let mut bucket = vec![0u8; 2 * 4096]; // 4096 bf16 gradients, packed by the caller
-/// comm.buffers().all_reduce(BufMut::host(&mut bucket, DType::BF16)?, ReduceOp::Avg)?;
+/// comm.buffers()
+///     .all_reduce(BufMut::host(&mut bucket, DType::BF16)?, ReduceOp::Avg)?;
 /// let mut shard = vec![0u8; bucket.len() / comm.size()];
-/// let input = Buf::host(&bucket, DType::BF16)?;
-/// comm.buffers().reduce_scatter_into(input, BufMut::host(&mut shard, DType::BF16)?, ReduceOp::Sum)?;
+/// let (input, output) = (Buf::host(&bucket, DType::BF16)?, BufMut::host(&mut shard, DType::BF16)?);
+/// comm.buffers().reduce_scatter_into(input, output, ReduceOp::Sum)?;
 /// # Ok(()) }
 /// ```
 #[derive(Clone, Copy)]
