@@ -45,6 +45,35 @@ fn expect<T: Element>(n: usize, i: usize, op: ReduceOp) -> T {
     reference_reduce(&vals, op)
 }
 
+/// Inputs repeat in `i` with this period (`val`: `(rank * 31 + i * 17) % m` has period `m`,
+/// products `1 + (rank + i) % 2` period 2), and so does the expected reduction.
+fn period<T: Element>(op: ReduceOp) -> usize {
+    match op {
+        ReduceOp::Prod => 2,
+        _ if T::DTYPE.is_float() && T::DTYPE.size() == 1 => 2,
+        _ => 11,
+    }
+}
+
+/// [`expect`] for every element: computed once per residue of the inputs' period, then looked
+/// up (the checks compare millions of elements; the expectation is the same).
+struct Expect<T> {
+    table: Vec<T>,
+}
+
+impl<T: Element> Expect<T> {
+    fn new(n: usize, op: ReduceOp) -> Expect<T> {
+        let table = (0..period::<T>(op))
+            .map(|i| expect::<T>(n, i, op))
+            .collect();
+        Expect { table }
+    }
+
+    fn at(&self, i: usize) -> T {
+        self.table[i % self.table.len()]
+    }
+}
+
 fn check<T: Element>(what: &str, rank: usize, got: &[T], want: impl Fn(usize) -> T) {
     for (i, g) in got.iter().enumerate() {
         let w = want(i);
@@ -66,22 +95,17 @@ fn all_reduce_forms<T: Element>(
     with_async: bool,
 ) -> Result<()> {
     let (n, me) = (comm.size(), comm.rank());
+    let want = Expect::<T>::new(n, op);
     let mut buf = input::<T>(me, count, op);
     comm.all_reduce(&mut buf, op)?;
-    check(&format!("all_reduce {tag}"), me, &buf, |i| {
-        expect::<T>(n, i, op)
-    });
+    check(&format!("all_reduce {tag}"), me, &buf, |i| want.at(i));
     let inp = input::<T>(me, count, op);
     let mut out = vec![T::from_f64(99.0); count];
     comm.all_reduce_into(&inp, &mut out, op)?;
-    check(&format!("all_reduce_into {tag}"), me, &out, |i| {
-        expect::<T>(n, i, op)
-    });
+    check(&format!("all_reduce_into {tag}"), me, &out, |i| want.at(i));
     if with_async {
         let got = comm.all_reduce_async(inp, op).wait()?;
-        check(&format!("all_reduce_async {tag}"), me, &got, |i| {
-            expect::<T>(n, i, op)
-        });
+        check(&format!("all_reduce_async {tag}"), me, &got, |i| want.at(i));
     }
     Ok(())
 }
@@ -97,6 +121,7 @@ fn all_collectives<T: Element>(
     let dt = T::DTYPE;
     for &count in counts {
         for &op in ops {
+            let want = Expect::<T>::new(n, op);
             let tag = format!("{dt} {op} count {count} n {n}");
             // all-reduce, in place and out of place
             all_reduce_forms::<T>(comm, count, op, &tag, false)?;
@@ -105,15 +130,11 @@ fn all_collectives<T: Element>(
             let root = count % n;
             let mut out = vec![T::from_f64(99.0); if me == root { count } else { 0 }];
             comm.reduce_into(&inp, &mut out, op, root)?;
-            check(&format!("reduce {tag}"), me, &out, |i| {
-                expect::<T>(n, i, op)
-            });
+            check(&format!("reduce {tag}"), me, &out, |i| want.at(i));
             let mut buf = input::<T>(me, count, op);
             comm.reduce(&mut buf, op, root)?;
             if me == root {
-                check(&format!("reduce_in_place {tag}"), me, &buf, |i| {
-                    expect::<T>(n, i, op)
-                });
+                check(&format!("reduce_in_place {tag}"), me, &buf, |i| want.at(i));
             } else {
                 check(
                     &format!("reduce_in_place leaves non-roots {tag}"),
@@ -130,7 +151,7 @@ fn all_collectives<T: Element>(
             let mut out = vec![T::from_f64(99.0); count];
             comm.reduce_scatter_into(&inp, &mut out, op)?;
             check(&format!("reduce_scatter {tag}"), me, &out, |j| {
-                expect::<T>(n, me * count + j, op)
+                want.at(me * count + j)
             });
             let mut buf = inp.clone();
             comm.reduce_scatter(&mut buf, op)?;
@@ -138,7 +159,7 @@ fn all_collectives<T: Element>(
                 &format!("reduce_scatter_in_place {tag}"),
                 me,
                 &buf[me * count..(me + 1) * count],
-                |j| expect::<T>(n, me * count + j, op),
+                |j| want.at(me * count + j),
             );
         }
         if reduce_algos_only {
@@ -243,6 +264,39 @@ fn every_dtype(comm: &Communicator, reduce_algos_only: bool) -> Result<()> {
         true,
     )?;
     Ok(())
+}
+
+/// The lookup of [`Expect`] gives exactly [`expect`] for every element: the inputs repeat with
+/// [`period`] in every type and op.
+#[test]
+fn expectations_repeat_with_the_inputs() {
+    fn each<T: Element>() {
+        for op in ReduceOp::ALL {
+            for n in 1..=8 {
+                let want = Expect::<T>::new(n, op);
+                for i in 0..300 {
+                    let (a, b) = (want.at(i), expect::<T>(n, i, op));
+                    assert!(
+                        bytemuck::bytes_of(&a) == bytemuck::bytes_of(&b),
+                        "{} {op} n {n} element {i}",
+                        T::DTYPE
+                    );
+                }
+            }
+        }
+    }
+    each::<f32>();
+    each::<f64>();
+    each::<f16>();
+    each::<bf16>();
+    each::<i8>();
+    each::<u8>();
+    each::<i32>();
+    each::<u32>();
+    each::<i64>();
+    each::<u64>();
+    each::<F8E4M3>();
+    each::<F8E5M2>();
 }
 
 fn config(algo: &str, transport: TransportChoice) -> Config {
@@ -378,6 +432,7 @@ fn world_8() {
 /// broadcast for dtype `T`, several queued before the first wait, against the serial reference.
 fn async_forms<T: Element>(comm: &Communicator, count: usize, op: ReduceOp) -> Result<()> {
     let (n, me) = (comm.size(), comm.rank());
+    let want = Expect::<T>::new(n, op);
     let tag = format!("{} {op} count {count} n {n}", T::DTYPE);
     let root = (count + 1) % n;
     let junk = || vec![T::from_f64(99.0); count];
@@ -397,11 +452,11 @@ fn async_forms<T: Element>(comm: &Communicator, count: usize, op: ReduceOp) -> R
         "all_reduce_into_async changed its input"
     );
     check(&format!("all_reduce_into_async {tag}"), me, &out, |i| {
-        expect::<T>(n, i, op)
+        want.at(i)
     });
     let (_, out) = rs.wait()?;
     check(&format!("reduce_scatter_into_async {tag}"), me, &out, |j| {
-        expect::<T>(n, me * count + j, op)
+        want.at(me * count + j)
     });
     let (_, out) = ag.wait()?;
     check(&format!("all_gather_into_async {tag}"), me, &out, |k| {
@@ -416,7 +471,7 @@ fn async_forms<T: Element>(comm: &Communicator, count: usize, op: ReduceOp) -> R
         &format!("reduce_scatter_async {tag}"),
         me,
         &buf[me * count..(me + 1) * count],
-        |j| expect::<T>(n, me * count + j, op),
+        |j| want.at(me * count + j),
     );
     let buf = ag_in.wait()?;
     check(&format!("all_gather_async {tag}"), me, &buf, |k| {
@@ -463,9 +518,8 @@ fn async_waits_in_any_order() {
             }
             let mut buf = input::<u32>(me, count, ReduceOp::Sum);
             c.all_reduce(&mut buf, ReduceOp::Sum)?;
-            check("all_reduce after the async ones", me, &buf, |i| {
-                expect::<u32>(size, i, ReduceOp::Sum)
-            });
+            let want = Expect::<u32>::new(size, ReduceOp::Sum);
+            check("all_reduce after the async ones", me, &buf, |i| want.at(i));
             Ok(())
         }) {
             r.unwrap();
@@ -489,6 +543,7 @@ fn async_forms_in_place_and_out_of_place() {
                     async_forms::<u8>(&c, count, ReduceOp::Max)?;
                 }
                 let (me, size) = (c.rank(), c.size());
+                let want = Expect::<u32>::new(size, ReduceOp::Sum);
                 std::thread::scope(|s| {
                     let blocking = s.spawn(|| {
                         let mut out = vec![0u32; BIG];
@@ -498,7 +553,7 @@ fn async_forms_in_place_and_out_of_place() {
                             ReduceOp::Sum,
                         )?;
                         check("blocking reduce_scatter", me, &out, |j| {
-                            expect::<u32>(size, me * BIG + j, ReduceOp::Sum)
+                            want.at(me * BIG + j)
                         });
                         Ok::<_, oxccl_comm::Error>(())
                     });
@@ -508,9 +563,7 @@ fn async_forms_in_place_and_out_of_place() {
                         ReduceOp::Sum,
                     );
                     let (_, out) = w.wait()?;
-                    check("async reduce_scatter", me, &out, |j| {
-                        expect::<u32>(size, me * BIG + j, ReduceOp::Sum)
-                    });
+                    check("async reduce_scatter", me, &out, |j| want.at(me * BIG + j));
                     blocking.join().expect("blocking reduce-scatter thread")
                 })?;
                 let bad = [
