@@ -193,6 +193,18 @@ impl GradBuf for TensorMut<'_> {
     }
 }
 
+/// A flat buffer goes to the communicator's untyped calls as it is
+/// ([`oxccl_comm::Buffers::all_reduce_async`]).
+impl oxccl_comm::BufOwner for FlatBuffer {
+    fn view(&mut self) -> oxccl_comm::BufMut<'_> {
+        let dtype = self.dtype;
+        let whole = self.len * dtype.size();
+        let bytes = &mut bytemuck::cast_slice_mut(&mut self.words)[..whole];
+        // `len` elements of `dtype` are a whole number of them: the view cannot be refused.
+        oxccl_comm::BufMut::host(bytes, dtype).expect("len * size bytes are whole elements")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -219,17 +231,5 @@ mod tests {
         assert_eq!(list[0].dtype(), DType::F64);
         assert_eq!(list[0].elems(), 3);
         assert_eq!(list[1].elems(), 7);
-    }
-}
-
-/// A flat buffer goes to the communicator's untyped calls as it is
-/// ([`oxccl_comm::Buffers::all_reduce_async`]).
-impl oxccl_comm::BufOwner for FlatBuffer {
-    fn view(&mut self) -> oxccl_comm::BufMut<'_> {
-        let dtype = self.dtype;
-        let whole = self.len * dtype.size();
-        let bytes = &mut bytemuck::cast_slice_mut(&mut self.words)[..whole];
-        // `len` elements of `dtype` are a whole number of them: the view cannot be refused.
-        oxccl_comm::BufMut::host(bytes, dtype).expect("len * size bytes are whole elements")
     }
 }
