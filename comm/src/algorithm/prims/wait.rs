@@ -26,7 +26,12 @@ impl Ctx<'_> {
         let mut next = 0;
         let mut spins = 0u32;
         loop {
-            self.arm();
+            // While polling fast this call cannot sleep, so the doorbell (a call through the
+            // transport) is armed only on the turns that may end in `idle`.
+            let fast = self.spin && self.idle_since.is_none() && spins < FAST_SPINS;
+            if !fast {
+                self.arm();
+            }
             let before = next;
             let (rank, size, tag) = (self.rank, self.size, self.tag);
             let w = self
@@ -66,7 +71,7 @@ impl Ctx<'_> {
             let p = next;
             // A peer usually arrives within a microsecond or two: poll its counter without
             // reading the clock first, then fall back to the full wait (liveness, deadline, sleep).
-            if self.spin && self.idle_since.is_none() && spins < FAST_SPINS {
+            if fast {
                 spins += 1;
                 std::hint::spin_loop();
                 continue;
