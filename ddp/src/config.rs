@@ -131,6 +131,15 @@ impl<'a> Param<'a> {
             tensor: TensorMut::new(data),
         }
     }
+
+    /// A parameter called `name` stored in an untyped tensor (a [`crate::FlatBuffer`] or a
+    /// typed slice, through `TensorMut::from`).
+    pub fn untyped(name: impl Into<String>, tensor: TensorMut<'a>) -> Param<'a> {
+        Param {
+            name: name.into(),
+            tensor,
+        }
+    }
 }
 
 /// What a `finish()` or `sync()` did.

@@ -49,6 +49,13 @@ impl FlatBuffer {
         &mut bytemuck::cast_slice_mut(&mut self.words)[..n]
     }
 
+    /// A buffer holding a copy of `data`.
+    pub fn from_slice<T: Element>(data: &[T]) -> FlatBuffer {
+        let mut b = FlatBuffer::zeros(T::DTYPE, data.len());
+        b.bytes_mut().copy_from_slice(bytemuck::cast_slice(data));
+        b
+    }
+
     /// The elements as `&[T]`, or `None` when `T` is not the buffer's dtype.
     pub fn as_slice<T: Element>(&self) -> Option<&[T]> {
         (T::DTYPE == self.dtype).then(|| &bytemuck::cast_slice::<u64, T>(&self.words)[..self.len])
@@ -165,6 +172,17 @@ impl<'a> TensorMut<'a> {
         TensorMut {
             dtype: T::DTYPE,
             bytes: bytemuck::cast_slice_mut(data),
+        }
+    }
+}
+
+/// A flat buffer as a tensor of its dtype (an untyped parameter or gradient, e.g. one copied out
+/// of a framework's tensor).
+impl<'a> From<&'a mut FlatBuffer> for TensorMut<'a> {
+    fn from(buf: &'a mut FlatBuffer) -> TensorMut<'a> {
+        TensorMut {
+            dtype: buf.dtype,
+            bytes: buf.bytes_mut(),
         }
     }
 }
