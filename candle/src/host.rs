@@ -52,13 +52,28 @@ pub(crate) fn dtype_of(dt: candle_core::DType) -> Result<DType, ConvError> {
 /// # Errors
 /// A dtype DDP does not reduce, or a failed candle call.
 pub(crate) fn to_flat(t: &Tensor) -> Result<FlatBuffer, ConvError> {
-    let flat = t.flatten_all()?;
-    Ok(match dtype_of(t.dtype())? {
-        DType::F32 => FlatBuffer::from_slice(&flat.to_vec1::<f32>()?),
-        DType::F64 => FlatBuffer::from_slice(&flat.to_vec1::<f64>()?),
-        DType::F16 => FlatBuffer::from_slice(&flat.to_vec1::<half::f16>()?),
-        _ => FlatBuffer::from_slice(&flat.to_vec1::<half::bf16>()?),
-    })
+    match dtype_of(t.dtype())? {
+        DType::F32 => copy_out::<f32>(t),
+        DType::F64 => copy_out::<f64>(t),
+        DType::F16 => copy_out::<half::f16>(t),
+        _ => copy_out::<half::bf16>(t),
+    }
+}
+
+/// One copy of a contiguous host tensor's elements, straight from its storage (a strided one
+/// is made contiguous first).
+fn copy_out<T: candle_core::WithDType + oxccl_comm::Element>(
+    t: &Tensor,
+) -> Result<FlatBuffer, ConvError> {
+    {
+        let (storage, layout) = t.storage_and_layout();
+        if let (candle_core::Storage::Cpu(cpu), Some((from, to))) =
+            (&*storage, layout.contiguous_offsets())
+        {
+            return Ok(FlatBuffer::from_slice(&cpu.as_slice::<T>()?[from..to]));
+        }
+    }
+    Ok(FlatBuffer::from_slice(&t.flatten_all()?.to_vec1::<T>()?))
 }
 
 /// A tensor of `shape` on `device` holding a flat buffer's elements.
