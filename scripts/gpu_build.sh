@@ -23,6 +23,22 @@ cp "$(cargo test --release -p oxccl-kernels --features cuda --test kernels --no-
     --message-format json 2>/dev/null | exe kernels)" "$out/kernels_cuda_gpu"
 cp "$(cargo test --release -p oxccl-comm --features cuda --test comm --no-run \
     --message-format json 2>/dev/null | exe comm)" "$out/comm_cuda"
+# DDP on device gradients (scripts/gpu_ddp.sh): the ddp test binary and the device bench.
+cp "$(cargo test --release -p oxccl-ddp --features cuda --test ddp --no-run \
+    --message-format json 2>/dev/null | exe ddp)" "$out/ddp_cuda"
+cargo build --release -q -p oxccl-ddp --features cuda --example device_ddp_bench
+cp target/release/examples/device_ddp_bench "$out/"
+# The candle example on CUDA, where a CUDA toolchain is set up (CUDA_ROOT: candle's kernels are
+# compiled by nvcc at build time and its cudarc links the CUDA libraries; docs/GUIDE.md, "candle
+# models", says how to get one from PyPI). Its own target folder: other cudarc features.
+# Linked against stubs of the CUDA libraries (scripts/cuda_stubs.py); the GPU machine's real
+# ones (driver, and the PyPI wheels' nvidia/cu13/lib) are found by their SONAMEs at run time.
+if [ -n "${CUDA_ROOT:-}" ]; then
+    python3 scripts/cuda_stubs.py target/cuda-stubs >/dev/null &&
+        RUSTFLAGS="$RUSTFLAGS -L native=$PWD/target/cuda-stubs" CARGO_TARGET_DIR=target/candle-cuda \
+            cargo build --release -q -p oxccl-candle --features cuda --example candle_mlp &&
+        cp target/candle-cuda/release/examples/candle_mlp "$out/candle_cuda_mlp"
+fi
 cargo build --release -q -p oxccl-kernels --features cuda --example cuda_bench
 cp target/release/examples/cuda_bench "$out/"
 cargo build --release -q --features cuda --bin oxccl

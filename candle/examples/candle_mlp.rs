@@ -12,7 +12,9 @@
 //! overhead is measured against). `--check` also trains, on every rank, one model on the
 //! concatenated batch of every rank from the same start, and exits non-zero unless the DDP
 //! model is within 1e-5 (relative to each tensor's largest value) of it after the last step.
-//! Tensors live on the CPU: the adapter refuses CUDA tensors in this version.
+//! `--cuda` puts the model and the batches on GPU `local_rank % --gpus` (build with
+//! `--features cuda`: candle's CUDA backend, and the adapter's device path, whose gradients
+//! never leave the GPU); otherwise tensors live on the CPU.
 
 use std::process::ExitCode;
 use std::time::Instant;
@@ -51,6 +53,12 @@ struct Args {
     /// Compare with one model trained on the concatenated batch (exit 1 if it differs).
     #[arg(long)]
     check: bool,
+    /// Train on a CUDA device (needs the `cuda` feature).
+    #[arg(long)]
+    cuda: bool,
+    /// With `--cuda`: GPUs to spread the ranks over (rank r uses GPU local_rank % gpus).
+    #[arg(long, default_value_t = 1)]
+    gpus: usize,
 }
 
 /// The MLP: `layers` hidden ReLU layers and one output.
@@ -84,7 +92,12 @@ impl Mlp {
 }
 
 /// Rank `rank`'s batch of step `step`: inputs from a seeded generator, targets a fixed function.
-fn batch(a: &Args, rank: usize, step: usize) -> candle_core::Result<(Tensor, Tensor)> {
+fn batch(
+    a: &Args,
+    dev: &Device,
+    rank: usize,
+    step: usize,
+) -> candle_core::Result<(Tensor, Tensor)> {
     let n = a.batch * a.inputs;
     let mut s = (step as u64 * 1_000_003 + rank as u64) * 0x9E37_79B9_7F4A_7C15 + 1;
     let v: Vec<f32> = (0..n)
@@ -95,16 +108,21 @@ fn batch(a: &Args, rank: usize, step: usize) -> candle_core::Result<(Tensor, Ten
             (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
         })
         .collect();
-    let x = Tensor::from_vec(v, (a.batch, a.inputs), &Device::Cpu)?;
+    let x = Tensor::from_vec(v, (a.batch, a.inputs), &Device::Cpu)?.to_device(dev)?;
     let y = (x.sin()? * 0.5)?.sum_keepdim(1)?;
     Ok((x, y))
 }
 
 /// Every rank's batch of `step`, concatenated.
-fn global_batch(a: &Args, ranks: usize, step: usize) -> candle_core::Result<(Tensor, Tensor)> {
+fn global_batch(
+    a: &Args,
+    dev: &Device,
+    ranks: usize,
+    step: usize,
+) -> candle_core::Result<(Tensor, Tensor)> {
     let (mut xs, mut ys) = (Vec::new(), Vec::new());
     for r in 0..ranks {
-        let (x, y) = batch(a, r, step)?;
+        let (x, y) = batch(a, dev, r, step)?;
         xs.push(x);
         ys.push(y);
     }
@@ -124,9 +142,9 @@ fn sorted(map: &VarMap) -> Vec<(String, Var)> {
 }
 
 /// A second model with the same variables' current values (the `--check` reference).
-fn copy_of(a: &Args, vars: &[(String, Var)]) -> candle_core::Result<(Mlp, VarMap)> {
+fn copy_of(a: &Args, dev: &Device, vars: &[(String, Var)]) -> candle_core::Result<(Mlp, VarMap)> {
     let map = VarMap::new();
-    let mlp = Mlp::new(VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu), a)?;
+    let mlp = Mlp::new(VarBuilder::from_varmap(&map, DType::F32, dev), a)?;
     for ((_, mine), (_, src)) in sorted(&map).iter().zip(vars) {
         mine.set(src.as_tensor())?;
     }
@@ -146,24 +164,33 @@ fn main() -> ExitCode {
 }
 
 fn run(a: &Args) -> Result<bool, Box<dyn std::error::Error>> {
-    let map = VarMap::new();
-    let mlp = Mlp::new(VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu), a)?;
-    let mut ddp = if a.no_ddp {
+    let comm = if a.no_ddp {
         None
     } else {
-        let comm = Communicator::from_env()?;
-        Some(CandleDdp::from_varmap(
+        Some(Communicator::from_env()?)
+    };
+    let dev = if a.cuda {
+        let local = comm.as_ref().map_or(0, |c| c.local_rank());
+        Device::new_cuda(local % a.gpus.max(1))?
+    } else {
+        Device::Cpu
+    };
+    let map = VarMap::new();
+    let mlp = Mlp::new(VarBuilder::from_varmap(&map, DType::F32, &dev), a)?;
+    let mut ddp = match comm {
+        None => None,
+        Some(comm) => Some(CandleDdp::from_varmap(
             comm,
             map.data(),
             DdpConfig::default(),
-        )?)
+        )?),
     };
     let (rank, ranks) = ddp
         .as_ref()
         .map_or((0, 1), |d| (d.comm().rank(), d.comm().size()));
     let vars = sorted(&map);
     let mut reference = if a.check {
-        let (m, map) = copy_of(a, &vars)?;
+        let (m, map) = copy_of(a, &dev, &vars)?;
         let opt = SGD::new(map.all_vars(), a.lr)?;
         Some((m, map, opt))
     } else {
@@ -173,17 +200,19 @@ fn run(a: &Args) -> Result<bool, Box<dyn std::error::Error>> {
     if rank == 0 {
         let params: usize = vars.iter().map(|v| v.1.as_tensor().elem_count()).sum();
         println!(
-            "candle MLP: {} layers of {}, {params} parameters; {ranks} rank(s) x batch {}{}",
+            "candle MLP: {} layers of {}, {params} parameters; {ranks} rank(s) x batch {}{} on \
+             {:?}",
             a.layers + 1,
             a.hidden,
             a.batch,
-            if a.no_ddp { " (no DDP)" } else { "" }
+            if a.no_ddp { " (no DDP)" } else { "" },
+            dev.location()
         );
     }
     let mut times = Vec::new();
     for step in 0..a.steps {
         let t0 = Instant::now();
-        let (x, y) = batch(a, rank, step)?;
+        let (x, y) = batch(a, &dev, rank, step)?;
         let loss = mlp.loss(&x, &y)?;
         let t1 = Instant::now();
         let mut grads = loss.backward()?;
@@ -207,7 +236,7 @@ fn run(a: &Args) -> Result<bool, Box<dyn std::error::Error>> {
             d.comm().all_reduce(&mut l, ReduceOp::Avg)?;
         }
         if let Some((m, _, o)) = reference.as_mut() {
-            let (gx, gy) = global_batch(a, ranks, step)?;
+            let (gx, gy) = global_batch(a, &dev, ranks, step)?;
             o.step(&m.loss(&gx, &gy)?.backward()?)?;
         }
         if rank == 0 {

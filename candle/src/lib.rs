@@ -32,8 +32,13 @@
 //! name). Gradients may be `f32`, `f64`, `f16` or `bf16`.
 //!
 //! **Where the tensors live.** Host tensors (`Device::Cpu`) are copied out of the `GradStore`
-//! into DDP's flat buckets and the averages put back as new tensors. Tensors on a CUDA device are
-//! refused with a clear error in this version: DDP over device buffers is not there yet.
+//! into DDP's flat buckets ([`Ddp`]) and the averages put back as new tensors. With the `cuda`
+//! feature, variables on a CUDA device go through `oxccl_ddp::DeviceDdp` instead:
+//! they are broadcast in their own device storage, each gradient is copied device to device into
+//! a bucket on candle's stream while full buckets are all-reduced on a communication stream, and
+//! the averages come back as new device tensors; nothing goes through host memory and the host
+//! does not wait for the GPU. Every variable must be on one device. (The CUDA path is built and
+//! linted here, not yet run on a GPU.)
 //!
 //! **Unused variables.** A variable that got no gradient in a step is an error naming it, unless
 //! [`DdpConfig::find_unused_parameters`](oxccl_ddp::DdpConfig) is set: then it is reduced as
@@ -41,6 +46,8 @@
 
 #![forbid(unsafe_code)]
 
+#[cfg(feature = "cuda")]
+mod cuda;
 mod host;
 
 use candle_core::backprop::GradStore;
@@ -85,9 +92,19 @@ pub type Result<T> = std::result::Result<T, Error>;
 /// Data-parallel training of candle variables: the initial broadcast and each step's gradient
 /// average (see the [crate docs](crate)).
 pub struct CandleDdp {
-    ddp: Ddp,
+    inner: Inner,
     vars: Vec<(String, Var)>,
     find_unused: bool,
+}
+
+/// The reducer: host buckets for CPU tensors, device buckets for CUDA tensors.
+enum Inner {
+    Host(Ddp),
+    #[cfg(feature = "cuda")]
+    Device {
+        ddp: oxccl_ddp::DeviceDdp,
+        dev: candle_core::CudaDevice,
+    },
 }
 
 impl CandleDdp {
@@ -98,31 +115,19 @@ impl CandleDdp {
     /// `InvalidArgument` for a variable on a device other than the CPU or of a dtype DDP does not
     /// reduce; [`DdpError`] when the ranks' lists differ or a collective fails.
     pub fn new(comm: Communicator, vars: Vec<(String, Var)>, cfg: DdpConfig) -> Result<CandleDdp> {
-        let rank = comm.rank();
         let find_unused = cfg.find_unused_parameters;
-        let mut values = Vec::with_capacity(vars.len());
-        for (name, v) in &vars {
-            check_device(rank, "new", name, v.as_tensor())?;
-            values.push(to_flat(v.as_tensor()).map_err(|e| e.at(rank, "new", name))?);
+        #[cfg(feature = "cuda")]
+        if let Some(dev) = cuda::device_of(comm.rank(), &vars)? {
+            let ddp = cuda::new(comm, &vars, cfg, &dev)?;
+            return Ok(CandleDdp {
+                inner: Inner::Device { ddp, dev },
+                vars,
+                find_unused,
+            });
         }
-        let mut params: Vec<Param<'_>> = vars
-            .iter()
-            .zip(values.iter_mut())
-            .map(|((name, _), buf)| Param::untyped(name.clone(), buf.into()))
-            .collect();
-        let ddp = Ddp::new(comm, &mut params, cfg)?;
-        drop(params);
-        for ((name, v), buf) in vars.iter().zip(&values) {
-            let t = host::from_flat(buf, v.as_tensor().shape(), &Device::Cpu)
-                .map_err(|e| e.at(rank, "new", name))?;
-            v.set(&t).map_err(|source| Error::Candle {
-                rank,
-                op: "new",
-                source,
-            })?;
-        }
+        let ddp = host_ddp(comm, &vars, cfg)?;
         Ok(CandleDdp {
-            ddp,
+            inner: Inner::Host(ddp),
             vars,
             find_unused,
         })
@@ -174,43 +179,11 @@ impl CandleDdp {
     /// `InvalidArgument` for a variable without a gradient (unless `find_unused_parameters`) or
     /// with a gradient of another shape or dtype; [`DdpError`] from the reduction.
     pub fn sync(&mut self, grads: &mut GradStore) -> Result<Step> {
-        let rank = self.ddp.comm().rank();
-        let mut bufs = Vec::with_capacity(self.vars.len());
-        for (name, v) in &self.vars {
-            let buf = match grads.get(v.as_tensor()) {
-                Some(g) => {
-                    check_grad(rank, name, v.as_tensor(), g)?;
-                    to_flat(g).map_err(|e| e.at(rank, "sync", name))?
-                }
-                None if self.find_unused => {
-                    let dt = host::dtype_of(v.as_tensor().dtype())
-                        .map_err(|e| e.at(rank, "sync", name))?;
-                    FlatBuffer::zeros(dt, v.as_tensor().elem_count())
-                }
-                None => {
-                    return Err(Error::InvalidArgument {
-                        rank,
-                        op: "sync",
-                        msg: format!(
-                            "variable {name} received no gradient; every variable must get one \
-                             each step, or set find_unused_parameters to reduce missing ones as \
-                             zeros"
-                        ),
-                    })
-                }
-            };
-            bufs.push(buf);
+        match &mut self.inner {
+            Inner::Host(ddp) => host_sync(ddp, &self.vars, grads, self.find_unused),
+            #[cfg(feature = "cuda")]
+            Inner::Device { ddp, dev } => cuda::sync(ddp, dev, &self.vars, grads, self.find_unused),
         }
-        let step = self.ddp.sync(&mut bufs)?;
-        if let Step::Synced { .. } = step {
-            for ((name, v), buf) in self.vars.iter().zip(&bufs) {
-                let t = v.as_tensor();
-                let avg = host::from_flat(buf, t.shape(), &Device::Cpu)
-                    .map_err(|e| e.at(rank, "sync", name))?;
-                grads.insert(t, avg);
-            }
-        }
-        Ok(step)
     }
 
     /// `loss.backward()` followed by [`CandleDdp::sync`]: the averaged gradients.
@@ -218,7 +191,7 @@ impl CandleDdp {
     /// # Errors
     /// A failed backward pass, or as [`CandleDdp::sync`].
     pub fn backward(&mut self, loss: &Tensor) -> Result<GradStore> {
-        let rank = self.ddp.comm().rank();
+        let rank = self.comm().rank();
         let mut grads = loss.backward().map_err(|source| Error::Candle {
             rank,
             op: "backward",
@@ -233,36 +206,156 @@ impl CandleDdp {
         &self.vars
     }
 
-    /// The DDP reducer underneath (its configuration, accumulation, comm hooks).
-    pub fn ddp(&mut self) -> &mut Ddp {
-        &mut self.ddp
+    /// The host reducer underneath (its configuration, comm hooks), for CPU tensors; `None` on
+    /// the CUDA path (`CandleDdp::device_ddp`, feature `cuda`).
+    pub fn ddp(&mut self) -> Option<&mut Ddp> {
+        match &mut self.inner {
+            Inner::Host(ddp) => Some(ddp),
+            #[cfg(feature = "cuda")]
+            Inner::Device { .. } => None,
+        }
+    }
+
+    /// The device reducer underneath, for CUDA tensors; `None` on the CPU path.
+    #[cfg(feature = "cuda")]
+    pub fn device_ddp(&mut self) -> Option<&mut oxccl_ddp::DeviceDdp> {
+        match &mut self.inner {
+            Inner::Device { ddp, .. } => Some(ddp),
+            Inner::Host(_) => None,
+        }
+    }
+
+    /// Makes every step `k` micro-batches ([`Ddp::accumulate`]): `sync` of the first `k - 1`
+    /// only adds into the buckets.
+    ///
+    /// # Errors
+    /// `k == 0`, or a call in the middle of a step.
+    pub fn accumulate(&mut self, k: usize) -> Result<()> {
+        match &mut self.inner {
+            Inner::Host(ddp) => ddp.accumulate(k)?,
+            #[cfg(feature = "cuda")]
+            Inner::Device { ddp, .. } => ddp.accumulate(k)?,
+        }
+        Ok(())
     }
 
     /// The communicator.
     pub fn comm(&self) -> &Communicator {
-        self.ddp.comm()
+        match &self.inner {
+            Inner::Host(ddp) => ddp.comm(),
+            #[cfg(feature = "cuda")]
+            Inner::Device { ddp, .. } => ddp.comm(),
+        }
     }
 }
 
-/// Refuses a tensor that is not in host memory (device DDP is not there yet).
+/// The host reducer of `vars` (CPU tensors), after setting every variable to rank 0's value.
+fn host_ddp(comm: Communicator, vars: &[(String, Var)], cfg: DdpConfig) -> Result<Ddp> {
+    let rank = comm.rank();
+    let mut values = Vec::with_capacity(vars.len());
+    for (name, v) in vars {
+        check_device(rank, "new", name, v.as_tensor())?;
+        values.push(to_flat(v.as_tensor()).map_err(|e| e.at(rank, "new", name))?);
+    }
+    let mut params: Vec<Param<'_>> = vars
+        .iter()
+        .zip(values.iter_mut())
+        .map(|((name, _), buf)| Param::untyped(name.clone(), buf.into()))
+        .collect();
+    let ddp = Ddp::new(comm, &mut params, cfg)?;
+    drop(params);
+    for ((name, v), buf) in vars.iter().zip(&values) {
+        let t = host::from_flat(buf, v.as_tensor().shape(), &Device::Cpu)
+            .map_err(|e| e.at(rank, "new", name))?;
+        v.set(&t).map_err(|source| Error::Candle {
+            rank,
+            op: "new",
+            source,
+        })?;
+    }
+    Ok(ddp)
+}
+
+/// A step on the host: every gradient copied into a flat buffer, `Ddp::sync`, the averages put
+/// back into `grads` as new tensors.
+fn host_sync(
+    ddp: &mut Ddp,
+    vars: &[(String, Var)],
+    grads: &mut GradStore,
+    find_unused: bool,
+) -> Result<Step> {
+    let rank = ddp.comm().rank();
+    let mut bufs = Vec::with_capacity(vars.len());
+    for (name, v) in vars {
+        let buf = match grads.get(v.as_tensor()) {
+            Some(g) => {
+                check_grad(rank, name, v.as_tensor(), g)?;
+                to_flat(g).map_err(|e| e.at(rank, "sync", name))?
+            }
+            None if find_unused => {
+                let dt =
+                    host::dtype_of(v.as_tensor().dtype()).map_err(|e| e.at(rank, "sync", name))?;
+                FlatBuffer::zeros(dt, v.as_tensor().elem_count())
+            }
+            None => return Err(no_gradient(rank, name)),
+        };
+        bufs.push(buf);
+    }
+    let step = ddp.sync(&mut bufs)?;
+    if let Step::Synced { .. } = step {
+        for ((name, v), buf) in vars.iter().zip(&bufs) {
+            let t = v.as_tensor();
+            let avg = host::from_flat(buf, t.shape(), &Device::Cpu)
+                .map_err(|e| e.at(rank, "sync", name))?;
+            grads.insert(t, avg);
+        }
+    }
+    Ok(step)
+}
+
+/// A variable without a gradient (and `find_unused_parameters` not set).
+fn no_gradient(rank: usize, name: &str) -> Error {
+    Error::InvalidArgument {
+        rank,
+        op: "sync",
+        msg: format!(
+            "variable {name} received no gradient; every variable must get one each step, or \
+             set find_unused_parameters to reduce missing ones as zeros"
+        ),
+    }
+}
+
+/// Refuses a tensor that is not in host memory on the host path (CUDA tensors need the `cuda`
+/// feature; other devices are not averaged).
 fn check_device(rank: usize, op: &'static str, name: &str, t: &Tensor) -> Result<()> {
     if t.device().is_cpu() {
         return Ok(());
     }
+    let why = if t.device().is_cuda() {
+        "CUDA tensors are averaged only when oxccl-candle is built with its `cuda` feature"
+    } else {
+        "only CPU and CUDA tensors are averaged"
+    };
     Err(Error::InvalidArgument {
         rank,
         op,
-        msg: format!(
-            "variable {name} is on {:?}: only CPU tensors are averaged in this version (DDP \
-             over device buffers is not there yet)",
-            t.device().location()
-        ),
+        msg: format!("variable {name} is on {:?}: {why}", t.device().location()),
     })
 }
 
-/// A gradient must match its variable's shape and dtype, and live on the host.
+/// A gradient must match its variable's shape, dtype and device.
 fn check_grad(rank: usize, name: &str, var: &Tensor, g: &Tensor) -> Result<()> {
-    check_device(rank, "sync", name, g)?;
+    if !g.device().same_device(var.device()) {
+        return Err(Error::InvalidArgument {
+            rank,
+            op: "sync",
+            msg: format!(
+                "the gradient of {name} is on {:?}, its variable on {:?}",
+                g.device().location(),
+                var.device().location()
+            ),
+        });
+    }
     if g.shape() != var.shape() || g.dtype() != var.dtype() {
         return Err(Error::InvalidArgument {
             rank,

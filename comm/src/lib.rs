@@ -38,7 +38,7 @@
 mod algorithm;
 mod api;
 mod base;
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-core")]
 mod device;
 mod engine;
 #[cfg(test)]
@@ -50,7 +50,7 @@ pub use base::{bootstrap, config, error};
 
 pub use api::buffers::Buffers;
 pub use api::communicator::{Communicator, Stats};
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-core")]
 pub use api::device as cuda;
 pub use api::p2p::{OwnedP2pOp, P2pOp};
 pub use base::affinity::NodeShare;

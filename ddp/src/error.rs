@@ -17,6 +17,16 @@ pub enum DdpError {
         /// What was wrong.
         msg: String,
     },
+    /// A CUDA call of the device reducer failed (an allocation, a copy, an event, a kernel).
+    #[error("rank {rank}: ddp {op}: {msg}")]
+    Device {
+        /// This rank.
+        rank: usize,
+        /// The DDP call.
+        op: &'static str,
+        /// The failed call and the driver's error.
+        msg: String,
+    },
     /// Parameters that received no gradient in a step (see `DdpConfig::find_unused_parameters`).
     #[error(
         "rank {rank}: ddp finish: {} parameter(s) received no gradient in step {step}: {}; \

@@ -122,6 +122,24 @@ pub trait CommHook: Send {
     fn settings(&self) -> Vec<(&'static str, u64)> {
         Vec::new()
     }
+
+    /// What this hook does on device buckets (the `cuda` feature's `DeviceDdp`): `None`, the
+    /// default, for a hook that works on host memory only (PowerSGD, post-local SGD): `DeviceDdp`
+    /// then refuses it with an error that says so.
+    fn on_device(&self) -> Option<DeviceHook> {
+        None
+    }
+}
+
+/// A comm hook as device buckets run it: on the reducer's communication stream, with device
+/// collectives and the kernels crate's conversion kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceHook {
+    /// [`AllReduceAvg`]: the bucket all-reduced with `ReduceOp::Avg`.
+    Avg,
+    /// [`CompressHook`]: `f32` buckets scaled by 1/world and converted to this dtype (`f16` or
+    /// `bf16`), summed, and converted back, as on the host; other dtypes averaged as they are.
+    Compress(DType),
 }
 
 /// A boxed hook is a hook: for a hook chosen at run time (`Box<dyn CommHook>`).
@@ -145,6 +163,10 @@ impl<H: CommHook + ?Sized> CommHook for Box<H> {
     fn settings(&self) -> Vec<(&'static str, u64)> {
         (**self).settings()
     }
+
+    fn on_device(&self) -> Option<DeviceHook> {
+        (**self).on_device()
+    }
 }
 
 /// The default hook: one async all-reduce with `ReduceOp::Avg` per bucket, in place.
@@ -154,6 +176,10 @@ pub struct AllReduceAvg;
 impl CommHook for AllReduceAvg {
     fn name(&self) -> &str {
         "all_reduce_avg"
+    }
+
+    fn on_device(&self) -> Option<DeviceHook> {
+        Some(DeviceHook::Avg)
     }
 
     /// The bucket's flat buffer goes to the communicator as it is (an untyped view of its
@@ -269,6 +295,10 @@ impl CommHook for CompressHook {
             DType::F16 => "fp16_compress",
             _ => "bf16_compress",
         }
+    }
+
+    fn on_device(&self) -> Option<DeviceHook> {
+        Some(DeviceHook::Compress(self.wire))
     }
 
     fn start(&mut self, comm: &Communicator, bucket: GradBucket) -> HookWork {

@@ -43,6 +43,18 @@
 //! instead: it packs bucket by bucket, launching each as soon as it is packed, and writes the
 //! averages back.
 //!
+//! # On the GPU
+//!
+//! With the `cuda` feature (or `cuda-core`, where the application picks cudarc's link mode),
+//! `DeviceDdp` is the same reducer over device gradients (cudarc buffers of f32, f64, f16, bf16):
+//! buckets in device memory, copies on the trainer's stream, each full bucket all-reduced on a
+//! communication stream after an event, and `finish` making the trainer's stream wait for an
+//! event instead of the host waiting. Same calls (`grad_ready`, `grad_slot` /
+//! `grad_ready_in_place`, `finish`, `sync`, `accumulate`, `no_sync`, `set_comm_hook` with
+//! `AllReduceAvg` or `CompressHook`); no uneven inputs; host-only hooks (PowerSGD, post-local SGD)
+//! are refused by name ([`CommHook::on_device`]). Its plan is tested without a GPU; it has not run
+//! on one yet (docs/GUIDE.md, "DDP on device gradients").
+//!
 //! # What it does, as PyTorch's DDP does
 //!
 //! - **Buckets**: gradients are laid out in flat buffers of one dtype, in reverse parameter
@@ -164,6 +176,9 @@
 
 mod agree;
 mod config;
+// The plan is compiled (and tested) without the feature; it only has a user with it.
+#[cfg(any(test, feature = "cuda-core"))]
+mod device;
 mod error;
 mod flat;
 pub mod hooks;
@@ -173,9 +188,13 @@ mod powersgd;
 mod reducer;
 
 pub use config::{DdpConfig, Overlap, Param, Step, UnevenInputs};
+#[cfg(feature = "cuda-core")]
+pub use device::{DevGrad, DevGradMut, DeviceDdp, DeviceElement, DeviceNoSync, DeviceParam};
 pub use error::{DdpError, Result};
 pub use flat::{FlatBuffer, GradBuf, TensorMut, Typed};
-pub use hooks::{AllReduceAvg, BucketEntry, CommHook, CompressHook, GradBucket, HookWork};
+pub use hooks::{
+    AllReduceAvg, BucketEntry, CommHook, CompressHook, DeviceHook, GradBucket, HookWork,
+};
 pub use local_sgd::{HierarchicalAverager, ModelAverager, PostLocalSgd};
 pub use powersgd::{PowerSgd, PowerSgdConfig};
 pub use reducer::{Ddp, NoSync};

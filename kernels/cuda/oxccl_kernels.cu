@@ -322,6 +322,17 @@ template <typename T> __device__ void scale_elems(T* dst, const T* src, double f
     }
 }
 
+// dst[i] = (D)(src[i] * f): a conversion between dtypes (the wire of compressed gradients),
+// computed in the source's arithmetic type and rounded to nearest even into the destination's.
+template <typename S, typename D> __device__ void cast_elems(D* dst, const S* src, double f, usize n) {
+    typedef typename Num<S>::C CS;
+    typedef typename Num<D>::C CD;
+    CS fc = (CS)f;
+    for (usize i = thread_index(); i < n; i += grid_threads()) {
+        dst[i] = Num<D>::store((CD)(Num<S>::load(src[i]) * fc));
+    }
+}
+
 // ---- CUDA IPC: the barrier of device collectives --------------------------------------------
 //
 // Every rank of a node-local communicator owns flags in device memory that all ranks map: 2 x 8

@@ -112,7 +112,7 @@
 
 mod bytes;
 mod copy;
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-core")]
 #[allow(unsafe_code)]
 pub mod cuda;
 mod dtype;

@@ -277,7 +277,7 @@ impl Communicator {
         match (input.map(|i| i.data), &mut output.data) {
             (None, Data::Host(out)) => self.run_host(kind, desc, None, out),
             (Some(Data::Host(src)), Data::Host(out)) => self.run_host(kind, desc, Some(src), out),
-            #[cfg(feature = "cuda")]
+            #[cfg(feature = "cuda-core")]
             (input, Data::Device(out)) => {
                 let src = match input {
                     None => None,
@@ -286,11 +286,11 @@ impl Communicator {
                 };
                 self.launch_device(kind, dtype, src, out)
             }
-            #[cfg(feature = "cuda")]
+            #[cfg(feature = "cuda-core")]
             (Some(Data::Device(_)), Data::Host(_)) => Err(self.mixed(op)),
-            #[cfg(not(feature = "cuda"))]
+            #[cfg(not(feature = "cuda-core"))]
             (_, Data::Device(never)) => match *never {},
-            #[cfg(not(feature = "cuda"))]
+            #[cfg(not(feature = "cuda-core"))]
             (Some(Data::Device(never)), _) => match never {},
         }
     }
@@ -310,14 +310,14 @@ impl Communicator {
                 let desc = self.desc_of(kind, dtype, count);
                 self.run_host(kind, desc, Some(src), &mut [])
             }
-            #[cfg(feature = "cuda")]
+            #[cfg(feature = "cuda-core")]
             Data::Device(d) => self.launch_device_send(peer, dtype, d),
-            #[cfg(not(feature = "cuda"))]
+            #[cfg(not(feature = "cuda-core"))]
             Data::Device(never) => match never {},
         }
     }
 
-    #[cfg(feature = "cuda")]
+    #[cfg(feature = "cuda-core")]
     fn mixed(&self, op: &str) -> crate::Error {
         self.invalid(
             op,

@@ -3,7 +3,7 @@
 pub mod buffers;
 pub(crate) mod collectives;
 pub mod communicator;
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-core")]
 pub mod device;
 pub(crate) mod elastic;
 pub mod harness;

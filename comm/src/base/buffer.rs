@@ -39,7 +39,7 @@ fn whole(len: usize, dtype: DType) -> Result<usize, BufError> {
 
 /// Device memory as a view sees it: an address, a length in bytes and the stream the call is
 /// enqueued on; the guard keeps the buffer's stream order until the call is enqueued.
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-core")]
 pub(crate) struct Device<'a> {
     pub ptr: cudarc::driver::sys::CUdeviceptr,
     pub bytes: usize,
@@ -48,9 +48,9 @@ pub(crate) struct Device<'a> {
 }
 
 /// Device memory as a view holds it: nothing can be made without the `cuda` feature.
-#[cfg(not(feature = "cuda"))]
+#[cfg(not(feature = "cuda-core"))]
 pub(crate) type Dev<'a> = std::convert::Infallible;
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-core")]
 pub(crate) type Dev<'a> = Device<'a>;
 
 /// Where a view's bytes are: host memory (`H`, a slice) or device memory.
@@ -58,7 +58,7 @@ pub(crate) enum Data<H, D> {
     /// Host memory.
     Host(H),
     /// Device memory.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    #[cfg_attr(not(feature = "cuda-core"), allow(dead_code))]
     Device(D),
 }
 
@@ -201,14 +201,14 @@ impl<'a> BufMut<'a> {
         BufMut {
             data: match &mut self.data {
                 Data::Host(b) => Data::Host(&mut **b),
-                #[cfg(feature = "cuda")]
+                #[cfg(feature = "cuda-core")]
                 Data::Device(d) => Data::Device(Device {
                     ptr: d.ptr,
                     bytes: d.bytes,
                     stream: d.stream,
                     _guard: None,
                 }),
-                #[cfg(not(feature = "cuda"))]
+                #[cfg(not(feature = "cuda-core"))]
                 Data::Device(never) => match *never {},
             },
             dtype: self.dtype,
@@ -238,7 +238,7 @@ impl<'a, T: Element> From<&'a mut [T]> for BufMut<'a> {
     }
 }
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-core")]
 mod device {
     use std::sync::Arc;
 

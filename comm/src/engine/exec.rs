@@ -403,7 +403,7 @@ fn reduce_one(
 
 /// Runs one part of a staged device operation (`crate::api::device`) on the execution state, whose turn
 /// has come: the host collective over the part's staging bytes, laid out as `cuda::plan` says.
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-core")]
 pub(crate) fn exec_staged(
     shared: &Shared,
     st: &mut ExecState,

@@ -20,7 +20,7 @@
 //! to. The receiver compares it with what it expects, which is how ranks that call different
 //! collectives get [`crate::Error::Mismatch`] instead of garbage.
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-core")]
 pub(crate) mod cuda_ipc;
 mod links;
 pub(crate) mod select;
@@ -383,7 +383,7 @@ pub(crate) struct Group<'a> {
     pub peers: &'a [PeerInfo],
     /// This rank hosts the store server (its leaving takes the store down for everyone): CUDA
     /// IPC's tear-down waits for the peers before such a rank leaves.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    #[cfg_attr(not(feature = "cuda-core"), allow(dead_code))]
     pub hosts_store: bool,
     /// The selector, which says for any pair of ranks which backend connects them.
     pub selector: &'a Selector,

@@ -33,12 +33,12 @@ pub(crate) fn backends(
     ])
 }
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-core")]
 fn cuda_ipc() -> Box<dyn Transport> {
     Box::new(super::cuda_ipc::CudaIpcTransport)
 }
 
-#[cfg(not(feature = "cuda"))]
+#[cfg(not(feature = "cuda-core"))]
 fn cuda_ipc() -> Box<dyn Transport> {
     Box::new(CompiledOut {
         name: "cuda_ipc",
@@ -49,13 +49,13 @@ fn cuda_ipc() -> Box<dyn Transport> {
 /// A row of the table whose backend this build leaves out (CUDA IPC without the `cuda`
 /// feature): it answers [`Reach::Unsupported`] with the cargo feature that brings it, so the
 /// selector never gives it a peer.
-#[cfg_attr(feature = "cuda", allow(dead_code))]
+#[cfg_attr(feature = "cuda-core", allow(dead_code))]
 struct CompiledOut {
     name: &'static str,
     memory: Memory,
 }
 
-#[cfg_attr(feature = "cuda", allow(dead_code))]
+#[cfg_attr(feature = "cuda-core", allow(dead_code))]
 fn compiled_out(_: &PeerInfo, _: &PeerInfo, _: &Config) -> Reach {
     Reach::Unsupported("cuda")
 }
@@ -210,7 +210,7 @@ pub(crate) fn connect_all(
         .collect();
     // Device buffers between a pair without a device backend are staged through pinned host
     // memory over the host backend (with the `cuda` feature; there are none without it).
-    let staged = if cfg!(feature = "cuda") {
+    let staged = if cfg!(feature = "cuda-core") {
         "staged"
     } else {
         "none (feature cuda)"

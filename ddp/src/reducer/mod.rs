@@ -36,7 +36,7 @@ use hook::HookCheck;
 use join::Trainers;
 
 /// Where each member of a bucket lies in its buffer, for the hook.
-fn entries(spec: &BucketSpec) -> Vec<BucketEntry> {
+pub(crate) fn entries(spec: &BucketSpec) -> Vec<BucketEntry> {
     let end = spec.offsets.iter().skip(1).copied().chain([spec.len]);
     spec.params
         .iter()
@@ -139,7 +139,7 @@ pub struct Ddp<C: Borrow<Communicator> = Communicator> {
 
 /// The settings every rank must share for `new`: those that shape the sequence of collectives,
 /// and the parameter count, lengths and dtypes.
-fn settings(specs: &[ParamSpec], cfg: &DdpConfig) -> Vec<Setting> {
+pub(crate) fn settings(specs: &[ParamSpec], cfg: &DdpConfig) -> Vec<Setting> {
     let elems: usize = specs.iter().map(|s| s.len).sum();
     let list = fnv1a(
         specs

@@ -11,6 +11,7 @@
 //! | `oxccl_reduce_<dtype>_<op>` | `dst = in[0] op in[1] op ... op in[k-1]`, `1 <= k <= 8`, left to right |
 //! | `oxccl_div_<dtype>` | `dst = src / n` (the last step of `Avg`) |
 //! | `oxccl_scale_<dtype>` (floats) | `dst = src * factor` (pre-multiplied sum) |
+//! | `oxccl_cast_<src>_<dst>` ([`CAST_PAIRS`]) | `dst = (dst type)(src * factor)`, rounded to nearest even (compressed gradients on the wire) |
 //! | `oxccl_copy` | byte copy |
 //! | `oxccl_ipc_barrier` | the barrier of device collectives over CUDA IPC (flags in device memory, system-scope release/acquire, a deadline) |
 //! | `oxccl_wait_flag` | a stream's wait for a staged operation's host collective (a word of host memory, a deadline); a program of its own, [`FlagWait`] |
@@ -41,6 +42,7 @@ use crate::{DType, KernelError, ReduceOp};
 
 mod barrier;
 mod cache;
+mod cast;
 mod compile;
 mod copy;
 mod load;
@@ -51,8 +53,8 @@ mod wait;
 pub use compile::{compile_ptx, compile_ptx_parts, compile_wait_ptx};
 pub use load::CudaKernels;
 pub use source::{
-    div_kernel_name, kernel_names, part_sources, reduce_kernel_name, scale_kernel_name, source,
-    table, PARTS,
+    cast_kernel_name, div_kernel_name, kernel_names, part_sources, reduce_kernel_name,
+    scale_kernel_name, source, table, PARTS,
 };
 pub use wait::FlagWait;
 
@@ -74,6 +76,15 @@ pub const WAIT_KERNEL: &str = "oxccl_wait_flag";
 /// The CUDA C of [`WAIT_KERNEL`], compiled as a program of its own: staged operations need no
 /// other kernel, and this one compiles in milliseconds.
 pub const WAIT_SOURCE: &str = include_str!("../../cuda/oxccl_wait.cu");
+
+/// The dtype pairs with a conversion kernel ([`CudaKernels::cast`]): `f32` to and from `f16` and
+/// `bf16`, what DDP's compressed all-reduce sends and reads back.
+pub const CAST_PAIRS: [(DType, DType); 4] = [
+    (DType::F32, DType::F16),
+    (DType::F32, DType::BF16),
+    (DType::F16, DType::F32),
+    (DType::BF16, DType::F32),
+];
 
 /// Most ranks an IPC barrier serves (the flag words each rank owns per barrier parity).
 pub const MAX_BARRIER_RANKS: usize = 8;
@@ -104,22 +115,41 @@ fn check_whole(dt: DType, bytes: usize) -> Result<(), KernelError> {
 }
 
 /// Whether the NVRTC library can be loaded (`libnvrtc.so.13` or another name cudarc tries, on
-/// the loader's search path). Checked once per process.
+/// the loader's search path). Checked once per process. Under `cuda-core` alone the application
+/// chose how cudarc links: linked at build time, NVRTC is there if the program started.
 pub fn nvrtc_available() -> bool {
     static OK: OnceLock<bool> = OnceLock::new();
-    // SAFETY: `is_culib_present` only tries to dlopen (and closes again) the candidate library
-    // names; it touches no other state.
-    *OK.get_or_init(|| unsafe { cudarc::nvrtc::sys::is_culib_present() })
+    *OK.get_or_init(nvrtc_present)
 }
 
-/// Whether the CUDA driver library can be loaded and reports at least one device.
+#[cfg(feature = "cuda")]
+fn nvrtc_present() -> bool {
+    // SAFETY: `is_culib_present` only tries to dlopen (and closes again) the candidate library
+    // names; it touches no other state.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn nvrtc_present() -> bool {
+    true
+}
+
+/// Whether the CUDA driver library can be loaded and reports at least one device (loaded: with
+/// the `cuda` feature's dynamic loading; under `cuda-core` alone, linked by the application).
 pub fn driver_available() -> bool {
     static OK: OnceLock<bool> = OnceLock::new();
-    *OK.get_or_init(|| {
-        // SAFETY: as for `nvrtc_available`: a dlopen/dlclose probe of the driver library.
-        let present = unsafe { cudarc::driver::sys::is_culib_present() };
-        present && CudaContext::device_count().is_ok_and(|n| n > 0)
-    })
+    *OK.get_or_init(|| driver_present() && CudaContext::device_count().is_ok_and(|n| n > 0))
+}
+
+#[cfg(feature = "cuda")]
+fn driver_present() -> bool {
+    // SAFETY: as for `nvrtc_present`: a dlopen/dlclose probe of the driver library.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn driver_present() -> bool {
+    true
 }
 
 fn unavailable(what: &str) -> KernelError {
@@ -144,8 +174,8 @@ mod tests {
                 "{name} must be defined exactly once"
             );
         }
-        // 12 dtypes x 4 ops + 12 div + 6 scale (floats) + copy + barrier.
-        assert_eq!(kernel_names().len(), 48 + 12 + 6 + 1 + 1);
+        // 12 dtypes x 4 ops + 12 div + 6 scale (floats) + 4 casts + copy + barrier.
+        assert_eq!(kernel_names().len(), 48 + 12 + 6 + 4 + 1 + 1);
         assert_eq!(
             reduce_kernel_name(DType::BF16, ReduceOp::Avg),
             "oxccl_reduce_bf16_sum"

@@ -2,7 +2,7 @@
 //! as the Rust dispatch names them, appended to [`BASE_SOURCE`] whole ([`source`]) or in
 //! [`PARTS`] parts ([`part_sources`]).
 
-use super::{BARRIER_KERNEL, BASE_SOURCE, COPY_KERNEL, KERNEL_OPS};
+use super::{BARRIER_KERNEL, BASE_SOURCE, CAST_PAIRS, COPY_KERNEL, KERNEL_OPS};
 use crate::{DType, ReduceOp};
 
 /// Every `(dtype, op)` pair that has a reduce kernel: the one list the generated CUDA source and
@@ -55,11 +55,17 @@ pub fn scale_kernel_name(dt: DType) -> Option<String> {
         .then(|| format!("oxccl_scale_{}", dt.short_name()))
 }
 
+/// Name of the conversion kernel from `src` to `dst` (the pairs of [`CAST_PAIRS`]).
+pub fn cast_kernel_name(src: DType, dst: DType) -> String {
+    format!("oxccl_cast_{}_{}", src.short_name(), dst.short_name())
+}
+
 /// Every kernel name [`source`] defines.
 pub fn kernel_names() -> Vec<String> {
     let mut names: Vec<String> = table().map(|(d, o)| reduce_kernel_name(d, o)).collect();
     names.extend(DType::ALL.into_iter().map(div_kernel_name));
     names.extend(DType::ALL.into_iter().filter_map(scale_kernel_name));
+    names.extend(CAST_PAIRS.iter().map(|&(s, d)| cast_kernel_name(s, d)));
     names.push(COPY_KERNEL.to_string());
     names.push(BARRIER_KERNEL.to_string());
     names
@@ -96,6 +102,16 @@ fn entries() -> Vec<(String, String)> {
             );
             e.push((name, line));
         }
+    }
+    for &(src, dst) in &CAST_PAIRS {
+        let name = cast_kernel_name(src, dst);
+        let line = format!(
+            "extern \"C\" __global__ void {name}({d}* dst, const {s}* src, double f, usize n) \
+             {{ cast_elems<{s}, {d}>(dst, src, f, n); }}",
+            s = ctype(src),
+            d = ctype(dst),
+        );
+        e.push((name, line));
     }
     e.push((
         COPY_KERNEL.to_string(),

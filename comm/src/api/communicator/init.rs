@@ -267,7 +267,7 @@ impl Communicator {
             join_prefix: "oxccl".into(),
             joined: false,
             scratch: Arc::new(std::sync::Mutex::new(Vec::new())),
-            #[cfg(feature = "cuda")]
+            #[cfg(feature = "cuda-core")]
             cuda: std::sync::Mutex::new(None),
             transports,
             channels: policy.channels,

@@ -49,7 +49,7 @@ pub struct Stats {
     pub cores: usize,
     /// How device collectives run: `Some("cuda_ipc")`, `Some("staged")` (through pinned host
     /// memory), or `None` before the first one decided it.
-    #[cfg(feature = "cuda")]
+    #[cfg(feature = "cuda-core")]
     pub device_path: Option<&'static str>,
 }
 
@@ -82,7 +82,7 @@ pub struct Communicator {
     pub(crate) cfg: Config,
     /// The transport selector: which backend connects each pair of ranks (device collectives
     /// ask it at their first call).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    #[cfg_attr(not(feature = "cuda-core"), allow(dead_code))]
     pub(crate) selector: Selector,
     splits: AtomicU64,
     pub(crate) shrinks: AtomicU64,
@@ -96,7 +96,7 @@ pub struct Communicator {
     /// call does not allocate and fault in a fresh buffer every time.
     pub(crate) scratch: Arc<std::sync::Mutex<Vec<u64>>>,
     /// State of device operations (pinned staging, the stream flag), made by the first one.
-    #[cfg(feature = "cuda")]
+    #[cfg(feature = "cuda-core")]
     pub(crate) cuda: std::sync::Mutex<Option<crate::api::device::DeviceState>>,
     /// Transport to every peer (`"self"` for this rank).
     transports: Vec<&'static str>,
@@ -179,7 +179,7 @@ impl Communicator {
                 .map(|t| t.exchanges.load(Ordering::Relaxed)),
             node: self.node,
             cores: self.cores,
-            #[cfg(feature = "cuda")]
+            #[cfg(feature = "cuda-core")]
             device_path: self.device_path(),
         }
     }
@@ -323,7 +323,7 @@ impl Communicator {
     }
 
     /// The communicator as a transport set up on it sees it.
-    #[cfg(feature = "cuda")]
+    #[cfg(feature = "cuda-core")]
     pub(crate) fn group(&self) -> crate::transport::Group<'_> {
         crate::transport::Group {
             rank: self.rank,
@@ -340,7 +340,7 @@ impl Communicator {
 
     /// Whether another rank of this communicator is a thread of this process (same node, same
     /// process id): their streams then share one CUDA context, and its hardware queues.
-    #[cfg(feature = "cuda")]
+    #[cfg(feature = "cuda-core")]
     pub(crate) fn shares_process(&self) -> bool {
         let me = &self.peers[self.rank];
         self.peers

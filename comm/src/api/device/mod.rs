@@ -7,7 +7,7 @@
 //! [`CudaViewMut`](cudarc::driver::CudaViewMut)):
 //!
 //! ```no_run
-//! # #[cfg(feature = "cuda")] {
+//! # #[cfg(feature = "cuda-core")] {
 //! use oxccl_comm::cuda::cudarc::driver::CudaContext;
 //! use oxccl_comm::{Communicator, ReduceOp};
 //!

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The GPU checks of DDP on device gradients and candle on CUDA, in one device call of at most
+# BUDGET seconds (default 480), from the binaries scripts/gpu_build.sh made (target/gpu-bin):
+#   run(carry=["target/gpu-bin"], timeout_s=560, command="scripts/gpu_ddp.sh")
+# 1. DeviceDdp against exact averages: 2 and 4 ranks as threads sharing the GPU, fp16 compression;
+# 2. device_ddp_bench: sync of 100 MiB against one device all-reduce, and a synthetic backward
+#    overlapped against backward-then-all-reduce (2 and 4 ranks);
+# 3. the candle example: 2 ranks on CPU and on CUDA (processes; then 4 under MPS), each against
+#    one process on the concatenated batch (--check), and the CUDA run's losses against the CPU
+#    run's (candle_cuda_mlp is only there when gpu_build.sh found a CUDA toolchain).
+set -uo pipefail
+bin=${BIN:-target/gpu-bin}
+budget=${BUDGET:-480}
+log=${OUT:-/tmp}/gpu_ddp.log
+exec > >(tee -a "$log") 2>&1
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+    $(python3 -c 'import nvidia, os; print(" ".join(os.path.join(p, "cu13/lib") for p in nvidia.__path__))' 2>/dev/null); do
+    [ -d "$d" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
+done
+export OXCCL_REQUIRE_GPU=1 OXCCL_CACHE_DIR=/tmp/oxccl-cache OXCCL_TIMEOUT=60
+export CUDA_DEVICE_MAX_CONNECTIONS=32
+step() {
+    local limit=$1 left=$((budget - SECONDS))
+    shift
+    [ "$left" -le 5 ] && { echo "### SKIPPED (budget spent): $*"; return; }
+    [ "$limit" -gt "$left" ] && limit=$left
+    echo; echo "### $* (at most ${limit}s)"
+    local t=$SECONDS
+    timeout -k 5 "$limit" "$@"
+    echo "### exit $? after $((SECONDS - t)) s"
+}
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+echo "cores $(nproc); budget ${budget}s"
+step 150 "$bin/ddp_cuda" --ignored device --test-threads 1
+step 90 "$bin/device_ddp_bench" --ranks 2
+step 90 "$bin/device_ddp_bench" --ranks 4
+if [ -x "$bin/candle_cuda_mlp" ]; then
+    cpu=/tmp/candle_cpu.log gpu=/tmp/candle_gpu.log
+    RAYON_NUM_THREADS=4 step 60 "$bin/oxccl" launch -n 2 -- "$bin/candle_cuda_mlp" --check --steps 20 | tee "$cpu"
+    step 90 "$bin/oxccl" launch -n 2 -- "$bin/candle_cuda_mlp" --cuda --check --steps 20 | tee "$gpu"
+    python3 - "$cpu" "$gpu" <<'PY'
+import re, sys
+def losses(p):
+    return [float(m.group(1)) for m in re.finditer(r"loss ([0-9.]+)", open(p).read())]
+a, b = losses(sys.argv[1]), losses(sys.argv[2])
+worst = max((abs(x - y) / max(abs(x), 1e-6) for x, y in zip(a, b)), default=float("nan"))
+print(f"candle CUDA against CPU: {len(a)} and {len(b)} steps, largest relative loss difference {worst:.2e}")
+PY
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    unset CUDA_DEVICE_MAX_CONNECTIONS
+    nvidia-cuda-mps-control -d && echo "MPS daemon started"
+    step 90 "$bin/oxccl" launch -n 4 -- "$bin/candle_cuda_mlp" --cuda --check --steps 20
+    echo quit | timeout 20 nvidia-cuda-mps-control && echo "MPS daemon stopped"
+else
+    echo "### no $bin/candle_cuda_mlp: the candle CUDA example was not built"
+fi
+echo "### done after $SECONDS s"
