@@ -13,6 +13,17 @@ import re
 import subprocess
 import sys
 
+# The CUDA runtime's entry points that nvcc-compiled host code calls (candle's `moe` kernels, a
+# static library: kernel registration from its constructors, per-thread-stream forms) and
+# cudarc's bindings do not declare (`nm -u` of candle-kernels' libmoe.a, candle 0.11.1).
+RUNTIME_INTERNAL = [
+    "__cudaGetKernel", "__cudaLaunchKernel_ptsz", "__cudaPopCallConfiguration",
+    "__cudaPushCallConfiguration", "__cudaRegisterFatBinary", "__cudaRegisterFatBinaryEnd",
+    "__cudaRegisterFunction", "__cudaRegisterVar", "__cudaUnregisterFatBinary",
+    "cudaFreeAsync_ptsz", "cudaMallocAsync_ptsz", "cudaMemsetAsync_ptsz",
+    "cudaStreamSynchronize_ptsz",
+]
+
 # (cudarc module, library name, SONAME, symbol prefixes)
 LIBS = [
     ("driver", "cuda", "libcuda.so.1", ("cu",)),
@@ -38,7 +49,10 @@ def main():
     src = cudarc_src()
     for module, name, soname, prefixes in LIBS:
         text = open(os.path.join(src, module, "sys", "mod.rs")).read()
-        names = sorted({m for m in re.findall(r"\bfn (\w+)\(", text) if m.startswith(prefixes)})
+        names = {m for m in re.findall(r"\bfn (\w+)\(", text) if m.startswith(prefixes)}
+        if name == "cudart":
+            names.update(RUNTIME_INTERNAL)
+        names = sorted(names)
         c = os.path.join(out, f"{name}.c")
         with open(c, "w") as f:
             f.write("".join(f"void {n}(void) {{}}\n" for n in names))

@@ -5,6 +5,7 @@
 # GPU machine with target/gpu-bin copied there:
 #   scripts/gpu_session.sh   (one budgeted run of every check), or
 #   scripts/gpu_run.sh target/gpu-bin
+# With SET=ddp (and CUDA_ROOT for the candle example): what scripts/gpu_ddp.sh runs.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=target/gpu-bin
@@ -17,35 +18,46 @@ for l in sys.stdin:
     m = json.loads(l)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == sys.argv[1]:
         print(m["executable"])' "$1" | tail -1; }
-# The crates' test binaries (one per crate): the GPU tests are their `cuda_gpu::` (kernels) and
-# `cuda::` (comm, ignored without a GPU) modules, which the session scripts select.
-cp "$(cargo test --release -p oxccl-kernels --features cuda --test kernels --no-run \
-    --message-format json 2>/dev/null | exe kernels)" "$out/kernels_cuda_gpu"
-cp "$(cargo test --release -p oxccl-comm --features cuda --test comm --no-run \
-    --message-format json 2>/dev/null | exe comm)" "$out/comm_cuda"
-# DDP on device gradients (scripts/gpu_ddp.sh): the ddp test binary and the device bench.
-cp "$(cargo test --release -p oxccl-ddp --features cuda --test ddp --no-run \
-    --message-format json 2>/dev/null | exe ddp)" "$out/ddp_cuda"
-cargo build --release -q -p oxccl-ddp --features cuda --example device_ddp_bench
-cp target/release/examples/device_ddp_bench "$out/"
-# The candle example on CUDA, where a CUDA toolchain is set up (CUDA_ROOT: candle's kernels are
-# compiled by nvcc at build time and its cudarc links the CUDA libraries; docs/GUIDE.md, "candle
-# models", says how to get one from PyPI). Its own target folder: other cudarc features.
-# Linked against stubs of the CUDA libraries (scripts/cuda_stubs.py); the GPU machine's real
-# ones (driver, and the PyPI wheels' nvidia/cu13/lib) are found by their SONAMEs at run time.
-if [ -n "${CUDA_ROOT:-}" ]; then
-    python3 scripts/cuda_stubs.py target/cuda-stubs >/dev/null &&
-        RUSTFLAGS="$RUSTFLAGS -L native=$PWD/target/cuda-stubs" CARGO_TARGET_DIR=target/candle-cuda \
-            cargo build --release -q -p oxccl-candle --features cuda --example candle_mlp &&
-        cp target/candle-cuda/release/examples/candle_mlp "$out/candle_cuda_mlp"
+# SET=ddp builds only what scripts/gpu_ddp.sh runs (the carried folder stays under 64 MiB);
+# SET=all (the default) everything but the candle example.
+set_=${SET:-all}
+if [ "$set_" = all ]; then
+    # The crates' test binaries (one per crate): the GPU tests are their `cuda_gpu::` (kernels)
+    # and `cuda::` (comm, ignored without a GPU) modules, which the session scripts select.
+    cp "$(cargo test --release -p oxccl-kernels --features cuda --test kernels --no-run \
+        --message-format json 2>/dev/null | exe kernels)" "$out/kernels_cuda_gpu"
+    cp "$(cargo test --release -p oxccl-comm --features cuda --test comm --no-run \
+        --message-format json 2>/dev/null | exe comm)" "$out/comm_cuda"
+    cargo build --release -q -p oxccl-kernels --features cuda --example cuda_bench
+    cp target/release/examples/cuda_bench "$out/"
+    cp scripts/nccl_single_rank.py "$out/"
+    # The 16-core CPU figures (gpu_run.sh phase cpu): the DDP example and the gloo peer bench.
+    cargo build --release -q --example 02_ddp_mlp
+    cp target/release/examples/02_ddp_mlp "$out/"
+    cp ../shared/peers/gloo_bench.py "$out/" 2>/dev/null ||
+        echo "no ../shared/peers/gloo_bench.py: phase cpu runs without gloo"
 fi
-cargo build --release -q -p oxccl-kernels --features cuda --example cuda_bench
-cp target/release/examples/cuda_bench "$out/"
 cargo build --release -q --features cuda --bin oxccl
 cp target/release/oxccl "$out/"
-cp scripts/nccl_single_rank.py "$out/"
-# The 16-core CPU figures (gpu_run.sh phase cpu): the DDP example and the gloo peer bench.
-cargo build --release -q --example 02_ddp_mlp
-cp target/release/examples/02_ddp_mlp "$out/"
-cp ../shared/peers/gloo_bench.py "$out/" 2>/dev/null || echo "no ../shared/peers/gloo_bench.py: phase cpu runs without gloo"
+if [ "$set_" = ddp ]; then
+    # DDP on device gradients: the ddp test binary and the device bench.
+    cp "$(cargo test --release -p oxccl-ddp --features cuda --test ddp --no-run \
+        --message-format json 2>/dev/null | exe ddp)" "$out/ddp_cuda"
+    cargo build --release -q -p oxccl-ddp --features cuda --example device_ddp_bench
+    cp target/release/examples/device_ddp_bench "$out/"
+    # The candle example on CUDA, where a CUDA toolchain is set up (CUDA_ROOT: candle's kernels
+    # are compiled by nvcc at build time and its cudarc links the CUDA libraries; docs/GUIDE.md,
+    # "candle models", says how to get one from PyPI), in a target folder of its own (other
+    # cudarc features), linked against stubs of the CUDA libraries (scripts/cuda_stubs.py: the
+    # GPU machine's own are found by their SONAMEs at run time), and xz-compressed (52 MB of
+    # candle's PTX shrink to 7).
+    if [ -n "${CUDA_ROOT:-}" ]; then
+        python3 scripts/cuda_stubs.py target/cuda-stubs >/dev/null &&
+            RUSTFLAGS="$RUSTFLAGS -L native=$PWD/target/cuda-stubs" \
+                CARGO_TARGET_DIR=target/candle-cuda cargo build --release -q -p oxccl-candle \
+                --features cuda --example candle_mlp &&
+            python3 -c 'import lzma, sys; lzma.open(sys.argv[2], "wb").write(open(sys.argv[1], "rb").read())' \
+                target/candle-cuda/release/examples/candle_mlp "$out/candle_cuda_mlp.xz"
+    fi
+fi
 du -sh "$out"; ls -l "$out"

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The GPU checks of DDP on device gradients and candle on CUDA, in one device call of at most
-# BUDGET seconds (default 480), from the binaries scripts/gpu_build.sh made (target/gpu-bin):
+# BUDGET seconds (default 480), from the binaries `SET=ddp CUDA_ROOT=... scripts/gpu_build.sh`
+# made (target/gpu-bin):
 #   run(carry=["target/gpu-bin"], timeout_s=560, command="scripts/gpu_ddp.sh")
 # 1. DeviceDdp against exact averages: 2 and 4 ranks as threads sharing the GPU, fp16 compression;
 # 2. device_ddp_bench: sync of 100 MiB against one device all-reduce, and a synthetic backward
 #    overlapped against backward-then-all-reduce (2 and 4 ranks);
 # 3. the candle example: 2 ranks on CPU and on CUDA (processes; then 4 under MPS), each against
 #    one process on the concatenated batch (--check), and the CUDA run's losses against the CPU
-#    run's (candle_cuda_mlp is only there when gpu_build.sh found a CUDA toolchain).
+#    run's (candle_cuda_mlp.xz is only there when gpu_build.sh had a CUDA toolchain; it needs the
+#    machine's CUDA 13 libraries: cuBLAS, cuRAND, NVRTC, the runtime, from PyTorch's wheels).
 set -uo pipefail
 bin=${BIN:-target/gpu-bin}
 budget=${BUDGET:-480}
@@ -34,10 +36,12 @@ echo "cores $(nproc); budget ${budget}s"
 step 150 "$bin/ddp_cuda" --ignored device --test-threads 1
 step 90 "$bin/device_ddp_bench" --ranks 2
 step 90 "$bin/device_ddp_bench" --ranks 4
-if [ -x "$bin/candle_cuda_mlp" ]; then
+if [ -e "$bin/candle_cuda_mlp.xz" ]; then
+    python3 -c 'import lzma, sys; open(sys.argv[2], "wb").write(lzma.open(sys.argv[1]).read())' \
+        "$bin/candle_cuda_mlp.xz" /tmp/candle_cuda_mlp && chmod +x /tmp/candle_cuda_mlp
     cpu=/tmp/candle_cpu.log gpu=/tmp/candle_gpu.log
-    RAYON_NUM_THREADS=4 step 60 "$bin/oxccl" launch -n 2 -- "$bin/candle_cuda_mlp" --check --steps 20 | tee "$cpu"
-    step 90 "$bin/oxccl" launch -n 2 -- "$bin/candle_cuda_mlp" --cuda --check --steps 20 | tee "$gpu"
+    RAYON_NUM_THREADS=4 step 60 "$bin/oxccl" launch -n 2 -- /tmp/candle_cuda_mlp --check --steps 20 | tee "$cpu"
+    step 90 "$bin/oxccl" launch -n 2 -- /tmp/candle_cuda_mlp --cuda --check --steps 20 | tee "$gpu"
     python3 - "$cpu" "$gpu" <<'PY'
 import re, sys
 def losses(p):
@@ -50,9 +54,9 @@ PY
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
     unset CUDA_DEVICE_MAX_CONNECTIONS
     nvidia-cuda-mps-control -d && echo "MPS daemon started"
-    step 90 "$bin/oxccl" launch -n 4 -- "$bin/candle_cuda_mlp" --cuda --check --steps 20
+    step 90 "$bin/oxccl" launch -n 4 -- /tmp/candle_cuda_mlp --cuda --check --steps 20
     echo quit | timeout 20 nvidia-cuda-mps-control && echo "MPS daemon stopped"
 else
-    echo "### no $bin/candle_cuda_mlp: the candle CUDA example was not built"
+    echo "### no $bin/candle_cuda_mlp.xz: the candle CUDA example was not built (CUDA_ROOT unset)"
 fi
 echo "### done after $SECONDS s"

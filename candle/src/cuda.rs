@@ -108,6 +108,9 @@ impl InplaceOp1 for Broadcast<'_> {
         let (a, b) = layout.contiguous_offsets().ok_or_else(|| {
             candle_core::Error::Msg("oxccl-broadcast: a variable that is not contiguous".into())
         })?;
+        if a == b {
+            return Ok(()); // as DeviceDdp::new: empty parameters are not broadcast
+        }
         let sc = self.comm.on_stream(&self.stream);
         let r = with_float!(s.dtype(), T => {
             sc.broadcast(&mut s.as_cuda_slice_mut::<T>()?.slice_mut(a..b), 0)
@@ -157,6 +160,9 @@ pub(crate) fn sync(
     find_unused: bool,
 ) -> Result<Step> {
     let rank = ddp.comm().rank();
+    // Every gradient checked (and made contiguous) before the first is handed over, so a bad
+    // one fails the call before any bucket launches and the next step starts clean.
+    let mut given: Vec<(usize, &str, Tensor)> = Vec::with_capacity(vars.len());
     for (p, (name, v)) in vars.iter().enumerate().rev() {
         let Some(g) = grads.get(v.as_tensor()) else {
             if find_unused {
@@ -167,17 +173,30 @@ pub(crate) fn sync(
         crate::check_grad(rank, name, v.as_tensor(), g)?;
         let g = g.contiguous().map_err(|e| candle_err(rank, "sync", e))?;
         let (st, layout) = g.storage_and_layout();
-        let (Storage::Cuda(cs), Some((a, b))) = (&*st, layout.contiguous_offsets()) else {
+        if !matches!(&*st, Storage::Cuda(_)) || layout.contiguous_offsets().is_none() {
             return Err(Error::InvalidArgument {
                 rank,
                 op: "sync",
                 msg: format!("the gradient of {name} is not a contiguous CUDA tensor"),
             });
+        }
+        drop(st);
+        given.push((p, name, g));
+    }
+    for (p, name, g) in &given {
+        let (st, layout) = g.storage_and_layout();
+        let bad = |what: &str| Error::InvalidArgument {
+            rank,
+            op: "sync",
+            msg: format!("the gradient of {name}: {what}"),
+        };
+        let (Storage::Cuda(cs), Some((a, b))) = (&*st, layout.contiguous_offsets()) else {
+            return Err(bad("not a contiguous CUDA tensor"));
         };
         with_float!(cs.dtype(), T => {
             let s = cs.as_cuda_slice::<T>().map_err(|e| candle_err(rank, "sync", e))?;
-            ddp.grad_ready(p, s.slice(a..b))?
-        }, return Err(crate::no_gradient(rank, name)));
+            ddp.grad_ready(*p, s.slice(a..b))?
+        }, return Err(bad("a dtype DDP does not average")));
     }
     let step = ddp.finish()?;
     if let Step::Synced { .. } = step {

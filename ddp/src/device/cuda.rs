@@ -22,7 +22,7 @@ use super::types::{DevBucket, DevGrad, DevGradMut, DeviceElement, DeviceParam};
 use crate::agree::agree;
 use crate::config::{DdpConfig, Step, UnevenInputs};
 use crate::error::{DdpError, Result};
-use crate::hooks::CommHook;
+use crate::hooks::{CommHook, DeviceHook};
 use crate::layout::ParamSpec;
 use crate::reducer::settings;
 
@@ -46,6 +46,9 @@ pub struct DeviceDdp<C: Borrow<Communicator> = Communicator> {
     wires: Vec<Option<DevBucket>>,
     events: HashMap<Event, CudaEvent>,
     kernels: Option<Arc<CudaKernels>>,
+    /// What made an enqueueing call fail part-way: the streams may then lack work the plan
+    /// counts on, so every later call refuses (as the host `Ddp` after a failed collective).
+    failed: Option<String>,
 }
 
 impl<C: Borrow<Communicator>> std::fmt::Debug for DeviceDdp<C> {
@@ -165,6 +168,7 @@ impl<C: Borrow<Communicator>> DeviceDdp<C> {
             planner,
             events: HashMap::new(),
             kernels: None,
+            failed: None,
         })
     }
 
@@ -228,11 +232,19 @@ impl<C: Borrow<Communicator>> DeviceDdp<C> {
     /// # Errors
     /// `InvalidArgument` for `k == 0` or in the middle of a step.
     pub fn accumulate(&mut self, k: usize) -> Result<()> {
+        self.usable("accumulate")?;
+        if k > 1 {
+            // Later micro-batches add on the device: load the kernels now, not in a step.
+            self.kernels("accumulate")?;
+        }
         self.planner.accumulate(k)
     }
 
     /// As [`Ddp::no_sync`](crate::Ddp::no_sync).
     pub fn no_sync(&mut self) -> DeviceNoSync<'_, C> {
+        // Micro-batches after the first add on the device: load the kernels now, not in a step
+        // (a failure is reported by the first addition that needs them).
+        let _ = self.kernels("no_sync");
         let prev = self.planner.no_sync;
         self.planner.no_sync = true;
         DeviceNoSync { ddp: self, prev }
@@ -246,12 +258,27 @@ impl<C: Borrow<Communicator>> DeviceDdp<C> {
     /// `InvalidArgument` for a hook that runs on host memory only (PowerSGD, post-local SGD),
     /// compression with `f64` parameters, or a call in the middle of a step.
     pub fn set_comm_hook(&mut self, hook: impl CommHook + 'static) -> Result<()> {
+        self.usable("set_comm_hook")?;
         let h = device_hook(&hook, self.comm().rank())?;
-        let words = [crate::agree::fnv1a_str(hook.name())];
-        let s =
-            crate::agree::Setting::described("the comm hook", words[0], hook.name().to_string());
-        agree(self.comm.borrow(), "set_comm_hook", &[s], &mut [])?;
-        self.planner.set_hook(h)
+        // The conversion kernels, loaded now (not in a step); whether every rank could is part
+        // of the comparison, so that all refuse the hook alike.
+        let loaded = match h {
+            DeviceHook::Compress(_) => self.kernels("set_comm_hook").map(|_| ()),
+            DeviceHook::Avg => Ok(()),
+        };
+        let word = crate::agree::fnv1a_str(hook.name());
+        let s = crate::agree::Setting::described("the comm hook", word, hook.name().to_string());
+        let mut failed = [u64::from(loaded.is_err())];
+        agree(self.comm.borrow(), "set_comm_hook", &[s], &mut failed)?;
+        loaded?;
+        if failed[0] != 0 {
+            let msg = "another rank could not load the conversion kernels the hook needs";
+            return Err(self.planner.invalid("set_comm_hook", msg));
+        }
+        self.planner.set_hook(h)?;
+        // Compressed copies of the old wire dtype go (freed on the communication stream).
+        self.wires.iter_mut().for_each(|w| *w = None);
+        Ok(())
     }
 
     /// Hands over parameter `param`'s gradient, computed on the trainer's stream: copied (or, in
@@ -263,6 +290,7 @@ impl<C: Borrow<Communicator>> DeviceDdp<C> {
     /// `InvalidArgument` for an index out of range, a dtype or length that is not the
     /// parameter's, or a second gradient in one backward pass; `Device`; the collective's.
     pub fn grad_ready<'a>(&mut self, param: usize, grad: impl Into<DevGrad<'a>>) -> Result<()> {
+        self.usable("grad_ready")?;
         let g = grad.into();
         let ops = self.planner.grad_ready(param, g.dtype(), g.len())?;
         self.apply("grad_ready", ops, Grads::One(param, &g))
@@ -278,6 +306,7 @@ impl<C: Borrow<Communicator>> DeviceDdp<C> {
         &mut self,
         param: usize,
     ) -> Result<(CudaViewMut<'_, T>, bool)> {
+        self.usable("grad_slot")?;
         let (ops, fresh) = self.planner.grad_slot(param, T::DTYPE)?;
         self.apply("grad_slot", ops, Grads::None)?;
         let (b, off, len) = self.planner.slot(param);
@@ -292,6 +321,7 @@ impl<C: Borrow<Communicator>> DeviceDdp<C> {
     /// # Errors
     /// As [`Ddp::grad_ready_in_place`](crate::Ddp::grad_ready_in_place).
     pub fn grad_ready_in_place(&mut self, param: usize) -> Result<()> {
+        self.usable("grad_ready_in_place")?;
         let ops = self.planner.grad_ready_in_place(param)?;
         self.apply("grad_ready_in_place", ops, Grads::None)
     }
@@ -306,6 +336,7 @@ impl<C: Borrow<Communicator>> DeviceDdp<C> {
     /// A failure of an earlier device collective ([`Communicator::device_async_error`]); the
     /// step's host collectives'; `UnusedParameters` as [`Ddp::finish`](crate::Ddp::finish).
     pub fn finish(&mut self) -> Result<Step> {
+        self.usable("finish")?;
         let mut ops = Vec::new();
         let ending = self.planner.finish(&mut ops);
         self.apply("finish", ops, Grads::None)?;
@@ -320,6 +351,7 @@ impl<C: Borrow<Communicator>> DeviceDdp<C> {
     /// # Errors
     /// `InvalidArgument` for a wrong count, dtype or length; as [`DeviceDdp::finish`].
     pub fn sync(&mut self, grads: &mut [DevGradMut<'_>]) -> Result<Step> {
+        self.usable("sync")?;
         let given: Vec<(DType, usize)> = grads.iter().map(|g| (g.dtype(), g.len())).collect();
         let (ops, ending) = self.planner.sync(&given)?;
         self.apply("sync", ops, Grads::All(grads))?;
@@ -333,6 +365,7 @@ impl<C: Borrow<Communicator>> DeviceDdp<C> {
     /// `InvalidArgument` for an index out of range, a `T` that is not the parameter's dtype, or
     /// a bucket being reduced.
     pub fn grad<T: DeviceElement>(&self, param: usize) -> Result<CudaView<'_, T>> {
+        self.usable("grad")?;
         self.planner.check(param, "grad", T::DTYPE, None)?;
         self.planner.readable(param)?;
         let (b, off, len) = self.planner.slot(param);
@@ -374,12 +407,33 @@ impl<C: Borrow<Communicator>> DeviceDdp<C> {
     fn apply(&mut self, op: &'static str, ops: Vec<Op>, mut grads: Grads<'_, '_>) -> Result<()> {
         let rank = self.comm().rank();
         for o in ops {
-            self.apply_one(op, o, &mut grads).map_err(|e| match e {
+            let r = self.apply_one(op, o, &mut grads).map_err(|e| match e {
                 Failure::Ddp(e) => e,
                 Failure::Msg(m) => device(rank, op, format!("{o:?}: {m}")),
-            })?;
+            });
+            if let Err(e) = r {
+                // The plan moved on without this op: refuse every later call, and order the
+                // trainer's stream after whatever the communication stream still holds.
+                self.failed = Some(e.to_string());
+                let _ = self.trainer.join(&self.comm_stream);
+                return Err(e);
+            }
         }
         Ok(())
+    }
+
+    /// Refuses a call after an enqueueing call failed part-way.
+    fn usable(&self, op: &'static str) -> Result<()> {
+        match &self.failed {
+            None => Ok(()),
+            Some(m) => Err(device(
+                self.comm().rank(),
+                op,
+                format!(
+                    "an earlier call failed ({m}); this DeviceDdp is done with: make a new one"
+                ),
+            )),
+        }
     }
 }
 
@@ -418,6 +472,10 @@ impl<C: Borrow<Communicator>> DeviceDdp<C> {
     ) -> std::result::Result<(), Failure> {
         match o {
             Op::Relayout => {
+                // The old buckets go first (freed on the trainer's stream, which waited for the
+                // last step's reduces), so the two layouts never hold memory at once.
+                self.buckets.clear();
+                self.wires.clear();
                 self.buckets = self
                     .planner
                     .buckets()
@@ -584,6 +642,14 @@ fn copy_out(
     Err(Failure::Msg(
         "the gradient's dtype is not its bucket's".into(),
     ))
+}
+
+impl<C: Borrow<Communicator>> Drop for DeviceDdp<C> {
+    fn drop(&mut self) {
+        // Buckets are freed on the trainer's stream: order it after the communication stream
+        // (a reducer dropped between a launch and its `finish`).
+        let _ = self.trainer.join(&self.comm_stream);
+    }
 }
 
 /// While it lives, micro-batches only accumulate ([`DeviceDdp::no_sync`]); derefs to the

@@ -148,6 +148,16 @@ fn world(n: usize, compress: bool) {
         assert_eq!(ddp.unused_on_every_rank(), &[1]);
         let zeros = s.clone_dtoh(&ddp.grad::<f32>(1).unwrap()).unwrap();
         assert!(zeros.iter().all(|&v| v == 0.0));
+        if compress {
+            // Another wire dtype: the compressed copies are made again.
+            ddp.set_comm_hook(CompressHook::bf16()).unwrap();
+            for p in 0..LENS.len() {
+                let g = s.clone_htod(&grad(rank, 5, p)).unwrap();
+                ddp.grad_ready(p, &g).unwrap();
+            }
+            ddp.finish().unwrap();
+            check(&ddp, &[5], "bf16 wire");
+        }
         s.synchronize().unwrap();
         assert!(comm.device_async_error().is_none());
         Ok(())
