@@ -12,6 +12,7 @@ use crate::config::{DdpConfig, Step};
 use crate::error::{DdpError, Result};
 use crate::hooks::DeviceHook;
 use crate::layout::{plan, BucketSpec, ParamSpec};
+use crate::reducer::broadcast_order;
 
 /// The two streams of a device step: the trainer's (backward, the gradients' copies) and the
 /// reducer's own communication stream (the buckets' all-reduces).
@@ -491,30 +492,15 @@ impl Planner {
 
     fn agree_order(&mut self, comm: &Communicator) -> Result<()> {
         let n = self.specs.len();
-        let mut v: Vec<u64> = vec![0; n];
-        if comm.rank() == 0 {
-            let mut listed = vec![false; n];
-            v.clear();
-            for &p in &self.order {
-                listed[p] = true;
-                v.push(p as u64);
+        match broadcast_order(comm, 0, &self.order, n)? {
+            Some(order) => {
+                self.pending_order = Some(order);
+                Ok(())
             }
-            v.extend((0..n).rev().filter(|&p| !listed[p]).map(|p| p as u64));
+            None => Err(self.invalid(
+                "rebuild_buckets",
+                "the order received from rank 0 is not a permutation of the parameters",
+            )),
         }
-        comm.broadcast(&mut v, 0)?;
-        let mut listed = vec![false; n];
-        for &p in &v {
-            match listed.get_mut(p as usize) {
-                Some(l) if !*l => *l = true,
-                _ => {
-                    return Err(self.invalid(
-                        "rebuild_buckets",
-                        "the order received from rank 0 is not a permutation of the parameters",
-                    ))
-                }
-            }
-        }
-        self.pending_order = Some(v.into_iter().map(|p| p as usize).collect());
-        Ok(())
     }
 }

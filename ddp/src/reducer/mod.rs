@@ -29,6 +29,8 @@ mod backward;
 mod hook;
 mod join;
 mod rebuild;
+#[cfg(any(test, feature = "cuda-core"))]
+pub(crate) use rebuild::broadcast_order;
 mod step;
 mod sync;
 

@@ -14,38 +14,19 @@ impl<C: Borrow<Communicator>> Ddp<C> {
     /// that trained in the step); every rank rebuilds its buckets from it at the start of the
     /// next step.
     pub(super) fn agree_order(&mut self) -> Result<()> {
-        let n = self.specs.len();
         let root = self.lead;
-        let mut v: Vec<u64> = if self.comm().rank() == root {
-            let mut listed = vec![false; n];
-            let mut full: Vec<u64> = Vec::with_capacity(n);
-            for &p in &self.order {
-                listed[p] = true;
-                full.push(p as u64);
+        match broadcast_order(self.comm(), root, &self.order, self.specs.len())? {
+            Some(order) => {
+                self.pending_order = Some(order);
+                Ok(())
             }
-            full.extend((0..n).rev().filter(|&p| !listed[p]).map(|p| p as u64));
-            full
-        } else {
-            vec![0; n]
-        };
-        self.comm().broadcast(&mut v, root)?;
-        let mut listed = vec![false; n];
-        for &p in &v {
-            match listed.get_mut(p as usize) {
-                Some(l) if !*l => *l = true,
-                _ => {
-                    return Err(self.invalid(
-                        "rebuild_buckets",
-                        format!(
-                            "the order received from rank {root} is not a permutation of the \
-                             parameters"
-                        ),
-                    ))
-                }
-            }
+            None => Err(self.invalid(
+                "rebuild_buckets",
+                format!(
+                    "the order received from rank {root} is not a permutation of the parameters"
+                ),
+            )),
         }
-        self.pending_order = Some(v.into_iter().map(|p| p as usize).collect());
-        Ok(())
     }
 
     pub(super) fn relayout(&mut self, order: &[usize]) {
@@ -73,4 +54,34 @@ impl<C: Borrow<Communicator>> Ddp<C> {
             self.sync_plan = None;
         }
     }
+}
+
+/// Rank `root`'s observed gradient order (`observed`, then the parameters it does not list, in
+/// reverse), broadcast to every rank; `None` where what arrived is not a permutation of the `n`
+/// parameters. Collective.
+pub(crate) fn broadcast_order(
+    comm: &Communicator,
+    root: usize,
+    observed: &[usize],
+    n: usize,
+) -> oxccl_comm::Result<Option<Vec<usize>>> {
+    let mut v: Vec<u64> = vec![0; n];
+    if comm.rank() == root {
+        let mut listed = vec![false; n];
+        v.clear();
+        for &p in observed {
+            listed[p] = true;
+            v.push(p as u64);
+        }
+        v.extend((0..n).rev().filter(|&p| !listed[p]).map(|p| p as u64));
+    }
+    comm.broadcast(&mut v, root)?;
+    let mut listed = vec![false; n];
+    for &p in &v {
+        match listed.get_mut(p as usize) {
+            Some(l) if !*l => *l = true,
+            _ => return Ok(None),
+        }
+    }
+    Ok(Some(v.into_iter().map(|p| p as usize).collect()))
 }
