@@ -37,8 +37,8 @@
 //! they are broadcast in their own device storage, each gradient is copied device to device into
 //! a bucket on candle's stream while full buckets are all-reduced on a communication stream, and
 //! the averages come back as new device tensors; nothing goes through host memory and the host
-//! does not wait for the GPU. Every variable must be on one device. (The CUDA path is built and
-//! linted here, not yet run on a GPU.)
+//! does not wait for the GPU. Every variable must be on one device. (The CUDA path is built,
+//! linted and run on CPU tensors; it has not run on a GPU yet.)
 //!
 //! **Unused variables.** A variable that got no gradient in a step is an error naming it, unless
 //! [`DdpConfig::find_unused_parameters`](oxccl_ddp::DdpConfig) is set: then it is reduced as
