@@ -458,3 +458,46 @@ fn host_only_hooks_and_bad_gradients_are_refused_by_name() {
         .to_string();
     assert!(e.contains("2 gradients given for 1 parameters"), "{e}");
 }
+
+mod random {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn feed() -> impl Strategy<Value = Feed> {
+        prop_oneof![Just(Feed::Ready), Just(Feed::Slot), Just(Feed::Sync)]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+        /// Any mix of feeds, micro-batches per step, compression, bucket caps and parameters
+        /// left out on some ranks: the plan gives what the host `Ddp` gives, bit for bit, with
+        /// every access in stream order.
+        #[test]
+        fn plan_equals_host_ddp_on_random_steps(
+            steps in proptest::collection::vec(feed(), 1..4),
+            accumulate in 1usize..3,
+            wire in 0u8..3,
+            cap in prop_oneof![Just(512usize), Just(2048), Just(1 << 20)],
+            skipped in proptest::collection::vec((0usize..RANKS, 0usize..LENS.len()), 0..3),
+            find_unused in any::<bool>(),
+        ) {
+            let cfg = DdpConfig {
+                bucket_cap_bytes: cap,
+                first_bucket_bytes: cap.min(512),
+                find_unused_parameters: find_unused,
+                ..DdpConfig::default()
+            };
+            let hook = match wire {
+                1 => Some(CompressHook::fp16()),
+                2 => Some(CompressHook::bf16()),
+                _ => None,
+            };
+            let skip = move |rank: usize, p: usize| skipped.contains(&(rank, p));
+            for (host, dev) in compare(cfg, hook, accumulate, &steps, &skip) {
+                prop_assert_eq!(host, dev);
+            }
+        }
+    }
+}
