@@ -12,13 +12,21 @@
 //!   shard equals the same step on the whole vector, element for element, which is what lets
 //!   each rank step its shard alone.
 //!
-//! Not yet: the reduce-scatter / replica all-reduce / all-gather step, master weights for
-//! bf16/f16 parameters, clipping, accumulation, checkpoints, device buffers.
+//! - [`Zero`]: the step on host f32 parameters: reduce-scatter of the gradients inside the shard
+//!   group ([`ShardGroup::Node`] or [`ShardGroup::World`]), all-reduce of the shard across the
+//!   replicas, the optimizer on the shard, all-gather of the parameters.
+//!
+//! Not yet: overlap with backward (`grad_ready`), stage 1 against stage 2 memory, master weights
+//! for bf16/f16 parameters, clipping, accumulation, checkpoints, device buffers.
 
 #![forbid(unsafe_code)]
 
+mod error;
 mod optim;
 mod shard;
+mod zero;
 
+pub use error::{Result, ZeroError};
 pub use optim::{AdamW, Hyper, Sgd, ShardOptimizer};
 pub use shard::{Piece, ShardLayout};
+pub use zero::{ShardGroup, Zero, ZeroConfig};

@@ -1,0 +1,22 @@
+//! Errors of the sharded optimizer.
+
+/// What went wrong in a ZeRO call.
+#[derive(Debug, thiserror::Error)]
+pub enum ZeroError {
+    /// A collective underneath failed (peer lost, time-out, mismatch, ...).
+    #[error(transparent)]
+    Comm(#[from] oxccl_comm::Error),
+    /// A call with arguments that cannot be right.
+    #[error("rank {rank}: zero {op}: {msg}")]
+    InvalidArgument {
+        /// This rank (of the world communicator).
+        rank: usize,
+        /// The call (`new`, `step`).
+        op: &'static str,
+        /// What was wrong.
+        msg: String,
+    },
+}
+
+/// Results of ZeRO calls.
+pub type Result<T> = std::result::Result<T, ZeroError>;

@@ -1,0 +1,250 @@
+//! [`Zero`]: the sharded optimizer's step over host f32 parameters. Per step: the gradients,
+//! flattened and padded, are reduce-scattered (summed) inside the shard group; each rank's shard
+//! is all-reduced (summed) across its replica group (the same local rank on every node) and
+//! divided by the world size; the optimizer steps the shard's f32 master weights; the updated
+//! shards are all-gathered inside the shard group and copied back into the parameters.
+
+use oxccl_comm::{Communicator, ReduceOp};
+
+use crate::error::{Result, ZeroError};
+use crate::optim::{Hyper, ShardOptimizer};
+use crate::shard::ShardLayout;
+
+/// Which ranks share one copy of the optimizer state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShardGroup {
+    /// The ranks of one node (the communicator's node layout): cross-node traffic stays that
+    /// of a hierarchical all-reduce. Every node must hold as many ranks.
+    Node,
+    /// Every rank (classic ZeRO): no replicas.
+    World,
+}
+
+/// Settings of [`Zero`].
+#[derive(Clone, Debug)]
+pub struct ZeroConfig {
+    /// The shard group.
+    pub group: ShardGroup,
+    /// Shards are a multiple of this many elements.
+    pub align: usize,
+}
+
+impl Default for ZeroConfig {
+    fn default() -> ZeroConfig {
+        ZeroConfig {
+            group: ShardGroup::Node,
+            align: 16,
+        }
+    }
+}
+
+/// The sharded optimizer (see the module docs).
+pub struct Zero {
+    rank: usize,
+    world: usize,
+    shard: Communicator,
+    replica: Option<Communicator>,
+    layout: ShardLayout,
+    lens: Vec<usize>,
+    hypers: Vec<Hyper>,
+    opt: Box<dyn ShardOptimizer>,
+    master: Vec<f32>,
+    state: Vec<f32>,
+    t: u64,
+    flat: Vec<f32>,
+    shard_buf: Vec<f32>,
+}
+
+impl std::fmt::Debug for Zero {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Zero")
+            .field("rank", &self.rank)
+            .field("group", &self.layout.group())
+            .field("shard_len", &self.layout.shard_len())
+            .field("optimizer", &self.opt.name())
+            .finish()
+    }
+}
+
+/// `dst` = `src` laid end to end (padding left as it is).
+fn flatten(dst: &mut [f32], src: &[&[f32]]) {
+    let mut off = 0;
+    for s in src {
+        dst[off..off + s.len()].copy_from_slice(s);
+        off += s.len();
+    }
+}
+
+impl Zero {
+    /// Sets up the shard and replica groups of `comm`, broadcasts rank 0's `params` into every
+    /// rank's, and keeps this rank's shard of them as f32 master weights. `hypers` holds each
+    /// parameter's learning rate and weight decay (parameter groups). Collective.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a hyper-parameter list of another length, or nodes of different
+    /// sizes with [`ShardGroup::Node`]; the collectives' errors.
+    pub fn new(
+        comm: &Communicator,
+        params: &mut [&mut [f32]],
+        hypers: Vec<Hyper>,
+        opt: Box<dyn ShardOptimizer>,
+        cfg: ZeroConfig,
+    ) -> Result<Zero> {
+        let rank = comm.rank();
+        let invalid = |msg: String| ZeroError::InvalidArgument {
+            rank,
+            op: "new",
+            msg,
+        };
+        if hypers.len() != params.len() {
+            let msg = format!(
+                "{} hyper-parameter sets for {} parameters",
+                hypers.len(),
+                params.len()
+            );
+            return Err(invalid(msg));
+        }
+        // The node sizes: every rank must agree that they are equal.
+        let mut sizes = [comm.local_size() as u64, !(comm.local_size() as u64)];
+        comm.all_reduce(&mut sizes, ReduceOp::Max)?;
+        let (shard, replica) = match cfg.group {
+            ShardGroup::World => (split(comm, 0, rank)?, None),
+            ShardGroup::Node => {
+                if sizes[0] != !sizes[1] {
+                    let msg = format!(
+                        "node-local shard groups need nodes of equal size: from {} to {} ranks",
+                        !sizes[1], sizes[0]
+                    );
+                    return Err(invalid(msg));
+                }
+                let node = comm.node_index() as u32;
+                let local = comm.local_rank();
+                let shard = split(comm, node, local)?;
+                let replica = split(comm, local as u32, comm.node_index())?;
+                (shard, (replica.size() > 1).then_some(replica))
+            }
+        };
+        let lens: Vec<usize> = params.iter().map(|p| p.len()).collect();
+        let layout = ShardLayout::new(&lens, shard.size(), cfg.align);
+        let mut flat = vec![0.0f32; layout.padded()];
+        let views: Vec<&[f32]> = params.iter().map(|p| &**p).collect();
+        flatten(&mut flat, &views);
+        comm.broadcast(&mut flat, 0)?;
+        let mut off = 0;
+        for p in params.iter_mut() {
+            p.copy_from_slice(&flat[off..off + p.len()]);
+            off += p.len();
+        }
+        let r = layout.range(shard.rank());
+        let master = flat[r.clone()].to_vec();
+        let state = vec![0.0f32; opt.state_per_elem() * master.len()];
+        Ok(Zero {
+            rank,
+            world: comm.size(),
+            shard_buf: vec![0.0; layout.shard_len()],
+            shard,
+            replica,
+            layout,
+            lens,
+            hypers,
+            opt,
+            master,
+            state,
+            t: 0,
+            flat,
+        })
+    }
+
+    /// Optimizer-state bytes this rank holds (f32 state and master weights of its shard).
+    pub fn state_bytes(&self) -> usize {
+        (self.state.len() + self.master.len()) * 4
+    }
+
+    /// The shard layout.
+    pub fn layout(&self) -> &ShardLayout {
+        &self.layout
+    }
+
+    /// One step: `grads` (this rank's, one per parameter) averaged over every rank, the
+    /// optimizer applied to this rank's shard, and every rank's `params` set to the updated
+    /// values. Collective.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for parameter or gradient lists that are not those given to `new`; the
+    /// collectives' errors.
+    pub fn step(&mut self, params: &mut [&mut [f32]], grads: &[&[f32]]) -> Result<()> {
+        self.check(params, grads)?;
+        flatten(&mut self.flat, grads);
+        self.flat[self.layout.total()..].fill(0.0);
+        self.shard
+            .reduce_scatter_into(&self.flat, &mut self.shard_buf, ReduceOp::Sum)?;
+        if let Some(rep) = &self.replica {
+            rep.all_reduce(&mut self.shard_buf, ReduceOp::Sum)?;
+        }
+        let world = self.world as f32;
+        self.shard_buf.iter_mut().for_each(|g| *g /= world);
+        self.t += 1;
+        let per = self.opt.state_per_elem();
+        let me = self.shard.rank();
+        for piece in self.layout.pieces(me) {
+            let (a, b) = (piece.shard_offset, piece.shard_offset + piece.len);
+            // Each piece steps alone with its parameter's hyper-parameters; its state is the
+            // matching slice of each of the optimizer's per-element state vectors.
+            let mut st = vec![0.0f32; per * piece.len];
+            let n = self.master.len();
+            for k in 0..per {
+                st[k * piece.len..(k + 1) * piece.len]
+                    .copy_from_slice(&self.state[k * n + a..k * n + b]);
+            }
+            let h = self.hypers[piece.param];
+            self.opt.step(
+                self.t,
+                h,
+                &mut self.master[a..b],
+                &self.shard_buf[a..b],
+                &mut st,
+            );
+            for k in 0..per {
+                self.state[k * n + a..k * n + b]
+                    .copy_from_slice(&st[k * piece.len..(k + 1) * piece.len]);
+            }
+        }
+        self.shard_buf.fill(0.0);
+        self.shard_buf[..self.master.len()].copy_from_slice(&self.master);
+        self.shard
+            .all_gather_into(&self.shard_buf, &mut self.flat)?;
+        let mut off = 0;
+        for p in params.iter_mut() {
+            p.copy_from_slice(&self.flat[off..off + p.len()]);
+            off += p.len();
+        }
+        Ok(())
+    }
+
+    fn check(&self, params: &[&mut [f32]], grads: &[&[f32]]) -> Result<()> {
+        let plens: Vec<usize> = params.iter().map(|p| p.len()).collect();
+        let glens: Vec<usize> = grads.iter().map(|g| g.len()).collect();
+        if plens == self.lens && glens == self.lens {
+            return Ok(());
+        }
+        Err(ZeroError::InvalidArgument {
+            rank: self.rank,
+            op: "step",
+            msg: format!(
+                "parameter lengths {plens:?} and gradient lengths {glens:?} given; new had \
+                 {:?}",
+                self.lens
+            ),
+        })
+    }
+}
+
+/// `comm` split by `color`, ordered by `key`.
+fn split(comm: &Communicator, color: u32, key: usize) -> Result<Communicator> {
+    comm.split(Some(color), key as i64)?
+        .ok_or_else(|| ZeroError::InvalidArgument {
+            rank: comm.rank(),
+            op: "new",
+            msg: "split gave no communicator".into(),
+        })
+}
