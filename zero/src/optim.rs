@@ -196,7 +196,11 @@ mod tests {
         ) {
             let n = init.len();
             let grads: Vec<Vec<f32>> = (0..4u32)
-                .map(|t| (0..n).map(|i| ((i as u32 * 7 + t * 13 + seed) % 11) as f32 * 0.1 - 0.5).collect())
+                .map(|t| {
+                    (0..n)
+                        .map(|i| ((i as u32 * 7 + t * 13 + seed) % 11) as f32 * 0.1 - 0.5)
+                        .collect()
+                })
                 .collect();
             let mut opts: Vec<Box<dyn ShardOptimizer>> = vec![
                 Box::new(Sgd { momentum: 0.9, dampening: 0.1, nesterov }),

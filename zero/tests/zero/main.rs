@@ -77,7 +77,8 @@ fn check(world: usize, per_node: usize, group: ShardGroup, make: fn() -> Box<dyn
                 let tol = 1e-6 * b.abs().max(1.0);
                 assert!(
                     (a - b).abs() <= tol,
-                    "world {world} x {per_node}/node {group:?} rank {rank} param {p}[{i}]: {a} against {b}"
+                    "world {world} x {per_node}/node {group:?} rank {rank} param {p}[{i}]: {a} \
+                     against {b}"
                 );
             }
         }
