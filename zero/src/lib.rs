@@ -14,10 +14,12 @@
 //!
 //! - [`Zero`]: the step on host f32 parameters: reduce-scatter of the gradients inside the shard
 //!   group ([`ShardGroup::Node`] or [`ShardGroup::World`]), all-reduce of the shard across the
-//!   replicas, the optimizer on the shard, all-gather of the parameters.
+//!   replicas, the optimizer on the shard, all-gather of the parameters; accumulation
+//!   ([`Zero::accumulate`]: communication at the last micro-batch only) and clipping by the
+//!   global gradient norm ([`ZeroConfig::max_grad_norm`]).
 //!
 //! Not yet: overlap with backward (`grad_ready`), stage 1 against stage 2 memory, master weights
-//! for bf16/f16 parameters, clipping, accumulation, checkpoints, device buffers.
+//! for bf16/f16 parameters, checkpoints, device buffers.
 
 #![forbid(unsafe_code)]
 

@@ -27,6 +27,10 @@ pub struct ZeroConfig {
     pub group: ShardGroup,
     /// Shards are a multiple of this many elements.
     pub align: usize,
+    /// Clip the averaged gradient to this global L2 norm (PyTorch's `clip_grad_norm_`: scaled by
+    /// `max / (norm + 1e-6)` where that is below 1), the norm taken over every parameter: each
+    /// shard's sum of squares, summed over the shard group.
+    pub max_grad_norm: Option<f32>,
 }
 
 impl Default for ZeroConfig {
@@ -34,6 +38,7 @@ impl Default for ZeroConfig {
         ZeroConfig {
             group: ShardGroup::Node,
             align: 16,
+            max_grad_norm: None,
         }
     }
 }
@@ -53,6 +58,10 @@ pub struct Zero {
     t: u64,
     flat: Vec<f32>,
     shard_buf: Vec<f32>,
+    /// Micro-batches summed into `flat` since the last step.
+    micro: usize,
+    max_grad_norm: Option<f32>,
+    last_norm: Option<f64>,
 }
 
 impl std::fmt::Debug for Zero {
@@ -152,6 +161,9 @@ impl Zero {
             state,
             t: 0,
             flat,
+            micro: 0,
+            max_grad_norm: cfg.max_grad_norm,
+            last_norm: None,
         })
     }
 
@@ -173,9 +185,10 @@ impl Zero {
     /// `InvalidArgument` for parameter or gradient lists that are not those given to `new`; the
     /// collectives' errors.
     pub fn step(&mut self, params: &mut [&mut [f32]], grads: &[&[f32]]) -> Result<()> {
-        self.check(params, grads)?;
-        flatten(&mut self.flat, grads);
-        self.flat[self.layout.total()..].fill(0.0);
+        let plens: Vec<usize> = params.iter().map(|p| p.len()).collect();
+        self.check("step", Some(plens), grads)?;
+        self.add_micro(grads);
+        self.micro = 0;
         self.shard
             .reduce_scatter_into(&self.flat, &mut self.shard_buf, ReduceOp::Sum)?;
         if let Some(rep) = &self.replica {
@@ -183,6 +196,9 @@ impl Zero {
         }
         let world = self.world as f32;
         self.shard_buf.iter_mut().for_each(|g| *g /= world);
+        if let Some(max) = self.max_grad_norm {
+            self.clip(max)?;
+        }
         self.t += 1;
         let per = self.opt.state_per_elem();
         let me = self.shard.rank();
@@ -221,18 +237,68 @@ impl Zero {
         Ok(())
     }
 
-    fn check(&self, params: &[&mut [f32]], grads: &[&[f32]]) -> Result<()> {
-        let plens: Vec<usize> = params.iter().map(|p| p.len()).collect();
+    /// Adds a micro-batch's gradients into this rank's sum without communicating (gradient
+    /// accumulation); the next [`Zero::step`] adds its own and reduces the sum.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a gradient list that is not that of `new`.
+    pub fn accumulate(&mut self, grads: &[&[f32]]) -> Result<()> {
+        self.check("accumulate", None, grads)?;
+        self.add_micro(grads);
+        self.micro += 1;
+        Ok(())
+    }
+
+    /// The global norm of the last step's averaged gradient, before clipping (with
+    /// `max_grad_norm` set).
+    pub fn last_grad_norm(&self) -> Option<f64> {
+        self.last_norm
+    }
+
+    /// `grads` written into the flat sum (the first micro-batch of a step) or added to it.
+    fn add_micro(&mut self, grads: &[&[f32]]) {
+        if self.micro == 0 {
+            flatten(&mut self.flat, grads);
+            self.flat[self.layout.total()..].fill(0.0);
+            return;
+        }
+        let mut off = 0;
+        for g in grads {
+            for (d, s) in self.flat[off..off + g.len()].iter_mut().zip(g.iter()) {
+                *d += s;
+            }
+            off += g.len();
+        }
+    }
+
+    /// Scales the averaged shard so that the global norm is at most `max`.
+    fn clip(&mut self, max: f32) -> Result<()> {
+        let own = &self.shard_buf[..self.master.len()];
+        let mut ss = [own
+            .iter()
+            .map(|&g| f64::from(g) * f64::from(g))
+            .sum::<f64>()];
+        self.shard.all_reduce(&mut ss, ReduceOp::Sum)?;
+        let norm = ss[0].sqrt();
+        self.last_norm = Some(norm);
+        let coef = f64::from(max) / (norm + 1e-6);
+        if coef < 1.0 {
+            let c = coef as f32;
+            self.shard_buf.iter_mut().for_each(|g| *g *= c);
+        }
+        Ok(())
+    }
+
+    fn check(&self, op: &'static str, plens: Option<Vec<usize>>, grads: &[&[f32]]) -> Result<()> {
         let glens: Vec<usize> = grads.iter().map(|g| g.len()).collect();
-        if plens == self.lens && glens == self.lens {
+        if glens == self.lens && plens.as_ref().is_none_or(|p| *p == self.lens) {
             return Ok(());
         }
         Err(ZeroError::InvalidArgument {
             rank: self.rank,
-            op: "step",
+            op,
             msg: format!(
-                "parameter lengths {plens:?} and gradient lengths {glens:?} given; new had \
-                 {:?}",
+                "parameter lengths {plens:?} and gradient lengths {glens:?} given; new had {:?}",
                 self.lens
             ),
         })

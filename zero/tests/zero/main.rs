@@ -33,8 +33,20 @@ fn init(rank: usize, p: usize) -> Vec<f32> {
         .collect()
 }
 
+/// How a run feeds its gradients: micro-batches per step, and the clipping norm.
+#[derive(Clone, Copy, Debug)]
+struct Feed {
+    micro: usize,
+    max_norm: Option<f32>,
+}
+
+const PLAIN: Feed = Feed {
+    micro: 1,
+    max_norm: None,
+};
+
 /// DDP + the optimizer on the whole vector: what every rank would hold.
-fn reference(world: usize, opt: &mut dyn ShardOptimizer) -> Vec<Vec<f32>> {
+fn reference(world: usize, feed: Feed, opt: &mut dyn ShardOptimizer) -> Vec<Vec<f32>> {
     let mut params: Vec<Vec<f32>> = (0..LENS.len()).map(|p| init(0, p)).collect();
     let mut states: Vec<Vec<f32>> = LENS
         .iter()
@@ -42,43 +54,89 @@ fn reference(world: usize, opt: &mut dyn ShardOptimizer) -> Vec<Vec<f32>> {
         .collect();
     let h = hypers();
     for t in 0..STEPS {
-        for p in 0..LENS.len() {
-            let mut avg = vec![0.0f32; LENS[p]];
+        let mut avgs: Vec<Vec<f32>> = Vec::new();
+        for (p, &len) in LENS.iter().enumerate() {
+            let mut avg = vec![0.0f32; len];
             for r in 0..world {
-                avg.iter_mut().zip(grad(r, t, p)).for_each(|(a, g)| *a += g);
+                let mut sum = vec![0.0f32; len];
+                for m in 0..feed.micro {
+                    sum.iter_mut()
+                        .zip(grad(r, t * feed.micro + m, p))
+                        .for_each(|(a, g)| *a += g);
+                }
+                avg.iter_mut().zip(sum).for_each(|(a, g)| *a += g);
             }
             avg.iter_mut().for_each(|a| *a /= world as f32);
-            opt.step(t as u64 + 1, h[p], &mut params[p], &avg, &mut states[p]);
+            avgs.push(avg);
+        }
+        if let Some(max) = feed.max_norm {
+            let ss: f64 = avgs
+                .iter()
+                .flatten()
+                .map(|&g| f64::from(g) * f64::from(g))
+                .sum();
+            let coef = f64::from(max) / (ss.sqrt() + 1e-6);
+            if coef < 1.0 {
+                avgs.iter_mut().flatten().for_each(|g| *g *= coef as f32);
+            }
+        }
+        let each = params.iter_mut().zip(&avgs).zip(&mut states).enumerate();
+        for (p, ((param, avg), st)) in each {
+            opt.step(t as u64 + 1, h[p], param, avg, st);
         }
     }
     params
 }
 
-fn check(world: usize, per_node: usize, group: ShardGroup, make: fn() -> Box<dyn ShardOptimizer>) {
-    let want = reference(world, make().as_mut());
+fn check(
+    world: usize,
+    per_node: usize,
+    group: ShardGroup,
+    feed: Feed,
+    make: fn() -> Box<dyn ShardOptimizer>,
+) {
+    let want = reference(world, feed, make().as_mut());
     let out = spawn_world_on_nodes(world, per_node, Config::default(), |comm| {
         let rank = comm.rank();
         let mut params: Vec<Vec<f32>> = (0..LENS.len()).map(|p| init(rank, p)).collect();
-        let cfg = ZeroConfig { group, align: 4 };
+        let cfg = ZeroConfig {
+            group,
+            align: 4,
+            max_grad_norm: feed.max_norm,
+        };
         let mut views: Vec<&mut [f32]> = params.iter_mut().map(|p| p.as_mut_slice()).collect();
         let mut zero = Zero::new(&comm, &mut views, hypers(), make(), cfg).unwrap();
         for t in 0..STEPS {
-            let grads: Vec<Vec<f32>> = (0..LENS.len()).map(|p| grad(rank, t, p)).collect();
-            let g: Vec<&[f32]> = grads.iter().map(|g| g.as_slice()).collect();
-            let mut views: Vec<&mut [f32]> = params.iter_mut().map(|p| p.as_mut_slice()).collect();
-            zero.step(&mut views, &g).unwrap();
+            for m in 0..feed.micro {
+                let grads: Vec<Vec<f32>> = (0..LENS.len())
+                    .map(|p| grad(rank, t * feed.micro + m, p))
+                    .collect();
+                let g: Vec<&[f32]> = grads.iter().map(|g| g.as_slice()).collect();
+                if m + 1 < feed.micro {
+                    zero.accumulate(&g).unwrap();
+                } else {
+                    let mut views: Vec<&mut [f32]> =
+                        params.iter_mut().map(|p| p.as_mut_slice()).collect();
+                    zero.step(&mut views, &g).unwrap();
+                }
+            }
         }
-        Ok((params, zero.state_bytes()))
+        Ok((params, zero.last_grad_norm()))
     });
     for (rank, r) in out.into_iter().enumerate() {
-        let (params, _) = r.unwrap();
+        let (params, norm) = r.unwrap();
+        assert_eq!(norm.is_some(), feed.max_norm.is_some());
+        if let (Some(n), Some(max)) = (norm, feed.max_norm) {
+            // The small limit is below the gradients' norm: those runs do clip.
+            assert!(max > 10.0 || n > f64::from(max), "norm {n}, limit {max}");
+        }
         for (p, (got, want)) in params.iter().zip(&want).enumerate() {
             for (i, (a, b)) in got.iter().zip(want).enumerate() {
                 let tol = 1e-6 * b.abs().max(1.0);
                 assert!(
                     (a - b).abs() <= tol,
-                    "world {world} x {per_node}/node {group:?} rank {rank} param {p}[{i}]: {a} \
-                     against {b}"
+                    "world {world} x {per_node}/node {group:?} {feed:?} rank {rank} param \
+                     {p}[{i}]: {a} against {b}"
                 );
             }
         }
@@ -101,15 +159,33 @@ fn sgd() -> Box<dyn ShardOptimizer> {
 fn node_local_shards_equal_ddp_and_the_same_optimizer() {
     // Shard groups of 1, 2, 3 and 4 ranks (the nodes), with replicas across the nodes.
     for (world, per_node) in [(2, 1), (4, 2), (3, 3), (4, 4), (6, 3)] {
-        check(world, per_node, ShardGroup::Node, adamw);
-        check(world, per_node, ShardGroup::Node, sgd);
+        check(world, per_node, ShardGroup::Node, PLAIN, adamw);
+        check(world, per_node, ShardGroup::Node, PLAIN, sgd);
     }
 }
 
 #[test]
 fn world_shards_equal_ddp_and_the_same_optimizer() {
-    check(4, 2, ShardGroup::World, adamw);
-    check(3, 1, ShardGroup::World, sgd);
+    check(4, 2, ShardGroup::World, PLAIN, adamw);
+    check(3, 1, ShardGroup::World, PLAIN, sgd);
+}
+
+#[test]
+fn accumulation_and_clipping_equal_those_of_the_full_gradient() {
+    let accumulate = Feed {
+        micro: 3,
+        max_norm: None,
+    };
+    // The averaged gradients' norms are a few units: 1.0 clips every step, 100 none.
+    for max in [1.0, 100.0] {
+        let clip = Feed {
+            micro: 2,
+            max_norm: Some(max),
+        };
+        check(4, 2, ShardGroup::Node, clip, sgd);
+        check(4, 4, ShardGroup::World, clip, adamw);
+    }
+    check(6, 3, ShardGroup::Node, accumulate, adamw);
 }
 
 #[test]
@@ -120,6 +196,7 @@ fn state_shrinks_with_the_shard_group() {
         let cfg = ZeroConfig {
             group: ShardGroup::Node,
             align: 1,
+            max_grad_norm: None,
         };
         let zero = Zero::new(&comm, &mut views, hypers(), adamw(), cfg).unwrap();
         Ok(zero.state_bytes())
