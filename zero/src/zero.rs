@@ -8,7 +8,7 @@ use oxccl_comm::{Communicator, ReduceOp};
 
 use crate::error::{Result, ZeroError};
 use crate::optim::{Hyper, ShardOptimizer};
-use crate::shard::ShardLayout;
+use crate::shard::{Piece, ShardLayout};
 
 /// Which ranks share one copy of the optimizer state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,6 +50,8 @@ pub struct Zero {
     shard: Communicator,
     replica: Option<Communicator>,
     layout: ShardLayout,
+    /// This rank's pieces of the parameters, in shard order.
+    pieces: Vec<Piece>,
     lens: Vec<usize>,
     hypers: Vec<Hyper>,
     opt: Box<dyn ShardOptimizer>,
@@ -147,12 +149,14 @@ impl Zero {
         let r = layout.range(shard.rank());
         let master = flat[r.clone()].to_vec();
         let state = vec![0.0f32; opt.state_per_elem() * master.len()];
+        let pieces = layout.pieces(shard.rank());
         Ok(Zero {
             rank,
             world: comm.size(),
             shard_buf: vec![0.0; layout.shard_len()],
             shard,
             replica,
+            pieces,
             layout,
             lens,
             hypers,
@@ -201,29 +205,18 @@ impl Zero {
         }
         self.t += 1;
         let per = self.opt.state_per_elem();
-        let me = self.shard.rank();
-        for piece in self.layout.pieces(me) {
+        for piece in &self.pieces {
             let (a, b) = (piece.shard_offset, piece.shard_offset + piece.len);
-            // Each piece steps alone with its parameter's hyper-parameters; its state is the
-            // matching slice of each of the optimizer's per-element state vectors.
-            let mut st = vec![0.0f32; per * piece.len];
-            let n = self.master.len();
-            for k in 0..per {
-                st[k * piece.len..(k + 1) * piece.len]
-                    .copy_from_slice(&self.state[k * n + a..k * n + b]);
-            }
-            let h = self.hypers[piece.param];
+            // Each piece steps alone with its parameter's hyper-parameters. The pieces tile the
+            // shard in order, so the state is laid out piece by piece: `per` elements for each
+            // of the piece's, at `per * a`.
             self.opt.step(
                 self.t,
-                h,
+                self.hypers[piece.param],
                 &mut self.master[a..b],
                 &self.shard_buf[a..b],
-                &mut st,
+                &mut self.state[per * a..per * b],
             );
-            for k in 0..per {
-                self.state[k * n + a..k * n + b]
-                    .copy_from_slice(&st[k * piece.len..(k + 1) * piece.len]);
-            }
         }
         self.shard_buf.fill(0.0);
         self.shard_buf[..self.master.len()].copy_from_slice(&self.master);
