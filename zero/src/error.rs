@@ -16,6 +16,14 @@ pub enum ZeroError {
         /// What was wrong.
         msg: String,
     },
+    /// A checkpoint file that cannot be read or written, or is not what it should be.
+    #[error("zero checkpoint {}: {msg}", path.display())]
+    Checkpoint {
+        /// The file (or directory).
+        path: std::path::PathBuf,
+        /// What is wrong.
+        msg: String,
+    },
 }
 
 /// Results of ZeRO calls.

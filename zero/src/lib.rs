@@ -1,34 +1,61 @@
-//! oxccl-zero: node-local ZeRO (work in progress). The sharded optimizer keeps each rank's
-//! optimizer state (stage 1) and gradients (stage 2) for one shard of the flat parameter space
-//! of its shard group (by default the ranks of one node), with replicas of every shard across
-//! the nodes, so the bytes a rank sends between nodes stay those of a hierarchical all-reduce.
+//! oxccl-zero: node-local ZeRO. The sharded optimizer keeps each rank's optimizer state (stage
+//! 1) and gradients (stage 2) for one shard of the parameters of its shard group (by default the
+//! ranks of one node, [`ShardGroup::Node`]; [`ShardGroup::World`] for classic ZeRO), with
+//! replicas of every shard across the nodes, so the bytes a rank sends between nodes are those
+//! of a hierarchical all-reduce while its optimizer memory falls by the shard group's size.
 //!
-//! What is here so far, and tested without communication:
-//! - [`ShardLayout`]: the flat parameter space cut into equal, aligned shards, one per rank of
-//!   the shard group (the last ones padded where the size does not divide), and each shard's
-//!   pieces of each parameter;
+//! ```no_run
+//! # fn main() -> oxccl_zero::Result<()> {
+//! use oxccl_comm::Communicator;
+//! use oxccl_zero::{AdamW, Hyper, Zero, ZeroConfig};
+//! let comm = Communicator::from_env()?;
+//! let (mut w, mut b) = (vec![0.1f32; 1024], vec![0.0f32; 32]);
+//! let hypers = vec![
+//!     Hyper { lr: 1e-3, weight_decay: 0.01 }, // w
+//!     Hyper { lr: 1e-3, weight_decay: 0.0 },  // b: a parameter group of its own
+//! ];
+//! let mut zero = Zero::new(&comm, &mut [&mut w, &mut b], hypers, Box::new(AdamW::default()),
+//!                          ZeroConfig::default())?;
+//! for _step in 0..10 {
+//!     let (gw, gb) = (vec![0.01f32; 1024], vec![0.01f32; 32]); // backward, last layer first:
+//!     zero.grad_ready(1, &gb)?; // its bucket's reduce-scatter starts once it is full
+//!     zero.grad_ready(0, &gw)?;
+//!     zero.step(&mut [&mut w, &mut b])?; // every rank's w and b updated
+//! }
+//! zero.save("ckpt")?; // one file per shard and a manifest; resumes on any group size
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! - [`Zero`]: the step over host parameters of f32, or of f16 / bf16 with f32 master weights
+//!   ([`ParamElement`]): gradients reduce-scattered bucket by bucket during backward
+//!   ([`Zero::grad_ready`], or [`Zero::grads_ready`] after it), the shard all-reduced across
+//!   the replicas, the optimizer on the shard, the parameters all-gathered ([`Zero::step`]);
+//!   accumulation ([`Zero::accumulate`]), clipping by the global gradient norm
+//!   ([`ZeroConfig::max_grad_norm`]), parameter groups ([`Hyper`] per parameter);
 //! - [`ShardOptimizer`], with [`Sgd`] (momentum, dampening, Nesterov, weight decay) and
-//!   [`AdamW`], stepping one shard of f32 master weights with its own state; a step on every
-//!   shard equals the same step on the whole vector, element for element, which is what lets
-//!   each rank step its shard alone.
+//!   [`AdamW`], stepping one shard of f32 master weights with its own state (implement it for
+//!   your own optimizer);
+//! - [`ShardLayout`]: the buckets, each padded and cut into one equal chunk per rank, and each
+//!   shard's [`Piece`]s of the parameters;
+//! - checkpoints: [`Zero::save`] (safetensors, one file per shard and a manifest),
+//!   [`consolidate`] into a [`FullState`], [`Zero::load`] into any shard group size.
 //!
-//! - [`Zero`]: the step on host f32 parameters: reduce-scatter of the gradients inside the shard
-//!   group ([`ShardGroup::Node`] or [`ShardGroup::World`]), all-reduce of the shard across the
-//!   replicas, the optimizer on the shard, all-gather of the parameters; accumulation
-//!   ([`Zero::accumulate`]: communication at the last micro-batch only) and clipping by the
-//!   global gradient norm ([`ZeroConfig::max_grad_norm`]).
-//!
-//! Not yet: overlap with backward (`grad_ready`), stage 1 against stage 2 memory, master weights
-//! for bf16/f16 parameters, checkpoints, device buffers.
+//! Not yet: device buffers (the optimizer kernels on CUDA).
 
 #![forbid(unsafe_code)]
 
+mod agree;
+mod checkpoint;
+mod elem;
 mod error;
 mod optim;
 mod shard;
 mod zero;
 
+pub use checkpoint::{consolidate, FullState, ParamState, MANIFEST};
+pub use elem::ParamElement;
 pub use error::{Result, ZeroError};
 pub use optim::{AdamW, Hyper, Sgd, ShardOptimizer};
-pub use shard::{Piece, ShardLayout};
-pub use zero::{ShardGroup, Zero, ZeroConfig};
+pub use shard::{Bucket, Piece, ShardLayout};
+pub use zero::{ShardGroup, Stage, Zero, ZeroConfig};

@@ -22,6 +22,14 @@ pub trait ShardOptimizer: Send {
     /// f32 state elements per parameter element (momentum: 1; AdamW: 2).
     fn state_per_elem(&self) -> usize;
 
+    /// The state vectors' names, `state_per_elem()` of them, for checkpoints (default
+    /// `state0`, `state1`, ...).
+    fn state_names(&self) -> Vec<String> {
+        (0..self.state_per_elem())
+            .map(|k| format!("state{k}"))
+            .collect()
+    }
+
     /// One step, `t` counting from 1, on `master` with `grad` (same length) and `state`
     /// (`state_per_elem() * master.len()` elements, zeros before the first step).
     fn step(&mut self, t: u64, hyper: Hyper, master: &mut [f32], grad: &[f32], state: &mut [f32]);
@@ -46,6 +54,15 @@ impl ShardOptimizer for Sgd {
 
     fn state_per_elem(&self) -> usize {
         usize::from(self.momentum != 0.0)
+    }
+
+    fn state_names(&self) -> Vec<String> {
+        let names: &[&str] = if self.momentum != 0.0 {
+            &["momentum_buffer"]
+        } else {
+            &[]
+        };
+        names.iter().map(|s| s.to_string()).collect()
     }
 
     fn step(&mut self, t: u64, h: Hyper, master: &mut [f32], grad: &[f32], state: &mut [f32]) {
@@ -97,6 +114,10 @@ impl ShardOptimizer for AdamW {
 
     fn state_per_elem(&self) -> usize {
         2
+    }
+
+    fn state_names(&self) -> Vec<String> {
+        vec!["exp_avg".into(), "exp_avg_sq".into()]
     }
 
     fn step(&mut self, t: u64, h: Hyper, master: &mut [f32], grad: &[f32], state: &mut [f32]) {

@@ -1,15 +1,20 @@
-//! oxccl-zero on threaded ranks over shared memory, grouped into simulated nodes: the sharded
-//! step equals DDP (gradients averaged over every rank) followed by the same optimizer on the
-//! whole parameter vector on every rank.
+//! oxccl-zero on threaded ranks over shared memory, grouped into simulated nodes (TCP between
+//! them): the sharded step equals DDP (gradients averaged over every rank) followed by the same
+//! optimizer on the whole parameter vector on every rank.
 
+mod checkpoint;
+
+use half::{bf16, f16};
 use oxccl_comm::harness::spawn_world_on_nodes;
-use oxccl_comm::Config;
-use oxccl_zero::{AdamW, Hyper, Sgd, ShardGroup, ShardOptimizer, Zero, ZeroConfig};
+use oxccl_comm::{Communicator, Config};
+use oxccl_zero::{
+    AdamW, Hyper, ParamElement, Sgd, ShardGroup, ShardOptimizer, Stage, Zero, ZeroConfig,
+};
 
-const LENS: [usize; 4] = [37, 5, 100, 1];
+pub(crate) const LENS: [usize; 4] = [37, 5, 100, 1];
 const STEPS: usize = 10;
 
-fn hypers() -> Vec<Hyper> {
+pub(crate) fn hypers() -> Vec<Hyper> {
     // Two parameter groups: the biases (1 and 3) without weight decay.
     (0..LENS.len())
         .map(|p| Hyper {
@@ -19,52 +24,66 @@ fn hypers() -> Vec<Hyper> {
         .collect()
 }
 
-/// Rank `rank`'s gradient of parameter `p` at step `t`: multiples of 1/8, so sums over ranks are
-/// exact in any order.
-fn grad(rank: usize, t: usize, p: usize) -> Vec<f32> {
+/// Rank `rank`'s gradient of parameter `p` in micro-batch `m` (counted over the run): multiples
+/// of 1/8, so sums over ranks are exact in any order and exact in f16 and bf16.
+pub(crate) fn grad(rank: usize, m: usize, p: usize) -> Vec<f32> {
     (0..LENS[p])
-        .map(|i| ((rank * 5 + t * 3 + p * 7 + i) % 13) as f32 / 8.0 - 0.75)
+        .map(|i| ((rank * 5 + m * 3 + p * 7 + i) % 13) as f32 / 8.0 - 0.75)
         .collect()
 }
 
-fn init(rank: usize, p: usize) -> Vec<f32> {
+/// Whether rank `rank` has a gradient for `p` in micro-batch `m` with a feed that skips some.
+fn given(feed: &Feed, rank: usize, m: usize, p: usize) -> bool {
+    !feed.skip || !(rank + m + p).is_multiple_of(5)
+}
+
+pub(crate) fn init(rank: usize, p: usize) -> Vec<f32> {
     (0..LENS[p])
         .map(|i| ((i + p + rank) % 7) as f32 * 0.25 - 0.5)
         .collect()
 }
 
-/// How a run feeds its gradients: micro-batches per step, and the clipping norm.
+/// How a run feeds its gradients.
 #[derive(Clone, Copy, Debug)]
-struct Feed {
-    micro: usize,
-    max_norm: Option<f32>,
+pub(crate) struct Feed {
+    /// Micro-batches per step.
+    pub(crate) micro: usize,
+    pub(crate) max_norm: Option<f32>,
+    /// Some parameters get no gradient in some micro-batches (`given`).
+    pub(crate) skip: bool,
+    /// One `grad_ready` per parameter, in a rank-dependent order (else `step_with`).
+    pub(crate) each: bool,
 }
 
-const PLAIN: Feed = Feed {
+pub(crate) const PLAIN: Feed = Feed {
     micro: 1,
     max_norm: None,
+    skip: false,
+    each: false,
 };
 
-/// DDP + the optimizer on the whole vector: what every rank would hold.
-fn reference(world: usize, feed: Feed, opt: &mut dyn ShardOptimizer) -> Vec<Vec<f32>> {
-    let mut params: Vec<Vec<f32>> = (0..LENS.len()).map(|p| init(0, p)).collect();
-    let mut states: Vec<Vec<f32>> = LENS
-        .iter()
-        .map(|&l| vec![0.0; l * opt.state_per_elem()])
-        .collect();
+/// DDP + the optimizer on the whole vector, steps `from..to` on `worlds[t]` ranks, from
+/// `params` and `states`: what every rank would hold.
+pub(crate) fn reference_from(
+    worlds: &[usize],
+    feed: Feed,
+    opt: &mut dyn ShardOptimizer,
+    params: &mut [Vec<f32>],
+    states: &mut [Vec<f32>],
+    steps: std::ops::Range<usize>,
+) {
     let h = hypers();
-    for t in 0..STEPS {
+    for t in steps {
+        let world = worlds[t];
         let mut avgs: Vec<Vec<f32>> = Vec::new();
         for (p, &len) in LENS.iter().enumerate() {
             let mut avg = vec![0.0f32; len];
             for r in 0..world {
-                let mut sum = vec![0.0f32; len];
-                for m in 0..feed.micro {
-                    sum.iter_mut()
-                        .zip(grad(r, t * feed.micro + m, p))
-                        .for_each(|(a, g)| *a += g);
+                for m in t * feed.micro..(t + 1) * feed.micro {
+                    if given(&feed, r, m, p) {
+                        avg.iter_mut().zip(grad(r, m, p)).for_each(|(a, g)| *a += g);
+                    }
                 }
-                avg.iter_mut().zip(sum).for_each(|(a, g)| *a += g);
             }
             avg.iter_mut().for_each(|a| *a /= world as f32);
             avgs.push(avg);
@@ -80,47 +99,130 @@ fn reference(world: usize, feed: Feed, opt: &mut dyn ShardOptimizer) -> Vec<Vec<
                 avgs.iter_mut().flatten().for_each(|g| *g *= coef as f32);
             }
         }
-        let each = params.iter_mut().zip(&avgs).zip(&mut states).enumerate();
-        for (p, ((param, avg), st)) in each {
+        let each = params.iter_mut().zip(&avgs).zip(states.iter_mut());
+        for (p, ((param, avg), st)) in each.enumerate() {
             opt.step(t as u64 + 1, h[p], param, avg, st);
         }
     }
+}
+
+pub(crate) fn reference(world: usize, feed: Feed, opt: &mut dyn ShardOptimizer) -> Vec<Vec<f32>> {
+    let mut params: Vec<Vec<f32>> = (0..LENS.len()).map(|p| init(0, p)).collect();
+    let mut states = fresh_states(opt);
+    reference_from(
+        &[world; STEPS],
+        feed,
+        opt,
+        &mut params,
+        &mut states,
+        0..STEPS,
+    );
     params
 }
 
-fn check(
+pub(crate) fn fresh_states(opt: &dyn ShardOptimizer) -> Vec<Vec<f32>> {
+    LENS.iter()
+        .map(|&l| vec![0.0; l * opt.state_per_elem()])
+        .collect()
+}
+
+/// One rank's steps `steps` (micro-batches counted from `steps.start * feed.micro`).
+pub(crate) fn train<T: ParamElement>(
+    zero: &mut Zero<T>,
+    rank: usize,
+    feed: Feed,
+    params: &mut [Vec<T>],
+    steps: std::ops::Range<usize>,
+) {
+    for t in steps {
+        for m in t * feed.micro..(t + 1) * feed.micro {
+            let grads: Vec<Vec<T>> = (0..LENS.len())
+                .map(|p| grad(rank, m, p).into_iter().map(T::from_f32).collect())
+                .collect();
+            if feed.each || feed.skip {
+                // Arrival order differs between ranks; every rank launches its buckets alike.
+                for k in 0..LENS.len() {
+                    let p = (k + rank + m) % LENS.len();
+                    if given(&feed, rank, m, p) {
+                        zero.grad_ready(p, &grads[p]).unwrap();
+                    }
+                }
+            } else {
+                let g: Vec<&[T]> = grads.iter().map(|g| g.as_slice()).collect();
+                zero.grads_ready(&g).unwrap();
+            }
+            let mut views: Vec<&mut [T]> = params.iter_mut().map(|p| p.as_mut_slice()).collect();
+            let stepped = zero.step(&mut views).unwrap();
+            assert_eq!(stepped, m + 1 == (t + 1) * feed.micro);
+        }
+    }
+}
+
+/// A shard layout and stage to run.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Setup {
+    pub(crate) group: ShardGroup,
+    pub(crate) stage: Stage,
+    /// Elements per bucket (0: one bucket).
+    pub(crate) bucket: usize,
+}
+
+pub(crate) fn config(setup: Setup, feed: Feed) -> ZeroConfig {
+    ZeroConfig {
+        group: setup.group,
+        stage: setup.stage,
+        bucket_elems: setup.bucket,
+        buckets_in_flight: 2,
+        align: 4,
+        max_grad_norm: feed.max_norm,
+    }
+}
+
+pub(crate) fn zero_on<T: ParamElement>(
+    comm: &Communicator,
+    setup: Setup,
+    feed: Feed,
+    make: fn() -> Box<dyn ShardOptimizer>,
+) -> (Zero<T>, Vec<Vec<T>>) {
+    let rank = comm.rank();
+    let mut params: Vec<Vec<T>> = (0..LENS.len())
+        .map(|p| init(rank, p).into_iter().map(T::from_f32).collect())
+        .collect();
+    let mut views: Vec<&mut [T]> = params.iter_mut().map(|p| p.as_mut_slice()).collect();
+    let mut zero = Zero::new(comm, &mut views, hypers(), make(), config(setup, feed)).unwrap();
+    zero.accumulate(feed.micro).unwrap();
+    (zero, params)
+}
+
+/// `got` within 1e-6 relative of `want` rounded to `T` (and one rounding step of `T` for 16
+/// bits).
+pub(crate) fn assert_close<T: ParamElement>(got: &[Vec<T>], want: &[Vec<f32>], what: &str) {
+    let eps = f32::EPSILON.max(T::from_f32(1.0 + 1.0 / 128.0).to_f32() - 1.0);
+    let eps = if eps > f32::EPSILON { eps } else { 1e-6 };
+    for (p, (got, want)) in got.iter().zip(want).enumerate() {
+        for (i, (a, b)) in got.iter().zip(want).enumerate() {
+            let (a, b) = (a.to_f32(), *b);
+            let tol = eps * b.abs().max(1.0);
+            assert!(
+                (a - b).abs() <= tol,
+                "{what}: param {p}[{i}]: {a} against {b}"
+            );
+        }
+    }
+}
+
+fn check<T: ParamElement>(
     world: usize,
     per_node: usize,
-    group: ShardGroup,
+    setup: Setup,
     feed: Feed,
     make: fn() -> Box<dyn ShardOptimizer>,
 ) {
     let want = reference(world, feed, make().as_mut());
     let out = spawn_world_on_nodes(world, per_node, Config::default(), |comm| {
         let rank = comm.rank();
-        let mut params: Vec<Vec<f32>> = (0..LENS.len()).map(|p| init(rank, p)).collect();
-        let cfg = ZeroConfig {
-            group,
-            align: 4,
-            max_grad_norm: feed.max_norm,
-        };
-        let mut views: Vec<&mut [f32]> = params.iter_mut().map(|p| p.as_mut_slice()).collect();
-        let mut zero = Zero::new(&comm, &mut views, hypers(), make(), cfg).unwrap();
-        for t in 0..STEPS {
-            for m in 0..feed.micro {
-                let grads: Vec<Vec<f32>> = (0..LENS.len())
-                    .map(|p| grad(rank, t * feed.micro + m, p))
-                    .collect();
-                let g: Vec<&[f32]> = grads.iter().map(|g| g.as_slice()).collect();
-                if m + 1 < feed.micro {
-                    zero.accumulate(&g).unwrap();
-                } else {
-                    let mut views: Vec<&mut [f32]> =
-                        params.iter_mut().map(|p| p.as_mut_slice()).collect();
-                    zero.step(&mut views, &g).unwrap();
-                }
-            }
-        }
+        let (mut zero, mut params) = zero_on::<T>(&comm, setup, feed, make);
+        train(&mut zero, rank, feed, &mut params, 0..STEPS);
         Ok((params, zero.last_grad_norm()))
     });
     for (rank, r) in out.into_iter().enumerate() {
@@ -130,24 +232,16 @@ fn check(
             // The small limit is below the gradients' norm: those runs do clip.
             assert!(max > 10.0 || n > f64::from(max), "norm {n}, limit {max}");
         }
-        for (p, (got, want)) in params.iter().zip(&want).enumerate() {
-            for (i, (a, b)) in got.iter().zip(want).enumerate() {
-                let tol = 1e-6 * b.abs().max(1.0);
-                assert!(
-                    (a - b).abs() <= tol,
-                    "world {world} x {per_node}/node {group:?} {feed:?} rank {rank} param \
-                     {p}[{i}]: {a} against {b}"
-                );
-            }
-        }
+        let what = format!("{world} x {per_node}/node {setup:?} {feed:?} rank {rank}");
+        assert_close(&params, &want, &what);
     }
 }
 
-fn adamw() -> Box<dyn ShardOptimizer> {
+pub(crate) fn adamw() -> Box<dyn ShardOptimizer> {
     Box::new(AdamW::default())
 }
 
-fn sgd() -> Box<dyn ShardOptimizer> {
+pub(crate) fn sgd() -> Box<dyn ShardOptimizer> {
     Box::new(Sgd {
         momentum: 0.9,
         dampening: 0.0,
@@ -155,78 +249,113 @@ fn sgd() -> Box<dyn ShardOptimizer> {
     })
 }
 
+const fn setup(group: ShardGroup, stage: Stage, bucket: usize) -> Setup {
+    Setup {
+        group,
+        stage,
+        bucket,
+    }
+}
+
 #[test]
 fn node_local_shards_equal_ddp_and_the_same_optimizer() {
-    // Shard groups of 1, 2, 3 and 4 ranks (the nodes), with replicas across the nodes.
+    // Shard groups of 1, 2, 3 and 4 ranks (the nodes), with replicas across the nodes; one
+    // bucket and buckets of 40 elements (a parameter larger than that alone), stages 1 and 2.
+    let each = Feed {
+        each: true,
+        ..PLAIN
+    };
     for (world, per_node) in [(2, 1), (4, 2), (3, 3), (4, 4), (6, 3)] {
-        check(world, per_node, ShardGroup::Node, PLAIN, adamw);
-        check(world, per_node, ShardGroup::Node, PLAIN, sgd);
+        let one = setup(ShardGroup::Node, Stage::One, 0);
+        let two = setup(ShardGroup::Node, Stage::Two, 40);
+        check::<f32>(world, per_node, two, each, adamw);
+        check::<f32>(world, per_node, one, PLAIN, sgd);
     }
 }
 
 #[test]
 fn world_shards_equal_ddp_and_the_same_optimizer() {
-    check(4, 2, ShardGroup::World, PLAIN, adamw);
-    check(3, 1, ShardGroup::World, PLAIN, sgd);
+    check::<f32>(4, 2, setup(ShardGroup::World, Stage::Two, 40), PLAIN, adamw);
+    check::<f32>(3, 1, setup(ShardGroup::World, Stage::One, 7), PLAIN, sgd);
 }
 
 #[test]
-fn accumulation_and_clipping_equal_those_of_the_full_gradient() {
+fn accumulation_missing_gradients_and_clipping_equal_those_of_the_full_gradient() {
     let accumulate = Feed {
         micro: 3,
-        max_norm: None,
+        skip: true,
+        ..PLAIN
     };
     // The averaged gradients' norms are a few units: 1.0 clips every step, 100 none.
     for max in [1.0, 100.0] {
         let clip = Feed {
             micro: 2,
             max_norm: Some(max),
+            ..PLAIN
         };
-        check(4, 2, ShardGroup::Node, clip, sgd);
-        check(4, 4, ShardGroup::World, clip, adamw);
+        check::<f32>(4, 2, setup(ShardGroup::Node, Stage::Two, 40), clip, sgd);
+        check::<f32>(4, 4, setup(ShardGroup::World, Stage::One, 0), clip, adamw);
     }
-    check(6, 3, ShardGroup::Node, accumulate, adamw);
+    for stage in [Stage::One, Stage::Two] {
+        check::<f32>(6, 3, setup(ShardGroup::Node, stage, 30), accumulate, adamw);
+    }
+}
+
+#[test]
+fn half_parameters_step_f32_masters() {
+    let two = setup(ShardGroup::Node, Stage::Two, 40);
+    check::<bf16>(4, 2, two, PLAIN, adamw);
+    check::<f16>(4, 2, setup(ShardGroup::World, Stage::One, 0), PLAIN, sgd);
 }
 
 #[test]
 fn state_shrinks_with_the_shard_group() {
     let out = spawn_world_on_nodes(4, 4, Config::default(), |comm| {
-        let mut params: Vec<Vec<f32>> = (0..LENS.len()).map(|p| init(0, p)).collect();
-        let mut views: Vec<&mut [f32]> = params.iter_mut().map(|p| p.as_mut_slice()).collect();
-        let cfg = ZeroConfig {
-            group: ShardGroup::Node,
-            align: 1,
-            max_grad_norm: None,
-        };
-        let zero = Zero::new(&comm, &mut views, hypers(), adamw(), cfg).unwrap();
-        Ok(zero.state_bytes())
+        let one = setup(ShardGroup::Node, Stage::One, 0);
+        let two = setup(ShardGroup::Node, Stage::Two, 40);
+        let (z1, _) = zero_on::<f32>(&comm, one, PLAIN, adamw);
+        let (mut z2, mut params) = zero_on::<f32>(&comm, two, PLAIN, adamw);
+        train(&mut z2, comm.rank(), PLAIN, &mut params, 0..1);
+        Ok((z1.state_bytes(), z1.grad_bytes(), z2.grad_bytes()))
     });
     let total: usize = LENS.iter().sum();
-    let bytes: Vec<usize> = out.into_iter().map(|r| r.unwrap()).collect();
-    // AdamW: two state vectors and the master weights, f32, over a quarter of the elements.
-    assert_eq!(bytes.iter().sum::<usize>(), 3 * 4 * total);
-    assert!(
-        bytes.iter().all(|&b| b <= 3 * 4 * total.div_ceil(4)),
-        "{bytes:?}"
-    );
+    let bytes: Vec<(usize, usize, usize)> = out.into_iter().map(|r| r.unwrap()).collect();
+    for &(state, g1, g2) in &bytes {
+        // AdamW: two state vectors and the master weights, f32, over a quarter of the
+        // elements (one bucket: padded to 4 x 4 x 4 elements at most).
+        assert!(state <= 3 * 4 * (total / 4 + 4), "{bytes:?}");
+        assert!(state * 4 >= 3 * 4 * total, "{bytes:?}");
+        // Stage 1 keeps every gradient; stage 2 its shard and two buckets of at most 100.
+        assert!(g1 >= 4 * total, "{bytes:?}");
+        assert!(g2 <= 4 * (total / 4 + 16 + 2 * 112), "{bytes:?}");
+    }
 }
 
 #[test]
-fn another_parameter_list_is_named() {
-    let out = spawn_world_on_nodes(2, 2, Config::default(), |comm| {
-        let mut params: Vec<Vec<f32>> = (0..LENS.len()).map(|p| init(0, p)).collect();
+fn another_parameter_list_fails_the_step_on_every_rank() {
+    let out = spawn_world_on_nodes(3, 3, Config::default(), |comm| {
+        let rank = comm.rank();
+        let two = setup(ShardGroup::Node, Stage::Two, 40);
+        let (mut zero, mut params) = zero_on::<f32>(&comm, two, PLAIN, sgd);
+        let grads: Vec<Vec<f32>> = (0..LENS.len()).map(|p| grad(rank, 0, p)).collect();
+        let mut g: Vec<&[f32]> = grads.iter().map(|g| g.as_slice()).collect();
+        if rank == 1 {
+            g.pop();
+        }
         let mut views: Vec<&mut [f32]> = params.iter_mut().map(|p| p.as_mut_slice()).collect();
-        let mut zero =
-            Zero::new(&comm, &mut views, hypers(), sgd(), ZeroConfig::default()).unwrap();
-        let g: Vec<&[f32]> = vec![&[0.0; 3]];
-        let e = zero.step(&mut views, &g).unwrap_err().to_string();
+        let e = zero.step_with(&mut views, &g).unwrap_err().to_string();
+        // The optimizer is unusable afterwards, and says why.
+        let again = zero.step(&mut views).unwrap_err().to_string();
+        Ok((e, again))
+    });
+    for (rank, r) in out.into_iter().enumerate() {
+        let (e, again) = r.unwrap();
+        assert!(e.starts_with(&format!("rank {rank}: zero step")), "{e}");
         assert!(
-            e.contains(&format!("rank {}: zero step", comm.rank())),
+            e.contains("rank 1: gradients of lengths [37, 5, 100]"),
             "{e}"
         );
-        Ok(())
-    });
-    for r in out {
-        r.unwrap();
+        assert!(e.contains("ranks 0, 2: step 1 of parameters"), "{e}");
+        assert!(again.contains("unusable after an earlier error"), "{again}");
     }
 }
