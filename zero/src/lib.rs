@@ -1,6 +1,6 @@
-//! oxccl-zero: node-local ZeRO. The sharded optimizer keeps each rank's optimizer state (stage
-//! 1) and gradients (stage 2) for one shard of the parameters of its shard group (by default the
-//! ranks of one node, [`ShardGroup::Node`]; [`ShardGroup::World`] for classic ZeRO), with
+//! oxccl-zero: node-local ZeRO. The sharded optimizer keeps each rank's optimizer state
+//! (stage 1) and gradients (stage 2) for one shard of the parameters of its shard group (by
+//! default the ranks of one node, [`ShardGroup::Node`]; [`ShardGroup::World`] for classic ZeRO), with
 //! replicas of every shard across the nodes, so the bytes a rank sends between nodes are those
 //! of a hierarchical all-reduce while its optimizer memory falls by the shard group's size.
 //!
