@@ -58,4 +58,4 @@ pub use elem::ParamElement;
 pub use error::{Result, ZeroError};
 pub use optim::{AdamW, Hyper, Sgd, ShardOptimizer};
 pub use shard::{Bucket, Piece, ShardLayout};
-pub use zero::{ShardGroup, Stage, Zero, ZeroConfig};
+pub use zero::{Overlap, ShardGroup, Stage, Zero, ZeroConfig};

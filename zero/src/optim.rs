@@ -126,13 +126,19 @@ impl ShardOptimizer for AdamW {
         let t = t.max(1).min(i32::MAX as u64) as i32;
         let c1 = 1.0 - self.beta1.powi(t);
         let c2 = 1.0 - self.beta2.powi(t);
-        for i in 0..n {
-            let g = grad[i];
-            master[i] *= 1.0 - h.lr * h.weight_decay;
-            m[i] = self.beta1 * m[i] + (1.0 - self.beta1) * g;
-            v[i] = self.beta2 * v[i] + (1.0 - self.beta2) * g * g;
-            let denom = (v[i] / c2).sqrt() + self.eps;
-            master[i] -= h.lr * (m[i] / c1) / denom;
+        let (b1, b2, eps) = (self.beta1, self.beta2, self.eps);
+        let decay = 1.0 - h.lr * h.weight_decay;
+        // Iterators, not indices: no bounds checks, so the loop vectorises.
+        let each = master
+            .iter_mut()
+            .zip(grad)
+            .zip(m.iter_mut().zip(v.iter_mut()));
+        for ((p, &g), (m, v)) in each {
+            *p *= decay;
+            *m = b1 * *m + (1.0 - b1) * g;
+            *v = b2 * *v + (1.0 - b2) * g * g;
+            let denom = (*v / c2).sqrt() + eps;
+            *p -= h.lr * (*m / c1) / denom;
         }
     }
 }

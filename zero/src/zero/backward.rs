@@ -5,7 +5,7 @@
 
 use std::collections::VecDeque;
 
-use oxccl_comm::ReduceOp;
+use oxccl_comm::{ReduceOp, Work};
 
 use super::{InFlight, Stage, Zero};
 use crate::elem::ParamElement;
@@ -15,6 +15,8 @@ use crate::shard::ShardLayout;
 /// The buckets' state through a step's micro-batches.
 pub(super) struct Backward {
     stage: Stage,
+    /// Collectives run while backward goes on (else on the caller's thread as buckets fill).
+    pub(super) overlap: bool,
     /// Micro-batches per step.
     pub(super) accumulate: usize,
     /// Micro-batches closed in this step.
@@ -33,6 +35,12 @@ pub(super) struct Backward {
     max_in_flight: usize,
     largest: usize,
     pub(super) in_flight: VecDeque<InFlight>,
+    /// Replica all-reduces in flight (last micro-batch): the bucket and the work on its chunk.
+    pub(super) reducing: VecDeque<(usize, Work<Vec<f32>>)>,
+    /// Free buffers of the replica all-reduces.
+    ar_pool: Vec<Vec<f32>>,
+    /// A chunk's reduce-scatter result, to add (`reduce_direct` after the first micro-batch).
+    scratch: Vec<f32>,
     /// The next bucket to launch in this micro-batch.
     next: usize,
     /// What this rank refused since the last step (reported to every rank at the step).
@@ -40,7 +48,12 @@ pub(super) struct Backward {
 }
 
 impl Backward {
-    pub(super) fn new(layout: &ShardLayout, stage: Stage, max_in_flight: usize) -> Backward {
+    pub(super) fn new(
+        layout: &ShardLayout,
+        stage: Stage,
+        max_in_flight: usize,
+        overlap: bool,
+    ) -> Backward {
         let g = layout.group();
         let buckets = layout.buckets();
         let bufs = buckets
@@ -49,6 +62,7 @@ impl Backward {
             .collect();
         Backward {
             stage,
+            overlap,
             accumulate: 1,
             micro: 0,
             open: false,
@@ -60,6 +74,9 @@ impl Backward {
             max_in_flight: max_in_flight.max(1),
             largest: buckets.iter().map(|b| b.padded(g)).max().unwrap_or(0),
             in_flight: VecDeque::new(),
+            reducing: VecDeque::new(),
+            ar_pool: Vec::new(),
+            scratch: Vec::new(),
             next: 0,
             fault: None,
         }
@@ -67,18 +84,20 @@ impl Backward {
 
     /// In the middle of a step.
     pub(super) fn busy(&self) -> bool {
-        self.open || self.micro > 0 || !self.in_flight.is_empty()
+        self.open || self.micro > 0 || !self.in_flight.is_empty() || !self.reducing.is_empty()
     }
 
-    /// f32 elements of the bucket buffers.
+    /// f32 elements of the bucket buffers and of the replica all-reduces' buffers.
     pub(super) fn buffer_elems(&self) -> usize {
-        match self.stage {
+        let buckets = match self.stage {
+            // An upper bound while buckets are in flight.
             Stage::One => {
-                self.bufs.iter().flatten().map(Vec::len).sum::<usize>()
-                    + self.in_flight.len() * self.largest
-            } // an upper bound while in flight
+                let held: usize = self.bufs.iter().flatten().map(Vec::len).sum();
+                held + self.in_flight.len() * self.largest
+            }
             Stage::Two => self.made * self.largest,
-        }
+        };
+        buckets + self.ar_pool.iter().map(Vec::capacity).sum::<usize>()
     }
 
     /// This micro-batch reduce-scatters its buckets.
@@ -129,6 +148,9 @@ impl<T: ParamElement> Zero<T> {
         }
         self.back.open = true;
         let (b, start) = self.layout.place(param);
+        if self.reduce_direct(param, b, grad)? {
+            return Ok(());
+        }
         self.ensure_buffer(b)?;
         let add = self.stage == Stage::One && self.back.micro > 0;
         let buf = self.back.bufs[b]
@@ -145,7 +167,72 @@ impl<T: ParamElement> Zero<T> {
         if self.back.communicates() {
             self.launch_ready();
         }
+        if self.back.overlap {
+            // Reduce-scatters done by now hand their chunks on (to the replicas, in the last
+            // micro-batch) while backward goes on.
+            while self
+                .back
+                .in_flight
+                .front()
+                .is_some_and(|f| f.work.is_done())
+            {
+                self.complete_oldest()?;
+            }
+        } else {
+            // Waited for at once: the caller's thread runs them (see `Work::wait`). The replicas'
+            // all-reduce waits for the step: a replica may not have launched its buckets yet
+            // (it launches the last ones in `step`, after the ranks agree).
+            while !self.back.in_flight.is_empty() {
+                self.complete_oldest()?;
+            }
+        }
         Ok(())
+    }
+
+    /// Without overlap, in stage 2, a gradient of f32 that is a bucket of its own without
+    /// padding and the next to launch is reduce-scattered straight from the caller's slice into
+    /// the shard's gradient (no copy into a bucket). Returns whether it was.
+    fn reduce_direct(&mut self, param: usize, b: usize, grad: &[T]) -> Result<bool> {
+        let bucket = &self.layout.buckets()[b];
+        let g32: Option<&[f32]> = bytemuck::try_cast_slice(grad).ok();
+        let alone = bucket.params.len() == 1 && bucket.len == bucket.padded(self.layout.group());
+        let ready = b == self.back.next && self.back.in_flight.is_empty();
+        let (Some(g32), true, true, true, false) = (
+            g32.filter(|_| T::DTYPE == oxccl_comm::DType::F32),
+            alone && ready,
+            self.stage == Stage::Two,
+            self.back.bufs[b].is_none(),
+            self.back.overlap,
+        ) else {
+            return Ok(false);
+        };
+        let range = bucket.shard_offset..bucket.shard_offset + bucket.chunk;
+        let r = if self.back.micro == 0 {
+            self.shard
+                .reduce_scatter_into(g32, &mut self.grad[range], ReduceOp::Sum)
+        } else {
+            let mut tmp = std::mem::take(&mut self.back.scratch);
+            tmp.resize(bucket.chunk, 0.0);
+            let r = self.shard.reduce_scatter_into(g32, &mut tmp, ReduceOp::Sum);
+            self.grad[range]
+                .iter_mut()
+                .zip(&tmp)
+                .for_each(|(d, s)| *d += s);
+            self.back.scratch = tmp;
+            r
+        };
+        if let Err(e) = r {
+            self.poisoned = Some(format!("a reduce-scatter failed: {e}"));
+            return Err(e.into());
+        }
+        self.back.given[param] = true;
+        self.back.pending[b] = 0;
+        self.back.next += 1;
+        self.launch_ready();
+        while !self.back.in_flight.is_empty() {
+            self.complete_oldest()?;
+        }
+        Ok(true)
     }
 
     /// Every parameter's gradient of this micro-batch at once (frameworks that hand back all
@@ -175,10 +262,13 @@ impl<T: ParamElement> Zero<T> {
         // Buckets before `next` are launched: every member was given.
         for b in self.back.next..self.layout.buckets().len() {
             self.ensure_buffer(b)?;
-            // Stage 1's buffers hold the last step's sums until the first micro-batch writes.
-            if self.stage == Stage::One && self.back.micro == 0 {
+            // Stage 1's buffers hold the last step's sums until the first micro-batch writes,
+            // stage 2's what their last bucket left.
+            if self.stage == Stage::Two || self.back.micro == 0 {
                 let bucket = &self.layout.buckets()[b];
-                let buf = self.back.bufs[b].as_mut().expect("stage 1 buffers");
+                let buf = self.back.bufs[b]
+                    .as_mut()
+                    .expect("a bucket not launched has a buffer");
                 for (&p, &start) in bucket.params.iter().zip(&bucket.starts) {
                     if !self.back.given[p] {
                         buf[start..start + self.layout.lens()[p]].fill(0.0);
@@ -220,7 +310,7 @@ impl<T: ParamElement> Zero<T> {
         }
     }
 
-    /// Stage 2: gives bucket `b` a zeroed buffer for this micro-batch, if it has none: a free
+    /// Stage 2: gives bucket `b` a buffer for this micro-batch, if it has none: a free
     /// one, a new one while fewer than `buckets_in_flight` exist (or none is in flight), else
     /// the oldest in flight's once it is done.
     fn ensure_buffer(&mut self, b: usize) -> Result<()> {
@@ -236,9 +326,12 @@ impl<T: ParamElement> Zero<T> {
                 self.back.pool.push(Vec::with_capacity(self.back.largest));
             }
         }
+        // Gradients are copied in; the parameters without one are zeroed when the micro-batch
+        // closes, the padding here.
         let mut buf = self.back.pool.pop().expect("a free buffer");
-        buf.clear();
-        buf.resize(self.layout.buckets()[b].padded(self.layout.group()), 0.0);
+        let bucket = &self.layout.buckets()[b];
+        buf.resize(bucket.padded(self.layout.group()), 0.0);
+        buf[bucket.len..].fill(0.0);
         self.back.bufs[b] = Some(buf);
         Ok(())
     }
@@ -268,6 +361,35 @@ impl<T: ParamElement> Zero<T> {
         match self.stage {
             Stage::One => self.back.bufs[f.bucket] = Some(buf),
             Stage::Two => self.back.pool.push(buf),
+        }
+        // The step's sum of this chunk is complete: all-reduce it across the replicas (with
+        // overlap; without, the step all-reduces the whole shard at once).
+        let last = f.micro + 1 == self.back.accumulate;
+        if let Some(rep) = self.replica.as_ref().filter(|_| last && self.back.overlap) {
+            let range = bucket.shard_offset..bucket.shard_offset + bucket.chunk;
+            let mut v = self.back.ar_pool.pop().unwrap_or_default();
+            v.clear();
+            v.extend_from_slice(&self.grad[range]);
+            let work = rep.all_reduce_async(v, ReduceOp::Sum);
+            self.back.reducing.push_back((f.bucket, work));
+        }
+        Ok(())
+    }
+
+    /// Waits for the replica all-reduces, in order, and moves each chunk's sum into the
+    /// shard's gradient.
+    pub(super) fn finish_replicas(&mut self) -> Result<()> {
+        while let Some((b, work)) = self.back.reducing.pop_front() {
+            let v = match work.wait() {
+                Ok(v) => v,
+                Err(e) => {
+                    self.poisoned = Some(format!("a replica all-reduce failed: {e}"));
+                    return Err(e.into());
+                }
+            };
+            let bucket = &self.layout.buckets()[b];
+            self.grad[bucket.shard_offset..bucket.shard_offset + bucket.chunk].copy_from_slice(&v);
+            self.back.ar_pool.push(v);
         }
         Ok(())
     }

@@ -111,14 +111,10 @@ impl<T: ParamElement> Zero<T> {
         }
         self.t = full.step;
         self.grad.fill(0.0);
-        for (m, w) in self.mine.iter_mut().zip(&self.master) {
-            *m = T::from_f32(*w);
-        }
-        if let Err(e) = self.shard.all_gather_into(&self.mine, &mut self.gathered) {
+        if let Err(e) = self.gather(params, false) {
             self.poisoned = Some(format!("a load failed part-way: {e}"));
-            return Err(e.into());
+            return Err(e);
         }
-        self.write_params(params);
         Ok(())
     }
 }

@@ -48,6 +48,25 @@ pub enum Stage {
     Two,
 }
 
+/// Whether the buckets' collectives run during backward (as DDP's `Overlap`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Overlap {
+    /// [`Overlap::On`] where every rank's node has 2 CPUs or more for each of its ranks
+    /// (`comm.stats().node_holds(2)`, agreed between the ranks), [`Overlap::Off`] otherwise:
+    /// host collectives are CPU work, and where every CPU already runs a rank's backward the
+    /// two would take turns on the same CPUs.
+    #[default]
+    Auto,
+    /// A full bucket's reduce-scatter (and, at the last micro-batch, its chunk's all-reduce
+    /// across the replicas) start at once and run on the communicators' progress threads while
+    /// backward goes on.
+    On,
+    /// A full bucket is reduce-scattered (and its chunk all-reduced across the replicas) on the
+    /// caller's thread before `grad_ready` returns: backward pauses, memory stays that of the
+    /// buckets in flight.
+    Off,
+}
+
 /// Settings of [`Zero`].
 #[derive(Clone, Debug)]
 pub struct ZeroConfig {
@@ -58,8 +77,11 @@ pub struct ZeroConfig {
     /// Elements per gradient bucket (parameters in reverse order, a larger one alone; 0: one
     /// bucket, reduced after backward). Default 6.5 M (25 MiB of f32, DDP's default).
     pub bucket_elems: usize,
-    /// Stage 2: buckets reduced at once; a further one waits for the oldest.
+    /// Buckets reduce-scattered (stage 2) and all-gathered at once; a further one waits for the
+    /// oldest. Default 2.
     pub buckets_in_flight: usize,
+    /// Whether the collectives overlap backward (default [`Overlap::Auto`]).
+    pub overlap: Overlap,
     /// Chunks of a bucket are a multiple of this many elements.
     pub align: usize,
     /// Clip the averaged gradient to this global L2 norm (PyTorch's `clip_grad_norm_`: scaled by
@@ -74,7 +96,8 @@ impl Default for ZeroConfig {
             group: ShardGroup::Node,
             stage: Stage::Two,
             bucket_elems: 25 << 20 >> 2,
-            buckets_in_flight: 4,
+            buckets_in_flight: 2,
+            overlap: Overlap::Auto,
             align: 16,
             max_grad_norm: None,
         }
@@ -103,8 +126,8 @@ pub struct Zero<T: ParamElement = f32> {
     stage: Stage,
     /// This rank's pieces of the parameters, in shard order.
     pieces: Vec<Piece>,
-    /// Every shard rank's pieces, to write the gathered parameters.
-    all_pieces: Vec<Vec<Piece>>,
+    /// Per bucket: its pieces' indices in `pieces`.
+    bucket_pieces: Vec<std::ops::Range<usize>>,
     hypers: Vec<Hyper>,
     opt: Box<dyn ShardOptimizer>,
     /// f32 master weights of the shard (padding included, held at 0).
@@ -118,8 +141,9 @@ pub struct Zero<T: ParamElement = f32> {
     last_norm: Option<f64>,
     /// Why this optimizer refuses further calls (a step failed part-way).
     poisoned: Option<String>,
-    mine: Vec<T>,
-    gathered: Vec<T>,
+    /// Buffers of the parameters' all-gathers (one bucket each).
+    gather_pool: Vec<Vec<T>>,
+    buckets_in_flight: usize,
 }
 
 impl<T: ParamElement> std::fmt::Debug for Zero<T> {
@@ -163,12 +187,13 @@ impl<T: ParamElement> Zero<T> {
             )
         });
         let call = format!(
-            "parameters {lens:?} of {:?}, {:?}, {:?}, stage {:?}, buckets of {}, align {}, \
-             {} with {} state per element, clip {:?}",
+            "parameters {lens:?} of {:?}, {:?}, {:?}, stage {:?}, overlap {:?}, buckets of {}, \
+             align {}, {} with {} state per element, clip {:?}",
             T::DTYPE,
             hypers,
             cfg.group,
             cfg.stage,
+            cfg.overlap,
             cfg.bucket_elems,
             cfg.align,
             opt.name(),
@@ -179,16 +204,17 @@ impl<T: ParamElement> Zero<T> {
         let (shard, replica) = groups(comm, cfg.group)?;
         let writer = replica.as_ref().is_none_or(|r| r.rank() == 0);
         let layout = ShardLayout::bucketed(&lens, shard.size(), cfg.align, cfg.bucket_elems);
-        // Rank 0's parameters, laid end to end, into every rank's.
-        let mut flat: Vec<T> = params.iter().flat_map(|p| p.iter().copied()).collect();
-        comm.broadcast(&mut flat, 0)?;
-        let mut off = 0;
-        for p in params.iter_mut() {
-            p.copy_from_slice(&flat[off..off + p.len()]);
-            off += p.len();
-        }
-        let all_pieces: Vec<Vec<Piece>> = (0..shard.size()).map(|r| layout.pieces(r)).collect();
-        let pieces = all_pieces[shard.rank()].clone();
+        broadcast_params(comm, &layout, params)?;
+        let pieces = layout.pieces(shard.rank());
+        let bucket_pieces = layout
+            .buckets()
+            .iter()
+            .map(|b| {
+                let inside = |pc: &Piece| pc.shard_offset < b.shard_offset + b.chunk;
+                let first = pieces.partition_point(|pc| pc.shard_offset < b.shard_offset);
+                first..first + pieces[first..].iter().take_while(|pc| inside(pc)).count()
+            })
+            .collect();
         let n = layout.shard_len();
         let mut master = vec![0.0f32; n];
         for pc in &pieces {
@@ -196,21 +222,29 @@ impl<T: ParamElement> Zero<T> {
             let dst = &mut master[pc.shard_offset..pc.shard_offset + pc.len];
             dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32());
         }
-        let back = backward::Backward::new(&layout, cfg.stage, cfg.buckets_in_flight);
+        // Overlap::Auto: on where no rank's node is short of CPUs (decided alike everywhere).
+        let mut short = [u64::from(!comm.stats().node_holds(2))];
+        check.all_reduce(&mut short, ReduceOp::Max)?;
+        let overlap = match cfg.overlap {
+            Overlap::Auto => short[0] == 0,
+            Overlap::On => true,
+            Overlap::Off => false,
+        };
+        let back = backward::Backward::new(&layout, cfg.stage, cfg.buckets_in_flight, overlap);
         Ok(Zero {
             rank,
             world: comm.size(),
             state: vec![0.0f32; opt.state_per_elem() * n],
             grad: vec![0.0f32; n],
-            mine: vec![T::from_f32(0.0); n],
-            gathered: vec![T::from_f32(0.0); layout.padded()],
+            gather_pool: Vec::new(),
+            buckets_in_flight: cfg.buckets_in_flight.max(1),
             shard,
             replica,
             check,
             writer,
             stage: cfg.stage,
             pieces,
-            all_pieces,
+            bucket_pieces,
             layout,
             hypers,
             opt,
@@ -243,9 +277,15 @@ impl<T: ParamElement> Zero<T> {
         Ok(())
     }
 
-    /// Optimizer-state bytes this rank holds: the f32 state and master weights of its shard.
+    /// Optimizer-state bytes this rank holds: the f32 state of its shard (AdamW's two moments,
+    /// SGD's momentum), padding included.
     pub fn state_bytes(&self) -> usize {
-        (self.state.len() + self.master.len()) * 4
+        self.state.len() * 4
+    }
+
+    /// Bytes of this rank's f32 master weights (its shard, padding included).
+    pub fn master_bytes(&self) -> usize {
+        self.master.len() * 4
     }
 
     /// Gradient bytes this rank holds: stage 1 the full gradients (every bucket) and the
@@ -284,6 +324,27 @@ impl<T: ParamElement> Zero<T> {
             Some(why) => Err(self.invalid(op, format!("unusable after an earlier error: {why}"))),
         }
     }
+}
+
+/// Rank 0's parameters into every rank's, a bucket at a time (laid end to end).
+fn broadcast_params<T: ParamElement>(
+    comm: &Communicator,
+    layout: &ShardLayout,
+    params: &mut [&mut [T]],
+) -> Result<()> {
+    let mut flat: Vec<T> = Vec::new();
+    for b in layout.buckets() {
+        flat.clear();
+        for &p in &b.params {
+            flat.extend_from_slice(params[p]);
+        }
+        comm.broadcast(&mut flat, 0)?;
+        for (&p, &start) in b.params.iter().zip(&b.starts) {
+            let n = params[p].len();
+            params[p].copy_from_slice(&flat[start..start + n]);
+        }
+    }
+    Ok(())
 }
 
 /// The shard group and replica group of `comm`.

@@ -49,6 +49,7 @@ impl<T: ParamElement> Zero<T> {
             while !self.back.in_flight.is_empty() {
                 let _ = self.complete_oldest();
             }
+            let _ = self.finish_replicas();
             self.poisoned = Some(e.to_string());
             return Err(e);
         }
@@ -56,8 +57,7 @@ impl<T: ParamElement> Zero<T> {
         while !self.back.in_flight.is_empty() {
             self.complete_oldest()?;
         }
-        self.update()?;
-        self.write_params(params);
+        self.update(params)?;
         Ok(true)
     }
 
@@ -71,18 +71,22 @@ impl<T: ParamElement> Zero<T> {
         self.step(params)
     }
 
-    /// The shard's gradient averaged over every rank, clipped, and the optimizer on the shard;
-    /// the updated shard all-gathered.
-    fn update(&mut self) -> Result<()> {
-        let r = self.reduce_and_update();
+    /// The shard's gradient averaged over every rank, clipped; then bucket by bucket, the
+    /// optimizer on the bucket's pieces and the bucket's all-gather into `params`.
+    fn update(&mut self, params: &mut [&mut [T]]) -> Result<()> {
+        let r = self.reduce_and_clip().and_then(|()| {
+            self.t += 1;
+            self.gather(params, true)
+        });
         if let Err(e) = &r {
             self.poisoned = Some(format!("a step failed part-way: {e}"));
         }
         r
     }
 
-    fn reduce_and_update(&mut self) -> Result<()> {
-        if let Some(rep) = &self.replica {
+    fn reduce_and_clip(&mut self) -> Result<()> {
+        self.finish_replicas()?;
+        if let Some(rep) = self.replica.as_ref().filter(|_| !self.back.overlap) {
             rep.all_reduce(&mut self.grad, ReduceOp::Sum)?;
         }
         let world = self.world as f32;
@@ -90,36 +94,77 @@ impl<T: ParamElement> Zero<T> {
         if let Some(max) = self.max_grad_norm {
             self.clip(max)?;
         }
-        self.t += 1;
-        let per = self.opt.state_per_elem();
-        for piece in &self.pieces {
-            let (a, b) = (piece.shard_offset, piece.shard_offset + piece.len);
-            // Each piece steps alone with its parameter's hyper-parameters; its state is `per`
-            // elements for each of its own, at `per * a` (the pieces are disjoint).
-            self.opt.step(
-                self.t,
-                self.hypers[piece.param],
-                &mut self.master[a..b],
-                &self.grad[a..b],
-                &mut self.state[per * a..per * b],
-            );
-        }
-        for (m, w) in self.mine.iter_mut().zip(&self.master) {
-            *m = T::from_f32(*w);
-        }
-        self.shard.all_gather_into(&self.mine, &mut self.gathered)?;
         Ok(())
     }
 
-    /// Every rank's pieces, from the gathered shards, into `params`.
-    pub(super) fn write_params(&self, params: &mut [&mut [T]]) {
-        let n = self.layout.shard_len();
-        for (r, pieces) in self.all_pieces.iter().enumerate() {
-            for pc in pieces {
-                let src = &self.gathered[r * n + pc.shard_offset..][..pc.len];
-                params[pc.param][pc.param_offset..pc.param_offset + pc.len].copy_from_slice(src);
+    /// Bucket by bucket: the optimizer on its pieces (with `step`), its chunk of the master
+    /// weights rounded to `T` and all-gathered (asynchronously, at most `buckets_in_flight` at
+    /// once, so the optimizer on the next bucket overlaps the all-gather of this one), each
+    /// gathered bucket (the parameters laid end to end) copied into `params`.
+    pub(super) fn gather(&mut self, params: &mut [&mut [T]], step: bool) -> Result<()> {
+        let mut in_flight = std::collections::VecDeque::new();
+        let (g, r) = (self.layout.group(), self.shard.rank());
+        for b in 0..self.layout.buckets().len() {
+            if step {
+                self.step_bucket(b);
+            }
+            let bucket = &self.layout.buckets()[b];
+            if let ([p], true) = (bucket.params.as_slice(), bucket.len == bucket.padded(g)) {
+                // One parameter and no padding: gathered in place, in the parameter itself.
+                let (p, chunk) = (*p, bucket.chunk);
+                let src = &self.master[bucket.shard_offset..bucket.shard_offset + chunk];
+                let dst = &mut params[p][r * chunk..(r + 1) * chunk];
+                dst.iter_mut()
+                    .zip(src)
+                    .for_each(|(d, s)| *d = T::from_f32(*s));
+                self.shard.all_gather(params[p])?;
+                continue;
+            }
+            // The all-gather overwrites every chunk but this rank's, which is written here.
+            let mut buf = self.gather_pool.pop().unwrap_or_default();
+            buf.resize(bucket.padded(g), T::from_f32(0.0));
+            let src = &self.master[bucket.shard_offset..bucket.shard_offset + bucket.chunk];
+            let dst = &mut buf[r * bucket.chunk..(r + 1) * bucket.chunk];
+            dst.iter_mut()
+                .zip(src)
+                .for_each(|(d, s)| *d = T::from_f32(*s));
+            in_flight.push_back((b, self.shard.all_gather_async(buf)));
+            if in_flight.len() >= self.buckets_in_flight {
+                let (b, work) = in_flight.pop_front().expect("in flight");
+                self.write_bucket(b, work.wait()?, params);
             }
         }
+        while let Some((b, work)) = in_flight.pop_front() {
+            self.write_bucket(b, work.wait()?, params);
+        }
+        Ok(())
+    }
+
+    /// The optimizer on bucket `b`'s pieces of this rank's shard, each with its parameter's
+    /// hyper-parameters; a piece's state is `per` elements for each of its own, at `per * a`
+    /// (the pieces are disjoint).
+    fn step_bucket(&mut self, b: usize) {
+        let per = self.opt.state_per_elem();
+        for piece in &self.pieces[self.bucket_pieces[b].clone()] {
+            let (a, z) = (piece.shard_offset, piece.shard_offset + piece.len);
+            self.opt.step(
+                self.t,
+                self.hypers[piece.param],
+                &mut self.master[a..z],
+                &self.grad[a..z],
+                &mut self.state[per * a..per * z],
+            );
+        }
+    }
+
+    /// A gathered bucket (its parameters end to end) into `params`; the buffer back to the pool.
+    fn write_bucket(&mut self, b: usize, buf: Vec<T>, params: &mut [&mut [T]]) {
+        let bucket = &self.layout.buckets()[b];
+        for (&p, &start) in bucket.params.iter().zip(&bucket.starts) {
+            let n = params[p].len();
+            params[p].copy_from_slice(&buf[start..start + n]);
+        }
+        self.gather_pool.push(buf);
     }
 
     /// Scales the averaged shard so that the global norm is at most `max`.

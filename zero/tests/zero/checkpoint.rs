@@ -5,12 +5,11 @@
 use std::path::{Path, PathBuf};
 
 use oxccl_comm::harness::spawn_world_on_nodes;
-use oxccl_comm::Config;
-use oxccl_zero::{consolidate, FullState, ShardGroup, Stage};
+use oxccl_zero::{consolidate, FullState, Overlap, ShardGroup, Stage};
 
 use crate::{
-    adamw, assert_close, fresh_states, init, reference_from, sgd, train, zero_on, Setup, LENS,
-    PLAIN,
+    adamw, assert_close, fresh_states, init, reference_from, sgd, test_config, train, zero_on,
+    Setup, LENS, PLAIN,
 };
 
 /// A directory of its own under the temporary directory, removed when dropped.
@@ -45,8 +44,9 @@ fn run(
         group: ShardGroup::Node,
         stage,
         bucket: 40,
+        overlap: Overlap::Auto,
     };
-    let out = spawn_world_on_nodes(world, world, Config::default(), |comm| {
+    let out = spawn_world_on_nodes(world, world, test_config(), |comm| {
         let (mut zero, mut params) = zero_on::<f32>(&comm, setup, PLAIN, adamw);
         if let Some(dir) = load {
             let mut views: Vec<&mut [f32]> = params.iter_mut().map(|p| p.as_mut_slice()).collect();
@@ -120,9 +120,10 @@ fn a_checkpoint_of_another_optimizer_or_none_fails_on_every_rank() {
         group: ShardGroup::Node,
         stage: Stage::One,
         bucket: 0,
+        overlap: Overlap::Auto,
     };
     let missing = dir.0.join("nothing-here");
-    let out = spawn_world_on_nodes(3, 3, Config::default(), |comm| {
+    let out = spawn_world_on_nodes(3, 3, test_config(), |comm| {
         let (mut zero, mut params) = zero_on::<f32>(&comm, setup, PLAIN, sgd);
         let mut views: Vec<&mut [f32]> = params.iter_mut().map(|p| p.as_mut_slice()).collect();
         let other = zero.load(&dir.0, &mut views).unwrap_err().to_string();

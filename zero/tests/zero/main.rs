@@ -8,10 +8,18 @@ use half::{bf16, f16};
 use oxccl_comm::harness::spawn_world_on_nodes;
 use oxccl_comm::{Communicator, Config};
 use oxccl_zero::{
-    AdamW, Hyper, ParamElement, Sgd, ShardGroup, ShardOptimizer, Stage, Zero, ZeroConfig,
+    AdamW, Hyper, Overlap, ParamElement, Sgd, ShardGroup, ShardOptimizer, Stage, Zero, ZeroConfig,
 };
 
-pub(crate) const LENS: [usize; 4] = [37, 5, 100, 1];
+/// The communicators' settings: a deadline of a minute (a hang fails in time).
+pub(crate) fn test_config() -> Config {
+    Config {
+        timeout: std::time::Duration::from_secs(60),
+        ..Config::default()
+    }
+}
+
+pub(crate) const LENS: [usize; 4] = [37, 5, 96, 1];
 const STEPS: usize = 10;
 
 pub(crate) fn hypers() -> Vec<Hyper> {
@@ -165,6 +173,7 @@ pub(crate) struct Setup {
     pub(crate) stage: Stage,
     /// Elements per bucket (0: one bucket).
     pub(crate) bucket: usize,
+    pub(crate) overlap: Overlap,
 }
 
 pub(crate) fn config(setup: Setup, feed: Feed) -> ZeroConfig {
@@ -173,6 +182,7 @@ pub(crate) fn config(setup: Setup, feed: Feed) -> ZeroConfig {
         stage: setup.stage,
         bucket_elems: setup.bucket,
         buckets_in_flight: 2,
+        overlap: setup.overlap,
         align: 4,
         max_grad_norm: feed.max_norm,
     }
@@ -219,7 +229,7 @@ fn check<T: ParamElement>(
     make: fn() -> Box<dyn ShardOptimizer>,
 ) {
     let want = reference(world, feed, make().as_mut());
-    let out = spawn_world_on_nodes(world, per_node, Config::default(), |comm| {
+    let out = spawn_world_on_nodes(world, per_node, test_config(), |comm| {
         let rank = comm.rank();
         let (mut zero, mut params) = zero_on::<T>(&comm, setup, feed, make);
         train(&mut zero, rank, feed, &mut params, 0..STEPS);
@@ -249,12 +259,22 @@ pub(crate) fn sgd() -> Box<dyn ShardOptimizer> {
     })
 }
 
+/// Stage 2 overlaps backward, stage 1 does not (both are tested with both below).
 const fn setup(group: ShardGroup, stage: Stage, bucket: usize) -> Setup {
     Setup {
         group,
         stage,
         bucket,
+        overlap: match stage {
+            Stage::One => Overlap::Off,
+            Stage::Two => Overlap::On,
+        },
     }
+}
+
+/// `s` with `overlap`.
+const fn with(s: Setup, overlap: Overlap) -> Setup {
+    Setup { overlap, ..s }
 }
 
 #[test]
@@ -296,8 +316,9 @@ fn accumulation_missing_gradients_and_clipping_equal_those_of_the_full_gradient(
         check::<f32>(4, 2, setup(ShardGroup::Node, Stage::Two, 40), clip, sgd);
         check::<f32>(4, 4, setup(ShardGroup::World, Stage::One, 0), clip, adamw);
     }
-    for stage in [Stage::One, Stage::Two] {
-        check::<f32>(6, 3, setup(ShardGroup::Node, stage, 30), accumulate, adamw);
+    for (stage, overlap) in [(Stage::One, Overlap::On), (Stage::Two, Overlap::Off)] {
+        let s = with(setup(ShardGroup::Node, stage, 30), overlap);
+        check::<f32>(6, 3, s, accumulate, adamw);
     }
 }
 
@@ -310,21 +331,27 @@ fn half_parameters_step_f32_masters() {
 
 #[test]
 fn state_shrinks_with_the_shard_group() {
-    let out = spawn_world_on_nodes(4, 4, Config::default(), |comm| {
+    let out = spawn_world_on_nodes(4, 4, test_config(), |comm| {
         let one = setup(ShardGroup::Node, Stage::One, 0);
         let two = setup(ShardGroup::Node, Stage::Two, 40);
         let (z1, _) = zero_on::<f32>(&comm, one, PLAIN, adamw);
         let (mut z2, mut params) = zero_on::<f32>(&comm, two, PLAIN, adamw);
         train(&mut z2, comm.rank(), PLAIN, &mut params, 0..1);
-        Ok((z1.state_bytes(), z1.grad_bytes(), z2.grad_bytes()))
+        Ok((
+            z1.state_bytes(),
+            z1.master_bytes(),
+            z1.grad_bytes(),
+            z2.grad_bytes(),
+        ))
     });
     let total: usize = LENS.iter().sum();
-    let bytes: Vec<(usize, usize, usize)> = out.into_iter().map(|r| r.unwrap()).collect();
-    for &(state, g1, g2) in &bytes {
-        // AdamW: two state vectors and the master weights, f32, over a quarter of the
-        // elements (one bucket: padded to 4 x 4 x 4 elements at most).
-        assert!(state <= 3 * 4 * (total / 4 + 4), "{bytes:?}");
-        assert!(state * 4 >= 3 * 4 * total, "{bytes:?}");
+    let bytes: Vec<_> = out.into_iter().map(|r| r.unwrap()).collect();
+    for &(state, master, g1, g2) in &bytes {
+        // AdamW: two f32 state vectors over a quarter of the elements (one bucket: padded to
+        // 4 x 4 x 4 elements at most), and the f32 master weights of that quarter.
+        assert!(state <= 2 * 4 * (total / 4 + 4), "{bytes:?}");
+        assert!(state * 4 >= 2 * 4 * total, "{bytes:?}");
+        assert_eq!(master * 2, state, "{bytes:?}");
         // Stage 1 keeps every gradient; stage 2 its shard and two buckets of at most 100.
         assert!(g1 >= 4 * total, "{bytes:?}");
         assert!(g2 <= 4 * (total / 4 + 16 + 2 * 112), "{bytes:?}");
@@ -333,7 +360,7 @@ fn state_shrinks_with_the_shard_group() {
 
 #[test]
 fn another_parameter_list_fails_the_step_on_every_rank() {
-    let out = spawn_world_on_nodes(3, 3, Config::default(), |comm| {
+    let out = spawn_world_on_nodes(3, 3, test_config(), |comm| {
         let rank = comm.rank();
         let two = setup(ShardGroup::Node, Stage::Two, 40);
         let (mut zero, mut params) = zero_on::<f32>(&comm, two, PLAIN, sgd);
@@ -352,7 +379,7 @@ fn another_parameter_list_fails_the_step_on_every_rank() {
         let (e, again) = r.unwrap();
         assert!(e.starts_with(&format!("rank {rank}: zero step")), "{e}");
         assert!(
-            e.contains("rank 1: gradients of lengths [37, 5, 100]"),
+            e.contains("rank 1: gradients of lengths [37, 5, 96]"),
             "{e}"
         );
         assert!(e.contains("ranks 0, 2: step 1 of parameters"), "{e}");
