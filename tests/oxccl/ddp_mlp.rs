@@ -28,7 +28,7 @@
 
 #[path = "../../examples/mlp/mod.rs"]
 #[allow(dead_code)]
-mod mlp;
+pub(crate) mod mlp;
 
 use std::time::Duration;
 

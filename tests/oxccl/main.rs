@@ -1,8 +1,8 @@
 //! The `oxccl` package's integration tests, in one test binary: one module per area (`launch`,
 //! `perf`, `topo` and `trace` run the `oxccl` binary; `multiprocess` and `multinode` start ranks
-//! as processes, the latter in network namespaces; `ddp_mlp`, `moe_example`, `survive_example`
-//! and `replace_example` check the examples' code as threads and as processes), and `common`,
-//! the rank side of the scenarios and the helpers to start ranks.
+//! as processes, the latter in network namespaces; `ddp_mlp`, `moe_example`, `survive_example`,
+//! `replace_example` and `zero_mlp` check the examples' code as threads and as processes), and
+//! `common`, the rank side of the scenarios and the helpers to start ranks.
 //!
 //! This binary is also the rank program of the tests that start ranks as processes: they run
 //! `<this binary> rank_entry --exact --nocapture ...` ([`common::rank_cmd`]) with a variable
@@ -19,20 +19,22 @@ mod replace_example;
 mod survive_example;
 mod topo;
 mod trace;
+mod zero_mlp;
 
 /// The rank program: does nothing in a normal test run; started as a rank, it plays what the
 /// one variable set names: a scenario of `common` (`OXCCL_TEST_SCENARIO`, for `multiprocess`,
 /// `multinode` and `trace`), a DDP rank (`OXCCL_TEST_DDP`), the MoE exchange
-/// (`OXCCL_TEST_MOE`), or the steps of example 04 (`OXCCL_TEST_SURVIVE`) or 05
-/// (`OXCCL_TEST_REPLACE`).
+/// (`OXCCL_TEST_MOE`), the steps of example 04 (`OXCCL_TEST_SURVIVE`) or 05
+/// (`OXCCL_TEST_REPLACE`), or a ZeRO rank (`OXCCL_TEST_ZERO`).
 #[test]
 fn rank_entry() {
-    let programs: [(&str, fn()); 5] = [
+    let programs: [(&str, fn()); 6] = [
         (common::SCENARIO, common::play_scenario),
         ("OXCCL_TEST_DDP", ddp_mlp::play_rank),
         ("OXCCL_TEST_MOE", moe_example::play_rank),
         ("OXCCL_TEST_SURVIVE", survive_example::play_rank),
         ("OXCCL_TEST_REPLACE", replace_example::play_rank),
+        ("OXCCL_TEST_ZERO", zero_mlp::play_rank),
     ];
     let set: Vec<&(&str, fn())> = programs
         .iter()

@@ -261,9 +261,16 @@ impl Job {
 
 /// Runs the rank program with `scenario` on 2 nodes x 2 ranks and waits (at most `limit`).
 fn run_ranks(tag: &str, scenario: &str, env: &[(&str, &str)], limit: Duration) -> Finished {
-    let prefix = prefix(tag);
     let mut env = env.to_vec();
     env.push((SCENARIO, scenario));
+    run_program(tag, &env, limit)
+}
+
+/// Runs the rank program on 2 nodes x 2 ranks with `env` (naming what the ranks play) and
+/// waits (at most `limit`).
+fn run_program(tag: &str, env: &[(&str, &str)], limit: Duration) -> Finished {
+    let prefix = prefix(tag);
+    let mut env = env.to_vec();
     if !env.iter().any(|(k, _)| *k == "OXCCL_TIMEOUT") {
         env.push(("OXCCL_TIMEOUT", "60"));
     }
@@ -324,6 +331,32 @@ fn every_collective_is_correct_across_two_nodes() {
             done.stdout
                 .contains(&format!("[node {node}] [{r}] RESULT rank={r} ok")),
             "rank {r} not reported by node {node}: {}",
+            done.show()
+        );
+    }
+}
+
+/// Node-local ZeRO-2 training the MLP (tests/oxccl/zero_mlp.rs, checked against one process
+/// after every step, replicas compared at the end) on 2 nodes x 2 ranks: each node's ranks are
+/// a shard group (shared memory), the ranks with the same local rank a replica group (TCP
+/// between the namespaces).
+#[test]
+fn node_local_zero_across_two_nodes() {
+    let done = run_program(
+        "zero",
+        &[("OXCCL_TEST_ZERO", "4")],
+        Duration::from_secs(120),
+    );
+    if skipped(&done) {
+        return;
+    }
+    assert_eq!(done.code, Some(0), "{}", done.show());
+    let res = results_of(&done.stdout);
+    for r in 0..4 {
+        let want = format!("{r} ok node={} shard={}", r / 2, r % 2);
+        assert!(
+            res.get(&r).is_some_and(|l| l.starts_with(&want)),
+            "rank {r}: {}",
             done.show()
         );
     }
