@@ -333,6 +333,53 @@ template <typename S, typename D> __device__ void cast_elems(D* dst, const S* sr
     }
 }
 
+// ---- Optimizers on f32 master weights (sharded optimizers: oxccl-zero) ----------------------
+//
+// OXCCL_OPTIM_BEGIN
+// One element of AdamW and of SGD, in the order and rounding of the host's (oxccl-zero's
+// optim.rs): every operation an explicit round-to-nearest intrinsic, so that no multiply-add is
+// contracted into an FMA and a device step equals the host's bit for bit. The scalars the
+// host computes once per step (1 - lr * wd, the bias corrections, 1 - beta) are arguments.
+__device__ __forceinline__ void adamw_elem(float* p, float g, float* m, float* v, float lr,
+                                           float decay, float b1, float omb1, float b2,
+                                           float omb2, float eps, float c1, float c2) {
+    float w = __fmul_rn(*p, decay);
+    float mm = __fadd_rn(__fmul_rn(b1, *m), __fmul_rn(omb1, g));
+    float vv = __fadd_rn(__fmul_rn(b2, *v), __fmul_rn(__fmul_rn(omb2, g), g));
+    float denom = __fadd_rn(__fsqrt_rn(__fdiv_rn(vv, c2)), eps);
+    *m = mm;
+    *v = vv;
+    *p = __fsub_rn(w, __fdiv_rn(__fmul_rn(lr, __fdiv_rn(mm, c1)), denom));
+}
+
+__device__ __forceinline__ void sgd_elem(float* p, float g0, float* buf, float lr, float wd,
+                                         float momentum, float omd, int nesterov, int first) {
+    float g = __fadd_rn(g0, __fmul_rn(wd, *p));
+    if (momentum != 0.0f) {
+        float b = first ? g : __fadd_rn(__fmul_rn(momentum, *buf), __fmul_rn(omd, g));
+        *buf = b;
+        g = nesterov ? __fadd_rn(g, __fmul_rn(momentum, b)) : b;
+    }
+    *p = __fsub_rn(*p, __fmul_rn(lr, g));
+}
+// OXCCL_OPTIM_END
+
+__device__ void adamw_elems(float* p, const float* g, float* m, float* v, usize n, float lr,
+                            float decay, float b1, float omb1, float b2, float omb2, float eps,
+                            float c1, float c2) {
+    for (usize i = thread_index(); i < n; i += grid_threads()) {
+        adamw_elem(&p[i], g[i], &m[i], &v[i], lr, decay, b1, omb1, b2, omb2, eps, c1, c2);
+    }
+}
+
+__device__ void sgd_elems(float* p, const float* g, float* buf, usize n, float lr, float wd,
+                          float momentum, float omd, int nesterov, int first) {
+    for (usize i = thread_index(); i < n; i += grid_threads()) {
+        sgd_elem(&p[i], g[i], momentum != 0.0f ? &buf[i] : 0, lr, wd, momentum, omd, nesterov,
+                 first);
+    }
+}
+
 // ---- CUDA IPC: the barrier of device collectives --------------------------------------------
 //
 // Every rank of a node-local communicator owns flags in device memory that all ranks map: 2 x 8

@@ -56,6 +56,6 @@ mod zero;
 pub use checkpoint::{consolidate, FullState, ParamState, MANIFEST};
 pub use elem::ParamElement;
 pub use error::{Result, ZeroError};
-pub use optim::{AdamW, Hyper, Sgd, ShardOptimizer};
+pub use optim::{AdamW, AdamWStep, Hyper, Sgd, SgdStep, ShardOptimizer};
 pub use shard::{Bucket, Piece, ShardLayout};
 pub use zero::{Overlap, ShardGroup, Stage, Zero, ZeroConfig};

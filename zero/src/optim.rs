@@ -66,22 +66,51 @@ impl ShardOptimizer for Sgd {
     }
 
     fn step(&mut self, t: u64, h: Hyper, master: &mut [f32], grad: &[f32], state: &mut [f32]) {
+        let s = self.scalars(t, h);
         for (i, (p, &g0)) in master.iter_mut().zip(grad).enumerate() {
-            let mut g = g0 + h.weight_decay * *p;
-            if self.momentum != 0.0 {
+            let mut g = g0 + s.weight_decay * *p;
+            if s.momentum != 0.0 {
                 let b = &mut state[i];
-                *b = if t <= 1 {
+                *b = if s.first {
                     g
                 } else {
-                    self.momentum * *b + (1.0 - self.dampening) * g
+                    s.momentum * *b + s.omd * g
                 };
-                g = if self.nesterov {
-                    g + self.momentum * *b
-                } else {
-                    *b
-                };
+                g = if s.nesterov { g + s.momentum * *b } else { *b };
             }
-            *p -= h.lr * g;
+            *p -= s.lr * g;
+        }
+    }
+}
+
+/// The scalars of one SGD step, as the host loop and the device kernel
+/// (`oxccl_kernels::cuda::SgdScalars`) take them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SgdStep {
+    /// Learning rate.
+    pub lr: f32,
+    /// L2 weight decay.
+    pub weight_decay: f32,
+    /// Momentum factor.
+    pub momentum: f32,
+    /// `1 - dampening`.
+    pub omd: f32,
+    /// Nesterov momentum.
+    pub nesterov: bool,
+    /// Step 1: the buffer takes the gradient as it is.
+    pub first: bool,
+}
+
+impl Sgd {
+    /// The scalars of step `t` (from 1) with `h`.
+    pub fn scalars(&self, t: u64, h: Hyper) -> SgdStep {
+        SgdStep {
+            lr: h.lr,
+            weight_decay: h.weight_decay,
+            momentum: self.momentum,
+            omd: 1.0 - self.dampening,
+            nesterov: self.nesterov,
+            first: t <= 1,
         }
     }
 }
@@ -123,22 +152,60 @@ impl ShardOptimizer for AdamW {
     fn step(&mut self, t: u64, h: Hyper, master: &mut [f32], grad: &[f32], state: &mut [f32]) {
         let n = master.len();
         let (m, v) = state.split_at_mut(n);
-        let t = t.max(1).min(i32::MAX as u64) as i32;
-        let c1 = 1.0 - self.beta1.powi(t);
-        let c2 = 1.0 - self.beta2.powi(t);
-        let (b1, b2, eps) = (self.beta1, self.beta2, self.eps);
-        let decay = 1.0 - h.lr * h.weight_decay;
+        let s = self.scalars(t, h);
         // Iterators, not indices: no bounds checks, so the loop vectorises.
         let each = master
             .iter_mut()
             .zip(grad)
             .zip(m.iter_mut().zip(v.iter_mut()));
         for ((p, &g), (m, v)) in each {
-            *p *= decay;
-            *m = b1 * *m + (1.0 - b1) * g;
-            *v = b2 * *v + (1.0 - b2) * g * g;
-            let denom = (*v / c2).sqrt() + eps;
-            *p -= h.lr * (*m / c1) / denom;
+            *p *= s.decay;
+            *m = s.beta1 * *m + s.omb1 * g;
+            *v = s.beta2 * *v + s.omb2 * g * g;
+            let denom = (*v / s.c2).sqrt() + s.eps;
+            *p -= s.lr * (*m / s.c1) / denom;
+        }
+    }
+}
+
+/// The scalars of one AdamW step, as the host loop and the device kernel
+/// (`oxccl_kernels::cuda::AdamWScalars`) take them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWStep {
+    /// Learning rate.
+    pub lr: f32,
+    /// `1 - lr * weight_decay`.
+    pub decay: f32,
+    /// First-moment decay.
+    pub beta1: f32,
+    /// `1 - beta1`.
+    pub omb1: f32,
+    /// Second-moment decay.
+    pub beta2: f32,
+    /// `1 - beta2`.
+    pub omb2: f32,
+    /// Added to the root of the second moment.
+    pub eps: f32,
+    /// `1 - beta1^t`.
+    pub c1: f32,
+    /// `1 - beta2^t`.
+    pub c2: f32,
+}
+
+impl AdamW {
+    /// The scalars of step `t` (from 1) with `h`.
+    pub fn scalars(&self, t: u64, h: Hyper) -> AdamWStep {
+        let t = t.max(1).min(i32::MAX as u64) as i32;
+        AdamWStep {
+            lr: h.lr,
+            decay: 1.0 - h.lr * h.weight_decay,
+            beta1: self.beta1,
+            omb1: 1.0 - self.beta1,
+            beta2: self.beta2,
+            omb2: 1.0 - self.beta2,
+            eps: self.eps,
+            c1: 1.0 - self.beta1.powi(t),
+            c2: 1.0 - self.beta2.powi(t),
         }
     }
 }

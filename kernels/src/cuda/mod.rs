@@ -12,6 +12,7 @@
 //! | `oxccl_div_<dtype>` | `dst = src / n` (the last step of `Avg`) |
 //! | `oxccl_scale_<dtype>` (floats) | `dst = src * factor` (pre-multiplied sum) |
 //! | `oxccl_cast_<src>_<dst>` ([`CAST_PAIRS`]) | `dst = (dst type)(src * factor)`, rounded to nearest even (compressed gradients on the wire) |
+//! | `oxccl_adamw_f32`, `oxccl_sgd_f32` | one step of AdamW / SGD on f32 master weights, bit for bit the host's ([`AdamWScalars`], [`SgdScalars`]) |
 //! | `oxccl_copy` | byte copy |
 //! | `oxccl_ipc_barrier` | the barrier of device collectives over CUDA IPC (flags in device memory, system-scope release/acquire, a deadline) |
 //! | `oxccl_wait_flag` | a stream's wait for a staged operation's host collective (a word of host memory, a deadline); a program of its own, [`FlagWait`] |
@@ -46,12 +47,14 @@ mod cast;
 mod compile;
 mod copy;
 mod load;
+mod optim;
 mod reduce;
 mod source;
 mod wait;
 
 pub use compile::{compile_ptx, compile_ptx_parts, compile_wait_ptx};
 pub use load::CudaKernels;
+pub use optim::{AdamWScalars, SgdScalars};
 pub use source::{
     cast_kernel_name, div_kernel_name, kernel_names, part_sources, reduce_kernel_name,
     scale_kernel_name, source, table, PARTS,
@@ -66,6 +69,12 @@ pub const MAX_INPUTS: usize = 8;
 
 /// The byte-copy kernel.
 pub const COPY_KERNEL: &str = "oxccl_copy";
+
+/// The AdamW step on f32 master weights ([`CudaKernels::adamw_f32`]).
+pub const ADAMW_KERNEL: &str = "oxccl_adamw_f32";
+
+/// The SGD step on f32 master weights ([`CudaKernels::sgd_f32`]).
+pub const SGD_KERNEL: &str = "oxccl_sgd_f32";
 
 /// The barrier kernel of collectives over CUDA IPC (see [`CudaKernels::ipc_barrier`]).
 pub const BARRIER_KERNEL: &str = "oxccl_ipc_barrier";

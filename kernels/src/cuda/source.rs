@@ -2,7 +2,9 @@
 //! as the Rust dispatch names them, appended to [`BASE_SOURCE`] whole ([`source`]) or in
 //! [`PARTS`] parts ([`part_sources`]).
 
-use super::{BARRIER_KERNEL, BASE_SOURCE, CAST_PAIRS, COPY_KERNEL, KERNEL_OPS};
+use super::{
+    ADAMW_KERNEL, BARRIER_KERNEL, BASE_SOURCE, CAST_PAIRS, COPY_KERNEL, KERNEL_OPS, SGD_KERNEL,
+};
 use crate::{DType, ReduceOp};
 
 /// Every `(dtype, op)` pair that has a reduce kernel: the one list the generated CUDA source and
@@ -66,6 +68,8 @@ pub fn kernel_names() -> Vec<String> {
     names.extend(DType::ALL.into_iter().map(div_kernel_name));
     names.extend(DType::ALL.into_iter().filter_map(scale_kernel_name));
     names.extend(CAST_PAIRS.iter().map(|&(s, d)| cast_kernel_name(s, d)));
+    names.push(ADAMW_KERNEL.to_string());
+    names.push(SGD_KERNEL.to_string());
     names.push(COPY_KERNEL.to_string());
     names.push(BARRIER_KERNEL.to_string());
     names
@@ -113,6 +117,23 @@ fn entries() -> Vec<(String, String)> {
         );
         e.push((name, line));
     }
+    e.push((
+        ADAMW_KERNEL.to_string(),
+        format!(
+            "extern \"C\" __global__ void {ADAMW_KERNEL}(float* p, const float* g, float* m, \
+             float* v, usize n, float lr, float decay, float b1, float omb1, float b2, \
+             float omb2, float eps, float c1, float c2) \
+             {{ adamw_elems(p, g, m, v, n, lr, decay, b1, omb1, b2, omb2, eps, c1, c2); }}"
+        ),
+    ));
+    e.push((
+        SGD_KERNEL.to_string(),
+        format!(
+            "extern \"C\" __global__ void {SGD_KERNEL}(float* p, const float* g, float* buf, \
+             usize n, float lr, float wd, float momentum, float omd, int nesterov, int first) \
+             {{ sgd_elems(p, g, buf, n, lr, wd, momentum, omd, nesterov, first); }}"
+        ),
+    ));
     e.push((
         COPY_KERNEL.to_string(),
         format!(

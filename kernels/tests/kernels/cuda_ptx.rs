@@ -5,7 +5,7 @@
 
 use oxccl_kernels::cuda::{
     compile_ptx, compile_ptx_parts, compile_wait_ptx, kernel_names, nvrtc_available, part_sources,
-    source, BASE_SOURCE, PARTS, WAIT_KERNEL,
+    source, ADAMW_KERNEL, BASE_SOURCE, PARTS, SGD_KERNEL, WAIT_KERNEL,
 };
 
 fn nvrtc_or_skip() -> bool {
@@ -37,6 +37,18 @@ fn every_kernel_compiles_to_ptx_for_every_target() {
             assert!(
                 ptx.contains(&format!(".entry {name}(")),
                 "{arch}: kernel {name} missing from the PTX"
+            );
+        }
+        // The optimizer kernels round every operation on its own (the host's arithmetic): no
+        // multiply-add contracted into an FMA.
+        for name in [ADAMW_KERNEL, SGD_KERNEL] {
+            let start = ptx.find(&format!(".entry {name}(")).expect("entry");
+            let body = &ptx[start..];
+            let end = body[1..].find(".entry ").map_or(body.len(), |e| e + 1);
+            assert!(!body[..end].contains("fma."), "{arch}: {name} has an FMA");
+            assert!(
+                body[..end].contains("sqrt.rn.f32") || name == SGD_KERNEL,
+                "{arch}"
             );
         }
     }

@@ -3,6 +3,7 @@
 //! optimizer on the whole parameter vector on every rank.
 
 mod checkpoint;
+mod kernel;
 
 use half::{bf16, f16};
 use oxccl_comm::harness::spawn_world_on_nodes;
