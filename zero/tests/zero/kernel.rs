@@ -72,7 +72,7 @@ fn values(seed: u64, n: usize) -> Vec<f32> {
             z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
             z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
             z ^= z >> 31;
-            if z % 17 == 0 {
+            if z.is_multiple_of(17) {
                 return 0.0;
             }
             let unit = (z >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
