@@ -45,6 +45,9 @@ if [ "$set_" = ddp ]; then
         --message-format json 2>/dev/null | exe ddp)" "$out/ddp_cuda"
     cargo build --release -q -p oxccl-ddp --features cuda --example device_ddp_bench
     cp target/release/examples/device_ddp_bench "$out/"
+    # ZeRO on device parameters: the zero test binary (its `device` tests).
+    cp "$(cargo test --release -p oxccl-zero --features cuda --test zero --no-run \
+        --message-format json 2>/dev/null | exe zero)" "$out/zero_cuda"
     # The candle example on CUDA, where a CUDA toolchain is set up (CUDA_ROOT: candle's kernels
     # are compiled by nvcc at build time and its cudarc links the CUDA libraries; docs/GUIDE.md,
     # "candle models", says how to get one from PyPI), in a target folder of its own (other

@@ -4,6 +4,7 @@
 # made (target/gpu-bin):
 #   run(carry=["target/gpu-bin"], timeout_s=560, command="scripts/gpu_ddp.sh")
 # 1. DeviceDdp against exact averages: 2 and 4 ranks as threads sharing the GPU, fp16 compression;
+#    DeviceZero (oxccl-zero) against DDP + the same optimizer, 2 and 4 ranks;
 # 2. device_ddp_bench: sync of 100 MiB against one device all-reduce, and a synthetic backward
 #    overlapped against backward-then-all-reduce (2 and 4 ranks);
 # 3. the candle example: 2 ranks on CPU and on CUDA (processes; then 4 under MPS), each against
@@ -34,6 +35,7 @@ step() {
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 echo "cores $(nproc); budget ${budget}s"
 step 150 "$bin/ddp_cuda" --ignored device --test-threads 1
+[ -e "$bin/zero_cuda" ] && step 90 "$bin/zero_cuda" --ignored device --test-threads 1
 step 90 "$bin/device_ddp_bench" --ranks 2
 step 90 "$bin/device_ddp_bench" --ranks 4
 if [ -e "$bin/candle_cuda_mlp.xz" ]; then

@@ -41,12 +41,17 @@
 //! - checkpoints: [`Zero::save`] (safetensors, one file per shard and a manifest),
 //!   [`consolidate`] into a [`FullState`], [`Zero::load`] into any shard group size.
 //!
-//! Not yet: device buffers (the optimizer kernels on CUDA).
+//! - `DeviceZero` (feature `cuda`): the same on CUDA device parameters, every copy, collective
+//!   and optimizer kernel (`oxccl_adamw_f32`, `oxccl_sgd_f32`, the host's arithmetic bit for
+//!   bit) enqueued on the trainer's stream; built, its kernels' arithmetic tested against the
+//!   host's, not yet run on a GPU. No clipping on device yet.
 
 #![forbid(unsafe_code)]
 
 mod agree;
 mod checkpoint;
+#[cfg(feature = "cuda-core")]
+mod device;
 mod elem;
 mod error;
 mod optim;
@@ -54,6 +59,8 @@ mod shard;
 mod zero;
 
 pub use checkpoint::{consolidate, FullState, ParamState, MANIFEST};
+#[cfg(feature = "cuda-core")]
+pub use device::{DeviceOptimizer, DeviceParam, DeviceZero};
 pub use elem::ParamElement;
 pub use error::{Result, ZeroError};
 pub use optim::{AdamW, AdamWStep, Hyper, Sgd, SgdStep, ShardOptimizer};

@@ -146,3 +146,25 @@ impl CudaKernels {
         Ok(())
     }
 }
+
+impl CudaKernels {
+    /// `buf[i] /= n` in f32 (the average's division, as the host's `g / n as f32`), launched on
+    /// `stream`.
+    ///
+    /// # Errors
+    /// [`KernelError::ZeroCount`] for `n == 0`, [`KernelError::Cuda`] if the launch fails.
+    pub fn div_f32(
+        &self,
+        stream: &Arc<CudaStream>,
+        buf: &mut impl DevicePtrMut<f32>,
+        n: usize,
+    ) -> Result<(), KernelError> {
+        let len = buf.len();
+        let (p, guard) = buf.device_ptr_mut(stream);
+        // SAFETY: `p` is a live device buffer of `len` f32 from `stream`'s context, ordered on
+        // `stream` by its guard until after the launch.
+        let r = unsafe { self.finish_avg_raw(stream, crate::DType::F32, p, len * 4, n) };
+        drop(guard);
+        r
+    }
+}

@@ -206,15 +206,7 @@ impl<T: ParamElement> Zero<T> {
         let layout = ShardLayout::bucketed(&lens, shard.size(), cfg.align, cfg.bucket_elems);
         broadcast_params(comm, &layout, params)?;
         let pieces = layout.pieces(shard.rank());
-        let bucket_pieces = layout
-            .buckets()
-            .iter()
-            .map(|b| {
-                let inside = |pc: &Piece| pc.shard_offset < b.shard_offset + b.chunk;
-                let first = pieces.partition_point(|pc| pc.shard_offset < b.shard_offset);
-                first..first + pieces[first..].iter().take_while(|pc| inside(pc)).count()
-            })
-            .collect();
+        let bucket_pieces = bucket_pieces(&layout, &pieces);
         let n = layout.shard_len();
         let mut master = vec![0.0f32; n];
         for pc in &pieces {
@@ -347,8 +339,24 @@ fn broadcast_params<T: ParamElement>(
     Ok(())
 }
 
+/// Per bucket, the indices in `pieces` (this rank's, in shard order) of its pieces.
+pub(crate) fn bucket_pieces(layout: &ShardLayout, pieces: &[Piece]) -> Vec<std::ops::Range<usize>> {
+    layout
+        .buckets()
+        .iter()
+        .map(|b| {
+            let inside = |pc: &Piece| pc.shard_offset < b.shard_offset + b.chunk;
+            let first = pieces.partition_point(|pc| pc.shard_offset < b.shard_offset);
+            first..first + pieces[first..].iter().take_while(|pc| inside(pc)).count()
+        })
+        .collect()
+}
+
 /// The shard group and replica group of `comm`.
-fn groups(comm: &Communicator, group: ShardGroup) -> Result<(Communicator, Option<Communicator>)> {
+pub(crate) fn groups(
+    comm: &Communicator,
+    group: ShardGroup,
+) -> Result<(Communicator, Option<Communicator>)> {
     let rank = comm.rank();
     if group == ShardGroup::World {
         return Ok((split(comm, 0, rank)?, None));
@@ -373,7 +381,7 @@ fn groups(comm: &Communicator, group: ShardGroup) -> Result<(Communicator, Optio
 }
 
 /// `comm` split by `color`, ordered by `key`.
-fn split(comm: &Communicator, color: u32, key: usize) -> Result<Communicator> {
+pub(crate) fn split(comm: &Communicator, color: u32, key: usize) -> Result<Communicator> {
     comm.split(Some(color), key as i64)?
         .ok_or_else(|| ZeroError::InvalidArgument {
             rank: comm.rank(),

@@ -3,6 +3,8 @@
 //! optimizer on the whole parameter vector on every rank.
 
 mod checkpoint;
+#[cfg(feature = "cuda")]
+mod device;
 mod kernel;
 
 use half::{bf16, f16};
