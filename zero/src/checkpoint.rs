@@ -130,13 +130,30 @@ pub(crate) fn write_shard(
     write(path, tensors, meta)
 }
 
+impl Manifest {
+    /// The manifest of a checkpoint of `optimizer` (its state vectors `state_names`) after
+    /// `step` steps, of parameters of `lens`, in shard files for a group of `group`.
+    pub(crate) fn new(
+        optimizer: &str,
+        state_names: Vec<String>,
+        step: u64,
+        lens: &[usize],
+        group: usize,
+    ) -> Manifest {
+        Manifest {
+            format: FORMAT.to_string(),
+            optimizer: optimizer.to_string(),
+            state_names,
+            step,
+            lens: lens.to_vec(),
+            files: (0..group).map(|r| shard_file(r, group)).collect(),
+        }
+    }
+}
+
 pub(crate) fn write_manifest(dir: &Path, m: &Manifest) -> Result<()> {
     let path = dir.join(MANIFEST);
-    let m = Manifest {
-        format: FORMAT.to_string(),
-        ..m.clone()
-    };
-    let text = serde_json::to_string_pretty(&m).map_err(|e| bad(&path, e))?;
+    let text = serde_json::to_string_pretty(m).map_err(|e| bad(&path, e))?;
     std::fs::write(&path, text).map_err(|e| bad(&path, e))
 }
 

@@ -183,6 +183,28 @@ impl ShardLayout {
     }
 }
 
+/// What is wrong with a gradient of `len` elements for parameter `param` (`given`: whether it
+/// already had one in this micro-batch), if anything: the message every rank hears at the step.
+pub(crate) fn grad_fault(lens: &[usize], param: usize, len: usize, given: bool) -> Option<String> {
+    if param >= lens.len() {
+        Some(format!(
+            "gradient of parameter {param}; new had {} parameters",
+            lens.len()
+        ))
+    } else if len != lens[param] {
+        Some(format!(
+            "gradient of parameter {param} has {len} elements; the parameter has {}",
+            lens[param]
+        ))
+    } else if given {
+        Some(format!(
+            "gradient of parameter {param} given twice in one micro-batch"
+        ))
+    } else {
+        None
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;

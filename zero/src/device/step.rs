@@ -12,6 +12,7 @@ use super::{device_err, DeviceOptimizer, DeviceParam, DeviceZero};
 use crate::agree::agree;
 use crate::checkpoint::{consolidate, shard_file, write_manifest, write_shard, Manifest};
 use crate::error::{Result, ZeroError};
+use crate::shard::grad_fault;
 use crate::zero::Stage;
 
 impl<T: DeviceParam> DeviceZero<T> {
@@ -74,25 +75,8 @@ impl<T: DeviceParam> DeviceZero<T> {
     /// As [`Zero::grad_ready`](crate::Zero::grad_ready); a device call's failure.
     pub fn grad_ready(&mut self, param: usize, grad: &CudaView<'_, T>) -> Result<()> {
         self.usable("grad_ready")?;
-        let lens = self.layout.lens();
-        let msg = if param >= lens.len() {
-            Some(format!(
-                "gradient of parameter {param}; new had {} parameters",
-                lens.len()
-            ))
-        } else if grad.len() != lens[param] {
-            Some(format!(
-                "gradient of parameter {param} has {} elements; the parameter has {}",
-                grad.len(),
-                lens[param]
-            ))
-        } else if self.given[param] {
-            Some(format!(
-                "gradient of parameter {param} given twice in one micro-batch"
-            ))
-        } else {
-            None
-        };
+        let given = self.given.get(param).copied().unwrap_or(false);
+        let msg = grad_fault(self.layout.lens(), param, grad.len(), given);
         if let Some(m) = msg {
             self.fault.get_or_insert(m.clone());
             return Err(self.invalid("grad_ready", m));
@@ -359,14 +343,7 @@ impl<T: DeviceParam> DeviceZero<T> {
             fault = self.write_shard_file(dir, &names).err();
         }
         if fault.is_none() && self.rank == 0 {
-            let m = Manifest {
-                format: String::new(),
-                optimizer: self.opt.name().to_string(),
-                state_names: names,
-                step: self.t,
-                lens: self.layout.lens().to_vec(),
-                files: (0..group).map(|r| shard_file(r, group)).collect(),
-            };
+            let m = Manifest::new(self.opt.name(), names, self.t, self.layout.lens(), group);
             fault = write_manifest(dir, &m).err().map(|e| e.to_string());
         }
         agree(&self.check, self.rank, "save", "save", fault.as_deref())

@@ -10,7 +10,7 @@ use oxccl_comm::{ReduceOp, Work};
 use super::{InFlight, Stage, Zero};
 use crate::elem::ParamElement;
 use crate::error::Result;
-use crate::shard::ShardLayout;
+use crate::shard::{grad_fault, ShardLayout};
 
 /// The buckets' state through a step's micro-batches.
 pub(super) struct Backward {
@@ -123,25 +123,8 @@ impl<T: ParamElement> Zero<T> {
     /// it); the error of a reduce-scatter waited for to free a buffer.
     pub fn grad_ready(&mut self, param: usize, grad: &[T]) -> Result<()> {
         self.check_poisoned("grad_ready")?;
-        let lens = self.layout.lens();
-        let msg = if param >= lens.len() {
-            Some(format!(
-                "gradient of parameter {param}; new had {} parameters",
-                lens.len()
-            ))
-        } else if grad.len() != lens[param] {
-            Some(format!(
-                "gradient of parameter {param} has {} elements; the parameter has {}",
-                grad.len(),
-                lens[param]
-            ))
-        } else if self.back.given[param] {
-            Some(format!(
-                "gradient of parameter {param} given twice in one micro-batch"
-            ))
-        } else {
-            None
-        };
+        let given = self.back.given.get(param).copied().unwrap_or(false);
+        let msg = grad_fault(self.layout.lens(), param, grad.len(), given);
         if let Some(m) = msg {
             let m = self.back.fault(m);
             return Err(self.invalid("grad_ready", m));

@@ -39,14 +39,7 @@ impl<T: ParamElement> Zero<T> {
             fault = r.err();
         }
         if fault.is_none() && self.rank == 0 {
-            let m = Manifest {
-                format: String::new(),
-                optimizer: self.opt.name().to_string(),
-                state_names: names,
-                step: self.t,
-                lens: self.layout.lens().to_vec(),
-                files: (0..group).map(|r| shard_file(r, group)).collect(),
-            };
+            let m = Manifest::new(self.opt.name(), names, self.t, self.layout.lens(), group);
             fault = write_manifest(dir, &m).err().map(|e| e.to_string());
         }
         agree(&self.check, self.rank, "save", "save", fault.as_deref())
