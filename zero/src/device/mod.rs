@@ -12,7 +12,7 @@
 use std::sync::Arc;
 
 use oxccl_comm::cuda::cudarc::driver::{
-    CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr, ValidAsZeroBits,
+    CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr, DriverError, ValidAsZeroBits,
 };
 use oxccl_comm::Communicator;
 use oxccl_kernels::cuda::CudaKernels;
@@ -183,6 +183,48 @@ fn device_err(rank: usize, op: &'static str, what: &str, e: impl std::fmt::Debug
     }
 }
 
+/// The device buffers of a [`DeviceZero`], allocated (zeroed) on its stream.
+struct Buffers<T: DeviceParam> {
+    buckets: Vec<CudaSlice<f32>>,
+    chunk_tmp: CudaSlice<f32>,
+    widen_tmp: CudaSlice<f32>,
+    grad: CudaSlice<f32>,
+    master: CudaSlice<f32>,
+    state: Vec<CudaSlice<f32>>,
+    gather: CudaSlice<T>,
+    mine: CudaSlice<T>,
+}
+
+impl<T: DeviceParam> Buffers<T> {
+    fn new(
+        stream: &Arc<CudaStream>,
+        layout: &ShardLayout,
+        states: usize,
+    ) -> std::result::Result<Buffers<T>, DriverError> {
+        let (n, g) = (layout.shard_len(), layout.group());
+        let f = |len: usize| stream.alloc_zeros::<f32>(len.max(1));
+        let t = |len: usize| stream.alloc_zeros::<T>(len.max(1));
+        let sizes = layout.buckets().iter();
+        let largest = sizes.clone().map(|b| b.padded(g)).max().unwrap_or(1);
+        let chunk = sizes.clone().map(|b| b.chunk).max().unwrap_or(1);
+        let widest = layout.lens().iter().copied().max().unwrap_or(1);
+        Ok(Buffers {
+            buckets: sizes
+                .map(|b| f(b.padded(g)))
+                .collect::<std::result::Result<_, _>>()?,
+            chunk_tmp: f(chunk)?,
+            widen_tmp: f(widest)?,
+            grad: f(n)?,
+            master: f(n)?,
+            state: (0..states)
+                .map(|_| f(n))
+                .collect::<std::result::Result<_, _>>()?,
+            gather: t(largest)?,
+            mine: t(chunk)?,
+        })
+    }
+}
+
 impl<T: DeviceParam> DeviceZero<T> {
     /// As [`Zero::new`](crate::Zero::new) on device parameters whose gradients the trainer
     /// computes on `stream`: compares the parameters and settings between the ranks, broadcasts
@@ -203,6 +245,7 @@ impl<T: DeviceParam> DeviceZero<T> {
         let rank = comm.rank();
         let check = split(comm, 0, rank)?;
         let lens: Vec<usize> = params.iter().map(|p| p.len()).collect();
+        let kernels = CudaKernels::new(stream.context());
         let fault = if hypers.len() != params.len() {
             Some(format!(
                 "{} hyper-parameter sets for {} parameters",
@@ -212,7 +255,10 @@ impl<T: DeviceParam> DeviceZero<T> {
         } else if cfg.max_grad_norm.is_some() {
             Some("max_grad_norm is not available on device parameters yet".to_string())
         } else {
-            None
+            kernels
+                .as_ref()
+                .err()
+                .map(|e| format!("device: loading the kernels: {e}"))
         };
         let call = format!(
             "device parameters {lens:?} of {:?}, {hypers:?}, {:?}, stage {:?}, buckets of {}, \
@@ -224,42 +270,23 @@ impl<T: DeviceParam> DeviceZero<T> {
             cfg.align
         );
         agree(&check, rank, "new", &call, fault.as_deref())?;
+        let kernels = kernels.map_err(|e| device_err(rank, "new", "loading the kernels", e))?;
         let (shard, replica) = groups(comm, cfg.group)?;
         let writer = replica.as_ref().is_none_or(|r| r.rank() == 0);
         let layout = ShardLayout::bucketed(&lens, shard.size(), cfg.align, cfg.bucket_elems);
-        let err = |what: &str, e: &dyn std::fmt::Debug| device_err(rank, "new", what, e);
         let sc = comm.on_stream(stream);
         for p in params.iter_mut().filter(|p| !p.is_empty()) {
             sc.broadcast(p, 0)?;
         }
-        let kernels =
-            CudaKernels::new(stream.context()).map_err(|e| err("loading the kernels", &e))?;
-        let n = layout.shard_len();
-        let g = layout.group();
-        let alloc = |len: usize| {
-            stream
-                .alloc_zeros::<f32>(len.max(1))
-                .map_err(|e| err("allocating", &e))
-        };
-        let buckets = layout
-            .buckets()
-            .iter()
-            .map(|b| alloc(b.padded(g)))
-            .collect::<Result<Vec<_>>>()?;
-        let largest = layout
-            .buckets()
-            .iter()
-            .map(|b| b.padded(g))
-            .max()
-            .unwrap_or(1);
-        let chunk = layout.buckets().iter().map(|b| b.chunk).max().unwrap_or(1);
-        let widest = lens.iter().copied().max().unwrap_or(1);
+        // Every rank learns of a rank that could not allocate, before any further collective.
+        let bufs = Buffers::new(stream, &layout, opt.states());
+        let fault = bufs
+            .as_ref()
+            .err()
+            .map(|e| format!("device: allocating: {e:?}"));
+        agree(&check, rank, "new", "device buffers", fault.as_deref())?;
+        let bufs = bufs.map_err(|e| device_err(rank, "new", "allocating", e))?;
         let pieces = layout.pieces(shard.rank());
-        let alloc_t = |len: usize| {
-            stream
-                .alloc_zeros::<T>(len.max(1))
-                .map_err(|e| err("allocating", &e))
-        };
         let mut z = DeviceZero {
             rank,
             world: comm.size(),
@@ -270,16 +297,14 @@ impl<T: DeviceParam> DeviceZero<T> {
             stage: cfg.stage,
             hypers,
             opt,
-            buckets,
-            chunk_tmp: alloc(chunk)?,
-            widen_tmp: alloc(widest)?,
-            grad: alloc(n)?,
-            master: alloc(n)?,
-            state: (0..opt.states())
-                .map(|_| alloc(n))
-                .collect::<Result<Vec<_>>>()?,
-            gather: alloc_t(largest)?,
-            mine: alloc_t(chunk)?,
+            buckets: bufs.buckets,
+            chunk_tmp: bufs.chunk_tmp,
+            widen_tmp: bufs.widen_tmp,
+            grad: bufs.grad,
+            master: bufs.master,
+            state: bufs.state,
+            gather: bufs.gather,
+            mine: bufs.mine,
             t: 0,
             accumulate: 1,
             micro: 0,

@@ -39,16 +39,22 @@ impl<T: DeviceParam> DeviceZero<T> {
     }
 
     /// Makes every step `k` micro-batches (see [`Zero::accumulate`](crate::Zero::accumulate)).
+    /// Collective, between steps.
     ///
     /// # Errors
-    /// `InvalidArgument` for `k == 0` or in the middle of a step.
+    /// As `Zero::accumulate`.
     pub fn accumulate(&mut self, k: usize) -> Result<()> {
-        if k == 0 || self.micro > 0 || self.given.iter().any(|&g| g) {
-            return Err(self.invalid(
-                "accumulate",
-                format!("accumulate({k}) in the middle of a step, or 0"),
-            ));
-        }
+        self.usable("accumulate")?;
+        let busy = self.micro > 0 || self.given.iter().any(|&g| g);
+        let fault =
+            (k == 0 || busy).then(|| format!("accumulate({k}) in the middle of a step, or 0"));
+        agree(
+            &self.check,
+            self.rank,
+            "accumulate",
+            &format!("accumulate({k})"),
+            fault.as_deref(),
+        )?;
         self.accumulate = k;
         Ok(())
     }
@@ -111,8 +117,13 @@ impl<T: DeviceParam> DeviceZero<T> {
     /// Reduce-scatters the full buckets, in order, up to the first that is not.
     fn launch_ready(&mut self) -> Result<()> {
         while self.next < self.pending.len() && self.pending[self.next] == 0 {
-            self.reduce_bucket(self.next)?;
+            let b = self.next;
             self.next += 1;
+            if let Err(e) = self.reduce_bucket(b) {
+                // Part of the bucket's work may be enqueued: never launch it again.
+                self.poisoned.get_or_insert(e.to_string());
+                return Err(e);
+            }
         }
         Ok(())
     }
@@ -214,21 +225,19 @@ impl<T: DeviceParam> DeviceZero<T> {
             self.layout.lens(),
             self.micro
         );
-        let fault = self.fault.take();
+        // A device collective that failed after its call returned (as far as this rank knows
+        // now: the stream is not waited for) fails the step on every rank.
+        let comms = [Some(&self.shard), self.replica.as_ref()];
+        let late = comms
+            .into_iter()
+            .flatten()
+            .find_map(|c| c.device_async_error());
+        let fault = self.fault.take().or(late.map(|e| e.to_string()));
         if let Err(e) = agree(&self.check, self.rank, "step", &call, fault.as_deref()) {
             self.poisoned = Some(e.to_string());
             return Err(e);
         }
         self.micro = 0;
-        let comms = [Some(&self.shard), self.replica.as_ref()];
-        if let Some(e) = comms
-            .into_iter()
-            .flatten()
-            .find_map(|c| c.device_async_error())
-        {
-            self.poisoned = Some(e.to_string());
-            return Err(e.into());
-        }
         if let Err(e) = self
             .kernels
             .div_f32(&self.stream, &mut self.grad, self.world)
@@ -384,7 +393,14 @@ impl<T: DeviceParam> DeviceZero<T> {
         self.usable("load")?;
         let names = self.opt.names();
         let full = consolidate(dir);
+        let plens: Vec<usize> = params.iter().map(|p| p.len()).collect();
+        let busy = self.micro > 0 || self.given.iter().any(|&g| g);
         let fault = match &full {
+            _ if busy => Some("load in the middle of a step".to_string()),
+            _ if plens != self.layout.lens() => Some(format!(
+                "parameters of lengths {plens:?}; new had {:?}",
+                self.layout.lens()
+            )),
             Err(e) => Some(e.to_string()),
             Ok(f) if f.optimizer != self.opt.name() || f.state_names != names => Some(format!(
                 "a state of {} {:?} for {} {names:?}",

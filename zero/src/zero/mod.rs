@@ -252,19 +252,28 @@ impl<T: ParamElement> Zero<T> {
     /// Makes every step `k` micro-batches: [`Zero::step`] after each of the first `k - 1` only
     /// closes the micro-batch (gradients are summed: scale the loss by `1/k` for a mean); the
     /// k-th steps the optimizer. Nothing crosses nodes before the k-th; stage 1 communicates
-    /// nothing before it at all.
+    /// nothing before it at all. Collective, between steps: the ranks compare `k`.
     ///
     /// # Errors
-    /// `InvalidArgument` for `k == 0` or in the middle of a step.
+    /// `InvalidArgument` on every rank for `k == 0`, a `k` that differs between ranks, or a rank
+    /// in the middle of a step; the agreement's errors.
     pub fn accumulate(&mut self, k: usize) -> Result<()> {
-        if k == 0 || self.back.busy() {
-            let msg = if k == 0 {
-                "accumulate(0): a step needs at least one micro-batch".to_string()
-            } else {
-                "accumulate in the middle of a step".to_string()
-            };
-            return Err(self.invalid("accumulate", msg));
-        }
+        self.check_poisoned("accumulate")?;
+        let fault = if k == 0 {
+            Some("accumulate(0): a step needs at least one micro-batch".to_string())
+        } else if self.back.busy() {
+            Some(format!("accumulate({k}) in the middle of a step"))
+        } else {
+            None
+        };
+        let call = format!("accumulate({k})");
+        agree(
+            &self.check,
+            self.rank,
+            "accumulate",
+            &call,
+            fault.as_deref(),
+        )?;
         self.back.accumulate = k;
         Ok(())
     }
