@@ -389,3 +389,20 @@ fn another_parameter_list_fails_the_step_on_every_rank() {
         assert!(again.contains("unusable after an earlier error"), "{again}");
     }
 }
+
+#[test]
+fn accumulation_that_differs_between_ranks_is_named_on_every_rank() {
+    let out = spawn_world_on_nodes(2, 2, test_config(), |comm| {
+        let rank = comm.rank();
+        let mut params: Vec<Vec<f32>> = (0..LENS.len()).map(|p| init(rank, p)).collect();
+        let mut views: Vec<&mut [f32]> = params.iter_mut().map(|p| p.as_mut_slice()).collect();
+        let cfg = config(setup(ShardGroup::Node, Stage::Two, 40), PLAIN);
+        let mut zero = Zero::new(&comm, &mut views, hypers(), sgd(), cfg).unwrap();
+        Ok(zero.accumulate(rank + 1).unwrap_err().to_string())
+    });
+    for (rank, r) in out.into_iter().enumerate() {
+        let e = r.unwrap();
+        assert!(e.starts_with(&format!("rank {rank}: zero accumulate")), "{e}");
+        assert!(e.contains("rank 0: accumulate(1); rank 1: accumulate(2)"), "{e}");
+    }
+}
