@@ -183,8 +183,9 @@ mod tests {
                 "{name} must be defined exactly once"
             );
         }
-        // 12 dtypes x 4 ops + 12 div + 6 scale (floats) + 4 casts + copy + barrier.
-        assert_eq!(kernel_names().len(), 48 + 12 + 6 + 4 + 1 + 1);
+        // 12 dtypes x 4 ops + 12 div + 6 scale (floats) + 4 casts + AdamW + SGD + copy +
+        // barrier.
+        assert_eq!(kernel_names().len(), 48 + 12 + 6 + 4 + 2 + 1 + 1);
         assert_eq!(
             reduce_kernel_name(DType::BF16, ReduceOp::Avg),
             "oxccl_reduce_bf16_sum"
