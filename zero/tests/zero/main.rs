@@ -402,7 +402,13 @@ fn accumulation_that_differs_between_ranks_is_named_on_every_rank() {
     });
     for (rank, r) in out.into_iter().enumerate() {
         let e = r.unwrap();
-        assert!(e.starts_with(&format!("rank {rank}: zero accumulate")), "{e}");
-        assert!(e.contains("rank 0: accumulate(1); rank 1: accumulate(2)"), "{e}");
+        assert!(
+            e.starts_with(&format!("rank {rank}: zero accumulate")),
+            "{e}"
+        );
+        assert!(
+            e.contains("rank 0: accumulate(1); rank 1: accumulate(2)"),
+            "{e}"
+        );
     }
 }
