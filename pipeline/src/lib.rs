@@ -1,17 +1,30 @@
 //! oxccl-pipeline (work in progress): pipeline-parallel schedules as data. A schedule is one
-//! list of [`Action`]s per rank (compute a micro-batch's forward or backward, exchange its
-//! activations or gradients with the next or previous stage, alone or batched), generated for
-//! GPipe and 1F1B ([`Schedule::gpipe`], [`Schedule::one_f_one_b`]); [`simulate`] runs the lists
-//! with rendezvous sends (a send completes only when its receive is posted, the worst case of
-//! NCCL's and oxccl's point-to-point calls) and says whether they finish, or where they
-//! deadlock or compute before their inputs arrived.
+//! list of [`Action`]s per rank (a micro-batch's forward, backward, or its input-gradient and
+//! weight-gradient halves, on one of the rank's model chunks; exchanges of activations and
+//! gradients with the neighbouring stages, posted as batches), made for GPipe, 1F1B,
+//! interleaved 1F1B and ZB-H1 ([`Schedule::new`]). [`timeline`] says when each computation
+//! runs for given costs and what fraction of the time is bubble; [`simulate`] runs the lists
+//! with the communicator's semantics and rendezvous sends and says whether they finish, or
+//! where they deadlock.
 //!
-//! Not yet: interleaved 1F1B and ZB-H1, the runtime over a communicator, the CLI timeline.
+//! ```
+//! use oxccl_pipeline::{simulate, timeline, Costs, Schedule, ScheduleKind};
+//!
+//! let s = Schedule::new(ScheduleKind::Interleaved, 4, 8, 2)?;
+//! simulate(&s)?;                                    // no deadlock, nothing missing
+//! let t = timeline(&s, Costs::default())?;
+//! assert!((t.bubble() - 3.0 / 19.0).abs() < 1e-9); // (p - 1) / (v m + p - 1)
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! Not yet: the runtime over a communicator.
 
 #![forbid(unsafe_code)]
 
 mod schedule;
 mod sim;
+mod timing;
 
-pub use schedule::{Action, Dir, Op, Schedule};
-pub use sim::{simulate, SimError, Timeline};
+pub use schedule::{Action, Costs, Dir, Op, Schedule, ScheduleError, ScheduleKind, Step};
+pub use sim::{simulate, SimError};
+pub use timing::{bubble, timeline, Timeline};

@@ -1,21 +1,27 @@
-//! A simulator of schedules: every rank runs its list in rounds; computations finish in the
-//! round they start, and a point-to-point operation finishes when its peer has the matching
-//! one posted (rendezvous: a send waits for its receive, as large messages do). It finds
-//! deadlocks (no rank can move and some are not done), computations whose input has not
-//! arrived, sends of data not computed yet, and micro-batches a rank never computes.
+//! A simulator of schedules, with the semantics of oxccl's communicator: each rank posts its
+//! exchanges to a line that runs them one after another, in the background; an exchange ends
+//! when every operation in it has met its peer's, and a send meets its receive only when both
+//! exchanges are at the head of their lines (rendezvous: a send waits for its receive, as large
+//! messages do). A computation waits for the exchange that brings its input.
+//!
+//! It finds deadlocks (nothing can move and some rank is not done), computations whose input
+//! is neither there nor on its way, sends of what is not computed yet, the two ends of a link
+//! ordering its messages differently (the communicator matches them by order), and
+//! computations a stage never runs.
 
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 
 use crate::schedule::{Action, Dir, Op, Schedule};
 
 /// What went wrong in a simulated schedule.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum SimError {
-    /// No rank can move; each waiting rank and the action it waits in.
-    #[error("deadlock: {}", .0.iter().map(|(r, a)| format!("rank {r} waits in {a:?}")).collect::<Vec<_>>().join("; "))]
-    Deadlock(Vec<(usize, Action)>),
-    /// An action whose input is not there yet (a forward before its activations arrived, a
-    /// backward before its forward or its gradient, a send of what is not computed).
+    /// No rank can move; each waiting rank and what it waits in.
+    #[error("deadlock: {}", .0.iter().map(|(r, a)| format!("rank {r} waits in {a}")).collect::<Vec<_>>().join("; "))]
+    Deadlock(Vec<(usize, String)>),
+    /// An action whose input is neither there nor in an exchange already posted (a forward
+    /// before its activations are received, a backward before its forward, a send of what is
+    /// not computed).
     #[error("rank {rank}: {action:?} before {needs}")]
     Early {
         /// The rank.
@@ -25,165 +31,357 @@ pub enum SimError {
         /// What it needs.
         needs: String,
     },
-    /// A rank finished without computing a micro-batch's forward or backward.
-    #[error("rank {rank} never runs the {what} of micro-batch {mb}")]
+    /// The sender and the receiver of a link order its messages differently.
+    #[error("link {from} -> {to}: message {index} is {sent} on the sender and {received} on the receiver")]
+    Order {
+        /// The sending rank.
+        from: usize,
+        /// The receiving rank.
+        to: usize,
+        /// The message's index on the link.
+        index: usize,
+        /// What the sender sends there.
+        sent: String,
+        /// What the receiver takes there.
+        received: String,
+    },
+    /// A stage finished without computing a micro-batch's forward or backward.
+    #[error("rank {rank} never runs the {what} of micro-batch {mb} on chunk {chunk}")]
     Missing {
         /// The rank.
         rank: usize,
-        /// `forward` or `backward`.
+        /// `forward`, `input gradient` or `weight gradient`.
         what: &'static str,
         /// The micro-batch.
         mb: usize,
+        /// The chunk.
+        chunk: usize,
     },
 }
 
-/// When each action finished: `rounds[r][i]` is the round of rank r's action i.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Timeline {
-    /// Per rank, per action.
-    pub rounds: Vec<Vec<usize>>,
-    /// Rounds until every rank was done.
-    pub total: usize,
+/// A posted exchange: its operations and which have met their peer's.
+struct Posted {
+    ops: Vec<Op>,
+    matched: Vec<bool>,
 }
 
 /// One rank's progress.
 #[derive(Default)]
 struct Rank {
     pc: usize,
-    /// Which operations of the current exchange have met their peer's.
-    matched: Vec<bool>,
-    received: HashSet<(Dir, usize)>,
-    forwards: HashSet<usize>,
-    backwards: HashSet<usize>,
-    rounds: Vec<usize>,
+    line: VecDeque<Posted>,
+    received: HashSet<(Dir, usize, usize)>,
+    forwards: HashSet<(usize, usize)>,
+    input_grads: HashSet<(usize, usize)>,
+    weight_grads: HashSet<(usize, usize)>,
 }
 
-/// Runs `s` (see the module docs).
+/// Where an input of a computation is.
+enum Input {
+    Here,
+    Coming,
+    Nowhere,
+}
+
+/// Runs `s` (see the module docs); returns the number of rounds it took.
 ///
 /// # Errors
 /// The first problem found ([`SimError`]).
-pub fn simulate(s: &Schedule) -> Result<Timeline, SimError> {
+pub fn simulate(s: &Schedule) -> Result<usize, SimError> {
+    check_order(s)?;
     let p = s.ranks.len();
     let mut st: Vec<Rank> = (0..p).map(|_| Rank::default()).collect();
     let mut round = 0;
     loop {
         round += 1;
         let mut moved = false;
-        // Computations.
-        for (r, rank) in st.iter_mut().enumerate() {
-            let Some(a) = s.ranks[r].get(rank.pc) else {
-                continue;
-            };
-            match *a {
-                Action::Forward(mb) => {
-                    if r > 0 && !rank.received.contains(&(Dir::Act, mb)) {
-                        return Err(early(r, a, format!("the activations of {mb} arrived")));
-                    }
-                    rank.forwards.insert(mb);
-                }
-                Action::Backward(mb) => {
-                    if !rank.forwards.contains(&mb) {
-                        return Err(early(r, a, format!("the forward of {mb}")));
-                    }
-                    if r + 1 < p && !rank.received.contains(&(Dir::Grad, mb)) {
-                        return Err(early(r, a, format!("the gradient of {mb} arrived")));
-                    }
-                    rank.backwards.insert(mb);
-                }
-                Action::Exchange(_) => continue,
-            }
-            rank.pc += 1;
-            rank.rounds.push(round);
-            moved = true;
+        for (r, x) in st.iter_mut().enumerate() {
+            moved |= run_rank(s, r, x)?;
         }
-        // Exchanges: each send meets the peer's receive if the peer has it posted now.
-        for r in 0..p {
-            let Some(Action::Exchange(ops)) = s.ranks[r].get(st[r].pc) else {
-                continue;
-            };
-            if st[r].matched.len() != ops.len() {
-                st[r].matched = vec![false; ops.len()];
-            }
-            for (i, op) in ops.iter().enumerate() {
-                let Op::Send { peer, dir, mb } = *op else {
-                    continue;
-                };
-                if st[r].matched[i] {
-                    continue;
-                }
-                let have = match dir {
-                    Dir::Act => st[r].forwards.contains(&mb),
-                    Dir::Grad => st[r].backwards.contains(&mb),
-                };
-                if !have {
-                    let a = &s.ranks[r][st[r].pc];
-                    return Err(early(
-                        r,
-                        a,
-                        format!("computing what it sends ({dir:?} of {mb})"),
-                    ));
-                }
-                let want = Op::Recv { peer: r, dir, mb };
-                let Some(Action::Exchange(theirs)) =
-                    s.ranks.get(peer).and_then(|l| l.get(st[peer].pc))
-                else {
-                    continue;
-                };
-                if st[peer].matched.len() != theirs.len() {
-                    st[peer].matched = vec![false; theirs.len()];
-                }
-                if let Some(j) = theirs.iter().position(|o| *o == want) {
-                    if !st[peer].matched[j] {
-                        st[peer].matched[j] = true;
-                        st[r].matched[i] = true;
-                        st[peer].received.insert((dir, mb));
-                    }
-                }
-            }
-        }
-        for (r, rank) in st.iter_mut().enumerate() {
-            if let Some(Action::Exchange(ops)) = s.ranks[r].get(rank.pc) {
-                if rank.matched.len() == ops.len() && rank.matched.iter().all(|&m| m) {
-                    rank.pc += 1;
-                    rank.matched.clear();
-                    rank.rounds.push(round);
-                    moved = true;
-                }
-            }
-        }
-        let done = (0..p).all(|r| st[r].pc == s.ranks[r].len());
-        if done {
+        moved |= match_heads(s, &mut st);
+        if st
+            .iter()
+            .enumerate()
+            .all(|(r, x)| x.pc == s.ranks[r].len() && x.line.is_empty())
+        {
             break;
         }
         if !moved {
-            let waiting = (0..p)
-                .filter_map(|r| s.ranks[r].get(st[r].pc).map(|a| (r, a.clone())))
+            let waiting = st
+                .iter()
+                .enumerate()
+                .filter_map(|(r, x)| match s.ranks[r].get(x.pc) {
+                    Some(a) => Some((r, format!("{a:?}"))),
+                    None if !x.line.is_empty() => {
+                        Some((r, format!("its line: {:?}", x.line[0].ops)))
+                    }
+                    None => None,
+                })
                 .collect();
             return Err(SimError::Deadlock(waiting));
         }
     }
-    for (r, rank) in st.iter().enumerate() {
-        for mb in 0..s.m {
-            if !rank.forwards.contains(&mb) {
-                return Err(SimError::Missing {
-                    rank: r,
-                    what: "forward",
-                    mb,
-                });
+    check_complete(s, &st)?;
+    Ok(round)
+}
+
+/// Runs rank `r`'s actions until one must wait; true when any ran.
+fn run_rank(s: &Schedule, r: usize, x: &mut Rank) -> Result<bool, SimError> {
+    let (p, stages) = (s.p, s.stages());
+    let mut moved = false;
+    while let Some(a) = s.ranks[r].get(x.pc) {
+        if let Action::Exchange(ops) = a {
+            for op in ops {
+                if let Op::Send { dir, mb, chunk, .. } = *op {
+                    let have = match dir {
+                        Dir::Act => x.forwards.contains(&(mb, chunk)),
+                        Dir::Grad => x.input_grads.contains(&(mb, chunk)),
+                    };
+                    if !have {
+                        return Err(early(r, a, format!("computing what it sends ({op:?})")));
+                    }
+                }
             }
-            if !rank.backwards.contains(&mb) {
-                return Err(SimError::Missing {
-                    rank: r,
-                    what: "backward",
-                    mb,
+            x.line.push_back(Posted {
+                ops: ops.clone(),
+                matched: vec![false; ops.len()],
+            });
+        } else {
+            let st = a.step().expect("a computation");
+            let (mb, c) = (st.mb, st.chunk);
+            let stage = c * p + r;
+            let mut inputs = Vec::new();
+            match a {
+                Action::Forward(_) if stage > 0 => {
+                    inputs.push((
+                        input(x, p, r, Dir::Act, stage - 1, mb, c),
+                        "its activations",
+                    ));
+                }
+                Action::Backward(_) | Action::BackwardInput(_) => {
+                    if !x.forwards.contains(&(mb, c)) {
+                        return Err(early(r, a, format!("the forward of {mb}")));
+                    }
+                    if stage + 1 < stages {
+                        inputs.push((input(x, p, r, Dir::Grad, stage + 1, mb, c), "its gradient"));
+                    }
+                }
+                Action::BackwardWeight(_) if !x.input_grads.contains(&(mb, c)) => {
+                    return Err(early(r, a, format!("the input gradient of {mb}")));
+                }
+                _ => {}
+            }
+            for (i, what) in inputs {
+                match i {
+                    Input::Here => {}
+                    Input::Coming => return Ok(moved),
+                    Input::Nowhere => {
+                        return Err(early(r, a, format!("{what} are received or posted")));
+                    }
+                }
+            }
+            match a {
+                Action::Forward(_) => {
+                    x.forwards.insert((mb, c));
+                }
+                Action::Backward(_) => {
+                    x.input_grads.insert((mb, c));
+                    x.weight_grads.insert((mb, c));
+                }
+                Action::BackwardInput(_) => {
+                    x.input_grads.insert((mb, c));
+                }
+                _ => {
+                    x.weight_grads.insert((mb, c));
+                }
+            }
+        }
+        x.pc += 1;
+        moved = true;
+    }
+    Ok(moved)
+}
+
+/// Whether rank `r`'s chunk `c` has the `dir` tensor of micro-batch `mb` from stage `from`.
+fn input(x: &Rank, p: usize, r: usize, dir: Dir, from: usize, mb: usize, c: usize) -> Input {
+    if from % p == r {
+        let have = match dir {
+            Dir::Act => x.forwards.contains(&(mb, from / p)),
+            Dir::Grad => x.input_grads.contains(&(mb, from / p)),
+        };
+        return if have { Input::Here } else { Input::Nowhere };
+    }
+    if x.received.contains(&(dir, mb, c)) {
+        return Input::Here;
+    }
+    let want = Op::Recv {
+        peer: from % p,
+        dir,
+        mb,
+        chunk: c,
+    };
+    if x.line.iter().any(|b| b.ops.contains(&want)) {
+        Input::Coming
+    } else {
+        Input::Nowhere
+    }
+}
+
+/// Matches the sends of every line's head exchange with their peers' heads and completes the
+/// heads whose operations all met theirs; true when anything matched or completed.
+fn match_heads(s: &Schedule, st: &mut [Rank]) -> bool {
+    let (p, mut moved) = (s.p, false);
+    for r in 0..st.len() {
+        let Some(head) = st[r].line.front() else {
+            continue;
+        };
+        let sends: Vec<(usize, Op)> = head
+            .ops
+            .iter()
+            .enumerate()
+            .filter(|(i, o)| !head.matched[*i] && matches!(o, Op::Send { .. }))
+            .map(|(i, o)| (i, *o))
+            .collect();
+        for (i, op) in sends {
+            let Op::Send {
+                peer,
+                dir,
+                mb,
+                chunk,
+            } = op
+            else {
+                continue;
+            };
+            let stage = chunk * p + r;
+            let to = if dir == Dir::Act {
+                stage + 1
+            } else {
+                stage - 1
+            };
+            let want = Op::Recv {
+                peer: r,
+                dir,
+                mb,
+                chunk: to / p,
+            };
+            let Some(theirs) = st.get_mut(peer).and_then(|x| x.line.front_mut()) else {
+                continue;
+            };
+            if let Some(j) =
+                (0..theirs.ops.len()).find(|&j| !theirs.matched[j] && theirs.ops[j] == want)
+            {
+                theirs.matched[j] = true;
+                st[r].line[0].matched[i] = true;
+                moved = true;
+            }
+        }
+    }
+    for x in st.iter_mut() {
+        if x.line.front().is_some_and(|h| h.matched.iter().all(|&m| m)) {
+            let done = x.line.pop_front().expect("a head");
+            for op in done.ops {
+                if let Op::Recv { dir, mb, chunk, .. } = op {
+                    x.received.insert((dir, mb, chunk));
+                }
+            }
+            moved = true;
+        }
+    }
+    moved
+}
+
+/// The sender's message at each index of a link equals the receiver's.
+fn check_order(s: &Schedule) -> Result<(), SimError> {
+    let p = s.p;
+    let id = |r: usize, op: &Op| -> (usize, usize, String) {
+        match *op {
+            Op::Send {
+                peer,
+                dir,
+                mb,
+                chunk,
+            } => (
+                r,
+                peer,
+                format!("{dir:?} of {mb} from stage {}", chunk * p + r),
+            ),
+            Op::Recv {
+                peer,
+                dir,
+                mb,
+                chunk,
+            } => {
+                let stage = chunk * p + r;
+                let from = if dir == Dir::Act {
+                    stage.wrapping_sub(1)
+                } else {
+                    stage + 1
+                };
+                (peer, r, format!("{dir:?} of {mb} from stage {from}"))
+            }
+        }
+    };
+    let mut sent: std::collections::BTreeMap<(usize, usize), Vec<String>> = Default::default();
+    let mut taken: std::collections::BTreeMap<(usize, usize), Vec<String>> = Default::default();
+    for (r, list) in s.ranks.iter().enumerate() {
+        for a in list {
+            if let Action::Exchange(ops) = a {
+                for op in ops {
+                    let (from, to, what) = id(r, op);
+                    let side = if matches!(op, Op::Send { .. }) {
+                        &mut sent
+                    } else {
+                        &mut taken
+                    };
+                    side.entry((from, to)).or_default().push(what);
+                }
+            }
+        }
+    }
+    let links: HashSet<(usize, usize)> = sent.keys().chain(taken.keys()).copied().collect();
+    for (from, to) in links {
+        let (a, b) = (sent.get(&(from, to)), taken.get(&(from, to)));
+        let (a, b) = (a.map_or(&[][..], |v| &v[..]), b.map_or(&[][..], |v| &v[..]));
+        for index in 0..a.len().max(b.len()) {
+            let (x, y) = (a.get(index), b.get(index));
+            if x != y {
+                let show = |v: Option<&String>| v.cloned().unwrap_or_else(|| "nothing".into());
+                return Err(SimError::Order {
+                    from,
+                    to,
+                    index,
+                    sent: show(x),
+                    received: show(y),
                 });
             }
         }
     }
-    Ok(Timeline {
-        rounds: st.into_iter().map(|r| r.rounds).collect(),
-        total: round,
-    })
+    Ok(())
+}
+
+/// Every stage ran every micro-batch's forward, input gradient and weight gradient.
+fn check_complete(s: &Schedule, st: &[Rank]) -> Result<(), SimError> {
+    for (rank, x) in st.iter().enumerate() {
+        for chunk in 0..s.v {
+            for mb in 0..s.m {
+                for (set, what) in [
+                    (&x.forwards, "forward"),
+                    (&x.input_grads, "input gradient"),
+                    (&x.weight_grads, "weight gradient"),
+                ] {
+                    if !set.contains(&(mb, chunk)) {
+                        return Err(SimError::Missing {
+                            rank,
+                            what,
+                            mb,
+                            chunk,
+                        });
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 fn early(rank: usize, action: &Action, needs: String) -> SimError {
@@ -195,109 +393,4 @@ fn early(rank: usize, action: &Action, needs: String) -> SimError {
 }
 
 #[cfg(test)]
-mod tests {
-    use proptest::prelude::*;
-
-    use super::*;
-
-    #[test]
-    fn a_forward_before_its_input_and_a_send_before_its_receive_are_found() {
-        let send = |peer| {
-            Action::Exchange(vec![Op::Send {
-                peer,
-                dir: Dir::Act,
-                mb: 0,
-            }])
-        };
-        let recv = |peer| {
-            Action::Exchange(vec![Op::Recv {
-                peer,
-                dir: Dir::Act,
-                mb: 0,
-            }])
-        };
-        // Stage 1 computes its forward before receiving stage 0's activations.
-        let s = Schedule {
-            p: 2,
-            m: 1,
-            ranks: vec![
-                vec![Action::Forward(0), send(1)],
-                vec![Action::Forward(0), recv(0)],
-            ],
-        };
-        assert!(matches!(simulate(&s), Err(SimError::Early { rank: 1, .. })));
-        // One rank that sends to itself before posting the receive waits forever.
-        let s = Schedule {
-            p: 1,
-            m: 0,
-            ranks: vec![vec![Action::Forward(0), send(0), recv(0)]],
-        };
-        assert!(matches!(simulate(&s), Err(SimError::Deadlock(_))));
-    }
-
-    #[test]
-    fn unbatched_steady_state_deadlocks_where_batched_does_not() {
-        // 1F1B with each exchange of the steady state split in two (send, then receive):
-        // stage 0 sends activations while stage 1 sends gradients, both rendezvous.
-        let good = Schedule::one_f_one_b(2, 4);
-        let split: Vec<Vec<Action>> = good
-            .ranks
-            .iter()
-            .map(|l| {
-                l.iter()
-                    .flat_map(|a| match a {
-                        Action::Exchange(ops) => {
-                            ops.iter().map(|o| Action::Exchange(vec![*o])).collect()
-                        }
-                        other => vec![other.clone()],
-                    })
-                    .collect()
-            })
-            .collect();
-        let bad = Schedule {
-            ranks: split,
-            ..good.clone()
-        };
-        assert!(simulate(&good).is_ok());
-        assert!(
-            matches!(simulate(&bad), Err(SimError::Deadlock(_))),
-            "{:?}",
-            simulate(&bad)
-        );
-    }
-
-    #[test]
-    fn a_missing_backward_is_named() {
-        let mut s = Schedule::gpipe(2, 2);
-        let last = s.ranks[1]
-            .iter()
-            .rposition(|a| *a == Action::Backward(1))
-            .unwrap();
-        s.ranks[1].remove(last);
-        s.ranks[1].retain(|a| !matches!(a, Action::Exchange(o) if o.contains(&Op::Send { peer: 0, dir: Dir::Grad, mb: 1 })));
-        s.ranks[0].retain(|a| !matches!(a, Action::Exchange(o) if o.contains(&Op::Recv { peer: 1, dir: Dir::Grad, mb: 1 })));
-        s.ranks[0].retain(|a| *a != Action::Backward(1));
-        assert_eq!(
-            simulate(&s),
-            Err(SimError::Missing {
-                rank: 0,
-                what: "backward",
-                mb: 1
-            })
-        );
-    }
-
-    proptest! {
-        /// GPipe and 1F1B finish at depths 2 to 8 for 1 to 4p micro-batches (fewer than the
-        /// stages included), every rank computing every forward and backward.
-        #[test]
-        fn gpipe_and_1f1b_finish_at_any_depth(
-            (p, m) in (2usize..=8).prop_flat_map(|p| (Just(p), 1..=4 * p)),
-        ) {
-            for s in [Schedule::gpipe(p, m), Schedule::one_f_one_b(p, m)] {
-                let t = simulate(&s);
-                prop_assert!(t.is_ok(), "p {} m {}: {:?}", p, m, t);
-            }
-        }
-    }
-}
+mod tests;
