@@ -21,10 +21,16 @@
 
 #![forbid(unsafe_code)]
 
+mod error;
+mod runtime;
 mod schedule;
 mod sim;
+mod tensor;
 mod timing;
 
+pub use error::{BoxError, PipelineError};
+pub use runtime::{Check, Pipeline, PipelineConfig, Stage, StepStats};
 pub use schedule::{Action, Costs, Dir, Op, Schedule, ScheduleError, ScheduleKind, Step};
 pub use sim::{simulate, SimError};
+pub use tensor::{Meta, Tensor};
 pub use timing::{bubble, timeline, Timeline};

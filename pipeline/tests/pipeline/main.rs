@@ -1,0 +1,371 @@
+//! The pipeline runtime on ranks that are threads of this process: the staged MLP against one
+//! process running every layer, at every schedule and depth; several tensors per output; shapes
+//! that change; a refused shape; a crashed stage; a pipe x data grid with DDP.
+
+#[path = "../../../examples/08_pipeline_mlp/model.rs"]
+mod model;
+
+use std::cell::RefCell;
+use std::time::Duration;
+
+use model::{max_rel_diff, reference_grads, sgd, MlpStage, Shape, Wire};
+use oxccl_comm::harness::spawn_world;
+use oxccl_comm::{Communicator, Config, Topology};
+use oxccl_ddp::{Ddp, DdpConfig, Param};
+use oxccl_pipeline::{Dir, Pipeline, PipelineConfig, PipelineError, ScheduleKind};
+
+type Params = model::Layers;
+
+/// A rank's gradients per step, shape rounds per step, and layers.
+type Changes = (Vec<Params>, Vec<u64>, Vec<usize>);
+
+fn cfg() -> Config {
+    Config {
+        timeout: Duration::from_secs(30),
+        ..Config::default()
+    }
+}
+
+fn shape(micro: usize) -> Shape {
+    Shape {
+        input: 8,
+        width: 12,
+        output: 3,
+        layers: 16,
+        batch: 3,
+        micro,
+        lr: 0.1,
+    }
+}
+
+/// What a rank reports: its layers, their gradients at every step, its final parameters.
+struct Report {
+    layers: Vec<usize>,
+    grads: Vec<Params>,
+    params: Params,
+    loss: Vec<f32>,
+}
+
+/// `steps` steps of the staged MLP on this rank.
+fn train(
+    comm: &Communicator,
+    sh: &Shape,
+    kind: ScheduleKind,
+    v: usize,
+    steps: usize,
+    wire: Wire,
+) -> Result<Report, PipelineError> {
+    let (p, rank) = (comm.size(), comm.rank());
+    let mut pipe = Pipeline::new(
+        comm,
+        PipelineConfig {
+            chunks: v,
+            ..PipelineConfig::new(kind, sh.micro)
+        },
+    )?;
+    let mut stage = MlpStage::new(sh, p, v, rank, 7);
+    stage.wire = wire;
+    let mut grads = Vec::new();
+    let mut loss = Vec::new();
+    for step in 0..steps {
+        stage.begin_step(step * sh.batch * sh.micro);
+        pipe.step(&mut stage)?;
+        grads.push(stage.grads.clone());
+        loss.push(stage.loss);
+        let g = stage.grads.clone();
+        sgd(&mut stage.params, &g, sh.lr);
+    }
+    Ok(Report {
+        layers: stage.my_layers(),
+        grads,
+        params: stage.params,
+        loss,
+    })
+}
+
+/// The one-process run: gradients at every step and the final parameters.
+fn reference(sh: &Shape, steps: usize, replicas: usize) -> (Vec<Params>, Params, Vec<f32>) {
+    let mut params = model::init(sh, 7);
+    let (mut grads, mut losses) = (Vec::new(), Vec::new());
+    for step in 0..steps {
+        let (g, loss) =
+            reference_grads(sh, &params, step * sh.batch * sh.micro * replicas, replicas);
+        sgd(&mut params, &g, sh.lr);
+        grads.push(g);
+        losses.push(loss);
+    }
+    (grads, params, losses)
+}
+
+fn pick(p: &Params, layers: &[usize]) -> Params {
+    layers.iter().map(|&l| p[l].clone()).collect()
+}
+
+/// Every rank's layers and gradients equal the reference's within 1e-5 (relative).
+fn check(name: &str, reports: &[Report], want: &(Vec<Params>, Params, Vec<f32>)) {
+    let mut seen = Vec::new();
+    for (r, rep) in reports.iter().enumerate() {
+        for (step, g) in rep.grads.iter().enumerate() {
+            let d = max_rel_diff(&pick(g, &rep.layers), &pick(&want.0[step], &rep.layers));
+            assert!(
+                d <= 1e-5,
+                "{name}: rank {r} step {step}: gradients differ by {d:e}"
+            );
+        }
+        let d = max_rel_diff(&pick(&rep.params, &rep.layers), &pick(&want.1, &rep.layers));
+        assert!(d <= 1e-5, "{name}: rank {r}: parameters differ by {d:e}");
+        seen.extend(rep.layers.iter().copied());
+    }
+    seen.sort_unstable();
+    assert_eq!(
+        seen,
+        (0..want.1.len()).collect::<Vec<_>>(),
+        "{name}: every layer on one stage"
+    );
+    // The last stage's loss is the reference's.
+    let last = reports
+        .iter()
+        .map(|r| r.loss.clone())
+        .find(|l| l.iter().any(|&x| x != 0.0))
+        .expect("a loss");
+    for (a, b) in last.iter().zip(&want.2) {
+        assert!(
+            (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+            "{name}: loss {a} vs {b}"
+        );
+    }
+}
+
+#[test]
+fn every_schedule_at_depths_2_3_4_8_equals_one_process() {
+    for p in [2, 3, 4, 8] {
+        for m in [p - 1, p + 2] {
+            let m = m.max(1);
+            let sh = shape(m);
+            let want = reference(&sh, 5, 1);
+            for (kind, v) in [
+                (ScheduleKind::GPipe, 1),
+                (ScheduleKind::OneFOneB, 1),
+                (ScheduleKind::Interleaved, 2),
+                (ScheduleKind::ZeroBubbleH1, 1),
+            ] {
+                let got: Vec<Report> = spawn_world(p, cfg(), |comm| {
+                    train(&comm, &sh, kind, v, 5, Wire::One)
+                        .map_err(|e| oxccl_comm::Error::Config(e.to_string()))
+                })
+                .into_iter()
+                .collect::<Result<_, _>>()
+                .unwrap_or_else(|e| panic!("{kind} p {p} m {m}: {e}"));
+                check(&format!("{kind} p {p} m {m} v {v}"), &got, &want);
+            }
+        }
+    }
+}
+
+#[test]
+fn two_tensors_of_two_dtypes_per_output() {
+    let sh = shape(4);
+    let want = reference(&sh, 3, 1);
+    let got: Vec<Report> = spawn_world(3, cfg(), |comm| {
+        train(&comm, &sh, ScheduleKind::OneFOneB, 1, 3, Wire::Split)
+            .map_err(|e| oxccl_comm::Error::Config(e.to_string()))
+    })
+    .into_iter()
+    .collect::<Result<_, _>>()
+    .unwrap();
+    check("1f1b p 3, f32 + f64 outputs", &got, &want);
+}
+
+#[test]
+fn shapes_that_change_between_steps_are_sent_again() {
+    // Micro-batches of 3, 5, 5, 3 samples: the shapes go again at steps 1 and 3 only.
+    let batches = [3usize, 5, 5, 3];
+    let run = |comm: Communicator| -> Result<Changes, PipelineError> {
+        let (p, rank) = (comm.size(), comm.rank());
+        let sh = shape(4);
+        let mut pipe = Pipeline::new(&comm, PipelineConfig::new(ScheduleKind::OneFOneB, 4))?;
+        let mut stage = MlpStage::new(&sh, p, 1, rank, 7);
+        let (mut grads, mut sent) = (Vec::new(), Vec::new());
+        let mut first = 0;
+        for &b in &batches {
+            stage.sh.batch = b;
+            stage.norm = (b * 4) as f32;
+            stage.begin_step(first);
+            first += b * 4;
+            pipe.step(&mut stage)?;
+            grads.push(stage.grads.clone());
+            sent.push(pipe.shape_exchanges());
+            let g = stage.grads.clone();
+            sgd(&mut stage.params, &g, sh.lr);
+        }
+        Ok((grads, sent, stage.my_layers()))
+    };
+    let got = spawn_world(3, cfg(), |comm| {
+        run(comm).map_err(|e| oxccl_comm::Error::Config(e.to_string()))
+    });
+    let mut params = model::init(&shape(4), 7);
+    let mut first = 0;
+    for (step, &b) in batches.iter().enumerate() {
+        let sh = Shape {
+            batch: b,
+            ..shape(4)
+        };
+        let (g, _) = reference_grads(&sh, &params, first, 1);
+        first += b * 4;
+        for (r, res) in got.iter().enumerate() {
+            let (grads, sent, layers) = res.as_ref().unwrap();
+            let d = max_rel_diff(&pick(&grads[step], layers), &pick(&g, layers));
+            assert!(d <= 1e-5, "rank {r} step {step}: {d:e}");
+            // Rank 1 has two links (to 0 and 2), each way: 4 shape rounds per change.
+            if r == 1 {
+                let fresh = [4, 4, 0, 4][step];
+                let before = if step == 0 { 0 } else { sent[step - 1] };
+                assert_eq!(sent[step] - before, fresh, "rank 1 step {step}: {sent:?}");
+            }
+        }
+        sgd(&mut params, &g, sh.lr);
+    }
+}
+
+#[test]
+fn a_refused_shape_is_named_on_both_ends_and_the_rest_fail_too() {
+    let res = spawn_world(3, cfg(), |comm| {
+        let sh = shape(3);
+        let rank = comm.rank();
+        let run = || -> Result<(), PipelineError> {
+            let mut pipe = Pipeline::new(&comm, PipelineConfig::new(ScheduleKind::OneFOneB, 3))?;
+            if rank == 1 {
+                pipe.set_check(|dir, _chunk, metas| match (dir, metas) {
+                    (Dir::Act, [m]) if m.shape.len() == 2 => Ok(()),
+                    (Dir::Act, _) => Err("stage 1 takes one [batch, width] tensor".into()),
+                    _ => Ok(()),
+                });
+            }
+            let mut stage = MlpStage::new(&sh, 3, 1, rank, 7);
+            if rank == 0 {
+                stage.wire = Wire::Split; // two tensors where stage 1 takes one
+            }
+            pipe.step(&mut stage).map(|_| ())
+        };
+        Ok(run().map_err(|e| e.to_string()))
+    });
+    let msg: Vec<String> = res.into_iter().map(|r| r.unwrap().unwrap_err()).collect();
+    assert!(msg[0].contains("stage 1 (rank 1) refused the activations of micro-batch 0 that this stage sent, [f32 [3, 6], f64 [3, 6]]: stage 1 takes one"), "{}", msg[0]);
+    assert!(msg[1].contains("stage 1 refused the activations of micro-batch 0 that stage 0 (rank 0) sent, [f32 [3, 6], f64 [3, 6]]: stage 1 takes one"), "{}", msg[1]);
+    assert!(msg[2].contains("rank 2"), "{}", msg[2]);
+}
+
+#[test]
+fn a_crashed_stage_fails_every_stage_without_a_hang() {
+    let t = std::time::Instant::now();
+    let res = spawn_world(4, cfg(), |comm| {
+        let sh = shape(6);
+        let rank = comm.rank();
+        let run = || -> Result<(), PipelineError> {
+            let mut pipe = Pipeline::new(&comm, PipelineConfig::new(ScheduleKind::OneFOneB, 6))?;
+            let mut stage = MlpStage::new(&sh, 4, 1, rank, 7);
+            if rank == 2 {
+                stage.fail_at = Some(2);
+            }
+            pipe.step(&mut stage).map(|_| ())
+        };
+        Ok(run().map_err(|e| e.to_string()))
+    });
+    let msg: Vec<String> = res.into_iter().map(|r| r.unwrap().unwrap_err()).collect();
+    assert!(
+        msg[2].contains(
+            "rank 2 (stage 2): forward of micro-batch 2 (chunk 0) failed: this stage crashed"
+        ),
+        "{}",
+        msg[2]
+    );
+    for r in [0, 1, 3] {
+        assert!(
+            msg[r].contains(&format!("rank {r}")),
+            "rank {r}: {}",
+            msg[r]
+        );
+    }
+    assert!(
+        t.elapsed() < Duration::from_secs(25),
+        "took {:?}",
+        t.elapsed()
+    );
+}
+
+#[test]
+fn a_pipe_by_data_grid_with_ddp_equals_one_process_on_the_whole_batch() {
+    for kind in [ScheduleKind::OneFOneB, ScheduleKind::ZeroBubbleH1] {
+        let sh = shape(3);
+        let want = reference(&sh, 4, 2);
+        let got = spawn_world(4, cfg(), |comm| {
+            let topo = Topology::setup(&comm, &[("pipe", 2), ("data", 2)])?;
+            let (pipe_comm, data) = (topo.group("pipe")?, topo.group("data")?);
+            let run = || -> Result<Report, Box<dyn std::error::Error>> {
+                let (p, rank, replica) = (pipe_comm.size(), pipe_comm.rank(), data.rank());
+                let mut pipe = Pipeline::new(pipe_comm, PipelineConfig::new(kind, sh.micro))?;
+                let layers = MlpStage::new(&sh, p, 1, rank, 7).my_layers();
+                let mut copy = model::init(&sh, 7);
+                let mut list: Vec<Param> = Vec::new();
+                for (i, (w, b)) in copy.iter_mut().enumerate() {
+                    if layers.contains(&i) {
+                        list.push(Param::new(format!("l{i}.w"), w));
+                        list.push(Param::new(format!("l{i}.b"), b));
+                    }
+                }
+                let ddp = RefCell::new(Ddp::new(data, &mut list, DdpConfig::default())?);
+                let local = |global: usize| {
+                    2 * layers.iter().position(|&l| l == global / 2).unwrap() + global % 2
+                };
+                let mut stage = MlpStage::new(&sh, p, 1, rank, 7);
+                let (mut grads, mut loss) = (Vec::new(), Vec::new());
+                for step in 0..4 {
+                    // Replica d takes the micro-batches d m .. (d + 1) m of the step.
+                    stage.begin_step((step * 2 + replica) * sh.batch * sh.micro);
+                    stage.on_grad = Some(Box::new(|param, g| {
+                        ddp.borrow_mut()
+                            .grad_ready(local(param), g)
+                            .map_err(Into::into)
+                    }));
+                    pipe.step(&mut stage)?;
+                    stage.on_grad = None;
+                    let mut d = ddp.borrow_mut();
+                    d.finish()?;
+                    let mut avg = model::zeros_like(&stage.params);
+                    for &l in &layers {
+                        avg[l].0 = d.grad::<f32>(local(2 * l))?.to_vec();
+                        avg[l].1 = d.grad::<f32>(local(2 * l + 1))?.to_vec();
+                    }
+                    sgd(&mut stage.params, &avg, sh.lr);
+                    grads.push(avg);
+                    loss.push(stage.loss);
+                }
+                Ok(Report {
+                    layers: layers.clone(),
+                    grads,
+                    params: stage.params.clone(),
+                    loss,
+                })
+            };
+            run().map_err(|e| oxccl_comm::Error::Config(e.to_string()))
+        });
+        let got: Vec<Report> = got
+            .into_iter()
+            .collect::<Result<_, _>>()
+            .unwrap_or_else(|e| panic!("{kind}: {e}"));
+        for (r, rep) in got.iter().enumerate() {
+            for (step, g) in rep.grads.iter().enumerate() {
+                let d = max_rel_diff(&pick(g, &rep.layers), &pick(&want.0[step], &rep.layers));
+                assert!(
+                    d <= 1e-5,
+                    "{kind} grid: rank {r} step {step}: gradients differ by {d:e}"
+                );
+            }
+            let d = max_rel_diff(&pick(&rep.params, &rep.layers), &pick(&want.1, &rep.layers));
+            assert!(
+                d <= 1e-5,
+                "{kind} grid: rank {r}: parameters differ by {d:e}"
+            );
+        }
+    }
+}
