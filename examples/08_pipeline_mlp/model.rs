@@ -218,6 +218,21 @@ pub fn reference_grads(
     (grads, loss)
 }
 
+/// The one-process run of `steps` steps with `replicas` replicas' micro-batches each step:
+/// the gradients of every step, the final parameters and every step's loss.
+pub fn reference(sh: &Shape, steps: usize, replicas: usize) -> (Vec<Layers>, Layers, Vec<f32>) {
+    let mut params = init(sh, 7);
+    let (mut grads, mut losses) = (Vec::new(), Vec::new());
+    for step in 0..steps {
+        let (g, loss) =
+            reference_grads(sh, &params, step * sh.batch * sh.micro * replicas, replicas);
+        sgd(&mut params, &g, sh.lr);
+        grads.push(g);
+        losses.push(loss);
+    }
+    (grads, params, losses)
+}
+
 /// `p -= lr g`.
 pub fn sgd(p: &mut [(Vec<f32>, Vec<f32>)], g: &[(Vec<f32>, Vec<f32>)], lr: f32) {
     for ((w, b), (gw, gb)) in p.iter_mut().zip(g) {

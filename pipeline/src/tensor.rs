@@ -40,10 +40,16 @@ pub(crate) fn show(metas: &[Meta]) -> String {
 }
 
 /// A host tensor.
-#[derive(Clone, PartialEq)]
+#[derive(Clone)]
 pub struct Tensor {
     meta: Meta,
     words: Vec<u64>,
+}
+
+impl PartialEq for Tensor {
+    fn eq(&self, other: &Tensor) -> bool {
+        self.meta == other.meta && self.bytes() == other.bytes()
+    }
 }
 
 impl fmt::Debug for Tensor {
@@ -61,6 +67,18 @@ impl Tensor {
         };
         let words = vec![0; meta.nbytes().div_ceil(8)];
         Tensor { meta, words }
+    }
+
+    /// A tensor of `meta` on `words` (at least its bytes, rounded up to words), whatever
+    /// they hold.
+    pub(crate) fn from_words(meta: Meta, mut words: Vec<u64>) -> Tensor {
+        words.resize(meta.nbytes().div_ceil(8), 0);
+        Tensor { meta, words }
+    }
+
+    /// The storage, for reuse.
+    pub(crate) fn into_words(self) -> Vec<u64> {
+        self.words
     }
 
     /// A tensor of `shape` holding `data`, or `None` when their sizes differ.

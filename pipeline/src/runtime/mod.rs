@@ -7,6 +7,7 @@
 //! peer, a refused shape) aborts the communicator, so every other stage fails too instead of
 //! waiting.
 
+mod shapes;
 mod wire;
 
 use std::borrow::Borrow;
@@ -190,10 +191,11 @@ impl<C: Borrow<Communicator> + Sync> Pipeline<C> {
                 ),
             });
         }
+        let caches = Caches::new(2 * schedule.m * schedule.v);
         Ok(Pipeline {
             comm,
             schedule,
-            caches: Caches::default(),
+            caches,
             check: None,
         })
     }
@@ -304,9 +306,18 @@ struct Run {
 
 impl Run {
     fn actions(&mut self, actions: &[Action], stage: &mut impl Stage) -> Result<(), PipelineError> {
-        for a in actions {
+        // Exchanges posted so far: every one before `ahead`'s scan point that only receives
+        // may already be in the line (posted early: the line keeps their order, so this only
+        // lets them start sooner).
+        let mut early = vec![false; actions.len()];
+        self.look_ahead(actions, 0, &mut early)?;
+        for (i, a) in actions.iter().enumerate() {
             match a {
-                Action::Exchange(ops) => self.post(ops)?,
+                Action::Exchange(_) if early[i] => {}
+                Action::Exchange(ops) => {
+                    self.post(ops)?;
+                    self.look_ahead(actions, i + 1, &mut early)?;
+                }
                 Action::Forward(st) => {
                     let s = st.chunk * self.p + self.rank;
                     let inputs = if s > 0 {
@@ -344,6 +355,28 @@ impl Run {
                     })?;
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Posts, in order from `from`, the exchanges that only receive, up to the first one that
+    /// sends (which needs a computation not done yet).
+    fn look_ahead(
+        &mut self,
+        actions: &[Action],
+        from: usize,
+        early: &mut [bool],
+    ) -> Result<(), PipelineError> {
+        for (i, a) in actions.iter().enumerate().skip(from) {
+            let Action::Exchange(ops) = a else { continue };
+            if early[i] {
+                continue;
+            }
+            if ops.iter().any(|o| matches!(o, Op::Send { .. })) {
+                break;
+            }
+            self.post(ops)?;
+            early[i] = true;
         }
         Ok(())
     }

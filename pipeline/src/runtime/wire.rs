@@ -1,18 +1,21 @@
-//! One exchange on the wire, run by the pipeline's exchange thread. Every exchange is the same
-//! batch of operations (the schedule's, in its order) in up to four rounds:
+//! One exchange on the wire, run by the pipeline's exchange thread: the schedule's batch of
+//! operations, in one round when both ends of every link already know its shapes, in four when
+//! some changed.
 //!
-//! 1. **header**: per message three words: the fingerprint of its dtypes and shapes, the
-//!    length of the shapes that follow (0 when the receiver already has them: the last ones
-//!    sent on this link for this direction and chunk) and the payload's bytes;
-//! 2. **shapes**, only for the messages whose shapes changed (the first of each link
-//!    included): the encoded dtypes and shapes;
+//! 1. **header and payload**: per message a header of three words (the fingerprint of its
+//!    dtypes and shapes, the length of the new shapes that follow or 0, the payload's bytes),
+//!    then each tensor's bytes as one operation, received straight into a tensor of the shapes
+//!    last accepted on this link (for this direction and chunk). When the shapes changed the
+//!    sender sends tensors of the old shapes here instead (zeros, discarded), so that both
+//!    ends always post the same operations without asking each other first; a link's first
+//!    message has no old shapes and sends its header alone;
+//! 2. **shapes**, only for the messages whose shapes changed: the encoded dtypes and shapes;
 //! 3. **verdict**, for the same messages: the receiver's check of the new shapes, sent back,
-//!    so that a refusal is an error on both ends;
-//! 4. **payload**: each tensor's bytes as one operation, received straight into a tensor of
-//!    the announced shape.
+//!    so that a refusal is an error on both ends ([`super::shapes`]);
+//! 4. **payload** of those messages, in their new shapes.
 //!
-//! Rounds 2 and 3 happen only when shapes change, so a steady pipeline pays one small header
-//! round per exchange.
+//! A steady pipeline pays one round per exchange, as a plain batch of sends and receives.
+//! Received tensors reuse the storage of tensors this rank sent before (a pool by size).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -21,13 +24,10 @@ use oxccl_comm::{Communicator, P2pOp};
 
 use crate::error::{dir_name, PipelineError};
 use crate::schedule::{Dir, Op};
-use crate::tensor::{decode, encode, fingerprint, show, Meta, Tensor};
+use crate::tensor::{encode, fingerprint, Meta, Tensor};
 
 /// A receiver's check of new shapes: `(direction, its chunk, shapes)`; `Err(why)` refuses them.
 pub type Check = Arc<dyn Fn(Dir, usize, &[Meta]) -> Result<(), String> + Send + Sync>;
-
-/// Words of a verdict: its length in bytes, then the text (cut to fit).
-const VERDICT_WORDS: usize = 64;
 
 /// An exchange to run: the schedule's operations and, for each send, its tensors.
 pub(crate) struct Job {
@@ -41,16 +41,57 @@ pub(crate) type Key = (Dir, usize, usize);
 /// What an exchange gives back: the tensors it received, by consumer.
 pub(crate) type Done = Result<Vec<(Key, Vec<Tensor>)>, PipelineError>;
 
+/// Bytes of sent tensors kept for reuse, at most.
+const POOL_BYTES: usize = 1 << 30;
+
 /// What each link last carried, on both ends: the sender's and the receiver's view agree, so
-/// a header says whether shapes follow.
+/// both post the same operations.
 #[derive(Default)]
 pub(crate) struct Caches {
-    /// (peer, direction, this rank's producing chunk) -> the shapes last sent.
-    sent: HashMap<(usize, Dir, usize), Vec<Meta>>,
+    /// (peer, direction, this rank's producing chunk) -> the shapes last accepted.
+    pub(super) sent: HashMap<(usize, Dir, usize), Vec<Meta>>,
     /// (peer, direction, this rank's consuming chunk) -> fingerprint and shapes last accepted.
-    taken: HashMap<(usize, Dir, usize), (u64, Vec<Meta>)>,
-    /// Shapes (re)sent or received, in all.
+    pub(super) taken: HashMap<(usize, Dir, usize), (u64, Vec<Meta>)>,
+    /// Storage of sent tensors, by length in words, for the next receives: at most `pool_cap`
+    /// per size (the messages of a step) and [`POOL_BYTES`] in all.
+    pool: HashMap<usize, Vec<Vec<u64>>>,
+    pool_bytes: usize,
+    pool_cap: usize,
+    /// Shapes sent or accepted, in all.
     pub(crate) meta_rounds: u64,
+}
+
+impl Caches {
+    /// Empty caches, pooling at most `pool_cap` buffers of a size.
+    pub(crate) fn new(pool_cap: usize) -> Caches {
+        Caches {
+            pool_cap,
+            ..Caches::default()
+        }
+    }
+
+    /// A tensor of `m`'s shape, on pooled storage when there is some (its contents are
+    /// overwritten by the receive).
+    fn tensor(&mut self, m: &Meta) -> Tensor {
+        let words = m.nbytes().div_ceil(8);
+        match self.pool.get_mut(&words).and_then(Vec::pop) {
+            Some(w) => {
+                self.pool_bytes -= 8 * w.len();
+                Tensor::from_words(m.clone(), w)
+            }
+            None => Tensor::zeros(m.dtype, &m.shape),
+        }
+    }
+
+    fn recycle(&mut self, t: Tensor) {
+        let w = t.into_words();
+        let bytes = 8 * w.len();
+        let list = self.pool.entry(w.len()).or_default();
+        if list.len() < self.pool_cap && !w.is_empty() && self.pool_bytes + bytes <= POOL_BYTES {
+            self.pool_bytes += bytes;
+            list.push(w);
+        }
+    }
 }
 
 /// The exchange thread's view of the pipeline.
@@ -60,8 +101,8 @@ pub(crate) struct Wire<'a> {
     pub check: Option<Check>,
 }
 
-/// A message's key in the caches and its stage numbers, from this rank's side.
-fn slot(op: &Op) -> (usize, Dir, usize) {
+/// A message's key in the caches, from this rank's side: (peer, direction, chunk).
+pub(super) fn slot(op: &Op) -> (usize, Dir, usize) {
     match *op {
         Op::Send {
             peer, dir, chunk, ..
@@ -73,20 +114,19 @@ fn slot(op: &Op) -> (usize, Dir, usize) {
 }
 
 impl Wire<'_> {
-    fn rank(&self) -> usize {
+    pub(super) fn rank(&self) -> usize {
         self.comm.rank()
     }
 
     /// This rank's stage for `op`, and the peer's.
-    fn stages(&self, op: &Op) -> (usize, usize) {
+    pub(super) fn stages(&self, op: &Op) -> (usize, usize) {
         let p = self.comm.size();
-        let (peer, dir, chunk) = slot(op);
+        let (_, dir, chunk) = slot(op);
         let me = chunk * p + self.rank();
         let other = match (op, dir) {
             (Op::Send { .. }, Dir::Act) | (Op::Recv { .. }, Dir::Grad) => me + 1,
             _ => me - 1,
         };
-        debug_assert_eq!(other % p, peer);
         (me, other)
     }
 
@@ -108,7 +148,7 @@ impl Wire<'_> {
         parts.join(", ")
     }
 
-    fn comm_err(&self, ops: &[Op], round: &str, e: oxccl_comm::Error) -> PipelineError {
+    pub(super) fn comm_err(&self, ops: &[Op], round: &str, e: oxccl_comm::Error) -> PipelineError {
         PipelineError::Comm {
             rank: self.rank(),
             what: format!("{round} of {}", self.describe(ops)),
@@ -119,67 +159,121 @@ impl Wire<'_> {
     /// Runs one exchange; returns what it received, by consumer.
     pub(crate) fn run(&mut self, job: Job) -> Done {
         let Job { ops, sends } = job;
+        let n = ops.len();
         let metas: Vec<Vec<Meta>> = sends
             .iter()
             .map(|ts| ts.iter().map(|t| t.meta().clone()).collect())
             .collect();
-        // Round 1: headers.
-        let mut out_headers: Vec<[u64; 3]> = Vec::with_capacity(ops.len());
-        let mut changed = vec![false; ops.len()];
+        let mut out_hdr = vec![[0u64; 3]; n];
+        let mut in_hdr = vec![[0u64; 3]; n];
+        let mut changed = vec![false; n];
+        // What round 1 sends in old shapes, and receives in the cached ones.
+        let mut stale: Vec<Vec<Tensor>> = vec![Vec::new(); n];
+        let mut got: Vec<Vec<Tensor>> = vec![Vec::new(); n];
         for (i, op) in ops.iter().enumerate() {
+            let key = slot(op);
             if matches!(op, Op::Send { .. }) {
                 let m = &metas[i];
-                changed[i] = self.caches.sent.get(&slot(op)) != Some(m);
+                let cached = self.caches.sent.get(&key).cloned();
+                changed[i] = cached.as_ref() != Some(m);
                 let meta_len = if changed[i] { encode(m).len() } else { 0 };
                 let payload: usize = m.iter().map(Meta::nbytes).sum();
-                out_headers.push([fingerprint(m), meta_len as u64, payload as u64]);
-            } else {
-                out_headers.push([0; 3]);
+                out_hdr[i] = [fingerprint(m), meta_len as u64, payload as u64];
+                if changed[i] {
+                    stale[i] = cached
+                        .iter()
+                        .flatten()
+                        .map(|m| Tensor::zeros(m.dtype, &m.shape))
+                        .collect();
+                }
+            } else if let Some((_, m)) = self.caches.taken.get(&key).cloned() {
+                got[i] = m.iter().map(|m| self.caches.tensor(m)).collect();
             }
         }
-        let mut in_headers = out_headers.clone();
-        self.round(&ops, &out_headers, &mut in_headers, "header", |_| true)?;
-        // Rounds 2 and 3: new shapes and their verdicts.
-        let mut shapes: Vec<Option<Vec<Meta>>> = vec![None; ops.len()];
+        self.first_round(
+            &ops,
+            &sends,
+            &stale,
+            &changed,
+            &out_hdr,
+            &mut in_hdr,
+            &mut got,
+        )?;
+        let mut shapes: Vec<Option<Vec<Meta>>> = vec![None; n];
         for (i, op) in ops.iter().enumerate() {
             if matches!(op, Op::Recv { .. }) {
-                changed[i] = in_headers[i][1] > 0;
-                if !changed[i] {
-                    shapes[i] = Some(self.cached(op, in_headers[i][0])?);
+                changed[i] = in_hdr[i][1] > 0;
+                if changed[i] {
+                    for t in std::mem::take(&mut got[i]) {
+                        self.caches.recycle(t);
+                    }
+                } else {
+                    self.cached(op, in_hdr[i][0])?;
                 }
             }
         }
         if changed.iter().any(|&c| c) {
-            self.new_shapes(&ops, &metas, &changed, &in_headers, &mut shapes)?;
+            self.new_shapes(&ops, &metas, &changed, &in_hdr, &mut shapes)?;
+            self.last_round(&ops, &sends, &changed, shapes, &mut got)?;
         }
-        // Round 4: payloads.
-        self.payload(&ops, &sends, &in_headers, shapes)
+        for t in sends.into_iter().flatten() {
+            self.caches.recycle(t);
+        }
+        Ok(ops
+            .iter()
+            .zip(got)
+            .filter_map(|(op, ts)| match *op {
+                Op::Recv { dir, mb, chunk, .. } => Some(((dir, mb, chunk), ts)),
+                Op::Send { .. } => None,
+            })
+            .collect())
     }
 
-    /// One round of words: each send op sends `out[i]`, each receive fills `inb[i]`, for the
-    /// ops `take` selects.
-    fn round(
+    /// Round 1: every header, and every payload in the shapes both ends know.
+    #[allow(clippy::too_many_arguments)]
+    fn first_round(
         &self,
         ops: &[Op],
-        out: &[impl AsRef<[u64]>],
-        inb: &mut [impl AsMut<[u64]>],
-        name: &str,
-        take: impl Fn(usize) -> bool,
+        sends: &[Vec<Tensor>],
+        stale: &[Vec<Tensor>],
+        changed: &[bool],
+        out_hdr: &[[u64; 3]],
+        in_hdr: &mut [[u64; 3]],
+        got: &mut [Vec<Tensor>],
     ) -> Result<(), PipelineError> {
         let mut batch = Vec::new();
-        for (i, (op, buf)) in ops.iter().zip(inb.iter_mut()).enumerate() {
-            if !take(i) {
-                continue;
-            }
+        for (i, ((op, hdr), ts)) in ops
+            .iter()
+            .zip(in_hdr.iter_mut())
+            .zip(got.iter_mut())
+            .enumerate()
+        {
             match *op {
-                Op::Send { peer, .. } => batch.push(P2pOp::Send {
-                    buf: out[i].as_ref(),
-                    peer,
-                }),
-                Op::Recv { peer, .. } => batch.push(P2pOp::Recv {
-                    buf: buf.as_mut(),
-                    peer,
-                }),
+                Op::Send { peer, .. } => {
+                    batch.push(P2pOp::Send {
+                        buf: bytemuck::bytes_of(&out_hdr[i]),
+                        peer,
+                    });
+                    let pay = if changed[i] { &stale[i] } else { &sends[i] };
+                    batch.extend(pay.iter().filter(|t| !t.bytes().is_empty()).map(|t| {
+                        P2pOp::Send {
+                            buf: t.bytes(),
+                            peer,
+                        }
+                    }));
+                }
+                Op::Recv { peer, .. } => {
+                    batch.push(P2pOp::Recv {
+                        buf: bytemuck::bytes_of_mut(hdr),
+                        peer,
+                    });
+                    batch.extend(ts.iter_mut().filter(|t| !t.bytes().is_empty()).map(|t| {
+                        P2pOp::Recv {
+                            buf: t.bytes_mut(),
+                            peer,
+                        }
+                    }));
+                }
             }
         }
         if batch.is_empty() {
@@ -187,13 +281,13 @@ impl Wire<'_> {
         }
         self.comm
             .batch_p2p(batch)
-            .map_err(|e| self.comm_err(ops, name, e))
+            .map_err(|e| self.comm_err(ops, "exchange", e))
     }
 
-    /// The shapes cached for a receive whose header says they did not change.
-    fn cached(&self, op: &Op, fp: u64) -> Result<Vec<Meta>, PipelineError> {
+    /// Checks a receive whose header says its shapes did not change against the cache.
+    fn cached(&self, op: &Op, fp: u64) -> Result<(), PipelineError> {
         match self.caches.taken.get(&slot(op)) {
-            Some((f, m)) if *f == fp => Ok(m.clone()),
+            Some((f, _)) if *f == fp => Ok(()),
             _ => Err(PipelineError::Protocol {
                 rank: self.rank(),
                 what: format!(
@@ -204,217 +298,49 @@ impl Wire<'_> {
         }
     }
 
-    /// Rounds 2 and 3 for the ops marked `changed`.
-    fn new_shapes(
+    /// Round 4: the payloads of the messages whose shapes changed, in their new shapes.
+    fn last_round(
         &mut self,
         ops: &[Op],
-        metas: &[Vec<Meta>],
-        changed: &[bool],
-        headers: &[[u64; 3]],
-        shapes: &mut [Option<Vec<Meta>>],
-    ) -> Result<(), PipelineError> {
-        let out: Vec<Vec<u64>> = metas.iter().map(|m| encode(m)).collect();
-        let mut inb: Vec<Vec<u64>> = ops
-            .iter()
-            .zip(headers)
-            .map(|(op, h)| match op {
-                Op::Recv { .. } => vec![0; h[1] as usize],
-                Op::Send { .. } => Vec::new(),
-            })
-            .collect();
-        self.round(ops, &out, &mut inb, "shapes", |i| changed[i])?;
-        // The receivers' verdicts.
-        let mut verdicts: Vec<Vec<u64>> = vec![vec![0; VERDICT_WORDS]; ops.len()];
-        let mut refused: Vec<Option<String>> = vec![None; ops.len()];
-        for (i, op) in ops.iter().enumerate() {
-            let Op::Recv { dir, mb, chunk, .. } = *op else {
-                continue;
-            };
-            if !changed[i] {
-                continue;
-            }
-            let why = match decode(&inb[i]) {
-                Err(e) => Err(e),
-                Ok(m) => {
-                    let bytes: usize = m.iter().map(Meta::nbytes).sum();
-                    if bytes as u64 != headers[i][2] || fingerprint(&m) != headers[i][0] {
-                        Err(format!(
-                            "the header ({} bytes) does not match the shapes {}",
-                            headers[i][2],
-                            show(&m)
-                        ))
-                    } else {
-                        match &self.check {
-                            Some(f) => f(dir, chunk, &m).map(|()| m),
-                            None => Ok(m),
-                        }
-                    }
-                }
-            };
-            match why {
-                Ok(m) => {
-                    self.caches
-                        .taken
-                        .insert(slot(op), (headers[i][0], m.clone()));
-                    self.caches.meta_rounds += 1;
-                    shapes[i] = Some(m);
-                }
-                Err(why) => {
-                    let got = decode(&inb[i]).map(|m| show(&m)).unwrap_or_default();
-                    let (me, from) = self.stages(op);
-                    refused[i] = Some(format!(
-                        "stage {me} refused the {} of micro-batch {mb} that stage {from} (rank {}) sent, {got}: {why}",
-                        dir_name(dir),
-                        op.peer()
-                    ));
-                    put_text(&mut verdicts[i], &why);
-                }
-            }
-        }
-        let mut back: Vec<Vec<u64>> = vec![vec![0; VERDICT_WORDS]; ops.len()];
-        // The verdict goes the other way: receivers send, senders receive.
-        let flipped: Vec<Op> = ops.iter().map(flip).collect();
-        self.round(&flipped, &verdicts, &mut back, "verdict", |i| changed[i])?;
-        for (i, op) in ops.iter().enumerate() {
-            let Op::Send { dir, mb, .. } = *op else {
-                continue;
-            };
-            if !changed[i] {
-                continue;
-            }
-            match get_text(&back[i]) {
-                None => {
-                    self.caches.sent.insert(slot(op), metas[i].clone());
-                    self.caches.meta_rounds += 1;
-                }
-                Some(why) => {
-                    let (me, to) = self.stages(op);
-                    refused[i] = Some(format!(
-                        "stage {to} (rank {}) refused the {} of micro-batch {mb} that this stage sent, {}: {why}",
-                        op.peer(),
-                        dir_name(dir),
-                        show(&metas[i])
-                    ));
-                    let _ = me;
-                }
-            }
-        }
-        if let Some((i, what)) = refused
-            .into_iter()
-            .enumerate()
-            .find_map(|(i, r)| r.map(|w| (i, w)))
-        {
-            return Err(PipelineError::Refused {
-                rank: self.rank(),
-                stage: self.stages(&ops[i]).0,
-                what,
-            });
-        }
-        Ok(())
-    }
-
-    /// Round 4.
-    fn payload(
-        &self,
-        ops: &[Op],
         sends: &[Vec<Tensor>],
-        headers: &[[u64; 3]],
+        changed: &[bool],
         shapes: Vec<Option<Vec<Meta>>>,
-    ) -> Result<Vec<(Key, Vec<Tensor>)>, PipelineError> {
-        let mut received: Vec<(usize, Vec<Tensor>)> = Vec::new();
-        for (i, (op, m)) in ops.iter().zip(shapes).enumerate() {
-            if let (Op::Recv { .. }, Some(m)) = (op, m) {
-                let _ = headers;
-                received.push((
-                    i,
-                    m.iter().map(|m| Tensor::zeros(m.dtype, &m.shape)).collect(),
-                ));
+        got: &mut [Vec<Tensor>],
+    ) -> Result<(), PipelineError> {
+        for (i, m) in shapes.into_iter().enumerate() {
+            if let (true, Op::Recv { .. }, Some(m)) = (changed[i], &ops[i], m) {
+                got[i] = m.iter().map(|m| self.caches.tensor(m)).collect();
             }
         }
-        {
-            let mut batch = Vec::new();
-            let mut rx = received.iter_mut().peekable();
-            for (i, op) in ops.iter().enumerate() {
-                match *op {
-                    Op::Send { peer, .. } => {
-                        batch.extend(sends[i].iter().filter(|t| !t.bytes().is_empty()).map(|t| {
-                            P2pOp::Send {
-                                buf: t.bytes(),
-                                peer,
-                            }
-                        }))
-                    }
-                    Op::Recv { peer, .. } => {
-                        let Some((_, ts)) = rx.next() else { continue };
-                        batch.extend(ts.iter_mut().filter(|t| !t.bytes().is_empty()).map(|t| {
-                            P2pOp::Recv {
-                                buf: t.bytes_mut(),
-                                peer,
-                            }
-                        }));
-                    }
+        let mut batch = Vec::new();
+        for (i, (op, ts)) in ops.iter().zip(got.iter_mut()).enumerate() {
+            if !changed[i] {
+                continue;
+            }
+            match *op {
+                Op::Send { peer, .. } => {
+                    batch.extend(sends[i].iter().filter(|t| !t.bytes().is_empty()).map(|t| {
+                        P2pOp::Send {
+                            buf: t.bytes(),
+                            peer,
+                        }
+                    }))
+                }
+                Op::Recv { peer, .. } => {
+                    batch.extend(ts.iter_mut().filter(|t| !t.bytes().is_empty()).map(|t| {
+                        P2pOp::Recv {
+                            buf: t.bytes_mut(),
+                            peer,
+                        }
+                    }))
                 }
             }
-            if !batch.is_empty() {
-                self.comm
-                    .batch_p2p(batch)
-                    .map_err(|e| self.comm_err(ops, "payload", e))?;
-            }
         }
-        Ok(received
-            .into_iter()
-            .map(|(i, ts)| {
-                let (_, dir, chunk) = slot(&ops[i]);
-                let mb = match ops[i] {
-                    Op::Recv { mb, .. } | Op::Send { mb, .. } => mb,
-                };
-                ((dir, mb, chunk), ts)
-            })
-            .collect())
+        if batch.is_empty() {
+            return Ok(());
+        }
+        self.comm
+            .batch_p2p(batch)
+            .map_err(|e| self.comm_err(ops, "payload", e))
     }
-}
-
-/// The same message seen from the other way (for the verdicts).
-fn flip(op: &Op) -> Op {
-    match *op {
-        Op::Send {
-            peer,
-            dir,
-            mb,
-            chunk,
-        } => Op::Recv {
-            peer,
-            dir,
-            mb,
-            chunk,
-        },
-        Op::Recv {
-            peer,
-            dir,
-            mb,
-            chunk,
-        } => Op::Send {
-            peer,
-            dir,
-            mb,
-            chunk,
-        },
-    }
-}
-
-fn put_text(words: &mut [u64], text: &str) {
-    let room = (words.len() - 1) * 8;
-    let b = &text.as_bytes()[..text.len().min(room)];
-    words[0] = b.len().max(1) as u64;
-    let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut words[1..]);
-    bytes[..b.len()].copy_from_slice(b);
-}
-
-fn get_text(words: &[u64]) -> Option<String> {
-    let n = words[0] as usize;
-    if n == 0 {
-        return None;
-    }
-    let bytes: &[u8] = bytemuck::cast_slice(&words[1..]);
-    Some(String::from_utf8_lossy(&bytes[..n.min(bytes.len())]).into_owned())
 }

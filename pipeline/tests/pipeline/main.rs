@@ -4,15 +4,16 @@
 
 #[path = "../../../examples/08_pipeline_mlp/model.rs"]
 mod model;
+#[path = "../../../examples/08_pipeline_mlp/run.rs"]
+mod run;
 
-use std::cell::RefCell;
 use std::time::Duration;
 
-use model::{max_rel_diff, reference_grads, sgd, MlpStage, Shape, Wire};
+use model::{max_rel_diff, reference, reference_grads, sgd, MlpStage, Shape, Wire};
 use oxccl_comm::harness::spawn_world;
-use oxccl_comm::{Communicator, Config, Topology};
-use oxccl_ddp::{Ddp, DdpConfig, Param};
+use oxccl_comm::{Communicator, Config};
 use oxccl_pipeline::{Dir, Pipeline, PipelineConfig, PipelineError, ScheduleKind};
+use run::Trained;
 
 type Params = model::Layers;
 
@@ -38,63 +39,28 @@ fn shape(micro: usize) -> Shape {
     }
 }
 
-/// What a rank reports: its layers, their gradients at every step, its final parameters.
-struct Report {
-    layers: Vec<usize>,
-    grads: Vec<Params>,
-    params: Params,
-    loss: Vec<f32>,
-}
-
-/// `steps` steps of the staged MLP on this rank.
+/// `steps` steps of the staged MLP on this rank (every rank a stage when `pipe` is the world
+/// size, a pipe x data grid with DDP otherwise).
 fn train(
     comm: &Communicator,
     sh: &Shape,
     kind: ScheduleKind,
     v: usize,
+    pipe: usize,
     steps: usize,
-    wire: Wire,
-) -> Result<Report, PipelineError> {
-    let (p, rank) = (comm.size(), comm.rank());
-    let mut pipe = Pipeline::new(
-        comm,
-        PipelineConfig {
-            chunks: v,
-            ..PipelineConfig::new(kind, sh.micro)
-        },
-    )?;
-    let mut stage = MlpStage::new(sh, p, v, rank, 7);
-    stage.wire = wire;
-    let mut grads = Vec::new();
-    let mut loss = Vec::new();
-    for step in 0..steps {
-        stage.begin_step(step * sh.batch * sh.micro);
-        pipe.step(&mut stage)?;
-        grads.push(stage.grads.clone());
-        loss.push(stage.loss);
-        let g = stage.grads.clone();
-        sgd(&mut stage.params, &g, sh.lr);
-    }
-    Ok(Report {
-        layers: stage.my_layers(),
-        grads,
-        params: stage.params,
-        loss,
-    })
-}
-
-/// The one-process run: gradients at every step and the final parameters.
-fn reference(sh: &Shape, steps: usize, replicas: usize) -> (Vec<Params>, Params, Vec<f32>) {
-    let mut params = model::init(sh, 7);
-    let (mut grads, mut losses) = (Vec::new(), Vec::new());
-    for step in 0..steps {
-        let (g, loss) =
-            reference_grads(sh, &params, step * sh.batch * sh.micro * replicas, replicas);
-        sgd(&mut params, &g, sh.lr);
-        grads.push(g);
-        losses.push(loss);
-    }
-    (grads, params, losses)
+    split: bool,
+) -> Result<Trained, oxccl_comm::Error> {
+    let o = run::Opts {
+        shape: sh.clone(),
+        kind,
+        chunks: v,
+        pipe,
+        steps,
+        split,
+        check: false,
+        die: None,
+    };
+    run::train(comm, &o).map_err(|e| oxccl_comm::Error::Config(e.to_string()))
 }
 
 fn pick(p: &Params, layers: &[usize]) -> Params {
@@ -102,7 +68,7 @@ fn pick(p: &Params, layers: &[usize]) -> Params {
 }
 
 /// Every rank's layers and gradients equal the reference's within 1e-5 (relative).
-fn check(name: &str, reports: &[Report], want: &(Vec<Params>, Params, Vec<f32>)) {
+fn check(name: &str, reports: &[Trained], want: &(Vec<Params>, Params, Vec<f32>), replicas: usize) {
     let mut seen = Vec::new();
     for (r, rep) in reports.iter().enumerate() {
         for (step, g) in rep.grads.iter().enumerate() {
@@ -117,15 +83,18 @@ fn check(name: &str, reports: &[Report], want: &(Vec<Params>, Params, Vec<f32>))
         seen.extend(rep.layers.iter().copied());
     }
     seen.sort_unstable();
+    let every: Vec<usize> = (0..want.1.len() * replicas).map(|i| i / replicas).collect();
     assert_eq!(
-        seen,
-        (0..want.1.len()).collect::<Vec<_>>(),
-        "{name}: every layer on one stage"
+        seen, every,
+        "{name}: every layer on one stage of each replica"
     );
+    if replicas > 1 {
+        return; // each replica's last stage has the loss of its own samples
+    }
     // The last stage's loss is the reference's.
     let last = reports
         .iter()
-        .map(|r| r.loss.clone())
+        .map(|r| r.losses.clone())
         .find(|l| l.iter().any(|&x| x != 0.0))
         .expect("a loss");
     for (a, b) in last.iter().zip(&want.2) {
@@ -149,14 +118,12 @@ fn every_schedule_at_depths_2_3_4_8_equals_one_process() {
                 (ScheduleKind::Interleaved, 2),
                 (ScheduleKind::ZeroBubbleH1, 1),
             ] {
-                let got: Vec<Report> = spawn_world(p, cfg(), |comm| {
-                    train(&comm, &sh, kind, v, 5, Wire::One)
-                        .map_err(|e| oxccl_comm::Error::Config(e.to_string()))
-                })
-                .into_iter()
-                .collect::<Result<_, _>>()
-                .unwrap_or_else(|e| panic!("{kind} p {p} m {m}: {e}"));
-                check(&format!("{kind} p {p} m {m} v {v}"), &got, &want);
+                let got: Vec<Trained> =
+                    spawn_world(p, cfg(), |comm| train(&comm, &sh, kind, v, p, 5, false))
+                        .into_iter()
+                        .collect::<Result<_, _>>()
+                        .unwrap_or_else(|e| panic!("{kind} p {p} m {m}: {e}"));
+                check(&format!("{kind} p {p} m {m} v {v}"), &got, &want, 1);
             }
         }
     }
@@ -166,21 +133,20 @@ fn every_schedule_at_depths_2_3_4_8_equals_one_process() {
 fn two_tensors_of_two_dtypes_per_output() {
     let sh = shape(4);
     let want = reference(&sh, 3, 1);
-    let got: Vec<Report> = spawn_world(3, cfg(), |comm| {
-        train(&comm, &sh, ScheduleKind::OneFOneB, 1, 3, Wire::Split)
-            .map_err(|e| oxccl_comm::Error::Config(e.to_string()))
+    let got: Vec<Trained> = spawn_world(3, cfg(), |comm| {
+        train(&comm, &sh, ScheduleKind::OneFOneB, 1, 3, 3, true)
     })
     .into_iter()
     .collect::<Result<_, _>>()
     .unwrap();
-    check("1f1b p 3, f32 + f64 outputs", &got, &want);
+    check("1f1b p 3, f32 + f64 outputs", &got, &want, 1);
 }
 
 #[test]
 fn shapes_that_change_between_steps_are_sent_again() {
     // Micro-batches of 3, 5, 5, 3 samples: the shapes go again at steps 1 and 3 only.
     let batches = [3usize, 5, 5, 3];
-    let run = |comm: Communicator| -> Result<Changes, PipelineError> {
+    let play = |comm: Communicator| -> Result<Changes, PipelineError> {
         let (p, rank) = (comm.size(), comm.rank());
         let sh = shape(4);
         let mut pipe = Pipeline::new(&comm, PipelineConfig::new(ScheduleKind::OneFOneB, 4))?;
@@ -201,7 +167,7 @@ fn shapes_that_change_between_steps_are_sent_again() {
         Ok((grads, sent, stage.my_layers()))
     };
     let got = spawn_world(3, cfg(), |comm| {
-        run(comm).map_err(|e| oxccl_comm::Error::Config(e.to_string()))
+        play(comm).map_err(|e| oxccl_comm::Error::Config(e.to_string()))
     });
     let mut params = model::init(&shape(4), 7);
     let mut first = 0;
@@ -298,74 +264,11 @@ fn a_pipe_by_data_grid_with_ddp_equals_one_process_on_the_whole_batch() {
     for kind in [ScheduleKind::OneFOneB, ScheduleKind::ZeroBubbleH1] {
         let sh = shape(3);
         let want = reference(&sh, 4, 2);
-        let got = spawn_world(4, cfg(), |comm| {
-            let topo = Topology::setup(&comm, &[("pipe", 2), ("data", 2)])?;
-            let (pipe_comm, data) = (topo.group("pipe")?, topo.group("data")?);
-            let run = || -> Result<Report, Box<dyn std::error::Error>> {
-                let (p, rank, replica) = (pipe_comm.size(), pipe_comm.rank(), data.rank());
-                let mut pipe = Pipeline::new(pipe_comm, PipelineConfig::new(kind, sh.micro))?;
-                let layers = MlpStage::new(&sh, p, 1, rank, 7).my_layers();
-                let mut copy = model::init(&sh, 7);
-                let mut list: Vec<Param> = Vec::new();
-                for (i, (w, b)) in copy.iter_mut().enumerate() {
-                    if layers.contains(&i) {
-                        list.push(Param::new(format!("l{i}.w"), w));
-                        list.push(Param::new(format!("l{i}.b"), b));
-                    }
-                }
-                let ddp = RefCell::new(Ddp::new(data, &mut list, DdpConfig::default())?);
-                let local = |global: usize| {
-                    2 * layers.iter().position(|&l| l == global / 2).unwrap() + global % 2
-                };
-                let mut stage = MlpStage::new(&sh, p, 1, rank, 7);
-                let (mut grads, mut loss) = (Vec::new(), Vec::new());
-                for step in 0..4 {
-                    // Replica d takes the micro-batches d m .. (d + 1) m of the step.
-                    stage.begin_step((step * 2 + replica) * sh.batch * sh.micro);
-                    stage.on_grad = Some(Box::new(|param, g| {
-                        ddp.borrow_mut()
-                            .grad_ready(local(param), g)
-                            .map_err(Into::into)
-                    }));
-                    pipe.step(&mut stage)?;
-                    stage.on_grad = None;
-                    let mut d = ddp.borrow_mut();
-                    d.finish()?;
-                    let mut avg = model::zeros_like(&stage.params);
-                    for &l in &layers {
-                        avg[l].0 = d.grad::<f32>(local(2 * l))?.to_vec();
-                        avg[l].1 = d.grad::<f32>(local(2 * l + 1))?.to_vec();
-                    }
-                    sgd(&mut stage.params, &avg, sh.lr);
-                    grads.push(avg);
-                    loss.push(stage.loss);
-                }
-                Ok(Report {
-                    layers: layers.clone(),
-                    grads,
-                    params: stage.params.clone(),
-                    loss,
-                })
-            };
-            run().map_err(|e| oxccl_comm::Error::Config(e.to_string()))
-        });
-        let got: Vec<Report> = got
-            .into_iter()
-            .collect::<Result<_, _>>()
-            .unwrap_or_else(|e| panic!("{kind}: {e}"));
-        for (r, rep) in got.iter().enumerate() {
-            for (step, g) in rep.grads.iter().enumerate() {
-                let d = max_rel_diff(&pick(g, &rep.layers), &pick(&want.0[step], &rep.layers));
-                assert!(
-                    d <= 1e-5,
-                    "{kind} grid: rank {r} step {step}: gradients differ by {d:e}"
-                );
-            }
-            let d = max_rel_diff(&pick(&rep.params, &rep.layers), &pick(&want.1, &rep.layers));
-            assert!(
-                d <= 1e-5,
-                "{kind} grid: rank {r}: parameters differ by {d:e}"
-            );
-        }
+        let got: Vec<Trained> =
+            spawn_world(4, cfg(), |comm| train(&comm, &sh, kind, 1, 2, 4, false))
+                .into_iter()
+                .collect::<Result<_, _>>()
+                .unwrap_or_else(|e| panic!("{kind}: {e}"));
+        check(&format!("{kind} 2 stages x 2 replicas"), &got, &want, 2);
     }
 }

@@ -1,0 +1,193 @@
+//! One rank of examples/08_pipeline_mlp.rs (and of the pipeline tests): the MLP cut into
+//! `pipe` stages, run by a [`Pipeline`]; with more ranks than stages, a `pipe x data` grid in
+//! which DDP averages each stage's gradients over its data replicas during the last
+//! micro-batch's weight backward.
+
+use std::cell::RefCell;
+use std::error::Error;
+
+use oxccl_comm::{Communicator, Topology};
+use oxccl_ddp::{Ddp, DdpConfig, Param};
+use oxccl_pipeline::{
+    BoxError, Pipeline, PipelineConfig, ScheduleKind, Stage, Step, StepStats, Tensor,
+};
+
+use super::model::{init, max_rel_diff, reference, sgd, zeros_like, Layers, MlpStage, Shape, Wire};
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct Opts {
+    /// The model and micro-batch sizes (`shape.micro` micro-batches per step).
+    pub shape: Shape,
+    /// The schedule.
+    pub kind: ScheduleKind,
+    /// Model chunks per rank (interleaved).
+    pub chunks: usize,
+    /// Pipeline stages (ranks per pipeline); the world's other factor is data replicas.
+    pub pipe: usize,
+    /// Steps.
+    pub steps: usize,
+    /// Several tensors per stage output (f32 and f64).
+    pub split: bool,
+    /// Compare with one process on the whole batch after every step.
+    pub check: bool,
+    /// This world rank exits (as if killed) in the forward of this micro-batch of step 1.
+    pub die: Option<(usize, usize)>,
+}
+
+/// What a rank trained.
+#[derive(Clone, Debug)]
+pub struct Trained {
+    /// The layers this rank holds.
+    pub layers: Vec<usize>,
+    /// The step's loss (the last stage's, over its replica's samples; 0 elsewhere).
+    pub losses: Vec<f32>,
+    /// Gradients applied at each step (every layer; only this rank's are filled).
+    pub grads: Vec<Layers>,
+    /// The parameters after the last step.
+    pub params: Layers,
+    /// With `check`: the largest relative difference from the reference, over this rank's
+    /// layers, gradients and parameters, every step.
+    pub worst: f32,
+    /// Each step's statistics.
+    pub stats: Vec<StepStats>,
+}
+
+/// A stage that exits the process in one forward (a killed stage).
+struct Dying<'s, 'a> {
+    inner: &'s mut MlpStage<'a>,
+    at: Option<usize>,
+}
+
+impl Stage for Dying<'_, '_> {
+    fn forward(&mut self, st: Step, inputs: Vec<Tensor>) -> Result<Vec<Tensor>, BoxError> {
+        if self.at == Some(st.mb) {
+            eprintln!("stage exits in the forward of micro-batch {}", st.mb);
+            std::process::exit(3);
+        }
+        self.inner.forward(st, inputs)
+    }
+    fn backward(&mut self, st: Step, grads: Vec<Tensor>) -> Result<Vec<Tensor>, BoxError> {
+        self.inner.backward(st, grads)
+    }
+    fn backward_input(&mut self, st: Step, grads: Vec<Tensor>) -> Result<Vec<Tensor>, BoxError> {
+        self.inner.backward_input(st, grads)
+    }
+    fn backward_weight(&mut self, st: Step) -> Result<(), BoxError> {
+        self.inner.backward_weight(st)
+    }
+}
+
+/// Trains `o.steps` steps on this rank of `world`.
+///
+/// # Errors
+/// The pipeline's, DDP's or the grid's errors, and `--check` differences past 1e-5.
+pub fn train(world: &Communicator, o: &Opts) -> Result<Trained, Box<dyn Error>> {
+    if o.pipe == 0 || !world.size().is_multiple_of(o.pipe) {
+        return Err(format!(
+            "{} ranks do not make pipelines of {} stages",
+            world.size(),
+            o.pipe
+        )
+        .into());
+    }
+    let replicas = world.size() / o.pipe;
+    let topo;
+    let (pipe_comm, data) = if replicas == 1 {
+        (world, None)
+    } else {
+        topo = Topology::setup(world, &[("pipe", o.pipe), ("data", replicas)])?;
+        (topo.group("pipe")?, Some(topo.group("data")?))
+    };
+    let (p, rank) = (pipe_comm.size(), pipe_comm.rank());
+    let replica = data.map_or(0, Communicator::rank);
+    let sh = &o.shape;
+    let cfg = PipelineConfig {
+        chunks: o.chunks,
+        ..PipelineConfig::new(o.kind, sh.micro)
+    };
+    let mut pipe = Pipeline::new(pipe_comm, cfg)?;
+    let layers = MlpStage::new(sh, p, o.chunks, rank, 7).my_layers();
+    // DDP over this stage's parameters, across the data replicas.
+    let mut copy = init(sh, 7);
+    let mut params: Vec<Param> = Vec::new();
+    for (l, (w, b)) in copy.iter_mut().enumerate() {
+        if layers.contains(&l) {
+            params.push(Param::new(format!("layer{l}.weight"), w));
+            params.push(Param::new(format!("layer{l}.bias"), b));
+        }
+    }
+    let ddp = match data {
+        Some(d) => Some(RefCell::new(Ddp::new(
+            d,
+            &mut params,
+            DdpConfig::default(),
+        )?)),
+        None => None,
+    };
+    let local =
+        |global: usize| 2 * layers.iter().position(|&l| l == global / 2).unwrap_or(0) + global % 2;
+    let want = o.check.then(|| reference(sh, o.steps, replicas));
+    let mut stage = MlpStage::new(sh, p, o.chunks, rank, 7);
+    stage.wire = if o.split { Wire::Split } else { Wire::One };
+    let mut t = Trained {
+        layers: layers.clone(),
+        losses: Vec::new(),
+        grads: Vec::new(),
+        params: Vec::new(),
+        worst: 0.0,
+        stats: Vec::new(),
+    };
+    for step in 0..o.steps {
+        // Replica d takes micro-batches d m .. (d + 1) m of the step's samples.
+        stage.begin_step((step * replicas + replica) * sh.batch * sh.micro);
+        if let Some(d) = &ddp {
+            stage.on_grad = Some(Box::new(move |param, g| {
+                d.borrow_mut()
+                    .grad_ready(local(param), g)
+                    .map_err(Into::into)
+            }));
+        }
+        let die = o
+            .die
+            .filter(|&(r, _)| r == world.rank() && step == 1)
+            .map(|(_, mb)| mb);
+        let stats = pipe.step(&mut Dying {
+            inner: &mut stage,
+            at: die,
+        })?;
+        stage.on_grad = None;
+        let mut g = stage.grads.clone();
+        if let Some(d) = &ddp {
+            let mut d = d.borrow_mut();
+            d.finish()?;
+            g = zeros_like(&stage.params);
+            for &l in &layers {
+                g[l].0 = d.grad::<f32>(local(2 * l))?.to_vec();
+                g[l].1 = d.grad::<f32>(local(2 * l + 1))?.to_vec();
+            }
+        }
+        sgd(&mut stage.params, &g, sh.lr);
+        if let Some((wg, wp, _)) = &want {
+            let pick = |x: &Layers| -> Layers { layers.iter().map(|&l| x[l].clone()).collect() };
+            let d = max_rel_diff(&pick(&g), &pick(&wg[step])).max(if step + 1 == o.steps {
+                max_rel_diff(&pick(&stage.params), &pick(wp))
+            } else {
+                0.0
+            });
+            t.worst = t.worst.max(d);
+            if d > 1e-5 {
+                return Err(format!(
+                    "rank {}: step {step}: {d:e} from the one-process run",
+                    world.rank()
+                )
+                .into());
+            }
+        }
+        t.grads.push(g);
+        t.losses.push(stage.loss);
+        t.stats.push(stats);
+    }
+    t.params = stage.params.clone();
+    Ok(t)
+}
