@@ -15,6 +15,7 @@ mod moe_example;
 mod multinode;
 mod multiprocess;
 mod perf;
+mod pipeline_mlp;
 mod replace_example;
 mod survive_example;
 mod topo;
@@ -25,16 +26,18 @@ mod zero_mlp;
 /// one variable set names: a scenario of `common` (`OXCCL_TEST_SCENARIO`, for `multiprocess`,
 /// `multinode` and `trace`), a DDP rank (`OXCCL_TEST_DDP`), the MoE exchange
 /// (`OXCCL_TEST_MOE`), the steps of example 04 (`OXCCL_TEST_SURVIVE`) or 05
-/// (`OXCCL_TEST_REPLACE`), or a ZeRO rank (`OXCCL_TEST_ZERO`).
+/// (`OXCCL_TEST_REPLACE`), a ZeRO rank (`OXCCL_TEST_ZERO`) or a pipeline stage
+/// (`OXCCL_TEST_PIPELINE`).
 #[test]
 fn rank_entry() {
-    let programs: [(&str, fn()); 6] = [
+    let programs: [(&str, fn()); 7] = [
         (common::SCENARIO, common::play_scenario),
         ("OXCCL_TEST_DDP", ddp_mlp::play_rank),
         ("OXCCL_TEST_MOE", moe_example::play_rank),
         ("OXCCL_TEST_SURVIVE", survive_example::play_rank),
         ("OXCCL_TEST_REPLACE", replace_example::play_rank),
         ("OXCCL_TEST_ZERO", zero_mlp::play_rank),
+        ("OXCCL_TEST_PIPELINE", pipeline_mlp::play_rank),
     ];
     let set: Vec<&(&str, fn())> = programs
         .iter()

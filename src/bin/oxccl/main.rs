@@ -6,10 +6,12 @@
 //! ```
 //!
 //! See [`launch`](mod@launch) for the environment every rank gets and the exit-code contract,
-//! [`perf`] for `oxccl perf` and [`trace`] for `oxccl trace`; `oxccl topo` is in this file.
+//! [`perf`] for `oxccl perf`, [`trace`] for `oxccl trace` and [`pipeline`] for `oxccl pipeline`;
+//! `oxccl topo` is in this file.
 
 mod launch;
 mod perf;
+mod pipeline;
 mod trace;
 
 use std::ffi::OsString;
@@ -58,6 +60,12 @@ enum Cmd {
     /// Example: OXCCL_TRACE_DIR=/tmp/t oxccl launch -n 4 -- ./train; oxccl trace /tmp/t.
     #[command(arg_required_else_help = true)]
     Trace(trace::TraceArgs),
+
+    /// Print or draw a pipeline schedule's timeline, its bubble and the simulator's verdict.
+    ///
+    /// Schedules: gpipe, 1f1b, interleaved (-v chunks per rank), zb-h1. No communicator needed.
+    /// Example: oxccl pipeline --schedule interleaved -p 4 -m 8 -v 2 --plot timeline.svg.
+    Pipeline(pipeline::PipelineArgs),
 }
 
 #[derive(Debug, Args)]
@@ -342,5 +350,6 @@ fn main() -> ExitCode {
         Cmd::Perf(args) => perf::run(*args),
         Cmd::Topo(args) => run_topo(args),
         Cmd::Trace(args) => trace::run(args),
+        Cmd::Pipeline(args) => pipeline::run(args),
     })
 }
