@@ -45,7 +45,7 @@ struct Args {
     #[arg(long)]
     pipe: Option<usize>,
     /// Training steps.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 30)]
     steps: usize,
     /// Samples per micro-batch.
     #[arg(long, default_value_t = 8)]
@@ -53,8 +53,8 @@ struct Args {
     /// Width of the hidden layers.
     #[arg(long, default_value_t = 64)]
     width: usize,
-    /// Linear layers.
-    #[arg(long, default_value_t = 8)]
+    /// Linear layers (cut evenly into the stages).
+    #[arg(long, default_value_t = 4)]
     layers: usize,
     /// Send each stage's output as two tensors (f32 and f64).
     #[arg(long)]
@@ -145,7 +145,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             layers: a.layers,
             batch: a.batch,
             micro: a.micro,
-            lr: 0.05,
+            lr: 0.3,
         },
         kind: a.schedule,
         chunks: a.chunks,
