@@ -268,6 +268,7 @@ impl<C: Borrow<Communicator> + Sync> Pipeline<C> {
                 done,
                 posted: 0,
                 finished: 0,
+                deadline: comm.config().timeout + Duration::from_secs(5),
                 mailbox: HashMap::new(),
                 outbox: HashMap::new(),
                 stats: StepStats::default(),
@@ -297,6 +298,8 @@ struct Run {
     done: mpsc::Receiver<Done>,
     posted: usize,
     finished: usize,
+    /// How long to wait for the next exchange to finish.
+    deadline: Duration,
     /// Received (or handed over on this rank) tensors, by consumer.
     mailbox: HashMap<Key, Vec<Tensor>>,
     /// Computed tensors waiting for their exchange, by producer: (direction, mb, chunk).
@@ -445,7 +448,9 @@ impl Run {
     /// Takes one finished exchange's result.
     fn next_done(&mut self) -> Result<(), PipelineError> {
         let t = Instant::now();
-        let r = self.done.recv();
+        // Each exchange waits at most the communicator's time-out: the one in progress ends
+        // within it, with a result or an error.
+        let r = self.done.recv_timeout(self.deadline);
         self.stats.waiting += t.elapsed();
         match r {
             Ok(Ok(got)) => {
@@ -454,7 +459,14 @@ impl Run {
                 Ok(())
             }
             Ok(Err(e)) => Err(e),
-            Err(_) => Err(PipelineError::Protocol {
+            Err(mpsc::RecvTimeoutError::Timeout) => Err(PipelineError::Protocol {
+                rank: self.rank,
+                what: format!(
+                    "no exchange finished within {:?} (the communicator's time-out and a margin)",
+                    self.deadline
+                ),
+            }),
+            Err(mpsc::RecvTimeoutError::Disconnected) => Err(PipelineError::Protocol {
                 rank: self.rank,
                 what: "the exchange thread stopped without a result".into(),
             }),
