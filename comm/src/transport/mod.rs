@@ -23,6 +23,7 @@
 #[cfg(feature = "cuda-core")]
 pub(crate) mod cuda_ipc;
 mod links;
+pub(crate) mod rdma;
 pub(crate) mod select;
 pub mod shm;
 pub mod tcp;

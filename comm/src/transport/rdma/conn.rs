@@ -1,0 +1,286 @@
+//! The send and receive halves of an RDMA connection ([`crate::transport::SendConn`],
+//! [`crate::transport::RecvConn`]) over any [`QueuePair`]: the slots of the transport model are
+//! the ring of [`super::proto`] in registered memory; posting a slot is a write with immediate,
+//! releasing one a credit written back.
+
+use std::os::fd::RawFd;
+use std::time::Instant;
+
+use super::proto::{ProtoError, RecvState, SendState, GOODBYE, HEADER};
+use super::verbs::{Completion, QueuePair};
+use crate::base::error::{Error, Result};
+use crate::base::op::Tag;
+use crate::transport::{PollDir, RecvConn, SendConn};
+
+/// Which connection, for errors.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Ends {
+    /// This rank.
+    pub rank: usize,
+    /// The peer.
+    pub peer: usize,
+}
+
+impl Ends {
+    fn proto(&self, e: ProtoError) -> Error {
+        Error::Transport {
+            rank: self.rank,
+            peer: self.peer,
+            transport: "rdma",
+            msg: format!("protocol: {}", e.0),
+        }
+    }
+
+    fn failed(&self, status: u32, what: &str) -> Error {
+        Error::PeerLost {
+            rank: self.rank,
+            peer: self.peer,
+            op: "rdma".into(),
+            detail: format!("queue pair in error: completion status {status} ({what})"),
+        }
+    }
+
+    /// The provider's error with this connection's ranks filled in.
+    fn named(&self, e: Error) -> Error {
+        match e {
+            Error::Transport { msg, .. } => Error::Transport {
+                rank: self.rank,
+                peer: self.peer,
+                transport: "rdma",
+                msg,
+            },
+            other => other,
+        }
+    }
+}
+
+fn put_header(slot: &mut [u8], tag: Tag, len: usize) {
+    for (i, w) in [tag.seq, tag.desc, tag.count, len as u64]
+        .into_iter()
+        .enumerate()
+    {
+        slot[8 * i..8 * i + 8].copy_from_slice(&w.to_le_bytes());
+    }
+}
+
+fn get_header(slot: &[u8]) -> (Tag, usize) {
+    let w = |i: usize| u64::from_le_bytes(slot[8 * i..8 * i + 8].try_into().expect("8 bytes"));
+    (
+        Tag {
+            seq: w(0),
+            desc: w(1),
+            count: w(2),
+        },
+        w(3) as usize,
+    )
+}
+
+/// The send half: writes slots into the peer's ring.
+pub(crate) struct RdmaSend<Q: QueuePair> {
+    qp: Q,
+    st: SendState,
+    slot_bytes: usize,
+    ends: Ends,
+    handed: Option<usize>,
+    /// The receiver said goodbye: the next post fails.
+    peer_closed: bool,
+    comps: Vec<Completion>,
+}
+
+impl<Q: QueuePair> RdmaSend<Q> {
+    /// A send half over `qp` to a ring of `slots` slots of `slot_bytes` (header included).
+    pub(crate) fn new(qp: Q, slots: usize, slot_bytes: usize, ends: Ends) -> RdmaSend<Q> {
+        RdmaSend {
+            qp,
+            st: SendState::new(slots),
+            slot_bytes,
+            ends,
+            handed: None,
+            peer_closed: false,
+            comps: Vec::new(),
+        }
+    }
+
+    fn poll(&mut self) -> Result<bool> {
+        self.comps.clear();
+        self.qp
+            .poll(&mut self.comps)
+            .map_err(|e| self.ends.named(e))?;
+        let moved = !self.comps.is_empty();
+        for c in std::mem::take(&mut self.comps) {
+            match c {
+                Completion::WriteDone { .. } => {
+                    self.st.completed().map_err(|e| self.ends.proto(e))?
+                }
+                Completion::Imm { imm: GOODBYE, .. } => self.peer_closed = true,
+                Completion::Imm { imm, .. } => {
+                    self.st.credit(imm).map_err(|e| self.ends.proto(e))?
+                }
+                Completion::Error { status, what, .. } => {
+                    return Err(self.ends.failed(status, &what))
+                }
+            }
+        }
+        Ok(moved)
+    }
+}
+
+impl<Q: QueuePair> SendConn for RdmaSend<Q> {
+    fn try_slot(&mut self) -> Result<Option<&mut [u8]>> {
+        self.poll()?;
+        let Some(i) = self.st.free() else {
+            return Ok(None);
+        };
+        self.handed = Some(i);
+        let s = self.slot_bytes;
+        Ok(Some(
+            &mut self.qp.send_region()[i * s + HEADER..(i + 1) * s],
+        ))
+    }
+
+    fn post(&mut self, len: usize, tag: Tag) -> Result<()> {
+        if self.peer_closed {
+            return Err(Error::PeerLost {
+                rank: self.ends.rank,
+                peer: self.ends.peer,
+                op: "rdma send".into(),
+                detail: "the receiver closed the connection".into(),
+            });
+        }
+        let i = self.handed.take().ok_or_else(|| {
+            self.ends
+                .proto(ProtoError("post without a slot handed out".into()))
+        })?;
+        let s = self.slot_bytes;
+        if len > s - HEADER {
+            return Err(self.ends.proto(ProtoError(format!(
+                "{len} bytes do not fit a slot of {}",
+                s - HEADER
+            ))));
+        }
+        put_header(&mut self.qp.send_region()[i * s..i * s + HEADER], tag, len);
+        let (slot, imm) = self.st.post().map_err(|e| self.ends.proto(e))?;
+        debug_assert_eq!(slot, i);
+        self.qp
+            .write_imm(tag.seq, i * s, HEADER + len, i * s, imm)
+            .map_err(|e| self.ends.named(e))
+    }
+
+    fn progress(&mut self) -> Result<bool> {
+        self.poll()
+    }
+
+    fn flushed(&self) -> bool {
+        self.st.idle()
+    }
+
+    fn poll_fds(&self, _: &mut Vec<(RawFd, PollDir)>) {}
+
+    fn close(&mut self, deadline: Instant) {
+        while !self.st.idle() && Instant::now() < deadline {
+            if self.poll().is_err() {
+                return;
+            }
+            std::thread::yield_now();
+        }
+        let _ = self.qp.write_imm(0, 0, 0, 0, GOODBYE);
+    }
+}
+
+/// The receive half: takes the ring's slots in order and writes credits back.
+pub(crate) struct RdmaRecv<Q: QueuePair> {
+    qp: Q,
+    st: RecvState,
+    slot_bytes: usize,
+    ends: Ends,
+    taken: Option<usize>,
+    peer_closed: bool,
+    comps: Vec<Completion>,
+}
+
+impl<Q: QueuePair> RdmaRecv<Q> {
+    /// A receive half over `qp` of a ring of `slots` slots of `slot_bytes` (header included).
+    pub(crate) fn new(qp: Q, slots: usize, slot_bytes: usize, ends: Ends) -> RdmaRecv<Q> {
+        RdmaRecv {
+            qp,
+            st: RecvState::new(slots),
+            slot_bytes,
+            ends,
+            taken: None,
+            peer_closed: false,
+            comps: Vec::new(),
+        }
+    }
+
+    fn poll(&mut self) -> Result<bool> {
+        self.comps.clear();
+        self.qp
+            .poll(&mut self.comps)
+            .map_err(|e| self.ends.named(e))?;
+        let moved = !self.comps.is_empty();
+        for c in std::mem::take(&mut self.comps) {
+            match c {
+                Completion::Imm { imm: GOODBYE, .. } => self.peer_closed = true,
+                Completion::Imm { imm, .. } => {
+                    self.st.arrived(imm).map_err(|e| self.ends.proto(e))?
+                }
+                Completion::WriteDone { .. } => {} // a credit reached the sender
+                Completion::Error { status, what, .. } => {
+                    return Err(self.ends.failed(status, &what))
+                }
+            }
+        }
+        Ok(moved)
+    }
+}
+
+impl<Q: QueuePair> RecvConn for RdmaRecv<Q> {
+    fn try_recv(&mut self) -> Result<Option<(Tag, &[u8])>> {
+        if self.taken.is_none() {
+            self.poll()?;
+        }
+        let Some(i) = self.taken.or_else(|| self.st.next()) else {
+            if self.peer_closed {
+                return Err(Error::PeerLost {
+                    rank: self.ends.rank,
+                    peer: self.ends.peer,
+                    op: "rdma receive".into(),
+                    detail: "the sender closed the connection".into(),
+                });
+            }
+            return Ok(None);
+        };
+        self.taken = Some(i);
+        let s = self.slot_bytes;
+        let slot = &self.qp.recv_region()[i * s..(i + 1) * s];
+        let (tag, len) = get_header(slot);
+        if len > s - HEADER {
+            return Err(self
+                .ends
+                .proto(ProtoError(format!("slot {i} claims {len} bytes"))));
+        }
+        Ok(Some((tag, &slot[HEADER..HEADER + len])))
+    }
+
+    fn release(&mut self) -> Result<()> {
+        if self.taken.take().is_none() {
+            return Err(self
+                .ends
+                .proto(ProtoError("release without a message taken".into())));
+        }
+        let credit = self.st.release().map_err(|e| self.ends.proto(e))?;
+        self.qp
+            .write_imm(0, 0, 0, 0, credit)
+            .map_err(|e| self.ends.named(e))
+    }
+
+    fn progress(&mut self) -> Result<bool> {
+        self.poll()
+    }
+
+    fn poll_fds(&self, _: &mut Vec<(RawFd, PollDir)>) {}
+
+    fn close(&mut self) {
+        let _ = self.qp.write_imm(0, 0, 0, 0, GOODBYE);
+    }
+}

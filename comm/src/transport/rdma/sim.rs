@@ -1,0 +1,158 @@
+//! An in-process provider with the semantics of an RC queue pair: writes delivered in order,
+//! each one's bytes placed in the peer's receive region before its immediate is polled there,
+//! a write's completion reported to its sender once the peer has it, and errors that put both
+//! ends in the error state (as a lost peer's retries running out would). Delivery happens when
+//! the receiving end polls; tests can hold it back to interleave the two ends any way they like.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::verbs::{Completion, QueuePair};
+use crate::base::error::{Error, Result};
+
+/// A write on its way.
+struct Write {
+    wr_id: u64,
+    dst: usize,
+    data: Vec<u8>,
+    imm: u32,
+}
+
+/// What travels between the two ends.
+#[derive(Default)]
+struct Link {
+    /// Writes travelling to end 0 and to end 1.
+    to: [VecDeque<Write>; 2],
+    /// Completions of end 0's and end 1's writes.
+    done: [VecDeque<u64>; 2],
+    /// Delivery to end 0 / end 1 held back.
+    held: [bool; 2],
+    /// The error both ends are in.
+    error: Option<(u32, String)>,
+    /// Bytes of each end's receive region.
+    recv_len: [usize; 2],
+}
+
+/// One end of a simulated queue pair.
+pub(crate) struct SimQp {
+    end: usize,
+    link: Arc<Mutex<Link>>,
+    send: Vec<u8>,
+    recv: Vec<u8>,
+}
+
+/// Controls a pair from a test: hold delivery, inject an error.
+#[derive(Clone)]
+pub(crate) struct SimControl {
+    link: Arc<Mutex<Link>>,
+}
+
+fn lock(link: &Mutex<Link>) -> MutexGuard<'_, Link> {
+    link.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Two connected ends of a connection of `bytes` of slots: end 0 writes from `bytes` of its
+/// own into end 1's `bytes` (the data); end 1 writes only immediates back (the credits).
+pub(crate) fn pair(bytes: usize) -> (SimQp, SimQp, SimControl) {
+    let link = Arc::new(Mutex::new(Link {
+        recv_len: [0, bytes],
+        ..Link::default()
+    }));
+    let end = |end, send: usize, recv: usize| SimQp {
+        end,
+        link: Arc::clone(&link),
+        send: vec![0; send],
+        recv: vec![0; recv],
+    };
+    let (a, b) = (end(0, bytes, 0), end(1, 0, bytes));
+    (a, b, SimControl { link })
+}
+
+impl SimControl {
+    /// Holds (or lets go) the delivery of writes to end `end`.
+    pub(crate) fn hold(&self, end: usize, held: bool) {
+        lock(&self.link).held[end] = held;
+    }
+
+    /// Puts the queue pair in the error state with `status` (12: retry exceeded).
+    pub(crate) fn fail(&self, status: u32, what: &str) {
+        lock(&self.link).error = Some((status, what.to_string()));
+    }
+}
+
+impl QueuePair for SimQp {
+    fn write_imm(
+        &mut self,
+        wr_id: u64,
+        src: usize,
+        len: usize,
+        dst: usize,
+        imm: u32,
+    ) -> Result<()> {
+        let mut l = lock(&self.link);
+        let peer = 1 - self.end;
+        let bad = |what: String| {
+            Err(Error::Transport {
+                rank: usize::MAX,
+                peer: usize::MAX,
+                transport: "rdma",
+                msg: what,
+            })
+        };
+        if let Some((status, what)) = &l.error {
+            return bad(format!("queue pair in error (status {status}): {what}"));
+        }
+        if src + len > self.send.len() || dst + len > l.recv_len[peer] {
+            // A real NIC fails the request with a protection error; so does the simulation.
+            l.error = Some((
+                10,
+                format!("write of {len} bytes from {src} to {dst} out of the regions"),
+            ));
+            return Ok(());
+        }
+        let data = self.send[src..src + len].to_vec();
+        l.to[peer].push_back(Write {
+            wr_id,
+            dst,
+            data,
+            imm,
+        });
+        Ok(())
+    }
+
+    fn poll(&mut self, out: &mut Vec<Completion>) -> Result<()> {
+        let mut l = lock(&self.link);
+        if let Some((status, what)) = l.error.clone() {
+            out.push(Completion::Error {
+                wr_id: 0,
+                status,
+                what,
+            });
+            return Ok(());
+        }
+        let peer = 1 - self.end;
+        if !l.held[self.end] {
+            while let Some(w) = l.to[self.end].pop_front() {
+                self.recv[w.dst..w.dst + w.data.len()].copy_from_slice(&w.data);
+                out.push(Completion::Imm {
+                    imm: w.imm,
+                    len: w.data.len(),
+                });
+                l.done[peer].push_back(w.wr_id);
+            }
+        }
+        while let Some(wr_id) = l.done[self.end].pop_front() {
+            out.push(Completion::WriteDone { wr_id });
+        }
+        Ok(())
+    }
+
+    fn send_region(&mut self) -> &mut [u8] {
+        &mut self.send
+    }
+
+    fn recv_region(&self) -> &[u8] {
+        &self.recv
+    }
+}

@@ -1,0 +1,53 @@
+//! The verbs a connection uses, as a trait: one reliable-connected queue pair to one peer, its
+//! completion queue, and two registered regions (the slots this side writes from, the slots the
+//! peer writes into). The in-process provider ([`super::sim`]) and the ibverbs one implement it;
+//! the protocol ([`super::proto`]) and the connections ([`super::conn`]) see nothing else.
+
+use crate::base::error::Result;
+
+/// One completion, as `ibv_poll_cq` reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Completion {
+    /// A write this side posted is done (the peer's NIC has it): its source bytes may be reused.
+    WriteDone {
+        /// The work request's id.
+        wr_id: u64,
+    },
+    /// A peer's write with immediate arrived: its bytes are visible in the receive region.
+    Imm {
+        /// The immediate value.
+        imm: u32,
+        /// Bytes written.
+        len: usize,
+    },
+    /// A work request failed and the queue pair is in the error state.
+    Error {
+        /// The failed request's id (0 when unknown).
+        wr_id: u64,
+        /// `ibv_wc_status`'s code (12: retry exceeded, a lost peer).
+        status: u32,
+        /// What the provider knows.
+        what: String,
+    },
+}
+
+/// A reliable-connected queue pair with its regions (see the module docs). Writes are delivered
+/// in order, each visible before its [`Completion::Imm`] is polled on the peer.
+pub(crate) trait QueuePair: Send {
+    /// RDMA WRITE WITH IMMEDIATE: `len` bytes of the send region at `src` into the peer's receive
+    /// region at `dst`, with `imm`; signaled (its [`Completion::WriteDone`] carries `wr_id`).
+    ///
+    /// # Errors
+    /// The queue pair is in error, or the ranges fall outside the regions.
+    fn write_imm(&mut self, wr_id: u64, src: usize, len: usize, dst: usize, imm: u32)
+        -> Result<()>;
+    /// Appends the completions that arrived since the last poll to `out`.
+    ///
+    /// # Errors
+    /// The provider failed (not a failed request: that is a [`Completion::Error`]).
+    fn poll(&mut self, out: &mut Vec<Completion>) -> Result<()>;
+    /// The region this side writes from.
+    fn send_region(&mut self) -> &mut [u8];
+    /// The region the peer writes into.
+    fn recv_region(&self) -> &[u8];
+}
