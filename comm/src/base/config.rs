@@ -25,6 +25,29 @@ pub enum TransportChoice {
     Tcp,
     /// Shared memory for every peer (an error if a peer is on another node).
     Shm,
+    /// Shared memory inside a node, RDMA verbs between nodes (an error where RDMA cannot
+    /// connect a pair: no verbs device, or no provider built in).
+    Rdma,
+}
+
+/// Where RDMA queue pairs come from (`OXCCL_IB_PROVIDER`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IbProvider {
+    /// The host's verbs devices through ibverbs (feature `rdma`; default).
+    Verbs,
+    /// In-process queue pairs with RC semantics: ranks that are threads of one process, as in
+    /// the tests (simulated nodes of the threaded harness).
+    Sim,
+}
+
+impl IbProvider {
+    /// The `OXCCL_IB_PROVIDER` name (`verbs`, `sim`).
+    pub fn name(self) -> &'static str {
+        match self {
+            IbProvider::Verbs => "verbs",
+            IbProvider::Sim => "sim",
+        }
+    }
 }
 
 /// Communicator configuration. `Config::from_env()` reads the `OXCCL_*` variables; tests build one
@@ -56,8 +79,10 @@ pub struct Config {
     pub nslots: usize,
     /// Node id override (`OXCCL_NODE_ID`); default: the hostname.
     pub node_id: Option<String>,
-    /// Transport policy (`OXCCL_TRANSPORT` = `auto`, `tcp` or `shm`).
+    /// Transport policy (`OXCCL_TRANSPORT` = `auto`, `tcp`, `shm` or `rdma`).
     pub transport: TransportChoice,
+    /// Where RDMA queue pairs come from (`OXCCL_IB_PROVIDER` = `verbs`, the default, or `sim`).
+    pub ib_provider: IbProvider,
     /// Bytes of each of the two staging halves every rank keeps in shared memory for the direct
     /// (one-shot / two-shot) algorithms (`OXCCL_SHM_DIRECT_BYTES`, default 1 MiB; 0 turns the
     /// staging algorithms off).
@@ -159,6 +184,7 @@ impl Default for Config {
             nslots: 4,
             node_id: None,
             transport: TransportChoice::Auto,
+            ib_provider: IbProvider::Verbs,
             direct_bytes: 1 << 20,
             single_copy: true,
             spin: None,
@@ -180,12 +206,13 @@ impl Default for Config {
 }
 
 impl TransportChoice {
-    /// The `OXCCL_TRANSPORT` name of this choice (`auto`, `tcp` or `shm`).
+    /// The `OXCCL_TRANSPORT` name of this choice (`auto`, `tcp`, `shm` or `rdma`).
     pub fn name(self) -> &'static str {
         match self {
             TransportChoice::Auto => "auto",
             TransportChoice::Tcp => "tcp",
             TransportChoice::Shm => "shm",
+            TransportChoice::Rdma => "rdma",
         }
     }
 }
@@ -196,6 +223,7 @@ impl Config {
     pub(crate) fn shared_settings(&self) -> Vec<(String, String)> {
         vec![
             ("OXCCL_TRANSPORT".into(), self.transport.name().into()),
+            ("OXCCL_IB_PROVIDER".into(), self.ib_provider.name().into()),
             ("OXCCL_ALGO".into(), self.algo.canonical()),
             (
                 "OXCCL_CUDA_STAGE_CHUNK".into(),
@@ -465,9 +493,21 @@ impl Config {
                 "" | "auto" => TransportChoice::Auto,
                 "tcp" | "socket" => TransportChoice::Tcp,
                 "shm" => TransportChoice::Shm,
+                "rdma" | "ib" => TransportChoice::Rdma,
                 _ => {
                     return Err(Error::Config(format!(
-                        "OXCCL_TRANSPORT={v:?}: expected auto, tcp or shm"
+                        "OXCCL_TRANSPORT={v:?}: expected auto, tcp, shm or rdma"
+                    )))
+                }
+            };
+        }
+        if let Some(v) = get("OXCCL_IB_PROVIDER") {
+            c.ib_provider = match v.trim().to_ascii_lowercase().as_str() {
+                "" | "verbs" => IbProvider::Verbs,
+                "sim" => IbProvider::Sim,
+                _ => {
+                    return Err(Error::Config(format!(
+                        "OXCCL_IB_PROVIDER={v:?}: expected verbs or sim"
                     )))
                 }
             };

@@ -2,16 +2,17 @@
 //!
 //! [`backends`] is the table, in priority order, like NCCL's `ncclTransports`: CUDA IPC (device
 //! memory; a row that answers "unsupported: feature `cuda`" without that feature), shared
-//! memory, TCP. For every pair of ranks the [`Selector`] walks it and takes, for each kind of
-//! memory, the first backend that can connect the pair and that `OXCCL_TRANSPORT` allows
-//! (`auto`: all; `shm` or `tcp`: only that one carries host memory). Every rule is a pure
-//! function of the two ranks' records and the settings every rank shares (checked equal at
-//! init), so every rank computes the same route for every pair without asking anyone. A new
-//! backend is one more folder under `transport/` and one more row here.
+//! memory, RDMA (between nodes, where a provider can connect the pair), TCP. For every pair of
+//! ranks the [`Selector`] walks it and takes, for each kind of memory, the first backend that
+//! can connect the pair and that `OXCCL_TRANSPORT` allows (`auto`: all; `shm` or `tcp`: only
+//! that one carries host memory; `rdma`: shared memory and RDMA). Every rule is a pure function
+//! of the two ranks' records and the settings every rank shares (checked equal at init), so
+//! every rank computes the same route for every pair without asking anyone. A new backend is
+//! one more folder under `transport/` and one more row here.
 
 use std::sync::Arc;
 
-use super::{shm, tcp, CanConnect, Group, Links, Memory, PeerInfo, Reach, Transport};
+use super::{rdma, shm, tcp, CanConnect, Group, Links, Memory, PeerInfo, Reach, Transport};
 use crate::base::config::{Config, TransportChoice};
 use crate::base::error::{Error, Result};
 
@@ -29,6 +30,7 @@ pub(crate) fn backends(
     Ok(vec![
         cuda_ipc(),
         Box::new(shm::ShmTransport::default()),
+        Box::new(rdma::RdmaTransport::new(cfg)),
         Box::new(tcp::TcpTransport::bind(rank, comm_hash, cfg, store_host)?),
     ])
 }
@@ -118,6 +120,7 @@ impl Selector {
             TransportChoice::Auto => true,
             TransportChoice::Shm => name == "shm",
             TransportChoice::Tcp => name == "tcp",
+            TransportChoice::Rdma => name == "rdma" || name == "shm",
         }
     }
 

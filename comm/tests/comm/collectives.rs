@@ -17,8 +17,8 @@ use oxccl_comm::harness::{spawn_world, spawn_world_on_nodes};
 use oxccl_comm::{Communicator, Config, Element, ReduceOp, Result};
 use oxccl_kernels::{reference_reduce, F8E4M3, F8E5M2};
 
-const COUNTS: [usize; 5] = [0, 1, 7, 1000, (1 << 20) + 3];
-const BIG: usize = (1 << 20) + 3;
+pub(crate) const COUNTS: [usize; 5] = [0, 1, 7, 1000, (1 << 20) + 3];
+pub(crate) const BIG: usize = (1 << 20) + 3;
 
 fn val<T: Element>(rank: usize, i: usize, op: ReduceOp) -> T {
     // fp8 holds the integers exactly only up to 16 (E4M3) and 8 (E5M2): 0 or 1 per rank keeps
@@ -111,7 +111,7 @@ fn all_reduce_forms<T: Element>(
 }
 
 /// Runs every collective for dtype `T` on one communicator.
-fn all_collectives<T: Element>(
+pub(crate) fn all_collectives<T: Element>(
     comm: &Communicator,
     counts: &[usize],
     ops: &[ReduceOp],
@@ -239,7 +239,7 @@ fn all_collectives<T: Element>(
     Ok(())
 }
 
-fn every_dtype(comm: &Communicator, reduce_algos_only: bool) -> Result<()> {
+pub(crate) fn every_dtype(comm: &Communicator, reduce_algos_only: bool) -> Result<()> {
     let small = &COUNTS[..4];
     macro_rules! each {
         ($($t:ty),*) => {$(
@@ -299,7 +299,7 @@ fn expectations_repeat_with_the_inputs() {
     each::<F8E5M2>();
 }
 
-fn config(algo: &str, transport: TransportChoice) -> Config {
+pub(crate) fn config(algo: &str, transport: TransportChoice) -> Config {
     let mut cfg = Config::from_lookup(&|k| (k == "OXCCL_ALGO").then(|| algo.to_string())).unwrap();
     cfg.timeout = Duration::from_secs(120);
     cfg.transport = transport;

@@ -19,6 +19,7 @@ mod loom_ring;
 mod loom_trace_slot;
 mod premul;
 mod random_cases;
+mod rdma;
 mod send_thread;
 mod shrink;
 mod stall_reports;

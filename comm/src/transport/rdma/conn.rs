@@ -79,7 +79,8 @@ fn get_header(slot: &[u8]) -> (Tag, usize) {
 pub(crate) struct RdmaSend<Q: QueuePair> {
     qp: Q,
     st: SendState,
-    slot_bytes: usize,
+    /// Bytes from one slot to the next: the header and the payload.
+    stride: usize,
     ends: Ends,
     handed: Option<usize>,
     /// The receiver said goodbye: the next post fails.
@@ -88,12 +89,13 @@ pub(crate) struct RdmaSend<Q: QueuePair> {
 }
 
 impl<Q: QueuePair> RdmaSend<Q> {
-    /// A send half over `qp` to a ring of `slots` slots of `slot_bytes` (header included).
-    pub(crate) fn new(qp: Q, slots: usize, slot_bytes: usize, ends: Ends) -> RdmaSend<Q> {
+    /// A send half over `qp` to a ring of `slots` slots of `payload` bytes each (the regions
+    /// hold `slots * (HEADER + payload)`).
+    pub(crate) fn new(qp: Q, slots: usize, payload: usize, ends: Ends) -> RdmaSend<Q> {
         RdmaSend {
             qp,
             st: SendState::new(slots),
-            slot_bytes,
+            stride: HEADER + payload,
             ends,
             handed: None,
             peer_closed: false,
@@ -132,7 +134,7 @@ impl<Q: QueuePair> SendConn for RdmaSend<Q> {
             return Ok(None);
         };
         self.handed = Some(i);
-        let s = self.slot_bytes;
+        let s = self.stride;
         Ok(Some(
             &mut self.qp.send_region()[i * s + HEADER..(i + 1) * s],
         ))
@@ -151,7 +153,7 @@ impl<Q: QueuePair> SendConn for RdmaSend<Q> {
             self.ends
                 .proto(ProtoError("post without a slot handed out".into()))
         })?;
-        let s = self.slot_bytes;
+        let s = self.stride;
         if len > s - HEADER {
             return Err(self.ends.proto(ProtoError(format!(
                 "{len} bytes do not fit a slot of {}",
@@ -191,7 +193,8 @@ impl<Q: QueuePair> SendConn for RdmaSend<Q> {
 pub(crate) struct RdmaRecv<Q: QueuePair> {
     qp: Q,
     st: RecvState,
-    slot_bytes: usize,
+    /// Bytes from one slot to the next: the header and the payload.
+    stride: usize,
     ends: Ends,
     taken: Option<usize>,
     peer_closed: bool,
@@ -199,12 +202,12 @@ pub(crate) struct RdmaRecv<Q: QueuePair> {
 }
 
 impl<Q: QueuePair> RdmaRecv<Q> {
-    /// A receive half over `qp` of a ring of `slots` slots of `slot_bytes` (header included).
-    pub(crate) fn new(qp: Q, slots: usize, slot_bytes: usize, ends: Ends) -> RdmaRecv<Q> {
+    /// A receive half over `qp` of a ring of `slots` slots of `payload` bytes each.
+    pub(crate) fn new(qp: Q, slots: usize, payload: usize, ends: Ends) -> RdmaRecv<Q> {
         RdmaRecv {
             qp,
             st: RecvState::new(slots),
-            slot_bytes,
+            stride: HEADER + payload,
             ends,
             taken: None,
             peer_closed: false,
@@ -251,7 +254,7 @@ impl<Q: QueuePair> RecvConn for RdmaRecv<Q> {
             return Ok(None);
         };
         self.taken = Some(i);
-        let s = self.slot_bytes;
+        let s = self.stride;
         let slot = &self.qp.recv_region()[i * s..(i + 1) * s];
         let (tag, len) = get_header(slot);
         if len > s - HEADER {

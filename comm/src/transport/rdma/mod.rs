@@ -10,16 +10,20 @@
 //! - [`sim`]: an in-process provider with RC semantics (ordered delivery, data visible before
 //!   its immediate, completions, errors in both ends), for the tests.
 //!
-//! Not yet: the ibverbs provider (feature `rdma`), the registration cache, addresses through
-//! the store and the selector's row; until then nothing selects this backend.
-
-// The selector's row and the ibverbs provider come next; until then only the tests use these.
-#![cfg_attr(not(test), allow(dead_code))]
+//! - [`transport`]: the selector's row: RDMA between nodes where a provider connects the pair
+//!   (`OXCCL_TRANSPORT=rdma` insists on it, `auto` takes it before TCP).
+//!
+//! Not yet: the ibverbs provider (feature `rdma`; without it `auto` goes on to TCP, and
+//! `OXCCL_IB_PROVIDER=sim` connects ranks that are threads of one process), a registration
+//! cache for sending straight from user buffers, device buffers.
 
 pub(crate) mod conn;
 pub(crate) mod proto;
 pub(crate) mod sim;
+pub(crate) mod transport;
 pub(crate) mod verbs;
+
+pub(crate) use transport::RdmaTransport;
 
 #[cfg(test)]
 mod tests;

@@ -14,8 +14,10 @@
 //! Large messages are cut into slot-sized frames by the algorithms above (they reduce one frame
 //! while the next is on the wire), so eager slots with credits carry every size.
 
-/// Bytes of a slot's header: the tag (sequence, description, count) and the payload length.
-pub(crate) const HEADER: usize = 32;
+/// Bytes of a slot's header: the tag (sequence, description, count) and the payload length in
+/// the first 32, the rest padding, so that payloads start 64-byte aligned and a slot's payload
+/// is the configured slot size (a multiple of 64, as the algorithms expect).
+pub(crate) const HEADER: usize = 64;
 
 /// The immediate that closes a direction.
 pub(crate) const GOODBYE: u32 = u32::MAX;

@@ -43,6 +43,7 @@ pub(crate) struct SimQp {
 
 /// Controls a pair from a test: hold delivery, inject an error.
 #[derive(Clone)]
+#[cfg_attr(not(test), allow(dead_code))] // the transport drops it; tests drive it
 pub(crate) struct SimControl {
     link: Arc<Mutex<Link>>,
 }
@@ -69,6 +70,7 @@ pub(crate) fn pair(bytes: usize) -> (SimQp, SimQp, SimControl) {
     (a, b, SimControl { link })
 }
 
+#[cfg(test)]
 impl SimControl {
     /// Holds (or lets go) the delivery of writes to end `end`.
     pub(crate) fn hold(&self, end: usize, held: bool) {

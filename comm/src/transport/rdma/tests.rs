@@ -6,13 +6,16 @@ use super::sim::{pair, SimQp};
 use crate::base::op::Tag;
 use crate::transport::{RecvConn, SendConn};
 
-fn conn(slots: usize, slot: usize) -> (RdmaSend<SimQp>, RdmaRecv<SimQp>, super::sim::SimControl) {
-    let (a, b, ctl) = pair(slots * slot);
+fn conn(
+    slots: usize,
+    payload: usize,
+) -> (RdmaSend<SimQp>, RdmaRecv<SimQp>, super::sim::SimControl) {
+    let (a, b, ctl) = pair(slots * (HEADER + payload));
     let ends = Ends { rank: 0, peer: 1 };
     let back = Ends { rank: 1, peer: 0 };
     (
-        RdmaSend::new(a, slots, slot, ends),
-        RdmaRecv::new(b, slots, slot, back),
+        RdmaSend::new(a, slots, payload, ends),
+        RdmaRecv::new(b, slots, payload, back),
         ctl,
     )
 }
@@ -59,7 +62,7 @@ fn messages_cross_in_order_with_their_tags() {
     while got.len() < 20 {
         if next < 20 {
             if let Some(slot) = tx.try_slot().unwrap() {
-                let n = (next as usize * 7) % (64 - HEADER);
+                let n = (next as usize * 7) % 64;
                 slot[..n].fill(next as u8);
                 tx.post(n, tag(next)).unwrap();
                 next += 1;
@@ -73,7 +76,7 @@ fn messages_cross_in_order_with_their_tags() {
     }
     for (k, (t, d)) in got.iter().enumerate() {
         assert_eq!(*t, tag(k as u64));
-        assert_eq!(d, &vec![k as u8; (k * 7) % (64 - HEADER)]);
+        assert_eq!(d, &vec![k as u8; (k * 7) % 64]);
     }
 }
 
@@ -175,8 +178,7 @@ proptest! {
         lens in prop::collection::vec(0usize..=96, 1..40),
         script in moves(),
     ) {
-        let slot_bytes = 96 + HEADER;
-        let (mut tx, mut rx, ctl) = conn(slots, slot_bytes);
+        let (mut tx, mut rx, ctl) = conn(slots, 96);
         let (mut sent, mut got) = (0usize, Vec::new());
         let run = |m: &Move, tx: &mut RdmaSend<SimQp>, rx: &mut RdmaRecv<SimQp>, sent: &mut usize, got: &mut Vec<(Tag, Vec<u8>)>| -> crate::Result<()> {
             match *m {

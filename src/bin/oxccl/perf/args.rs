@@ -111,8 +111,9 @@ pub struct PerfArgs {
     #[arg(long = "np", value_name = "N")]
     pub np: Option<usize>,
 
-    /// Transport for the ranks (sets OXCCL_TRANSPORT): auto, tcp or shm.
-    #[arg(long, value_name = "auto|tcp|shm")]
+    /// Transport for the ranks (sets OXCCL_TRANSPORT): auto, tcp, shm or rdma (shared memory
+    /// inside a node, RDMA between nodes: an error while no verbs provider is built).
+    #[arg(long, value_name = "auto|tcp|shm|rdma")]
     pub transport: Option<String>,
 
     /// Algorithm override for the ranks (sets OXCCL_ALGO).

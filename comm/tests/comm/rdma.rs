@@ -1,0 +1,98 @@
+//! The RDMA transport's protocol under every collective: ranks as threads on simulated nodes,
+//! connected across nodes by in-process queue pairs with RC semantics
+//! (`OXCCL_IB_PROVIDER=sim`, `OXCCL_TRANSPORT=rdma`), shared memory inside a node. No verbs
+//! device is needed (none exists on these machines); the ibverbs provider is not built yet.
+
+use oxccl_comm::config::{IbProvider, TransportChoice};
+use oxccl_comm::harness::spawn_world_on_nodes;
+use oxccl_comm::{Communicator, Config, ReduceOp, Result};
+
+use crate::collectives::{all_collectives, config, every_dtype, BIG, COUNTS};
+
+fn rdma(algo: &str) -> Config {
+    Config {
+        ib_provider: IbProvider::Sim,
+        ..config(algo, TransportChoice::Rdma)
+    }
+}
+
+/// Every collective in f32 and u8, every op, small counts and one large one (every dtype is
+/// [`every_dtype`]'s, on fewer ranks).
+fn f32_and_u8(c: &Communicator) -> Result<()> {
+    all_collectives::<f32>(c, &COUNTS[..4], &ReduceOp::ALL, false)?;
+    all_collectives::<f32>(c, &[BIG], &[ReduceOp::Sum], false)?;
+    all_collectives::<u8>(c, &COUNTS[..4], &ReduceOp::ALL, false)
+}
+
+/// `body` on `nodes` x `per_node` ranks, after checking that every pair on two nodes goes over
+/// RDMA.
+fn world(nodes: usize, per_node: usize, algo: &str, body: fn(&Communicator) -> Result<()>) {
+    let n = nodes * per_node;
+    for r in spawn_world_on_nodes(n, per_node, rdma(algo), |c| {
+        for p in 0..n {
+            let want = match (p == c.rank(), p / per_node == c.rank() / per_node) {
+                (true, _) => "self",
+                (false, true) => "shm",
+                (false, false) => "rdma",
+            };
+            assert_eq!(
+                c.stats().transports.get(p).copied(),
+                Some(want),
+                "rank {} to {p}",
+                c.rank()
+            );
+        }
+        body(&c)
+    }) {
+        r.unwrap();
+    }
+}
+
+#[test]
+fn every_collective_over_rdma_on_2_and_3_nodes() {
+    world(2, 1, "all-reduce=ring,broadcast=chain,reduce=chain", |c| {
+        every_dtype(c, false)
+    });
+    world(3, 1, "tree", f32_and_u8);
+}
+
+#[test]
+fn every_collective_over_rdma_on_8_ranks_of_4_nodes() {
+    world(
+        4,
+        2,
+        "all-reduce=ring,broadcast=chain,reduce=chain",
+        f32_and_u8,
+    );
+}
+
+#[test]
+fn rdma_that_cannot_connect_is_a_clear_error() {
+    // The verbs provider is not built: OXCCL_TRANSPORT=rdma across nodes names why.
+    let cfg = Config {
+        transport: TransportChoice::Rdma,
+        ..Config::default()
+    };
+    let out = spawn_world_on_nodes(2, 1, cfg, |_| Ok(()));
+    let e = out[0].as_ref().unwrap_err().to_string();
+    assert!(
+        e.contains("OXCCL_TRANSPORT=rdma") && e.contains("rdma: needs feature `rdma`"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_rank_that_leaves_is_a_lost_peer_over_rdma() {
+    let out = spawn_world_on_nodes(3, 1, rdma("all-reduce=ring"), |c| {
+        if c.rank() == 2 {
+            return Ok(String::new()); // leaves: its connections say goodbye
+        }
+        let mut v = vec![1.0f32; 4096];
+        Ok(c.all_reduce(&mut v, ReduceOp::Sum)
+            .map_or_else(|e| e.to_string(), |_| "finished".into()))
+    });
+    for (r, e) in out.iter().take(2).enumerate() {
+        let e = e.as_ref().unwrap();
+        assert!(e.contains("peer rank 2 lost"), "rank {r}: {e}");
+    }
+}
