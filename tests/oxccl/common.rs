@@ -416,8 +416,15 @@ pub fn free_port() -> u16 {
 /// Runs this test binary as `n` ranks through `oxccl launch -n n --timeout 120` with `env` set
 /// for them (`OXCCL_TIMEOUT=60`, no `OXCCL_DEBUG`), and returns once every rank is gone.
 pub fn launch_self(n: usize, env: &[(&str, &str)]) -> Output {
+    launch_self_with(n, &[], env)
+}
+
+/// [`launch_self`] with more `oxccl launch` flags (`--keep-going`, ...).
+pub fn launch_self_with(n: usize, flags: &[&str], env: &[(&str, &str)]) -> Output {
     std::process::Command::new(env!("CARGO_BIN_EXE_oxccl"))
-        .args(["launch", "-n", &n.to_string(), "--timeout", "120", "--"])
+        .args(["launch", "-n", &n.to_string(), "--timeout", "120"])
+        .args(flags)
+        .arg("--")
         .args(rank_cmd())
         .envs(env.iter().copied())
         .env("OXCCL_TIMEOUT", "60")

@@ -102,22 +102,7 @@ fn two_stages_by_two_replicas_as_processes_equal_one_process() {
 #[test]
 fn a_killed_stage_fails_the_other_processes_without_a_hang() {
     let t = Instant::now();
-    let out = Command::new(env!("CARGO_BIN_EXE_oxccl"))
-        .args([
-            "launch",
-            "-n",
-            "4",
-            "--keep-going",
-            "--timeout",
-            "120",
-            "--",
-        ])
-        .args(common::rank_cmd())
-        .env("OXCCL_TEST_PIPELINE", "die")
-        .env("OXCCL_TIMEOUT", "60")
-        .env_remove("OXCCL_DEBUG")
-        .output()
-        .expect("running oxccl launch");
+    let out = common::launch_self_with(4, &["--keep-going"], &[("OXCCL_TEST_PIPELINE", "die")]);
     let res = common::results(&out);
     assert!(!out.status.success(), "{}", common::show(&out));
     assert!(

@@ -9,8 +9,6 @@
 #[allow(dead_code, clippy::duplicate_mod)]
 mod survive;
 
-use std::process::Command;
-
 use oxccl::comm::harness::{spawn_world, spawn_world_on_nodes};
 use oxccl::comm::{Communicator, Config};
 
@@ -101,22 +99,7 @@ pub(crate) fn play_rank() {
 
 #[test]
 fn survivors_go_on_under_oxccl_launch_keep_going() {
-    let out = Command::new(env!("CARGO_BIN_EXE_oxccl"))
-        .args([
-            "launch",
-            "-n",
-            "4",
-            "--keep-going",
-            "--timeout",
-            "120",
-            "--",
-        ])
-        .args(common::rank_cmd())
-        .env("OXCCL_TEST_SURVIVE", "1")
-        .env("OXCCL_TIMEOUT", "60")
-        .env_remove("OXCCL_DEBUG")
-        .output()
-        .expect("running oxccl launch");
+    let out = common::launch_self_with(4, &["--keep-going"], &[("OXCCL_TEST_SURVIVE", "1")]);
     let res = common::results(&out);
     assert_eq!(out.status.code(), Some(3), "{}", common::show(&out));
     for r in [0, 1, 3] {

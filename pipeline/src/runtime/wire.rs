@@ -255,33 +255,18 @@ impl Wire<'_> {
                         peer,
                     });
                     let pay = if changed[i] { &stale[i] } else { &sends[i] };
-                    batch.extend(pay.iter().filter(|t| !t.bytes().is_empty()).map(|t| {
-                        P2pOp::Send {
-                            buf: t.bytes(),
-                            peer,
-                        }
-                    }));
+                    batch.extend(sends_of(pay, peer));
                 }
                 Op::Recv { peer, .. } => {
                     batch.push(P2pOp::Recv {
                         buf: bytemuck::bytes_of_mut(hdr),
                         peer,
                     });
-                    batch.extend(ts.iter_mut().filter(|t| !t.bytes().is_empty()).map(|t| {
-                        P2pOp::Recv {
-                            buf: t.bytes_mut(),
-                            peer,
-                        }
-                    }));
+                    batch.extend(recvs_into(ts, peer));
                 }
             }
         }
-        if batch.is_empty() {
-            return Ok(());
-        }
-        self.comm
-            .batch_p2p(batch)
-            .map_err(|e| self.comm_err(ops, "exchange", e))
+        self.run_batch(ops, batch, "exchange")
     }
 
     /// Checks a receive whose header says its shapes did not change against the cache.
@@ -318,29 +303,45 @@ impl Wire<'_> {
                 continue;
             }
             match *op {
-                Op::Send { peer, .. } => {
-                    batch.extend(sends[i].iter().filter(|t| !t.bytes().is_empty()).map(|t| {
-                        P2pOp::Send {
-                            buf: t.bytes(),
-                            peer,
-                        }
-                    }))
-                }
-                Op::Recv { peer, .. } => {
-                    batch.extend(ts.iter_mut().filter(|t| !t.bytes().is_empty()).map(|t| {
-                        P2pOp::Recv {
-                            buf: t.bytes_mut(),
-                            peer,
-                        }
-                    }))
-                }
+                Op::Send { peer, .. } => batch.extend(sends_of(&sends[i], peer)),
+                Op::Recv { peer, .. } => batch.extend(recvs_into(ts, peer)),
             }
         }
+        self.run_batch(ops, batch, "payload")
+    }
+
+    /// Runs `batch` (nothing when it is empty), naming `round` of `ops` in its error.
+    fn run_batch(
+        &self,
+        ops: &[Op],
+        batch: Vec<P2pOp<'_, u8>>,
+        round: &str,
+    ) -> Result<(), PipelineError> {
         if batch.is_empty() {
             return Ok(());
         }
         self.comm
             .batch_p2p(batch)
-            .map_err(|e| self.comm_err(ops, "payload", e))
+            .map_err(|e| self.comm_err(ops, round, e))
     }
+}
+
+/// One send of each non-empty tensor of `ts` to `peer`.
+fn sends_of(ts: &[Tensor], peer: usize) -> impl Iterator<Item = P2pOp<'_, u8>> {
+    ts.iter()
+        .filter(|t| !t.bytes().is_empty())
+        .map(move |t| P2pOp::Send {
+            buf: t.bytes(),
+            peer,
+        })
+}
+
+/// One receive from `peer` into each non-empty tensor of `ts`.
+fn recvs_into(ts: &mut [Tensor], peer: usize) -> impl Iterator<Item = P2pOp<'_, u8>> {
+    ts.iter_mut()
+        .filter(|t| !t.bytes().is_empty())
+        .map(move |t| P2pOp::Recv {
+            buf: t.bytes_mut(),
+            peer,
+        })
 }

@@ -75,6 +75,37 @@ fn get_header(slot: &[u8]) -> (Tag, usize) {
     )
 }
 
+/// What a completion means to the protocol.
+enum Event {
+    /// One of this side's writes completed.
+    Wrote,
+    /// The peer's immediate (not a goodbye).
+    Imm(u32),
+}
+
+/// Polls `qp` and hands each completion to `on`; a goodbye sets `closed`, a completion in error
+/// is `PeerLost` naming the peer. True when anything arrived.
+fn drain<Q: QueuePair>(
+    qp: &mut Q,
+    comps: &mut Vec<Completion>,
+    ends: Ends,
+    closed: &mut bool,
+    mut on: impl FnMut(Event) -> std::result::Result<(), ProtoError>,
+) -> Result<bool> {
+    comps.clear();
+    qp.poll(comps).map_err(|e| ends.named(e))?;
+    let moved = !comps.is_empty();
+    for c in comps.drain(..) {
+        match c {
+            Completion::WriteDone { .. } => on(Event::Wrote).map_err(|e| ends.proto(e))?,
+            Completion::Imm { imm: GOODBYE, .. } => *closed = true,
+            Completion::Imm { imm, .. } => on(Event::Imm(imm)).map_err(|e| ends.proto(e))?,
+            Completion::Error { status, what, .. } => return Err(ends.failed(status, &what)),
+        }
+    }
+    Ok(moved)
+}
+
 /// The send half: writes slots into the peer's ring.
 pub(crate) struct RdmaSend<Q: QueuePair> {
     qp: Q,
@@ -104,26 +135,12 @@ impl<Q: QueuePair> RdmaSend<Q> {
     }
 
     fn poll(&mut self) -> Result<bool> {
-        self.comps.clear();
-        self.qp
-            .poll(&mut self.comps)
-            .map_err(|e| self.ends.named(e))?;
-        let moved = !self.comps.is_empty();
-        for c in std::mem::take(&mut self.comps) {
-            match c {
-                Completion::WriteDone { .. } => {
-                    self.st.completed().map_err(|e| self.ends.proto(e))?
-                }
-                Completion::Imm { imm: GOODBYE, .. } => self.peer_closed = true,
-                Completion::Imm { imm, .. } => {
-                    self.st.credit(imm).map_err(|e| self.ends.proto(e))?
-                }
-                Completion::Error { status, what, .. } => {
-                    return Err(self.ends.failed(status, &what))
-                }
-            }
-        }
-        Ok(moved)
+        let st = &mut self.st;
+        let (qp, comps, closed) = (&mut self.qp, &mut self.comps, &mut self.peer_closed);
+        drain(qp, comps, self.ends, closed, |ev| match ev {
+            Event::Wrote => st.completed(),
+            Event::Imm(credits) => st.credit(credits),
+        })
     }
 }
 
@@ -216,24 +233,12 @@ impl<Q: QueuePair> RdmaRecv<Q> {
     }
 
     fn poll(&mut self) -> Result<bool> {
-        self.comps.clear();
-        self.qp
-            .poll(&mut self.comps)
-            .map_err(|e| self.ends.named(e))?;
-        let moved = !self.comps.is_empty();
-        for c in std::mem::take(&mut self.comps) {
-            match c {
-                Completion::Imm { imm: GOODBYE, .. } => self.peer_closed = true,
-                Completion::Imm { imm, .. } => {
-                    self.st.arrived(imm).map_err(|e| self.ends.proto(e))?
-                }
-                Completion::WriteDone { .. } => {} // a credit reached the sender
-                Completion::Error { status, what, .. } => {
-                    return Err(self.ends.failed(status, &what))
-                }
-            }
-        }
-        Ok(moved)
+        let st = &mut self.st;
+        let (qp, comps, closed) = (&mut self.qp, &mut self.comps, &mut self.peer_closed);
+        drain(qp, comps, self.ends, closed, |ev| match ev {
+            Event::Wrote => Ok(()), // a credit reached the sender
+            Event::Imm(slot) => st.arrived(slot),
+        })
     }
 }
 

@@ -118,8 +118,13 @@ impl Plan {
             vec![None]
         };
         if let Some(t) = &a.transport {
-            if !matches!(t.to_ascii_lowercase().as_str(), "auto" | "tcp" | "shm" | "rdma") {
-                return Err(format!("--transport {t:?}: expected auto, tcp, shm or rdma"));
+            if !matches!(
+                t.to_ascii_lowercase().as_str(),
+                "auto" | "tcp" | "shm" | "rdma"
+            ) {
+                return Err(format!(
+                    "--transport {t:?}: expected auto, tcp, shm or rdma"
+                ));
             }
         }
         if let Some(spec) = &a.algo {
