@@ -10,6 +10,10 @@
 //! - [`sim`]: an in-process provider with RC semantics (ordered delivery, data visible before
 //!   its immediate, completions, errors in both ends), for the tests.
 //!
+//! - [`address`]: what a verbs connection needs before it exists, as pure functions: the
+//!   address published per queue pair (magic and version), `OXCCL_IB_HCA`'s device and port
+//!   choice (NCCL's syntax), the GID choice (RoCE v2 IPv4 unless an index is named), the checks
+//!   of a pair's addresses;
 //! - [`transport`]: the selector's row: RDMA between nodes where a provider connects the pair
 //!   (`OXCCL_TRANSPORT=rdma` insists on it, `auto` takes it before TCP).
 //!
@@ -17,6 +21,9 @@
 //! `OXCCL_IB_PROVIDER=sim` connects ranks that are threads of one process), a registration
 //! cache for sending straight from user buffers, device buffers.
 
+// The verbs provider (next) uses these; until then only their tests do.
+#[cfg_attr(not(test), allow(dead_code))]
+pub(crate) mod address;
 pub(crate) mod conn;
 pub(crate) mod proto;
 pub(crate) mod sim;
