@@ -144,14 +144,22 @@ impl Tensor {
 }
 
 /// The metas as words: count, then per tensor its dtype code, rank and dimensions.
+fn words(metas: &[Meta]) -> impl Iterator<Item = u64> + '_ {
+    std::iter::once(metas.len() as u64).chain(metas.iter().flat_map(|m| {
+        [u64::from(m.dtype.to_u8()), m.shape.len() as u64]
+            .into_iter()
+            .chain(m.shape.iter().map(|&d| d as u64))
+    }))
+}
+
+/// [`words`], collected: what a link sends when its shapes change.
 pub(crate) fn encode(metas: &[Meta]) -> Vec<u64> {
-    let mut w = vec![metas.len() as u64];
-    for m in metas {
-        w.push(u64::from(m.dtype.to_u8()));
-        w.push(m.shape.len() as u64);
-        w.extend(m.shape.iter().map(|&d| d as u64));
-    }
-    w
+    words(metas).collect()
+}
+
+/// How many words [`encode`] gives, without encoding.
+pub(crate) fn encoded_len(metas: &[Meta]) -> usize {
+    1 + metas.iter().map(|m| 2 + m.shape.len()).sum::<usize>()
 }
 
 /// The metas back from [`encode`]'s words, or what is wrong with them.
@@ -181,7 +189,7 @@ pub(crate) fn decode(words: &[u64]) -> Result<Vec<Meta>, String> {
 /// A fingerprint of the metas (FNV-1a over their words), never 0.
 pub(crate) fn fingerprint(metas: &[Meta]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for w in encode(metas) {
+    for w in words(metas) {
         for b in w.to_le_bytes() {
             h ^= u64::from(b);
             h = h.wrapping_mul(0x100_0000_01b3);
@@ -207,6 +215,7 @@ mod tests {
             },
         ];
         assert_eq!(decode(&encode(&a)).unwrap(), a);
+        assert_eq!(encoded_len(&a), encode(&a).len());
         let mut b = a.clone();
         b[0].shape[0] = 5;
         assert_ne!(fingerprint(&a), fingerprint(&b));

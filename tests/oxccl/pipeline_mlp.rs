@@ -125,23 +125,20 @@ fn a_killed_stage_fails_the_other_processes_without_a_hang() {
     );
 }
 
+/// `oxccl pipeline ARGS`.
+fn oxccl_pipeline(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_oxccl"))
+        .arg("pipeline")
+        .args(args)
+        .output()
+        .expect("running oxccl pipeline")
+}
+
 #[test]
 fn oxccl_pipeline_prints_and_draws_a_timeline() {
     let svg = std::env::temp_dir().join(format!("oxccl-pipeline-{}.svg", std::process::id()));
-    let out = Command::new(env!("CARGO_BIN_EXE_oxccl"))
-        .args([
-            "pipeline",
-            "--schedule",
-            "1f1b",
-            "-p",
-            "4",
-            "-m",
-            "8",
-            "--plot",
-        ])
-        .arg(&svg)
-        .output()
-        .expect("running oxccl pipeline");
+    let plot = svg.to_string_lossy().into_owned();
+    let out = oxccl_pipeline(&["--schedule", "1f1b", "-p", "4", "-m", "8", "--plot", &plot]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", common::show(&out));
     assert!(
@@ -156,20 +153,7 @@ fn oxccl_pipeline_prints_and_draws_a_timeline() {
     let _ = std::fs::remove_file(&svg);
     // One box per computation: 4 ranks x 8 micro-batches x (forward + backward).
     assert_eq!(drawn.matches("<rect").count(), 64);
-    let bad = Command::new(env!("CARGO_BIN_EXE_oxccl"))
-        .args([
-            "pipeline",
-            "--schedule",
-            "1f1b",
-            "-p",
-            "4",
-            "-m",
-            "8",
-            "-v",
-            "2",
-        ])
-        .output()
-        .expect("running oxccl pipeline");
+    let bad = oxccl_pipeline(&["--schedule", "1f1b", "-p", "4", "-m", "8", "-v", "2"]);
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("1f1b has one chunk per rank"));
 }

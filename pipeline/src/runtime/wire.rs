@@ -24,7 +24,7 @@ use oxccl_comm::{Communicator, P2pOp};
 
 use crate::error::{dir_name, PipelineError};
 use crate::schedule::{Dir, Op};
-use crate::tensor::{encode, fingerprint, Meta, Tensor};
+use crate::tensor::{encoded_len, fingerprint, Meta, Tensor};
 
 /// A receiver's check of new shapes: `(direction, its chunk, shapes)`; `Err(why)` refuses them.
 pub type Check = Arc<dyn Fn(Dir, usize, &[Meta]) -> Result<(), String> + Send + Sync>;
@@ -174,14 +174,14 @@ impl Wire<'_> {
             let key = slot(op);
             if matches!(op, Op::Send { .. }) {
                 let m = &metas[i];
-                let cached = self.caches.sent.get(&key).cloned();
-                changed[i] = cached.as_ref() != Some(m);
-                let meta_len = if changed[i] { encode(m).len() } else { 0 };
+                let cached = self.caches.sent.get(&key);
+                changed[i] = cached != Some(m);
+                let meta_len = if changed[i] { encoded_len(m) } else { 0 };
                 let payload: usize = m.iter().map(Meta::nbytes).sum();
                 out_hdr[i] = [fingerprint(m), meta_len as u64, payload as u64];
                 if changed[i] {
                     stale[i] = cached
-                        .iter()
+                        .into_iter()
                         .flatten()
                         .map(|m| Tensor::zeros(m.dtype, &m.shape))
                         .collect();

@@ -83,40 +83,71 @@ enum Event {
     Imm(u32),
 }
 
-/// Polls `qp` and hands each completion to `on`; a goodbye sets `closed`, a completion in error
-/// is `PeerLost` naming the peer. True when anything arrived.
-fn drain<Q: QueuePair>(
-    qp: &mut Q,
-    comps: &mut Vec<Completion>,
+/// What both halves hold: the queue pair, whom it connects, whether the peer said goodbye,
+/// and the completions buffer.
+struct End<Q: QueuePair> {
+    qp: Q,
     ends: Ends,
-    closed: &mut bool,
-    mut on: impl FnMut(Event) -> std::result::Result<(), ProtoError>,
-) -> Result<bool> {
-    comps.clear();
-    qp.poll(comps).map_err(|e| ends.named(e))?;
-    let moved = !comps.is_empty();
-    for c in comps.drain(..) {
-        match c {
-            Completion::WriteDone { .. } => on(Event::Wrote).map_err(|e| ends.proto(e))?,
-            Completion::Imm { imm: GOODBYE, .. } => *closed = true,
-            Completion::Imm { imm, .. } => on(Event::Imm(imm)).map_err(|e| ends.proto(e))?,
-            Completion::Error { status, what, .. } => return Err(ends.failed(status, &what)),
+    peer_closed: bool,
+    comps: Vec<Completion>,
+}
+
+impl<Q: QueuePair> End<Q> {
+    fn new(qp: Q, ends: Ends) -> End<Q> {
+        End {
+            qp,
+            ends,
+            peer_closed: false,
+            comps: Vec::new(),
         }
     }
-    Ok(moved)
+
+    /// Polls the queue pair and hands each completion to `on`; a goodbye marks the peer
+    /// closed, a completion in error is `PeerLost` naming the peer. True when anything arrived.
+    fn drain(
+        &mut self,
+        mut on: impl FnMut(Event) -> std::result::Result<(), ProtoError>,
+    ) -> Result<bool> {
+        let ends = self.ends;
+        self.comps.clear();
+        self.qp.poll(&mut self.comps).map_err(|e| ends.named(e))?;
+        let moved = !self.comps.is_empty();
+        for c in self.comps.drain(..) {
+            match c {
+                Completion::WriteDone { .. } => on(Event::Wrote).map_err(|e| ends.proto(e))?,
+                Completion::Imm { imm: GOODBYE, .. } => self.peer_closed = true,
+                Completion::Imm { imm, .. } => on(Event::Imm(imm)).map_err(|e| ends.proto(e))?,
+                Completion::Error { status, what, .. } => return Err(ends.failed(status, &what)),
+            }
+        }
+        Ok(moved)
+    }
+
+    /// The peer closed its side: `op` can never complete.
+    fn closed(&self, op: &str, who: &str) -> Error {
+        Error::PeerLost {
+            rank: self.ends.rank,
+            peer: self.ends.peer,
+            op: op.into(),
+            detail: format!("the {who} closed the connection"),
+        }
+    }
+
+    fn write(&mut self, wr_id: u64, src: usize, len: usize, dst: usize, imm: u32) -> Result<()> {
+        let ends = self.ends;
+        self.qp
+            .write_imm(wr_id, src, len, dst, imm)
+            .map_err(|e| ends.named(e))
+    }
 }
 
 /// The send half: writes slots into the peer's ring.
 pub(crate) struct RdmaSend<Q: QueuePair> {
-    qp: Q,
+    end: End<Q>,
     st: SendState,
     /// Bytes from one slot to the next: the header and the payload.
     stride: usize,
-    ends: Ends,
     handed: Option<usize>,
-    /// The receiver said goodbye: the next post fails.
-    peer_closed: bool,
-    comps: Vec<Completion>,
 }
 
 impl<Q: QueuePair> RdmaSend<Q> {
@@ -124,20 +155,16 @@ impl<Q: QueuePair> RdmaSend<Q> {
     /// hold `slots * (HEADER + payload)`).
     pub(crate) fn new(qp: Q, slots: usize, payload: usize, ends: Ends) -> RdmaSend<Q> {
         RdmaSend {
-            qp,
+            end: End::new(qp, ends),
             st: SendState::new(slots),
             stride: HEADER + payload,
-            ends,
             handed: None,
-            peer_closed: false,
-            comps: Vec::new(),
         }
     }
 
     fn poll(&mut self) -> Result<bool> {
         let st = &mut self.st;
-        let (qp, comps, closed) = (&mut self.qp, &mut self.comps, &mut self.peer_closed);
-        drain(qp, comps, self.ends, closed, |ev| match ev {
+        self.end.drain(|ev| match ev {
             Event::Wrote => st.completed(),
             Event::Imm(credits) => st.credit(credits),
         })
@@ -153,36 +180,34 @@ impl<Q: QueuePair> SendConn for RdmaSend<Q> {
         self.handed = Some(i);
         let s = self.stride;
         Ok(Some(
-            &mut self.qp.send_region()[i * s + HEADER..(i + 1) * s],
+            &mut self.end.qp.send_region()[i * s + HEADER..(i + 1) * s],
         ))
     }
 
     fn post(&mut self, len: usize, tag: Tag) -> Result<()> {
-        if self.peer_closed {
-            return Err(Error::PeerLost {
-                rank: self.ends.rank,
-                peer: self.ends.peer,
-                op: "rdma send".into(),
-                detail: "the receiver closed the connection".into(),
-            });
+        let ends = self.end.ends;
+        if self.end.peer_closed {
+            return Err(self.end.closed("rdma send", "receiver"));
         }
-        let i = self.handed.take().ok_or_else(|| {
-            self.ends
-                .proto(ProtoError("post without a slot handed out".into()))
-        })?;
+        let i = self
+            .handed
+            .take()
+            .ok_or_else(|| ends.proto(ProtoError("post without a slot handed out".into())))?;
         let s = self.stride;
         if len > s - HEADER {
-            return Err(self.ends.proto(ProtoError(format!(
+            return Err(ends.proto(ProtoError(format!(
                 "{len} bytes do not fit a slot of {}",
                 s - HEADER
             ))));
         }
-        put_header(&mut self.qp.send_region()[i * s..i * s + HEADER], tag, len);
-        let (slot, imm) = self.st.post().map_err(|e| self.ends.proto(e))?;
+        put_header(
+            &mut self.end.qp.send_region()[i * s..i * s + HEADER],
+            tag,
+            len,
+        );
+        let (slot, imm) = self.st.post().map_err(|e| ends.proto(e))?;
         debug_assert_eq!(slot, i);
-        self.qp
-            .write_imm(tag.seq, i * s, HEADER + len, i * s, imm)
-            .map_err(|e| self.ends.named(e))
+        self.end.write(tag.seq, i * s, HEADER + len, i * s, imm)
     }
 
     fn progress(&mut self) -> Result<bool> {
@@ -202,40 +227,33 @@ impl<Q: QueuePair> SendConn for RdmaSend<Q> {
             }
             std::thread::yield_now();
         }
-        let _ = self.qp.write_imm(0, 0, 0, 0, GOODBYE);
+        let _ = self.end.write(0, 0, 0, 0, GOODBYE);
     }
 }
 
 /// The receive half: takes the ring's slots in order and writes credits back.
 pub(crate) struct RdmaRecv<Q: QueuePair> {
-    qp: Q,
+    end: End<Q>,
     st: RecvState,
     /// Bytes from one slot to the next: the header and the payload.
     stride: usize,
-    ends: Ends,
     taken: Option<usize>,
-    peer_closed: bool,
-    comps: Vec<Completion>,
 }
 
 impl<Q: QueuePair> RdmaRecv<Q> {
     /// A receive half over `qp` of a ring of `slots` slots of `payload` bytes each.
     pub(crate) fn new(qp: Q, slots: usize, payload: usize, ends: Ends) -> RdmaRecv<Q> {
         RdmaRecv {
-            qp,
+            end: End::new(qp, ends),
             st: RecvState::new(slots),
             stride: HEADER + payload,
-            ends,
             taken: None,
-            peer_closed: false,
-            comps: Vec::new(),
         }
     }
 
     fn poll(&mut self) -> Result<bool> {
         let st = &mut self.st;
-        let (qp, comps, closed) = (&mut self.qp, &mut self.comps, &mut self.peer_closed);
-        drain(qp, comps, self.ends, closed, |ev| match ev {
+        self.end.drain(|ev| match ev {
             Event::Wrote => Ok(()), // a credit reached the sender
             Event::Imm(slot) => st.arrived(slot),
         })
@@ -248,22 +266,18 @@ impl<Q: QueuePair> RecvConn for RdmaRecv<Q> {
             self.poll()?;
         }
         let Some(i) = self.taken.or_else(|| self.st.next()) else {
-            if self.peer_closed {
-                return Err(Error::PeerLost {
-                    rank: self.ends.rank,
-                    peer: self.ends.peer,
-                    op: "rdma receive".into(),
-                    detail: "the sender closed the connection".into(),
-                });
+            if self.end.peer_closed {
+                return Err(self.end.closed("rdma receive", "sender"));
             }
             return Ok(None);
         };
         self.taken = Some(i);
         let s = self.stride;
-        let slot = &self.qp.recv_region()[i * s..(i + 1) * s];
+        let slot = &self.end.qp.recv_region()[i * s..(i + 1) * s];
         let (tag, len) = get_header(slot);
         if len > s - HEADER {
             return Err(self
+                .end
                 .ends
                 .proto(ProtoError(format!("slot {i} claims {len} bytes"))));
         }
@@ -271,15 +285,12 @@ impl<Q: QueuePair> RecvConn for RdmaRecv<Q> {
     }
 
     fn release(&mut self) -> Result<()> {
+        let ends = self.end.ends;
         if self.taken.take().is_none() {
-            return Err(self
-                .ends
-                .proto(ProtoError("release without a message taken".into())));
+            return Err(ends.proto(ProtoError("release without a message taken".into())));
         }
-        let credit = self.st.release().map_err(|e| self.ends.proto(e))?;
-        self.qp
-            .write_imm(0, 0, 0, 0, credit)
-            .map_err(|e| self.ends.named(e))
+        let credit = self.st.release().map_err(|e| ends.proto(e))?;
+        self.end.write(0, 0, 0, 0, credit)
     }
 
     fn progress(&mut self) -> Result<bool> {
@@ -289,6 +300,6 @@ impl<Q: QueuePair> RecvConn for RdmaRecv<Q> {
     fn poll_fds(&self, _: &mut Vec<(RawFd, PollDir)>) {}
 
     fn close(&mut self) {
-        let _ = self.qp.write_imm(0, 0, 0, 0, GOODBYE);
+        let _ = self.end.write(0, 0, 0, 0, GOODBYE);
     }
 }
