@@ -76,4 +76,9 @@ pub mod internal {
     pub mod shm {
         pub use crate::transport::shm::{job_prefix, SHM_DIR};
     }
+
+    /// This host's verbs port, as the RDMA transport would open it.
+    pub mod rdma {
+        pub use crate::transport::rdma::verbs_port;
+    }
 }

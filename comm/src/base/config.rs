@@ -83,6 +83,13 @@ pub struct Config {
     pub transport: TransportChoice,
     /// Where RDMA queue pairs come from (`OXCCL_IB_PROVIDER` = `verbs`, the default, or `sim`).
     pub ib_provider: IbProvider,
+    /// Which verbs devices and ports to use (`OXCCL_IB_HCA`, NCCL's `NCCL_IB_HCA` syntax:
+    /// `mlx5_0:1,mlx5_1`, `^mlx5_2` to exclude, `=` for exact names; default: every active
+    /// port). A rank takes the first port allowed.
+    pub ib_hca: Option<String>,
+    /// The GID index of the port (`OXCCL_IB_GID_INDEX`; default: the first RoCE v2 GID with an
+    /// IPv4 address, then the first RoCE v2 one, then the first non-zero one).
+    pub ib_gid_index: Option<u32>,
     /// Bytes of each of the two staging halves every rank keeps in shared memory for the direct
     /// (one-shot / two-shot) algorithms (`OXCCL_SHM_DIRECT_BYTES`, default 1 MiB; 0 turns the
     /// staging algorithms off).
@@ -185,6 +192,8 @@ impl Default for Config {
             node_id: None,
             transport: TransportChoice::Auto,
             ib_provider: IbProvider::Verbs,
+            ib_hca: None,
+            ib_gid_index: None,
             direct_bytes: 1 << 20,
             single_copy: true,
             spin: None,
@@ -511,6 +520,10 @@ impl Config {
                     )))
                 }
             };
+        }
+        c.ib_hca = get("OXCCL_IB_HCA").filter(|s| !s.trim().is_empty());
+        if let Some(v) = get("OXCCL_IB_GID_INDEX").filter(|s| !s.trim().is_empty()) {
+            c.ib_gid_index = Some(parse_num("OXCCL_IB_GID_INDEX", &v)?);
         }
         if let Some(v) = get("OXCCL_SHM_DIRECT_BYTES") {
             c.direct_bytes = parse_num("OXCCL_SHM_DIRECT_BYTES", &v)?;

@@ -264,6 +264,11 @@ pub struct PeerInfo {
     pub node_ranks: usize,
     /// CPUs on this rank's node as the communicator it was made from counted them (0: none).
     pub node_cpus: usize,
+    /// The verbs port this rank offers to RDMA peers (`mlx5_0:1`), or, after a `!`, why it
+    /// offers none (no device, no active port, ...); empty where RDMA was not probed (a build
+    /// without the feature `rdma`, `OXCCL_TRANSPORT=tcp` or `shm`, the `sim` provider).
+    /// No newline.
+    pub rdma: String,
     /// Settings every rank of the communicator must share, as `(variable, canonical value)`
     /// pairs (`OXCCL_TRANSPORT`, `OXCCL_ALGO`, `OXCCL_CUDA_STAGE_CHUNK`,
     /// `OXCCL_HIERARCHICAL_BLOCK`, `OXCCL_SOCKET_CHANNELS`), compared at init.
@@ -273,17 +278,18 @@ pub struct PeerInfo {
 
 impl PeerInfo {
     /// Encoding for the store: one field a line (rank, node id, pid, TCP address, CPUs, node
-    /// ranks, node CPUs), then one `variable=value` line per setting.
+    /// ranks, node CPUs, RDMA port), then one `variable=value` line per setting.
     pub fn encode(&self) -> Vec<u8> {
         let mut s = format!(
-            "{}\n{}\n{}\n{}\n{}\n{}\n{}",
+            "{}\n{}\n{}\n{}\n{}\n{}\n{}\n{}",
             self.rank,
             self.node_id,
             self.pid,
             self.tcp_addr,
             crate::base::affinity::encode_cpus(&self.cpus),
             self.node_ranks,
-            self.node_cpus
+            self.node_cpus,
+            self.rdma
         );
         for (name, value) in &self.settings {
             s.push_str(&format!("\n{name}={value}"));
@@ -347,6 +353,10 @@ impl PeerInfo {
             .next()
             .and_then(|v| v.parse().ok())
             .ok_or_else(|| bad("node CPUs (line 7)"))?;
+        let rdma = it
+            .next()
+            .ok_or_else(|| bad("RDMA port (line 8)"))?
+            .to_string();
         let settings = it
             .map(|line| match line.split_once('=') {
                 Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
@@ -361,6 +371,7 @@ impl PeerInfo {
             cpus,
             node_ranks,
             node_cpus,
+            rdma,
             settings,
         })
     }
@@ -478,6 +489,7 @@ mod tests {
             cpus: vec![0, 1, 3],
             node_ranks: 8,
             node_cpus: 16,
+            rdma: "!no verbs device".into(),
             settings: vec![
                 ("OXCCL_TRANSPORT".into(), "tcp".into()),
                 ("OXCCL_ALGO".into(), "all-reduce=ring,broadcast=tree".into()),
@@ -501,12 +513,15 @@ mod tests {
             msg.contains("rank 7") && msg.contains("process id"),
             "{msg}"
         );
-        let e = PeerInfo::decode(b"7\nnode\n1\n1.2.3.4:5\n0-3\n2\n4\nno-equals-sign").unwrap_err();
+        let e =
+            PeerInfo::decode(b"7\nnode\n1\n1.2.3.4:5\n0-3\n2\n4\n\nno-equals-sign").unwrap_err();
         assert!(e.to_string().contains("no-equals-sign"), "{e}");
         let e = PeerInfo::decode(b"7\nnode\n1\n1.2.3.4:5\n0-3\nA=b").unwrap_err();
         assert!(e.to_string().contains("node ranks (line 6)"), "{e}");
         let e = PeerInfo::decode(b"7\nnode\n1\n1.2.3.4:5\n0-3\n2\nA=b").unwrap_err();
         assert!(e.to_string().contains("node CPUs (line 7)"), "{e}");
+        let e = PeerInfo::decode(b"7\nnode\n1\n1.2.3.4:5\n0-3\n2\n4").unwrap_err();
+        assert!(e.to_string().contains("RDMA port (line 8)"), "{e}");
         let e = PeerInfo::decode(b"x").unwrap_err();
         assert!(e.to_string().contains("rank (line 1)"), "{e}");
     }

@@ -258,6 +258,7 @@ mod tests {
             cpus: Vec::new(),
             node_ranks: 0,
             node_cpus: 0,
+            rdma: String::new(),
             settings: Vec::new(),
         }
     }

@@ -1,7 +1,9 @@
 //! The RDMA transport's protocol under every collective: ranks as threads on simulated nodes,
 //! connected across nodes by in-process queue pairs with RC semantics
 //! (`OXCCL_IB_PROVIDER=sim`, `OXCCL_TRANSPORT=rdma`), shared memory inside a node. No verbs
-//! device is needed (none exists on these machines); the ibverbs provider is not built yet.
+//! device is needed. With the feature `rdma`: what a host without a verbs port does (a clear
+//! error when RDMA is insisted on, TCP under `auto`), and every collective over the verbs
+//! provider where a device exists (skipped with a message otherwise).
 
 use oxccl_comm::config::{IbProvider, TransportChoice};
 use oxccl_comm::harness::spawn_world_on_nodes;
@@ -16,6 +18,11 @@ fn rdma(algo: &str) -> Config {
     }
 }
 
+/// `body` on `nodes` x `per_node` ranks over the in-process provider (see [`world_with`]).
+fn world(nodes: usize, per_node: usize, algo: &str, body: fn(&Communicator) -> Result<()>) {
+    world_with(rdma(algo), nodes, per_node, body);
+}
+
 /// Every collective in f32 and u8, every op, small counts and one large one (every dtype is
 /// [`every_dtype`]'s, on fewer ranks).
 fn f32_and_u8(c: &Communicator) -> Result<()> {
@@ -24,11 +31,11 @@ fn f32_and_u8(c: &Communicator) -> Result<()> {
     all_collectives::<u8>(c, &COUNTS[..4], &ReduceOp::ALL, false)
 }
 
-/// `body` on `nodes` x `per_node` ranks, after checking that every pair on two nodes goes over
-/// RDMA.
-fn world(nodes: usize, per_node: usize, algo: &str, body: fn(&Communicator) -> Result<()>) {
+/// `body` on `nodes` x `per_node` ranks with `cfg`, after checking that every pair on two nodes
+/// goes over RDMA.
+fn world_with(cfg: Config, nodes: usize, per_node: usize, body: fn(&Communicator) -> Result<()>) {
     let n = nodes * per_node;
-    for r in spawn_world_on_nodes(n, per_node, rdma(algo), |c| {
+    for r in spawn_world_on_nodes(n, per_node, cfg, |c| {
         for p in 0..n {
             let want = match (p == c.rank(), p / per_node == c.rank() / per_node) {
                 (true, _) => "self",
@@ -67,6 +74,7 @@ fn every_collective_over_rdma_on_8_ranks_of_4_nodes() {
 }
 
 #[test]
+#[cfg(not(feature = "rdma"))]
 fn rdma_that_cannot_connect_is_a_clear_error() {
     // The verbs provider is not built: OXCCL_TRANSPORT=rdma across nodes names why.
     let cfg = Config {
@@ -95,4 +103,63 @@ fn a_rank_that_leaves_is_a_lost_peer_over_rdma() {
         let e = e.as_ref().unwrap();
         assert!(e.contains("peer rank 2 lost"), "rank {r}: {e}");
     }
+}
+
+/// With the verbs provider built: this host's port, or why it has none.
+#[cfg(feature = "rdma")]
+fn verbs_port() -> std::result::Result<String, String> {
+    oxccl_comm::internal::rdma::verbs_port(&Config::default())
+}
+
+#[test]
+#[cfg(feature = "rdma")]
+fn without_a_verbs_port_rdma_is_a_clear_error_and_auto_takes_tcp() {
+    if let Ok(port) = verbs_port() {
+        eprintln!("skipped: this host has a verbs port ({port}); the test needs one without");
+        return;
+    }
+    let cfg = Config {
+        transport: TransportChoice::Rdma,
+        ..Config::default()
+    };
+    let out = spawn_world_on_nodes(2, 1, cfg, |_| Ok(()));
+    let e = out[0].as_ref().unwrap_err().to_string();
+    eprintln!("{e}");
+    assert!(
+        e.contains("OXCCL_TRANSPORT=rdma") && e.contains("has no verbs port"),
+        "{e}"
+    );
+    for r in spawn_world_on_nodes(2, 1, Config::default(), |c| {
+        assert_eq!(c.stats().transports.get(1 - c.rank()).copied(), Some("tcp"));
+        let mut v = vec![1.0f32; 1000];
+        c.all_reduce(&mut v, ReduceOp::Sum)?;
+        assert!(v.iter().all(|&x| x == 2.0));
+        Ok(())
+    }) {
+        r.unwrap();
+    }
+}
+
+#[test]
+#[cfg(feature = "rdma")]
+fn every_collective_over_a_verbs_device() {
+    let port = match verbs_port() {
+        Ok(port) => port,
+        Err(why) => {
+            eprintln!("skipped: needs a verbs device with an active port ({why})");
+            return;
+        }
+    };
+    eprintln!("verbs port: {port}");
+    let verbs = |algo| Config {
+        ib_provider: IbProvider::Verbs,
+        ..config(algo, TransportChoice::Rdma)
+    };
+    world_with(
+        verbs("all-reduce=ring,broadcast=chain,reduce=chain"),
+        2,
+        1,
+        |c| every_dtype(c, false),
+    );
+    world_with(verbs("tree"), 4, 1, f32_and_u8);
 }

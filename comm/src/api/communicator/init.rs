@@ -182,6 +182,7 @@ impl Communicator {
             cpus: crate::base::affinity::usable_cpus(),
             node_ranks: cfg.node_ranks.unwrap_or(0),
             node_cpus: cfg.node_cpus.unwrap_or(0),
+            rdma: String::new(),
             settings: cfg.shared_settings(),
         };
         for b in &backends {

@@ -14,17 +14,22 @@
 //!   address published per queue pair (magic and version), `OXCCL_IB_HCA`'s device and port
 //!   choice (NCCL's syntax), the GID choice (RoCE v2 IPv4 unless an index is named), the checks
 //!   of a pair's addresses;
+//! - `ibv` (feature `rdma`): the verbs provider, on the host's verbs devices;
 //! - [`transport`]: the selector's row: RDMA between nodes where a provider connects the pair
 //!   (`OXCCL_TRANSPORT=rdma` insists on it, `auto` takes it before TCP).
 //!
-//! Not yet: the ibverbs provider (feature `rdma`; without it `auto` goes on to TCP, and
-//! `OXCCL_IB_PROVIDER=sim` connects ranks that are threads of one process), a registration
-//! cache for sending straight from user buffers, device buffers.
+//! Without the feature `rdma` the verbs provider is compiled out (`auto` goes on to TCP);
+//! `OXCCL_IB_PROVIDER=sim` connects ranks that are threads of one process either way. Not
+//! yet: a registration cache for sending straight from user buffers, device buffers (staged
+//! through host memory by the device collectives, as over TCP). The verbs provider has not run
+//! on a verbs device.
 
-// The verbs provider (next) uses these; until then only their tests do.
-#[cfg_attr(not(test), allow(dead_code))]
+// The verbs provider uses these; without it only their tests do.
+#[cfg_attr(not(any(test, feature = "rdma")), allow(dead_code))]
 pub(crate) mod address;
 pub(crate) mod conn;
+#[cfg(feature = "rdma")]
+pub(crate) mod ibv;
 pub(crate) mod proto;
 pub(crate) mod sim;
 pub(crate) mod transport;
@@ -34,3 +39,30 @@ pub(crate) use transport::RdmaTransport;
 
 #[cfg(test)]
 mod tests;
+
+/// This host's verbs port under `cfg`'s `OXCCL_IB_HCA` and `OXCCL_IB_GID_INDEX`, described
+/// (`mlx5_0:1, InfiniBand, LID 3, GID index 0, MTU 4096`), or why there is none (no device, no
+/// active port, a build without the feature `rdma`).
+///
+/// # Errors
+/// As above.
+pub fn verbs_port(cfg: &crate::Config) -> std::result::Result<String, String> {
+    #[cfg(feature = "rdma")]
+    {
+        ibv::open(cfg.ib_hca.as_deref(), cfg.ib_gid_index).map(|n| {
+            format!(
+                "{}, {:?}, LID {}, GID index {}, MTU {}",
+                n.port_name(),
+                n.link,
+                n.lid,
+                n.gid_index,
+                n.mtu
+            )
+        })
+    }
+    #[cfg(not(feature = "rdma"))]
+    {
+        let _ = cfg;
+        Err("built without the feature `rdma`".into())
+    }
+}

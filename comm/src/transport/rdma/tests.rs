@@ -227,3 +227,35 @@ proptest! {
         prop_assert!(tx.flushed());
     }
 }
+
+#[test]
+fn verbs_reach_needs_a_port_on_both_ranks_and_says_whose_is_missing() {
+    use crate::transport::{PeerInfo, Reach};
+    let rec = |rank: usize, rdma: &str| PeerInfo {
+        rank,
+        node_id: format!("n{rank}"),
+        pid: 1,
+        tcp_addr: String::new(),
+        cpus: Vec::new(),
+        node_ranks: 0,
+        node_cpus: 0,
+        rdma: rdma.into(),
+        settings: Vec::new(),
+    };
+    let reach = super::transport::ports_reach;
+    assert_eq!(reach(&rec(0, "mlx5_0:1"), &rec(1, "mlx5_1:1")), Reach::Yes);
+    let Reach::No(why) = reach(&rec(0, "mlx5_0:1"), &rec(1, "!no verbs device")) else {
+        panic!("a rank without a port connects nothing")
+    };
+    assert!(
+        why.contains("rank 1") && why.contains("no verbs device"),
+        "{why}"
+    );
+    let Reach::No(why) = reach(&rec(0, ""), &rec(1, "mlx5_0:1")) else {
+        panic!("a rank that did not probe connects nothing")
+    };
+    assert!(
+        why.contains("rank 0") && why.contains("feature `rdma`"),
+        "{why}"
+    );
+}

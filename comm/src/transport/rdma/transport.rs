@@ -4,8 +4,13 @@
 //! each rank makes, in `setup`, one in-process queue pair per peer for the data it sends, keeps
 //! the sending end, and leaves the receiving end in this process's registry under a number it
 //! publishes through the store (`{id}/rdma/{from}/{to}`); `connect` takes the ends its peers
-//! left for it. The verbs provider (feature `rdma`) is not built yet: without it this row
-//! answers "unsupported", and `auto` goes on to TCP.
+//! left for it.
+//!
+//! With the verbs provider (feature `rdma`, `OXCCL_IB_PROVIDER=verbs`, the default) each rank
+//! opens, when its communicator starts, the first active port `OXCCL_IB_HCA` allows and puts
+//! its name in its record (or why it has none); the row connects two ranks on different nodes
+//! when both have a port, and [`super::ibv::side`] makes and connects their queue pairs.
+//! Without the feature this row answers "unsupported", and `auto` goes on to TCP.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -15,6 +20,8 @@ use std::time::{Duration, Instant};
 use super::conn::{Ends, RdmaRecv, RdmaSend};
 use super::proto::HEADER;
 use super::sim::{pair, SimQp};
+#[cfg(feature = "rdma")]
+use crate::base::config::TransportChoice;
 use crate::base::config::{Config, IbProvider};
 use crate::base::error::{Error, Result};
 use crate::transport::{CanConnect, Group, Links, Memory, PeerInfo, Reach, Transport};
@@ -41,13 +48,48 @@ fn rdma_reach(a: &PeerInfo, b: &PeerInfo, cfg: &Config) -> Reach {
         ));
     }
     match cfg.ib_provider {
-        IbProvider::Verbs => Reach::Unsupported("rdma"),
+        IbProvider::Verbs => verbs_reach(a, b),
         IbProvider::Sim if a.pid == b.pid => Reach::Yes,
         IbProvider::Sim => Reach::No(format!(
             "OXCCL_IB_PROVIDER=sim connects ranks of one process; ranks {} and {} are processes {} and {}",
             a.rank, b.rank, a.pid, b.pid
         )),
     }
+}
+
+/// A rank's verbs port from its record: its name, or why it has none.
+#[cfg_attr(not(any(feature = "rdma", test)), allow(dead_code))]
+fn verbs_port(p: &PeerInfo) -> std::result::Result<&str, String> {
+    match p.rdma.strip_prefix('!') {
+        Some(why) => Err(format!(
+            "rank {} (node {:?}) has no verbs port: {why}",
+            p.rank, p.node_id
+        )),
+        None if p.rdma.is_empty() => Err(format!(
+            "rank {} (node {:?}) has no verbs provider (a build without the feature `rdma`)",
+            p.rank, p.node_id
+        )),
+        None => Ok(&p.rdma),
+    }
+}
+
+/// Two ranks' records: both have a verbs port.
+#[cfg_attr(not(any(feature = "rdma", test)), allow(dead_code))]
+pub(crate) fn ports_reach(a: &PeerInfo, b: &PeerInfo) -> Reach {
+    match (verbs_port(a), verbs_port(b)) {
+        (Ok(_), Ok(_)) => Reach::Yes,
+        (Err(why), _) | (_, Err(why)) => Reach::No(why),
+    }
+}
+
+#[cfg(feature = "rdma")]
+fn verbs_reach(a: &PeerInfo, b: &PeerInfo) -> Reach {
+    ports_reach(a, b)
+}
+
+#[cfg(not(feature = "rdma"))]
+fn verbs_reach(_: &PeerInfo, _: &PeerInfo) -> Reach {
+    Reach::Unsupported("rdma")
 }
 
 /// This rank's RDMA connections of one communicator.
@@ -58,18 +100,48 @@ pub(crate) struct RdmaTransport {
     sending: HashMap<usize, SimQp>,
     /// Registry keys of the receiving ends this rank left, to take back if it never connects.
     left: Vec<u64>,
+    /// The verbs queue pairs on this rank's port, or why it has none (`None`: not probed).
+    #[cfg(feature = "rdma")]
+    verbs: Option<std::result::Result<super::ibv::side::VerbsSide, String>>,
 }
 
 impl RdmaTransport {
-    /// Slots of `cfg.slot_bytes` per direction, `cfg.nslots` of them (at least 2).
+    /// Slots of `cfg.slot_bytes` per direction, `cfg.nslots` of them (at least 2); with the
+    /// verbs provider, this rank's port opened (see the module docs).
     pub(crate) fn new(cfg: &Config) -> RdmaTransport {
+        let slots = cfg.nslots.max(2);
         RdmaTransport {
-            slots: cfg.nslots.max(2),
+            slots,
             payload: cfg.slot_bytes,
             sending: HashMap::new(),
             left: Vec::new(),
+            #[cfg(feature = "rdma")]
+            verbs: probe(cfg)
+                .map(|r| r.map(|nic| super::ibv::side::VerbsSide::new(nic, slots, cfg.slot_bytes))),
         }
     }
+}
+
+/// This rank's verbs port, where the settings may use one.
+#[cfg(feature = "rdma")]
+fn probe(cfg: &Config) -> Option<std::result::Result<std::sync::Arc<super::ibv::Nic>, String>> {
+    let wanted = matches!(cfg.transport, TransportChoice::Auto | TransportChoice::Rdma);
+    if !wanted || cfg.ib_provider != IbProvider::Verbs {
+        return None;
+    }
+    let r = super::ibv::open(cfg.ib_hca.as_deref(), cfg.ib_gid_index);
+    match &r {
+        Ok(nic) => tracing::info!(
+            device = %nic.port_name(),
+            link = ?nic.link,
+            lid = nic.lid,
+            gid_index = nic.gid_index,
+            mtu = nic.mtu,
+            "rdma: verbs port"
+        ),
+        Err(why) => tracing::info!("rdma: no verbs port: {why}"),
+    }
+    Some(r)
 }
 
 impl Drop for RdmaTransport {
@@ -85,6 +157,42 @@ fn key(id: &str, from: usize, to: usize) -> String {
     format!("{id}/rdma/{from}/{to}")
 }
 
+impl RdmaTransport {
+    /// The verbs side, which the selector only gives peers when this rank has a port.
+    #[cfg(feature = "rdma")]
+    fn verbs(&mut self, rank: usize) -> Result<&mut super::ibv::side::VerbsSide> {
+        match &mut self.verbs {
+            Some(Ok(side)) => Ok(side),
+            Some(Err(why)) => Err(Error::Config(format!("rank {rank}: rdma: {why}"))),
+            None => Err(Error::Config(format!(
+                "rank {rank}: rdma: the verbs port was not probed (OXCCL_TRANSPORT excludes RDMA)"
+            ))),
+        }
+    }
+
+    #[cfg(not(feature = "rdma"))]
+    fn verbs(&mut self, rank: usize) -> Result<&mut Unbuilt> {
+        Err(Error::Config(format!(
+            "rank {rank}: rdma: the verbs provider needs the feature `rdma`"
+        )))
+    }
+}
+
+/// The verbs side of a build without it (never made).
+#[cfg(not(feature = "rdma"))]
+pub(crate) enum Unbuilt {}
+
+#[cfg(not(feature = "rdma"))]
+impl Unbuilt {
+    fn setup(&mut self, _: &Group<'_>, _: &[usize]) -> Result<()> {
+        match *self {}
+    }
+
+    fn connect(&mut self, _: &Group<'_>, _: &[usize], _: &mut Links) -> Result<()> {
+        match *self {}
+    }
+}
+
 impl Transport for RdmaTransport {
     fn name(&self) -> &'static str {
         "rdma"
@@ -98,7 +206,21 @@ impl Transport for RdmaTransport {
         rdma_reach
     }
 
+    fn advertise(&self, me: &mut PeerInfo) {
+        #[cfg(feature = "rdma")]
+        if let Some(r) = &self.verbs {
+            me.rdma = match r {
+                Ok(side) => side.port_name(),
+                Err(why) => format!("!{}", why.replace('\n', " ")),
+            };
+        }
+        let _ = me;
+    }
+
     fn setup(&mut self, group: &Group<'_>, peers: &[usize]) -> Result<()> {
+        if group.cfg.ib_provider == IbProvider::Verbs {
+            return self.verbs(group.rank)?.setup(group, peers);
+        }
         static NEXT: AtomicU64 = AtomicU64::new(1);
         for &p in peers {
             let (send, recv, _) = pair(self.slots * (HEADER + self.payload));
@@ -116,6 +238,9 @@ impl Transport for RdmaTransport {
     }
 
     fn connect(&mut self, group: &Group<'_>, peers: &[usize], links: &mut Links) -> Result<()> {
+        if group.cfg.ib_provider == IbProvider::Verbs {
+            return self.verbs(group.rank)?.connect(group, peers, links);
+        }
         let me = group.rank;
         for &p in peers {
             let k = key(group.id, p, me);

@@ -112,7 +112,8 @@ pub struct PerfArgs {
     pub np: Option<usize>,
 
     /// Transport for the ranks (sets OXCCL_TRANSPORT): auto, tcp, shm or rdma (shared memory
-    /// inside a node, RDMA between nodes: an error while no verbs provider is built).
+    /// inside a node, RDMA verbs between nodes: needs a build with the feature `rdma` and a
+    /// verbs device on every node, else an error naming what is missing).
     #[arg(long, value_name = "auto|tcp|shm|rdma")]
     pub transport: Option<String>,
 

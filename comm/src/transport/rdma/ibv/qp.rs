@@ -1,0 +1,470 @@
+//! A reliable-connected queue pair on a [`Nic`]: its own completion queue, the region it writes
+//! from and the region its peer writes into (both registered), receive requests kept posted
+//! for the peer's immediates, and [`QueuePair`] over all that.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ibverbs_sys as ffi;
+use memmap2::MmapMut;
+
+use super::super::address::{LinkLayer, QpAddress};
+use super::super::verbs::{Completion, QueuePair};
+use super::Nic;
+use crate::base::error::{Error, Result};
+
+/// `OXCCL_IB`'s fixed queue pair timing: local ACK timeout 4.096 us x 2^18 (about 1 s) and 7
+/// retries before a lost peer turns the queue pair to error (retry exceeded, status 12);
+/// receiver-not-ready retried without end (the receiver reposts at once).
+const ACK_TIMEOUT: u8 = 18;
+const RETRIES: u8 = 7;
+const RNR_FOREVER: u8 = 7;
+
+fn terr(msg: String) -> Error {
+    Error::Transport {
+        rank: usize::MAX,
+        peer: usize::MAX,
+        transport: "rdma",
+        msg,
+    }
+}
+
+fn os(what: &str) -> Error {
+    terr(format!("{what}: {}", std::io::Error::last_os_error()))
+}
+
+/// Page-aligned memory registered on a [`Nic`], deregistered on drop.
+pub(crate) struct Region {
+    mem: MmapMut,
+    mr: *mut ffi::ibv_mr,
+    // Keeps the protection domain alive while the registration exists.
+    _nic: Arc<Nic>,
+}
+
+impl Region {
+    /// `bytes` (at least one page) registered for `access`.
+    pub(crate) fn new(
+        nic: &Arc<Nic>,
+        bytes: usize,
+        access: ffi::ibv_access_flags,
+    ) -> Result<Region> {
+        let mut mem = MmapMut::map_anon(bytes.max(4096))
+            .map_err(|e| terr(format!("cannot map {bytes} bytes for a region: {e}")))?;
+        // SAFETY: the mapping is `mem.len()` writable bytes that live as long as the region (the
+        // registration is dropped first, in `drop`); the PD is alive (`_nic`).
+        let mr = unsafe {
+            ffi::ibv_reg_mr(
+                nic.pd(),
+                mem.as_mut_ptr().cast(),
+                mem.len(),
+                access.0 as i32,
+            )
+        };
+        if mr.is_null() {
+            return Err(os(&format!(
+                "ibv_reg_mr of {bytes} bytes on {}",
+                nic.port_name()
+            )));
+        }
+        Ok(Region {
+            mem,
+            mr,
+            _nic: Arc::clone(nic),
+        })
+    }
+
+    fn addr(&self) -> u64 {
+        self.mem.as_ptr() as u64
+    }
+
+    fn lkey(&self) -> u32 {
+        // SAFETY: `mr` is a live registration (freed only in `drop`).
+        unsafe { (*self.mr).lkey }
+    }
+
+    fn rkey(&self) -> u32 {
+        // SAFETY: as in `lkey`.
+        unsafe { (*self.mr).rkey }
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: registered in `new`, deregistered once, before the mapping is unmapped.
+        unsafe { ffi::ibv_dereg_mr(self.mr) };
+    }
+}
+
+/// One reliable-connected queue pair (see the module docs).
+pub(crate) struct VerbsQp {
+    nic: Arc<Nic>,
+    cq: *mut ffi::ibv_cq,
+    qp: *mut ffi::ibv_qp,
+    send: Region,
+    recv: Region,
+    psn: u32,
+    /// The peer's receive region (address, key, bytes), once connected.
+    remote: (u64, u32, u64),
+    /// Send requests posted and not yet completed, and the most the send queue holds.
+    inflight: u32,
+    sq_depth: u32,
+    /// Completions reaped while waiting for room in the send queue, for the next `poll`.
+    early: Vec<Completion>,
+    wcs: Vec<ffi::ibv_wc>,
+}
+
+// SAFETY: the queue pair and its completion queue are used by one owner at a time (`&mut self`
+// for everything that posts or polls); verbs objects may move between threads.
+unsafe impl Send for VerbsQp {}
+
+fn post_recvs(qp: *mut ffi::ibv_qp, n: u32) -> Result<()> {
+    for _ in 0..n {
+        let mut wr = ffi::ibv_recv_wr::default(); // no scatter list: immediates only
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: `qp` is a live queue pair; its context's ops table is the provider's, whose
+        // post_recv reads `wr` (no scatter entries) during the call only.
+        let rc = unsafe {
+            let post = (*(*qp).context)
+                .ops
+                .post_recv
+                .ok_or_else(|| terr("no post_recv".into()))?;
+            post(qp, &mut wr, &mut bad)
+        };
+        if rc != 0 {
+            return Err(terr(format!("ibv_post_recv: error {rc}")));
+        }
+    }
+    Ok(())
+}
+
+impl VerbsQp {
+    /// A queue pair in the INIT state with `send_bytes` to write from, `recv_bytes` for the
+    /// peer to write into, room for `depth` outstanding writes each way, and `depth` receive
+    /// requests posted.
+    pub(crate) fn new(
+        nic: &Arc<Nic>,
+        send_bytes: usize,
+        recv_bytes: usize,
+        depth: u32,
+    ) -> Result<VerbsQp> {
+        use ffi::ibv_access_flags as A;
+        let send = Region::new(nic, send_bytes, A::IBV_ACCESS_LOCAL_WRITE)?;
+        let recv = Region::new(
+            nic,
+            recv_bytes,
+            A::IBV_ACCESS_LOCAL_WRITE | A::IBV_ACCESS_REMOTE_WRITE,
+        )?;
+        let cqe = 2 * depth + 8;
+        // SAFETY: an open context; no completion channel, no vector.
+        let cq = unsafe {
+            ffi::ibv_create_cq(
+                nic.ctx(),
+                cqe as i32,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                0,
+            )
+        };
+        if cq.is_null() {
+            return Err(os(&format!("ibv_create_cq({cqe}) on {}", nic.port_name())));
+        }
+        let mut init = ffi::ibv_qp_init_attr {
+            send_cq: cq,
+            recv_cq: cq,
+            cap: ffi::ibv_qp_cap {
+                max_send_wr: depth,
+                max_recv_wr: depth,
+                max_send_sge: 1,
+                max_recv_sge: 1,
+                max_inline_data: 0,
+            },
+            qp_type: ffi::ibv_qp_type::IBV_QPT_RC,
+            ..Default::default()
+        };
+        // SAFETY: a live PD and CQ; `init` is read during the call (and `cap` written back).
+        let qp = unsafe { ffi::ibv_create_qp(nic.pd(), &mut init) };
+        if qp.is_null() {
+            let e = os(&format!("ibv_create_qp on {}", nic.port_name()));
+            // SAFETY: the CQ made above, unused by any queue pair.
+            unsafe { ffi::ibv_destroy_cq(cq) };
+            return Err(e);
+        }
+        let psn = {
+            let t = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default()
+                .subsec_nanos();
+            (t ^ std::process::id().rotate_left(8) ^ qp as usize as u32) & 0xff_ffff
+        };
+        let me = VerbsQp {
+            nic: Arc::clone(nic),
+            cq,
+            qp,
+            send,
+            recv,
+            psn,
+            remote: (0, 0, 0),
+            inflight: 0,
+            sq_depth: init.cap.max_send_wr.min(depth),
+            early: Vec::new(),
+            wcs: vec![ffi::ibv_wc::default(); 32],
+        };
+        let mut attr = ffi::ibv_qp_attr {
+            qp_state: ffi::ibv_qp_state::IBV_QPS_INIT,
+            pkey_index: 0,
+            port_num: nic.port,
+            qp_access_flags: (A::IBV_ACCESS_LOCAL_WRITE | A::IBV_ACCESS_REMOTE_WRITE).0,
+            ..Default::default()
+        };
+        use ffi::ibv_qp_attr_mask as M;
+        me.modify(
+            &mut attr,
+            M::IBV_QP_STATE | M::IBV_QP_PKEY_INDEX | M::IBV_QP_PORT | M::IBV_QP_ACCESS_FLAGS,
+            "INIT",
+        )?;
+        post_recvs(qp, depth)?;
+        Ok(me)
+    }
+
+    fn modify(
+        &self,
+        attr: &mut ffi::ibv_qp_attr,
+        mask: ffi::ibv_qp_attr_mask,
+        to: &str,
+    ) -> Result<()> {
+        // SAFETY: a live queue pair; `attr` is read during the call.
+        let rc = unsafe { ffi::ibv_modify_qp(self.qp, attr, mask.0 as i32) };
+        if rc != 0 {
+            return Err(terr(format!(
+                "ibv_modify_qp to {to} on {}: {}",
+                self.nic.port_name(),
+                std::io::Error::from_raw_os_error(rc)
+            )));
+        }
+        Ok(())
+    }
+
+    /// What the peer needs to connect to this queue pair and write into its receive region.
+    pub(crate) fn address(&self) -> QpAddress {
+        QpAddress {
+            // SAFETY: a live queue pair; `qp_num` is set at creation.
+            qpn: unsafe { (*self.qp).qp_num },
+            psn: self.psn,
+            lid: self.nic.lid,
+            gid: self.nic.gid,
+            mtu: self.nic.mtu,
+            ring_addr: self.recv.addr(),
+            ring_rkey: self.recv.rkey(),
+            ring_len: self.recv.mem.len() as u64,
+        }
+    }
+
+    /// Brings the queue pair to ready-to-send against the peer's `remote` address, at `mtu`.
+    pub(crate) fn connect(&mut self, remote: &QpAddress, mtu: u32) -> Result<()> {
+        use ffi::ibv_qp_attr_mask as M;
+        // RoCE always routes by GID; InfiniBand by LID, with a global route header only to
+        // another subnet (a different GID prefix).
+        let global = self.nic.link == LinkLayer::Ethernet || remote.gid[..8] != self.nic.gid[..8];
+        let mut ah = ffi::ibv_ah_attr {
+            dlid: remote.lid,
+            sl: 0,
+            src_path_bits: 0,
+            is_global: u8::from(global),
+            port_num: self.nic.port,
+            ..Default::default()
+        };
+        if global {
+            ah.grh.dgid.raw = remote.gid;
+            ah.grh.sgid_index = self.nic.gid_index as u8;
+            ah.grh.hop_limit = 255;
+        }
+        let mut rtr = ffi::ibv_qp_attr {
+            qp_state: ffi::ibv_qp_state::IBV_QPS_RTR,
+            path_mtu: mtu.trailing_zeros().saturating_sub(7),
+            dest_qp_num: remote.qpn,
+            rq_psn: remote.psn,
+            max_dest_rd_atomic: 1,
+            min_rnr_timer: 12,
+            ah_attr: ah,
+            ..Default::default()
+        };
+        self.modify(
+            &mut rtr,
+            M::IBV_QP_STATE
+                | M::IBV_QP_AV
+                | M::IBV_QP_PATH_MTU
+                | M::IBV_QP_DEST_QPN
+                | M::IBV_QP_RQ_PSN
+                | M::IBV_QP_MAX_DEST_RD_ATOMIC
+                | M::IBV_QP_MIN_RNR_TIMER,
+            "RTR",
+        )?;
+        let mut rts = ffi::ibv_qp_attr {
+            qp_state: ffi::ibv_qp_state::IBV_QPS_RTS,
+            timeout: ACK_TIMEOUT,
+            retry_cnt: RETRIES,
+            rnr_retry: RNR_FOREVER,
+            sq_psn: self.psn,
+            max_rd_atomic: 1,
+            ..Default::default()
+        };
+        self.modify(
+            &mut rts,
+            M::IBV_QP_STATE
+                | M::IBV_QP_TIMEOUT
+                | M::IBV_QP_RETRY_CNT
+                | M::IBV_QP_RNR_RETRY
+                | M::IBV_QP_SQ_PSN
+                | M::IBV_QP_MAX_QP_RD_ATOMIC,
+            "RTS",
+        )?;
+        self.remote = (remote.ring_addr, remote.ring_rkey, remote.ring_len);
+        Ok(())
+    }
+
+    /// Polls the completion queue once into `out`; reposts a receive for each immediate.
+    fn reap(&mut self, out: &mut Vec<Completion>) -> Result<()> {
+        // SAFETY: a live CQ and its context's ops table; `wcs` has room for `len` entries.
+        let n = unsafe {
+            let poll = (*(*self.cq).context)
+                .ops
+                .poll_cq
+                .ok_or_else(|| terr("no poll_cq".into()))?;
+            poll(self.cq, self.wcs.len() as i32, self.wcs.as_mut_ptr())
+        };
+        if n < 0 {
+            return Err(terr(format!(
+                "ibv_poll_cq on {}: {n}",
+                self.nic.port_name()
+            )));
+        }
+        let mut reposts = 0;
+        for wc in &self.wcs[..n as usize] {
+            if let Some((status, vendor)) = wc.error() {
+                // SAFETY: ibv_wc_status_str returns a static string for any status.
+                let what = unsafe { std::ffi::CStr::from_ptr(ffi::ibv_wc_status_str(status)) };
+                out.push(Completion::Error {
+                    wr_id: wc.wr_id(),
+                    status,
+                    what: format!("{} (vendor error {vendor:#x})", what.to_string_lossy()),
+                });
+                continue;
+            }
+            match wc.opcode() {
+                ffi::ibv_wc_opcode::IBV_WC_RDMA_WRITE => {
+                    self.inflight = self.inflight.saturating_sub(1);
+                    out.push(Completion::WriteDone { wr_id: wc.wr_id() });
+                }
+                ffi::ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM => {
+                    reposts += 1;
+                    out.push(Completion::Imm {
+                        imm: u32::from_be(wc.imm_data),
+                        len: wc.len(),
+                    });
+                }
+                other => out.push(Completion::Error {
+                    wr_id: wc.wr_id(),
+                    status: 0,
+                    what: format!("unexpected completion opcode {other}"),
+                }),
+            }
+        }
+        post_recvs(self.qp, reposts)
+    }
+}
+
+impl Drop for VerbsQp {
+    fn drop(&mut self) {
+        // SAFETY: made in `new`, destroyed once, the queue pair before the CQ it uses; the
+        // regions (fields) are deregistered after this.
+        unsafe {
+            ffi::ibv_destroy_qp(self.qp);
+            ffi::ibv_destroy_cq(self.cq);
+        }
+    }
+}
+
+impl QueuePair for VerbsQp {
+    fn write_imm(
+        &mut self,
+        wr_id: u64,
+        src: usize,
+        len: usize,
+        dst: usize,
+        imm: u32,
+    ) -> Result<()> {
+        let (raddr, rkey, rlen) = self.remote;
+        if src + len > self.send.mem.len() || (dst + len) as u64 > rlen {
+            return Err(terr(format!(
+                "write of {len} bytes from {src} to {dst}: outside the regions ({} and {rlen} bytes)",
+                self.send.mem.len()
+            )));
+        }
+        // The send queue is full only if completions lag far behind: reap them (kept for the
+        // next `poll`) until there is room, for at most 10 s.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.inflight >= self.sq_depth {
+            let mut got = std::mem::take(&mut self.early);
+            self.reap(&mut got)?;
+            self.early = got;
+            if Instant::now() > deadline {
+                return Err(terr(format!(
+                    "send queue of {} full for 10 s on {}",
+                    self.sq_depth,
+                    self.nic.port_name()
+                )));
+            }
+        }
+        let mut sge = ffi::ibv_sge {
+            addr: self.send.addr() + src as u64,
+            length: len as u32,
+            lkey: self.send.lkey(),
+        };
+        let mut wr = ffi::ibv_send_wr {
+            wr_id,
+            sg_list: &mut sge,
+            num_sge: i32::from(len > 0),
+            opcode: ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM,
+            send_flags: ffi::ibv_send_flags::IBV_SEND_SIGNALED.0,
+            ..Default::default()
+        };
+        wr.__bindgen_anon_1.imm_data = imm.to_be();
+        wr.wr.rdma = ffi::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 {
+            remote_addr: raddr + dst as u64,
+            rkey,
+        };
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: a live queue pair in RTS; the provider's post_send reads `wr` and `sge`
+        // during the call, and the bytes `sge` names stay registered and untouched by this
+        // side until the write's completion (the protocol hands the slot out again only then).
+        let rc = unsafe {
+            let post = (*(*self.qp).context)
+                .ops
+                .post_send
+                .ok_or_else(|| terr("no post_send".into()))?;
+            post(self.qp, &mut wr, &mut bad)
+        };
+        if rc != 0 {
+            return Err(terr(format!(
+                "ibv_post_send on {}: {}",
+                self.nic.port_name(),
+                std::io::Error::from_raw_os_error(rc)
+            )));
+        }
+        self.inflight += 1;
+        Ok(())
+    }
+
+    fn poll(&mut self, out: &mut Vec<Completion>) -> Result<()> {
+        out.append(&mut self.early);
+        self.reap(out)
+    }
+
+    fn send_region(&mut self) -> &mut [u8] {
+        &mut self.send.mem
+    }
+
+    fn recv_region(&self) -> &[u8] {
+        &self.recv.mem
+    }
+}
