@@ -221,7 +221,7 @@ fn missing_peer_at_init_is_a_timeout() {
 fn bad_peer_records_name_this_rank_and_the_key() {
     for (record, needle) in [
         (&b"garbage"[..], "malformed peer record"),
-        (&b"5\nnode\n1\n127.0.0.1:1\n\n0\n0"[..], "names rank 5"),
+        (&b"5\nnode\n1\n127.0.0.1:1\n\n0\n0\n"[..], "names rank 5"),
     ] {
         let store: Arc<dyn Store> = Arc::new(MemStore::new());
         // Rank 0's first init on this store uses id `oxccl/world1`.

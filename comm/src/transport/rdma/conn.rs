@@ -6,7 +6,7 @@
 use std::os::fd::RawFd;
 use std::time::Instant;
 
-use super::proto::{ProtoError, RecvState, SendState, GOODBYE, HEADER};
+use super::proto::{ProtoError, RecvState, SendState, GOODBYE, GOODBYE_WR, HEADER};
 use super::verbs::{Completion, QueuePair};
 use crate::base::error::{Error, Result};
 use crate::base::op::Tag;
@@ -114,6 +114,7 @@ impl<Q: QueuePair> End<Q> {
         let moved = !self.comps.is_empty();
         for c in self.comps.drain(..) {
             match c {
+                Completion::WriteDone { wr_id: GOODBYE_WR } => {}
                 Completion::WriteDone { .. } => on(Event::Wrote).map_err(|e| ends.proto(e))?,
                 Completion::Imm { imm: GOODBYE, .. } => self.peer_closed = true,
                 Completion::Imm { imm, .. } => on(Event::Imm(imm)).map_err(|e| ends.proto(e))?,
@@ -179,9 +180,7 @@ impl<Q: QueuePair> SendConn for RdmaSend<Q> {
         };
         self.handed = Some(i);
         let s = self.stride;
-        Ok(Some(
-            &mut self.end.qp.send_region()[i * s + HEADER..(i + 1) * s],
-        ))
+        Ok(Some(self.end.qp.send_slot(i * s + HEADER..(i + 1) * s)))
     }
 
     fn post(&mut self, len: usize, tag: Tag) -> Result<()> {
@@ -200,11 +199,7 @@ impl<Q: QueuePair> SendConn for RdmaSend<Q> {
                 s - HEADER
             ))));
         }
-        put_header(
-            &mut self.end.qp.send_region()[i * s..i * s + HEADER],
-            tag,
-            len,
-        );
+        put_header(self.end.qp.send_slot(i * s..i * s + HEADER), tag, len);
         let (slot, imm) = self.st.post().map_err(|e| ends.proto(e))?;
         debug_assert_eq!(slot, i);
         self.end.write(tag.seq, i * s, HEADER + len, i * s, imm)
@@ -227,7 +222,7 @@ impl<Q: QueuePair> SendConn for RdmaSend<Q> {
             }
             std::thread::yield_now();
         }
-        let _ = self.end.write(0, 0, 0, 0, GOODBYE);
+        let _ = self.end.write(GOODBYE_WR, 0, 0, 0, GOODBYE);
     }
 }
 
@@ -273,7 +268,7 @@ impl<Q: QueuePair> RecvConn for RdmaRecv<Q> {
         };
         self.taken = Some(i);
         let s = self.stride;
-        let slot = &self.end.qp.recv_region()[i * s..(i + 1) * s];
+        let slot = self.end.qp.recv_slot(i * s..(i + 1) * s);
         let (tag, len) = get_header(slot);
         if len > s - HEADER {
             return Err(self
@@ -300,6 +295,6 @@ impl<Q: QueuePair> RecvConn for RdmaRecv<Q> {
     fn poll_fds(&self, _: &mut Vec<(RawFd, PollDir)>) {}
 
     fn close(&mut self) {
-        let _ = self.end.write(0, 0, 0, 0, GOODBYE);
+        let _ = self.end.write(GOODBYE_WR, 0, 0, 0, GOODBYE);
     }
 }

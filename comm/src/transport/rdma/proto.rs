@@ -22,6 +22,9 @@ pub(crate) const HEADER: usize = 64;
 /// The immediate that closes a direction.
 pub(crate) const GOODBYE: u32 = u32::MAX;
 
+/// The work request id of a goodbye (its completion is nobody's write).
+pub(crate) const GOODBYE_WR: u64 = u64::MAX;
+
 /// What a side did wrong, by the protocol.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct ProtoError(pub String);

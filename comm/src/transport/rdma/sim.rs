@@ -150,11 +150,11 @@ impl QueuePair for SimQp {
         Ok(())
     }
 
-    fn send_region(&mut self) -> &mut [u8] {
-        &mut self.send
+    fn send_slot(&mut self, range: std::ops::Range<usize>) -> &mut [u8] {
+        &mut self.send[range]
     }
 
-    fn recv_region(&self) -> &[u8] {
-        &self.recv
+    fn recv_slot(&self, range: std::ops::Range<usize>) -> &[u8] {
+        &self.recv[range]
     }
 }

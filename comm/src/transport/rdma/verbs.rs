@@ -46,8 +46,10 @@ pub(crate) trait QueuePair: Send {
     /// # Errors
     /// The provider failed (not a failed request: that is a [`Completion::Error`]).
     fn poll(&mut self, out: &mut Vec<Completion>) -> Result<()>;
-    /// The region this side writes from.
-    fn send_region(&mut self) -> &mut [u8];
-    /// The region the peer writes into.
-    fn recv_region(&self) -> &[u8];
+    /// Bytes `range` of the region this side writes from (a slot the protocol owns: no write
+    /// reads it now).
+    fn send_slot(&mut self, range: std::ops::Range<usize>) -> &mut [u8];
+    /// Bytes `range` of the region the peer writes into (a slot whose write has arrived and
+    /// that the peer cannot write again before it is released).
+    fn recv_slot(&self, range: std::ops::Range<usize>) -> &[u8];
 }

@@ -41,7 +41,12 @@ pub(crate) struct Nic {
     pub gid: [u8; 16],
     /// The port's active MTU in bytes.
     pub mtu: u32,
+    /// The port takes only addresses with a global route header (`IBV_QPF_GRH_REQUIRED`).
+    pub grh_required: bool,
 }
+
+/// `IBV_QPF_GRH_REQUIRED` of `ibv_port_attr.flags` (verbs.h's `enum ibv_port_attr_flags`).
+const QPF_GRH_REQUIRED: u8 = 1;
 
 // SAFETY: libibverbs objects may be used from any thread (rdma-core's verbs are thread-safe);
 // `Nic` only hands its pointers to verbs calls and frees them once, in `drop`.
@@ -90,8 +95,9 @@ impl DeviceList {
         let list = unsafe { ffi::ibv_get_device_list(&mut n) };
         if list.is_null() {
             let e = std::io::Error::last_os_error();
-            return Err(match e.raw_os_error() {
-                Some(libc::ENOSYS) => {
+            // ENOSYS: no /sys/class/infiniband.
+            return Err(match e.kind() {
+                std::io::ErrorKind::Unsupported => {
                     format!("no verbs device: the kernel has no RDMA support (ibv_get_device_list: {e})")
                 }
                 _ => format!("ibv_get_device_list failed: {e}"),
@@ -140,14 +146,21 @@ impl Ctx {
 
     fn port(&self, port: u8) -> Option<ffi::ibv_port_attr> {
         let mut attr = ffi::ibv_port_attr::default();
-        // SAFETY: `self.0` is an open context; the exported ibv_query_port fills the whole
-        // ibv_port_attr (its `_compat` parameter type is the same struct, declared opaque).
+        // SAFETY: `self.0` is an open context and `attr` a writable ibv_port_attr; the exported
+        // (compat) ibv_query_port writes its leading part, which holds every field used here
+        // (state, MTUs, LID, link layer, flags), and leaves the rest zero.
         let rc = unsafe { ffi::ibv_query_port(self.0, port, (&raw mut attr).cast()) };
         (rc == 0).then_some(attr)
     }
 
-    fn gids(&self, port: u8) -> Vec<GidEntry> {
-        let mut table = vec![ffi::ibv_gid_entry::default(); 256];
+    /// The GID table of `port`, or why it cannot be read.
+    fn gids(&self, port: u8) -> Result<Vec<GidEntry>, String> {
+        // Room for every port's entries, as the call requires.
+        let room: usize = (1..=self.ports())
+            .filter_map(|p| self.port(p))
+            .map(|a| a.gid_tbl_len.max(0) as usize)
+            .sum();
+        let mut table = vec![ffi::ibv_gid_entry::default(); room.max(1)];
         // SAFETY: `table` has room for `table.len()` entries of the size passed; the call
         // writes at most that many and returns how many (negative: an error).
         let n = unsafe {
@@ -159,8 +172,14 @@ impl Ctx {
                 std::mem::size_of::<ffi::ibv_gid_entry>(),
             )
         };
-        table.truncate(n.max(0) as usize);
-        table
+        if n < 0 {
+            return Err(format!(
+                "ibv_query_gid_table: {}",
+                std::io::Error::from_raw_os_error(-n as i32)
+            ));
+        }
+        table.truncate(n as usize);
+        Ok(table
             .into_iter()
             .filter(|e| e.port_num == u32::from(port))
             .map(|e| GidEntry {
@@ -169,7 +188,7 @@ impl Ctx {
                 gid: unsafe { e.gid.raw },
                 roce_v2: e.gid_type == ffi::IBV_GID_TYPE_ROCE_V2,
             })
-            .collect()
+            .collect())
     }
 }
 
@@ -232,12 +251,15 @@ fn open_uncached(hca: Option<&str>, gid_index: Option<u32>) -> Result<Nic, Strin
     let mut seen = Vec::new();
     for &dev in list.devices() {
         let Some(ctx) = Ctx::open(dev) else { continue };
+        // InfiniBand and RoCE devices only: iWARP and EFA have no RC queue pairs of this kind.
+        // SAFETY: `dev` is an entry of a live device list.
+        let ib = unsafe { (*dev).transport_type } == ffi::IBV_TRANSPORT_IB;
         let ports = (1..=ctx.ports())
             .map(|p| {
                 let active = ctx
                     .port(p)
                     .is_some_and(|a| a.state == ffi::ibv_port_state::IBV_PORT_ACTIVE);
-                (p, active)
+                (p, ib && active)
             })
             .collect();
         seen.push(Device {
@@ -268,7 +290,7 @@ fn open_uncached(hca: Option<&str>, gid_index: Option<u32>) -> Result<Nic, Strin
     } else {
         LinkLayer::InfiniBand
     };
-    let table = ctx.gids(port);
+    let table = ctx.gids(port).map_err(|e| format!("{name}:{port}: {e}"))?;
     let index = choose_gid(&table, gid_index).map_err(|e| format!("{name}:{port}: {e}"))?;
     let gid = table
         .iter()
@@ -293,5 +315,6 @@ fn open_uncached(hca: Option<&str>, gid_index: Option<u32>) -> Result<Nic, Strin
         gid_index: index,
         gid,
         mtu: mtu_bytes(attr.active_mtu),
+        grh_required: attr.flags & QPF_GRH_REQUIRED != 0,
     })
 }

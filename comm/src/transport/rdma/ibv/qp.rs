@@ -36,6 +36,8 @@ fn os(what: &str) -> Error {
 /// Page-aligned memory registered on a [`Nic`], deregistered on drop.
 pub(crate) struct Region {
     mem: MmapMut,
+    /// The mapping's first byte, taken once from `mem` (slots are made from it).
+    base: *mut u8,
     mr: *mut ffi::ibv_mr,
     // Keeps the protection domain alive while the registration exists.
     _nic: Arc<Nic>,
@@ -61,12 +63,19 @@ impl Region {
             )
         };
         if mr.is_null() {
-            return Err(os(&format!(
-                "ibv_reg_mr of {bytes} bytes on {}",
+            let e = std::io::Error::last_os_error();
+            let hint = if e.kind() == std::io::ErrorKind::OutOfMemory {
+                " (usually the locked-memory limit: see ulimit -l; every peer pins its rings)"
+            } else {
+                ""
+            };
+            return Err(terr(format!(
+                "ibv_reg_mr of {bytes} bytes on {}: {e}{hint}",
                 nic.port_name()
             )));
         }
         Ok(Region {
+            base: mem.as_mut_ptr(),
             mem,
             mr,
             _nic: Arc::clone(nic),
@@ -75,6 +84,15 @@ impl Region {
 
     fn addr(&self) -> u64 {
         self.mem.as_ptr() as u64
+    }
+
+    /// Bytes `range` (clamped to the region) as a slice of their own: no reference ever covers
+    /// the bytes the NIC reads or writes meanwhile.
+    fn slot(&self, range: std::ops::Range<usize>) -> (*mut u8, usize) {
+        let end = range.end.min(self.mem.len());
+        let start = range.start.min(end);
+        // SAFETY: `start <= len` of the mapping, so the offset stays inside it (or one past).
+        (unsafe { self.base.add(start) }, end - start)
     }
 
     fn lkey(&self) -> u32 {
@@ -110,6 +128,9 @@ pub(crate) struct VerbsQp {
     sq_depth: u32,
     /// Completions reaped while waiting for room in the send queue, for the next `poll`.
     early: Vec<Completion>,
+    /// A completion in error was seen: the queue pair is in the error state and takes no more
+    /// requests (the error itself reaches the protocol through `poll`).
+    failed: bool,
     wcs: Vec<ffi::ibv_wc>,
 }
 
@@ -207,6 +228,7 @@ impl VerbsQp {
             inflight: 0,
             sq_depth: init.cap.max_send_wr.min(depth),
             early: Vec::new(),
+            failed: false,
             wcs: vec![ffi::ibv_wc::default(); 32],
         };
         let mut attr = ffi::ibv_qp_attr {
@@ -264,7 +286,9 @@ impl VerbsQp {
         use ffi::ibv_qp_attr_mask as M;
         // RoCE always routes by GID; InfiniBand by LID, with a global route header only to
         // another subnet (a different GID prefix).
-        let global = self.nic.link == LinkLayer::Ethernet || remote.gid[..8] != self.nic.gid[..8];
+        let global = self.nic.link == LinkLayer::Ethernet
+            || self.nic.grh_required
+            || remote.gid[..8] != self.nic.gid[..8];
         let mut ah = ffi::ibv_ah_attr {
             dlid: remote.lid,
             sl: 0,
@@ -341,6 +365,7 @@ impl VerbsQp {
         let mut reposts = 0;
         for wc in &self.wcs[..n as usize] {
             if let Some((status, vendor)) = wc.error() {
+                self.failed = true;
                 // SAFETY: ibv_wc_status_str returns a static string for any status.
                 let what = unsafe { std::ffi::CStr::from_ptr(ffi::ibv_wc_status_str(status)) };
                 out.push(Completion::Error {
@@ -375,6 +400,17 @@ impl VerbsQp {
 
 impl Drop for VerbsQp {
     fn drop(&mut self) {
+        // A request destroyed with its queue pair is never carried out: let the last ones (a
+        // goodbye, a credit) reach the peer first, for at most a second.
+        let deadline = Instant::now() + Duration::from_secs(1);
+        let mut sink = Vec::new();
+        while self.inflight > 0 && !self.failed && Instant::now() < deadline {
+            sink.clear();
+            if self.reap(&mut sink).is_err() {
+                break;
+            }
+            std::thread::yield_now();
+        }
         // SAFETY: made in `new`, destroyed once, the queue pair before the CQ it uses; the
         // regions (fields) are deregistered after this.
         unsafe {
@@ -403,10 +439,11 @@ impl QueuePair for VerbsQp {
         // The send queue is full only if completions lag far behind: reap them (kept for the
         // next `poll`) until there is room, for at most 10 s.
         let deadline = Instant::now() + Duration::from_secs(10);
-        while self.inflight >= self.sq_depth {
+        while self.inflight >= self.sq_depth && !self.failed {
             let mut got = std::mem::take(&mut self.early);
-            self.reap(&mut got)?;
+            let r = self.reap(&mut got);
             self.early = got;
+            r?;
             if Instant::now() > deadline {
                 return Err(terr(format!(
                     "send queue of {} full for 10 s on {}",
@@ -414,6 +451,10 @@ impl QueuePair for VerbsQp {
                     self.nic.port_name()
                 )));
             }
+        }
+        if self.failed {
+            // The queue pair is in error; the next `poll` reports why (a lost peer).
+            return Ok(());
         }
         let mut sge = ffi::ibv_sge {
             addr: self.send.addr() + src as u64,
@@ -460,11 +501,18 @@ impl QueuePair for VerbsQp {
         self.reap(out)
     }
 
-    fn send_region(&mut self) -> &mut [u8] {
-        &mut self.send.mem
+    fn send_slot(&mut self, range: std::ops::Range<usize>) -> &mut [u8] {
+        let (p, n) = self.send.slot(range);
+        // SAFETY: `n` bytes at `p` lie inside the mapping, which lives as long as `self`; the
+        // protocol hands out a send slot only once its last write has completed, so the NIC
+        // does not read these bytes while the slice lives (`&mut self` keeps it unique).
+        unsafe { std::slice::from_raw_parts_mut(p, n) }
     }
 
-    fn recv_region(&self) -> &[u8] {
-        &self.recv.mem
+    fn recv_slot(&self, range: std::ops::Range<usize>) -> &[u8] {
+        let (p, n) = self.recv.slot(range);
+        // SAFETY: inside the mapping as above; the peer writes a slot again only after it is
+        // released, and the protocol reads only slots whose write has arrived.
+        unsafe { std::slice::from_raw_parts(p, n) }
     }
 }
