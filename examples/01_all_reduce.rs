@@ -34,7 +34,8 @@ fn check<T: PartialEq + std::fmt::Debug>(
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    // Rank, world size and the rendezvous store come from the launcher's variables.
+    oxccl::logging::init(); // OXCCL_DEBUG=info shows transports and algorithms
+                            // Rank, world size and the rendezvous store come from the launcher's variables.
     let comm = Communicator::from_env()?;
     let (rank, n) = (comm.rank(), comm.size());
     println!(

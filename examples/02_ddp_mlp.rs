@@ -431,6 +431,7 @@ impl Setup<'_> {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    oxccl::logging::init(); // OXCCL_DEBUG=info shows transports and algorithms
     let args = Args::parse();
     check_modes(&args)?;
     let comm = Communicator::from_env()?;

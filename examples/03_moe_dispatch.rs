@@ -114,6 +114,7 @@ pub fn dispatch_combine(
 
 #[allow(dead_code)] // a test includes this file for `dispatch_combine`
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    oxccl::logging::init(); // OXCCL_DEBUG=info shows transports and algorithms
     let comm = Communicator::from_env()?;
     let tokens = 1000;
     for step in 0..3 {

@@ -265,6 +265,7 @@ pub fn arg(name: &str) -> Option<usize> {
 
 #[allow(dead_code)]
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
+    oxccl::logging::init(); // OXCCL_DEBUG=info shows transports and algorithms
     let steps = arg("--steps").unwrap_or(8);
     let fail = arg("--fail-rank").map(|r| (r, arg("--fail-step").unwrap_or(3)));
     let comm = Communicator::from_env()?;

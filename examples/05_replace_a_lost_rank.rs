@@ -31,6 +31,7 @@ pub use survive::{arg, crash, joined, matches_reference, train, Outcome, Recover
 
 #[allow(dead_code)]
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
+    oxccl::logging::init(); // OXCCL_DEBUG=info shows transports and algorithms
     let steps = arg("--steps").unwrap_or(8);
     let fail = arg("--fail-rank").map(|r| (r, arg("--fail-step").unwrap_or(3)));
     // With OXCCL_JOIN=1 (a replacement `oxccl launch --respawn` started) this joins the

@@ -26,6 +26,7 @@ fn arg(name: &str) -> Option<usize> {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    oxccl::logging::init(); // OXCCL_DEBUG=info shows transports and algorithms
     let comm = Communicator::from_env()?;
     let (me, n) = (comm.rank(), comm.size());
     let slow = arg("--slow-rank").unwrap_or(2);

@@ -88,6 +88,7 @@ struct Args {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    oxccl::logging::init(); // OXCCL_DEBUG=info shows transports and algorithms
     let args = Args::parse();
     let comm = Communicator::from_env()?;
     let shape = mlp::Shape {

@@ -83,6 +83,7 @@ struct Args {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    oxccl::logging::init(); // OXCCL_DEBUG=info shows transports and algorithms
     let a = Args::parse();
     let comm = Communicator::from_env()?;
     if let Some(rounds) = a.bench_exchange {

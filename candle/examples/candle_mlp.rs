@@ -152,6 +152,7 @@ fn copy_of(a: &Args, dev: &Device, vars: &[(String, Var)]) -> candle_core::Resul
 }
 
 fn main() -> ExitCode {
+    oxccl_comm::logging::init(); // OXCCL_DEBUG=info shows transports and algorithms
     let a = Args::parse();
     match run(&a) {
         Ok(true) => ExitCode::SUCCESS,

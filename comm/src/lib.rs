@@ -1,5 +1,9 @@
 //! oxccl-comm: communicators, rendezvous, transports, collective algorithms and the progress engine.
 //!
+//! Through the `oxccl` crate this crate is `oxccl::comm` (its main types also at `oxccl::`):
+//! `oxccl_comm::Communicator` in these pages is `oxccl::comm::Communicator` there, and
+//! `oxccl::logging::init()` is [`logging::init`].
+//!
 //! # Quick start
 //!
 //! Under `oxccl launch -n 4 -- my-trainer` (or torchrun, srun, mpirun) every process does:
@@ -46,7 +50,7 @@ mod layers;
 mod transport;
 
 pub use api::{harness, topology};
-pub use base::{bootstrap, config, error};
+pub use base::{bootstrap, config, error, logging};
 
 pub use api::buffers::Buffers;
 pub use api::communicator::{Communicator, Stats};
@@ -61,16 +65,16 @@ pub use base::op::Collective;
 pub use base::trace::{TraceDump, TraceRecord, TraceState};
 pub use base::tuning::Algorithm;
 pub use engine::Work;
-pub use oxccl_kernels::{DType, Element, ReduceOp};
+pub use oxccl_kernels::{bf16, f16, DType, Element, ReduceOp, F8E4M3, F8E5M2};
 pub use topology::Topology;
 
 /// What the `oxccl` command-line tool and the test suites use of this crate's insides: CPU
-/// affinity, logging set-up, operation descriptions, the flight recorder's file format, the
+/// affinity, operation descriptions, the flight recorder's file format, the
 /// tuner's override syntax, shared-memory segment names. Not part of the API: it may change in
 /// any release.
 #[doc(hidden)]
 pub mod internal {
-    pub use crate::base::{affinity, logging, op, trace, tuning};
+    pub use crate::base::{affinity, op, trace, tuning};
 
     /// Shared-memory segment names (what `oxccl launch` removes after a crashed job).
     pub mod shm {

@@ -166,6 +166,7 @@ fn rank_main(a: &Args, comm: &Communicator) -> Res<[f64; 4]> {
 }
 
 fn main() -> Res<()> {
+    oxccl_comm::logging::init(); // OXCCL_DEBUG=info shows transports and algorithms
     let a = Args::parse();
     let out = spawn_world(a.ranks, Config::default(), |comm| {
         Ok(rank_main(&a, &comm).map_err(|e| format!("rank {}: {e}", comm.rank())))

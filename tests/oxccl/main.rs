@@ -10,6 +10,7 @@
 
 mod common;
 mod ddp_mlp;
+mod first_contact;
 mod launch;
 mod moe_example;
 mod multinode;
@@ -26,11 +27,11 @@ mod zero_mlp;
 /// one variable set names: a scenario of `common` (`OXCCL_TEST_SCENARIO`, for `multiprocess`,
 /// `multinode` and `trace`), a DDP rank (`OXCCL_TEST_DDP`), the MoE exchange
 /// (`OXCCL_TEST_MOE`), the steps of example 04 (`OXCCL_TEST_SURVIVE`) or 05
-/// (`OXCCL_TEST_REPLACE`), a ZeRO rank (`OXCCL_TEST_ZERO`) or a pipeline stage
-/// (`OXCCL_TEST_PIPELINE`).
+/// (`OXCCL_TEST_REPLACE`), a ZeRO rank (`OXCCL_TEST_ZERO`), a pipeline stage
+/// (`OXCCL_TEST_PIPELINE`) or a trainer's first contact (`OXCCL_TEST_FIRST`).
 #[test]
 fn rank_entry() {
-    let programs: [(&str, fn()); 7] = [
+    let programs: [(&str, fn()); 8] = [
         (common::SCENARIO, common::play_scenario),
         ("OXCCL_TEST_DDP", ddp_mlp::play_rank),
         ("OXCCL_TEST_MOE", moe_example::play_rank),
@@ -38,6 +39,7 @@ fn rank_entry() {
         ("OXCCL_TEST_REPLACE", replace_example::play_rank),
         ("OXCCL_TEST_ZERO", zero_mlp::play_rank),
         ("OXCCL_TEST_PIPELINE", pipeline_mlp::play_rank),
+        (first_contact::FIRST, first_contact::play_rank),
     ];
     let set: Vec<&(&str, fn())> = programs
         .iter()

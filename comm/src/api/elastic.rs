@@ -273,7 +273,7 @@ impl Communicator {
     /// # Errors
     /// As [`Communicator::join`]; `Config` for a configuration out of range.
     pub fn join_with_config(store: Arc<dyn Store>, cfg: Config) -> Result<Communicator> {
-        crate::base::logging::init();
+        crate::base::logging::hint_if_unseen();
         Self::join_inner(store, cfg, "oxccl", None, None)
     }
 

@@ -74,6 +74,13 @@ impl Communicator {
     /// Sends `buf` to `peer`, which must post a matching [`Communicator::recv`] (same length and
     /// type). Returns once the data has left this rank.
     ///
+    /// Blocking: a message larger than what the connection buffers (`OXCCL_NSLOTS` slots of
+    /// `OXCCL_SLOT_BYTES`, 2 MiB at the defaults, plus the kernel's socket buffers over TCP)
+    /// returns only once `peer` is receiving it. So ranks that all `send` before they `recv`
+    /// (a ring shift, a pairwise swap) deadlock, until `OXCCL_TIMEOUT`, as soon as messages
+    /// outgrow that; exchange with [`Communicator::send_recv`] or [`Communicator::batch_p2p`]
+    /// instead, or let even ranks send first and odd ranks receive first.
+    ///
     /// # Errors
     /// `InvalidArgument` for a bad peer; `Mismatch` if the receive does not match.
     pub fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<()> {

@@ -2,6 +2,7 @@
 //!
 //! Every variable is documented in `docs/ENV.md`; this module is the only place that reads them.
 
+pub use super::settings::Settings;
 use std::time::Duration;
 
 use crate::base::error::{Error, Result};

@@ -9,6 +9,7 @@ pub mod config;
 pub mod error;
 pub mod logging;
 pub mod op;
+pub(crate) mod settings;
 pub(crate) mod stall;
 pub mod sys;
 pub mod trace;

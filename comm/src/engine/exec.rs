@@ -95,6 +95,7 @@ pub(crate) fn exec<R>(
 ) -> Result<R> {
     let seq = st.coll_seq;
     st.coll_seq += 1;
+    st.current = Some(desc.tag(seq));
     let n = shared.size;
     let full = match desc.coll {
         Collective::ReduceScatter

@@ -18,8 +18,9 @@ impl Shared {
         if let Some(b) = &st.broken {
             return b.clone();
         }
-        let cause = self.publish_error(e);
-        tracing::warn!(rank = self.rank, error = %self.named(cause.clone()), "communicator failed; closing its connections");
+        let cause = self.publish_error_as(e, st.current.as_ref());
+        // The caller receives the error as a `Result`: a debug line, not a warning.
+        tracing::debug!(rank = self.rank, error = %self.named(cause.clone()), "communicator failed; closing its connections");
         // Peers blocked on this rank learn at once: sockets close, shared-memory rings are
         // flagged closed and their doorbells rung.
         st.links.close(Instant::now());
@@ -38,6 +39,12 @@ impl Shared {
     /// the one that stands (every rank then reports the same cause). Peers learn of a failure by
     /// their connections closing, so this comes first.
     pub(crate) fn publish_error(&self, e: Error) -> Error {
+        self.publish_error_as(e, None)
+    }
+
+    /// [`Shared::publish_error`], telling a mismatch another rank published from this rank's
+    /// point of view with the tag of its current collective (`own`).
+    fn publish_error_as(&self, e: Error, own: Option<&crate::base::op::Tag>) -> Error {
         let mut published = lock(&self.published);
         if let Some(cause) = &*published {
             return cause.clone();
@@ -60,7 +67,7 @@ impl Shared {
                 let cause = if cur == mine {
                     e
                 } else {
-                    decode_error(&cur, self.rank).unwrap_or(e)
+                    decode_error(&cur, self.rank, own).unwrap_or(e)
                 };
                 *published = Some(cause.clone());
                 cause
@@ -125,8 +132,47 @@ pub(super) fn encode_error(e: &Error) -> Vec<u8> {
     .into_bytes()
 }
 
-/// Rebuilds a published error as seen from `me`.
-pub(super) fn decode_error(b: &[u8], me: usize) -> Option<Error> {
+/// A mismatch that rank `d` found between its call (`local`) and rank `p`'s (`remote`) at op
+/// `seq`, as rank `me` reports it: "this rank called (its own call), rank R called (a call that
+/// differs from it)", the same facts on every rank. `mine` is `me`'s current collective.
+fn mismatch_as(
+    me: usize,
+    (d, p, seq): (usize, usize, u64),
+    local: &str,
+    remote: &str,
+    mine: Option<&crate::base::op::Tag>,
+) -> Error {
+    let told = |peer: usize, local: String, remote: &str| Error::Mismatch {
+        rank: me,
+        peer,
+        seq,
+        local,
+        remote: remote.to_string(),
+    };
+    if me == d {
+        return told(p, local.into(), remote);
+    }
+    if me == p {
+        // `remote` may carry a note on how `p` runs it: "... (it runs ...)".
+        let own = remote.split(" (it ").next().unwrap_or(remote);
+        return told(d, own.into(), local);
+    }
+    match mine
+        .filter(|t| t.seq == seq)
+        .map(crate::base::op::OpDesc::describe_tag)
+    {
+        Some(own) if own == local => told(p, own, remote),
+        Some(own) => told(d, own, local),
+        None => told(d, format!("nothing yet at op #{seq}"), local),
+    }
+}
+
+/// Rebuilds a published error as seen from `me` (whose current collective is `mine`).
+pub(super) fn decode_error(
+    b: &[u8],
+    me: usize,
+    mine: Option<&crate::base::op::Tag>,
+) -> Option<Error> {
     let s = std::str::from_utf8(b).ok()?;
     let f: Vec<&str> = s.splitn(7, '\n').collect();
     if f.len() != 7 {
@@ -134,13 +180,7 @@ pub(super) fn decode_error(b: &[u8], me: usize) -> Option<Error> {
     }
     let (rank, peer, seq) = (f[1].parse().ok()?, f[2].parse().ok()?, f[3].parse().ok()?);
     Some(match f[0] {
-        "mismatch" => Error::Mismatch {
-            rank,
-            peer,
-            seq,
-            local: f[4].into(),
-            remote: f[5].into(),
-        },
+        "mismatch" => mismatch_as(me, (rank, peer, seq), f[4], f[5], mine),
         "peer-lost" => Error::PeerLost {
             rank: me,
             peer,

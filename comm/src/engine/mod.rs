@@ -79,6 +79,9 @@ pub(crate) struct ExecState {
     pub p2p_recvd: Vec<u64>,
     /// Set once an operation failed: every later operation fails with it.
     pub broken: Option<Error>,
+    /// The tag of the last collective this rank started: a mismatch another rank published is
+    /// told from this rank's point of view with it.
+    pub current: Option<crate::base::op::Tag>,
 }
 
 struct Turn {
@@ -187,6 +190,7 @@ impl Shared {
                 p2p_sent: vec![0; size],
                 p2p_recvd: vec![0; size],
                 broken: None,
+                current: None,
             }),
             stalls: Stalls::new(Arc::clone(&store), comm_id, rank, size, cfg.timeout),
             trace: Recorder::new(

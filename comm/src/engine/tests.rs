@@ -267,7 +267,7 @@ fn errors_survive_the_store() {
         local: "a\nb".into(),
         remote: "c".into(),
     };
-    match decode_error(&encode_error(&e), 5).unwrap() {
+    match decode_error(&encode_error(&e), 1, None).unwrap() {
         Error::Mismatch {
             rank,
             peer,
@@ -289,7 +289,9 @@ fn errors_survive_the_store() {
         detail: "eof".into(),
     };
     assert_eq!(
-        decode_error(&encode_error(&e), 0).unwrap().lost_peer(),
+        decode_error(&encode_error(&e), 0, None)
+            .unwrap()
+            .lost_peer(),
         Some(2)
     );
     let e = Error::Timeout {
@@ -299,10 +301,10 @@ fn errors_survive_the_store() {
         detail: "d".into(),
     };
     assert!(matches!(
-        decode_error(&encode_error(&e), 0).unwrap(),
+        decode_error(&encode_error(&e), 0, None).unwrap(),
         Error::Aborted { rank: 0, .. }
     ));
-    assert!(decode_error(b"junk", 0).is_none());
+    assert!(decode_error(b"junk", 0, None).is_none());
 }
 
 #[test]
@@ -337,4 +339,52 @@ fn a_groups_reports_carry_the_note_once_and_its_stored_cause_none() {
     assert!(!stored.contains("ranks named here"), "{stored}");
     let kept = lock(&sh.exec).broken.clone().unwrap().to_string();
     assert!(!kept.contains("ranks named here"), "{kept}");
+}
+
+#[test]
+fn a_published_mismatch_is_told_from_each_ranks_own_point_of_view() {
+    use crate::base::op::{OpDesc, Tag};
+    let tag = |count| Tag {
+        seq: 4,
+        desc: 0,
+        count,
+    };
+    let (a, b) = (tag(100), tag(101));
+    let (da, db) = (OpDesc::describe_tag(&a), OpDesc::describe_tag(&b));
+    // Rank 1 (count 101) found that rank 0 called count 100; ranks 2 and 3 called 100 and 101.
+    let e = Error::Mismatch {
+        rank: 1,
+        peer: 0,
+        seq: 4,
+        local: db.clone(),
+        remote: format!("{da} (it runs a direct shared-memory algorithm)"),
+    };
+    let stored = encode_error(&e);
+    let seen = |me: usize, mine: Option<&Tag>| match decode_error(&stored, me, mine).unwrap() {
+        Error::Mismatch {
+            rank,
+            peer,
+            local,
+            remote,
+            ..
+        } => (rank, peer, local, remote),
+        other => panic!("{other:?}"),
+    };
+    let (rank, peer, local, remote) = seen(0, Some(&a));
+    assert_eq!(
+        (rank, peer, local.as_str(), remote.as_str()),
+        (0, 1, da.as_str(), db.as_str())
+    );
+    let (rank, peer, local, _) = seen(1, Some(&b));
+    assert_eq!((rank, peer, local.as_str()), (1, 0, db.as_str()));
+    let (rank, peer, local, remote) = seen(2, Some(&a));
+    assert_eq!(
+        (rank, peer, local.as_str(), remote.as_str()),
+        (2, 1, da.as_str(), db.as_str())
+    );
+    let (rank, peer, local, remote) = seen(3, Some(&b));
+    assert_eq!((rank, peer, local.as_str()), (3, 0, db.as_str()));
+    assert!(remote.starts_with(&da), "{remote}");
+    let (_, _, local, _) = seen(3, None);
+    assert!(local.contains("nothing yet"), "{local}");
 }

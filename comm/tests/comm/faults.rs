@@ -73,6 +73,46 @@ fn count_mismatch_is_reported_on_every_rank_on(t: TransportChoice) {
     }
 }
 
+/// Whichever rank finds a mismatch first, every rank's error says "this rank called" its own
+/// call and names a rank whose call differs, with that rank's call (20 runs).
+#[test]
+fn a_mismatch_is_told_from_each_ranks_own_point_of_view() {
+    for run in 0..20 {
+        let t = TRANSPORTS[run % TRANSPORTS.len()];
+        let res = spawn_world(4, tcfg(t, 30), |c| {
+            let n = if c.rank() == 2 { 10 } else { 20 };
+            Ok(c.all_reduce(&mut vec![1.0f32; n], ReduceOp::Sum))
+        });
+        for (rank, r) in res.into_iter().enumerate() {
+            let e = r.unwrap().expect_err("mismatched all-reduce must fail");
+            let Error::Mismatch {
+                rank: me,
+                peer,
+                local,
+                remote,
+                ..
+            } = &e
+            else {
+                panic!("run {run}, rank {rank}: {e}");
+            };
+            let (own, other) = if rank == 2 {
+                ("count=10", "count=20")
+            } else {
+                ("count=20", "count=10")
+            };
+            assert_eq!(*me, rank, "run {run}: {e}");
+            assert!(
+                local.contains(own) && remote.contains(other),
+                "run {run}, rank {rank}: {e}"
+            );
+            assert!(
+                (rank == 2) != (*peer == 2),
+                "run {run}, rank {rank}: the rank named must differ from this one: {e}"
+            );
+        }
+    }
+}
+
 #[test]
 fn different_collectives_and_roots_are_mismatches() {
     for t in TRANSPORTS {

@@ -344,7 +344,7 @@ fn print_trace(dir: &std::path::Path, started: std::time::SystemTime) {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    oxccl_comm::internal::logging::init();
+    oxccl_comm::logging::init();
     ExitCode::from(match cli.command {
         Cmd::Launch(args) => run_launch(args),
         Cmd::Perf(args) => perf::run(*args),

@@ -63,9 +63,20 @@ impl Communicator {
     /// `Error::Config` when no launcher variables are found or they are inconsistent; store and
     /// transport errors while connecting.
     pub fn from_env() -> Result<Communicator> {
-        crate::base::logging::init();
+        Self::from_env_with(crate::config::Settings::new())
+    }
+
+    /// [`Communicator::from_env`] with settings given in code: each one set in `settings`
+    /// wins over its `OXCCL_*` variable, the environment gives the rest (see
+    /// [`crate::config::Settings`]). The launcher's variables (rank, world size, store) still
+    /// come from the environment.
+    ///
+    /// # Errors
+    /// As [`Communicator::from_env`]; `Error::Config` for a setting that does not parse.
+    pub fn from_env_with(settings: crate::config::Settings) -> Result<Communicator> {
+        crate::base::logging::hint_if_unseen();
         let info = bootstrap::detect_from_env()?;
-        let cfg = Config::from_env()?;
+        let cfg = settings.config()?;
         let join = match std::env::var("OXCCL_JOIN") {
             Ok(v) if !v.trim().is_empty() => crate::base::config::parse_bool("OXCCL_JOIN", &v)?,
             _ => false,
@@ -121,7 +132,7 @@ impl Communicator {
         store: Arc<dyn Store>,
         cfg: Config,
     ) -> Result<Communicator> {
-        crate::base::logging::init();
+        crate::base::logging::hint_if_unseen();
         // Each rank counts its own inits on this store, so the k-th init of every rank meets the
         // k-th init of the others under a fresh id (no stale peer records).
         let key = format!("oxccl/inits/{rank}");
