@@ -96,6 +96,15 @@ pub(crate) fn hint_if_unseen() {
     });
 }
 
+/// A warning that must be seen: a `tracing` warning, and on stderr too when the process has no
+/// subscriber (a rendezvous that keeps failing must not stay silent).
+pub(crate) fn notice(msg: &str) {
+    tracing::warn!("{msg}");
+    if !tracing::dispatcher::has_been_set() {
+        eprintln!("oxccl: {msg}");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -416,22 +416,63 @@ fn connect_rejects_a_foreign_service() {
 }
 
 #[test]
-fn host_or_connect_hosts_and_reports_busy_port() {
-    let (store, server) = TcpStore::host_or_connect("localhost", 0, true, T).unwrap();
+fn host_or_connect_hosts_and_joins_a_busy_port() {
+    let (store, server) = TcpStore::host_or_connect("localhost", 0, true, T, None).unwrap();
     let server = server.expect("is_server must return the server");
     let port = server.local_addr().port();
     assert_ne!(port, 0);
     store.set("hello", b"world").unwrap();
-    let (client, none) = TcpStore::host_or_connect("127.0.0.1", port, false, T).unwrap();
+    let (client, none) = TcpStore::host_or_connect("127.0.0.1", port, false, T, None).unwrap();
     assert!(none.is_none());
     assert_eq!(client.get("hello", T).unwrap(), b"world");
 
-    // Hosting again on the same port fails with a clear message.
-    let msg = expect_store_err(
-        TcpStore::host_or_connect("localhost", port, true, T),
-        "in use",
+    // A second host on the same port joins the store there (the rendezvous then finds the
+    // second rank 0).
+    let (again, none) = TcpStore::host_or_connect("localhost", port, true, T, None).unwrap();
+    assert!(none.is_none());
+    assert_eq!(again.get("hello", T).unwrap(), b"world");
+}
+
+#[test]
+fn a_store_with_a_job_token_refuses_other_clients_at_once() {
+    let srv = TcpStoreServer::bind_with_token("127.0.0.1:0".parse().unwrap(), Some("t-1")).unwrap();
+    let port = srv.local_addr().port();
+    let ok = TcpStore::connect_with_token("127.0.0.1", port, T, Some("t-1")).unwrap();
+    ok.set("k", b"v").unwrap();
+    assert_eq!(ok.get("k", T).unwrap(), b"v");
+    for (token, why) in [
+        (Some("t-2"), "another job token"),
+        (None, "without the job token"),
+    ] {
+        let t0 = Instant::now();
+        let msg = expect_store_err(
+            TcpStore::connect_with_token("127.0.0.1", port, T, token),
+            "refused",
+        );
+        assert!(
+            msg.contains(why) && msg.contains(&port.to_string()),
+            "{msg}"
+        );
+        assert!(
+            t0.elapsed() < T,
+            "refused at once, not after retries: {msg}"
+        );
+    }
+    // A raw request before the handshake is not served either.
+    let mut raw = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let mut f = vec![0u8; 4];
+    f.push(3); // TRY_GET
+    f.extend_from_slice(&1u32.to_le_bytes());
+    f.push(b'k');
+    let len = (f.len() - 4) as u32;
+    f[..4].copy_from_slice(&len.to_le_bytes());
+    raw.write_all(&f).unwrap();
+    let mut reply = Vec::new();
+    let _ = raw.read_to_end(&mut reply);
+    assert!(
+        String::from_utf8_lossy(&reply).contains("refused"),
+        "{reply:?}"
     );
-    assert!(msg.contains(&port.to_string()), "{msg}");
 }
 
 #[test]

@@ -8,13 +8,13 @@
 use std::net::{IpAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::Communicator;
 use crate::algorithm::prims::NodeLayout;
 use crate::base::affinity::NodeShare;
 use crate::base::bootstrap::{
-    self, hash_id, init_store_error, FileStore, Store, StoreAddr, TcpStore, TcpStoreServer,
+    self, hash_id, FileStore, Store, StoreAddr, TcpStore, TcpStoreServer,
 };
 use crate::base::config::Config;
 use crate::base::error::{Error, Result, WorldNames};
@@ -86,7 +86,11 @@ impl Communicator {
         let (store, server, store_host): (Arc<dyn Store>, Option<TcpStoreServer>, Option<IpAddr>) =
             match &info.store {
                 StoreAddr::Tcp { host: h, port } => {
-                    let (client, server) = TcpStore::host_or_connect(h, *port, host, cfg.timeout)?;
+                    let token = std::env::var("OXCCL_JOB_TOKEN")
+                        .ok()
+                        .filter(|t| !t.trim().is_empty());
+                    let (client, server) =
+                        TcpStore::host_or_connect(h, *port, host, cfg.timeout, token.as_deref())?;
                     (Arc::new(client), server, resolve_ip(h))
                 }
                 StoreAddr::File(path) => (Arc::new(FileStore::new(path.clone())?), None, None),
@@ -96,7 +100,17 @@ impl Communicator {
         }
         let n = WORLD_COUNTER.fetch_add(1, Ordering::Relaxed);
         let id = format!("{}/world{n}", info.job_id);
-        let mut c = Self::init_inner(info.rank, info.world_size, store, cfg, id, store_host, None)?;
+        let made = Self::init_inner(info.rank, info.world_size, store, cfg, id, store_host, None);
+        let mut c = match made {
+            Ok(c) => c,
+            Err(e @ Error::Config(_)) if server.is_some() => {
+                // A conflict at the rendezvous: the store this process hosts stays up a moment,
+                // so that the other ranks read the decision instead of a vanished store.
+                std::thread::sleep(super::rendezvous::LINGER);
+                return Err(e);
+            }
+            Err(e) => return Err(e),
+        };
         c._server = server;
         c.join_prefix.clone_from(&info.job_id);
         if c.local_rank != info.local_rank || c.local_size != info.local_world_size {
@@ -199,7 +213,8 @@ impl Communicator {
         for b in &backends {
             b.advertise(&mut me);
         }
-        let peers = exchange_records(&me, size, &*store, &id, cfg.timeout, deadline)?;
+        let peers =
+            super::rendezvous::exchange_records(&me, size, &*store, &id, cfg.timeout, deadline)?;
         check_shared_settings(rank, &me, &peers)?;
         let selector = Selector::new(&backends, &cfg);
         let mut links = Links::new(size);
@@ -350,60 +365,6 @@ fn check_args(rank: usize, size: usize, cfg: &Config) -> Result<()> {
         op: "init".into(),
         msg,
     })
-}
-
-/// Publishes this rank's record `me` under `<id>/peer/<rank>` and reads the records of all
-/// `size` ranks, in rank order, each checked to be the record of the rank it is filed under.
-fn exchange_records(
-    me: &PeerInfo,
-    size: usize,
-    store: &dyn Store,
-    id: &str,
-    timeout: Duration,
-    deadline: Instant,
-) -> Result<Vec<PeerInfo>> {
-    let rank = me.rank;
-    let failed = |e, what: &str, key: &str, waiting: Option<&str>| {
-        init_store_error(rank, e, what, key, waiting, timeout, deadline)
-    };
-    let key = format!("{id}/peer/{rank}");
-    store
-        .set(&key, &me.encode())
-        .map_err(|e| failed(e, "publishing this rank's address", &key, None))?;
-    let mut peers = Vec::with_capacity(size);
-    for r in 0..size {
-        let left = deadline
-            .saturating_duration_since(Instant::now())
-            .max(Duration::from_millis(1));
-        let key = format!("{id}/peer/{r}");
-        let rec = store.get(&key, left).map_err(|e| {
-            let waiting = format!("rank {r} never published its address");
-            failed(
-                e,
-                &format!("reading rank {r}'s address"),
-                &key,
-                Some(&waiting),
-            )
-        })?;
-        let p = PeerInfo::decode(&rec).map_err(|e| {
-            let why = match e {
-                Error::Store(msg) => msg,
-                other => other.to_string(),
-            };
-            Error::Store(format!(
-                "rank {rank}: init: the record under key '{key}' (rank {r}'s address): {why}"
-            ))
-        })?;
-        if p.rank != r {
-            return Err(Error::Store(format!(
-                "rank {rank}: init: the record under key '{key}' should be rank {r}'s \
-                 address but names rank {}",
-                p.rank
-            )));
-        }
-        peers.push(p);
-    }
-    Ok(peers)
 }
 
 /// Where this rank sits among the communicator's nodes (in order of first appearance by rank).

@@ -8,6 +8,7 @@
 //! dispatch) and `api/collectives/`.
 
 mod init;
+mod rendezvous;
 
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};

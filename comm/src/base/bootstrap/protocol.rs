@@ -19,14 +19,17 @@
 //! | 4      | `ADD`         | key: str, delta: i64                                | new value: i64          |
 //! | 5      | `COMPARE_SET` | key: str, expected: `opt<bytes>`, desired: bytes    | the value (raw)         |
 //! | 6      | `DELETE`      | key: str                                            | existed: u8 (0/1)       |
-//! | 7      | `HELLO`       | magic: the 8 bytes `OXCCLST1`                       | the same 8 bytes        |
+//! | 7      | `HELLO`       | magic: the 8 bytes `OXCCLST1`, then optionally `opt<bytes>`: the job token | the same 8 bytes |
 //!
 //! Reply body: a status byte then a payload: `0` OK (payload above), `1` NOT_FOUND (`TRY_GET` of
 //! a missing key, empty payload), `2` TIMEOUT (`GET` deadline passed, empty payload), `3` ERROR
 //! (payload: a UTF-8 message, e.g. `ADD` on a non-integer value).
 //!
 //! The client sends `HELLO` right after connecting, so that pointing it at something else
-//! (e.g. torch's own `TCPStore`) fails with a clear message instead of hanging.
+//! (e.g. torch's own `TCPStore`) fails with a clear message instead of hanging. A server started
+//! with a job token (`OXCCL_JOB_TOKEN`) answers a `HELLO` without it, or with another, and any
+//! request before a good `HELLO`, with `ERROR` (a message starting `refused`) and drops the
+//! client.
 //!
 //! The server runs one thread per client; a `GET` waits on a server-side condition variable with
 //! the client's deadline, so it only holds up its own connection. A client that sends an unknown

@@ -30,6 +30,8 @@ const WRITE_TIMEOUT: Duration = Duration::from_secs(60);
 #[derive(Debug)]
 struct Shared {
     store: MemStore,
+    /// The job token a client's `HELLO` must carry (`OXCCL_JOB_TOKEN`); `None`: any client.
+    token: Option<Vec<u8>>,
     stop: AtomicBool,
     /// Clones of the client sockets, so that shutdown can unblock their threads.
     clients: Mutex<HashMap<u64, TcpStream>>,
@@ -58,11 +60,21 @@ impl TcpStoreServer {
     /// [`Error::Store`] when the address cannot be bound (the message says when the port is held
     /// by something else) or the accept thread cannot be started.
     pub fn bind(addr: SocketAddr) -> Result<TcpStoreServer> {
-        let listener = bind_listener(addr).map_err(|(_, e)| e)?;
-        Self::serve(listener)
+        Self::bind_with_token(addr, None)
     }
 
-    pub(crate) fn serve(listener: TcpListener) -> Result<TcpStoreServer> {
+    /// [`TcpStoreServer::bind`] serving only clients whose `HELLO` carries `token` (a job's
+    /// `OXCCL_JOB_TOKEN`, so that a process of another job cannot join by mistake); `None`
+    /// serves every client.
+    ///
+    /// # Errors
+    /// As [`TcpStoreServer::bind`].
+    pub fn bind_with_token(addr: SocketAddr, token: Option<&str>) -> Result<TcpStoreServer> {
+        let listener = bind_listener(addr).map_err(|(_, e)| e)?;
+        Self::serve(listener, token)
+    }
+
+    pub(crate) fn serve(listener: TcpListener, token: Option<&str>) -> Result<TcpStoreServer> {
         let local_addr = listener
             .local_addr()
             .map_err(|e| Error::Store(format!("store server: local_addr: {e}")))?;
@@ -71,6 +83,7 @@ impl TcpStoreServer {
             .map_err(|e| Error::Store(format!("store server on {local_addr}: {e}")))?;
         let shared = Arc::new(Shared {
             store: MemStore::new(),
+            token: token.map(|t| t.as_bytes().to_vec()),
             stop: AtomicBool::new(false),
             clients: Mutex::new(HashMap::new()),
         });
@@ -213,6 +226,8 @@ fn start_client(
 
 fn serve_client(shared: &Shared, mut stream: TcpStream, peer: SocketAddr) {
     tracing::debug!(%peer, "store client connected");
+    // With a job token, nothing is served before a `HELLO` that carries it.
+    let mut admitted = shared.token.is_none();
     loop {
         let body = match read_frame(&mut stream) {
             Ok(Some(b)) => b,
@@ -227,7 +242,16 @@ fn serve_client(shared: &Shared, mut stream: TcpStream, peer: SocketAddr) {
                 return;
             }
         };
-        let reply = match handle_request(&shared.store, &body) {
+        let reply = match admit(shared, &body, &mut admitted) {
+            Some(refused) => {
+                tracing::warn!(%peer, "store server: {refused}");
+                let _ = finish_frame(status(ST_ERROR, refused.as_bytes()))
+                    .and_then(|f| stream.write_all(&f));
+                return;
+            }
+            None => handle_request(&shared.store, &body),
+        };
+        let reply = match reply {
             Ok(r) => r,
             Err(msg) => {
                 tracing::warn!(%peer, error = %msg, "store server: dropping client after a malformed request");
@@ -242,6 +266,33 @@ fn serve_client(shared: &Shared, mut stream: TcpStream, peer: SocketAddr) {
             return;
         }
     }
+}
+
+/// With a job token: why the request in `body` is refused (`None`: serve it). A `HELLO`
+/// whose token matches admits the client; any other request before one is refused.
+fn admit(shared: &Shared, body: &[u8], admitted: &mut bool) -> Option<String> {
+    let Some(token) = &shared.token else {
+        return None;
+    };
+    if body.first() != Some(&OP_HELLO) {
+        return (!*admitted).then(|| "refused a request before the job token".to_owned());
+    }
+    let mut c = Cursor { buf: &body[1..] };
+    let theirs = c.take(MAGIC.len()).ok().and_then(|_| match c.u8() {
+        Ok(1) => c.bytes().ok(),
+        _ => None,
+    });
+    if theirs == Some(token.as_slice()) {
+        *admitted = true;
+        return None;
+    }
+    Some(if theirs.is_some() {
+        "refused a client with another job token (OXCCL_JOB_TOKEN differs: a process of another job?)"
+            .to_owned()
+    } else {
+        "refused a client without the job token (this store's job has one: set OXCCL_JOB_TOKEN)"
+            .to_owned()
+    })
 }
 
 /// Decodes and executes one request; `Err` means the request was malformed (drop the client).
@@ -300,6 +351,15 @@ fn handle_request(store: &MemStore, body: &[u8]) -> std::result::Result<Vec<u8>,
         }
         OP_HELLO => {
             let magic = c.take(MAGIC.len())?;
+            // An optional job token follows (checked by `admit`).
+            if !c.buf.is_empty() {
+                match c.u8()? {
+                    0 => {}
+                    _ => {
+                        c.bytes()?;
+                    }
+                }
+            }
             c.end()?;
             if magic != MAGIC {
                 return Err("HELLO with a wrong magic".to_owned());

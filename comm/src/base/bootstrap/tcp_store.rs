@@ -25,6 +25,9 @@ const CONNECT_BACKOFF: Duration = Duration::from_millis(50);
 const OP_TIMEOUT: Duration = Duration::from_secs(60);
 /// Extra read-timeout slack on top of a `GET` deadline (the server answers at the deadline).
 const GET_SLACK: Duration = Duration::from_secs(10);
+/// How often a client that cannot reach the store says so.
+const STORE_NOTE_EVERY: Duration = Duration::from_secs(5);
+
 /// Longest wait for the reply to the `HELLO` handshake.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -40,6 +43,8 @@ pub struct TcpStore {
     port: u16,
     idle: Mutex<Vec<TcpStream>>,
     reconnect_timeout: Duration,
+    /// The job token sent with every connection's `HELLO` (`OXCCL_JOB_TOKEN`).
+    token: Option<String>,
     /// Reply time-out of requests that do not wait for a key ([`OP_TIMEOUT`] unless set).
     op_timeout: Duration,
 }
@@ -77,13 +82,29 @@ impl TcpStore {
     /// [`Error::Store`] when no connection could be made within `timeout` (the message names
     /// the address and the last failure), or when the peer does not speak this protocol.
     pub fn connect(host: &str, port: u16, timeout: Duration) -> Result<TcpStore> {
+        Self::connect_with_token(host, port, timeout, None)
+    }
+
+    /// [`TcpStore::connect`] presenting the job token `token` to the server (every connection,
+    /// reconnections too): a server of another job, or one that requires a token this client
+    /// lacks, refuses it at once with an error that says so.
+    ///
+    /// # Errors
+    /// As [`TcpStore::connect`]; `Error::Store` when the server refuses the token.
+    pub fn connect_with_token(
+        host: &str,
+        port: u16,
+        timeout: Duration,
+        token: Option<&str>,
+    ) -> Result<TcpStore> {
         let host = strip_brackets(host.trim()).to_owned();
-        let stream = connect_stream(&host, port, timeout)?;
+        let stream = connect_stream(&host, port, timeout, token)?;
         Ok(TcpStore {
             host,
             port,
             idle: Mutex::new(vec![stream]),
             reconnect_timeout: timeout.min(Duration::from_secs(30)),
+            token: token.map(str::to_owned),
             op_timeout: OP_TIMEOUT,
         })
     }
@@ -101,20 +122,26 @@ impl TcpStore {
 
     /// If `is_server`, hosts a [`TcpStoreServer`] on all interfaces (`[::]`, falling back to
     /// `0.0.0.0`) at `port` and connects to it over loopback; otherwise just connects to
-    /// `host:port` like [`connect`](Self::connect). Keep the returned server alive as long as
-    /// the store is needed.
+    /// `host:port` like [`connect_with_token`](Self::connect_with_token). A server whose port
+    /// is held already connects to whatever holds it instead (no server returned): an oxccl
+    /// store there makes the rendezvous find the second rank 0; anything else fails the
+    /// handshake. Keep the returned server alive as long as the store is needed. `token` is the
+    /// job's (`OXCCL_JOB_TOKEN`): the server requires it, the client presents it.
     ///
     /// # Errors
-    /// [`Error::Store`] when the port is already held by something else (the message says which
-    /// port), or when connecting fails (see [`connect`](Self::connect)).
+    /// [`Error::Store`] when binding or connecting fails (see [`connect`](Self::connect)).
     pub fn host_or_connect(
         host: &str,
         port: u16,
         is_server: bool,
         timeout: Duration,
+        token: Option<&str>,
     ) -> Result<(TcpStore, Option<TcpStoreServer>)> {
         if !is_server {
-            return Ok((TcpStore::connect(host, port, timeout)?, None));
+            return Ok((
+                TcpStore::connect_with_token(host, port, timeout, token)?,
+                None,
+            ));
         }
         let v6 = SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), port);
         let (listener, loopback) = match bind_listener(v6) {
@@ -128,7 +155,17 @@ impl TcpStore {
                 };
                 (TcpListener::from(sock), lb)
             }
-            Err((io::ErrorKind::AddrInUse, e)) => return Err(e),
+            Err((io::ErrorKind::AddrInUse, e)) => {
+                // Someone holds the port: if it is an oxccl store (a second process started as
+                // rank 0, another job on the same port), join it as a client, so that the
+                // rendezvous names the conflict (a rank claimed twice) to every process
+                // involved; if it is something else, the handshake says so.
+                tracing::info!("cannot host the store ({e}); connecting to the one on the port");
+                return Ok((
+                    TcpStore::connect_with_token(host, port, timeout, token)?,
+                    None,
+                ));
+            }
             // No IPv6 on this machine: IPv4 only.
             Err(_) => (
                 bind_listener(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), port))
@@ -136,8 +173,13 @@ impl TcpStore {
                 IpAddr::V4(Ipv4Addr::LOCALHOST),
             ),
         };
-        let server = TcpStoreServer::serve(listener)?;
-        let store = TcpStore::connect(&loopback.to_string(), server.local_addr().port(), timeout)?;
+        let server = TcpStoreServer::serve(listener, token)?;
+        let store = TcpStore::connect_with_token(
+            &loopback.to_string(),
+            server.local_addr().port(),
+            timeout,
+            token,
+        )?;
         tracing::info!(addr = %server.local_addr(), advertised_host = host, "hosting the oxccl TCP store");
         Ok((store, Some(server)))
     }
@@ -158,13 +200,18 @@ impl TcpStore {
     ) -> Result<(u8, Vec<u8>)> {
         if self.pool().is_empty() {
             // Open the connection here, within the budget, so `request` finds it pooled.
-            let s = connect_stream(&self.host, self.port, timeout.min(self.reconnect_timeout))
-                .map_err(|e| {
-                    Error::Store(format!(
-                        "{what} on key '{key}' at store {}: opening a connection: {e}",
-                        self.addr()
-                    ))
-                })?;
+            let s = connect_stream(
+                &self.host,
+                self.port,
+                timeout.min(self.reconnect_timeout),
+                self.token.as_deref(),
+            )
+            .map_err(|e| {
+                Error::Store(format!(
+                    "{what} on key '{key}' at store {}: opening a connection: {e}",
+                    self.addr()
+                ))
+            })?;
             self.pool().push(s);
         }
         self.request(what, key, frame, Some(timeout))
@@ -188,8 +235,13 @@ impl TcpStore {
         let pooled = self.pool().pop();
         let mut stream = match pooled {
             Some(s) => s,
-            None => connect_stream(&self.host, self.port, self.reconnect_timeout)
-                .map_err(|e| fail(&format!("opening a connection: {e}")))?,
+            None => connect_stream(
+                &self.host,
+                self.port,
+                self.reconnect_timeout,
+                self.token.as_deref(),
+            )
+            .map_err(|e| fail(&format!("opening a connection: {e}")))?,
         };
         let res = (|| {
             stream.set_read_timeout(read_timeout)?;
@@ -238,19 +290,41 @@ impl TcpStore {
     }
 }
 
-fn connect_stream(host: &str, port: u16, timeout: Duration) -> Result<TcpStream> {
+fn connect_stream(
+    host: &str,
+    port: u16,
+    timeout: Duration,
+    token: Option<&str>,
+) -> Result<TcpStream> {
     let deadline = Deadline::after(timeout);
     let mut last_err = String::from("no attempt made");
+    let start = std::time::Instant::now();
+    let mut next_note = start + STORE_NOTE_EVERY;
     loop {
+        if std::time::Instant::now() >= next_note {
+            next_note += STORE_NOTE_EVERY;
+            crate::base::logging::notice(&format!(
+                "still trying to reach the store at {} after {} s (last error: {last_err})",
+                fmt_addr(host, port),
+                start.elapsed().as_secs()
+            ));
+        }
         match (host, port).to_socket_addrs() {
             Ok(addrs) => {
                 for addr in addrs {
                     let t = deadline
                         .remaining()
                         .clamp(Duration::from_millis(100), Duration::from_secs(2));
-                    match TcpStream::connect_timeout(&addr, t).and_then(|s| handshake(s, &deadline))
+                    match TcpStream::connect_timeout(&addr, t)
+                        .and_then(|s| handshake(s, &deadline, token))
                     {
                         Ok(s) => return Ok(s),
+                        Err(e) if e.kind() == io::ErrorKind::PermissionDenied => {
+                            return Err(Error::Store(format!(
+                                "the store at {} refused this process: {e}",
+                                fmt_addr(host, port)
+                            )))
+                        }
                         Err(e) if e.kind() == io::ErrorKind::InvalidData => {
                             return Err(Error::Store(format!(
                                 "{addr} (for {}) is not an oxccl store: {e}",
@@ -273,7 +347,7 @@ fn connect_stream(host: &str, port: u16, timeout: Duration) -> Result<TcpStream>
     }
 }
 
-fn handshake(mut s: TcpStream, deadline: &Deadline) -> io::Result<TcpStream> {
+fn handshake(mut s: TcpStream, deadline: &Deadline, token: Option<&str>) -> io::Result<TcpStream> {
     s.set_nodelay(true)?;
     s.set_write_timeout(Some(OP_TIMEOUT))?;
     s.set_read_timeout(Some(
@@ -283,6 +357,10 @@ fn handshake(mut s: TcpStream, deadline: &Deadline) -> io::Result<TcpStream> {
     ))?;
     let mut f = start_frame(OP_HELLO);
     f.extend_from_slice(MAGIC);
+    if let Some(t) = token {
+        f.push(1);
+        put_bytes(&mut f, t.as_bytes());
+    }
     s.write_all(&finish_frame(f)?)?;
     let reply = match read_frame(&mut s) {
         Ok(Some(b)) => b,
@@ -312,6 +390,12 @@ fn handshake(mut s: TcpStream, deadline: &Deadline) -> io::Result<TcpStream> {
         }
         Err(e) => return Err(e),
     };
+    if reply.first() == Some(&ST_ERROR) && reply[1..].starts_with(b"refused") {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            String::from_utf8_lossy(&reply[1..]).into_owned(),
+        ));
+    }
     if reply.first() != Some(&ST_OK) || &reply[1..] != MAGIC {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,

@@ -154,7 +154,7 @@ pub use self::outcome::{
     JobEnd, LaunchError, LaunchOutcome, NodeFailure, RankFailure, Termination,
 };
 use self::proc::{AttemptEnd, Job, SupervisorCtx};
-use self::rendezvous::{host_store, job_id_base, rank_specs};
+use self::rendezvous::{host_store, job_id_base, job_token, rank_specs};
 pub use self::signals::signal_name;
 use self::signals::{interrupted_text, Signals};
 use self::subreaper::Subreaper;
@@ -182,7 +182,8 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
         ),
     };
 
-    let store = host_store(cfg)?;
+    let token = job_token(cfg);
+    let store = host_store(cfg, token.as_deref())?;
     let job_base = job_id_base(cfg, store.port);
     tracing::debug!(store = %store.rank_addr, job = %job_base, "oxccl launch: store ready");
 
@@ -202,6 +203,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
             store.client_host.clone(),
             store.port,
             &job_base,
+            token.clone(),
         )
         .map_err(|source| LaunchError::Io {
             context: "starting the thread that watches the other nodes",
@@ -224,7 +226,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
     let mut attempt: u32 = 0;
     loop {
         let job_id = format!("{job_base}-r{attempt}");
-        let specs = rank_specs(cfg, &store, &job_id, attempt);
+        let specs = rank_specs(cfg, &store, &job_id, attempt, token.as_deref());
         let mut job = match Job::spawn(cfg, specs, watchdog.as_mut(), &ctx) {
             Ok(job) => job,
             Err(e) => {

@@ -94,6 +94,8 @@ impl NodeFailure {
 struct Shared {
     stop: AtomicBool,
     store: OnceLock<Arc<TcpStore>>,
+    /// The job token the store requires (`OXCCL_JOB_TOKEN`), if any.
+    token: Option<String>,
     /// The attempt this node's ranks are in (0, then 1 after the first restart, ...).
     attempt: AtomicU32,
     /// When the watcher last got an answer from the store (node 0's launcher hosts it).
@@ -157,6 +159,7 @@ impl NodeLink {
         host: String,
         port: u16,
         job_base: &str,
+        token: Option<String>,
     ) -> std::io::Result<NodeLink> {
         let keys = Arc::new(Keys {
             base: job_base.to_owned(),
@@ -164,6 +167,7 @@ impl NodeLink {
         let shared = Arc::new(Shared {
             stop: AtomicBool::new(false),
             store: OnceLock::new(),
+            token,
             attempt: AtomicU32::new(0),
             last_answer: Mutex::new(None),
             failure: Mutex::new(None),
@@ -250,7 +254,12 @@ impl NodeLink {
         if let Some(s) = self.shared.store.get() {
             return Some(Arc::clone(s));
         }
-        match TcpStore::connect(&self.host, self.port, PUBLISH_CONNECT) {
+        match TcpStore::connect_with_token(
+            &self.host,
+            self.port,
+            PUBLISH_CONNECT,
+            self.shared.token.as_deref(),
+        ) {
             Ok(s) => {
                 Some(Arc::clone(self.shared.store.get_or_init(|| {
                     Arc::new(s.with_op_timeout(REQUEST_TIMEOUT))
@@ -444,7 +453,7 @@ fn watch(shared: &Shared, keys: &Keys, node: usize, host: &str, port: u16) {
         if stopped() {
             return;
         }
-        match TcpStore::connect(host, port, CONNECT_TRY) {
+        match TcpStore::connect_with_token(host, port, CONNECT_TRY, shared.token.as_deref()) {
             Ok(s) => {
                 break Arc::clone(
                     shared

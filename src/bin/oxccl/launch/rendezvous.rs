@@ -35,7 +35,41 @@ fn join_host_port(host: &str, port: u16) -> String {
     }
 }
 
-pub(super) fn host_store(cfg: &LaunchConfig) -> Result<HostedStore, LaunchError> {
+/// The job token every rank and launcher presents to the store (`OXCCL_JOB_TOKEN`): the
+/// launcher's own `OXCCL_JOB_TOKEN` if set; else, on one node, a random one, so that a process
+/// of another job cannot join this one by mistake; else none (the launchers of a multi-node
+/// job share no secret: set `OXCCL_JOB_TOKEN` alike on every node to get one).
+pub(super) fn job_token(cfg: &LaunchConfig) -> Option<String> {
+    if let Some(t) = std::env::var("OXCCL_JOB_TOKEN")
+        .ok()
+        .filter(|t| !t.trim().is_empty())
+    {
+        return Some(t);
+    }
+    (cfg.nnodes == 1).then(random_token)
+}
+
+/// 128 random bits in hex (std's per-process random hash keys, the time and the pid).
+fn random_token() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    (0..2u8)
+        .map(|i| {
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u128(nanos);
+            h.write_u32(std::process::id());
+            h.write_u8(i);
+            format!("{:016x}", h.finish())
+        })
+        .collect()
+}
+
+pub(super) fn host_store(
+    cfg: &LaunchConfig,
+    token: Option<&str>,
+) -> Result<HostedStore, LaunchError> {
     let host = strip_brackets(&cfg.master_addr);
     if cfg.node_rank != 0 {
         return Ok(HostedStore {
@@ -60,7 +94,8 @@ pub(super) fn host_store(cfg: &LaunchConfig) -> Result<HostedStore, LaunchError>
         .or(addrs.first())
         .copied()
         .ok_or_else(|| store_err(format!("--master-addr '{host}' resolves to no address")))?;
-    let server = TcpStoreServer::bind(addr).map_err(|e| store_err(e.to_string()))?;
+    let server =
+        TcpStoreServer::bind_with_token(addr, token).map_err(|e| store_err(e.to_string()))?;
     let mut bound = server.local_addr();
     if bound.ip().is_unspecified() {
         let loopback: IpAddr = if bound.is_ipv4() {
@@ -100,6 +135,7 @@ pub(super) fn rank_specs(
     store: &HostedStore,
     job_id: &str,
     attempt: u32,
+    token: Option<&str>,
 ) -> Vec<RankSpec> {
     let n = cfg.nproc_per_node;
     let world = cfg.world_size();
@@ -117,6 +153,7 @@ pub(super) fn rank_specs(
                 ("OXCCL_STORE_HOSTED", "1".to_owned()),
                 ("OXCCL_JOB_ID", job_id.to_owned()),
                 ("OXCCL_RESTART_COUNT", attempt.to_string()),
+                ("OXCCL_JOB_TOKEN", token.unwrap_or_default().to_owned()),
                 ("OXCCL_MAX_RESTARTS", cfg.max_restarts.to_string()),
                 ("OXCCL_RESPAWN", cfg.respawn.to_string()),
                 // A replacement gets "1" instead; "0" keeps a value from the launcher's own
