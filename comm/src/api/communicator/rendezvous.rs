@@ -5,13 +5,12 @@
 //!   stays): a rank started with another size fails at once, naming both;
 //! - every rank claims its rank once under `{id}/claim/{rank}`: a second process with the same
 //!   rank fails at once, naming both processes;
-//! - then the records are exchanged (`{id}/peer/{rank}`), and every rank says it has them all
-//!   (`{id}/ready/{rank}`) and waits for the others;
+//! - then the records are exchanged (`{id}/peer/{rank}`);
 //! - one decision ends it, under `{id}/abort`, first writer wins: a rank that finds a conflict
-//!   writes it there, and the first rank to see every rank ready writes `sealed`. Every rank
-//!   waiting reads the same decision: all go on to connect, or all fail with the same text. A
-//!   conflicting process that comes after the seal fails alone (the communicator is complete
-//!   without it);
+//!   writes it there, and the first rank to hold every record writes `sealed` (every rank has
+//!   claimed its place by then). Each rank, once it holds every record, reads the decision:
+//!   all go on to connect, or all fail with the same text. A conflicting process that comes
+//!   after the seal fails alone (the communicator is complete without it);
 //! - a wait that lasts says what it waits for every [`NOTE_EVERY`].
 //!
 //! Jobs are kept apart by their ids (every key is under the job's) and, where the job has one,
@@ -76,21 +75,8 @@ fn check_abort(store: &dyn Store, id: &str, rank: usize) -> Result<()> {
     }
 }
 
-/// Every rank has every record: waits for all to say so, then takes the decision (see the
-/// module docs).
-fn seal(store: &dyn Store, id: &str, rank: usize, size: usize, deadline: Instant) -> Result<()> {
-    store.set(&format!("{id}/ready/{rank}"), b"1")?;
-    for r in 0..size {
-        let key = format!("{id}/ready/{r}");
-        wait_key(
-            store,
-            id,
-            rank,
-            &key,
-            &format!("rank {r} to read every record"),
-            deadline,
-        )?;
-    }
+/// This rank holds every record: the decision (see the module docs).
+fn seal(store: &dyn Store, id: &str, rank: usize) -> Result<()> {
     let decided = store.compare_set(&abort_key(id), None, SEALED)?;
     if decided == SEALED {
         return Ok(());
@@ -226,13 +212,6 @@ pub(super) fn exchange_records(
         }
         peers.push(p);
     }
-    seal(store, id, rank, size, deadline).map_err(|e| {
-        failed(
-            e,
-            "waiting for every rank's records",
-            id,
-            Some("a rank never read every record"),
-        )
-    })?;
+    seal(store, id, rank).map_err(|e| failed(e, "sealing the rendezvous", id, None))?;
     Ok(peers)
 }

@@ -300,6 +300,7 @@ fn connect_stream(
     let mut last_err = String::from("no attempt made");
     let start = std::time::Instant::now();
     let mut next_note = start + STORE_NOTE_EVERY;
+    let mut backoff = Duration::from_millis(2);
     loop {
         if std::time::Instant::now() >= next_note {
             next_note += STORE_NOTE_EVERY;
@@ -343,7 +344,10 @@ fn connect_stream(
                 fmt_addr(host, port)
             )));
         }
-        thread::sleep(deadline.remaining().min(CONNECT_BACKOFF));
+        // A server that is starting (rank 0 of the same job) is usually up within a few
+        // milliseconds: retry soon at first, then every CONNECT_BACKOFF.
+        thread::sleep(deadline.remaining().min(backoff));
+        backoff = (backoff * 2).min(CONNECT_BACKOFF);
     }
 }
 
