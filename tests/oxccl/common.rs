@@ -403,6 +403,33 @@ pub fn rank_cmd() -> Vec<String> {
     ]
 }
 
+/// This test binary as a rank started by hand: [`rank_cmd`] with its output captured and no
+/// launcher variable of this environment (`OXCCL_*`, torchrun's, Slurm's, Open MPI's), so that
+/// only what the test sets reaches it.
+pub fn bare_rank_command() -> std::process::Command {
+    let cmdline = rank_cmd();
+    let mut cmd = std::process::Command::new(&cmdline[0]);
+    cmd.args(&cmdline[1..])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let launcher = [
+        "OXCCL_",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_",
+        "MASTER_",
+        "SLURM_",
+        "OMPI_",
+        "TORCHELASTIC",
+    ];
+    for (k, _) in std::env::vars() {
+        if launcher.iter().any(|p| k.starts_with(p)) {
+            cmd.env_remove(k);
+        }
+    }
+    cmd
+}
+
 /// A free TCP port on loopback (released again: whoever binds it next races other programs,
 /// which is fine for tests).
 pub fn free_port() -> u16 {

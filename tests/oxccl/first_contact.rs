@@ -5,13 +5,13 @@
 //! jobs on one port, a wrong job token: a clear error on every process involved, never a hang
 //! and never a run finished with another job's process).
 
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use oxccl::comm::config::Settings;
 use oxccl::{Communicator, ReduceOp};
 
-use crate::common::{free_port, rank_cmd, show};
+use crate::common::{bare_rank_command, free_port, show};
 
 /// The variable naming what a rank of these tests plays.
 pub const FIRST: &str = "OXCCL_TEST_FIRST";
@@ -85,26 +85,7 @@ pub fn play_rank() {
 /// A rank process playing `mode` with torchrun's variables (`RANK`, `WORLD_SIZE`, the store
 /// at 127.0.0.1:`port`), no `OXCCL_*` variable but `env`.
 fn rank_command(mode: &str, rank: usize, world: usize, port: u16, env: &[(&str, &str)]) -> Command {
-    let cmdline = rank_cmd();
-    let mut cmd = Command::new(&cmdline[0]);
-    cmd.args(&cmdline[1..])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let cleared = [
-        "OXCCL_",
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_",
-        "MASTER_",
-        "SLURM_",
-        "OMPI_",
-        "TORCHELASTIC",
-    ];
-    for (k, _) in std::env::vars() {
-        if cleared.iter().any(|p| k.starts_with(p)) {
-            cmd.env_remove(k);
-        }
-    }
+    let mut cmd = bare_rank_command();
     cmd.env(FIRST, mode)
         .env("RANK", rank.to_string())
         .env("WORLD_SIZE", world.to_string())

@@ -8,7 +8,7 @@
 
 use std::process::{Command, Output, Stdio};
 
-use crate::common::{self, free_port, rank_cmd, results, show, SCENARIO};
+use crate::common::{self, bare_rank_command, free_port, rank_cmd, results, show, SCENARIO};
 
 fn launch(scenario: &str, n: usize, transport: &str) -> Output {
     launch_job(
@@ -315,30 +315,9 @@ fn by_hand_outputs(
     scenario: &str,
     vars: impl Fn(usize) -> Vec<(String, String)>,
 ) -> Vec<Output> {
-    let cmdline = rank_cmd();
     let children: Vec<_> = (0..n)
         .map(|r| {
-            let mut cmd = Command::new(&cmdline[0]);
-            cmd.args(&cmdline[1..])
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            for (k, _) in std::env::vars() {
-                if [
-                    "OXCCL_",
-                    "RANK",
-                    "WORLD_SIZE",
-                    "LOCAL_",
-                    "MASTER_",
-                    "SLURM_",
-                    "OMPI_",
-                    "TORCHELASTIC",
-                ]
-                .iter()
-                .any(|p| k.starts_with(p))
-                {
-                    cmd.env_remove(k);
-                }
-            }
+            let mut cmd = bare_rank_command();
             cmd.env(SCENARIO, scenario).env("OXCCL_TIMEOUT", "60");
             for (k, v) in vars(r) {
                 cmd.env(k, v);

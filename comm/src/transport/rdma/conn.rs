@@ -298,3 +298,17 @@ impl<Q: QueuePair> RecvConn for RdmaRecv<Q> {
         let _ = self.end.write(GOODBYE_WR, 0, 0, 0, GOODBYE);
     }
 }
+
+/// Puts the two halves of a connection to `ends.peer` into `links`: `send` writes this rank's
+/// data into the peer's ring, `recv` holds this rank's ring (rings of `slots` slots of
+/// `payload` bytes).
+pub(crate) fn install<Q: QueuePair + 'static>(
+    links: &mut crate::transport::Links,
+    (send, recv): (Q, Q),
+    slots: usize,
+    payload: usize,
+    ends: Ends,
+) {
+    links.send[ends.peer] = Some(Box::new(RdmaSend::new(send, slots, payload, ends)));
+    links.recv[ends.peer] = Some(Box::new(RdmaRecv::new(recv, slots, payload, ends)));
+}

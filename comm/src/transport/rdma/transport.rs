@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use super::conn::{Ends, RdmaRecv, RdmaSend};
+use super::conn::{install, Ends};
 use super::proto::HEADER;
 use super::sim::{pair, SimQp};
 #[cfg(feature = "rdma")]
@@ -262,18 +262,7 @@ impl Transport for RdmaTransport {
                 msg: "connect without setup".into(),
             })?;
             let ends = Ends { rank: me, peer: p };
-            links.send[p] = Some(Box::new(RdmaSend::new(
-                send,
-                self.slots,
-                self.payload,
-                ends,
-            )));
-            links.recv[p] = Some(Box::new(RdmaRecv::new(
-                recv,
-                self.slots,
-                self.payload,
-                ends,
-            )));
+            install(links, (send, recv), self.slots, self.payload, ends);
         }
         // Every peer took its ends (it connected): nothing is left for this rank to free.
         self.left.clear();

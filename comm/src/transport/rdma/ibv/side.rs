@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::super::address::{pair_mtu, QpAddress};
-use super::super::conn::{Ends, RdmaRecv, RdmaSend};
+use super::super::conn::{install, Ends};
 use super::super::proto::HEADER;
 use super::qp::VerbsQp;
 use super::Nic;
@@ -108,18 +108,7 @@ impl VerbsSide {
             }
             group.store.set(&key(group.id, me, p, "up"), b"1")?;
             let ends = Ends { rank: me, peer: p };
-            links.send[p] = Some(Box::new(RdmaSend::new(
-                send,
-                self.slots,
-                self.payload,
-                ends,
-            )));
-            links.recv[p] = Some(Box::new(RdmaRecv::new(
-                recv,
-                self.slots,
-                self.payload,
-                ends,
-            )));
+            install(links, (send, recv), self.slots, self.payload, ends);
         }
         for &p in peers {
             let left = group.deadline.saturating_duration_since(Instant::now());
