@@ -44,8 +44,9 @@ for l in open(sys.argv[1]):
     t_oop, bw_oop, t_ip, bw_ip, wrong = vals.split()
     if int(float(wrong)):
         print(f"WRONG RESULTS: {l.strip()}")
+    num = lambda v: float("nan") if v == "N/A" else float(v)  # no in-place form
     rows.setdefault(label, {}).setdefault(which, []).append(
-        (float(t_oop), float(bw_oop), float(t_ip), float(bw_ip)))
+        (num(t_oop), num(bw_oop), num(t_ip), num(bw_ip)))
 print("\ncase | build | oop time us median (range) | oop busbw GB/s median (range) | in-place time | in-place busbw | new/old")
 for label, by in rows.items():
     med = {}

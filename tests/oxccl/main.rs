@@ -18,6 +18,7 @@ mod multiprocess;
 mod perf;
 mod pipeline_mlp;
 mod replace_example;
+mod shm_footprint;
 mod survive_example;
 mod topo;
 mod trace;
@@ -28,10 +29,11 @@ mod zero_mlp;
 /// `multinode` and `trace`), a DDP rank (`OXCCL_TEST_DDP`), the MoE exchange
 /// (`OXCCL_TEST_MOE`), the steps of example 04 (`OXCCL_TEST_SURVIVE`) or 05
 /// (`OXCCL_TEST_REPLACE`), a ZeRO rank (`OXCCL_TEST_ZERO`), a pipeline stage
-/// (`OXCCL_TEST_PIPELINE`) or a trainer's first contact (`OXCCL_TEST_FIRST`).
+/// (`OXCCL_TEST_PIPELINE`), a trainer's first contact (`OXCCL_TEST_FIRST`) or a rank in a small
+/// `/dev/shm` (`OXCCL_TEST_SHM`).
 #[test]
 fn rank_entry() {
-    let programs: [(&str, fn()); 8] = [
+    let programs: [(&str, fn()); 9] = [
         (common::SCENARIO, common::play_scenario),
         ("OXCCL_TEST_DDP", ddp_mlp::play_rank),
         ("OXCCL_TEST_MOE", moe_example::play_rank),
@@ -40,6 +42,7 @@ fn rank_entry() {
         ("OXCCL_TEST_ZERO", zero_mlp::play_rank),
         ("OXCCL_TEST_PIPELINE", pipeline_mlp::play_rank),
         (first_contact::FIRST, first_contact::play_rank),
+        (shm_footprint::SHM, shm_footprint::play_rank),
     ];
     let set: Vec<&(&str, fn())> = programs
         .iter()

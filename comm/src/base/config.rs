@@ -78,6 +78,11 @@ pub struct Config {
     pub slot_bytes: usize,
     /// Slots per connection direction (`OXCCL_NSLOTS`, default 4, like NCCL_STEPS).
     pub nslots: usize,
+    /// Bytes that all of a rank's shared-memory receive rings may take together
+    /// (`OXCCL_SHM_RING_BYTES`, default 2 MiB; 0 = no limit): a rank with many peers on its node
+    /// gets smaller slots, `min(slot_bytes, shm_ring_bytes / (peers x nslots))` in whole 4 KiB
+    /// pages, at least one page, so 8 ranks need 32 MiB of `/dev/shm`, not 128.
+    pub shm_ring_bytes: usize,
     /// Node id override (`OXCCL_NODE_ID`); default: the hostname.
     pub node_id: Option<String>,
     /// Transport policy (`OXCCL_TRANSPORT` = `auto`, `tcp`, `shm` or `rdma`).
@@ -190,6 +195,7 @@ impl Default for Config {
             socket_delayed_ack: true,
             slot_bytes: 512 << 10,
             nslots: 4,
+            shm_ring_bytes: 2 << 20,
             node_id: None,
             transport: TransportChoice::Auto,
             ib_provider: IbProvider::Verbs,
@@ -292,12 +298,20 @@ pub(crate) fn check_timeout(t: Duration) -> std::result::Result<(), String> {
 const NSOCKS: std::ops::RangeInclusive<usize> = 1..=16;
 /// `OXCCL_SOCKET_CHANNELS` / [`Config::socket_channels`].
 const CHANNELS: std::ops::RangeInclusive<usize> = 1..=16;
+/// What `OXCCL_SHM_RING_BYTES` accepts, in words.
+const RING_BYTES_WANT: &str = "0 (no limit) or a multiple of 4096 between 64 KiB and 64 GiB";
 /// `OXCCL_NSLOTS` / [`Config::nslots`].
 const NSLOTS: std::ops::RangeInclusive<usize> = 1..=64;
 
 /// `OXCCL_SLOT_BYTES` / [`Config::slot_bytes`]: a multiple of 64 from 64 B to 64 MiB.
 fn slot_bytes_ok(b: usize) -> bool {
     (64..=64 << 20).contains(&b) && b.is_multiple_of(64)
+}
+
+/// `OXCCL_SHM_RING_BYTES` / [`Config::shm_ring_bytes`]: 0, or a multiple of 4 KiB from 64 KiB
+/// to 64 GiB.
+fn ring_bytes_ok(b: usize) -> bool {
+    b == 0 || ((64 << 10..=64 << 30).contains(&b) && b.is_multiple_of(4096))
 }
 
 /// `OXCCL_SHM_DIRECT_BYTES` / [`Config::direct_bytes`]: 0, or a multiple of 64 from 4 KiB to 1 GiB.
@@ -349,6 +363,10 @@ impl Config {
         }
         if !NSLOTS.contains(&self.nslots) {
             return bad("nslots", "OXCCL_NSLOTS", self.nslots, "in 1..=64");
+        }
+        if !ring_bytes_ok(self.shm_ring_bytes) {
+            let (v, want) = (self.shm_ring_bytes, RING_BYTES_WANT);
+            return bad("shm_ring_bytes", "OXCCL_SHM_RING_BYTES", v, want);
         }
         if !direct_bytes_ok(self.direct_bytes) {
             let want = "0 or a multiple of 64 between 4 KiB and 1 GiB";
@@ -495,6 +513,15 @@ impl Config {
             c.nslots = parse_num("OXCCL_NSLOTS", &v)?;
             if !NSLOTS.contains(&c.nslots) {
                 return Err(Error::Config(format!("OXCCL_NSLOTS={v} must be in 1..=64")));
+            }
+        }
+        if let Some(v) = get("OXCCL_SHM_RING_BYTES") {
+            c.shm_ring_bytes = parse_num("OXCCL_SHM_RING_BYTES", &v)?;
+            if !ring_bytes_ok(c.shm_ring_bytes) {
+                let want = RING_BYTES_WANT;
+                return Err(Error::Config(format!(
+                    "OXCCL_SHM_RING_BYTES={v} must be {want}"
+                )));
             }
         }
         c.node_id = get("OXCCL_NODE_ID").filter(|s| !s.is_empty());

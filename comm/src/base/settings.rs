@@ -67,6 +67,13 @@ impl Settings {
         self.set("OXCCL_NSLOTS", n)
     }
 
+    /// Bytes all of a rank's shared-memory rings may take together (`OXCCL_SHM_RING_BYTES`;
+    /// 0 = no limit, every ring `nslots` x `slot_bytes`).
+    #[must_use]
+    pub fn shm_ring_bytes(self, bytes: usize) -> Settings {
+        self.set("OXCCL_SHM_RING_BYTES", bytes)
+    }
+
     /// Bytes of each shared-memory staging half (`OXCCL_SHM_DIRECT_BYTES`; 0 turns the staging
     /// algorithms off).
     #[must_use]

@@ -34,11 +34,11 @@ pub(crate) use select::Selector;
 use std::os::fd::RawFd;
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use crate::base::bootstrap::Store;
+use crate::base::bootstrap::{is_wait_timeout, Store};
 use crate::base::config::Config;
-use crate::base::error::Result;
+use crate::base::error::{Error, Result};
 
 pub use crate::base::op::Tag;
 
@@ -411,7 +411,60 @@ impl Group<'_> {
             .then(|| self.selector.host(&self.peers[a], &self.peers[b]).ok())
             .flatten()
     }
+
+    /// Where the first rank whose connecting fails says why (first writer wins).
+    fn failed_key(&self) -> String {
+        format!("{}/connect_failed", self.id)
+    }
+
+    /// Tells the other ranks that connecting failed on this rank, and why, so that their waits
+    /// for it end at once with the cause ([`Group::wait_get`]).
+    pub fn publish_failure(&self, why: &Error) {
+        let msg = format!("rank {} could not connect: {why}", self.rank);
+        let _ = self
+            .store
+            .compare_set(&self.failed_key(), None, msg.as_bytes());
+    }
+
+    /// The failure another rank published, as this rank's `Config` error (`Ok` while none).
+    pub fn check_failed(&self) -> Result<()> {
+        match self.store.try_get(&self.failed_key()) {
+            Ok(Some(why)) => Err(Error::Config(format!(
+                "rank {}: init: {}",
+                self.rank,
+                String::from_utf8_lossy(&why)
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// Waits for `key` in the store until the deadline, looking every [`FAILED_POLL`] for a
+    /// failure another rank published (which ends the wait with it).
+    ///
+    /// # Errors
+    /// The published failure; else the store's error (a time-out names the key).
+    pub fn wait_get(&self, key: &str) -> Result<Vec<u8>> {
+        loop {
+            let left = self.deadline.saturating_duration_since(Instant::now());
+            let slice = left.min(FAILED_POLL).max(Duration::from_millis(1));
+            match self.store.get(key, slice) {
+                Ok(v) => return Ok(v),
+                Err(Error::Store(msg))
+                    if is_wait_timeout(&msg) && Instant::now() < self.deadline =>
+                {
+                    self.check_failed()?;
+                }
+                Err(e) => {
+                    self.check_failed()?;
+                    return Err(e);
+                }
+            }
+        }
+    }
 }
+
+/// How often a rank waiting for a peer's connection details looks for a published failure.
+pub(crate) const FAILED_POLL: Duration = Duration::from_millis(200);
 
 /// Which memory a backend carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

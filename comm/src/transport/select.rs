@@ -232,17 +232,31 @@ pub(crate) fn connect_all(
             .collect()
     };
     let peers: Vec<Vec<usize>> = backends.iter().map(|b| given(b.as_ref())).collect();
-    for (b, ps) in backends.iter_mut().zip(&peers) {
+    if let Err(e) = set_up_and_connect(backends, &peers, group, links) {
+        group.publish_failure(&e);
+        return Err(e);
+    }
+    Ok(routes)
+}
+
+/// Every backend's set-up, then every backend's connect, each with its `peers`.
+fn set_up_and_connect(
+    backends: &mut [Box<dyn Transport>],
+    peers: &[Vec<usize>],
+    group: &Group<'_>,
+    links: &mut Links,
+) -> Result<()> {
+    for (b, ps) in backends.iter_mut().zip(peers) {
         if !ps.is_empty() {
             b.setup(group, ps)?;
         }
     }
-    for (b, ps) in backends.iter_mut().zip(&peers) {
+    for (b, ps) in backends.iter_mut().zip(peers) {
         if !ps.is_empty() {
             b.connect(group, ps, links)?;
         }
     }
-    Ok(routes)
+    Ok(())
 }
 
 #[cfg(test)]

@@ -22,13 +22,15 @@ fn hash_id_is_fnv1a_64() {
 #[test]
 fn hand_built_fields_out_of_range_are_refused_at_init() {
     type Tweak = fn(&mut Config);
-    let cases: [(&str, Tweak); 10] = [
+    let cases: [(&str, Tweak); 12] = [
         ("nsocks", |c| c.nsocks = 0),
         ("nsocks", |c| c.nsocks = 17),
         ("socket_buffer", |c| c.socket_buffer = 4 << 30),
         ("slot_bytes", |c| c.slot_bytes = 100),
         ("nslots", |c| c.nslots = 0),
         ("direct_bytes", |c| c.direct_bytes = 1000),
+        ("shm_ring_bytes", |c| c.shm_ring_bytes = 4096),
+        ("shm_ring_bytes", |c| c.shm_ring_bytes = (1 << 20) + 64),
         ("cuda_ipc_slot", |c| c.cuda_ipc_slot = 0),
         ("hierarchical_block", |c| c.hierarchical_block = 0),
         ("trace_buffer", |c| c.trace_buffer = usize::MAX),

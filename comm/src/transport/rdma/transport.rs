@@ -15,7 +15,6 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
-use std::time::{Duration, Instant};
 
 use super::conn::{install, Ends};
 use super::proto::HEADER;
@@ -244,8 +243,7 @@ impl Transport for RdmaTransport {
         let me = group.rank;
         for &p in peers {
             let k = key(group.id, p, me);
-            let left = group.deadline.saturating_duration_since(Instant::now());
-            let v = group.store.get(&k, left.max(Duration::from_millis(1)))?;
+            let v = group.wait_get(&k)?;
             let n = u64::from_le_bytes(v.as_slice().try_into().map_err(|_| {
                 Error::Store(format!("rank {me}: {k}: expected 8 bytes, got {}", v.len()))
             })?);

@@ -10,10 +10,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::segment::ring_slot_bytes;
 use super::{job_prefix, probe_single_copy, Segment, ShmRecv, ShmSend, ShmWindow, UnlinkGuard};
 use crate::base::bootstrap::{hash_id, init_store_error};
 use crate::base::error::{Error, Result};
-use crate::transport::{same_node, CanConnect, Group, Links, Memory, Transport, Window};
+use crate::transport::{
+    same_node, CanConnect, Group, Links, Memory, Transport, Window, FAILED_POLL,
+};
 
 /// The shared-memory backend of one rank of one communicator.
 #[derive(Default)]
@@ -43,13 +46,6 @@ fn everyone(group: &Group<'_>, peers: &[usize]) -> bool {
 fn failed(group: &Group<'_>, e: Error, what: &str, key: &str, waiting_for: Option<&str>) -> Error {
     let (rank, timeout) = (group.rank, group.cfg.timeout);
     init_store_error(rank, e, what, key, waiting_for, timeout, group.deadline)
-}
-
-/// Time left until `deadline`, at least a millisecond (a store wait of zero would not ask).
-fn left(deadline: Instant) -> Duration {
-    deadline
-        .saturating_duration_since(Instant::now())
-        .max(Duration::from_millis(1))
 }
 
 impl Transport for ShmTransport {
@@ -82,8 +78,16 @@ impl Transport for ShmTransport {
         } else {
             0
         };
-        let (seg, path) =
-            Segment::create(rank, &name, peers.len(), cfg.slot_bytes, cfg.nslots, direct)?;
+        let slot = ring_slot_bytes(cfg.slot_bytes, cfg.nslots, peers.len(), cfg.shm_ring_bytes);
+        let (seg, path) = Segment::create(rank, &name, peers.len(), slot, cfg.nslots, direct)?;
+        tracing::debug!(
+            rank,
+            peers = peers.len(),
+            slot,
+            nslots = cfg.nslots,
+            direct,
+            "shared-memory segment"
+        );
         // The name goes at the end of `connect` (every peer has mapped the segment), or when
         // this backend is dropped after a failure: the mappings stay.
         let unlink = UnlinkGuard::new(path.clone());
@@ -150,7 +154,7 @@ impl Transport for ShmTransport {
 /// Maps `p`'s segment, once `p` has published its name; returns it and its path.
 fn map_peer(group: &Group<'_>, p: usize) -> Result<(Arc<Segment>, String)> {
     let key = format!("{}/shm/{p}", group.id);
-    let rec = group.store.get(&key, left(group.deadline)).map_err(|e| {
+    let rec = group.wait_get(&key).map_err(|e| {
         let waiting = format!("rank {p} never published its shared-memory segment");
         let what = "reading a shared-memory segment name";
         failed(group, e, what, &key, Some(&waiting))
@@ -189,7 +193,12 @@ fn wait_mapped(group: &Group<'_>, peers: usize) -> Result<()> {
             .add(&key, 0)
             .map_err(|e| failed(group, e, "reading the mapped-segment count", &key, None))
     };
+    let mut looked = Instant::now();
     while mapped()? < peers as i64 {
+        if looked.elapsed() >= FAILED_POLL {
+            group.check_failed()?;
+            looked = Instant::now();
+        }
         if Instant::now() >= group.deadline {
             return Err(Error::Timeout {
                 rank: group.rank,
@@ -229,7 +238,7 @@ fn open_window(
     let mut single_copy = true;
     for p in 0..group.size {
         let key = format!("{id}/single_copy/{p}");
-        let v = group.store.get(&key, left(group.deadline)).map_err(|e| {
+        let v = group.wait_get(&key).map_err(|e| {
             let waiting = format!("rank {p} never published its single-copy capability");
             let what = "reading a single-copy capability";
             failed(group, e, what, &key, Some(&waiting))

@@ -38,6 +38,10 @@
 //! the receiver sets its bit when it stops reading (the sender then fails instead of waiting for a
 //! slot). A closed or dead peer is only an error after `head` is read again and still unmet.
 //!
+//! **Size.** A rank's rings share `OXCCL_SHM_RING_BYTES` (2 MiB): with `p` peers each ring's
+//! slots are `min(OXCCL_SLOT_BYTES, budget / (p x nslots))` in whole pages, so a segment stays
+//! about 4 MiB (rings and staging) however many ranks share the node. docs/ENV.md gives the formula.
+//!
 //! **Hygiene.** Segments are unlinked as soon as every peer has mapped them (the mappings stay
 //! valid), so a rank killed after start-up leaves nothing in `/dev/shm`; `oxccl launch` also
 //! removes `/dev/shm/oxccl-<job>-*` when a job ends. Space is reserved with `posix_fallocate`, so a

@@ -37,6 +37,25 @@ pub fn segment_bytes(nrings: usize, slot_size: usize, nslots: usize, direct: usi
     HEADER + BELL + nrings * ring_bytes(slot_size, nslots) + direct_area_bytes(direct)
 }
 
+/// Page size the ring budget rounds slots to.
+const PAGE: usize = 4096;
+
+/// Slot bytes of the rings of a rank with `peers` shared-memory peers: `slot_bytes`, or less
+/// where `peers` rings of `nslots` slots would take more than `ring_budget` bytes together
+/// (`OXCCL_SHM_RING_BYTES`; 0 = no limit), then whole pages, at least one.
+pub fn ring_slot_bytes(
+    slot_bytes: usize,
+    nslots: usize,
+    peers: usize,
+    ring_budget: usize,
+) -> usize {
+    if ring_budget == 0 || peers == 0 {
+        return slot_bytes;
+    }
+    let fit = ring_budget / (peers * nslots.max(1));
+    slot_bytes.min((fit / PAGE * PAGE).max(PAGE))
+}
+
 /// The `/dev/shm` prefix of every segment of a job (what `oxccl launch` removes at the end).
 pub fn job_prefix(job: &str) -> String {
     let clean: String = job
@@ -185,7 +204,7 @@ impl Segment {
                 Error::Config(format!(
                     "rank {rank}: {SHM_DIR} is too small: the shared-memory transport needs {bytes} bytes for this rank \
                      ({nrings} peers x {nslots} slots x {slot_size} B, 2 x {direct} B staging) and {free} bytes are \
-                     free; enlarge it (e.g. docker --shm-size), lower OXCCL_SLOT_BYTES/OXCCL_NSLOTS/\
+                     free; enlarge it (e.g. docker --shm-size), lower OXCCL_SHM_RING_BYTES/OXCCL_NSLOTS/\
                      OXCCL_SHM_DIRECT_BYTES, or set OXCCL_TRANSPORT=tcp"
                 ))
             } else {

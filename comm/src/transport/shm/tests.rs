@@ -191,3 +191,21 @@ fn too_small_is_named() {
         Ok(_) => panic!("2^46 bytes fit in /dev/shm?"),
     }
 }
+
+#[test]
+fn ring_budget_shrinks_slots_with_the_peers() {
+    use super::segment::ring_slot_bytes;
+    let (slot, n, budget) = (512 << 10, 4, 2 << 20);
+    // One peer keeps the full slots; more peers share the budget in whole pages.
+    assert_eq!(ring_slot_bytes(slot, n, 1, budget), 512 << 10);
+    assert_eq!(ring_slot_bytes(slot, n, 3, budget), 168 << 10);
+    assert_eq!(ring_slot_bytes(slot, n, 7, budget), 72 << 10);
+    // Never below a page; never above the slot asked for; 0 = no limit.
+    assert_eq!(ring_slot_bytes(slot, n, 1000, budget), 4096);
+    assert_eq!(ring_slot_bytes(1024, n, 7, budget), 1024);
+    assert_eq!(ring_slot_bytes(slot, n, 7, 0), slot);
+    for peers in 1..64 {
+        let s = ring_slot_bytes(slot, n, peers, budget);
+        assert!(s.is_multiple_of(64) && (peers * n * s <= budget || s == 4096));
+    }
+}

@@ -11,7 +11,6 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use super::super::address::{pair_mtu, QpAddress};
 use super::super::conn::{install, Ends};
@@ -70,8 +69,7 @@ impl VerbsSide {
     }
 
     fn fetch(&self, group: &Group<'_>, k: &str, peer: usize) -> Result<QpAddress> {
-        let left = group.deadline.saturating_duration_since(Instant::now());
-        let v = group.store.get(k, left.max(Duration::from_millis(1)))?;
+        let v = group.wait_get(k)?;
         QpAddress::decode(&v).map_err(|e| transport(group.rank, peer, format!("{k}: {e}")))
     }
 
@@ -111,11 +109,7 @@ impl VerbsSide {
             install(links, (send, recv), self.slots, self.payload, ends);
         }
         for &p in peers {
-            let left = group.deadline.saturating_duration_since(Instant::now());
-            group.store.get(
-                &key(group.id, p, me, "up"),
-                left.max(Duration::from_millis(1)),
-            )?;
+            group.wait_get(&key(group.id, p, me, "up"))?;
         }
         Ok(())
     }
