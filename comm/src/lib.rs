@@ -85,4 +85,9 @@ pub mod internal {
     pub mod rdma {
         pub use crate::transport::rdma::verbs_port;
     }
+
+    /// The address this host listens on for TCP peers (`OXCCL_SOCKET_IFNAME`'s choice).
+    pub mod tcp {
+        pub use crate::transport::tcp::iface::choose_local_ip;
+    }
 }

@@ -269,6 +269,58 @@ mod device {
         }
     }
 
+    impl<'a> Buf<'a> {
+        /// `count` elements of `dtype` at the device address `ptr`, for a call enqueued on
+        /// `stream` (memory that cudarc did not allocate: a C caller's, say).
+        ///
+        /// # Safety
+        /// `ptr` is null with `count` 0, or points to `count` elements of `dtype` in device
+        /// memory that `stream`'s context can read, and stays allocated (and unwritten by
+        /// others) until the work the call enqueues on `stream` has run.
+        pub unsafe fn device_raw(
+            ptr: cudarc::driver::sys::CUdeviceptr,
+            count: usize,
+            dtype: oxccl_kernels::DType,
+            stream: &'a Arc<CudaStream>,
+        ) -> Buf<'a> {
+            Buf {
+                data: Data::Device(Device {
+                    ptr,
+                    bytes: count * dtype.size(),
+                    stream,
+                    _guard: None,
+                }),
+                dtype,
+                count,
+            }
+        }
+    }
+
+    impl<'a> BufMut<'a> {
+        /// The writable twin of [`Buf::device_raw`].
+        ///
+        /// # Safety
+        /// As [`Buf::device_raw`], and nothing else reads or writes the memory until the
+        /// call's work on `stream` has run.
+        pub unsafe fn device_raw(
+            ptr: cudarc::driver::sys::CUdeviceptr,
+            count: usize,
+            dtype: oxccl_kernels::DType,
+            stream: &'a Arc<CudaStream>,
+        ) -> BufMut<'a> {
+            BufMut {
+                data: Data::Device(Device {
+                    ptr,
+                    bytes: count * dtype.size(),
+                    stream,
+                    _guard: None,
+                }),
+                dtype,
+                count,
+            }
+        }
+    }
+
     impl<'a> BufMut<'a> {
         /// A writable cudarc device buffer viewed for a call enqueued on `stream` (see
         /// [`Buf::device`]).

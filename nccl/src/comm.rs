@@ -1,0 +1,303 @@
+//! The communicator behind an `ncclComm_t`: a [`Handle`] shared through an `Arc` (the pointer
+//! the caller holds is `Arc::into_raw`), so a watchdog thread can abort it while another thread
+//! is inside a call. Creating one (`ncclCommInitRank`, `ncclCommSplit`) is collective and,
+//! inside `ncclGroupStart/End`, deferred to the group's end (`crate::group`).
+
+use std::ffi::c_int;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread;
+
+use oxccl_comm::bootstrap::{MemStore, Store, TcpStore};
+use oxccl_comm::{Communicator, Config, ReduceOp};
+
+use crate::abi::{self, NCCL_OPS_LIMIT, NUM_OPS};
+use crate::group;
+use crate::id::Root;
+use crate::status::{bad_arg, bad_use, fail, Failure, Outcome};
+
+/// What an `ncclComm_t` points to.
+pub struct Handle {
+    /// The communicator, once created (at the call, or at the end of its group).
+    comm: OnceLock<Communicator>,
+    /// Why creating it failed, if it did.
+    failed: Mutex<Option<(c_int, String)>>,
+    /// The CUDA device it was created for (`ncclCommCuDevice`).
+    pub device: c_int,
+    /// Operations made by `ncclRedOpCreatePreMulSum`: op `NUM_OPS + i` is `ops[i]` (`None`
+    /// once destroyed).
+    ops: Mutex<Vec<Option<ReduceOp>>>,
+}
+
+/// The raw `ncclComm_t`.
+pub type CommPtr = *const Handle;
+
+impl Handle {
+    fn new(device: c_int) -> Arc<Handle> {
+        Arc::new(Handle {
+            comm: OnceLock::new(),
+            failed: Mutex::new(None),
+            device,
+            ops: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The communicator, or why there is none.
+    pub fn comm(&self) -> Result<&Communicator, Failure> {
+        if let Some(c) = self.comm.get() {
+            return Ok(c);
+        }
+        let failed = self.failed.lock().unwrap_or_else(|p| p.into_inner());
+        Err(match failed.as_ref() {
+            Some((code, msg)) => fail(*code, format!("creating this communicator failed: {msg}")),
+            None => bad_use(
+                "this communicator is not created yet: it was initialised inside \
+                 ncclGroupStart/ncclGroupEnd and the group has not ended",
+            ),
+        })
+    }
+
+    /// Records the end of creating it.
+    fn finish(&self, made: Result<Communicator, Failure>) -> Outcome {
+        match made {
+            Ok(c) => {
+                let _ = self.comm.set(c);
+                Ok(())
+            }
+            Err(f) => {
+                *self.failed.lock().unwrap_or_else(|p| p.into_inner()) =
+                    Some((f.code, f.msg.clone()));
+                Err(f)
+            }
+        }
+    }
+
+    /// `ncclCommGetAsyncError`: a creation that failed, else an error a device operation met
+    /// after its call returned (feature `cuda`), else success.
+    pub fn async_error(&self) -> c_int {
+        if let Some((code, _)) = *self.failed.lock().unwrap_or_else(|p| p.into_inner()) {
+            return code;
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(e) = self.comm.get().and_then(|c| c.device_async_error()) {
+            return Failure::from(e).code;
+        }
+        if self.comm.get().is_none() {
+            return abi::IN_PROGRESS;
+        }
+        abi::SUCCESS
+    }
+
+    /// A reduction operation: a built-in one, or one this communicator made.
+    pub fn op(&self, op: c_int) -> Result<ReduceOp, Failure> {
+        if let Some(o) = abi::builtin_op(op) {
+            return Ok(o);
+        }
+        let ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
+        usize::try_from(op - NUM_OPS)
+            .ok()
+            .and_then(|i| ops.get(i).copied().flatten())
+            .ok_or_else(|| bad_arg(format!("ncclRedOp_t {op} is not a valid operation here")))
+    }
+
+    /// `ncclRedOpCreatePreMulSum` with a host scalar `factor`: the new operation's number.
+    pub fn add_premul(&self, factor: f64) -> Result<c_int, Failure> {
+        let mut ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
+        if ops.len() >= NCCL_OPS_LIMIT {
+            return Err(bad_use(format!(
+                "{NCCL_OPS_LIMIT} operations exist on this communicator: destroy some first"
+            )));
+        }
+        ops.push(Some(ReduceOp::premul_sum(factor)));
+        Ok(NUM_OPS + ops.len() as c_int - 1)
+    }
+
+    /// `ncclRedOpDestroy`.
+    pub fn remove_op(&self, op: c_int) -> Outcome {
+        let mut ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
+        match usize::try_from(op - NUM_OPS)
+            .ok()
+            .and_then(|i| ops.get_mut(i))
+        {
+            Some(slot @ Some(_)) => {
+                *slot = None;
+                Ok(())
+            }
+            _ => Err(bad_arg(format!(
+                "ncclRedOp_t {op} was not made by ncclRedOpCreatePreMulSum on this communicator"
+            ))),
+        }
+    }
+}
+
+/// Borrows the handle behind `comm`.
+///
+/// # Safety
+/// `comm` is null or a pointer this library returned and the caller has not destroyed.
+pub unsafe fn handle<'a>(comm: CommPtr) -> Result<&'a Handle, Failure> {
+    // SAFETY: per the contract, a non-null `comm` came from `Arc::into_raw` and is alive.
+    unsafe { comm.as_ref() }.ok_or_else(|| bad_arg("the communicator is NULL"))
+}
+
+/// Hands a new handle to the caller (`*out`).
+///
+/// # Safety
+/// `out` is valid for a write.
+unsafe fn give(out: *mut CommPtr, h: &Arc<Handle>) {
+    // SAFETY: per the contract; the caller owns one count of the Arc from now on.
+    unsafe { out.write(Arc::into_raw(h.clone())) };
+}
+
+/// Ends the caller's handle (`ncclCommDestroy`, `ncclCommAbort`): the communicator closes once
+/// no call is using it any more.
+///
+/// # Safety
+/// `comm` is a pointer this library returned, not destroyed before.
+pub unsafe fn release(comm: CommPtr) {
+    if !comm.is_null() {
+        // SAFETY: per the contract, this gives back the count `give` handed out.
+        drop(unsafe { Arc::from_raw(comm) });
+    }
+}
+
+/// The CUDA device current on this thread (0 without the `cuda` feature or a context).
+fn current_device() -> c_int {
+    #[cfg(feature = "cuda")]
+    if crate::coll::driver_present() {
+        use cudarc::driver::sys;
+        let mut d: sys::CUdevice = 0;
+        // SAFETY: writes the current context's device into `d`; fails (no context) harmlessly.
+        if unsafe { sys::cuCtxGetDevice(&mut d) } == sys::CUresult::CUDA_SUCCESS {
+            return d;
+        }
+    }
+    0
+}
+
+/// `ncclCommInitRank` / `ncclCommInitRankConfig`: rank `rank` of `nranks`, meeting at `root`.
+///
+/// # Safety
+/// `out` is valid for a write.
+pub unsafe fn init_rank(out: *mut CommPtr, nranks: c_int, root: Root, rank: c_int) -> Outcome {
+    if out.is_null() {
+        return Err(bad_arg("comm (the ncclComm_t* to fill) is NULL"));
+    }
+    if nranks < 1 || rank < 0 || rank >= nranks {
+        return Err(bad_arg(format!(
+            "rank {rank} of nranks {nranks}: need 0 <= rank < nranks"
+        )));
+    }
+    let h = Handle::new(current_device());
+    // SAFETY: checked non-null; writable per the contract.
+    unsafe { give(out, &h) };
+    let (rank, size) = (rank as usize, nranks as usize);
+    let job = move || {
+        let made = (|| {
+            let cfg = Config::from_env()?;
+            let host = root.addr.ip().to_string();
+            let store = TcpStore::connect_with_token(
+                &host,
+                root.addr.port(),
+                cfg.timeout,
+                Some(&root.nonce),
+            )?;
+            let store: Arc<dyn Store> = Arc::new(store);
+            Ok(Communicator::init_with_config(rank, size, store, cfg)?)
+        })();
+        h.finish(made)
+    };
+    group::connect(Box::new(job))
+}
+
+/// `ncclCommInitAll`: `ndev` ranks of one communicator in this process, rank `i` on device
+/// `devlist[i]` (or `i`).
+///
+/// # Safety
+/// `out` is valid for `ndev` writes; `devlist` is null or valid for `ndev` reads.
+pub unsafe fn init_all(out: *mut CommPtr, ndev: c_int, devlist: *const c_int) -> Outcome {
+    if out.is_null() || ndev < 1 {
+        return Err(bad_arg(format!("comms is NULL or ndev = {ndev} < 1")));
+    }
+    let n = ndev as usize;
+    let devices: Vec<c_int> = (0..n)
+        .map(|i| {
+            if devlist.is_null() {
+                i as c_int
+            } else {
+                // SAFETY: `devlist` is valid for `ndev` reads when not null, per the contract.
+                unsafe { *devlist.add(i) }
+            }
+        })
+        .collect();
+    let cfg = Config::from_env()?;
+    let store: Arc<dyn Store> = Arc::new(MemStore::new());
+    let made: Vec<Result<Communicator, Failure>> = thread::scope(|s| {
+        let ranks: Vec<_> = (0..n)
+            .map(|r| {
+                let (store, cfg) = (store.clone(), cfg.clone());
+                s.spawn(move || Ok(Communicator::init_with_config(r, n, store, cfg)?))
+            })
+            .collect();
+        ranks
+            .into_iter()
+            .map(|t| {
+                t.join()
+                    .unwrap_or_else(|_| Err(bad_use("a rank's init panicked")))
+            })
+            .collect()
+    });
+    if let Some(e) = made.iter().find_map(|m| m.as_ref().err()) {
+        return Err(fail(e.code, e.msg.clone()));
+    }
+    for (i, (c, dev)) in made.into_iter().zip(devices).enumerate() {
+        let h = Handle::new(dev);
+        h.finish(c)?;
+        // SAFETY: `out` is valid for `ndev` writes, per the contract.
+        unsafe { give(out.add(i), &h) };
+    }
+    Ok(())
+}
+
+/// `ncclCommSplit`: a new communicator of the ranks passing `color` (none for
+/// `NCCL_SPLIT_NOCOLOR`: `*out` becomes NULL), ordered by `key`.
+///
+/// # Safety
+/// `parent` as for [`handle`]; `out` is valid for a write.
+pub unsafe fn split(parent: CommPtr, color: c_int, key: c_int, out: *mut CommPtr) -> Outcome {
+    // SAFETY: per the contract.
+    let parent = unsafe { handle(parent) }?;
+    if out.is_null() {
+        return Err(bad_arg("newcomm (the ncclComm_t* to fill) is NULL"));
+    }
+    if color < abi::SPLIT_NOCOLOR {
+        return Err(bad_arg(format!(
+            "color {color}: must be >= 0 or NCCL_SPLIT_NOCOLOR (-1)"
+        )));
+    }
+    let member = color != abi::SPLIT_NOCOLOR;
+    let h = Handle::new(parent.device);
+    if member {
+        // SAFETY: checked non-null; writable per the contract.
+        unsafe { give(out, &h) };
+    } else {
+        // SAFETY: as above.
+        unsafe { out.write(std::ptr::null()) };
+    }
+    // The parent must outlive the deferred split: hold a count of it until then.
+    // SAFETY: `parent` is a live handle from `Arc::into_raw`: a new count of the same Arc.
+    let parent: Arc<Handle> = unsafe {
+        let p = parent as *const Handle;
+        Arc::increment_strong_count(p);
+        Arc::from_raw(p)
+    };
+    let job = move || {
+        let made = parent
+            .comm()
+            .and_then(|c| Ok(c.split(member.then_some(color as u32), i64::from(key))?));
+        match made {
+            Ok(Some(c)) => h.finish(Ok(c)),
+            Ok(None) => Ok(()),
+            Err(f) => h.finish(Err(f)),
+        }
+    };
+    group::connect(Box::new(job))
+}
