@@ -2,6 +2,12 @@
 //! type, the operation, the root or peer), then run now or at the end of the caller's group
 //! (`crate::group`). With the `cuda` feature each one enqueues on the caller's stream through
 //! oxccl's device collectives and returns; without it, every one fails saying so.
+//!
+//! With `OXCCL_NCCL_HOST_MEMORY=1` the buffers are host memory instead (no GPU needed; the
+//! stream is ignored and each call is complete when it returns): programs can check their use
+//! of NCCL's API on a machine without a GPU, and this crate's tests check every call's
+//! arguments that way. Sends and receives then run as one batch per communicator and group,
+//! so that none blocks another, as NCCL's grouped point-to-point calls do.
 
 use std::ffi::c_int;
 use std::sync::Arc;
@@ -11,7 +17,7 @@ use oxccl_comm::{DType, ReduceOp};
 use crate::abi;
 use crate::comm::{handle, CommPtr, Handle};
 use crate::group;
-use crate::status::{bad_arg, Outcome};
+use crate::status::{bad_arg, Failure, Outcome};
 
 /// Device addresses, as integers (they are only handed to CUDA).
 pub type Addr = u64;
@@ -133,12 +139,250 @@ pub fn rank_arg(t: &Target, what: &str, r: c_int) -> Result<usize, crate::status
 
 /// Runs `call` now, or at the end of the caller's group.
 pub fn submit(t: Target, call: Call) -> Outcome {
-    group::op(Box::new(move || run(&t, call)))
+    if group::active() {
+        group::op(t, call);
+        Ok(())
+    } else {
+        run_group(vec![(t, call)])
+    }
+}
+
+impl Call {
+    fn is_p2p(&self) -> bool {
+        matches!(self, Call::Send { .. } | Call::Recv { .. })
+    }
+}
+
+/// Runs a group's operations in call order, except that each communicator's sends and
+/// receives run together, as one batch, where the first of them was called. Every operation
+/// runs; the first failure is the result.
+pub fn run_group(ops: Vec<(Target, Call)>) -> Outcome {
+    let mut first: Option<Failure> = None;
+    let mut done = vec![false; ops.len()];
+    for i in 0..ops.len() {
+        if done[i] {
+            continue;
+        }
+        let r = if ops[i].1.is_p2p() {
+            let key = Arc::as_ptr(&ops[i].0.comm);
+            let batch: Vec<usize> = (i..ops.len())
+                .filter(|&j| ops[j].1.is_p2p() && Arc::as_ptr(&ops[j].0.comm) == key)
+                .collect();
+            for &j in &batch {
+                done[j] = true;
+            }
+            let calls: Vec<Call> = batch.iter().map(|&j| ops[j].1).collect();
+            run_p2p(&ops[i].0, &calls)
+        } else {
+            run(&ops[i].0, ops[i].1)
+        };
+        if let Err(f) = r {
+            first.get_or_insert(f);
+        }
+    }
+    first.map_or(Ok(()), Err)
+}
+
+/// Whether buffers are host memory (`OXCCL_NCCL_HOST_MEMORY`, read once).
+pub fn host_memory() -> bool {
+    static HOST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HOST.get_or_init(|| {
+        std::env::var("OXCCL_NCCL_HOST_MEMORY")
+            .is_ok_and(|v| matches!(v.trim(), "1" | "on" | "yes" | "true"))
+    })
+}
+
+/// One collective (not send or receive).
+fn run(t: &Target, call: Call) -> Outcome {
+    if host_memory() {
+        return host::run(t, call);
+    }
+    device_run(t, call)
+}
+
+/// A communicator's sends and receives of one group.
+fn run_p2p(t: &Target, calls: &[Call]) -> Outcome {
+    if host_memory() {
+        return host::batch(t, calls);
+    }
+    // Device buffers: one after another, in call order (not batched yet: docs/NCCL.md).
+    let mut first = None;
+    for &c in calls {
+        if let Err(f) = device_run(t, c) {
+            first.get_or_insert(f);
+        }
+    }
+    first.map_or(Ok(()), Err)
+}
+
+/// A collective's buffers as oxccl sees them: `r(addr, count)` a view to read,
+/// `w(addr, count)` one to write. The counts follow NCCL's rules; buffers that only the root
+/// uses are viewed empty on the other ranks.
+fn dispatch<'a>(
+    b: oxccl_comm::Buffers<'_>,
+    call: Call,
+    r: &dyn Fn(Addr, usize) -> Result<oxccl_comm::Buf<'a>, Failure>,
+    w: &dyn Fn(Addr, usize) -> Result<oxccl_comm::BufMut<'a>, Failure>,
+    (me, n): (usize, usize),
+) -> Outcome {
+    match call {
+        Call::AllReduce {
+            send,
+            recv,
+            count,
+            op,
+        } if send == recv => b.all_reduce(w(recv, count)?, op)?,
+        Call::AllReduce {
+            send,
+            recv,
+            count,
+            op,
+        } => b.all_reduce_into(r(send, count)?, w(recv, count)?, op)?,
+        Call::Broadcast {
+            send,
+            recv,
+            count,
+            root,
+        } if send == recv => b.broadcast(w(recv, count)?, root)?,
+        Call::Broadcast {
+            send,
+            recv,
+            count,
+            root,
+        } => {
+            let k = if me == root { count } else { 0 };
+            b.broadcast_into(r(send, k)?, w(recv, count)?, root)?
+        }
+        Call::Reduce {
+            send,
+            recv,
+            count,
+            op,
+            root,
+        } => {
+            let k = if me == root { count } else { 0 };
+            if send == recv && me == root {
+                b.reduce(w(recv, count)?, op, root)?
+            } else {
+                b.reduce_into(r(send, count)?, w(recv, k)?, op, root)?
+            }
+        }
+        Call::AllGather { send, recv, count } => {
+            b.all_gather_into(r(send, count)?, w(recv, count * n)?)?
+        }
+        Call::ReduceScatter {
+            send,
+            recv,
+            count,
+            op,
+        } => b.reduce_scatter_into(r(send, count * n)?, w(recv, count)?, op)?,
+        Call::AllToAll { send, recv, count } => {
+            b.all_to_all_into(r(send, count * n)?, w(recv, count * n)?)?
+        }
+        Call::Gather {
+            send,
+            recv,
+            count,
+            root,
+        } => {
+            let k = if me == root { count * n } else { 0 };
+            b.gather_into(r(send, count)?, w(recv, k)?, root)?
+        }
+        Call::Scatter {
+            send,
+            recv,
+            count,
+            root,
+        } => {
+            let k = if me == root { count * n } else { 0 };
+            b.scatter_into(r(send, k)?, w(recv, count)?, root)?
+        }
+        Call::Send { buf, count, peer } => b.send(r(buf, count)?, peer)?,
+        Call::Recv { buf, count, peer } => b.recv(w(buf, count)?, peer)?,
+    }
+    Ok(())
+}
+
+mod host {
+    //! `OXCCL_NCCL_HOST_MEMORY=1`: the caller's buffers are host memory.
+    use oxccl_comm::{Buf, BufMut, DType, P2pView};
+
+    use super::{dispatch, Addr, Call, Target};
+    use crate::status::{bad_arg, Failure, Outcome};
+
+    /// `n` elements of `dt` at `a`, to read.
+    ///
+    /// # Safety
+    /// NCCL's contract, with host memory: `a` points to `n` readable elements (or `n` is 0).
+    unsafe fn r<'a>(a: Addr, n: usize, dt: DType) -> Result<Buf<'a>, Failure> {
+        let bytes: &[u8] = if n == 0 {
+            &[]
+        } else if a == 0 {
+            return Err(bad_arg(format!("a NULL buffer of {n} elements")));
+        } else {
+            // SAFETY: per the contract.
+            unsafe { std::slice::from_raw_parts(a as *const u8, n * dt.size()) }
+        };
+        Buf::host(bytes, dt).map_err(|e| bad_arg(e.to_string()))
+    }
+
+    /// `n` elements of `dt` at `a`, to write.
+    ///
+    /// # Safety
+    /// As [`r`], writable, and used by nothing else during the call.
+    unsafe fn w<'a>(a: Addr, n: usize, dt: DType) -> Result<BufMut<'a>, Failure> {
+        let bytes: &mut [u8] = if n == 0 {
+            &mut []
+        } else if a == 0 {
+            return Err(bad_arg(format!("a NULL buffer of {n} elements")));
+        } else {
+            // SAFETY: per the contract.
+            unsafe { std::slice::from_raw_parts_mut(a as *mut u8, n * dt.size()) }
+        };
+        BufMut::host(bytes, dt).map_err(|e| bad_arg(e.to_string()))
+    }
+
+    pub(super) fn run(t: &Target, call: Call) -> Outcome {
+        let comm = t.comm.comm()?;
+        let dt = t.dtype;
+        // SAFETY: the views are the C caller's buffers, valid for the call by NCCL's contract
+        // (host memory in this mode); in place, the one view is both input and output.
+        let rd = |a, n| unsafe { r(a, n, dt) };
+        // SAFETY: as above.
+        let wr = |a, n| unsafe { w(a, n, dt) };
+        dispatch(comm.buffers(), call, &rd, &wr, (comm.rank(), comm.size()))
+    }
+
+    pub(super) fn batch(t: &Target, calls: &[Call]) -> Outcome {
+        let comm = t.comm.comm()?;
+        let mut ops = Vec::with_capacity(calls.len());
+        for &c in calls {
+            // SAFETY: as in `run`; NCCL's contract keeps a group's buffers apart.
+            ops.push(unsafe {
+                match c {
+                    Call::Send { buf, count, peer } => P2pView::Send {
+                        buf: r(buf, count, t.dtype)?,
+                        peer,
+                    },
+                    Call::Recv { buf, count, peer } => P2pView::Recv {
+                        buf: w(buf, count, t.dtype)?,
+                        peer,
+                    },
+                    other => {
+                        return Err(bad_arg(format!(
+                            "{other:?} in a batch of sends and receives"
+                        )))
+                    }
+                }
+            });
+        }
+        Ok(comm.buffers().batch_p2p(ops)?)
+    }
 }
 
 #[cfg(not(feature = "cuda"))]
-fn run(t: &Target, call: Call) -> Outcome {
-    let _ = (t.comm.comm()?, t.dtype, t.stream);
+fn device_run(t: &Target, call: Call) -> Outcome {
+    let _ = (t.comm.comm()?, t.stream);
     Err(crate::status::bad_use(format!(
         "{call:?}: this libnccl.so.2 was built without oxccl-nccl's `cuda` feature, so it has \
          no device collectives (build it with --features cuda)"
@@ -153,12 +397,13 @@ pub fn driver_present() -> bool {
 }
 
 #[cfg(feature = "cuda")]
-fn run(t: &Target, call: Call) -> Outcome {
+fn device_run(t: &Target, call: Call) -> Outcome {
     device::run(t, call)
 }
 
 #[cfg(feature = "cuda")]
 mod device {
+    //! Device buffers on the caller's stream.
     use std::sync::{Arc, Mutex};
 
     use cudarc::driver::{sys, CudaContext, CudaStream};
@@ -235,83 +480,13 @@ mod device {
         // the call as NCCL requires; the wrapper never destroys it.
         let stream = unsafe { ctx.wrap_borrowed_stream(t.stream as sys::CUstream) };
         refuse_capture(&stream, &call)?;
-        let (b, dt, s, n, me) = (comm.buffers(), t.dtype, &stream, comm.size(), comm.rank());
-        // SAFETY: every view below has the C caller's addresses and counts, who promises
-        // NCCL's contract: device memory of this context, large enough for the call, left
-        // alone until the stream has run it. Non-roots' root-only buffers are viewed empty.
-        unsafe {
-            match call {
-                Call::AllReduce {
-                    send,
-                    recv,
-                    count,
-                    op,
-                } if send == recv => b.all_reduce(w(recv, count, dt, s), op)?,
-                Call::AllReduce {
-                    send,
-                    recv,
-                    count,
-                    op,
-                } => b.all_reduce_into(r(send, count, dt, s), w(recv, count, dt, s), op)?,
-                Call::Broadcast {
-                    send,
-                    recv,
-                    count,
-                    root,
-                } if send == recv => b.broadcast(w(recv, count, dt, s), root)?,
-                Call::Broadcast {
-                    send,
-                    recv,
-                    count,
-                    root,
-                } => {
-                    let k = if me == root { count } else { 0 };
-                    b.broadcast_into(r(send, k, dt, s), w(recv, count, dt, s), root)?
-                }
-                Call::Reduce {
-                    send,
-                    recv,
-                    count,
-                    op,
-                    root,
-                } => {
-                    let k = if me == root { count } else { 0 };
-                    b.reduce_into(r(send, count, dt, s), w(recv, k, dt, s), op, root)?
-                }
-                Call::AllGather { send, recv, count } => {
-                    b.all_gather_into(r(send, count, dt, s), w(recv, count * n, dt, s))?
-                }
-                Call::ReduceScatter {
-                    send,
-                    recv,
-                    count,
-                    op,
-                } => b.reduce_scatter_into(r(send, count * n, dt, s), w(recv, count, dt, s), op)?,
-                Call::AllToAll { send, recv, count } => {
-                    b.all_to_all_into(r(send, count * n, dt, s), w(recv, count * n, dt, s))?
-                }
-                Call::Gather {
-                    send,
-                    recv,
-                    count,
-                    root,
-                } => {
-                    let k = if me == root { count * n } else { 0 };
-                    b.gather_into(r(send, count, dt, s), w(recv, k, dt, s), root)?
-                }
-                Call::Scatter {
-                    send,
-                    recv,
-                    count,
-                    root,
-                } => {
-                    let k = if me == root { count * n } else { 0 };
-                    b.scatter_into(r(send, k, dt, s), w(recv, count, dt, s), root)?
-                }
-                Call::Send { buf, count, peer } => b.send(r(buf, count, dt, s), peer)?,
-                Call::Recv { buf, count, peer } => b.recv(w(buf, count, dt, s), peer)?,
-            }
-        }
-        Ok(())
+        let (dt, s) = (t.dtype, &stream);
+        // SAFETY: the views are the C caller's addresses and counts, who promises NCCL's
+        // contract: device memory of this context, large enough for the call, left alone
+        // until the stream has run it.
+        let rd = |a, n| Ok(unsafe { r(a, n, dt, s) });
+        // SAFETY: as above.
+        let wr = |a, n| Ok(unsafe { w(a, n, dt, s) });
+        super::dispatch(comm.buffers(), call, &rd, &wr, (comm.rank(), comm.size()))
     }
 }

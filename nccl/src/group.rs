@@ -2,11 +2,13 @@
 //! communicator (init, split) and every operation are deferred to the outermost end: the
 //! creations then run at once, each on a thread of its own (nccl-tests creates all of a
 //! process's ranks from one thread inside a group: one after the other they would wait for
-//! each other for ever), then the operations in the order they were called.
+//! each other for ever), then the operations in the order they were called, each
+//! communicator's sends and receives together ([`crate::coll::run_group`]).
 
 use std::cell::{Cell, RefCell};
 use std::thread;
 
+use crate::coll::{Call, Target};
 use crate::status::{bad_use, Failure, Outcome};
 
 /// Deferred work.
@@ -15,7 +17,7 @@ pub type Job = Box<dyn FnOnce() -> Outcome + Send>;
 thread_local! {
     static DEPTH: Cell<usize> = const { Cell::new(0) };
     static CONNECTS: RefCell<Vec<Job>> = const { RefCell::new(Vec::new()) };
-    static OPS: RefCell<Vec<Job>> = const { RefCell::new(Vec::new()) };
+    static OPS: RefCell<Vec<(Target, Call)>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Whether this thread is inside a group.
@@ -51,13 +53,12 @@ pub fn end() -> Outcome {
             })
             .collect()
     });
-    let mut first: Option<Failure> = made.into_iter().find_map(Result::err);
-    for op in ops {
-        if let Err(f) = op() {
-            first.get_or_insert(f);
-        }
+    let first: Option<Failure> = made.into_iter().find_map(Result::err);
+    let ran = crate::coll::run_group(ops);
+    match first {
+        Some(f) => Err(f),
+        None => ran,
     }
-    first.map_or(Ok(()), Err)
 }
 
 /// Creates a communicator now, or at the group's end inside a group.
@@ -70,12 +71,7 @@ pub fn connect(job: Job) -> Outcome {
     }
 }
 
-/// Runs an operation now, or at the group's end inside a group.
-pub fn op(job: Job) -> Outcome {
-    if active() {
-        OPS.with(|o| o.borrow_mut().push(job));
-        Ok(())
-    } else {
-        job()
-    }
+/// Defers an operation to the group's end (see [`crate::coll::run_group`]).
+pub fn op(t: Target, call: Call) {
+    OPS.with(|o| o.borrow_mut().push((t, call)));
 }

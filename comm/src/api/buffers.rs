@@ -206,6 +206,16 @@ impl Buffers<'_> {
         self.comm.call_send(buf, peer)
     }
 
+    /// Sends and receives together, none blocking another (see [`Communicator::batch_p2p`]),
+    /// on host views of any data types: each message is matched by its bytes, so its peer
+    /// sends or receives it through this call too (or as `u8`).
+    ///
+    /// # Errors
+    /// As [`Communicator::batch_p2p`]; `InvalidArgument` for a device view.
+    pub fn batch_p2p(&self, ops: Vec<crate::api::p2p::P2pView<'_>>) -> Result<()> {
+        self.comm.batch_p2p_views(ops)
+    }
+
     /// Receives into `buf` from `peer` (see [`Communicator::recv`]).
     ///
     /// # Errors

@@ -8,6 +8,8 @@
 
 use oxccl_kernels::{DType, Element};
 
+use crate::base::buffer::{Buf, BufMut};
+
 use crate::api::communicator::Communicator;
 use crate::base::call::Kind;
 use crate::base::error::{Error, Result};
@@ -29,6 +31,26 @@ pub enum P2pOp<'a, T> {
     Recv {
         /// Where the data goes; its length must be the matching send's.
         buf: &'a mut [T],
+        /// A rank of the communicator (this rank too).
+        peer: usize,
+    },
+}
+
+/// One operation of [`Buffers::batch_p2p`](crate::Buffers::batch_p2p): an untyped view and a
+/// peer.
+#[derive(Debug)]
+pub enum P2pView<'a> {
+    /// Send `buf` to `peer`.
+    Send {
+        /// The data (host memory).
+        buf: Buf<'a>,
+        /// A rank of the communicator (this rank too, as in [`P2pOp`]).
+        peer: usize,
+    },
+    /// Receive into `buf` from `peer`.
+    Recv {
+        /// Where the data goes (host memory); its length in bytes must be the matching send's.
+        buf: BufMut<'a>,
         /// A rank of the communicator (this rank too).
         peer: usize,
     },
@@ -167,6 +189,36 @@ impl Communicator {
         let (ticket, ahead) = self.shared.take_ticket();
         let shared = &self.shared;
         shared.run_turn(ticket, ahead, |st| run_batch(shared, st, batch, T::DTYPE))
+    }
+
+    /// [`Communicator::batch_p2p`] on untyped host views whose data types may differ: every
+    /// message is matched as bytes (its peer must also send or receive it through this call,
+    /// or as `u8`).
+    pub(crate) fn batch_p2p_views(&self, ops: Vec<P2pView<'_>>) -> Result<()> {
+        let mut parts = Vec::with_capacity(ops.len());
+        for (i, op) in ops.into_iter().enumerate() {
+            let device = || {
+                let msg = format!("operation {i}: device buffers cannot be batched yet");
+                self.invalid("batch_p2p", msg)
+            };
+            parts.push(match op {
+                P2pView::Send { buf, peer } => {
+                    Part::Send(peer, buf.into_host().ok_or_else(device)?)
+                }
+                P2pView::Recv { buf, peer } => {
+                    Part::Recv(peer, buf.into_host().ok_or_else(device)?)
+                }
+            });
+        }
+        let batch =
+            sort_batch((self.rank, self.size), 1, parts).map_err(|e| self.shared.named(e))?;
+        if batch.sends.is_empty() && batch.recvs.is_empty() {
+            batch.copy_to_self();
+            return Ok(());
+        }
+        let (ticket, ahead) = self.shared.take_ticket();
+        let shared = &self.shared;
+        shared.run_turn(ticket, ahead, |st| run_batch(shared, st, batch, DType::U8))
     }
 
     /// [`Communicator::batch_p2p`] in the background: the operations take their place in this

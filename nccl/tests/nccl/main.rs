@@ -71,6 +71,27 @@ fn a_c_program_built_against_nccl_h_runs_on_the_library_without_a_device() {
     println!("{text}");
 }
 
+/// Every collective on host buffers (`OXCCL_NCCL_HOST_MEMORY=1`), 3 ranks as threads, results
+/// checked; a grouped ring of large sends and receives; an abort from another thread.
+#[test]
+fn every_call_on_host_buffers_from_c_without_a_device() {
+    let (_dir, exe) = build_c_test();
+    let out = Command::new(&exe)
+        .arg("host")
+        .env("OXCCL_NCCL_HOST_MEMORY", "1")
+        .env("OXCCL_TIMEOUT", "30")
+        .env_remove("OXCCL_DEBUG")
+        .output()
+        .expect("running the C test");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success() && text.contains("ALL OK"), "{text}");
+    println!("{text}");
+}
+
 #[test]
 fn the_library_answers_to_libnccl_so_2_without_symbol_versions() {
     let out = Command::new("readelf")
