@@ -205,14 +205,63 @@ fn run_p2p(t: &Target, calls: &[Call]) -> Outcome {
     if host_memory() {
         return host::batch(t, calls);
     }
-    // Device buffers: one after another, in call order (not batched yet: docs/NCCL.md).
-    let mut first = None;
+    device_batch(t, calls)
+}
+
+/// The sends and receives of `calls` as one batch over host copies of their buffers: `get`
+/// fills a send's copy from its buffer, `put` writes a receive's copy back to its buffer.
+fn batch_via_host(
+    t: &Target,
+    calls: &[Call],
+    get: &dyn Fn(Addr, &mut [u8]) -> Outcome,
+    put: &dyn Fn(Addr, &[u8]) -> Outcome,
+) -> Outcome {
+    use oxccl_comm::{Buf, BufMut, DType, P2pView};
+    let comm = t.comm.comm()?;
+    let es = t.dtype.size();
+    let mut copies: Vec<Vec<u8>> = Vec::with_capacity(calls.len());
     for &c in calls {
-        if let Err(f) = device_run(t, c) {
-            first.get_or_insert(f);
+        copies.push(match c {
+            Call::Send { buf, count, .. } => {
+                let mut v = vec![0u8; count * es];
+                get(buf, &mut v)?;
+                v
+            }
+            Call::Recv { count, .. } => vec![0u8; count * es],
+            other => {
+                return Err(bad_arg(format!(
+                    "{other:?} in a batch of sends and receives"
+                )))
+            }
+        });
+    }
+    let views = calls.iter().zip(copies.iter_mut()).map(|(c, v)| match *c {
+        Call::Send { peer, .. } => Buf::host(v, DType::U8).map(|buf| P2pView::Send { buf, peer }),
+        Call::Recv { peer, .. } => {
+            BufMut::host(v, DType::U8).map(|buf| P2pView::Recv { buf, peer })
+        }
+        _ => unreachable!("checked above"),
+    });
+    let views: Vec<P2pView<'_>> = views
+        .collect::<Result<_, _>>()
+        .map_err(|e| bad_arg(e.to_string()))?;
+    comm.buffers().batch_p2p(views)?;
+    for (c, v) in calls.iter().zip(&copies) {
+        if let Call::Recv { buf, .. } = *c {
+            put(buf, v)?;
         }
     }
-    first.map_or(Ok(()), Err)
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn device_batch(t: &Target, calls: &[Call]) -> Outcome {
+    device_run(t, calls[0])
+}
+
+#[cfg(feature = "cuda")]
+fn device_batch(t: &Target, calls: &[Call]) -> Outcome {
+    device::batch(t, calls)
 }
 
 /// A collective's buffers as oxccl sees them: `r(addr, count)` a view to read,
@@ -305,7 +354,7 @@ fn dispatch<'a>(
 
 mod host {
     //! `OXCCL_NCCL_HOST_MEMORY=1`: the caller's buffers are host memory.
-    use oxccl_comm::{Buf, BufMut, DType, P2pView};
+    use oxccl_comm::{Buf, BufMut, DType};
 
     use super::{dispatch, Addr, Call, Target};
     use crate::status::{bad_arg, Failure, Outcome};
@@ -353,30 +402,39 @@ mod host {
         dispatch(comm.buffers(), call, &rd, &wr, (comm.rank(), comm.size()))
     }
 
-    pub(super) fn batch(t: &Target, calls: &[Call]) -> Outcome {
-        let comm = t.comm.comm()?;
-        let mut ops = Vec::with_capacity(calls.len());
-        for &c in calls {
-            // SAFETY: as in `run`; NCCL's contract keeps a group's buffers apart.
-            ops.push(unsafe {
-                match c {
-                    Call::Send { buf, count, peer } => P2pView::Send {
-                        buf: r(buf, count, t.dtype)?,
-                        peer,
-                    },
-                    Call::Recv { buf, count, peer } => P2pView::Recv {
-                        buf: w(buf, count, t.dtype)?,
-                        peer,
-                    },
-                    other => {
-                        return Err(bad_arg(format!(
-                            "{other:?} in a batch of sends and receives"
-                        )))
-                    }
-                }
-            });
+    /// Copies `dst.len()` bytes from the caller's buffer at `a`.
+    ///
+    /// # Safety
+    /// NCCL's contract with host memory: `a` holds that many readable bytes.
+    unsafe fn get(a: Addr, dst: &mut [u8]) -> Outcome {
+        if !dst.is_empty() {
+            // SAFETY: per the contract; `dst` is a separate allocation.
+            unsafe { std::ptr::copy_nonoverlapping(a as *const u8, dst.as_mut_ptr(), dst.len()) };
         }
-        Ok(comm.buffers().batch_p2p(ops)?)
+        Ok(())
+    }
+
+    /// Copies `src` into the caller's buffer at `a`.
+    ///
+    /// # Safety
+    /// NCCL's contract with host memory: `a` holds `src.len()` writable bytes.
+    unsafe fn put(a: Addr, src: &[u8]) -> Outcome {
+        if !src.is_empty() {
+            // SAFETY: per the contract; `src` is a separate allocation.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), a as *mut u8, src.len()) };
+        }
+        Ok(())
+    }
+
+    /// A group's sends and receives through host copies, as on device buffers (the same code
+    /// but for the copies, so the tests on host memory check the device path's batching).
+    pub(super) fn batch(t: &Target, calls: &[Call]) -> Outcome {
+        // SAFETY: the C caller's buffers, valid for the call by NCCL's contract (host memory
+        // in this mode), each of the call's count of elements.
+        let rd = |a, dst: &mut [u8]| unsafe { get(a, dst) };
+        // SAFETY: as above.
+        let wr = |a, src: &[u8]| unsafe { put(a, src) };
+        super::batch_via_host(t, calls, &rd, &wr)
     }
 }
 
@@ -471,6 +529,39 @@ mod device {
             )));
         }
         Ok(())
+    }
+
+    /// A communicator's sends and receives of one group, on device buffers, through host
+    /// copies: the caller's stream is synchronized first (the data to send is written), the
+    /// batch runs on the host, and the received data is copied back before the call returns.
+    /// Synchronous, unlike the collectives; correct in any order of the group's calls.
+    pub(super) fn batch(t: &Target, calls: &[Call]) -> Outcome {
+        let ctx = context(t.comm.device)?;
+        let cuda = |what: &str, e: cudarc::driver::DriverError| {
+            fail(crate::abi::UNHANDLED_CUDA_ERROR, format!("{what}: {e}"))
+        };
+        ctx.bind_to_thread()
+            .map_err(|e| cuda("binding the context", e))?;
+        // SAFETY: as in `run`.
+        let stream = unsafe { ctx.wrap_borrowed_stream(t.stream as sys::CUstream) };
+        if let Some(c) = calls.first() {
+            refuse_capture(&stream, c)?;
+        }
+        stream
+            .synchronize()
+            .map_err(|e| cuda("synchronizing the stream", e))?;
+        let get = |a: u64, dst: &mut [u8]| {
+            // SAFETY: NCCL's contract: each address holds the call's count of elements in
+            // device memory of this context (the copies have exactly those bytes).
+            let r = unsafe { cudarc::driver::result::memcpy_dtoh_sync(dst, a) };
+            r.map_err(|e| cuda("copying a send buffer to the host", e))
+        };
+        let put = |a: u64, src: &[u8]| {
+            // SAFETY: as above.
+            let r = unsafe { cudarc::driver::result::memcpy_htod_sync(a, src) };
+            r.map_err(|e| cuda("copying a received buffer to the device", e))
+        };
+        super::batch_via_host(t, calls, &get, &put)
     }
 
     pub(super) fn run(t: &Target, call: Call) -> Outcome {
