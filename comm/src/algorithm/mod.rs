@@ -29,6 +29,7 @@ pub(crate) mod linear;
 pub(crate) mod pairwise;
 pub(crate) mod prims;
 pub(crate) mod ring;
+pub(crate) mod single_copy;
 pub(crate) mod tree;
 
 use std::ops::Range;

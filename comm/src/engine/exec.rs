@@ -12,7 +12,7 @@ use oxccl_kernels::check_factor;
 
 use super::{ExecState, Shared, Work};
 use crate::algorithm::prims::{copy, Ctx, NodeLayout, Whole};
-use crate::algorithm::{chain, direct, halving_doubling, hierarchical, ring, tree};
+use crate::algorithm::{chain, direct, halving_doubling, hierarchical, ring, single_copy, tree};
 use crate::base::error::{Error, Result};
 use crate::base::op::{Collective, OpDesc};
 use crate::base::trace::What;
@@ -312,6 +312,7 @@ pub(crate) fn all_gather_body(
     match ch.algo {
         Algorithm::Ring => ring::all_gather(ctx, buf, es, ch.chunk_bytes, own),
         Algorithm::Hierarchical => hierarchical::all_gather(ctx, buf, es, ch.chunk_bytes, own),
+        Algorithm::SingleCopy => single_copy::all_gather(ctx, buf, own),
         a => Err(no_algo(ctx, a)),
     }
 }
@@ -360,6 +361,7 @@ fn broadcast_one(
             tree::broadcast(ctx, buf, es, root, ch.chunk_bytes)
         }
         Algorithm::Chain => chain::broadcast(ctx, buf, root, src),
+        Algorithm::SingleCopy => single_copy::broadcast(ctx, src, buf, root),
         a => Err(no_algo(ctx, a)),
     }
 }

@@ -389,7 +389,56 @@ fn direct_algorithms(n: usize) {
     }
 }
 
+/// Single-copy broadcast and all-gather (peers' buffers read with `process_vm_readv`): every
+/// root, in place and out of place, sizes that do not divide evenly, and empty buffers.
+fn single_copy_moves(n: usize) {
+    if n < 2 {
+        return;
+    }
+    let cfg = config(
+        "broadcast=single-copy,all-gather=single-copy",
+        TransportChoice::Shm,
+    );
+    for r in spawn_world(n, cfg, |c| {
+        let (n, me) = (c.size(), c.rank());
+        for count in [0usize, 1, 7, 100_003] {
+            for root in 0..n {
+                let pattern = |i: usize| (i * 31 + root) as u32;
+                let mut b: Vec<u32> = if me == root {
+                    (0..count).map(pattern).collect()
+                } else {
+                    vec![0; count]
+                };
+                c.broadcast(&mut b, root)?;
+                assert!(
+                    b.iter().enumerate().all(|(i, &x)| x == pattern(i)),
+                    "in place"
+                );
+                let src: Vec<u32> = (0..count).map(pattern).collect();
+                let mut out = vec![7u32; count];
+                c.broadcast_into(&src, &mut out, root)?;
+                assert_eq!(out, src, "broadcast out of place, root {root}");
+            }
+            let mine: Vec<i32> = (0..count).map(|i| (me * 1000 + i % 1000) as i32).collect();
+            let want: Vec<i32> = (0..n * count)
+                .map(|k| ((k / count.max(1)) * 1000 + (k % count.max(1)) % 1000) as i32)
+                .collect();
+            let mut out = vec![0i32; n * count];
+            c.all_gather_into(&mine, &mut out)?;
+            assert_eq!(out, want, "all-gather out of place");
+            let mut whole = vec![0i32; n * count];
+            whole[me * count..(me + 1) * count].copy_from_slice(&mine);
+            c.all_gather(&mut whole)?;
+            assert_eq!(whole, want, "all-gather in place");
+        }
+        Ok(())
+    }) {
+        r.unwrap();
+    }
+}
+
 fn world(n: usize) {
+    single_copy_moves(n);
     world_on(n, TransportChoice::Tcp);
     world_on(n, TransportChoice::Shm);
     direct_algorithms(n);
