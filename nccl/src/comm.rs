@@ -301,3 +301,54 @@ pub unsafe fn split(parent: CommPtr, color: c_int, key: c_int, out: *mut CommPtr
     };
     group::connect(Box::new(job))
 }
+
+/// `ncclCommShrink`: a new communicator of the parent's ranks but `exclude` (which do not call
+/// it: lost, or left out), through oxccl's `shrink`. With `NCCL_SHRINK_ABORT` (flag 1) the
+/// parent is aborted first, ending any call still in progress on it.
+///
+/// # Safety
+/// `parent` as for [`handle`]; `out` is valid for a write; `exclude` is null (with `count` 0)
+/// or valid for `count` reads.
+pub unsafe fn shrink(
+    parent: CommPtr,
+    exclude: *const c_int,
+    count: c_int,
+    out: *mut CommPtr,
+    flags: c_int,
+) -> Outcome {
+    // SAFETY: per the contract.
+    let p = unsafe { handle(parent) }?;
+    if out.is_null() || count < 0 || (exclude.is_null() && count > 0) {
+        return Err(bad_arg(
+            "newcomm is NULL, or the exclusion list is NULL with a count, or negative",
+        ));
+    }
+    let list: Vec<usize> = (0..count as usize)
+        // SAFETY: `exclude` is valid for `count` reads, per the contract.
+        .map(|i| unsafe { *exclude.add(i) })
+        .map(|r| usize::try_from(r).map_err(|_| bad_arg(format!("excluded rank {r} is negative"))))
+        .collect::<Result<_, _>>()?;
+    if flags & !1 != 0 {
+        return Err(bad_arg(format!(
+            "shrinkFlags {flags:#x}: only NCCL_SHRINK_ABORT (1) is known"
+        )));
+    }
+    let h = Handle::new(p.device);
+    // SAFETY: checked non-null; writable per the contract.
+    unsafe { give(out, &h) };
+    // SAFETY: as in `split`: a count of our own on the live parent for the deferred job.
+    let parent: Arc<Handle> = unsafe {
+        Arc::increment_strong_count(parent);
+        Arc::from_raw(parent)
+    };
+    let job = move || {
+        let made = parent.comm().and_then(|c| {
+            if flags & 1 != 0 {
+                c.abort();
+            }
+            Ok(c.shrink(&list)?)
+        });
+        h.finish(made)
+    };
+    group::connect(Box::new(job))
+}

@@ -113,6 +113,16 @@ ncclCommSplit pncclCommSplit(comm: CommPtr, color: c_int, key: c_int, newcomm: *
     })
 });
 
+nccl_fn!("`ncclCommShrink`: the parent's ranks but the excluded ones (which do not call it)."
+ncclCommShrink pncclCommShrink(comm: CommPtr, exclude: *mut c_int, exclude_count: c_int, newcomm: *mut CommPtr, config: *mut Config, flags: c_int) -> NcclResult {
+    run("ncclCommShrink", || {
+        // SAFETY: NCCL's contract: `config` is null or an initialised ncclConfig_t.
+        let _cfg = unsafe { Config::read(config) }.map_err(bad_arg)?;
+        // SAFETY: NCCL's contract: a live parent, `exclude_count` ranks, a writable `newcomm`.
+        unsafe { comm::shrink(comm, exclude, exclude_count, newcomm, flags) }
+    })
+});
+
 nccl_fn!("`ncclGetErrorString`: a static text for a result code."
 ncclGetErrorString pncclGetErrorString(result: NcclResult) -> *const c_char {
     error_string(result).as_ptr()
@@ -448,7 +458,6 @@ ncclRecv pncclRecv(recvbuff: *mut c_void, count: usize, datatype: c_int, peer: c
 });
 
 not_implemented!(ncclCommRevoke pncclCommRevoke(comm: CommPtr, revoke_flags: c_int));
-not_implemented!(ncclCommShrink pncclCommShrink(comm: CommPtr, exclude: *mut c_int, exclude_count: c_int, newcomm: *mut CommPtr, config: *mut Config, flags: c_int));
 not_implemented!(ncclCommGetUniqueId pncclCommGetUniqueId(comm: CommPtr, unique_id: *mut UniqueId));
 not_implemented!(ncclCommGrow pncclCommGrow(comm: CommPtr, nranks: c_int, unique_id: *const UniqueId, rank: c_int, newcomm: *mut CommPtr, config: *mut Config));
 not_implemented!(ncclCommInitRankScalable pncclCommInitRankScalable(newcomm: *mut CommPtr, nranks: c_int, myrank: c_int, nid: c_int, ids: *mut UniqueId, config: *mut Config));

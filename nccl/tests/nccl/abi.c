@@ -220,8 +220,11 @@ static void check_configs(void) {
 static void check_calls_without_device(void) {
   ncclComm_t c;
   OK(ncclCommInitAll(&c, 1, NULL));
-  CHECK(ncclCommShrink(c, NULL, 0, NULL, NULL, 0) == ncclInvalidUsage, "shrink");
-  CHECK(strstr(ncclGetLastError(c), "ncclCommShrink") != NULL, "names the function");
+  CHECK(ncclCommRevoke(c, 0) == ncclInvalidUsage, "revoke");
+  CHECK(strstr(ncclGetLastError(c), "ncclCommRevoke") != NULL, "names the function");
+  ncclComm_t s;
+  int bad_rank = 5;
+  CHECK(ncclCommShrink(c, &bad_rank, 1, &s, NULL, 0) != ncclSuccess, "shrink excluding rank 5 of 1");
   CHECK(ncclAllReduce(NULL, NULL, 0, (ncclDataType_t)99, ncclSum, c, NULL) == ncclInvalidArgument,
         "dtype 99");
   CHECK(ncclBroadcast(NULL, NULL, 0, ncclFloat, 1, c, NULL) == ncclInvalidArgument, "root 1 of 1");
@@ -376,6 +379,18 @@ static void *host_collectives(void *p) {
   return NULL;
 }
 
+static void *shrink_rank(void *p) {
+  struct host_rank *a = p;
+  int gone = 2, one = 1;
+  ncclComm_t s = NULL;
+  OK(ncclCommShrink(a->comm, &gone, 1, &s, NULL, 0));
+  check_comm(s, a->rank, 2);
+  OK(ncclAllReduce(&one, &one, 1, ncclInt, ncclSum, s, NULL));
+  CHECK(one == 2, "all-reduce after shrink: %d", one);
+  OK(ncclCommDestroy(s));
+  return NULL;
+}
+
 struct blocked {
   ncclComm_t comm;
   ncclResult_t res;
@@ -400,6 +415,15 @@ static void check_host_memory(void) {
   for (int r = 0; r < N; r++) pthread_join(t[r], NULL);
   for (int r = 0; r < N; r++) OK(ncclCommDestroy(comms[r]));
   printf("host memory: every collective, 10 data types, premul-sum, grouped ring of 4 MiB\n");
+  /* ranks 0 and 1 shrink rank 2 away (it does not call) */
+  init_threads(N, comms, NULL);
+  for (int r = 0; r < 2; r++) {
+    args[r] = (struct host_rank){comms[r], r};
+    CHECK(pthread_create(&t[r], NULL, shrink_rank, &args[r]) == 0, "thread");
+  }
+  for (int r = 0; r < 2; r++) pthread_join(t[r], NULL);
+  for (int r = 0; r < N; r++) OK(ncclCommDestroy(comms[r]));
+  printf("shrink: ranks 0 and 1 without rank 2, then an all-reduce on them\n");
   /* abort from another thread wakes a call that waits for a rank that never comes */
   ncclComm_t two[2];
   OK(ncclCommInitAll(two, 2, NULL));
