@@ -180,7 +180,12 @@ impl Communicator {
             P2pOp::Send { buf, peer } => Part::Send(peer, bytes(buf)),
             P2pOp::Recv { buf, peer } => Part::Recv(peer, bytes_mut(buf)),
         });
-        let batch = sort_batch((self.rank, self.size), T::DTYPE.size(), parts)
+        self.run_parts(parts, T::DTYPE)
+    }
+
+    /// Checks a batch's parts (elements of `dtype`) and runs them in this communicator's line.
+    fn run_parts<'a>(&self, parts: impl IntoIterator<Item = Part<'a>>, dtype: DType) -> Result<()> {
+        let batch = sort_batch((self.rank, self.size), dtype.size(), parts)
             .map_err(|e| self.shared.named(e))?;
         if batch.sends.is_empty() && batch.recvs.is_empty() {
             batch.copy_to_self();
@@ -188,7 +193,7 @@ impl Communicator {
         }
         let (ticket, ahead) = self.shared.take_ticket();
         let shared = &self.shared;
-        shared.run_turn(ticket, ahead, |st| run_batch(shared, st, batch, T::DTYPE))
+        shared.run_turn(ticket, ahead, |st| run_batch(shared, st, batch, dtype))
     }
 
     /// [`Communicator::batch_p2p`] on untyped host views whose data types may differ: every
@@ -210,15 +215,7 @@ impl Communicator {
                 }
             });
         }
-        let batch =
-            sort_batch((self.rank, self.size), 1, parts).map_err(|e| self.shared.named(e))?;
-        if batch.sends.is_empty() && batch.recvs.is_empty() {
-            batch.copy_to_self();
-            return Ok(());
-        }
-        let (ticket, ahead) = self.shared.take_ticket();
-        let shared = &self.shared;
-        shared.run_turn(ticket, ahead, |st| run_batch(shared, st, batch, DType::U8))
+        self.run_parts(parts, DType::U8)
     }
 
     /// [`Communicator::batch_p2p`] in the background: the operations take their place in this

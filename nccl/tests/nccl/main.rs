@@ -54,10 +54,12 @@ fn build_c_test() -> (tempdir::Dir, PathBuf) {
     (dir, exe)
 }
 
-#[test]
-fn a_c_program_built_against_nccl_h_runs_on_the_library_without_a_device() {
+/// Runs the C test (`args`, `env` added), asserts it printed "ALL OK", and shows its output.
+fn run_c_test(args: &[&str], env: &[(&str, &str)]) {
     let (_dir, exe) = build_c_test();
     let out = Command::new(&exe)
+        .args(args)
+        .envs(env.iter().copied())
         .env("OXCCL_TIMEOUT", "30")
         .env_remove("OXCCL_DEBUG")
         .output()
@@ -71,25 +73,16 @@ fn a_c_program_built_against_nccl_h_runs_on_the_library_without_a_device() {
     println!("{text}");
 }
 
+#[test]
+fn a_c_program_built_against_nccl_h_runs_on_the_library_without_a_device() {
+    run_c_test(&[], &[]);
+}
+
 /// Every collective on host buffers (`OXCCL_NCCL_HOST_MEMORY=1`), 3 ranks as threads, results
-/// checked; a grouped ring of large sends and receives; an abort from another thread.
+/// checked; a grouped ring of large sends and receives; an abort from another thread; shrink.
 #[test]
 fn every_call_on_host_buffers_from_c_without_a_device() {
-    let (_dir, exe) = build_c_test();
-    let out = Command::new(&exe)
-        .arg("host")
-        .env("OXCCL_NCCL_HOST_MEMORY", "1")
-        .env("OXCCL_TIMEOUT", "30")
-        .env_remove("OXCCL_DEBUG")
-        .output()
-        .expect("running the C test");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success() && text.contains("ALL OK"), "{text}");
-    println!("{text}");
+    run_c_test(&["host"], &[("OXCCL_NCCL_HOST_MEMORY", "1")]);
 }
 
 #[test]
