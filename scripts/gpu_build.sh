@@ -5,7 +5,8 @@
 # GPU machine with target/gpu-bin copied there:
 #   scripts/gpu_session.sh   (one budgeted run of every check), or
 #   scripts/gpu_run.sh target/gpu-bin
-# With SET=ddp (and CUDA_ROOT for the candle example): what scripts/gpu_ddp.sh runs.
+# With SET=ddp (and CUDA_ROOT for the candle example): what scripts/gpu_ddp.sh runs; with SET=nccl
+# (and NCCL_TESTS_SRC): what scripts/gpu_nccl.sh runs.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=target/gpu-bin
@@ -39,6 +40,15 @@ if [ "$set_" = all ]; then
 fi
 cargo build --release -q --features cuda --bin oxccl
 cp target/release/oxccl "$out/"
+if [ "$set_" = nccl ]; then
+    # libnccl.so.2 from oxccl (scripts/gpu_nccl.sh), and nccl-tests' source where NCCL_TESTS_SRC
+    # names a checkout of github.com/NVIDIA/nccl-tests (built on the GPU machine with its nvcc).
+    cargo build --release -q -p oxccl-nccl --features cuda
+    cp target/release/libnccl.so "$out/libnccl.so.2"
+    if [ -n "${NCCL_TESTS_SRC:-}" ]; then
+        cp -r "$NCCL_TESTS_SRC" "$out/nccl-tests" && rm -rf "$out/nccl-tests/.git"
+    fi
+fi
 if [ "$set_" = ddp ]; then
     # DDP on device gradients: the ddp test binary and the device bench.
     cp "$(cargo test --release -p oxccl-ddp --features cuda --test ddp --no-run \
