@@ -62,7 +62,8 @@ if [ -d "$bin/nccl-tests" ]; then
         [ -x /tmp/nccl-tests/${t}_perf ] || continue
         step 40 /tmp/nccl-tests/${t}_perf -b 8 -e 16M -f 8 -g 1 -d all -o all -c 1 -n 5 -w 2
     done
-    step 40 /tmp/nccl-tests/all_reduce_perf -b 8 -e 16M -f 8 -g 1 -c 1 -G 5
+    [ -x /tmp/nccl-tests/all_reduce_perf ] &&
+        step 40 /tmp/nccl-tests/all_reduce_perf -b 8 -e 16M -f 8 -g 1 -c 1 -G 5
     if [ "$mpi" = 1 ]; then
         mps_on
         for np in 2 4; do
