@@ -22,16 +22,7 @@ for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
 done
 export OXCCL_REQUIRE_GPU=1 OXCCL_CACHE_DIR=/tmp/oxccl-cache OXCCL_TIMEOUT=60
 export CUDA_DEVICE_MAX_CONNECTIONS=32
-step() {
-    local limit=$1 left=$((budget - SECONDS))
-    shift
-    [ "$left" -le 5 ] && { echo "### SKIPPED (budget spent): $*"; return; }
-    [ "$limit" -gt "$left" ] && limit=$left
-    echo; echo "### $* (at most ${limit}s)"
-    local t=$SECONDS
-    timeout -k 5 "$limit" "$@"
-    echo "### exit $? after $((SECONDS - t)) s"
-}
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_steps.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 echo "cores $(nproc); budget ${budget}s"
 step 150 "$bin/ddp_cuda" --ignored device --test-threads 1
@@ -52,12 +43,10 @@ a, b = losses(sys.argv[1]), losses(sys.argv[2])
 worst = max((abs(x - y) / max(abs(x), 1e-6) for x, y in zip(a, b)), default=float("nan"))
 print(f"candle CUDA against CPU: {len(a)} and {len(b)} steps, largest relative loss difference {worst:.2e}")
 PY
-    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
     unset CUDA_DEVICE_MAX_CONNECTIONS
-    nvidia-cuda-mps-control -d && echo "MPS daemon started"
+    mps_on
     step 90 "$bin/oxccl" launch -n 4 -- /tmp/candle_cuda_mlp --cuda --check --steps 20
-    echo quit | timeout 20 nvidia-cuda-mps-control && echo "MPS daemon stopped"
+    mps_off
 else
     echo "### no $bin/candle_cuda_mlp.xz: the candle CUDA example was not built (CUDA_ROOT unset)"
 fi

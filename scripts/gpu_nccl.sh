@@ -21,16 +21,7 @@ log=${OUT:-/tmp}/gpu_nccl.log
 exec > >(tee -a "$log") 2>&1
 lib=$(readlink -f "$bin/libnccl.so.2")
 export OXCCL_CACHE_DIR=/tmp/oxccl-cache OXCCL_TIMEOUT=60
-step() {
-    local limit=$1 left=$((budget - SECONDS))
-    shift
-    [ "$left" -le 5 ] && { echo "### SKIPPED (budget spent): $*"; return; }
-    [ "$limit" -gt "$left" ] && limit=$left
-    echo; echo "### $* (at most ${limit}s)"
-    local t=$SECONDS
-    timeout -k 5 "$limit" "$@"
-    echo "### exit $? after $((SECONDS - t)) s"
-}
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_steps.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 wheel=$(python3 -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__) if nvidia.nccl.__file__ else list(nvidia.nccl.__path__)[0])' 2>/dev/null)
 echo "NCCL wheel: ${wheel:-none}; cores $(nproc); budget ${budget}s"
@@ -47,12 +38,6 @@ cc -std=c11 -D_GNU_SOURCE -O1 -Inccl/include nccl/tests/nccl/abi.c -o /tmp/abi \
 }
 
 # 2. nccl-tests.
-mps_on() {
-    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-    timeout 20 nvidia-cuda-mps-control -d && echo "MPS daemon started"
-}
-mps_off() { echo quit | timeout 20 nvidia-cuda-mps-control && echo "MPS daemon stopped"; }
 tests="all_reduce all_gather reduce_scatter broadcast reduce alltoall sendrecv"
 if [ -d "$bin/nccl-tests" ]; then
     mpi=0

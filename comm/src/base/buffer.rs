@@ -242,10 +242,27 @@ impl<'a, T: Element> From<&'a mut [T]> for BufMut<'a> {
 mod device {
     use std::sync::Arc;
 
-    use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
-    use oxccl_kernels::Element;
+    use cudarc::driver::{sys::CUdeviceptr, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
+    use oxccl_kernels::{DType, Element};
 
     use super::{Buf, BufMut, Data, Device};
+
+    /// The data of a view of `count` elements of `dtype` at `ptr`, enqueued on `stream`
+    /// (`guard`: the cudarc buffer's stream order, kept while the view lives).
+    fn device_data<'a, H>(
+        ptr: CUdeviceptr,
+        count: usize,
+        dtype: DType,
+        stream: &'a Arc<CudaStream>,
+        guard: Option<SyncOnDrop<'a>>,
+    ) -> Data<H, Device<'a>> {
+        Data::Device(Device {
+            ptr,
+            bytes: count * dtype.size(),
+            stream,
+            _guard: guard,
+        })
+    }
 
     impl<'a> Buf<'a> {
         /// A cudarc device buffer (a `CudaSlice` or a view of one) viewed for a call enqueued
@@ -256,20 +273,14 @@ mod device {
         ) -> Buf<'a> {
             let count = buf.len();
             let (ptr, guard) = buf.device_ptr(stream);
+            let data = device_data(ptr, count, T::DTYPE, stream, Some(guard));
             Buf {
-                data: Data::Device(Device {
-                    ptr,
-                    bytes: count * T::DTYPE.size(),
-                    stream,
-                    _guard: Some(guard),
-                }),
+                data,
                 dtype: T::DTYPE,
                 count,
             }
         }
-    }
 
-    impl<'a> Buf<'a> {
         /// `count` elements of `dtype` at the device address `ptr`, for a call enqueued on
         /// `stream` (memory that cudarc did not allocate: a C caller's, say).
         ///
@@ -278,46 +289,13 @@ mod device {
         /// memory that `stream`'s context can read, and stays allocated (and unwritten by
         /// others) until the work the call enqueues on `stream` has run.
         pub unsafe fn device_raw(
-            ptr: cudarc::driver::sys::CUdeviceptr,
+            ptr: CUdeviceptr,
             count: usize,
-            dtype: oxccl_kernels::DType,
+            dtype: DType,
             stream: &'a Arc<CudaStream>,
         ) -> Buf<'a> {
-            Buf {
-                data: Data::Device(Device {
-                    ptr,
-                    bytes: count * dtype.size(),
-                    stream,
-                    _guard: None,
-                }),
-                dtype,
-                count,
-            }
-        }
-    }
-
-    impl<'a> BufMut<'a> {
-        /// The writable twin of [`Buf::device_raw`].
-        ///
-        /// # Safety
-        /// As [`Buf::device_raw`], and nothing else reads or writes the memory until the
-        /// call's work on `stream` has run.
-        pub unsafe fn device_raw(
-            ptr: cudarc::driver::sys::CUdeviceptr,
-            count: usize,
-            dtype: oxccl_kernels::DType,
-            stream: &'a Arc<CudaStream>,
-        ) -> BufMut<'a> {
-            BufMut {
-                data: Data::Device(Device {
-                    ptr,
-                    bytes: count * dtype.size(),
-                    stream,
-                    _guard: None,
-                }),
-                dtype,
-                count,
-            }
+            let data = device_data(ptr, count, dtype, stream, None);
+            Buf { data, dtype, count }
         }
     }
 
@@ -330,16 +308,27 @@ mod device {
         ) -> BufMut<'a> {
             let count = buf.len();
             let (ptr, guard) = buf.device_ptr_mut(stream);
+            let data = device_data(ptr, count, T::DTYPE, stream, Some(guard));
             BufMut {
-                data: Data::Device(Device {
-                    ptr,
-                    bytes: count * T::DTYPE.size(),
-                    stream,
-                    _guard: Some(guard),
-                }),
+                data,
                 dtype: T::DTYPE,
                 count,
             }
+        }
+
+        /// The writable twin of [`Buf::device_raw`].
+        ///
+        /// # Safety
+        /// As [`Buf::device_raw`], and nothing else reads or writes the memory until the
+        /// call's work on `stream` has run.
+        pub unsafe fn device_raw(
+            ptr: CUdeviceptr,
+            count: usize,
+            dtype: DType,
+            stream: &'a Arc<CudaStream>,
+        ) -> BufMut<'a> {
+            let data = device_data(ptr, count, dtype, stream, None);
+            BufMut { data, dtype, count }
         }
     }
 }

@@ -439,10 +439,15 @@ fn direct_all_reduce(bytes: usize, n: usize, caps: Caps) -> Option<Algorithm> {
 /// Broadcast between two ranks: the chain, which is the tree's pattern there (the root streams
 /// to the other rank) but copies the root's input into its output piece by piece as it goes out,
 /// where the tree copies the whole buffer first. Out of place at 64 MiB over shared memory on the
-/// development machine: 12.4-12.5 ms against 17.2-17.6 (in place 7.4-7.5 against 7.1-7.5).
-fn pair_broadcast(coll: Collective, n: usize) -> Option<Algorithm> {
-    (coll == Collective::Broadcast && n == 2).then_some(Algorithm::Chain)
+/// development machine: 12.4-12.5 ms against 17.2-17.6 (in place 7.4-7.5 against 7.1-7.5); at
+/// 8 MiB 1.31x faster; at 1 MiB 0.95-0.98x (within the noise, over shared memory and TCP), so
+/// only from [`PAIR_CHAIN_MIN`] on.
+fn pair_broadcast(coll: Collective, bytes: usize, n: usize) -> Option<Algorithm> {
+    (coll == Collective::Broadcast && n == 2 && bytes >= PAIR_CHAIN_MIN).then_some(Algorithm::Chain)
 }
+
+/// Two-rank broadcasts take the chain from this size on (between the 1 MiB and 8 MiB measured).
+pub const PAIR_CHAIN_MIN: usize = 4 << 20;
 
 /// Picks the algorithm and chunk size for `coll` on `bytes` over `n` ranks.
 pub fn choose(coll: Collective, bytes: usize, n: usize, over: &AlgoOverride, caps: Caps) -> Choice {
@@ -458,7 +463,7 @@ pub fn choose(coll: Collective, bytes: usize, n: usize, over: &AlgoOverride, cap
         _ => None,
     }
     .or(hierarchical.then_some(Algorithm::Hierarchical))
-    .or(pair_broadcast(coll, n));
+    .or(pair_broadcast(coll, bytes, n));
     let algo = over.get(coll).or(direct).unwrap_or_else(|| {
         let cands: Vec<Algorithm> = algorithms_for(coll)
             .iter()
@@ -493,6 +498,20 @@ pub fn choose(coll: Collective, bytes: usize, n: usize, over: &AlgoOverride, cap
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn two_ranks_broadcast_large_buffers_on_the_chain() {
+        let none = AlgoOverride::default();
+        let pick = |bytes| choose(Collective::Broadcast, bytes, 2, &none, Caps::default()).algo;
+        assert_eq!(pick(PAIR_CHAIN_MIN), Algorithm::Chain);
+        assert_eq!(pick(64 << 20), Algorithm::Chain);
+        assert_eq!(pick(PAIR_CHAIN_MIN - 64), Algorithm::Tree);
+        let reduce = choose(Collective::Reduce, 64 << 20, 2, &none, Caps::default()).algo;
+        assert_eq!(reduce, Algorithm::Tree, "reduce keeps the tree");
+        let tree = AlgoOverride::parse("broadcast=tree").unwrap();
+        let forced = choose(Collective::Broadcast, 64 << 20, 2, &tree, Caps::default()).algo;
+        assert_eq!(forced, Algorithm::Tree, "an override wins");
+    }
 
     #[test]
     fn small_all_reduce_uses_a_latency_algorithm_large_a_bandwidth_one() {
