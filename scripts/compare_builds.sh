@@ -5,7 +5,8 @@
 #
 # Usage: OLD=/path/to/old/oxccl NEW=target/release/oxccl [ROUNDS=5] scripts/compare_builds.sh
 # CASES: a ;-separated list of "label|perf arguments" (default: shared-memory all-reduce of 8 B
-# and 64 MiB with 2 and 4 ranks, TCP all-reduce of 64 MiB with 2 ranks, all blocking).
+# and 64 MiB with 2 and 4 ranks, TCP all-reduce of 64 MiB with 2 ranks, all blocking; a case
+# with its own -z keeps it).
 # Prints one line per run (round, case, build, out-of-place time in us and busbw in GB/s, then
 # in place), then a summary: per case and build, the median time and busbw with their ranges,
 # and the new/old ratio of the median busbw (time for 8 B cases, where busbw rounds to zero).
@@ -30,8 +31,10 @@ for round in $(seq 1 "$ROUNDS"); do
     for which in $order; do
       bin=$OLD
       [ "$which" = new ] && bin=$NEW
+      z="-z 1" # blocking, unless the case says otherwise
+      [[ " $args " == *" -z "* ]] && z=""
       # shellcheck disable=SC2086
-      line=$($bin perf $args -z 1 | grep -v '^#' | awk 'NF>5{print $6, $8, $10, $12, $9 + $13}')
+      line=$($bin perf $args $z | grep -v '^#' | awk 'NF>5{print $6, $8, $10, $12, $9 + $13}')
       echo "R$round|$label|$which|$line" | tee -a "$out"
     done
   done

@@ -33,6 +33,7 @@ use oxccl_kernels::{reduce_bytes, reduce_into_bytes, DType, KernelError, ReduceO
 use crate::algorithm::partition;
 use crate::algorithm::prims::{copy, Ctx};
 use crate::base::error::{Error, Result};
+use crate::transport::INLINE_WORDS;
 
 /// Bytes read from a peer per `process_vm_readv` before they are reduced (fits in L2).
 pub(crate) const BLOCK: usize = 256 << 10;
@@ -86,6 +87,9 @@ pub(crate) fn one_shot(
     op: ReduceOp,
 ) -> Result<()> {
     let (n, es) = (ctx.size, dt.size());
+    if buf.len() <= ctx.window()?.0.inline_capacity() {
+        return one_shot_inline(ctx, src, buf, dt, op);
+    }
     let cap = piece_bytes(ctx, es)?;
     let mut off = 0;
     while off < buf.len() {
@@ -102,6 +106,39 @@ pub(crate) fn one_shot(
         off += len;
     }
     Ok(())
+}
+
+/// One-shot all-reduce of at most [`Window::inline_capacity`] bytes: the input travels in the
+/// published record itself (one cache line per peer to read, no staging half), and is reduced
+/// in rank order like [`one_shot`].
+///
+/// [`Window::inline_capacity`]: crate::transport::Window::inline_capacity
+fn one_shot_inline(
+    ctx: &mut Ctx<'_>,
+    src: Option<&[u8]>,
+    buf: &mut [u8],
+    dt: DType,
+    op: ReduceOp,
+) -> Result<()> {
+    let (n, me, tag, len) = (ctx.size, ctx.rank, ctx.tag, buf.len());
+    let mut mine = [0u64; INLINE_WORDS];
+    bytemuck::cast_slice_mut::<u64, u8>(&mut mine)[..len].copy_from_slice(src.unwrap_or(buf));
+    let (w, _) = ctx.window()?;
+    let e = w.next_epoch();
+    let h = (e % 2) as usize;
+    w.publish_inline(4 * e + 1, tag, h, &bytemuck::cast_slice(&mine)[..len]);
+    ctx.wait_step(4 * e + 1, Some(h))?;
+    let (w, _) = ctx.window()?;
+    let data = |p: usize| if p == me { mine } else { w.peer_inline(p, h) };
+    let (first, second) = (data(0), data(1));
+    reduce_into_bytes(dt, op, buf, head(&first, len), head(&second, len))
+        .and_then(|()| (2..n).try_for_each(|p| reduce_bytes(dt, op, buf, head(&data(p), len))))
+        .map_err(|e| kerr(me, ctx.op, e))
+}
+
+/// The first `len` bytes of inline words.
+fn head(words: &[u64; INLINE_WORDS], len: usize) -> &[u8] {
+    &bytemuck::cast_slice::<u64, u8>(words)[..len]
 }
 
 /// Two-shot all-reduce of `buf` (in place when `src` is `None`, else `buf = reduce(src)`).

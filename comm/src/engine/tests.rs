@@ -388,3 +388,77 @@ fn a_published_mismatch_is_told_from_each_ranks_own_point_of_view() {
     let (_, _, local, _) = seen(3, None);
     assert!(local.contains("nothing yet"), "{local}");
 }
+
+/// A rank that waits long enough to sleep announces itself on its doorbell, so its peer's post
+/// rings it; once the wait is over it is counted no more, so later posts ring nothing (and touch
+/// none of its cache lines).
+#[test]
+fn a_sleeping_wait_is_rung_then_quiet() {
+    use crate::algorithm::prims::{Ctx, Links};
+    use crate::transport::shm::{Segment, ShmWindow};
+    use crate::transport::{Doorbell, Tag, Window};
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+    let pid = std::process::id();
+    let made: Vec<_> = (0..2)
+        .map(|r| {
+            Segment::create(
+                r,
+                &format!("oxccl-unittest-{pid}-bell-r{r}"),
+                1,
+                64,
+                2,
+                4096,
+            )
+        })
+        .collect::<Result<_>>()
+        .unwrap();
+    let (own, paths): (Vec<_>, Vec<_>) = made.into_iter().map(|(s, p)| (Arc::new(s), p)).unzip();
+    let window = |rank: usize| {
+        let segs = (0..2)
+            .map(|r| match r == rank {
+                true => own[r].clone(),
+                false => Arc::new(Segment::open(rank, r, paths[r].to_str().unwrap()).unwrap()),
+            })
+            .collect();
+        ShmWindow::new(rank, segs, vec![pid; 2], false)
+    };
+    let (w0, mut w1) = (window(0), window(1));
+    for p in &paths {
+        std::fs::remove_file(p).unwrap();
+    }
+    let tag = Tag {
+        seq: 3,
+        desc: 4,
+        count: 5,
+    };
+    let bell = own[0].clone();
+    let peer = std::thread::spawn(move || {
+        // Post only once rank 0 sleeps (announced), however slowly its thread gets going.
+        let until = Instant::now() + Duration::from_secs(60);
+        while bell.sleepers() == 0 && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        w1.publish(1, tag, 0, [0, 0]);
+        w1
+    });
+    let mut links = Links::new(2);
+    links.bell = Some(own[0].clone());
+    links.window = Some(Box::new(w0));
+    let abort = AtomicBool::new(false);
+    let before = own[0].seq();
+    let mut ctx = Ctx::new(0, 2, &mut links, tag, "t", Duration::from_secs(60), &abort);
+    ctx.wait_step(1, Some(0)).unwrap();
+    drop(ctx);
+    let mut w1 = peer.join().unwrap();
+    assert_ne!(own[0].seq(), before, "the post rang the sleeping rank");
+    assert_eq!(own[0].sleepers(), 0, "counted no more once the wait ended");
+    let quiet = own[0].seq();
+    w1.publish(5, tag, 1, [0, 0]);
+    assert_eq!(
+        own[0].seq(),
+        quiet,
+        "a post to a rank that does not sleep rings nothing"
+    );
+}

@@ -19,6 +19,8 @@ pub(crate) struct Links {
     pub window: Option<Box<dyn Window>>,
     /// Scratch memory of the direct algorithms (kept between operations).
     pub scratch: Vec<u8>,
+    /// This rank is counted as a sleeper on `bell` (see [`Links::announce`]).
+    announced: bool,
 }
 
 impl Links {
@@ -40,6 +42,30 @@ impl Links {
             moved |= c.progress()?;
         }
         Ok(moved)
+    }
+
+    /// Counts this rank as a sleeper on its doorbell, so posts ring it from now on; whether it
+    /// was not counted already (then check once more, with the counter read after this, before
+    /// sleeping). False without a doorbell.
+    pub(crate) fn announce(&mut self) -> bool {
+        match &self.bell {
+            Some(b) if !self.announced => {
+                b.announce(true);
+                self.announced = true;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Stops counting this rank as a sleeper (it made progress: posts need not ring again).
+    pub(crate) fn quiet(&mut self) {
+        if self.announced {
+            self.announced = false;
+            if let Some(b) = &self.bell {
+                b.announce(false);
+            }
+        }
     }
 
     pub(crate) fn all_flushed(&self) -> bool {
@@ -67,9 +93,16 @@ impl Links {
         if let Some(w) = self.window.as_mut() {
             w.close();
         }
+        self.quiet();
         self.send.clear();
         self.recv.clear();
         self.bell = None;
         self.window = None;
+    }
+}
+
+impl Drop for Links {
+    fn drop(&mut self) {
+        self.quiet();
     }
 }

@@ -45,13 +45,19 @@ pub use crate::base::op::Tag;
 pub use crate::base::sys::PollDir;
 
 /// What a rank sleeps on while it waits for peers that write into its memory: they ring it
-/// when they post (shared memory's doorbell, a futex in the rank's segment). An eventcount: read
-/// [`Doorbell::seq`] before a round of checks, then [`Doorbell::sleep_since`] ends at once if a
-/// peer rang after that read.
+/// when they post (shared memory's doorbell, a futex in the rank's segment). An eventcount that
+/// peers ring only while someone sleeps on it: a waiter first [`Doorbell::announce`]s itself,
+/// then reads [`Doorbell::seq`] before a round of checks, and [`Doorbell::sleep_since`] ends at
+/// once if a peer rang after that read. A post that lands before the announcement is seen by
+/// that round of checks; one after it rings. Ranks that only spin never announce, so their peers'
+/// posts touch none of their cache lines.
 pub trait Doorbell: Send + Sync {
     /// The counter, read before a round of checks.
     fn seq(&self) -> u32;
-    /// Sleeps at most `timeout`, unless the bell rang since the counter read `seen`.
+    /// Counts (`true`) or uncounts (`false`) one sleeper: while any is counted, posts ring.
+    fn announce(&self, sleeping: bool);
+    /// Sleeps at most `timeout`, unless the bell rang since the counter read `seen`. Call it
+    /// announced, with `seen` read after the announcement.
     fn sleep_since(&self, seen: u32, timeout: std::time::Duration);
 }
 
@@ -134,6 +140,11 @@ pub trait RecvConn: Send {
 /// `4e + 1` (input ready), `4e + 2` (reduced part ready), `4e + 3` (done reading peers). A rank
 /// writes half `e % 2` only after every peer has published step `4(e - 1) + 1`, i.e. finished
 /// epoch `e - 2`, so two halves need no barrier at the end of an operation.
+/// The most bytes any [`Window`] carries inline (see [`Window::publish_inline`]).
+pub const INLINE_MAX: usize = 8 * INLINE_WORDS;
+/// [`INLINE_MAX`] in 8-byte words.
+pub const INLINE_WORDS: usize = 2;
+
 pub trait Window: Send {
     /// Bytes of one staging half.
     fn capacity(&self) -> usize;
@@ -146,8 +157,21 @@ pub trait Window: Send {
     /// Publishes `step` with the operation's `tag` and the addresses of this rank's input and
     /// output buffers (`[0, 0]` when unused) for epoch half `half`, and wakes sleeping peers.
     fn publish(&mut self, step: u64, tag: Tag, half: usize, region: [usize; 2]);
-    /// The last step `peer` published.
-    fn step(&self, peer: usize) -> u64;
+    /// Bytes that [`Window::publish_inline`] carries in the record itself (0: none).
+    fn inline_capacity(&self) -> usize {
+        0
+    }
+    /// [`Window::publish`] of a step whose data (at most [`Window::inline_capacity`] bytes)
+    /// travels in the record with the tag: a peer that sees the step has the data in the same
+    /// cache line, with no staging half touched.
+    fn publish_inline(&mut self, step: u64, tag: Tag, half: usize, data: &[u8]);
+    /// The data `peer` published with half `half` through [`Window::publish_inline`], in words
+    /// (aligned for every element type): its first bytes are the data.
+    fn peer_inline(&self, peer: usize, half: usize) -> [u64; INLINE_WORDS];
+    /// The last step `peer` published; with `Some(half)`, the last it published with that half
+    /// (read from the record that holds the half's tag, so a wait for a step and its tag reads
+    /// one cache line of the peer's).
+    fn step(&self, peer: usize, half: Option<usize>) -> u64;
     /// The tag `peer` published with half `half` (`None` before its first publication).
     fn peer_tag(&self, peer: usize, half: usize) -> Option<Tag>;
     /// The buffer addresses `peer` published with half `half`.

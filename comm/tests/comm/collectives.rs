@@ -17,7 +17,7 @@ use oxccl_comm::harness::{spawn_world, spawn_world_on_nodes};
 use oxccl_comm::{Communicator, Config, Element, ReduceOp, Result};
 use oxccl_kernels::{reference_reduce, F8E4M3, F8E5M2};
 
-pub(crate) const COUNTS: [usize; 5] = [0, 1, 7, 1000, (1 << 20) + 3];
+pub(crate) const COUNTS: [usize; 6] = [0, 1, 4, 7, 1000, (1 << 20) + 3];
 pub(crate) const BIG: usize = (1 << 20) + 3;
 
 fn val<T: Element>(rank: usize, i: usize, op: ReduceOp) -> T {
@@ -240,7 +240,7 @@ pub(crate) fn all_collectives<T: Element>(
 }
 
 pub(crate) fn every_dtype(comm: &Communicator, reduce_algos_only: bool) -> Result<()> {
-    let small = &COUNTS[..4];
+    let small = &COUNTS[..5];
     macro_rules! each {
         ($($t:ty),*) => {$(
             all_collectives::<$t>(comm, small, &ReduceOp::ALL, reduce_algos_only)?;

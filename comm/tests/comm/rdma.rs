@@ -26,9 +26,9 @@ fn world(nodes: usize, per_node: usize, algo: &str, body: fn(&Communicator) -> R
 /// Every collective in f32 and u8, every op, small counts and one large one (every dtype is
 /// [`every_dtype`]'s, on fewer ranks).
 fn f32_and_u8(c: &Communicator) -> Result<()> {
-    all_collectives::<f32>(c, &COUNTS[..4], &ReduceOp::ALL, false)?;
+    all_collectives::<f32>(c, &COUNTS[..5], &ReduceOp::ALL, false)?;
     all_collectives::<f32>(c, &[BIG], &[ReduceOp::Sum], false)?;
-    all_collectives::<u8>(c, &COUNTS[..4], &ReduceOp::ALL, false)
+    all_collectives::<u8>(c, &COUNTS[..5], &ReduceOp::ALL, false)
 }
 
 /// `body` on `nodes` x `per_node` ranks with `cfg`, after checking that every pair on two nodes

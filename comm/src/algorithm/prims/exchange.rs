@@ -163,7 +163,7 @@ impl Ctx<'_> {
                 self.idle(&desc)?;
             } else {
                 // Progress: the next wait starts with a spin again.
-                self.idle_since = None;
+                self.moved();
             }
         }
     }
@@ -364,7 +364,7 @@ impl Ctx<'_> {
                 let total = buf.len();
                 self.idle(&|| format!("forwarding from rank {from} to rank {to}: received {got}/{total}, forwarded {fwd}/{total} bytes"))?;
             } else {
-                self.idle_since = None;
+                self.moved();
             }
         }
     }

@@ -44,7 +44,7 @@ impl Ctx<'_> {
                     next += 1;
                     continue;
                 }
-                if w.step(next) < step {
+                if w.step(next, half) < step {
                     break;
                 }
                 if let Some(h) = half {
@@ -62,11 +62,11 @@ impl Ctx<'_> {
                 next += 1;
             }
             if next == size {
-                self.idle_since = None;
+                self.moved();
                 return Ok(());
             }
             if next != before {
-                self.idle_since = None;
+                self.idle_since = None; // still announced, if it was: it quiets when done
             }
             let p = next;
             // A peer usually arrives within a microsecond or two: poll its counter without
@@ -79,7 +79,7 @@ impl Ctx<'_> {
             if let Err(e) = w.check(p) {
                 // The peer may have published its last step and left after the load above: its
                 // step store comes before its goodbye (or exit), so an acquire reload sees it.
-                if w.step(p) < step {
+                if w.step(p, half) < step {
                     return Err(retag(self.op, e));
                 }
                 continue;
@@ -134,6 +134,13 @@ impl Ctx<'_> {
         Ok(())
     }
 
+    /// Something moved: the next wait starts with a spin again, and peers' posts need not ring
+    /// this rank's doorbell until it sleeps again.
+    pub(super) fn moved(&mut self) {
+        self.idle_since = None;
+        self.links.quiet();
+    }
+
     /// Starts a round of checks: remembers the doorbell counter so a post that lands during the
     /// round ends the next sleep at once.
     pub(super) fn arm(&mut self) {
@@ -159,7 +166,7 @@ impl Ctx<'_> {
             });
         }
         if self.links.progress_all().map_err(|e| retag(self.op, e))? {
-            self.idle_since = None;
+            self.moved();
             return Ok(());
         }
         let now = Instant::now();
@@ -200,6 +207,11 @@ impl Ctx<'_> {
             std::thread::yield_now();
         } else {
             self.links.poll_fds(&mut self.fds);
+            if self.links.announce() {
+                // Posts ring the doorbell from now on; one that landed before the announcement is
+                // seen by the next round of checks (which re-reads the counter first).
+                return Ok(());
+            }
             match self.links.bell.as_ref() {
                 // Shared-memory peers ring our doorbell; sleep on it (briefly, if sockets must be
                 // watched too) unless it rang since this round of checks began.

@@ -4,7 +4,7 @@
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use memmap2::MmapMut;
@@ -145,7 +145,8 @@ impl Segment {
         self.atomic_u64(self.direct_off() + 64)
     }
 
-    /// Word `i` of the published record of half `half`: `[seq + 1, desc, count, in, out]`.
+    /// Word `i` of the published record of half `half`:
+    /// `[seq + 1, desc, count, in, out, step, inline, inline]`.
     pub(super) fn record(&self, half: usize, i: usize) -> &AtomicU64 {
         debug_assert!(half < 2 && i < 8);
         self.atomic_u64(self.direct_off() + BLOCK + half * 64 + i * 8)
@@ -159,11 +160,16 @@ impl Segment {
         unsafe { self.base.add(off) }
     }
 
-    /// Rings this segment's doorbell (its owner sleeps on it).
+    /// Rings this segment's doorbell (its owner sleeps on it), if its owner announced a sleep:
+    /// called after a post's stores, it orders them before the read of the sleeper count (the
+    /// owner orders its announcement before its checks), so either the owner's checks see the
+    /// post or this sees the owner announced. A spinning owner costs nothing: the counter's and
+    /// the count's cache lines stay where they are.
     pub fn ring_bell(&self) {
-        let seq = self.atomic_u32(HEADER);
-        seq.fetch_add(1, Ordering::SeqCst);
-        if self.atomic_u32(HEADER + 64).load(Ordering::SeqCst) > 0 {
+        fence(Ordering::SeqCst);
+        if self.atomic_u32(HEADER + 64).load(Ordering::Relaxed) > 0 {
+            let seq = self.atomic_u32(HEADER);
+            seq.fetch_add(1, Ordering::SeqCst);
             sys::futex_wake(seq);
         }
     }
@@ -308,6 +314,14 @@ impl Segment {
     }
 }
 
+#[cfg(test)]
+impl Segment {
+    /// How many sleepers are announced on this segment's doorbell.
+    pub(crate) fn sleepers(&self) -> u32 {
+        self.atomic_u32(HEADER + 64).load(Ordering::SeqCst)
+    }
+}
+
 impl Doorbell for Segment {
     /// The doorbell's counter. A waiter reads it *before* checking its rings, then sleeps with
     /// [`Doorbell::sleep_since`]: any ring after the read ends the sleep at once.
@@ -315,13 +329,20 @@ impl Doorbell for Segment {
         self.atomic_u32(HEADER).load(Ordering::SeqCst)
     }
 
+    fn announce(&self, sleeping: bool) {
+        let sleepers = self.atomic_u32(HEADER + 64);
+        if sleeping {
+            sleepers.fetch_add(1, Ordering::SeqCst);
+            // The announcement comes before every check that follows (see `ring_bell`).
+            fence(Ordering::SeqCst);
+        } else {
+            sleepers.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
     /// Sleeps on this segment's doorbell for at most `timeout`, unless it rang since `seen`.
     fn sleep_since(&self, seen: u32, timeout: Duration) {
-        let seq = self.atomic_u32(HEADER);
-        let sleepers = self.atomic_u32(HEADER + 64);
-        sleepers.fetch_add(1, Ordering::SeqCst);
-        sys::futex_wait(seq, seen, timeout);
-        sleepers.fetch_sub(1, Ordering::SeqCst);
+        sys::futex_wait(self.atomic_u32(HEADER), seen, timeout);
     }
 }
 

@@ -8,7 +8,7 @@ use super::liveness::{lost, Liveness};
 use super::segment::{Segment, MAGIC};
 use crate::base::error::{Error, Result};
 use crate::base::sys;
-use crate::transport::{Staging, Tag, Window};
+use crate::transport::{Staging, Tag, Window, INLINE_MAX, INLINE_WORDS};
 
 /// The direct [`Window`] of a communicator whose ranks all share memory: every rank's segment
 /// (this rank's included) mapped here, indexed by rank.
@@ -24,6 +24,12 @@ pub struct ShmWindow {
     epoch: u64,
     single_copy: bool,
 }
+
+/// The word of a half's record that repeats the step published with it (the record's last
+/// store, so a peer that sees the step sees the rest of the record and the staged bytes).
+const STEP_WORD: usize = 5;
+/// The first of the two record words that carry inline data ([`Window::publish_inline`]).
+const INLINE_WORD: usize = 6;
 
 impl ShmWindow {
     /// `segs[r]` is rank `r`'s segment, `pids[r]` its process id; `single_copy` says whether
@@ -44,6 +50,38 @@ impl ShmWindow {
             live,
             epoch: 0,
             single_copy,
+        }
+    }
+}
+
+impl ShmWindow {
+    /// Writes half `half`'s record (tag, the two region words, the inline words if any), then
+    /// its step word, then the step counter, and rings the peers that sleep.
+    fn publish_words(
+        &mut self,
+        step: u64,
+        tag: Tag,
+        half: usize,
+        region: [u64; 2],
+        inline: Option<[u64; INLINE_WORDS]>,
+    ) {
+        let own = &self.segs[self.rank];
+        let h = half % 2;
+        let words = [tag.seq + 1, tag.desc, tag.count, region[0], region[1]];
+        for (i, w) in words.into_iter().enumerate() {
+            own.record(h, i).store(w, Ordering::Relaxed);
+        }
+        if let Some(data) = inline {
+            for (i, w) in data.into_iter().enumerate() {
+                own.record(h, INLINE_WORD + i).store(w, Ordering::Relaxed);
+            }
+        }
+        own.record(h, STEP_WORD).store(step, Ordering::Release);
+        own.step().store(step, Ordering::Release);
+        for (p, s) in self.segs.iter().enumerate() {
+            if p != self.rank {
+                s.ring_bell();
+            }
         }
     }
 }
@@ -73,27 +111,31 @@ impl Window for ShmWindow {
     }
 
     fn publish(&mut self, step: u64, tag: Tag, half: usize, region: [usize; 2]) {
-        let own = &self.segs[self.rank];
-        let words = [
-            tag.seq + 1,
-            tag.desc,
-            tag.count,
-            region[0] as u64,
-            region[1] as u64,
-        ];
-        for (i, w) in words.into_iter().enumerate() {
-            own.record(half % 2, i).store(w, Ordering::Relaxed);
-        }
-        own.step().store(step, Ordering::Release);
-        for (p, s) in self.segs.iter().enumerate() {
-            if p != self.rank {
-                s.ring_bell();
-            }
-        }
+        self.publish_words(step, tag, half, [region[0] as u64, region[1] as u64], None);
     }
 
-    fn step(&self, peer: usize) -> u64 {
-        self.segs[peer].step().load(Ordering::Acquire)
+    fn inline_capacity(&self) -> usize {
+        INLINE_MAX
+    }
+
+    fn publish_inline(&mut self, step: u64, tag: Tag, half: usize, data: &[u8]) {
+        let mut words = [0u64; INLINE_WORDS];
+        let n = data.len().min(INLINE_MAX);
+        bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..n].copy_from_slice(&data[..n]);
+        self.publish_words(step, tag, half, [0, 0], Some(words));
+    }
+
+    fn peer_inline(&self, peer: usize, half: usize) -> [u64; INLINE_WORDS] {
+        let s = &self.segs[peer];
+        std::array::from_fn(|i| s.record(half % 2, INLINE_WORD + i).load(Ordering::Relaxed))
+    }
+
+    fn step(&self, peer: usize, half: Option<usize>) -> u64 {
+        let s = &self.segs[peer];
+        match half {
+            Some(h) => s.record(h % 2, STEP_WORD).load(Ordering::Acquire),
+            None => s.step().load(Ordering::Acquire),
+        }
     }
 
     fn peer_tag(&self, peer: usize, half: usize) -> Option<Tag> {
