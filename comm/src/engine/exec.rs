@@ -6,7 +6,6 @@
 use oxccl_kernels::{finish_avg_bytes, scale_bytes, scale_into_bytes, DType, ReduceOp};
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use oxccl_kernels::check_factor;
 
@@ -80,9 +79,7 @@ impl Shared {
 
     /// Fails an async call before anything is queued (`e` noted with the world ranks, once).
     pub(crate) fn failed_work<B>(&self, e: Error, op: &'static str) -> Work<B> {
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        let _ = tx.send(Err(self.named(e)));
-        Work::new(rx, Instant::now(), self.rank, op)
+        Work::failed(self.named(e), self.rank, op)
     }
 }
 

@@ -92,10 +92,6 @@ struct Turn {
 }
 
 type Job = Box<dyn FnOnce() + Send>;
-/// The body of an async operation, given its ticket and how many operations were ahead.
-type TicketedJob = Box<dyn FnOnce(u64, u64) + Send>;
-/// An async operation's body until the progress thread or a waiter takes it.
-type JobSlot = Arc<Mutex<Option<TicketedJob>>>;
 
 /// Longest wait for the store while publishing a failure.
 const PUBLISH_BUDGET: Duration = Duration::from_secs(3);

@@ -1,26 +1,38 @@
 //! The progress thread: async operations queued in ticket order, run by it (or by the thread
 //! that waits for them first), and stopped when the communicator goes.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 
-use super::{lock, ExecState, Job, JobSlot, Shared, TicketedJob, Work};
+use super::work::{Body, Cell};
+use super::{lock, ExecState, Job, Shared, Work};
 use crate::base::error::Result;
 
 impl Shared {
-    /// Takes a ticket and queues the job `make(ticket, ahead)` makes, both under the worker lock,
-    /// so queued jobs sit in ticket order even when several threads queue at once (a job queued
-    /// behind a later ticket would wait for a turn that cannot come). Returns the ticket and how
-    /// many operations were ahead.
-    pub(crate) fn submit_ticketed<F>(self: &Arc<Self>, make: F) -> (u64, u64)
+    /// Takes a ticket and queues `job(ticket, ahead)` on the progress thread (see
+    /// [`Shared::submit_made`]). Returns the ticket and how many operations were ahead.
+    #[cfg(any(test, feature = "cuda-core"))]
+    pub(crate) fn submit_ticketed<F>(self: &Arc<Self>, job: F) -> (u64, u64)
     where
         F: FnOnce(u64, u64) + Send + 'static,
     {
+        self.submit_made(|ticket, ahead| move || job(ticket, ahead))
+    }
+
+    /// Takes a ticket and queues the job that `make(ticket, ahead)` makes, both under the worker
+    /// lock, so queued jobs sit in ticket order even when several threads queue at once (a job
+    /// queued behind a later ticket would wait for a turn that cannot come). Returns the ticket
+    /// and how many operations were ahead.
+    pub(crate) fn submit_made<M, J>(self: &Arc<Self>, make: M) -> (u64, u64)
+    where
+        M: FnOnce(u64, u64) -> J,
+        J: FnOnce() + Send + 'static,
+    {
         let mut w = lock(&self.worker);
         let (ticket, ahead) = self.take_ticket();
-        let job: Job = Box::new(move || make(ticket, ahead));
+        let job: Job = Box::new(make(ticket, ahead));
         if w.is_none() {
             let (tx, rx): (Sender<Job>, Receiver<Job>) = crossbeam_channel::unbounded();
             let name = format!("oxccl-progress-r{}", self.rank);
@@ -64,37 +76,37 @@ impl Shared {
         R: Send + 'static,
         F: FnOnce(&Shared, &mut ExecState, &mut B) -> Result<()> + Send + 'static,
     {
-        let (tx, rx) = crossbeam_channel::bounded(1);
         let shared = Arc::clone(self);
-        let body: TicketedJob = Box::new(move |ticket: u64, ahead: u64| {
+        let body: Body<R> = Box::new(move |ticket: u64, ahead: u64| {
             let mut buf = buf;
-            let r = shared.run_turn(ticket, ahead, |st| run(&shared, st, &mut buf));
-            let _ = tx.send(r.map(|()| finish(buf)));
+            shared
+                .run_turn(ticket, ahead, |st| run(&shared, st, &mut buf))
+                .map(|()| finish(buf))
         });
         // Whoever takes the body first runs it: the progress thread when its turn comes, or the
         // thread that waits on the operation before the progress thread got to it.
-        let slot: JobSlot = Arc::new(Mutex::new(Some(body)));
-        let queued = Arc::clone(&slot);
-        let (ticket, ahead) = self.submit_ticketed(move |ticket, ahead| {
-            let body = lock(&queued).take();
-            if let Some(body) = body {
-                body(ticket, ahead);
-            }
+        let rank = self.rank;
+        let mut cell = None;
+        let (_, ahead) = self.submit_made(|ticket, ahead| {
+            let c = Arc::new(Cell::queued(body, ticket, ahead));
+            cell = Some(Arc::clone(&c));
+            move || c.run_queued(op, rank)
         });
-        let mut work = Work::new(rx, self.work_deadline(ahead), self.rank, op);
-        work.pending = Some((slot, ticket, ahead));
+        let cell = cell.expect("submit_ticketed makes the job before it returns");
+        let mut work = Work::new(cell, self.work_budget(ahead), self.rank, op);
         work.world.clone_from(&self.world);
+        work.spin = self.spin;
         work
     }
 
-    /// The deadline of an async operation queued with `ahead` operations before it: each of them
-    /// and this one have their own time-out (and may read a stall report).
-    pub(crate) fn work_deadline(&self, ahead: u64) -> Instant {
+    /// How long a wait on an async operation queued with `ahead` operations before it may
+    /// block: each of them and this one have their own time-out (and may read a stall report).
+    pub(crate) fn work_budget(&self, ahead: u64) -> Duration {
         // Slack: a second, and the stall report a timed-out operation reads.
-        Instant::now()
-            + self.timeout * (ahead as u32 + 2)
-            + Duration::from_secs(1)
-            + crate::base::stall::READ_BUDGET_MAX
+        self.timeout
+            .saturating_mul(u32::try_from(ahead + 2).unwrap_or(u32::MAX))
+            .saturating_add(Duration::from_secs(1))
+            .saturating_add(crate::base::stall::READ_BUDGET_MAX)
     }
 
     /// Lets queued jobs finish and stops the progress thread, then waits (bounded) until every

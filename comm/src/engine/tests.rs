@@ -462,3 +462,26 @@ fn a_sleeping_wait_is_rung_then_quiet() {
         "a post to a rank that does not sleep rings nothing"
     );
 }
+
+/// An operation that panics on the progress thread: its handle says so at once (`is_done`,
+/// then `Aborted` from `wait`) instead of letting the waiter wait out its deadline.
+#[test]
+fn a_panic_on_the_progress_thread_reaches_the_waiter() {
+    let (sh, _store) = shared(Duration::from_secs(600));
+    let w = sh.submit_work(
+        "boom",
+        (),
+        |_, _, _| -> Result<()> { panic!("a bug in an operation") },
+        |b| b,
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !w.is_done() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(w.is_done(), "the progress thread ran it and noted the loss");
+    match w.wait() {
+        Err(Error::Aborted { reason, .. }) => assert!(reason.contains("dropped"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    sh.stop_worker();
+}

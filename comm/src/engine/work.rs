@@ -1,47 +1,205 @@
-//! [`Work`]: the handle of an operation running in the background.
+//! [`Work`]: the handle of an operation running in the background, and the cell it shares with
+//! whoever runs it (the progress thread, or the thread that waits first).
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::Receiver;
-
-use super::{lock, JobSlot};
+use super::lock;
 use crate::base::error::{Error, Result, WorldNames};
+
+/// How long a waiter polls for an operation the progress thread runs before it sleeps (small
+/// operations end within microseconds; a sleep and its wake-up cost more than that).
+const SPIN: Duration = Duration::from_micros(20);
+
+/// The body of an async operation, given its ticket and how many operations were ahead.
+pub(super) type Body<B> = Box<dyn FnOnce(u64, u64) -> Result<B> + Send>;
+
+enum State<B> {
+    /// Not started: the progress thread or a waiter takes the body.
+    Queued(Body<B>),
+    /// The progress thread runs it.
+    Running,
+    /// Finished; the result waits for [`Work::wait`].
+    Done(Result<B>),
+    /// The result was handed out.
+    Taken,
+}
+
+/// What an async operation's [`Work`] shares with the progress thread.
+pub(super) struct Cell<B> {
+    state: Mutex<State<B>>,
+    /// Set (after the result is stored) once the operation finished: polled without the lock.
+    finished: AtomicBool,
+    /// A waiter sleeps on it (counted in `sleepers`, so a finish notifies only then).
+    done: Condvar,
+    sleepers: Mutex<usize>,
+    ticket: u64,
+    ahead: u64,
+}
+
+impl<B> Cell<B> {
+    pub(super) fn queued(body: Body<B>, ticket: u64, ahead: u64) -> Cell<B> {
+        Cell::with(State::Queued(body), ticket, ahead)
+    }
+
+    fn with(state: State<B>, ticket: u64, ahead: u64) -> Cell<B> {
+        let finished = matches!(state, State::Done(_));
+        Cell {
+            state: Mutex::new(state),
+            finished: AtomicBool::new(finished),
+            done: Condvar::new(),
+            sleepers: Mutex::new(0),
+            ticket,
+            ahead,
+        }
+    }
+
+    /// Takes the body if nobody has (`running`: the taker is the progress thread, which stores
+    /// the result; else the caller keeps it).
+    fn take_body(&self, running: bool) -> Option<Body<B>> {
+        let mut s = lock(&self.state);
+        if !matches!(*s, State::Queued(_)) {
+            return None;
+        }
+        let next = if running {
+            State::Running
+        } else {
+            State::Taken
+        };
+        match std::mem::replace(&mut *s, next) {
+            State::Queued(body) => Some(body),
+            _ => None,
+        }
+    }
+
+    /// The progress thread's turn at the operation: runs it unless a waiter took it first, and
+    /// stores the result (an error naming the loss if the operation panics).
+    pub(super) fn run_queued(&self, op: &'static str, rank: usize) {
+        let Some(body) = self.take_body(true) else {
+            return;
+        };
+        let mut guard = Finish {
+            cell: self,
+            result: Some(Err(lost(rank, op))),
+        };
+        guard.result = Some(body(self.ticket, self.ahead));
+    }
+
+    fn finish(&self, r: Result<B>) {
+        *lock(&self.state) = State::Done(r);
+        self.finished.store(true, Ordering::Release);
+        if *lock(&self.sleepers) > 0 {
+            self.done.notify_all();
+        }
+    }
+
+    /// The result, if the operation finished and nobody took it yet.
+    fn take_result(&self) -> Option<Result<B>> {
+        let mut s = lock(&self.state);
+        match std::mem::replace(&mut *s, State::Taken) {
+            State::Done(r) => Some(r),
+            other => {
+                *s = other;
+                None
+            }
+        }
+    }
+
+    /// Waits until `deadline` for the operation to finish (polling first for [`SPIN`] when
+    /// `spin`); its result, or `None` at the deadline.
+    fn wait_until(&self, deadline: Instant, spin: bool) -> Option<Result<B>> {
+        let spin_until = Instant::now() + if spin { SPIN } else { Duration::ZERO };
+        while !self.finished.load(Ordering::Acquire) {
+            let now = Instant::now();
+            if now >= spin_until {
+                break;
+            }
+            std::hint::spin_loop();
+        }
+        loop {
+            if self.finished.load(Ordering::Acquire) {
+                return self.take_result();
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            let mut n = lock(&self.sleepers);
+            *n += 1;
+            // `finish` sets the flag before it reads the count under this lock: either it sees
+            // this sleeper and notifies, or the flag is set by now.
+            if !self.finished.load(Ordering::Acquire) {
+                n = self
+                    .done
+                    .wait_timeout(n, left)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
+            }
+            *n -= 1;
+        }
+    }
+}
+
+/// Stores the operation's result when it ends, also when it panics (then the error it was
+/// armed with), so no waiter waits out its deadline for an operation that is gone.
+struct Finish<'a, B> {
+    cell: &'a Cell<B>,
+    result: Option<Result<B>>,
+}
+
+impl<B> Drop for Finish<'_, B> {
+    fn drop(&mut self) {
+        if let Some(r) = self.result.take() {
+            self.cell.finish(r);
+        }
+    }
+}
+
+fn lost(rank: usize, op: &str) -> Error {
+    Error::Aborted {
+        rank,
+        reason: format!("{op}: the progress thread dropped the operation"),
+    }
+}
 
 /// A handle on an operation running in the background; owns the operation's buffers until
 /// [`Work::wait`] gives them back.
 #[must_use = "an async operation's buffer comes back only through wait()"]
 pub struct Work<B> {
-    rx: Receiver<Result<B>>,
-    deadline: Instant,
+    cell: Arc<Cell<B>>,
+    /// How long [`Work::wait`] may block once it has to (every operation ahead of this one and
+    /// this one have their own time-out).
+    budget: Duration,
+    /// Poll briefly before sleeping (off when ranks outnumber cores).
+    pub(super) spin: bool,
     rank: usize,
     op: &'static str,
-    /// The operation's body while it may not have started, with its ticket and how many
-    /// operations were ahead: `wait` runs it itself if the progress thread has not taken it yet.
-    pub(super) pending: Option<(JobSlot, u64, u64)>,
     /// The communicator's world ranks, noted in the errors the handle makes itself.
     pub(super) world: Option<Arc<WorldNames>>,
 }
 
 impl<B> Work<B> {
-    pub(crate) fn new(
-        rx: Receiver<Result<B>>,
-        deadline: Instant,
-        rank: usize,
-        op: &'static str,
-    ) -> Work<B> {
+    pub(super) fn new(cell: Arc<Cell<B>>, budget: Duration, rank: usize, op: &'static str) -> Self {
         Work {
-            rx,
-            deadline,
+            cell,
+            budget,
+            spin: true,
             rank,
             op,
-            pending: None,
             world: None,
         }
     }
 
+    /// A handle on an operation that failed before it was queued.
+    pub(crate) fn failed(e: Error, rank: usize, op: &'static str) -> Work<B> {
+        let cell = Arc::new(Cell::with(State::Done(Err(e)), 0, 0));
+        Work::new(cell, Duration::ZERO, rank, op)
+    }
+
     /// Waits for the operation and returns its buffers. The wait is bounded: every operation ahead
-    /// of this one and this one have their own deadlines (`OXCCL_TIMEOUT`).
+    /// of this one and this one have their own deadlines (`OXCCL_TIMEOUT`), counted from this
+    /// call.
     ///
     /// A host operation the progress thread has not started yet runs on this thread instead
     /// (when its turn comes, as it would there): a small operation waited for right away then
@@ -51,55 +209,45 @@ impl<B> Work<B> {
     ///
     /// # Errors
     /// The operation's error, or `Timeout` if it did not finish in time.
-    pub fn wait(mut self) -> Result<B> {
-        if let Some((slot, ticket, ahead)) = self.pending.take() {
-            // Not started yet: run it on this thread instead of handing it over and back (two
-            // thread wake-ups, most of a small operation's time).
-            let body = lock(&slot).take();
-            if let Some(body) = body {
-                body(ticket, ahead);
-            }
+    pub fn wait(self) -> Result<B> {
+        // Not started yet: run it here instead of handing it over and back (two thread
+        // wake-ups, most of a small operation's time).
+        if let Some(body) = self.cell.take_body(false) {
+            return body(self.cell.ticket, self.cell.ahead);
         }
-        let left = self.deadline.saturating_duration_since(Instant::now());
-        self.recv(left)
+        let deadline = Instant::now() + self.budget;
+        match self.cell.wait_until(deadline, self.spin) {
+            Some(r) => r,
+            None => Err(self.named(Error::Timeout {
+                rank: self.rank,
+                op: self.op.to_string(),
+                timeout: self.budget,
+                detail: "async operation did not complete".into(),
+            })),
+        }
     }
 
-    /// Waits at most `timeout`; on time-out the handle is given back (`Err(self)`) so the caller
-    /// can wait again.
+    /// Waits at most `timeout` (without running the operation here); on time-out the handle is
+    /// given back (`Err(self)`) so the caller can wait again.
     ///
     /// # Errors
     /// `Ok(Err(self))` when the operation has not finished within `timeout`.
     pub fn wait_timeout(self, timeout: Duration) -> std::result::Result<Result<B>, Work<B>> {
-        match self.rx.recv_timeout(timeout) {
-            Ok(r) => Ok(r),
-            Err(crossbeam_channel::RecvTimeoutError::Timeout) => Err(self),
-            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => Ok(Err(self.lost())),
+        let deadline = Instant::now() + timeout;
+        match self.cell.wait_until(deadline, self.spin) {
+            Some(r) => Ok(r),
+            None if self.cell.finished.load(Ordering::Acquire) => Ok(Err(self.lost())),
+            None => Err(self),
         }
     }
 
     /// True once the operation has finished (successfully or not).
     pub fn is_done(&self) -> bool {
-        !self.rx.is_empty()
-    }
-
-    fn recv(self, left: Duration) -> Result<B> {
-        match self.rx.recv_timeout(left) {
-            Ok(r) => r,
-            Err(crossbeam_channel::RecvTimeoutError::Timeout) => Err(self.named(Error::Timeout {
-                rank: self.rank,
-                op: self.op.to_string(),
-                timeout: left,
-                detail: "async operation did not complete".into(),
-            })),
-            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => Err(self.lost()),
-        }
+        self.cell.finished.load(Ordering::Acquire)
     }
 
     fn lost(&self) -> Error {
-        self.named(Error::Aborted {
-            rank: self.rank,
-            reason: format!("{}: the progress thread dropped the operation", self.op),
-        })
+        self.named(lost(self.rank, self.op))
     }
 
     fn named(&self, e: Error) -> Error {
