@@ -3,7 +3,8 @@
 # Needs: cargo build --release --bin oxccl; OpenMPI (apt-get install openmpi-bin libopenmpi-dev)
 # and the peer bench: mpicc -O2 -o /tmp/peers/mpi_coll_bench ../shared/peers/mpi_coll_bench.c
 # Prints per case: oxccl out-of-place time, in-place time, out-of-place busbw, in-place busbw;
-# MPI time and busbw.
+# MPI time and busbw. `all-reduce-async` rows are oxccl's async form (-z 0), to read against
+# its blocking row of the same round.
 # ROUNDS (default 3); ROTATE: oxccl perf --rotate (default: perf's own, 64M; 0 reuses one
 # buffer set per size, as the MPI bench does); MEMBW: a membw binary (cc -O3 -march=native
 # -pthread -o membw ../shared/peers/membw.c) run with 2 threads at the start of every round.
@@ -12,19 +13,29 @@ OX=${OX:-target/release/oxccl}
 MPI="mpirun --allow-run-as-root --oversubscribe --mca oob_tcp_if_include lo"
 B=${MPI_BENCH:-/tmp/peers/mpi_coll_bench}
 OX_PERF() { local c=$1; shift; $OX perf "$c" ${ROTATE:+--rotate "$ROTATE"} "$@"; }
+# Iterations by size, so that a small size is timed over about as long as the MPI bench times it
+# (it picks its count from a warm-up run, up to 100000).
+ITERS() { case $1 in 8) echo "-n 20000 -w 2000" ;; 1M) echo "-n 200 -w 20" ;; *) echo "" ;; esac; }
 for round in $(seq 1 "${ROUNDS:-3}"); do
   if [ -n "${MEMBW:-}" ]; then
     echo "R$round membw $($MEMBW -t 2 -r 3 | awk '$2==2{printf "%s %s ", $1, $5}')"
   fi
   for s in 8 1M 64M; do
-    echo "R$round np2 all-reduce $s ox $(OX_PERF all-reduce --np 2 -b $s -e $s -z 1 -a 3 | grep -v '^#' | awk 'NF>5{print $6, $10, $8, $12}')"
+    # shellcheck disable=SC2046
+    echo "R$round np2 all-reduce $s ox $(OX_PERF all-reduce --np 2 -b $s -e $s -z 1 -a 3 $(ITERS $s) | grep -v '^#' | awk 'NF>5{print $6, $10, $8, $12}')"
     echo "R$round np2 all-reduce $s mpi $($MPI -np 2 $B -b $s -e $s -c all_reduce | grep -v '^#' | awk 'NF>5{print $6, $8}')"
   done
+  # The async form (-z 0: each call waited at once), against the blocking one above.
+  # shellcheck disable=SC2046
+  echo "R$round np2 all-reduce-async 8 ox $(OX_PERF all-reduce --np 2 -b 8 -e 8 -z 0 -a 3 $(ITERS 8) | grep -v '^#' | awk 'NF>5{print $6, $10, $8, $12}')"
   for c in reduce-scatter all-gather broadcast; do
     echo "R$round np2 $c 64M ox $(OX_PERF $c --np 2 -b 64M -e 64M -z 1 -a 3 | grep -v '^#' | awk 'NF>5{print $6, $10, $8, $12}')"
     echo "R$round np2 $c 64M mpi $($MPI -np 2 $B -b 64M -e 64M -c ${c/-/_} | grep -v '^#' | awk 'NF>5{print $6, $8}')"
   done
-  echo "R$round np4 all-reduce 8 ox $(OX_PERF all-reduce --np 4 -b 8 -e 8 -z 1 -a 3 | grep -v '^#' | awk 'NF>5{print $6, $10, $8, $12}')"
+  # shellcheck disable=SC2046
+  echo "R$round np4 all-reduce 8 ox $(OX_PERF all-reduce --np 4 -b 8 -e 8 -z 1 -a 3 $(ITERS 8) | grep -v '^#' | awk 'NF>5{print $6, $10, $8, $12}')"
+  # shellcheck disable=SC2046
+  echo "R$round np4 all-reduce-async 8 ox $(OX_PERF all-reduce --np 4 -b 8 -e 8 -z 0 -a 3 $(ITERS 8) | grep -v '^#' | awk 'NF>5{print $6, $10, $8, $12}')"
   echo "R$round np4 all-reduce 8 mpi $($MPI -np 4 $B -b 8 -e 8 -c all_reduce | grep -v '^#' | awk 'NF>5{print $6, $8}')"
   for c in all-reduce reduce-scatter all-gather broadcast; do
     echo "R$round np4 $c 64M ox $(OX_PERF $c --np 4 -b 64M -e 64M -z 1 -a 3 | grep -v '^#' | awk 'NF>5{print $6, $10, $8, $12}')"
