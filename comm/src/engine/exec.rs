@@ -56,6 +56,7 @@ impl Shared {
     ) -> Result<R> {
         self.check_op(&desc)?;
         let (ticket, ahead) = self.take_ticket();
+        self.queue.before_call(ticket, ahead);
         self.run_turn(ticket, ahead, |st| exec(self, st, desc, body))
     }
 

@@ -14,12 +14,9 @@
 //! detected by one rank becomes `Mismatch` on every rank, a killed rank becomes `PeerLost` naming
 //! it on every survivor.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-
-use crossbeam_channel::Sender;
 
 pub(crate) mod channels;
 pub(crate) mod exec;
@@ -84,14 +81,16 @@ pub(crate) struct ExecState {
     pub current: Option<crate::base::op::Tag>,
 }
 
-struct Turn {
-    next_ticket: u64,
-    serving: u64,
-    /// Threads waiting on `turn_cv` (a notification costs a syscall; skip it when nobody waits).
-    waiters: usize,
+/// The line of turns: tickets are taken and turns passed on without a lock; a thread whose
+/// turn has not come sleeps on `cv` (counted in `waiters`, so that passing a turn takes the
+/// lock and notifies only when someone sleeps).
+struct Turns {
+    next_ticket: AtomicU64,
+    serving: AtomicU64,
+    waiters: AtomicUsize,
+    lock: Mutex<()>,
+    cv: Condvar,
 }
-
-type Job = Box<dyn FnOnce() + Send>;
 
 /// Longest wait for the store while publishing a failure.
 const PUBLISH_BUDGET: Duration = Duration::from_secs(3);
@@ -148,9 +147,9 @@ pub(crate) struct Shared {
     /// operation number and call, so a mismatch it finds is published as the caller's
     /// (`crate::engine::channels`).
     pub cut_call: Mutex<Option<(usize, u64, String)>>,
-    turn: Mutex<Turn>,
-    turn_cv: Condvar,
-    worker: Mutex<Option<(Sender<Job>, JoinHandle<()>)>>,
+    turn: Turns,
+    /// The line of async operations and the progress thread.
+    queue: Arc<queue::WorkQueue>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -208,22 +207,22 @@ impl Shared {
             error_key: format!("{comm_id}/error"),
             published: Arc::new(Mutex::new(None)),
             cut_call: Mutex::new(None),
-            turn: Mutex::new(Turn {
-                next_ticket: 0,
-                serving: 0,
-                waiters: 0,
-            }),
-            turn_cv: Condvar::new(),
-            worker: Mutex::new(None),
+            turn: Turns {
+                next_ticket: AtomicU64::new(0),
+                serving: AtomicU64::new(0),
+                waiters: AtomicUsize::new(0),
+                lock: Mutex::new(()),
+                cv: Condvar::new(),
+            },
+            queue: Arc::new(queue::WorkQueue::new(rank)),
         }
     }
 
     /// Takes the next place in line; returns it and how many operations are ahead.
     pub(crate) fn take_ticket(&self) -> (u64, u64) {
-        let mut t = lock(&self.turn);
-        let ticket = t.next_ticket;
-        t.next_ticket += 1;
-        (ticket, ticket - t.serving)
+        let ticket = self.turn.next_ticket.fetch_add(1, Ordering::SeqCst);
+        let serving = self.turn.serving.load(Ordering::SeqCst);
+        (ticket, ticket.saturating_sub(serving))
     }
 
     /// Waits for `ticket`'s turn, runs `f` on the execution state, then lets the next one go.
@@ -233,23 +232,26 @@ impl Shared {
         ahead: u64,
         f: impl FnOnce(&mut ExecState) -> Result<R>,
     ) -> Result<R> {
-        {
-            let mut t = lock(&self.turn);
-            let deadline = (t.serving != ticket).then(|| {
-                Instant::now() + self.timeout * (ahead as u32 + 1) + Duration::from_secs(1)
-            });
-            while t.serving != ticket {
-                let deadline = deadline.unwrap_or_else(Instant::now);
+        if self.turn.serving.load(Ordering::SeqCst) != ticket {
+            let deadline =
+                Instant::now() + self.timeout * (ahead as u32 + 1) + Duration::from_secs(1);
+            let mut t = self.turns_held();
+            loop {
+                let serving = self.turn.serving.load(Ordering::SeqCst);
+                if serving == ticket {
+                    break;
+                }
                 let left = deadline.saturating_duration_since(Instant::now());
                 // A later ticket that gave up first moved the line past this one: it cannot
                 // come, and the communicator is broken already.
-                let passed = t.serving > ticket;
+                let passed = serving > ticket;
                 if left.is_zero() || passed {
                     // This operation never runs: peers would pair its sequence number with the
                     // next one's data. Like NCCL after a time-out, the communicator is unusable
                     // from here on (every later operation fails with this error); give up our
                     // place so the line keeps moving.
                     drop(t);
+                    self.turn.waiters.fetch_sub(1, Ordering::SeqCst);
                     let why = if passed {
                         "a later operation gave up waiting for its turn first"
                     } else {
@@ -270,6 +272,8 @@ impl Shared {
                 }
                 t = self.wait_for_turns(t, left);
             }
+            drop(t);
+            self.turn.waiters.fetch_sub(1, Ordering::SeqCst);
         }
         let mut end = TurnEnd {
             shared: self,
@@ -338,31 +342,33 @@ impl Shared {
         }
     }
 
-    /// Waits at most `left` for the line of turns to move (counted in `waiters`, so that
-    /// `finish_turn` knows to notify).
-    fn wait_for_turns<'t>(
-        &self,
-        mut t: MutexGuard<'t, Turn>,
-        left: Duration,
-    ) -> MutexGuard<'t, Turn> {
-        t.waiters += 1;
-        t = self
-            .turn_cv
-            .wait_timeout(t, left)
-            .unwrap_or_else(|p| p.into_inner())
-            .0;
-        t.waiters -= 1;
+    /// The lock of the line of turns, held by a thread counted in `waiters` (it must undo the
+    /// count when it is done waiting): whatever it reads of the line under the lock, a turn
+    /// passed on after that notifies it.
+    fn turns_held(&self) -> MutexGuard<'_, ()> {
+        let t = lock(&self.turn.lock);
+        self.turn.waiters.fetch_add(1, Ordering::SeqCst);
         t
     }
 
+    /// Waits at most `left` for the line of turns to move (the lock taken with
+    /// [`Shared::turns_held`]).
+    fn wait_for_turns<'t>(&self, t: MutexGuard<'t, ()>, left: Duration) -> MutexGuard<'t, ()> {
+        self.turn
+            .cv
+            .wait_timeout(t, left)
+            .unwrap_or_else(|p| p.into_inner())
+            .0
+    }
+
     fn finish_turn(&self, ticket: u64) {
-        let mut t = lock(&self.turn);
         // Tickets that timed out waiting skip ahead; never move backwards.
-        if t.serving <= ticket {
-            t.serving = ticket + 1;
-        }
-        if t.waiters > 0 {
-            self.turn_cv.notify_all();
+        self.turn.serving.fetch_max(ticket + 1, Ordering::SeqCst);
+        // SeqCst with the count and the read in `run_turn`: a waiter that read the old value
+        // counted itself first, so it is seen here and notified once it sleeps.
+        if self.turn.waiters.load(Ordering::SeqCst) > 0 {
+            let _t = lock(&self.turn.lock);
+            self.turn.cv.notify_all();
         }
     }
 }

@@ -1,69 +1,339 @@
-//! The progress thread: async operations queued in ticket order, run by it (or by the thread
-//! that waits for them first), and stopped when the communicator goes.
+//! The progress thread and the line of async operations it serves: queued in ticket order, run
+//! by it or by a thread that needs them first (a waiter, or a blocking call behind them), and
+//! stopped when the communicator goes.
+//!
+//! Handing an operation to another thread costs a wake-up there and a core taken from a rank
+//! (most of a small operation's time on a machine with as many ranks as cores), and buys
+//! nothing when the caller waits for it at once. So the line watches its waiters: after
+//! [`LAZY_AFTER`] waits in a row that found their operation still queued, queueing stops waking
+//! the progress thread, which then naps ([`NAP`]) and runs only what nobody took within a nap;
+//! the first such operation (or a wait that finds its operation finished, or a poll of an
+//! unfinished one) makes every queueing wake it again.
 
-use std::sync::Arc;
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, Sender};
-
 use super::work::{Body, Cell};
-use super::{lock, ExecState, Job, Shared, Work};
+use super::{lock, ExecState, Shared, Work};
 use crate::base::error::Result;
 
-impl Shared {
-    /// Takes a ticket and queues `job(ticket, ahead)` on the progress thread (see
-    /// [`Shared::submit_made`]). Returns the ticket and how many operations were ahead.
-    #[cfg(any(test, feature = "cuda-core"))]
-    pub(crate) fn submit_ticketed<F>(self: &Arc<Self>, job: F) -> (u64, u64)
-    where
-        F: FnOnce(u64, u64) + Send + 'static,
-    {
-        self.submit_made(|ticket, ahead| move || job(ticket, ahead))
+/// How long the progress thread naps while waiters run their own operations: an operation
+/// nobody waits for starts within two naps.
+const NAP: Duration = Duration::from_micros(500);
+
+/// Waits in a row that find their operation still queued before queueing stops waking the
+/// progress thread.
+pub(super) const LAZY_AFTER: u32 = 8;
+
+/// What a host operation leaves in the line: its cell, which any thread may run.
+pub(super) trait HostJob: Send + Sync {
+    /// Runs the operation unless someone took it, and stores its result in the cell.
+    fn run_queued(&self);
+}
+
+/// A queued operation's work.
+pub(super) enum Job {
+    /// A host operation: any thread that needs it done may run it.
+    Host(Arc<dyn HostJob>),
+    /// A device operation: the progress thread's alone.
+    #[cfg_attr(not(any(test, feature = "cuda-core")), allow(dead_code))]
+    Device(Box<dyn FnOnce() + Send>),
+}
+
+impl Job {
+    fn stealable(&self) -> bool {
+        matches!(self, Job::Host(_))
     }
 
-    /// Takes a ticket and queues the job that `make(ticket, ahead)` makes, both under the worker
-    /// lock, so queued jobs sit in ticket order even when several threads queue at once (a job
-    /// queued behind a later ticket would wait for a turn that cannot come). Returns the ticket
-    /// and how many operations were ahead.
-    pub(crate) fn submit_made<M, J>(self: &Arc<Self>, make: M) -> (u64, u64)
-    where
-        M: FnOnce(u64, u64) -> J,
-        J: FnOnce() + Send + 'static,
-    {
-        let mut w = lock(&self.worker);
-        let (ticket, ahead) = self.take_ticket();
-        let job: Job = Box::new(make(ticket, ahead));
-        if w.is_none() {
-            let (tx, rx): (Sender<Job>, Receiver<Job>) = crossbeam_channel::unbounded();
+    /// Runs it; a panic has broken the communicator and left its error in the operation's
+    /// cell, so the thread goes on.
+    fn run(self) {
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match self {
+            Job::Host(cell) => cell.run_queued(),
+            Job::Device(f) => f(),
+        }));
+    }
+}
+
+/// A queued operation.
+struct Queued {
+    ticket: u64,
+    /// Its place among the queued operations (the line's `queued` count when it came).
+    seq: u64,
+    job: Job,
+}
+
+/// Where the progress thread is.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Sleep {
+    Awake,
+    /// Until a queueing wakes it.
+    Parked,
+    /// For a [`NAP`]; queueing wakes it only when the line is not lazy.
+    Napping,
+}
+
+struct Line {
+    jobs: VecDeque<Queued>,
+    thread: Option<JoinHandle<()>>,
+    sleep: Sleep,
+    /// Queueing a host operation does not wake the progress thread.
+    lazy: bool,
+    /// Waits in a row that found their operation still queued.
+    early: u32,
+    /// Operations queued so far.
+    queued: u64,
+    closing: bool,
+}
+
+/// A communicator's line of async operations and its progress thread (started at the first).
+pub(crate) struct WorkQueue {
+    line: Mutex<Line>,
+    wake: Condvar,
+    rank: usize,
+    nap: Duration,
+}
+
+impl WorkQueue {
+    pub(crate) fn new(rank: usize) -> WorkQueue {
+        WorkQueue::with_nap(rank, NAP)
+    }
+
+    pub(super) fn with_nap(rank: usize, nap: Duration) -> WorkQueue {
+        WorkQueue {
+            line: Mutex::new(Line {
+                jobs: VecDeque::new(),
+                thread: None,
+                sleep: Sleep::Awake,
+                lazy: false,
+                early: 0,
+                queued: 0,
+                closing: false,
+            }),
+            wake: Condvar::new(),
+            rank,
+            nap,
+        }
+    }
+
+    /// Queues `job` (the caller holds the line, taken with [`WorkQueue::hold`], since it took
+    /// `ticket` under it), starting the progress thread first if there is none; gives the job
+    /// back when no thread can run it (the caller runs it).
+    fn push(
+        self: &Arc<Self>,
+        line: &mut Line,
+        ticket: u64,
+        job: Job,
+    ) -> std::result::Result<(), Job> {
+        if line.thread.is_none() {
+            if line.closing {
+                return Err(job);
+            }
+            let q = Arc::clone(self);
             let name = format!("oxccl-progress-r{}", self.rank);
-            match std::thread::Builder::new().name(name).spawn(move || {
-                for job in rx {
-                    job();
-                }
-            }) {
-                Ok(h) => *w = Some((tx, h)),
+            match std::thread::Builder::new()
+                .name(name)
+                .spawn(move || q.serve())
+            {
+                Ok(h) => line.thread = Some(h),
                 Err(e) => {
                     tracing::error!(
                         rank = self.rank,
                         "could not start the progress thread: {e}; running inline"
                     );
-                    drop(w);
-                    job();
-                    return (ticket, ahead);
+                    return Err(job);
                 }
             }
         }
-        if let Some((tx, _)) = w.as_ref() {
-            if let Err(e) = tx.send(job) {
-                (e.into_inner())();
+        let stealable = job.stealable();
+        line.jobs.push_back(Queued {
+            ticket,
+            seq: line.queued,
+            job,
+        });
+        line.queued += 1;
+        let wake = match line.sleep {
+            Sleep::Awake => false,
+            Sleep::Parked => true,
+            Sleep::Napping => !(line.lazy && stealable),
+        };
+        if wake {
+            self.wake.notify_one();
+        }
+        Ok(())
+    }
+
+    fn hold(&self) -> MutexGuard<'_, Line> {
+        lock(&self.line)
+    }
+
+    /// The progress thread: runs what the line gives it until the communicator closes and the
+    /// line is empty. A panicking operation has left its error in its cell (and broken the
+    /// communicator); the thread goes on with the next.
+    fn serve(self: Arc<Self>) {
+        let mut line = self.hold();
+        // Operations queued before the current nap began (`seq < mark`) went untaken for one.
+        let mut mark = 0;
+        loop {
+            let take = line
+                .jobs
+                .front()
+                .is_some_and(|j| line.closing || !line.lazy || !j.job.stealable() || j.seq < mark);
+            if take {
+                if let Some(j) = line.jobs.pop_front() {
+                    if line.lazy && j.job.stealable() {
+                        // Nobody took it within a nap: the caller overlaps; wake on queueing.
+                        line.lazy = false;
+                        line.early = 0;
+                    }
+                    drop(line);
+                    j.job.run();
+                    line = self.hold();
+                }
+                continue;
             }
+            if line.closing {
+                return;
+            }
+            if line.lazy && line.queued != mark {
+                mark = line.queued;
+                line.sleep = Sleep::Napping;
+                line = self
+                    .wake
+                    .wait_timeout(line, self.nap)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
+            } else {
+                // Idle for a whole nap (or not lazy): sleep until something is queued, and
+                // wake for everything queued from here on.
+                line.lazy = false;
+                line.early = 0;
+                line.sleep = Sleep::Parked;
+                line = self.wake.wait(line).unwrap_or_else(|p| p.into_inner());
+                mark = 0;
+            }
+            line.sleep = Sleep::Awake;
+        }
+    }
+
+    /// Runs here, in order, the host operations queued ahead of `ticket` (whoever waits for
+    /// them finds them done); returns the line, held.
+    fn run_ahead(&self, ticket: u64) -> MutexGuard<'_, Line> {
+        let mut line = self.hold();
+        while let Some(i) = line
+            .jobs
+            .iter()
+            .take_while(|j| j.ticket < ticket)
+            .position(|j| j.job.stealable())
+        {
+            let Some(j) = line.jobs.remove(i) else { break };
+            drop(line);
+            // A panic there leaves the caller's own operation to report the broken
+            // communicator.
+            j.job.run();
+            line = self.hold();
+        }
+        line
+    }
+
+    /// Before a blocking call with `ahead` operations before it runs: the queued ones run here.
+    pub(super) fn before_call(&self, ticket: u64, ahead: u64) {
+        if ahead > 0 {
+            drop(self.run_ahead(ticket));
+        }
+    }
+
+    /// Before a wait for the operation of `ticket` (`finished`: it has finished already): runs
+    /// the host operations queued ahead of it here, takes its own out of the line if it is
+    /// there, and counts the wait (a wait that finds its operation still queued is early).
+    pub(super) fn before_wait(&self, ticket: u64, finished: bool) {
+        if finished {
+            let mut line = self.hold();
+            line.early = 0;
+            return;
+        }
+        let mut line = self.run_ahead(ticket);
+        match line.jobs.iter().position(|j| j.ticket == ticket) {
+            Some(i) => {
+                let own = line.jobs.remove(i);
+                line.early = line.early.saturating_add(1);
+                if line.early >= LAZY_AFTER {
+                    line.lazy = true;
+                }
+                drop(line);
+                drop(own);
+            }
+            None => line.early = 0,
+        }
+    }
+
+    /// Makes queueing wake the progress thread again, and wakes it now if it naps (a poll or a
+    /// bounded wait for an operation it should run).
+    pub(super) fn hurry(&self) {
+        let mut line = self.hold();
+        if line.lazy {
+            line.lazy = false;
+            line.early = 0;
+            if line.sleep == Sleep::Napping {
+                self.wake.notify_one();
+            }
+        }
+    }
+
+    /// Whether queueing a host operation wakes the progress thread now.
+    #[cfg(test)]
+    pub(super) fn is_lazy(&self) -> bool {
+        self.hold().lazy
+    }
+
+    /// Closes the line: the progress thread runs what is queued, then ends; waits for it.
+    fn close(&self) {
+        let thread = {
+            let mut line = self.hold();
+            line.closing = true;
+            if line.sleep != Sleep::Awake {
+                self.wake.notify_one();
+            }
+            line.thread.take()
+        };
+        if let Some(h) = thread {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Shared {
+    /// Takes a ticket and queues `job(ticket, ahead)` for the progress thread alone (a device
+    /// operation: see [`Shared::submit_made`]). Returns the ticket and how many operations
+    /// were ahead.
+    #[cfg(any(test, feature = "cuda-core"))]
+    pub(crate) fn submit_ticketed<F>(self: &Arc<Self>, job: F) -> (u64, u64)
+    where
+        F: FnOnce(u64, u64) + Send + 'static,
+    {
+        self.submit_job(|ticket, ahead| Job::Device(Box::new(move || job(ticket, ahead))))
+    }
+
+    /// Takes a ticket and queues the job that `make(ticket, ahead)` makes, both under the
+    /// line's lock, so queued jobs sit in ticket order even when several threads queue at once
+    /// (a job queued behind a later ticket would wait for a turn that cannot come). Returns the
+    /// ticket and how many operations were ahead.
+    fn submit_job(self: &Arc<Self>, make: impl FnOnce(u64, u64) -> Job) -> (u64, u64) {
+        let mut line = self.queue.hold();
+        let (ticket, ahead) = self.take_ticket();
+        let job = make(ticket, ahead);
+        if let Err(job) = self.queue.push(&mut line, ticket, job) {
+            drop(line);
+            job.run();
         }
         (ticket, ahead)
     }
 
-    /// Queues `run` on the progress thread as the next operation: it gets the execution state
-    /// and `buf` when its turn comes, and the returned [`Work`] (named `op`) gives back what
-    /// `finish` makes of `buf`.
+    /// Queues `run` as the next operation: it gets the execution state and `buf` when its turn
+    /// comes, and the returned [`Work`] (named `op`) gives back what `finish` makes of `buf`.
     pub(crate) fn submit_work<B, R, F>(
         self: &Arc<Self>,
         op: &'static str,
@@ -83,17 +353,17 @@ impl Shared {
                 .run_turn(ticket, ahead, |st| run(&shared, st, &mut buf))
                 .map(|()| finish(buf))
         });
-        // Whoever takes the body first runs it: the progress thread when its turn comes, or the
-        // thread that waits on the operation before the progress thread got to it.
-        let rank = self.rank;
+        // Whoever takes the body first runs it: the progress thread, a thread that needs it
+        // done first, or the one that waits for it.
         let mut cell = None;
-        let (_, ahead) = self.submit_made(|ticket, ahead| {
-            let c = Arc::new(Cell::queued(body, ticket, ahead));
+        let (_, ahead) = self.submit_job(|ticket, ahead| {
+            let c = Arc::new(Cell::queued(body, ticket, ahead, op, self.rank));
             cell = Some(Arc::clone(&c));
-            move || c.run_queued(op, rank)
+            Job::Host(c)
         });
-        let cell = cell.expect("submit_ticketed makes the job before it returns");
+        let cell = cell.expect("submit_job makes the job before it returns");
         let mut work = Work::new(cell, self.work_budget(ahead), self.rank, op);
+        work.queue = Some(Arc::clone(&self.queue));
         work.world.clone_from(&self.world);
         work.spin = self.spin;
         work
@@ -113,25 +383,25 @@ impl Shared {
     /// operation issued so far has had its turn: one that a waiting thread took over from the
     /// progress thread (see [`Work::wait`]) may still be running there.
     pub(crate) fn stop_worker(&self) {
-        let w = lock(&self.worker).take();
-        if let Some((tx, h)) = w {
-            drop(tx);
-            let _ = h.join();
-        }
-        let mut t = lock(&self.turn);
-        let outstanding = u32::try_from(t.next_ticket - t.serving).unwrap_or(u32::MAX);
+        self.queue.close();
+        let next = self.turn.next_ticket.load(Ordering::SeqCst);
+        let serving = self.turn.serving.load(Ordering::SeqCst);
+        let outstanding = u32::try_from(next.saturating_sub(serving)).unwrap_or(u32::MAX);
         // Each of them may take its own time-out (as `run_turn` allows), and a second of slack.
         let budget = self
             .timeout
             .saturating_mul(outstanding.saturating_add(1))
             .saturating_add(Duration::from_secs(1));
         let deadline = Instant::now().checked_add(budget);
-        while t.serving < t.next_ticket {
+        let mut t = self.turns_held();
+        while self.turn.serving.load(Ordering::SeqCst) < next {
             let left = deadline.map_or(budget, |d| d.saturating_duration_since(Instant::now()));
             if left.is_zero() {
                 break;
             }
             t = self.wait_for_turns(t, left);
         }
+        drop(t);
+        self.turn.waiters.fetch_sub(1, Ordering::SeqCst);
     }
 }

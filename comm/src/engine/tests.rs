@@ -3,6 +3,8 @@
 use super::failure::{decode_error, encode_error};
 use super::*;
 use crate::base::bootstrap::MemStore;
+use crate::base::op::{Collective, OpDesc};
+use crossbeam_channel::Sender;
 
 fn shared(timeout: Duration) -> (Arc<Shared>, Arc<MemStore>) {
     let store = Arc::new(MemStore::new());
@@ -169,23 +171,39 @@ fn wait_runs_an_operation_the_progress_thread_has_not_taken() {
     sh.stop_worker();
 }
 
-/// A waiter that takes a later operation still runs it after the earlier ones, which the
-/// progress thread runs once it is free: the order on the wire is the issue order.
+/// A waiter that takes a later operation still runs it after the earlier one, which the
+/// progress thread is running: the order on the wire is the issue order.
 #[test]
 fn a_waiter_keeps_the_turn_order() {
     let (sh, _store) = shared(Duration::from_secs(30));
     let log = Arc::new(Mutex::new(Vec::new()));
-    let gate = hold_progress_thread(&sh);
-    let first = logged(&sh, &log, 1);
+    let (gate_tx, gate_rx) = crossbeam_channel::bounded::<()>(1);
+    let (started_tx, started_rx) = crossbeam_channel::bounded::<()>(1);
+    let first_log = Arc::clone(&log);
+    let first = sh.submit_work(
+        "first",
+        1u32,
+        move |_, st, tag| {
+            let _ = started_tx.send(());
+            let _ = gate_rx.recv_timeout(Duration::from_secs(60));
+            st.coll_seq += 1;
+            lock(&first_log).push((*tag, std::thread::current().id()));
+            Ok(())
+        },
+        |tag| tag,
+    );
+    started_rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the progress thread runs the first operation");
     let second = logged(&sh, &log, 2);
     let parked = Arc::clone(&sh);
     let release = std::thread::spawn(move || {
         // Open the gate once this thread waits for its turn in `second` (it took the job).
         let deadline = Instant::now() + Duration::from_secs(60);
-        while lock(&parked.turn).waiters == 0 && Instant::now() < deadline {
+        while parked.turn.waiters.load(Ordering::SeqCst) == 0 && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(1));
         }
-        drop(gate);
+        drop(gate_tx);
     });
     // Taken by this thread, it waits for its turn until the progress thread ran `first`.
     assert_eq!(second.wait().unwrap(), 2);
@@ -196,6 +214,101 @@ fn a_waiter_keeps_the_turn_order() {
     assert_ne!(log[0].1, std::thread::current().id());
     assert_eq!(log[1].1, std::thread::current().id());
     assert_eq!(lock(&sh.exec).coll_seq, 2);
+    sh.stop_worker();
+}
+
+/// A wait runs the operations queued ahead of its own on the waiting thread, in order, when
+/// the progress thread is busy: otherwise its own would wait for them until it is free.
+#[test]
+fn a_wait_runs_the_operations_queued_ahead_of_it() {
+    let (sh, _store) = shared(Duration::from_millis(300));
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let gate = hold_progress_thread(&sh);
+    let first = logged(&sh, &log, 1);
+    let second = logged(&sh, &log, 2);
+    assert_eq!(second.wait().expect("runs both here, in order"), 2);
+    assert!(first.is_done());
+    assert_eq!(first.wait().unwrap(), 1);
+    let me = std::thread::current().id();
+    assert_eq!(*lock(&log), [(1, me), (2, me)]);
+    drop(gate);
+    sh.stop_worker();
+}
+
+/// A blocking call runs the async operations queued ahead of it on its own thread when the
+/// progress thread is busy (its turn would come only after them).
+#[test]
+fn a_blocking_call_runs_the_operations_queued_ahead_of_it() {
+    let store = Arc::new(MemStore::new());
+    let cfg = Config {
+        timeout: Duration::from_millis(300),
+        ..Config::default()
+    };
+    let sh = Arc::new(Shared::new(
+        0,
+        1,
+        false,
+        &cfg,
+        Links::default(),
+        store,
+        "one",
+    ));
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let gate = hold_progress_thread(&sh);
+    let queued = logged(&sh, &log, 1);
+    let desc = OpDesc {
+        coll: Collective::Barrier,
+        dtype: oxccl_kernels::DType::U8,
+        op: oxccl_kernels::ReduceOp::Sum,
+        root: 0,
+        count: 0,
+    };
+    sh.run(desc, |_, _| Ok(())).expect("its turn comes");
+    assert_eq!(*lock(&log), [(1, std::thread::current().id())]);
+    assert_eq!(lock(&sh.exec).coll_seq, 2, "both ran");
+    assert_eq!(queued.wait().unwrap(), 1);
+    drop(gate);
+    sh.stop_worker();
+}
+
+/// Waits that find their operation still queued make queueing stop waking the progress
+/// thread; an operation nobody waits for then still runs there (within a nap), and from then
+/// on queueing wakes it again.
+#[test]
+fn early_waits_make_the_line_lazy_and_an_unwaited_operation_still_runs() {
+    let (sh, _store) = shared(Duration::from_secs(30));
+    let gate = hold_progress_thread(&sh);
+    let log = Arc::new(Mutex::new(Vec::new()));
+    for i in 0..super::queue::LAZY_AFTER {
+        assert_eq!(logged(&sh, &log, i).wait().unwrap(), i);
+    }
+    assert!(
+        sh.queue.is_lazy(),
+        "waits that came first make the line lazy"
+    );
+    drop(gate);
+    let ran = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&ran);
+    let w = sh.submit_work(
+        "unwaited",
+        (),
+        move |_, _, _| {
+            flag.store(true, Ordering::SeqCst);
+            Ok(())
+        },
+        |b| b,
+    );
+    // Neither waited for nor polled (either would hurry it): the progress thread must find it.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !ran.load(Ordering::SeqCst) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(ran.load(Ordering::SeqCst), "the progress thread ran it");
+    assert!(
+        !sh.queue.is_lazy(),
+        "an operation it had to run makes it wake again"
+    );
+    w.wait().unwrap();
     sh.stop_worker();
 }
 

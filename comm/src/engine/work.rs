@@ -6,6 +6,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use super::lock;
+use super::queue::{HostJob, WorkQueue};
 use crate::base::error::{Error, Result, WorldNames};
 
 /// How long a waiter polls for an operation the progress thread runs before it sleeps (small
@@ -36,14 +37,44 @@ pub(super) struct Cell<B> {
     sleepers: Mutex<usize>,
     ticket: u64,
     ahead: u64,
+    /// The operation's name and rank, for the error left when it panics.
+    op: &'static str,
+    rank: usize,
+}
+
+impl<B: Send> HostJob for Cell<B> {
+    /// The progress thread's turn at the operation (or a thread's that needs it done): runs it
+    /// unless a waiter took it first, and stores the result (an error naming the loss if the
+    /// operation panics).
+    fn run_queued(&self) {
+        let Some(body) = self.take_body(true) else {
+            return;
+        };
+        let mut guard = Finish {
+            cell: self,
+            result: Some(Err(lost(self.rank, self.op))),
+        };
+        guard.result = Some(body(self.ticket, self.ahead));
+    }
 }
 
 impl<B> Cell<B> {
-    pub(super) fn queued(body: Body<B>, ticket: u64, ahead: u64) -> Cell<B> {
-        Cell::with(State::Queued(body), ticket, ahead)
+    pub(super) fn queued(
+        body: Body<B>,
+        ticket: u64,
+        ahead: u64,
+        op: &'static str,
+        rank: usize,
+    ) -> Cell<B> {
+        Cell::with(State::Queued(body), (ticket, ahead), op, rank)
     }
 
-    fn with(state: State<B>, ticket: u64, ahead: u64) -> Cell<B> {
+    fn with(
+        state: State<B>,
+        (ticket, ahead): (u64, u64),
+        op: &'static str,
+        rank: usize,
+    ) -> Cell<B> {
         let finished = matches!(state, State::Done(_));
         Cell {
             state: Mutex::new(state),
@@ -52,6 +83,8 @@ impl<B> Cell<B> {
             sleepers: Mutex::new(0),
             ticket,
             ahead,
+            op,
+            rank,
         }
     }
 
@@ -71,19 +104,6 @@ impl<B> Cell<B> {
             State::Queued(body) => Some(body),
             _ => None,
         }
-    }
-
-    /// The progress thread's turn at the operation: runs it unless a waiter took it first, and
-    /// stores the result (an error naming the loss if the operation panics).
-    pub(super) fn run_queued(&self, op: &'static str, rank: usize) {
-        let Some(body) = self.take_body(true) else {
-            return;
-        };
-        let mut guard = Finish {
-            cell: self,
-            result: Some(Err(lost(rank, op))),
-        };
-        guard.result = Some(body(self.ticket, self.ahead));
     }
 
     fn finish(&self, r: Result<B>) {
@@ -177,6 +197,8 @@ pub struct Work<B> {
     op: &'static str,
     /// The communicator's world ranks, noted in the errors the handle makes itself.
     pub(super) world: Option<Arc<WorldNames>>,
+    /// The line the operation was queued on (none for one that failed before).
+    pub(super) queue: Option<Arc<WorkQueue>>,
 }
 
 impl<B> Work<B> {
@@ -188,12 +210,13 @@ impl<B> Work<B> {
             rank,
             op,
             world: None,
+            queue: None,
         }
     }
 
     /// A handle on an operation that failed before it was queued.
     pub(crate) fn failed(e: Error, rank: usize, op: &'static str) -> Work<B> {
-        let cell = Arc::new(Cell::with(State::Done(Err(e)), 0, 0));
+        let cell = Arc::new(Cell::with(State::Done(Err(e)), (0, 0), op, rank));
         Work::new(cell, Duration::ZERO, rank, op)
     }
 
@@ -202,14 +225,20 @@ impl<B> Work<B> {
     /// call.
     ///
     /// A host operation the progress thread has not started yet runs on this thread instead
-    /// (when its turn comes, as it would there): a small operation waited for right away then
-    /// costs no thread hand-over. Its waits then follow a blocking call's: the turn's deadline
-    /// counts from this call, and a time-out (or a panic) happens on this thread; a time-out
-    /// waiting for the turn breaks the communicator, as it would on the progress thread.
+    /// (when its turn comes, as it would there), and so do the ones queued ahead of it: a small
+    /// operation waited for right away then costs no thread hand-over. Its waits then follow a
+    /// blocking call's: the turn's deadline counts from this call, and a time-out (or a panic)
+    /// happens on this thread; a time-out waiting for the turn breaks the communicator, as it
+    /// would on the progress thread. After a few waits in a row that found their operation not
+    /// started, queueing stops waking the progress thread (it then runs only what nobody waited
+    /// for within half a millisecond, and wakes for every operation again once it has).
     ///
     /// # Errors
     /// The operation's error, or `Timeout` if it did not finish in time.
     pub fn wait(self) -> Result<B> {
+        if let Some(q) = &self.queue {
+            q.before_wait(self.cell.ticket, self.cell.finished.load(Ordering::Acquire));
+        }
         // Not started yet: run it here instead of handing it over and back (two thread
         // wake-ups, most of a small operation's time).
         if let Some(body) = self.cell.take_body(false) {
@@ -233,6 +262,7 @@ impl<B> Work<B> {
     /// # Errors
     /// `Ok(Err(self))` when the operation has not finished within `timeout`.
     pub fn wait_timeout(self, timeout: Duration) -> std::result::Result<Result<B>, Work<B>> {
+        self.hurry();
         let deadline = Instant::now() + timeout;
         match self.cell.wait_until(deadline, self.spin) {
             Some(r) => Ok(r),
@@ -242,8 +272,23 @@ impl<B> Work<B> {
     }
 
     /// True once the operation has finished (successfully or not).
+    /// While it has not, the progress thread is told to run it.
     pub fn is_done(&self) -> bool {
-        self.cell.finished.load(Ordering::Acquire)
+        let done = self.cell.finished.load(Ordering::Acquire);
+        if !done {
+            self.hurry();
+        }
+        done
+    }
+
+    /// Makes sure the progress thread runs the operation without a waiter (see
+    /// [`Work::wait`]: after waits that came early, it may nap first).
+    fn hurry(&self) {
+        if let Some(q) = &self.queue {
+            if !self.cell.finished.load(Ordering::Acquire) {
+                q.hurry();
+            }
+        }
     }
 
     fn lost(&self) -> Error {
