@@ -11,7 +11,7 @@
 //! unfinished one) makes every queueing wake it again.
 
 use std::collections::VecDeque;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -30,8 +30,11 @@ pub(super) const LAZY_AFTER: u32 = 8;
 
 /// What a host operation leaves in the line: its cell, which any thread may run.
 pub(super) trait HostJob: Send + Sync {
-    /// Runs the operation unless someone took it, and stores its result in the cell.
-    fn run_queued(&self);
+    /// Runs the operation unless someone took it, and stores its result in the cell; whether
+    /// it ran.
+    fn run_queued(&self) -> bool;
+    /// Someone took it (its entry is left for the line to drop).
+    fn is_taken(&self) -> bool;
 }
 
 /// A queued operation's work.
@@ -48,13 +51,22 @@ impl Job {
         matches!(self, Job::Host(_))
     }
 
-    /// Runs it; a panic has broken the communicator and left its error in the operation's
-    /// cell, so the thread goes on.
-    fn run(self) {
-        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match self {
+    /// A host operation that a waiter took.
+    fn is_dead(&self) -> bool {
+        matches!(self, Job::Host(cell) if cell.is_taken())
+    }
+
+    /// Runs it unless a waiter took it; whether it ran. A panic has broken the communicator
+    /// and left its error in the operation's cell, so the thread goes on.
+    fn run(self) -> bool {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match self {
             Job::Host(cell) => cell.run_queued(),
-            Job::Device(f) => f(),
-        }));
+            Job::Device(f) => {
+                f();
+                true
+            }
+        }))
+        .unwrap_or(true)
     }
 }
 
@@ -80,10 +92,6 @@ struct Line {
     jobs: VecDeque<Queued>,
     thread: Option<JoinHandle<()>>,
     sleep: Sleep,
-    /// Queueing a host operation does not wake the progress thread.
-    lazy: bool,
-    /// Waits in a row that found their operation still queued.
-    early: u32,
     /// Operations queued so far.
     queued: u64,
     closing: bool,
@@ -93,6 +101,12 @@ struct Line {
 pub(crate) struct WorkQueue {
     line: Mutex<Line>,
     wake: Condvar,
+    /// Queueing a host operation does not wake the progress thread (a hint, read and written
+    /// without the line's lock: a napping thread still finds what nobody took).
+    lazy: AtomicBool,
+    /// Waits in a row that found their operation still queued (plain loads and stores: a
+    /// count lost to a race costs a wait or two more before the line turns lazy).
+    early: AtomicU32,
     rank: usize,
     nap: Duration,
 }
@@ -108,12 +122,12 @@ impl WorkQueue {
                 jobs: VecDeque::new(),
                 thread: None,
                 sleep: Sleep::Awake,
-                lazy: false,
-                early: 0,
                 queued: 0,
                 closing: false,
             }),
             wake: Condvar::new(),
+            lazy: AtomicBool::new(false),
+            early: AtomicU32::new(0),
             rank,
             nap,
         }
@@ -148,6 +162,10 @@ impl WorkQueue {
                 }
             }
         }
+        // Entries of operations their waiters took leave here, on the thread that queues.
+        while line.jobs.front().is_some_and(|j| j.job.is_dead()) {
+            line.jobs.pop_front();
+        }
         let stealable = job.stealable();
         line.jobs.push_back(Queued {
             ticket,
@@ -158,7 +176,7 @@ impl WorkQueue {
         let wake = match line.sleep {
             Sleep::Awake => false,
             Sleep::Parked => true,
-            Sleep::Napping => !(line.lazy && stealable),
+            Sleep::Napping => !(stealable && self.lazy.load(Ordering::Relaxed)),
         };
         if wake {
             self.wake.notify_one();
@@ -178,19 +196,18 @@ impl WorkQueue {
         // Operations queued before the current nap began (`seq < mark`) went untaken for one.
         let mut mark = 0;
         loop {
-            let take = line
-                .jobs
-                .front()
-                .is_some_and(|j| line.closing || !line.lazy || !j.job.stealable() || j.seq < mark);
+            let lazy = self.lazy.load(Ordering::Relaxed);
+            let take = line.jobs.front().is_some_and(|j| {
+                line.closing || !lazy || !j.job.stealable() || j.seq < mark || j.job.is_dead()
+            });
             if take {
                 if let Some(j) = line.jobs.pop_front() {
-                    if line.lazy && j.job.stealable() {
-                        // Nobody took it within a nap: the caller overlaps; wake on queueing.
-                        line.lazy = false;
-                        line.early = 0;
-                    }
+                    let host = j.job.stealable();
                     drop(line);
-                    j.job.run();
+                    if j.job.run() && host && lazy {
+                        // Nobody took it within a nap: the caller overlaps; wake on queueing.
+                        self.eager();
+                    }
                     line = self.hold();
                 }
                 continue;
@@ -198,7 +215,7 @@ impl WorkQueue {
             if line.closing {
                 return;
             }
-            if line.lazy && line.queued != mark {
+            if lazy && line.queued != mark {
                 mark = line.queued;
                 line.sleep = Sleep::Napping;
                 line = self
@@ -209,8 +226,7 @@ impl WorkQueue {
             } else {
                 // Idle for a whole nap (or not lazy): sleep until something is queued, and
                 // wake for everything queued from here on.
-                line.lazy = false;
-                line.early = 0;
+                self.eager();
                 line.sleep = Sleep::Parked;
                 line = self.wake.wait(line).unwrap_or_else(|p| p.into_inner());
                 mark = 0;
@@ -246,38 +262,42 @@ impl WorkQueue {
         }
     }
 
-    /// Before a wait for the operation of `ticket` (`finished`: it has finished already): runs
-    /// the host operations queued ahead of it here, takes its own out of the line if it is
-    /// there, and counts the wait (a wait that finds its operation still queued is early).
-    pub(super) fn before_wait(&self, ticket: u64, finished: bool) {
-        if finished {
-            let mut line = self.hold();
-            line.early = 0;
+    /// Before a wait for the unfinished operation of `ticket`: the host operations queued
+    /// ahead of it run here (none when its turn has come).
+    pub(super) fn before_wait(&self, shared: &Shared, ticket: u64) {
+        if shared.turn.serving.load(Ordering::SeqCst) != ticket {
+            drop(self.run_ahead(ticket));
+        }
+    }
+
+    /// Counts a wait: `early` when it found its operation still queued; after [`LAZY_AFTER`]
+    /// of those in a row, queueing stops waking the progress thread.
+    pub(super) fn note_wait(&self, early: bool) {
+        if !early {
+            if self.early.load(Ordering::Relaxed) != 0 {
+                self.early.store(0, Ordering::Relaxed);
+            }
             return;
         }
-        let mut line = self.run_ahead(ticket);
-        match line.jobs.iter().position(|j| j.ticket == ticket) {
-            Some(i) => {
-                let own = line.jobs.remove(i);
-                line.early = line.early.saturating_add(1);
-                if line.early >= LAZY_AFTER {
-                    line.lazy = true;
-                }
-                drop(line);
-                drop(own);
-            }
-            None => line.early = 0,
+        let n = self.early.load(Ordering::Relaxed).saturating_add(1);
+        self.early.store(n, Ordering::Relaxed);
+        if n >= LAZY_AFTER && !self.lazy.load(Ordering::Relaxed) {
+            self.lazy.store(true, Ordering::Relaxed);
         }
+    }
+
+    /// Queueing wakes the progress thread again.
+    fn eager(&self) {
+        self.lazy.store(false, Ordering::Relaxed);
+        self.early.store(0, Ordering::Relaxed);
     }
 
     /// Makes queueing wake the progress thread again, and wakes it now if it naps (a poll or a
     /// bounded wait for an operation it should run).
     pub(super) fn hurry(&self) {
-        let mut line = self.hold();
-        if line.lazy {
-            line.lazy = false;
-            line.early = 0;
-            if line.sleep == Sleep::Napping {
+        if self.lazy.load(Ordering::Relaxed) {
+            self.eager();
+            if self.hold().sleep == Sleep::Napping {
                 self.wake.notify_one();
             }
         }
@@ -286,7 +306,7 @@ impl WorkQueue {
     /// Whether queueing a host operation wakes the progress thread now.
     #[cfg(test)]
     pub(super) fn is_lazy(&self) -> bool {
-        self.hold().lazy
+        self.lazy.load(Ordering::Relaxed)
     }
 
     /// Closes the line: the progress thread runs what is queued, then ends; waits for it.
@@ -346,24 +366,22 @@ impl Shared {
         R: Send + 'static,
         F: FnOnce(&Shared, &mut ExecState, &mut B) -> Result<()> + Send + 'static,
     {
-        let shared = Arc::clone(self);
-        let body: Body<R> = Box::new(move |ticket: u64, ahead: u64| {
+        let body: Body<R> = Box::new(move |shared: &Shared, ticket: u64, ahead: u64| {
             let mut buf = buf;
             shared
-                .run_turn(ticket, ahead, |st| run(&shared, st, &mut buf))
+                .run_turn(ticket, ahead, |st| run(shared, st, &mut buf))
                 .map(|()| finish(buf))
         });
         // Whoever takes the body first runs it: the progress thread, a thread that needs it
         // done first, or the one that waits for it.
         let mut cell = None;
         let (_, ahead) = self.submit_job(|ticket, ahead| {
-            let c = Arc::new(Cell::queued(body, ticket, ahead, op, self.rank));
+            let c = Arc::new(Cell::queued(body, Arc::clone(self), (ticket, ahead), op));
             cell = Some(Arc::clone(&c));
             Job::Host(c)
         });
         let cell = cell.expect("submit_job makes the job before it returns");
         let mut work = Work::new(cell, self.work_budget(ahead), self.rank, op);
-        work.queue = Some(Arc::clone(&self.queue));
         work.world.clone_from(&self.world);
         work.spin = self.spin;
         work

@@ -5,16 +5,17 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use super::lock;
-use super::queue::{HostJob, WorkQueue};
+use super::queue::HostJob;
+use super::{lock, Shared};
 use crate::base::error::{Error, Result, WorldNames};
 
 /// How long a waiter polls for an operation the progress thread runs before it sleeps (small
 /// operations end within microseconds; a sleep and its wake-up cost more than that).
 const SPIN: Duration = Duration::from_micros(20);
 
-/// The body of an async operation, given its ticket and how many operations were ahead.
-pub(super) type Body<B> = Box<dyn FnOnce(u64, u64) -> Result<B> + Send>;
+/// The body of an async operation, given the engine, its ticket and how many operations were
+/// ahead.
+pub(super) type Body<B> = Box<dyn FnOnce(&Shared, u64, u64) -> Result<B> + Send>;
 
 enum State<B> {
     /// Not started: the progress thread or a waiter takes the body.
@@ -35,38 +36,49 @@ pub(super) struct Cell<B> {
     /// A waiter sleeps on it (counted in `sleepers`, so a finish notifies only then).
     done: Condvar,
     sleepers: Mutex<usize>,
+    /// Set once the body left the cell: the line drops the operation's entry unseen.
+    taken: AtomicBool,
     ticket: u64,
     ahead: u64,
     /// The operation's name and rank, for the error left when it panics.
     op: &'static str,
     rank: usize,
+    /// The engine that runs it (none for an operation that failed before it was queued).
+    shared: Option<Arc<Shared>>,
 }
 
 impl<B: Send> HostJob for Cell<B> {
     /// The progress thread's turn at the operation (or a thread's that needs it done): runs it
     /// unless a waiter took it first, and stores the result (an error naming the loss if the
-    /// operation panics).
-    fn run_queued(&self) {
-        let Some(body) = self.take_body(true) else {
-            return;
+    /// operation panics). Whether it ran.
+    fn run_queued(&self) -> bool {
+        let (Some(shared), Some(body)) = (self.shared.as_deref(), self.take_body(true)) else {
+            return false;
         };
         let mut guard = Finish {
             cell: self,
             result: Some(Err(lost(self.rank, self.op))),
         };
-        guard.result = Some(body(self.ticket, self.ahead));
+        guard.result = Some(body(shared, self.ticket, self.ahead));
+        true
+    }
+
+    fn is_taken(&self) -> bool {
+        self.taken.load(Ordering::Acquire)
     }
 }
 
 impl<B> Cell<B> {
     pub(super) fn queued(
         body: Body<B>,
-        ticket: u64,
-        ahead: u64,
+        shared: Arc<Shared>,
+        (ticket, ahead): (u64, u64),
         op: &'static str,
-        rank: usize,
     ) -> Cell<B> {
-        Cell::with(State::Queued(body), (ticket, ahead), op, rank)
+        let rank = shared.rank;
+        let mut cell = Cell::with(State::Queued(body), (ticket, ahead), op, rank);
+        cell.shared = Some(shared);
+        cell
     }
 
     fn with(
@@ -81,10 +93,12 @@ impl<B> Cell<B> {
             finished: AtomicBool::new(finished),
             done: Condvar::new(),
             sleepers: Mutex::new(0),
+            taken: AtomicBool::new(false),
             ticket,
             ahead,
             op,
             rank,
+            shared: None,
         }
     }
 
@@ -100,6 +114,7 @@ impl<B> Cell<B> {
         } else {
             State::Taken
         };
+        self.taken.store(true, Ordering::Release);
         match std::mem::replace(&mut *s, next) {
             State::Queued(body) => Some(body),
             _ => None,
@@ -197,8 +212,6 @@ pub struct Work<B> {
     op: &'static str,
     /// The communicator's world ranks, noted in the errors the handle makes itself.
     pub(super) world: Option<Arc<WorldNames>>,
-    /// The line the operation was queued on (none for one that failed before).
-    pub(super) queue: Option<Arc<WorkQueue>>,
 }
 
 impl<B> Work<B> {
@@ -210,7 +223,6 @@ impl<B> Work<B> {
             rank,
             op,
             world: None,
-            queue: None,
         }
     }
 
@@ -236,13 +248,21 @@ impl<B> Work<B> {
     /// # Errors
     /// The operation's error, or `Timeout` if it did not finish in time.
     pub fn wait(self) -> Result<B> {
-        if let Some(q) = &self.queue {
-            q.before_wait(self.cell.ticket, self.cell.finished.load(Ordering::Acquire));
-        }
-        // Not started yet: run it here instead of handing it over and back (two thread
-        // wake-ups, most of a small operation's time).
-        if let Some(body) = self.cell.take_body(false) {
-            return body(self.cell.ticket, self.cell.ahead);
+        let cell = &*self.cell;
+        if let Some(shared) = cell.shared.as_deref() {
+            if cell.finished.load(Ordering::Acquire) {
+                shared.queue.note_wait(false);
+            } else {
+                // Operations queued ahead of this one run here first (its turn follows theirs).
+                shared.queue.before_wait(shared, cell.ticket);
+                // Not started yet: run it here instead of handing it over and back (two thread
+                // wake-ups, most of a small operation's time).
+                if let Some(body) = cell.take_body(false) {
+                    shared.queue.note_wait(true);
+                    return body(shared, cell.ticket, cell.ahead);
+                }
+                shared.queue.note_wait(false);
+            }
         }
         let deadline = Instant::now() + self.budget;
         match self.cell.wait_until(deadline, self.spin) {
@@ -284,9 +304,9 @@ impl<B> Work<B> {
     /// Makes sure the progress thread runs the operation without a waiter (see
     /// [`Work::wait`]: after waits that came early, it may nap first).
     fn hurry(&self) {
-        if let Some(q) = &self.queue {
+        if let Some(shared) = self.cell.shared.as_deref() {
             if !self.cell.finished.load(Ordering::Acquire) {
-                q.hurry();
+                shared.queue.hurry();
             }
         }
     }
