@@ -224,9 +224,12 @@ impl WorkQueue {
                     .unwrap_or_else(|p| p.into_inner())
                     .0;
             } else {
-                // Idle for a whole nap (or not lazy): sleep until something is queued, and
-                // wake for everything queued from here on.
-                self.eager();
+                // Not lazy, or idle for a whole nap: sleep until something is queued, and after
+                // a nap wake for everything queued from here on (not lazy, leave the count of
+                // early waits alone: a waiter may be making the line lazy right now).
+                if lazy {
+                    self.eager();
+                }
                 line.sleep = Sleep::Parked;
                 line = self.wake.wait(line).unwrap_or_else(|p| p.into_inner());
                 mark = 0;
@@ -270,8 +273,9 @@ impl WorkQueue {
         }
     }
 
-    /// Counts a wait: `early` when it found its operation still queued; after [`LAZY_AFTER`]
-    /// of those in a row, queueing stops waking the progress thread.
+    /// Counts a wait: `early` when it found its operation still queued, or started just now
+    /// by the progress thread; after [`LAZY_AFTER`] of those in a row, queueing stops waking
+    /// the progress thread.
     pub(super) fn note_wait(&self, early: bool) {
         if !early {
             if self.early.load(Ordering::Relaxed) != 0 {
@@ -301,6 +305,12 @@ impl WorkQueue {
                 self.wake.notify_one();
             }
         }
+    }
+
+    /// Waits in a row counted early.
+    #[cfg(test)]
+    pub(super) fn early_waits(&self) -> u32 {
+        self.early.load(Ordering::Relaxed)
     }
 
     /// Whether queueing a host operation wakes the progress thread now.

@@ -312,6 +312,42 @@ fn early_waits_make_the_line_lazy_and_an_unwaited_operation_still_runs() {
     sh.stop_worker();
 }
 
+/// A wait for an operation the progress thread started well before is not early (the caller
+/// overlapped it with something): it ends a run of early waits.
+#[test]
+fn a_wait_for_an_operation_started_well_before_is_not_early() {
+    let (sh, _store) = shared(Duration::from_secs(30));
+    let gate = hold_progress_thread(&sh);
+    let log = Arc::new(Mutex::new(Vec::new()));
+    for i in 0..3 {
+        assert_eq!(logged(&sh, &log, i).wait().unwrap(), i);
+    }
+    assert_eq!(
+        sh.queue.early_waits(),
+        3,
+        "each found its operation still queued"
+    );
+    drop(gate);
+    let (started_tx, started_rx) = crossbeam_channel::bounded::<()>(1);
+    let w = sh.submit_work(
+        "overlapped",
+        (),
+        move |_, _, _| {
+            let _ = started_tx.send(());
+            Ok(())
+        },
+        |b| b,
+    );
+    started_rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the progress thread runs it");
+    std::thread::sleep(Duration::from_millis(5));
+    w.wait().unwrap();
+    assert_eq!(sh.queue.early_waits(), 0);
+    assert!(!sh.queue.is_lazy());
+    sh.stop_worker();
+}
+
 /// Dropping a communicator stops its progress thread; an operation a waiting thread took
 /// over is still running then, and must end before the connections close.
 #[test]

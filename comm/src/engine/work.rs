@@ -1,7 +1,7 @@
 //! [`Work`]: the handle of an operation running in the background, and the cell it shares with
 //! whoever runs it (the progress thread, or the thread that waits first).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -12,6 +12,20 @@ use crate::base::error::{Error, Result, WorldNames};
 /// How long a waiter polls for an operation the progress thread runs before it sleeps (small
 /// operations end within microseconds; a sleep and its wake-up cost more than that).
 const SPIN: Duration = Duration::from_micros(20);
+
+/// A wait that finds its operation started by the progress thread less than this long ago
+/// counts as early (see [`super::queue::WorkQueue::note_wait`]): handing it over bought no
+/// overlap worth a wake-up.
+const JUST_STARTED: Duration = Duration::from_micros(50);
+
+/// Nanoseconds since the first call (0 is never returned: it means "not started").
+fn now_ns() -> u64 {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    let epoch = *EPOCH.get_or_init(Instant::now);
+    u64::try_from(epoch.elapsed().as_nanos())
+        .unwrap_or(u64::MAX)
+        .max(1)
+}
 
 /// The body of an async operation, given the engine, its ticket and how many operations were
 /// ahead.
@@ -38,6 +52,8 @@ pub(super) struct Cell<B> {
     sleepers: Mutex<usize>,
     /// Set once the body left the cell: the line drops the operation's entry unseen.
     taken: AtomicBool,
+    /// When the progress thread took the body ([`now_ns`]; 0 before).
+    started: AtomicU64,
     ticket: u64,
     ahead: u64,
     /// The operation's name and rank, for the error left when it panics.
@@ -55,6 +71,7 @@ impl<B: Send> HostJob for Cell<B> {
         let (Some(shared), Some(body)) = (self.shared.as_deref(), self.take_body(true)) else {
             return false;
         };
+        self.started.store(now_ns(), Ordering::Release);
         let mut guard = Finish {
             cell: self,
             result: Some(Err(lost(self.rank, self.op))),
@@ -94,6 +111,7 @@ impl<B> Cell<B> {
             done: Condvar::new(),
             sleepers: Mutex::new(0),
             taken: AtomicBool::new(false),
+            started: AtomicU64::new(0),
             ticket,
             ahead,
             op,
@@ -250,9 +268,7 @@ impl<B> Work<B> {
     pub fn wait(self) -> Result<B> {
         let cell = &*self.cell;
         if let Some(shared) = cell.shared.as_deref() {
-            if cell.finished.load(Ordering::Acquire) {
-                shared.queue.note_wait(false);
-            } else {
+            if !cell.finished.load(Ordering::Acquire) {
                 // Operations queued ahead of this one run here first (its turn follows theirs).
                 shared.queue.before_wait(shared, cell.ticket);
                 // Not started yet: run it here instead of handing it over and back (two thread
@@ -261,8 +277,14 @@ impl<B> Work<B> {
                     shared.queue.note_wait(true);
                     return body(shared, cell.ticket, cell.ahead);
                 }
-                shared.queue.note_wait(false);
             }
+            // The progress thread ran it, or runs it: early if it started just now (with
+            // ranks crowding the cores, the thread queueing may lose its core to the progress
+            // thread it woke until the operation is over).
+            let started = cell.started.load(Ordering::Acquire);
+            let just =
+                started == 0 || now_ns().saturating_sub(started) < JUST_STARTED.as_nanos() as u64;
+            shared.queue.note_wait(just);
         }
         let deadline = Instant::now() + self.budget;
         match self.cell.wait_until(deadline, self.spin) {
