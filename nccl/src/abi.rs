@@ -160,6 +160,11 @@ impl Config {
     pub fn blocking(&self) -> bool {
         self.blocking != 0
     }
+
+    /// `blocking` if the caller set it (not `NCCL_CONFIG_UNDEF_INT`).
+    pub fn blocking_set(&self) -> Option<bool> {
+        (self.blocking != UNDEF_INT).then(|| self.blocking())
+    }
 }
 
 /// `ncclDataType_t` as oxccl's [`DType`].

@@ -1,11 +1,14 @@
 //! The communicator behind an `ncclComm_t`: a [`Handle`] shared through an `Arc` (the pointer
 //! the caller holds is `Arc::into_raw`), so a watchdog thread can abort it while another thread
-//! is inside a call. Creating one (`ncclCommInitRank`, `ncclCommSplit`) is collective and,
-//! inside `ncclGroupStart/End`, deferred to the group's end (`crate::group`).
+//! is inside a call. Creating one (`ncclCommInitRank`, `ncclCommSplit`, `ncclCommShrink`) is
+//! collective and, inside `ncclGroupStart/End`, deferred to the group's end (`crate::group`);
+//! outside a group with a non-blocking config (`blocking = 0`) it runs on a thread of its own and
+//! the call returns `ncclInProgress` (`ncclCommGetAsyncError` says when it is done).
 
 use std::ffi::c_int;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread;
+use std::time::{Duration, Instant};
 
 use oxccl_comm::bootstrap::{MemStore, Store, TcpStore};
 use oxccl_comm::{Communicator, Config, ReduceOp};
@@ -13,7 +16,7 @@ use oxccl_comm::{Communicator, Config, ReduceOp};
 use crate::abi::{self, NCCL_OPS_LIMIT, NUM_OPS};
 use crate::group;
 use crate::id::Root;
-use crate::status::{bad_arg, bad_use, fail, Failure, Outcome};
+use crate::status::{bad_arg, bad_use, fail, in_progress, Failure, Outcome};
 
 /// What an `ncclComm_t` points to.
 pub struct Handle {
@@ -21,6 +24,13 @@ pub struct Handle {
     comm: OnceLock<Communicator>,
     /// Why creating it failed, if it did.
     failed: Mutex<Option<(c_int, String)>>,
+    /// Notified (under `failed`) when creating it ended.
+    created: Condvar,
+    /// Set when it is created on a thread of its own: how long a call on it waits for that.
+    background: OnceLock<Duration>,
+    /// Created non-blocking (`ncclConfig_t.blocking = 0`; a split or shrink of it inherits
+    /// that unless its own config says).
+    pub blocking: bool,
     /// The CUDA device it was created for (`ncclCommCuDevice`).
     pub device: c_int,
     /// Operations made by `ncclRedOpCreatePreMulSum`: op `NUM_OPS + i` is `ops[i]` (`None`
@@ -32,21 +42,48 @@ pub struct Handle {
 pub type CommPtr = *const Handle;
 
 impl Handle {
-    fn new(device: c_int) -> Arc<Handle> {
+    fn new(device: c_int, blocking: bool) -> Arc<Handle> {
         Arc::new(Handle {
             comm: OnceLock::new(),
             failed: Mutex::new(None),
+            created: Condvar::new(),
+            background: OnceLock::new(),
+            blocking,
             device,
             ops: Mutex::new(Vec::new()),
         })
     }
 
-    /// The communicator, or why there is none.
+    /// The communicator, or why there is none; one still being created on a thread of its own
+    /// is waited for (bounded: its creation has deadlines of its own).
     pub fn comm(&self) -> Result<&Communicator, Failure> {
         if let Some(c) = self.comm.get() {
             return Ok(c);
         }
-        let failed = self.failed.lock().unwrap_or_else(|p| p.into_inner());
+        let mut failed = self.failed.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(&budget) = self.background.get() {
+            let deadline = Instant::now() + budget;
+            while self.comm.get().is_none() && failed.is_none() {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(fail(
+                        abi::TIMEOUT,
+                        format!(
+                            "this non-blocking communicator was still being created after {} s",
+                            budget.as_secs()
+                        ),
+                    ));
+                }
+                failed = self
+                    .created
+                    .wait_timeout(failed, left)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
+            }
+            if let Some(c) = self.comm.get() {
+                return Ok(c);
+            }
+        }
         Err(match failed.as_ref() {
             Some((code, msg)) => fail(*code, format!("creating this communicator failed: {msg}")),
             None => bad_use(
@@ -56,9 +93,14 @@ impl Handle {
         })
     }
 
+    /// The communicator if it is created (no wait).
+    pub fn created(&self) -> Option<&Communicator> {
+        self.comm.get()
+    }
+
     /// Records the end of creating it.
     fn finish(&self, made: Result<Communicator, Failure>) -> Outcome {
-        match made {
+        let out = match made {
             Ok(c) => {
                 let _ = self.comm.set(c);
                 Ok(())
@@ -68,7 +110,11 @@ impl Handle {
                     Some((f.code, f.msg.clone()));
                 Err(f)
             }
-        }
+        };
+        // Under the lock a waiter in `comm` checks with: it sees the end or is notified.
+        let _g = self.failed.lock().unwrap_or_else(|p| p.into_inner());
+        self.created.notify_all();
+        out
     }
 
     /// `ncclCommGetAsyncError`: a creation that failed, else an error a device operation met
@@ -173,11 +219,44 @@ fn current_device() -> c_int {
     0
 }
 
+/// Runs `job`, which creates `h`: now, at the group's end inside a group, or (non-blocking,
+/// outside a group) on a thread of its own, returning `ncclInProgress`.
+fn create(h: &Arc<Handle>, job: group::Job) -> Outcome {
+    if h.blocking || group::active() {
+        return group::connect(job);
+    }
+    // A call on it waits for the creation at most this long (the rendezvous and the
+    // connections have `OXCCL_TIMEOUT` each), then reports a time-out.
+    let timeout = Config::from_env()?.timeout;
+    let _ = h
+        .background
+        .set(timeout.saturating_mul(3) + Duration::from_secs(30));
+    let spawned = thread::Builder::new()
+        .name("oxccl-nccl-create".into())
+        .spawn(move || {
+            let _ = job();
+        });
+    if let Err(e) = spawned {
+        let f = fail(
+            abi::SYSTEM_ERROR,
+            format!("could not start a thread to create it: {e}"),
+        );
+        return h.finish(Err(f));
+    }
+    Err(in_progress())
+}
+
 /// `ncclCommInitRank` / `ncclCommInitRankConfig`: rank `rank` of `nranks`, meeting at `root`.
 ///
 /// # Safety
 /// `out` is valid for a write.
-pub unsafe fn init_rank(out: *mut CommPtr, nranks: c_int, root: Root, rank: c_int) -> Outcome {
+pub unsafe fn init_rank(
+    out: *mut CommPtr,
+    nranks: c_int,
+    root: Root,
+    rank: c_int,
+    blocking: bool,
+) -> Outcome {
     if out.is_null() {
         return Err(bad_arg("comm (the ncclComm_t* to fill) is NULL"));
     }
@@ -186,10 +265,11 @@ pub unsafe fn init_rank(out: *mut CommPtr, nranks: c_int, root: Root, rank: c_in
             "rank {rank} of nranks {nranks}: need 0 <= rank < nranks"
         )));
     }
-    let h = Handle::new(current_device());
+    let h = Handle::new(current_device(), blocking);
     // SAFETY: checked non-null; writable per the contract.
     unsafe { give(out, &h) };
     let (rank, size) = (rank as usize, nranks as usize);
+    let made_for = Arc::clone(&h);
     let job = move || {
         let made = (|| {
             let cfg = Config::from_env()?;
@@ -203,9 +283,9 @@ pub unsafe fn init_rank(out: *mut CommPtr, nranks: c_int, root: Root, rank: c_in
             let store: Arc<dyn Store> = Arc::new(store);
             Ok(Communicator::init_with_config(rank, size, store, cfg)?)
         })();
-        h.finish(made)
+        made_for.finish(made)
     };
-    group::connect(Box::new(job))
+    create(&h, Box::new(job))
 }
 
 /// `ncclCommInitAll`: `ndev` ranks of one communicator in this process, rank `i` on device
@@ -249,7 +329,7 @@ pub unsafe fn init_all(out: *mut CommPtr, ndev: c_int, devlist: *const c_int) ->
         return Err(fail(e.code, e.msg.clone()));
     }
     for (i, (c, dev)) in made.into_iter().zip(devices).enumerate() {
-        let h = Handle::new(dev);
+        let h = Handle::new(dev, true);
         h.finish(c)?;
         // SAFETY: `out` is valid for `ndev` writes, per the contract.
         unsafe { give(out.add(i), &h) };
@@ -258,11 +338,18 @@ pub unsafe fn init_all(out: *mut CommPtr, ndev: c_int, devlist: *const c_int) ->
 }
 
 /// `ncclCommSplit`: a new communicator of the ranks passing `color` (none for
-/// `NCCL_SPLIT_NOCOLOR`: `*out` becomes NULL), ordered by `key`.
+/// `NCCL_SPLIT_NOCOLOR`: `*out` becomes NULL), ordered by `key`; non-blocking as `blocking`
+/// says, else as the parent is.
 ///
 /// # Safety
 /// `parent` as for [`handle`]; `out` is valid for a write.
-pub unsafe fn split(parent: CommPtr, color: c_int, key: c_int, out: *mut CommPtr) -> Outcome {
+pub unsafe fn split(
+    parent: CommPtr,
+    color: c_int,
+    key: c_int,
+    out: *mut CommPtr,
+    blocking: Option<bool>,
+) -> Outcome {
     // SAFETY: per the contract.
     let parent = unsafe { handle(parent) }?;
     if out.is_null() {
@@ -274,7 +361,7 @@ pub unsafe fn split(parent: CommPtr, color: c_int, key: c_int, out: *mut CommPtr
         )));
     }
     let member = color != abi::SPLIT_NOCOLOR;
-    let h = Handle::new(parent.device);
+    let h = Handle::new(parent.device, blocking.unwrap_or(parent.blocking));
     if member {
         // SAFETY: checked non-null; writable per the contract.
         unsafe { give(out, &h) };
@@ -289,22 +376,25 @@ pub unsafe fn split(parent: CommPtr, color: c_int, key: c_int, out: *mut CommPtr
         Arc::increment_strong_count(p);
         Arc::from_raw(p)
     };
+    let made_for = Arc::clone(&h);
     let job = move || {
         let made = parent
             .comm()
             .and_then(|c| Ok(c.split(member.then_some(color as u32), i64::from(key))?));
         match made {
-            Ok(Some(c)) => h.finish(Ok(c)),
+            Ok(Some(c)) => made_for.finish(Ok(c)),
             Ok(None) => Ok(()),
-            Err(f) => h.finish(Err(f)),
+            Err(f) => made_for.finish(Err(f)),
         }
     };
-    group::connect(Box::new(job))
+    create(&h, Box::new(job))
 }
 
 /// `ncclCommShrink`: a new communicator of the parent's ranks but `exclude` (which do not call
 /// it: lost, or left out), through oxccl's `shrink`. With `NCCL_SHRINK_ABORT` (flag 1) the
 /// parent is aborted first, ending any call still in progress on it.
+///
+/// Non-blocking as `blocking` says, else as the parent is.
 ///
 /// # Safety
 /// `parent` as for [`handle`]; `out` is valid for a write; `exclude` is null (with `count` 0)
@@ -314,7 +404,7 @@ pub unsafe fn shrink(
     exclude: *const c_int,
     count: c_int,
     out: *mut CommPtr,
-    flags: c_int,
+    (flags, blocking): (c_int, Option<bool>),
 ) -> Outcome {
     // SAFETY: per the contract.
     let p = unsafe { handle(parent) }?;
@@ -333,7 +423,7 @@ pub unsafe fn shrink(
             "shrinkFlags {flags:#x}: only NCCL_SHRINK_ABORT (1) is known"
         )));
     }
-    let h = Handle::new(p.device);
+    let h = Handle::new(p.device, blocking.unwrap_or(p.blocking));
     // SAFETY: checked non-null; writable per the contract.
     unsafe { give(out, &h) };
     // SAFETY: as in `split`: a count of our own on the live parent for the deferred job.
@@ -341,6 +431,7 @@ pub unsafe fn shrink(
         Arc::increment_strong_count(parent);
         Arc::from_raw(parent)
     };
+    let made_for = Arc::clone(&h);
     let job = move || {
         let made = parent.comm().and_then(|c| {
             if flags & 1 != 0 {
@@ -348,7 +439,7 @@ pub unsafe fn shrink(
             }
             Ok(c.shrink(&list)?)
         });
-        h.finish(made)
+        made_for.finish(made)
     };
-    group::connect(Box::new(job))
+    create(&h, Box::new(job))
 }

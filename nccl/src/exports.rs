@@ -45,7 +45,7 @@ ncclCommInitRank pncclCommInitRank(comm: *mut CommPtr, nranks: c_int, comm_id: U
     run("ncclCommInitRank", || {
         let root = id::decode(&comm_id).map_err(bad_arg)?;
         // SAFETY: NCCL's contract: `comm` is writable (checked non-null inside).
-        unsafe { comm::init_rank(comm, nranks, root, rank) }
+        unsafe { comm::init_rank(comm, nranks, root, rank, true) }
     })
 });
 
@@ -53,10 +53,10 @@ nccl_fn!("`ncclCommInitRankConfig`: [`ncclCommInitRank`] with a config, read up 
 ncclCommInitRankConfig pncclCommInitRankConfig(comm: *mut CommPtr, nranks: c_int, comm_id: UniqueId, rank: c_int, config: *mut Config) -> NcclResult {
     run("ncclCommInitRankConfig", || {
         // SAFETY: NCCL's contract: `config` is null or an initialised ncclConfig_t.
-        let _cfg = unsafe { Config::read(config) }.map_err(bad_arg)?;
+        let cfg = unsafe { Config::read(config) }.map_err(bad_arg)?;
         let root = id::decode(&comm_id).map_err(bad_arg)?;
         // SAFETY: as in ncclCommInitRank.
-        unsafe { comm::init_rank(comm, nranks, root, rank) }
+        unsafe { comm::init_rank(comm, nranks, root, rank, cfg.blocking()) }
     })
 });
 
@@ -94,7 +94,8 @@ ncclCommAbort pncclCommAbort(comm: CommPtr) -> NcclResult {
     run("ncclCommAbort", || {
         // SAFETY: NCCL's contract: a live communicator.
         let h = unsafe { handle(comm) }?;
-        if let Ok(c) = h.comm() {
+        // One still being created is not waited for: its creation ends with its deadlines.
+        if let Some(c) = h.created() {
             c.abort();
         }
         // SAFETY: as in ncclCommDestroy.
@@ -107,9 +108,9 @@ nccl_fn!("`ncclCommSplit`: ranks with the same `color` form a new communicator, 
 ncclCommSplit pncclCommSplit(comm: CommPtr, color: c_int, key: c_int, newcomm: *mut CommPtr, config: *mut Config) -> NcclResult {
     run("ncclCommSplit", || {
         // SAFETY: NCCL's contract: `config` is null or an initialised ncclConfig_t.
-        let _cfg = unsafe { Config::read(config) }.map_err(bad_arg)?;
+        let cfg = unsafe { Config::read(config) }.map_err(bad_arg)?;
         // SAFETY: NCCL's contract: a live parent, a writable `newcomm`.
-        unsafe { comm::split(comm, color, key, newcomm) }
+        unsafe { comm::split(comm, color, key, newcomm, cfg.blocking_set()) }
     })
 });
 
@@ -117,9 +118,9 @@ nccl_fn!("`ncclCommShrink`: the parent's ranks but the excluded ones (which do n
 ncclCommShrink pncclCommShrink(comm: CommPtr, exclude: *mut c_int, exclude_count: c_int, newcomm: *mut CommPtr, config: *mut Config, flags: c_int) -> NcclResult {
     run("ncclCommShrink", || {
         // SAFETY: NCCL's contract: `config` is null or an initialised ncclConfig_t.
-        let _cfg = unsafe { Config::read(config) }.map_err(bad_arg)?;
+        let cfg = unsafe { Config::read(config) }.map_err(bad_arg)?;
         // SAFETY: NCCL's contract: a live parent, `exclude_count` ranks, a writable `newcomm`.
-        unsafe { comm::shrink(comm, exclude, exclude_count, newcomm, flags) }
+        unsafe { comm::shrink(comm, exclude, exclude_count, newcomm, (flags, cfg.blocking_set())) }
     })
 });
 

@@ -40,6 +40,12 @@ pub fn bad_use(msg: impl Into<String>) -> Failure {
     fail(abi::INVALID_USAGE, msg)
 }
 
+/// `ncclInProgress`: not a failure (a non-blocking communicator is being created); [`run`]
+/// returns the code and leaves the last error alone.
+pub fn in_progress() -> Failure {
+    fail(abi::IN_PROGRESS, "")
+}
+
 impl From<Error> for Failure {
     /// oxccl's error as NCCL's closest result, its text unchanged.
     fn from(e: Error) -> Failure {
@@ -76,6 +82,7 @@ pub fn last_error() -> *const c_char {
 pub fn run(name: &str, body: impl FnOnce() -> Outcome) -> NcclResult {
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(())) => abi::SUCCESS,
+        Ok(Err(f)) if f.code == abi::IN_PROGRESS => f.code,
         Ok(Err(f)) => {
             set_last(format!("oxccl {name}: {}", f.msg));
             f.code

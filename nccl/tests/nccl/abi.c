@@ -217,6 +217,63 @@ static void check_configs(void) {
          sizeof old, sizeof newer);
 }
 
+/* Polls ncclCommGetAsyncError until the creation of `c` ended (bounded); its result. */
+static ncclResult_t wait_created(ncclComm_t c) {
+  ncclResult_t e = ncclInProgress;
+  struct timespec ms = {0, 1000 * 1000};
+  for (int i = 0; i < 120000 && e == ncclInProgress; i++) {
+    OK(ncclCommGetAsyncError(c, &e));
+    if (e == ncclInProgress) nanosleep(&ms, NULL);
+  }
+  return e;
+}
+
+static void check_nonblocking(void) {
+  ncclUniqueId id;
+  OK(ncclGetUniqueId(&id));
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  cfg.blocking = 0;
+  ncclComm_t comms[3];
+  /* One thread, no group: blocking, the first init would wait for the others for ever. */
+  for (int r = 0; r < 3; r++) {
+    ncclResult_t res = ncclCommInitRankConfig(&comms[r], 3, id, r, &cfg);
+    CHECK(res == ncclInProgress, "rank %d: non-blocking init returned %d", r, res);
+  }
+  /* A call on one still being created waits for it. */
+  int v = -1;
+  OK(ncclCommCount(comms[1], &v));
+  CHECK(v == 3, "count %d", v);
+  for (int r = 0; r < 3; r++) CHECK(wait_created(comms[r]) == ncclSuccess, "rank %d", r);
+  for (int r = 0; r < 3; r++) check_comm(comms[r], r, 3);
+  /* A split with no config inherits non-blocking (rank 2 without color: NULL). */
+  ncclComm_t sub[3];
+  for (int r = 0; r < 3; r++) {
+    ncclResult_t res = ncclCommSplit(comms[r], r == 2 ? NCCL_SPLIT_NOCOLOR : 0, r, &sub[r], NULL);
+    CHECK(res == ncclInProgress, "rank %d: split returned %d", r, res);
+  }
+  CHECK(sub[2] == NULL, "a rank without color gets NULL");
+  for (int r = 0; r < 2; r++) {
+    CHECK(wait_created(sub[r]) == ncclSuccess, "split rank %d", r);
+    check_comm(sub[r], r, 2);
+  }
+  /* A config that says blocking = 1 makes the split block (a group lets one thread do it). */
+  ncclConfig_t blocking = NCCL_CONFIG_INITIALIZER;
+  blocking.blocking = 1;
+  ncclComm_t again[3];
+  OK(ncclGroupStart());
+  for (int r = 0; r < 3; r++) OK(ncclCommSplit(comms[r], 0, r, &again[r], &blocking));
+  OK(ncclGroupEnd());
+  for (int r = 0; r < 3; r++) check_comm(again[r], r, 3);
+  for (int r = 0; r < 3; r++) OK(ncclCommDestroy(again[r]));
+  for (int r = 0; r < 2; r++) OK(ncclCommDestroy(sub[r]));
+  for (int r = 0; r < 3; r++) OK(ncclCommDestroy(comms[r]));
+  /* Bad arguments fail at the call, non-blocking or not. */
+  ncclComm_t lone;
+  memset(&id, 0, sizeof id);
+  CHECK(ncclCommInitRankConfig(&lone, 2, id, 0, &cfg) == ncclInvalidArgument, "foreign id");
+  printf("non-blocking: 3 ranks and a split from one thread (ncclInProgress, then polled)\n");
+}
+
 static void check_calls_without_device(void) {
   ncclComm_t c;
   OK(ncclCommInitAll(&c, 1, NULL));
@@ -450,6 +507,7 @@ int main(int argc, char **argv) {
   check_unique_ids_and_threads();
   check_group_init();
   check_configs();
+  check_nonblocking();
   check_calls_without_device();
   printf("ALL OK\n");
   return 0;
