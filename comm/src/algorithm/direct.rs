@@ -186,7 +186,9 @@ pub(crate) fn two_shot(
 }
 
 /// Single-copy all-reduce of `buf` (in place when `src` is `None`, else `buf = reduce(src)`):
-/// peers' buffers are read with `process_vm_readv`, nothing is staged.
+/// each rank reduces its piece of every peer's input, read with `process_vm_readv`, a block at
+/// a time, and writes each reduced block into every peer's output with `process_vm_writev`;
+/// nothing is staged and nothing is read back.
 pub(crate) fn single_copy(
     ctx: &mut Ctx<'_>,
     src: Option<&[u8]>,
@@ -211,46 +213,40 @@ pub(crate) fn single_copy(
     let e = w.next_epoch();
     let h = (e % 2) as usize;
     let mine = piece(buf.len(), es, n, me);
-    if let Some(s) = src {
+    if let (Some(s), 1) = (src, n) {
         buf[mine.clone()].copy_from_slice(&s[mine.clone()]);
     }
     let input = src.map_or(buf.as_ptr(), <[u8]>::as_ptr) as usize;
     let output = buf.as_ptr() as usize;
     w.publish(4 * e + 1, tag, h, [input, output]);
     ctx.wait_step(4 * e + 1, Some(h))?;
-    // Reduce piece `me` of every peer's input into this rank's output, a block at a time.
+    // Piece `me` of every peer's input, reduced a block at a time into this rank's output (out
+    // of place, the first peer's block with this rank's input: no copy of the input first),
+    // then written into every peer's output. Only this rank writes piece `me` anywhere, and
+    // only it reads piece `me` of the inputs (in place, a block is read before it is written).
     let (w, scratch) = ctx.window()?;
     scratch.resize(BLOCK.min(mine.len()), 0);
-    let mut res = Ok(());
-    'peers: for p in (0..n).filter(|&p| p != me) {
-        let their_input = w.peer_region(p, h)[0];
-        let mut at = mine.start;
-        while at < mine.end {
-            let len = BLOCK.min(mine.end - at);
-            let tmp = &mut scratch[..len];
-            if let Err(e) = w.read_peer(p, their_input + at, tmp) {
-                res = Err(e);
-                break 'peers;
-            }
-            if let Err(e) = reduce_bytes(dt, op, &mut buf[at..at + len], tmp) {
-                res = Err(kerr(me, name, e));
-                break 'peers;
-            }
-            at += len;
+    let peers: Vec<usize> = (0..n).filter(|&p| p != me).collect();
+    let mut at = mine.start;
+    while at < mine.end {
+        let len = BLOCK.min(mine.end - at);
+        let tmp = &mut scratch[..len];
+        for (i, &p) in peers.iter().enumerate() {
+            w.read_peer(p, w.peer_region(p, h)[0] + at, tmp)?;
+            let out = &mut buf[at..at + len];
+            let reduced = match src {
+                Some(s) if i == 0 => reduce_into_bytes(dt, op, out, &s[at..at + len], tmp),
+                _ => reduce_bytes(dt, op, out, tmp),
+            };
+            reduced.map_err(|e| kerr(me, name, e))?;
         }
+        for &p in &peers {
+            w.write_peer(p, w.peer_region(p, h)[1] + at, &buf[at..at + len])?;
+        }
+        at += len;
     }
-    res?;
-    w.publish(4 * e + 2, tag, h, [input, output]);
-    ctx.wait_step(4 * e + 2, None)?;
-    // Every other piece straight from the output of the rank that reduced it.
+    // Once every peer is here, none reads this rank's input or writes its output any more.
     let (w, _) = ctx.window()?;
-    for j in (0..n).filter(|&j| j != me) {
-        let pj = piece(buf.len(), es, n, j);
-        if !pj.is_empty() {
-            let their_output = w.peer_region(j, h)[1];
-            w.read_peer(j, their_output + pj.start, &mut buf[pj])?;
-        }
-    }
-    w.publish(4 * e + 3, tag, h, [input, output]);
-    ctx.wait_step(4 * e + 3, None)
+    w.publish(4 * e + 2, tag, h, [input, output]);
+    ctx.wait_step(4 * e + 2, None)
 }

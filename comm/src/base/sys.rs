@@ -197,6 +197,44 @@ pub fn free_bytes(dir: &str) -> u64 {
     }
 }
 
+/// Copies `src` to address `addr` of process `pid` (`process_vm_writev`).
+///
+/// # Errors
+/// The call's error (no permission, a bad address), or `WriteZero` when the remote range ends
+/// early.
+pub fn write_remote(pid: u32, addr: usize, src: &[u8]) -> std::io::Result<()> {
+    let mut done = 0;
+    while done < src.len() {
+        let local = libc::iovec {
+            iov_base: src[done..].as_ptr() as *mut libc::c_void,
+            iov_len: src.len() - done,
+        };
+        let remote = libc::iovec {
+            iov_base: (addr + done) as *mut libc::c_void,
+            iov_len: src.len() - done,
+        };
+        // SAFETY: `local` describes bytes of `src`, which the kernel only reads; the remote
+        // iovec is checked by the kernel against `pid`'s mappings (the caller's protocol makes
+        // the peer expect the write there).
+        let n = unsafe { libc::process_vm_writev(pid as libc::pid_t, &local, 1, &remote, 1, 0) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::WriteZero,
+                "the remote range ended early",
+            ));
+        }
+        done += n as usize;
+    }
+    Ok(())
+}
+
 /// Copies `dst.len()` bytes at address `addr` of process `pid` into `dst`
 /// (`process_vm_readv`).
 ///

@@ -188,6 +188,12 @@ pub trait Window: Send {
     /// # Errors
     /// `Error::Transport` when the read fails (single copy unsupported, or a bad address).
     fn read_peer(&self, peer: usize, addr: usize, dst: &mut [u8]) -> Result<()>;
+    /// Copies `src` to address `addr` of `peer`'s address space (`process_vm_writev`); only
+    /// where `peer` published that range for this rank to write, by the step protocol.
+    ///
+    /// # Errors
+    /// `Error::Transport` when the write fails.
+    fn write_peer(&self, peer: usize, addr: usize, src: &[u8]) -> Result<()>;
     /// Tells every peer this rank has left (they fail instead of waiting for its steps).
     fn close(&mut self);
 }

@@ -176,6 +176,15 @@ impl Window for ShmWindow {
         })
     }
 
+    fn write_peer(&self, peer: usize, addr: usize, src: &[u8]) -> Result<()> {
+        sys::write_remote(self.pids[peer], addr, src).map_err(|e| Error::Transport {
+            rank: self.rank,
+            peer,
+            transport: "shm",
+            msg: format!("process_vm_writev of {} bytes at {addr:#x}: {e}", src.len()),
+        })
+    }
+
     fn close(&mut self) {
         let own = &self.segs[self.rank];
         own.window_closed().store(1, Ordering::Release);
@@ -187,11 +196,13 @@ impl Window for ShmWindow {
     }
 }
 
-/// Whether this process can read `peer`'s memory with `process_vm_readv` (containers without
-/// `CAP_SYS_PTRACE`, Yama's ptrace_scope >= 2 or a seccomp filter forbid it): reads the magic
-/// word of the peer's own segment at the address where the peer mapped it.
+/// Whether this process can read and write `peer`'s memory with `process_vm_readv` and
+/// `process_vm_writev` (containers without `CAP_SYS_PTRACE`, Yama's ptrace_scope >= 2 or a
+/// seccomp filter forbid it): reads the magic word of the peer's own segment at the address
+/// where the peer mapped it, and writes the same word back.
 pub(crate) fn probe_single_copy(peer_pid: u32, peer_seg: &Segment) -> bool {
     let mut word = [0u8; 8];
     sys::read_remote(peer_pid, peer_seg.owner_base(), &mut word).is_ok()
         && u64::from_ne_bytes(word) == MAGIC
+        && sys::write_remote(peer_pid, peer_seg.owner_base(), &word).is_ok()
 }
