@@ -17,9 +17,9 @@
 //! | condition | algorithm |
 //! |---|---|
 //! | `bytes x (n - 1) <= ONE_SHOT_MAX` (64 KiB) | one-shot |
-//! | single copy allowed, `bytes >= SINGLE_COPY_MIN` (128 KiB) and `bytes x n <= SINGLE_COPY_SPAN` (16 MiB) | single-copy |
 //! | otherwise, `n >= TWO_SHOT_MIN_RANKS` (3) | two-shot |
 //! | otherwise (2 ranks) | ring through the slots (the model's choice) |
+//! | single-copy | only through `OXCCL_ALGO` |
 //!
 //! Measured 2026-11-23 on the development machine (2 cores), medians of 5 interleaved runs of
 //! `OXCCL_ALGO=all-reduce=A oxccl perf all-reduce --np N -b S -e S -z 1 -n 100 -w 10`, out-of-place /
@@ -52,8 +52,13 @@
 //!   0.44/0.33, 16 MiB 0.83/0.50, 64 MiB 1.17/0.96; 3 ranks 128 KiB 0.98/0.89, 512 KiB-8 MiB
 //!   0.80-0.86/0.48-0.62; 4 ranks 128 KiB 0.97/1.13, 512 KiB 0.68/0.98, 1-4 MiB 0.71-0.85/
 //!   0.50-0.67, 8 MiB 1.06/0.54, 16 MiB 1.45/0.69; 8 ranks (on 2 cores) 512 KiB 0.92/0.84, 2 MiB
-//!   1.13/0.98, 8 MiB 1.53/0.79. It wins while a rank's share of the traffic stays in cache,
-//!   hence the span limit on `bytes x n`.
+//!   1.13/0.98, 8 MiB 1.53/0.79. That is with one buffer set reused (`--rotate 0`, data in
+//!   cache, as OpenMPI's bench runs). With perf's default rotation over 64 MiB of buffers (data
+//!   not in cache) it loses (3 rounds, `-b 128K -e 16M -f 2`): 2 ranks against the ring
+//!   1.10-1.41x the time out of place at every size, 1.11-1.30x in place up to 1 MiB and
+//!   0.52-0.87x from 2 MiB; 4 ranks against two-shot 1.24-2.16x out of place, 0.93-2.12x in
+//!   place. No size wins out of place in both cases and the choice must not depend on a rank's
+//!   in-place-ness (it must be the same on every rank), so it stays opt-in.
 
 use crate::base::error::{Error, Result};
 use crate::base::op::Collective;
@@ -320,11 +325,10 @@ pub const ONE_SHOT_MAX: usize = 64 << 10;
 /// Two-shot (staged) all-reduce beyond one-shot's range from this many ranks on (measured, see
 /// the module documentation: at 2 ranks the ring wins or ties from 256 KiB on).
 pub const TWO_SHOT_MIN_RANKS: usize = 3;
-/// Single-copy all-reduce from this size on (when every rank can read and write every other),
-/// up to [`SINGLE_COPY_SPAN`] (measured, see the module documentation).
-pub const SINGLE_COPY_MIN: usize = 128 << 10;
-/// Single-copy all-reduce while `bytes x ranks` is at most this.
-pub const SINGLE_COPY_SPAN: usize = 16 << 20;
+/// Single-copy all-reduce from this size on (when every rank can read and write every other);
+/// `None`: never by default (faster with data in cache, slower without, see the module
+/// documentation).
+pub const SINGLE_COPY_MIN: Option<usize> = None;
 /// Collectives on at least this many bytes copy into the user's buffer with streaming
 /// (non-temporal) stores (`oxccl_kernels::copy_streaming`): such a buffer does not stay in cache
 /// anyway, and skipping the read-for-ownership of every line saves a third of the copy's memory
@@ -439,10 +443,7 @@ fn direct_all_reduce(bytes: usize, n: usize, caps: Caps) -> Option<Algorithm> {
     let staged = caps.staging > 0;
     if staged && bytes.saturating_mul(n - 1) <= ONE_SHOT_MAX {
         Some(Algorithm::OneShot)
-    } else if caps.single_copy
-        && bytes >= SINGLE_COPY_MIN
-        && bytes.saturating_mul(n) <= SINGLE_COPY_SPAN
-    {
+    } else if caps.single_copy && SINGLE_COPY_MIN.is_some_and(|m| bytes >= m) {
         Some(Algorithm::SingleCopy)
     } else if staged && n >= TWO_SHOT_MIN_RANKS {
         Some(Algorithm::TwoShot)
@@ -719,23 +720,12 @@ mod tests {
         assert_eq!(pick(8, 2, shm), Algorithm::OneShot);
         assert_eq!(pick(ONE_SHOT_MAX, 2, shm), Algorithm::OneShot);
         assert_eq!(pick(ONE_SHOT_MAX + 4, 2, shm), Algorithm::Ring);
-        assert_eq!(pick(SINGLE_COPY_MIN, 2, shm), Algorithm::SingleCopy);
-        assert_eq!(pick(SINGLE_COPY_SPAN / 2, 2, shm), Algorithm::SingleCopy);
-        assert_eq!(pick(SINGLE_COPY_SPAN / 2 + 4, 2, shm), Algorithm::Ring);
+        assert_eq!(pick(1 << 20, 2, shm), Algorithm::Ring);
         assert_eq!(pick(64 << 20, 2, shm), Algorithm::Ring);
         assert_eq!(pick(ONE_SHOT_MAX / 2 + 4, 3, shm), Algorithm::TwoShot);
         assert_eq!(pick(ONE_SHOT_MAX / 3, 4, shm), Algorithm::OneShot);
         assert_eq!(pick(ONE_SHOT_MAX, 4, shm), Algorithm::TwoShot);
-        assert_eq!(pick(1 << 20, 4, shm), Algorithm::SingleCopy);
-        assert_eq!(pick(SINGLE_COPY_SPAN / 4 + 4, 4, shm), Algorithm::TwoShot);
         assert_eq!(pick(64 << 20, 4, shm), Algorithm::TwoShot);
-        // Without single copy (refused at start-up, or OXCCL_SHM_SINGLE_COPY=0): as before.
-        let slots = Caps {
-            single_copy: false,
-            ..shm
-        };
-        assert_eq!(pick(1 << 20, 2, slots), Algorithm::Ring);
-        assert_eq!(pick(1 << 20, 4, slots), Algorithm::TwoShot);
         // No window (TCP, or peers on other nodes), or staging off: the model decides.
         assert!(!pick(8, 2, Caps::default()).needs_window());
         let off = Caps::default();
