@@ -200,39 +200,11 @@ pub fn free_bytes(dir: &str) -> u64 {
 /// Copies `src` to address `addr` of process `pid` (`process_vm_writev`).
 ///
 /// # Errors
-/// The call's error (no permission, a bad address), or `WriteZero` when the remote range ends
-/// early.
+/// The call's error (no permission, a bad address), or `UnexpectedEof` when the remote range
+/// ends early.
 pub fn write_remote(pid: u32, addr: usize, src: &[u8]) -> std::io::Result<()> {
-    let mut done = 0;
-    while done < src.len() {
-        let local = libc::iovec {
-            iov_base: src[done..].as_ptr() as *mut libc::c_void,
-            iov_len: src.len() - done,
-        };
-        let remote = libc::iovec {
-            iov_base: (addr + done) as *mut libc::c_void,
-            iov_len: src.len() - done,
-        };
-        // SAFETY: `local` describes bytes of `src`, which the kernel only reads; the remote
-        // iovec is checked by the kernel against `pid`'s mappings (the caller's protocol makes
-        // the peer expect the write there).
-        let n = unsafe { libc::process_vm_writev(pid as libc::pid_t, &local, 1, &remote, 1, 0) };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        if n == 0 {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::WriteZero,
-                "the remote range ended early",
-            ));
-        }
-        done += n as usize;
-    }
-    Ok(())
+    // The kernel only reads the local bytes of a write.
+    remote_copy(pid, addr, src.as_ptr().cast_mut(), src.len(), true)
 }
 
 /// Copies `dst.len()` bytes at address `addr` of process `pid` into `dst`
@@ -242,19 +214,39 @@ pub fn write_remote(pid: u32, addr: usize, src: &[u8]) -> std::io::Result<()> {
 /// The call's error (no permission, a bad address), or `UnexpectedEof` when the remote range
 /// ends early.
 pub fn read_remote(pid: u32, addr: usize, dst: &mut [u8]) -> std::io::Result<()> {
+    remote_copy(pid, addr, dst.as_mut_ptr(), dst.len(), false)
+}
+
+/// `len` bytes between `local` and address `addr` of process `pid`: read from there into
+/// `local`, or (`write`) written there from `local`, until all are copied.
+fn remote_copy(
+    pid: u32,
+    addr: usize,
+    local: *mut u8,
+    len: usize,
+    write: bool,
+) -> std::io::Result<()> {
     let mut done = 0;
-    while done < dst.len() {
-        let local = libc::iovec {
-            iov_base: dst[done..].as_mut_ptr().cast(),
-            iov_len: dst.len() - done,
+    while done < len {
+        let here = libc::iovec {
+            iov_base: local.wrapping_add(done).cast(),
+            iov_len: len - done,
         };
-        let remote = libc::iovec {
+        let there = libc::iovec {
             iov_base: (addr + done) as *mut libc::c_void,
-            iov_len: dst.len() - done,
+            iov_len: len - done,
         };
-        // SAFETY: `local` describes the writable bytes of `dst` that we own for the call; the
-        // remote iovec is only read by the kernel, which checks it against `pid`'s mappings.
-        let n = unsafe { libc::process_vm_readv(pid as libc::pid_t, &local, 1, &remote, 1, 0) };
+        let pid = pid as libc::pid_t;
+        // SAFETY: `here` describes `len - done` bytes of the caller's slice (writable for a
+        // read, only read by the kernel for a write), alive for the call; the kernel checks
+        // `there` against `pid`'s mappings.
+        let n = unsafe {
+            if write {
+                libc::process_vm_writev(pid, &here, 1, &there, 1, 0)
+            } else {
+                libc::process_vm_readv(pid, &here, 1, &there, 1, 0)
+            }
+        };
         if n < 0 {
             let e = std::io::Error::last_os_error();
             if e.kind() == std::io::ErrorKind::Interrupted {
