@@ -28,8 +28,8 @@ pub struct Handle {
     created: Condvar,
     /// Set when it is created on a thread of its own: how long a call on it waits for that.
     background: OnceLock<Duration>,
-    /// Created non-blocking (`ncclConfig_t.blocking = 0`; a split or shrink of it inherits
-    /// that unless its own config says).
+    /// Created blocking (`ncclConfig_t.blocking` not 0; a split or shrink of it inherits that
+    /// unless its own config says).
     pub blocking: bool,
     /// The CUDA device it was created for (`ncclCommCuDevice`).
     pub device: c_int,
@@ -98,21 +98,20 @@ impl Handle {
         self.comm.get()
     }
 
-    /// Records the end of creating it.
+    /// Records the end of creating it, and wakes the calls waiting for it in `comm` (they
+    /// check under the same lock: each sees the end or is notified).
     fn finish(&self, made: Result<Communicator, Failure>) -> Outcome {
+        let mut failed = self.failed.lock().unwrap_or_else(|p| p.into_inner());
         let out = match made {
             Ok(c) => {
                 let _ = self.comm.set(c);
                 Ok(())
             }
             Err(f) => {
-                *self.failed.lock().unwrap_or_else(|p| p.into_inner()) =
-                    Some((f.code, f.msg.clone()));
+                *failed = Some((f.code, f.msg.clone()));
                 Err(f)
             }
         };
-        // Under the lock a waiter in `comm` checks with: it sees the end or is notified.
-        let _g = self.failed.lock().unwrap_or_else(|p| p.into_inner());
         self.created.notify_all();
         out
     }

@@ -7,8 +7,8 @@
 //! nothing when the caller waits for it at once. So the line watches its waiters: after
 //! [`LAZY_AFTER`] waits in a row that found their operation still queued, queueing stops waking
 //! the progress thread, which then naps ([`NAP`]) and runs only what nobody took within a nap;
-//! the first such operation (or a wait that finds its operation finished, or a poll of an
-//! unfinished one) makes every queueing wake it again.
+//! the first such operation, a poll of an unfinished one, or a nap with nothing queued makes
+//! every queueing wake it again (a wait that is not early starts the count again).
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -108,15 +108,10 @@ pub(crate) struct WorkQueue {
     /// count lost to a race costs a wait or two more before the line turns lazy).
     early: AtomicU32,
     rank: usize,
-    nap: Duration,
 }
 
 impl WorkQueue {
     pub(crate) fn new(rank: usize) -> WorkQueue {
-        WorkQueue::with_nap(rank, NAP)
-    }
-
-    pub(super) fn with_nap(rank: usize, nap: Duration) -> WorkQueue {
         WorkQueue {
             line: Mutex::new(Line {
                 jobs: VecDeque::new(),
@@ -129,7 +124,6 @@ impl WorkQueue {
             lazy: AtomicBool::new(false),
             early: AtomicU32::new(0),
             rank,
-            nap,
         }
     }
 
@@ -220,7 +214,7 @@ impl WorkQueue {
                 line.sleep = Sleep::Napping;
                 line = self
                     .wake
-                    .wait_timeout(line, self.nap)
+                    .wait_timeout(line, NAP)
                     .unwrap_or_else(|p| p.into_inner())
                     .0;
             } else {
@@ -239,8 +233,8 @@ impl WorkQueue {
     }
 
     /// Runs here, in order, the host operations queued ahead of `ticket` (whoever waits for
-    /// them finds them done); returns the line, held.
-    fn run_ahead(&self, ticket: u64) -> MutexGuard<'_, Line> {
+    /// them finds them done).
+    fn run_ahead(&self, ticket: u64) {
         let mut line = self.hold();
         while let Some(i) = line
             .jobs
@@ -255,13 +249,12 @@ impl WorkQueue {
             j.job.run();
             line = self.hold();
         }
-        line
     }
 
     /// Before a blocking call with `ahead` operations before it runs: the queued ones run here.
     pub(super) fn before_call(&self, ticket: u64, ahead: u64) {
         if ahead > 0 {
-            drop(self.run_ahead(ticket));
+            self.run_ahead(ticket);
         }
     }
 
@@ -269,7 +262,7 @@ impl WorkQueue {
     /// ahead of it run here (none when its turn has come).
     pub(super) fn before_wait(&self, shared: &Shared, ticket: u64) {
         if shared.turn.serving.load(Ordering::SeqCst) != ticket {
-            drop(self.run_ahead(ticket));
+            self.run_ahead(ticket);
         }
     }
 
@@ -337,7 +330,7 @@ impl WorkQueue {
 
 impl Shared {
     /// Takes a ticket and queues `job(ticket, ahead)` for the progress thread alone (a device
-    /// operation: see [`Shared::submit_made`]). Returns the ticket and how many operations
+    /// operation: see [`Shared::submit_job`]). Returns the ticket and how many operations
     /// were ahead.
     #[cfg(any(test, feature = "cuda-core"))]
     pub(crate) fn submit_ticketed<F>(self: &Arc<Self>, job: F) -> (u64, u64)
@@ -391,7 +384,7 @@ impl Shared {
             Job::Host(c)
         });
         let cell = cell.expect("submit_job makes the job before it returns");
-        let mut work = Work::new(cell, self.work_budget(ahead), self.rank, op);
+        let mut work = Work::new(cell, self.work_budget(ahead));
         work.world.clone_from(&self.world);
         work.spin = self.spin;
         work

@@ -226,20 +226,16 @@ pub struct Work<B> {
     budget: Duration,
     /// Poll briefly before sleeping (off when ranks outnumber cores).
     pub(super) spin: bool,
-    rank: usize,
-    op: &'static str,
     /// The communicator's world ranks, noted in the errors the handle makes itself.
     pub(super) world: Option<Arc<WorldNames>>,
 }
 
 impl<B> Work<B> {
-    pub(super) fn new(cell: Arc<Cell<B>>, budget: Duration, rank: usize, op: &'static str) -> Self {
+    pub(super) fn new(cell: Arc<Cell<B>>, budget: Duration) -> Self {
         Work {
             cell,
             budget,
             spin: true,
-            rank,
-            op,
             world: None,
         }
     }
@@ -247,7 +243,7 @@ impl<B> Work<B> {
     /// A handle on an operation that failed before it was queued.
     pub(crate) fn failed(e: Error, rank: usize, op: &'static str) -> Work<B> {
         let cell = Arc::new(Cell::with(State::Done(Err(e)), (0, 0), op, rank));
-        Work::new(cell, Duration::ZERO, rank, op)
+        Work::new(cell, Duration::ZERO)
     }
 
     /// Waits for the operation and returns its buffers. The wait is bounded: every operation ahead
@@ -290,8 +286,8 @@ impl<B> Work<B> {
         match self.cell.wait_until(deadline, self.spin) {
             Some(r) => r,
             None => Err(self.named(Error::Timeout {
-                rank: self.rank,
-                op: self.op.to_string(),
+                rank: self.cell.rank,
+                op: self.cell.op.to_string(),
                 timeout: self.budget,
                 detail: "async operation did not complete".into(),
             })),
@@ -316,11 +312,8 @@ impl<B> Work<B> {
     /// True once the operation has finished (successfully or not).
     /// While it has not, the progress thread is told to run it.
     pub fn is_done(&self) -> bool {
-        let done = self.cell.finished.load(Ordering::Acquire);
-        if !done {
-            self.hurry();
-        }
-        done
+        self.hurry();
+        self.cell.finished.load(Ordering::Acquire)
     }
 
     /// Makes sure the progress thread runs the operation without a waiter (see
@@ -334,7 +327,7 @@ impl<B> Work<B> {
     }
 
     fn lost(&self) -> Error {
-        self.named(lost(self.rank, self.op))
+        self.named(lost(self.cell.rank, self.cell.op))
     }
 
     fn named(&self, e: Error) -> Error {
