@@ -57,6 +57,7 @@ pub use api::communicator::{Communicator, Stats};
 #[cfg(feature = "cuda-core")]
 pub use api::device as cuda;
 pub use api::p2p::{OwnedP2pOp, P2pOp, P2pView};
+pub use api::registered::Registered;
 pub use base::affinity::NodeShare;
 pub use base::buffer::{Buf, BufError, BufMut, BufOwner};
 pub use base::config::Config;

@@ -9,4 +9,5 @@ pub(crate) mod elastic;
 pub mod harness;
 pub(crate) mod objects;
 pub mod p2p;
+pub(crate) mod registered;
 pub mod topology;

@@ -2,6 +2,7 @@
 //! rank sleeps on, and the direct window when every rank shares memory.
 
 use std::os::fd::RawFd;
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -19,6 +20,9 @@ pub(crate) struct Links {
     pub window: Option<Box<dyn Window>>,
     /// Scratch memory of the direct algorithms (kept between operations).
     pub scratch: Vec<u8>,
+    /// Bytes sent straight from registered buffers ([`crate::Registered`]) so far, by every
+    /// connection that can (RDMA); the communicator's [`crate::Stats::registered_bytes`].
+    pub direct_bytes: Arc<AtomicU64>,
     /// This rank is counted as a sleeper on `bell` (see [`Links::announce`]).
     announced: bool,
 }

@@ -24,6 +24,7 @@
 pub(crate) mod cuda_ipc;
 mod links;
 pub(crate) mod rdma;
+pub(crate) mod registry;
 pub(crate) mod select;
 pub mod shm;
 pub mod tcp;

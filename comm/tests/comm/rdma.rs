@@ -7,7 +7,7 @@
 
 use oxccl_comm::config::{IbProvider, TransportChoice};
 use oxccl_comm::harness::spawn_world_on_nodes;
-use oxccl_comm::{Communicator, Config, ReduceOp, Result};
+use oxccl_comm::{Communicator, Config, ReduceOp, Registered, Result};
 
 use crate::collectives::{all_collectives, config, every_dtype, BIG, COUNTS};
 
@@ -71,6 +71,55 @@ fn every_collective_over_rdma_on_8_ranks_of_4_nodes() {
         "all-reduce=ring,broadcast=chain,reduce=chain",
         f32_and_u8,
     );
+}
+
+#[test]
+fn registered_buffers_go_out_over_rdma_straight_from_their_memory() {
+    let n = 3;
+    let count = (1 << 20) + 5;
+    let cfg = rdma("all-reduce=ring,broadcast=chain,reduce=chain");
+    for r in spawn_world_on_nodes(n, 1, cfg, |c| {
+        let me = c.rank();
+        assert_eq!(c.stats().registered_bytes, 0);
+        // In-place ring all-reduce from a registered buffer.
+        let mut reg = Registered::new((0..count).map(|i| (i % 97 + me) as f32).collect())?;
+        c.all_reduce(&mut reg, ReduceOp::Sum)?;
+        for (i, &x) in reg.iter().enumerate() {
+            assert_eq!(x, (3 * (i % 97) + 3) as f32, "rank {me} element {i}");
+        }
+        let after_all_reduce = c.stats().registered_bytes;
+        assert!(
+            after_all_reduce > 0,
+            "rank {me}: nothing went out from the registered buffer"
+        );
+        // Chain broadcast from a registered buffer on the root (and registered on the others).
+        let mut b = Registered::new(if me == 1 {
+            (0..count as u32).collect()
+        } else {
+            vec![0u32; count]
+        })?;
+        c.broadcast(&mut b, 1)?;
+        assert!(
+            b.iter().enumerate().all(|(i, &x)| x == i as u32),
+            "rank {me}"
+        );
+        // Out-of-place all-gather from a registered input; an async all-reduce that owns one.
+        let input = Registered::new(vec![me as i32; count])?;
+        let mut out = vec![0i32; count * n];
+        c.all_gather_into(&input, &mut out)?;
+        for (r, part) in out.chunks(count).enumerate() {
+            assert!(part.iter().all(|&x| x == r as i32), "rank {me}: part {r}");
+        }
+        let back = c
+            .all_reduce_async(Registered::new(vec![1.0f64; count])?, ReduceOp::Sum)
+            .wait()?;
+        assert!(back.iter().all(|&x| x == 3.0), "rank {me}");
+        let total = c.stats().registered_bytes;
+        assert!(total > after_all_reduce, "rank {me}: {total}");
+        Ok(total)
+    }) {
+        r.unwrap();
+    }
 }
 
 #[test]

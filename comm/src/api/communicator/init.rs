@@ -230,6 +230,7 @@ impl Communicator {
             deadline,
         };
         let transports = select::connect_all(&mut backends, &group, &mut links)?;
+        let direct_bytes = Arc::clone(&links.direct_bytes);
         drop(backends);
         let nodes = Nodes::of(&peers, rank);
         tracing::debug!(rank, size, local_rank = nodes.local_rank, node = %node_id, comm = %id, "communicator ready");
@@ -300,6 +301,7 @@ impl Communicator {
             channels: policy.channels,
             node: nodes.share,
             cores: policy.cores,
+            direct_bytes,
             _server: None,
         };
         comm.open_channels()?;

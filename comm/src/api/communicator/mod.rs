@@ -48,6 +48,9 @@ pub struct Stats {
     /// This process's CPU count at init (what [`Stats::node_holds`] counts where a rank's CPU
     /// list is unknown).
     pub cores: usize,
+    /// Bytes this rank sent straight from [`crate::Registered`] buffers so far (RDMA writes
+    /// from the buffer itself, no copy into a slot); 0 without such a transport.
+    pub registered_bytes: u64,
     /// How device collectives run: `Some("cuda_ipc")`, `Some("staged")` (through pinned host
     /// memory), or `None` before the first one decided it.
     #[cfg(feature = "cuda-core")]
@@ -110,6 +113,8 @@ pub struct Communicator {
     /// This process's CPU count at init: what the `auto` rules count for a node whose CPU
     /// lists are unknown.
     cores: usize,
+    /// Bytes sent straight from registered buffers (the connections count them).
+    direct_bytes: Arc<std::sync::atomic::AtomicU64>,
     /// The store server, when this rank hosts it (rank 0 without a launcher-hosted store).
     _server: Option<TcpStoreServer>,
 }
@@ -180,6 +185,7 @@ impl Communicator {
                 .map(|t| t.exchanges.load(Ordering::Relaxed)),
             node: self.node,
             cores: self.cores,
+            registered_bytes: self.direct_bytes.load(Ordering::Relaxed),
             #[cfg(feature = "cuda-core")]
             device_path: self.device_path(),
         }

@@ -1,16 +1,26 @@
 //! The send and receive halves of an RDMA connection ([`crate::transport::SendConn`],
 //! [`crate::transport::RecvConn`]) over any [`QueuePair`]: the slots of the transport model are
 //! the ring of [`super::proto`] in registered memory; posting a slot is a write with immediate,
-//! releasing one a credit written back.
+//! releasing one a credit written back. A large message from a registered user buffer
+//! ([`crate::Registered`]) goes out by writes straight from the buffer into the peer's slots
+//! ([`SendConn::send_direct`]): the slot's header comes from the send region, its payload from
+//! the buffer, both in one write.
 
 use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use super::proto::{ProtoError, RecvState, SendState, GOODBYE, GOODBYE_WR, HEADER};
 use super::verbs::{Completion, QueuePair};
 use crate::base::error::{Error, Result};
 use crate::base::op::Tag;
+use crate::transport::registry::{Entry, Registry};
 use crate::transport::{PollDir, RecvConn, SendConn};
+
+/// Work request ids of writes from a user buffer carry this bit and the payload's length (the
+/// ids of slot writes never have it; [`GOODBYE_WR`] is filtered out first).
+const DIRECT_WR: u64 = 1 << 62;
 
 /// Which connection, for errors.
 #[derive(Clone, Copy, Debug)]
@@ -77,8 +87,8 @@ fn get_header(slot: &[u8]) -> (Tag, usize) {
 
 /// What a completion means to the protocol.
 enum Event {
-    /// One of this side's writes completed.
-    Wrote,
+    /// One of this side's writes completed (its work request id).
+    Wrote(u64),
     /// The peer's immediate (not a goodbye).
     Imm(u32),
 }
@@ -115,7 +125,9 @@ impl<Q: QueuePair> End<Q> {
         for c in self.comps.drain(..) {
             match c {
                 Completion::WriteDone { wr_id: GOODBYE_WR } => {}
-                Completion::WriteDone { .. } => on(Event::Wrote).map_err(|e| ends.proto(e))?,
+                Completion::WriteDone { wr_id } => {
+                    on(Event::Wrote(wr_id)).map_err(|e| ends.proto(e))?;
+                }
                 Completion::Imm { imm: GOODBYE, .. } => self.peer_closed = true,
                 Completion::Imm { imm, .. } => on(Event::Imm(imm)).map_err(|e| ends.proto(e))?,
                 Completion::Error { status, what, .. } => return Err(ends.failed(status, &what)),
@@ -142,6 +154,20 @@ impl<Q: QueuePair> End<Q> {
     }
 }
 
+/// A message going out straight from a registered buffer (addresses of the caller's bytes).
+struct Direct {
+    entry: Entry,
+    tag: Tag,
+    /// Payload bytes per write.
+    frame: usize,
+    /// The next byte to write, the first byte whose write has not completed, the first byte
+    /// not reported taken yet (where the caller's next call starts), the end.
+    next: usize,
+    done: usize,
+    told: usize,
+    end: usize,
+}
+
 /// The send half: writes slots into the peer's ring.
 pub(crate) struct RdmaSend<Q: QueuePair> {
     end: End<Q>,
@@ -149,26 +175,73 @@ pub(crate) struct RdmaSend<Q: QueuePair> {
     /// Bytes from one slot to the next: the header and the payload.
     stride: usize,
     handed: Option<usize>,
+    /// Where registered buffers are found.
+    registry: &'static Registry,
+    direct: Option<Direct>,
+    /// Bytes written straight from registered buffers (the communicator's count).
+    direct_bytes: Arc<AtomicU64>,
 }
 
 impl<Q: QueuePair> RdmaSend<Q> {
     /// A send half over `qp` to a ring of `slots` slots of `payload` bytes each (the regions
-    /// hold `slots * (HEADER + payload)`).
-    pub(crate) fn new(qp: Q, slots: usize, payload: usize, ends: Ends) -> RdmaSend<Q> {
+    /// hold `slots * (HEADER + payload)`), counting the bytes it sends straight from registered
+    /// buffers in `direct_bytes`.
+    pub(crate) fn new(
+        qp: Q,
+        (slots, payload): (usize, usize),
+        ends: Ends,
+        direct_bytes: Arc<AtomicU64>,
+    ) -> RdmaSend<Q> {
         RdmaSend {
             end: End::new(qp, ends),
             st: SendState::new(slots),
             stride: HEADER + payload,
             handed: None,
+            registry: Registry::global(),
+            direct: None,
+            direct_bytes,
         }
     }
 
     fn poll(&mut self) -> Result<bool> {
-        let st = &mut self.st;
+        let (st, direct) = (&mut self.st, &mut self.direct);
         self.end.drain(|ev| match ev {
-            Event::Wrote => st.completed(),
+            Event::Wrote(wr_id) => {
+                st.completed()?;
+                if wr_id & DIRECT_WR != 0 {
+                    let d = direct.as_mut().ok_or_else(|| {
+                        ProtoError("a user buffer's write completed outside its message".into())
+                    })?;
+                    d.done += (wr_id & !DIRECT_WR) as usize;
+                }
+                Ok(())
+            }
             Event::Imm(credits) => st.credit(credits),
         })
+    }
+
+    /// Posts the frames of the direct message whose unsent part starts at `data` while slots
+    /// are free.
+    fn post_frames(&mut self, data: &[u8]) -> Result<()> {
+        let ends = self.end.ends;
+        let s = self.stride;
+        let base = data.as_ptr() as usize;
+        while let Some(d) = self.direct.as_mut().filter(|d| d.next < d.end) {
+            let Some(i) = self.st.free() else { break };
+            let len = (d.end - d.next).min(d.frame);
+            let off = d.next - base;
+            put_header(self.end.qp.send_slot(i * s..i * s + HEADER), d.tag, len);
+            let (slot, imm) = self.st.post().map_err(|e| ends.proto(e))?;
+            debug_assert_eq!(slot, i);
+            let (wr, entry) = (DIRECT_WR | len as u64, d.entry);
+            d.next += len;
+            self.end
+                .qp
+                .write_imm_user(wr, i * s, &data[off..off + len], &entry, i * s, imm)
+                .map_err(|e| ends.named(e))?;
+            self.direct_bytes.fetch_add(len as u64, Ordering::Relaxed);
+        }
+        Ok(())
     }
 }
 
@@ -202,7 +275,58 @@ impl<Q: QueuePair> SendConn for RdmaSend<Q> {
         put_header(self.end.qp.send_slot(i * s..i * s + HEADER), tag, len);
         let (slot, imm) = self.st.post().map_err(|e| ends.proto(e))?;
         debug_assert_eq!(slot, i);
-        self.end.write(tag.seq, i * s, HEADER + len, i * s, imm)
+        self.end
+            .write(tag.seq & (DIRECT_WR - 1), i * s, HEADER + len, i * s, imm)
+    }
+
+    /// From a registered buffer ([`crate::Registered`]) holding all of the message: writes
+    /// its frames straight from there into free slots of the peer's ring, and counts bytes
+    /// taken only once their writes completed (the caller may change them after that). `None`
+    /// for bytes of no registered buffer: the caller stages them in slots.
+    fn send_direct(&mut self, data: &[u8], tag: Tag, frame: usize) -> Result<Option<usize>> {
+        let ends = self.end.ends;
+        let (addr, end) = (data.as_ptr() as usize, data.as_ptr() as usize + data.len());
+        match &self.direct {
+            Some(d) if d.told != addr || d.end != end => {
+                return Err(ends.proto(ProtoError(format!(
+                    "a direct send of {} bytes while {} bytes of another are in flight",
+                    data.len(),
+                    d.end - d.told
+                ))));
+            }
+            Some(_) => {}
+            None => {
+                let Some(entry) = self.registry.find(addr, data.len()).filter(|_| end > addr)
+                else {
+                    return Ok(None);
+                };
+                self.direct = Some(Direct {
+                    entry,
+                    tag,
+                    frame: frame.clamp(1, self.stride - HEADER),
+                    next: addr,
+                    done: addr,
+                    told: addr,
+                    end,
+                });
+            }
+        }
+        if self.end.peer_closed {
+            return Err(self.end.closed("rdma send", "receiver"));
+        }
+        self.poll()?;
+        self.post_frames(data)?;
+        let done = match self.direct.as_mut() {
+            Some(d) => {
+                d.told = d.done;
+                d.done
+            }
+            None => end,
+        };
+        if done == end {
+            self.direct = None;
+        }
+        Ok(Some(done - addr))
     }
 
     fn progress(&mut self) -> Result<bool> {
@@ -249,7 +373,7 @@ impl<Q: QueuePair> RdmaRecv<Q> {
     fn poll(&mut self) -> Result<bool> {
         let st = &mut self.st;
         self.end.drain(|ev| match ev {
-            Event::Wrote => Ok(()), // a credit reached the sender
+            Event::Wrote(_) => Ok(()), // a credit reached the sender
             Event::Imm(slot) => st.arrived(slot),
         })
     }
@@ -309,6 +433,8 @@ pub(crate) fn install<Q: QueuePair + 'static>(
     payload: usize,
     ends: Ends,
 ) {
-    links.send[ends.peer] = Some(Box::new(RdmaSend::new(send, slots, payload, ends)));
+    let counted = Arc::clone(&links.direct_bytes);
+    let send = RdmaSend::new(send, (slots, payload), ends, counted);
+    links.send[ends.peer] = Some(Box::new(send));
     links.recv[ends.peer] = Some(Box::new(RdmaRecv::new(recv, slots, payload, ends)));
 }

@@ -19,8 +19,9 @@
 //!   (`OXCCL_TRANSPORT=rdma` insists on it, `auto` takes it before TCP).
 //!
 //! Without the feature `rdma` the verbs provider is compiled out (`auto` goes on to TCP);
-//! `OXCCL_IB_PROVIDER=sim` connects ranks that are threads of one process either way. Not
-//! yet: a registration cache for sending straight from user buffers, device buffers (staged
+//! `OXCCL_IB_PROVIDER=sim` connects ranks that are threads of one process either way. Large
+//! messages from [`crate::Registered`] buffers are written straight from them
+//! ([`crate::transport::registry`], `conn`'s `send_direct`). Not yet: device buffers (staged
 //! through host memory by the device collectives, as over TCP). The verbs provider has not run
 //! on a verbs device.
 

@@ -3,12 +3,17 @@
 //! a write's completion reported to its sender once the peer has it, and errors that put both
 //! ends in the error state (as a lost peer's retries running out would). Delivery happens when
 //! the receiving end polls; tests can hold it back to interleave the two ends any way they like.
+//! Registered user buffers are "registered" in a [`RegCache`] of their entries, as a NIC's
+//! memory regions would be, and a write from one checks that its bytes lie inside the entry
+//! (a NIC fails it with a local protection error otherwise).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use super::proto::HEADER;
 use super::verbs::{Completion, QueuePair};
 use crate::base::error::{Error, Result};
+use crate::transport::registry::{Entry, RegCache};
 
 /// A write on its way.
 struct Write {
@@ -39,6 +44,8 @@ pub(crate) struct SimQp {
     link: Arc<Mutex<Link>>,
     send: Vec<u8>,
     recv: Vec<u8>,
+    /// The "device registrations" of user buffers, shared by a rank's queue pairs.
+    user: Arc<RegCache<Entry>>,
 }
 
 /// Controls a pair from a test: hold delivery, inject an error.
@@ -54,8 +61,9 @@ fn lock(link: &Mutex<Link>) -> MutexGuard<'_, Link> {
 }
 
 /// Two connected ends of a connection of `bytes` of slots: end 0 writes from `bytes` of its
-/// own into end 1's `bytes` (the data); end 1 writes only immediates back (the credits).
-pub(crate) fn pair(bytes: usize) -> (SimQp, SimQp, SimControl) {
+/// own into end 1's `bytes` (the data); end 1 writes only immediates back (the credits). End 0
+/// registers user buffers in `user`.
+pub(crate) fn pair(bytes: usize, user: &Arc<RegCache<Entry>>) -> (SimQp, SimQp, SimControl) {
     let link = Arc::new(Mutex::new(Link {
         recv_len: [0, bytes],
         ..Link::default()
@@ -65,6 +73,7 @@ pub(crate) fn pair(bytes: usize) -> (SimQp, SimQp, SimControl) {
         link: Arc::clone(&link),
         send: vec![0; send],
         recv: vec![0; recv],
+        user: Arc::clone(user),
     };
     let (a, b) = (end(0, bytes, 0), end(1, 0, bytes));
     (a, b, SimControl { link })
@@ -83,6 +92,46 @@ impl SimControl {
     }
 }
 
+impl SimQp {
+    /// Queues a write of `parts` (in order) to the peer's receive region at `dst`, as a NIC
+    /// would: an error if the pair is in error already; a protection error (status 10, the pair
+    /// in error) if the write leaves the regions, which `in_regions` says.
+    fn queue(
+        &mut self,
+        wr_id: u64,
+        (parts, in_regions): (&[&[u8]], bool),
+        dst: usize,
+        imm: u32,
+    ) -> Result<()> {
+        let mut l = lock(&self.link);
+        let peer = 1 - self.end;
+        if let Some((status, what)) = &l.error {
+            return Err(Error::Transport {
+                rank: usize::MAX,
+                peer: usize::MAX,
+                transport: "rdma",
+                msg: format!("queue pair in error (status {status}): {what}"),
+            });
+        }
+        let len = parts.iter().map(|p| p.len()).sum::<usize>();
+        if !in_regions || dst + len > l.recv_len[peer] {
+            // A real NIC fails the request with a protection error; so does the simulation.
+            l.error = Some((
+                10,
+                format!("write of {len} bytes to {dst} out of the regions"),
+            ));
+            return Ok(());
+        }
+        l.to[peer].push_back(Write {
+            wr_id,
+            dst,
+            data: parts.concat(),
+            imm,
+        });
+        Ok(())
+    }
+}
+
 impl QueuePair for SimQp {
     fn write_imm(
         &mut self,
@@ -92,35 +141,32 @@ impl QueuePair for SimQp {
         dst: usize,
         imm: u32,
     ) -> Result<()> {
-        let mut l = lock(&self.link);
-        let peer = 1 - self.end;
-        let bad = |what: String| {
-            Err(Error::Transport {
-                rank: usize::MAX,
-                peer: usize::MAX,
-                transport: "rdma",
-                msg: what,
-            })
-        };
-        if let Some((status, what)) = &l.error {
-            return bad(format!("queue pair in error (status {status}): {what}"));
-        }
-        if src + len > self.send.len() || dst + len > l.recv_len[peer] {
-            // A real NIC fails the request with a protection error; so does the simulation.
-            l.error = Some((
-                10,
-                format!("write of {len} bytes from {src} to {dst} out of the regions"),
-            ));
+        let part = self.send.get(src..src + len).map(<[u8]>::to_vec);
+        let ok = part.is_some();
+        let part = part.unwrap_or_default();
+        self.queue(wr_id, (&[&part], ok), dst, imm)
+    }
+
+    fn write_imm_user(
+        &mut self,
+        wr_id: u64,
+        head: usize,
+        payload: &[u8],
+        entry: &Entry,
+        dst: usize,
+        imm: u32,
+    ) -> Result<()> {
+        let reg = self.user.get(entry, |e| Ok(*e))?;
+        if !reg.holds(payload.as_ptr() as usize, payload.len()) {
+            // IBV_WC_LOC_PROT_ERR: the bytes are not all inside the registration.
+            let what = format!("{} payload bytes outside {reg:?}", payload.len());
+            lock(&self.link).error = Some((4, what));
             return Ok(());
         }
-        let data = self.send[src..src + len].to_vec();
-        l.to[peer].push_back(Write {
-            wr_id,
-            dst,
-            data,
-            imm,
-        });
-        Ok(())
+        let header = self.send.get(head..head + HEADER).map(<[u8]>::to_vec);
+        let ok = header.is_some();
+        let header = header.unwrap_or_default();
+        self.queue(wr_id, (&[&header, payload], ok), dst, imm)
     }
 
     fn poll(&mut self, out: &mut Vec<Completion>) -> Result<()> {

@@ -14,7 +14,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use super::conn::{install, Ends};
 use super::proto::HEADER;
@@ -23,6 +23,7 @@ use super::sim::{pair, SimQp};
 use crate::base::config::TransportChoice;
 use crate::base::config::{Config, IbProvider};
 use crate::base::error::{Error, Result};
+use crate::transport::registry::{Entry, RegCache, Registry};
 use crate::transport::{CanConnect, Group, Links, Memory, PeerInfo, Reach, Transport};
 
 /// The receiving ends of in-process queue pairs, waiting for their rank's `connect`.
@@ -99,6 +100,8 @@ pub(crate) struct RdmaTransport {
     sending: HashMap<usize, SimQp>,
     /// Registry keys of the receiving ends this rank left, to take back if it never connects.
     left: Vec<u64>,
+    /// The in-process queue pairs' registrations of user buffers, shared by this rank's.
+    user: Arc<RegCache<Entry>>,
     /// The verbs queue pairs on this rank's port, or why it has none (`None`: not probed).
     #[cfg(feature = "rdma")]
     verbs: Option<std::result::Result<super::ibv::side::VerbsSide, String>>,
@@ -114,6 +117,7 @@ impl RdmaTransport {
             payload: cfg.slot_bytes,
             sending: HashMap::new(),
             left: Vec::new(),
+            user: Arc::new(RegCache::new(Registry::global())),
             #[cfg(feature = "rdma")]
             verbs: probe(cfg)
                 .map(|r| r.map(|nic| super::ibv::side::VerbsSide::new(nic, slots, cfg.slot_bytes))),
@@ -222,7 +226,7 @@ impl Transport for RdmaTransport {
         }
         static NEXT: AtomicU64 = AtomicU64::new(1);
         for &p in peers {
-            let (send, recv, _) = pair(self.slots * (HEADER + self.payload));
+            let (send, recv, _) = pair(self.slots * (HEADER + self.payload), &self.user);
             let n = NEXT.fetch_add(1, Ordering::Relaxed);
             registry()
                 .lock()

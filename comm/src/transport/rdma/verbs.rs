@@ -4,6 +4,7 @@
 //! the protocol ([`super::proto`]) and the connections ([`super::conn`]) see nothing else.
 
 use crate::base::error::Result;
+use crate::transport::registry::Entry;
 
 /// One completion, as `ibv_poll_cq` reports it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -41,6 +42,22 @@ pub(crate) trait QueuePair: Send {
     /// The queue pair is in error, or the ranges fall outside the regions.
     fn write_imm(&mut self, wr_id: u64, src: usize, len: usize, dst: usize, imm: u32)
         -> Result<()>;
+    /// RDMA WRITE WITH IMMEDIATE from two places: the [`super::proto::HEADER`] bytes of the send
+    /// region at `head`, then `payload`, bytes of the registered user buffer `entry` (registered
+    /// with the device at its first use), together into the peer's receive region at `dst`, with
+    /// `imm`; signaled. `payload` must stay unchanged until the write's completion.
+    ///
+    /// # Errors
+    /// As [`QueuePair::write_imm`], or registering `entry` failed.
+    fn write_imm_user(
+        &mut self,
+        wr_id: u64,
+        head: usize,
+        payload: &[u8],
+        entry: &Entry,
+        dst: usize,
+        imm: u32,
+    ) -> Result<()>;
     /// Appends the completions that arrived since the last poll to `out`.
     ///
     /// # Errors

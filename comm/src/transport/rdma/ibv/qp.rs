@@ -9,9 +9,11 @@ use ibverbs_sys as ffi;
 use memmap2::MmapMut;
 
 use super::super::address::{LinkLayer, QpAddress};
+use super::super::proto::HEADER;
 use super::super::verbs::{Completion, QueuePair};
 use super::Nic;
 use crate::base::error::{Error, Result};
+use crate::transport::registry::{Entry, RegCache};
 
 /// `OXCCL_IB`'s fixed queue pair timing: local ACK timeout 4.096 us x 2^18 (about 1 s) and 7
 /// retries before a lost peer turns the queue pair to error (retry exceeded, status 12);
@@ -113,9 +115,63 @@ impl Drop for Region {
     }
 }
 
+/// A registered user buffer's memory region (read by the NIC only: the source of writes),
+/// deregistered on drop.
+pub(crate) struct UserMr {
+    mr: *mut ffi::ibv_mr,
+    _nic: Arc<Nic>,
+}
+
+// SAFETY: the registration is only read (its lkey) and freed once, in `drop`; verbs objects
+// may be used from any thread.
+unsafe impl Send for UserMr {}
+// SAFETY: as above: shared references only read the lkey.
+unsafe impl Sync for UserMr {}
+
+impl UserMr {
+    /// Registers `e`'s bytes on `nic` for local reads.
+    pub(crate) fn new(nic: &Arc<Nic>, e: &Entry) -> Result<UserMr> {
+        // SAFETY: the range is a live `Registered` buffer's memory (it removes its entry before
+        // freeing the memory, and the registration pins the pages it had meanwhile); the PD is
+        // alive (`_nic`). Access 0: the NIC only reads it.
+        let mr = unsafe { ffi::ibv_reg_mr(nic.pd(), e.start as *mut _, e.len, 0) };
+        if mr.is_null() {
+            return Err(os(&format!(
+                "ibv_reg_mr of a registered buffer ({} bytes) on {}",
+                e.len,
+                nic.port_name()
+            )));
+        }
+        Ok(UserMr {
+            mr,
+            _nic: Arc::clone(nic),
+        })
+    }
+
+    fn lkey(&self) -> u32 {
+        // SAFETY: `mr` is a live registration (freed only in `drop`).
+        unsafe { (*self.mr).lkey }
+    }
+}
+
+impl Drop for UserMr {
+    fn drop(&mut self) {
+        // SAFETY: registered in `new`, deregistered once; the cache drops it only when no
+        // request holds it (in-flight writes keep their own reference).
+        unsafe { ffi::ibv_dereg_mr(self.mr) };
+    }
+}
+
 /// One reliable-connected queue pair (see the module docs).
 pub(crate) struct VerbsQp {
     nic: Arc<Nic>,
+    /// The registrations of user buffers on this port, shared by the rank's queue pairs.
+    user: Arc<RegCache<UserMr>>,
+    /// Those that writes in flight read, oldest first, each with the count of posted requests
+    /// that ends its write (dropped as completions come).
+    reading: std::collections::VecDeque<(u64, Arc<UserMr>)>,
+    /// Send requests posted so far.
+    posted: u64,
     cq: *mut ffi::ibv_cq,
     qp: *mut ffi::ibv_qp,
     send: Region,
@@ -164,8 +220,8 @@ impl VerbsQp {
     /// requests posted.
     pub(crate) fn new(
         nic: &Arc<Nic>,
-        send_bytes: usize,
-        recv_bytes: usize,
+        user: &Arc<RegCache<UserMr>>,
+        (send_bytes, recv_bytes): (usize, usize),
         depth: u32,
     ) -> Result<VerbsQp> {
         use ffi::ibv_access_flags as A;
@@ -195,7 +251,7 @@ impl VerbsQp {
             cap: ffi::ibv_qp_cap {
                 max_send_wr: depth,
                 max_recv_wr: depth,
-                max_send_sge: 1,
+                max_send_sge: 2, // a slot's header and a user buffer's payload
                 max_recv_sge: 1,
                 max_inline_data: 0,
             },
@@ -219,6 +275,9 @@ impl VerbsQp {
         };
         let me = VerbsQp {
             nic: Arc::clone(nic),
+            user: Arc::clone(user),
+            reading: std::collections::VecDeque::new(),
+            posted: 0,
             cq,
             qp,
             send,
@@ -394,6 +453,11 @@ impl VerbsQp {
                 }),
             }
         }
+        // Writes complete in order: the registrations the completed ones read may go.
+        let completed = self.posted - u64::from(self.inflight);
+        while self.reading.front().is_some_and(|(n, _)| *n <= completed) {
+            self.reading.pop_front();
+        }
         post_recvs(self.qp, reposts)
     }
 }
@@ -420,20 +484,20 @@ impl Drop for VerbsQp {
     }
 }
 
-impl QueuePair for VerbsQp {
-    fn write_imm(
+impl VerbsQp {
+    /// Posts a signaled RDMA WRITE WITH IMMEDIATE of `sges` (`len` bytes in all) to the peer's
+    /// receive region at `dst`, once the send queue has room.
+    fn post_write(
         &mut self,
         wr_id: u64,
-        src: usize,
-        len: usize,
-        dst: usize,
+        sges: &mut [ffi::ibv_sge],
+        (len, dst): (usize, usize),
         imm: u32,
     ) -> Result<()> {
         let (raddr, rkey, rlen) = self.remote;
-        if src + len > self.send.mem.len() || (dst + len) as u64 > rlen {
+        if (dst + len) as u64 > rlen {
             return Err(terr(format!(
-                "write of {len} bytes from {src} to {dst}: outside the regions ({} and {rlen} bytes)",
-                self.send.mem.len()
+                "write of {len} bytes to {dst}: outside the peer's region of {rlen} bytes"
             )));
         }
         // The send queue is full only if completions lag far behind: reap them (kept for the
@@ -456,15 +520,10 @@ impl QueuePair for VerbsQp {
             // The queue pair is in error; the next `poll` reports why (a lost peer).
             return Ok(());
         }
-        let mut sge = ffi::ibv_sge {
-            addr: self.send.addr() + src as u64,
-            length: len as u32,
-            lkey: self.send.lkey(),
-        };
         let mut wr = ffi::ibv_send_wr {
             wr_id,
-            sg_list: &mut sge,
-            num_sge: i32::from(len > 0),
+            sg_list: sges.as_mut_ptr(),
+            num_sge: sges.len() as i32,
             opcode: ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM,
             send_flags: ffi::ibv_send_flags::IBV_SEND_SIGNALED.0,
             ..Default::default()
@@ -475,9 +534,10 @@ impl QueuePair for VerbsQp {
             rkey,
         };
         let mut bad = std::ptr::null_mut();
-        // SAFETY: a live queue pair in RTS; the provider's post_send reads `wr` and `sge`
-        // during the call, and the bytes `sge` names stay registered and untouched by this
-        // side until the write's completion (the protocol hands the slot out again only then).
+        // SAFETY: a live queue pair in RTS; the provider's post_send reads `wr` and `sges`
+        // during the call, and the bytes the entries name stay registered and untouched until
+        // the write's completion (the protocol hands a slot out again only then, a user
+        // buffer's bytes count as sent only then, and `reading` holds its registration).
         let rc = unsafe {
             let post = (*(*self.qp).context)
                 .ops
@@ -493,6 +553,67 @@ impl QueuePair for VerbsQp {
             )));
         }
         self.inflight += 1;
+        self.posted += 1;
+        Ok(())
+    }
+}
+
+impl QueuePair for VerbsQp {
+    fn write_imm(
+        &mut self,
+        wr_id: u64,
+        src: usize,
+        len: usize,
+        dst: usize,
+        imm: u32,
+    ) -> Result<()> {
+        if src + len > self.send.mem.len() {
+            return Err(terr(format!(
+                "write of {len} bytes from {src}: outside the send region of {} bytes",
+                self.send.mem.len()
+            )));
+        }
+        let mut sge = [ffi::ibv_sge {
+            addr: self.send.addr() + src as u64,
+            length: len as u32,
+            lkey: self.send.lkey(),
+        }];
+        let n = usize::from(len > 0);
+        self.post_write(wr_id, &mut sge[..n], (len, dst), imm)
+    }
+
+    fn write_imm_user(
+        &mut self,
+        wr_id: u64,
+        head: usize,
+        payload: &[u8],
+        entry: &Entry,
+        dst: usize,
+        imm: u32,
+    ) -> Result<()> {
+        let addr = payload.as_ptr() as usize;
+        if head + HEADER > self.send.mem.len() || !entry.holds(addr, payload.len()) {
+            return Err(terr(format!(
+                "write of a header at {head} and {} bytes of {entry:?}: outside the regions",
+                payload.len()
+            )));
+        }
+        let nic = Arc::clone(&self.nic);
+        let mr = self.user.get(entry, |e| UserMr::new(&nic, e))?;
+        let mut sges = [
+            ffi::ibv_sge {
+                addr: self.send.addr() + head as u64,
+                length: HEADER as u32,
+                lkey: self.send.lkey(),
+            },
+            ffi::ibv_sge {
+                addr: addr as u64,
+                length: payload.len() as u32,
+                lkey: mr.lkey(),
+            },
+        ];
+        self.post_write(wr_id, &mut sges, (HEADER + payload.len(), dst), imm)?;
+        self.reading.push_back((self.posted, mr));
         Ok(())
     }
 

@@ -15,9 +15,10 @@ use std::sync::Arc;
 use super::super::address::{pair_mtu, QpAddress};
 use super::super::conn::{install, Ends};
 use super::super::proto::HEADER;
-use super::qp::VerbsQp;
+use super::qp::{UserMr, VerbsQp};
 use super::Nic;
 use crate::base::error::{Error, Result};
+use crate::transport::registry::{RegCache, Registry};
 use crate::transport::{Group, Links};
 
 /// This rank's queue pairs (see the module docs).
@@ -25,6 +26,8 @@ pub(crate) struct VerbsSide {
     nic: Arc<Nic>,
     slots: usize,
     payload: usize,
+    /// The registrations of user buffers on this port, shared by the rank's queue pairs.
+    user: Arc<RegCache<UserMr>>,
     /// (sending, receiving) queue pair per peer, made in `setup`.
     made: HashMap<usize, (VerbsQp, VerbsQp)>,
 }
@@ -39,6 +42,7 @@ impl VerbsSide {
             nic,
             slots,
             payload,
+            user: Arc::new(RegCache::new(Registry::global())),
             made: HashMap::new(),
         }
     }
@@ -55,8 +59,8 @@ impl VerbsSide {
         let me = group.rank;
         for &p in peers {
             let named = |e: Error| name(e, me, p);
-            let send = VerbsQp::new(&self.nic, ring, 0, depth).map_err(named)?;
-            let recv = VerbsQp::new(&self.nic, 0, ring, depth).map_err(named)?;
+            let send = VerbsQp::new(&self.nic, &self.user, (ring, 0), depth).map_err(named)?;
+            let recv = VerbsQp::new(&self.nic, &self.user, (0, ring), depth).map_err(named)?;
             group
                 .store
                 .set(&key(group.id, me, p, "send"), &send.address().encode())?;
