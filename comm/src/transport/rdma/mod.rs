@@ -50,7 +50,7 @@ mod tests;
 pub fn verbs_port(cfg: &crate::Config) -> std::result::Result<String, String> {
     #[cfg(feature = "rdma")]
     {
-        ibv::open(cfg.ib_hca.as_deref(), cfg.ib_gid_index).map(|n| {
+        ibv::open(cfg.ib.hca.as_deref(), cfg.ib.gid_index).map(|n| {
             format!(
                 "{}, {:?}, LID {}, GID index {}, MTU {}",
                 n.port_name(),

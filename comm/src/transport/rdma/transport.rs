@@ -119,8 +119,11 @@ impl RdmaTransport {
             left: Vec::new(),
             user: Arc::new(RegCache::new(Registry::global())),
             #[cfg(feature = "rdma")]
-            verbs: probe(cfg)
-                .map(|r| r.map(|nic| super::ibv::side::VerbsSide::new(nic, slots, cfg.slot_bytes))),
+            verbs: probe(cfg).map(|r| {
+                r.map(|nic| {
+                    super::ibv::side::VerbsSide::new(nic, (slots, cfg.slot_bytes), cfg.ib.clone())
+                })
+            }),
         }
     }
 }
@@ -132,7 +135,7 @@ fn probe(cfg: &Config) -> Option<std::result::Result<std::sync::Arc<super::ibv::
     if !wanted || cfg.ib_provider != IbProvider::Verbs {
         return None;
     }
-    let r = super::ibv::open(cfg.ib_hca.as_deref(), cfg.ib_gid_index);
+    let r = super::ibv::open(cfg.ib.hca.as_deref(), cfg.ib.gid_index);
     match &r {
         Ok(nic) => tracing::info!(
             device = %nic.port_name(),

@@ -12,14 +12,13 @@ use super::super::address::{LinkLayer, QpAddress};
 use super::super::proto::HEADER;
 use super::super::verbs::{Completion, QueuePair};
 use super::Nic;
+use crate::base::config::IbConfig;
 use crate::base::error::{Error, Result};
 use crate::transport::registry::{Entry, RegCache};
 
-/// `OXCCL_IB`'s fixed queue pair timing: local ACK timeout 4.096 us x 2^18 (about 1 s) and 7
-/// retries before a lost peer turns the queue pair to error (retry exceeded, status 12);
-/// receiver-not-ready retried without end (the receiver reposts at once).
-const ACK_TIMEOUT: u8 = 18;
-const RETRIES: u8 = 7;
+/// Receiver-not-ready retried without end (the receiver reposts at once). The local ACK time-out
+/// and the retries before a lost peer turns the queue pair to error (retry exceeded, status 12)
+/// are `OXCCL_IB_TIMEOUT` and `OXCCL_IB_RETRY_CNT` ([`IbConfig`]).
 const RNR_FOREVER: u8 = 7;
 
 fn terr(msg: String) -> Error {
@@ -340,8 +339,9 @@ impl VerbsQp {
         }
     }
 
-    /// Brings the queue pair to ready-to-send against the peer's `remote` address, at `mtu`.
-    pub(crate) fn connect(&mut self, remote: &QpAddress, mtu: u32) -> Result<()> {
+    /// Brings the queue pair to ready-to-send against the peer's `remote` address, at `mtu`,
+    /// with `ib`'s time-out, retries, traffic class and service level.
+    pub(crate) fn connect(&mut self, remote: &QpAddress, mtu: u32, ib: &IbConfig) -> Result<()> {
         use ffi::ibv_qp_attr_mask as M;
         // RoCE always routes by GID; InfiniBand by LID, with a global route header only to
         // another subnet (a different GID prefix).
@@ -350,7 +350,7 @@ impl VerbsQp {
             || remote.gid[..8] != self.nic.gid[..8];
         let mut ah = ffi::ibv_ah_attr {
             dlid: remote.lid,
-            sl: 0,
+            sl: ib.service_level,
             src_path_bits: 0,
             is_global: u8::from(global),
             port_num: self.nic.port,
@@ -360,6 +360,7 @@ impl VerbsQp {
             ah.grh.dgid.raw = remote.gid;
             ah.grh.sgid_index = self.nic.gid_index as u8;
             ah.grh.hop_limit = 255;
+            ah.grh.traffic_class = ib.traffic_class;
         }
         let mut rtr = ffi::ibv_qp_attr {
             qp_state: ffi::ibv_qp_state::IBV_QPS_RTR,
@@ -384,8 +385,8 @@ impl VerbsQp {
         )?;
         let mut rts = ffi::ibv_qp_attr {
             qp_state: ffi::ibv_qp_state::IBV_QPS_RTS,
-            timeout: ACK_TIMEOUT,
-            retry_cnt: RETRIES,
+            timeout: ib.timeout,
+            retry_cnt: ib.retry_cnt,
             rnr_retry: RNR_FOREVER,
             sq_psn: self.psn,
             max_rd_atomic: 1,

@@ -17,6 +17,7 @@ use super::super::conn::{install, Ends};
 use super::super::proto::HEADER;
 use super::qp::{UserMr, VerbsQp};
 use super::Nic;
+use crate::base::config::IbConfig;
 use crate::base::error::{Error, Result};
 use crate::transport::registry::{RegCache, Registry};
 use crate::transport::{Group, Links};
@@ -26,6 +27,8 @@ pub(crate) struct VerbsSide {
     nic: Arc<Nic>,
     slots: usize,
     payload: usize,
+    /// The queue pairs' time-out, retries, traffic class and service level.
+    ib: IbConfig,
     /// The registrations of user buffers on this port, shared by the rank's queue pairs.
     user: Arc<RegCache<UserMr>>,
     /// (sending, receiving) queue pair per peer, made in `setup`.
@@ -37,11 +40,12 @@ fn key(id: &str, from: usize, to: usize, what: &str) -> String {
 }
 
 impl VerbsSide {
-    pub(crate) fn new(nic: Arc<Nic>, slots: usize, payload: usize) -> VerbsSide {
+    pub(crate) fn new(nic: Arc<Nic>, (slots, payload): (usize, usize), ib: IbConfig) -> VerbsSide {
         VerbsSide {
             nic,
             slots,
             payload,
+            ib,
             user: Arc::new(RegCache::new(Registry::global())),
             made: HashMap::new(),
         }
@@ -97,7 +101,8 @@ impl VerbsSide {
             ] {
                 let mtu = pair_mtu(&mine.address(), theirs, self.nic.link)
                     .map_err(|e| transport(me, p, format!("queue pair {dir} rank {p}: {e}")))?;
-                mine.connect(theirs, mtu).map_err(|e| name(e, me, p))?;
+                mine.connect(theirs, mtu, &self.ib)
+                    .map_err(|e| name(e, me, p))?;
                 tracing::info!(
                     rank = me,
                     peer = p,
@@ -105,6 +110,8 @@ impl VerbsSide {
                     gid_index = self.nic.gid_index,
                     link = ?self.nic.link,
                     mtu,
+                    traffic_class = self.ib.traffic_class,
+                    service_level = self.ib.service_level,
                     "rdma queue pair {dir} rank {p} ready"
                 );
             }

@@ -2,7 +2,10 @@
 //!
 //! Every variable is documented in `docs/ENV.md`; this module is the only place that reads them.
 
+mod ib;
+
 pub use super::settings::Settings;
+pub use ib::{IbConfig, IbProvider};
 use std::time::Duration;
 
 use crate::base::error::{Error, Result};
@@ -29,26 +32,6 @@ pub enum TransportChoice {
     /// Shared memory inside a node, RDMA verbs between nodes (an error where RDMA cannot
     /// connect a pair: no verbs device, or no provider built in).
     Rdma,
-}
-
-/// Where RDMA queue pairs come from (`OXCCL_IB_PROVIDER`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum IbProvider {
-    /// The host's verbs devices through ibverbs (feature `rdma`; default).
-    Verbs,
-    /// In-process queue pairs with RC semantics: ranks that are threads of one process, as in
-    /// the tests (simulated nodes of the threaded harness).
-    Sim,
-}
-
-impl IbProvider {
-    /// The `OXCCL_IB_PROVIDER` name (`verbs`, `sim`).
-    pub fn name(self) -> &'static str {
-        match self {
-            IbProvider::Verbs => "verbs",
-            IbProvider::Sim => "sim",
-        }
-    }
 }
 
 /// Communicator configuration. `Config::from_env()` reads the `OXCCL_*` variables; tests build one
@@ -89,13 +72,9 @@ pub struct Config {
     pub transport: TransportChoice,
     /// Where RDMA queue pairs come from (`OXCCL_IB_PROVIDER` = `verbs`, the default, or `sim`).
     pub ib_provider: IbProvider,
-    /// Which verbs devices and ports to use (`OXCCL_IB_HCA`, NCCL's `NCCL_IB_HCA` syntax:
-    /// `mlx5_0:1,mlx5_1`, `^mlx5_2` to exclude, `=` for exact names; default: every active
-    /// port). A rank takes the first port allowed.
-    pub ib_hca: Option<String>,
-    /// The GID index of the port (`OXCCL_IB_GID_INDEX`; default: the first RoCE v2 GID with an
-    /// IPv4 address, then the first RoCE v2 one, then the first non-zero one).
-    pub ib_gid_index: Option<u32>,
+    /// The verbs port and the queue pairs' settings (`OXCCL_IB_HCA`, `OXCCL_IB_GID_INDEX`,
+    /// `OXCCL_IB_TIMEOUT`, `OXCCL_IB_RETRY_CNT`, `OXCCL_IB_TC`, `OXCCL_IB_SL`).
+    pub ib: IbConfig,
     /// Bytes of each of the two staging halves every rank keeps in shared memory for the direct
     /// (one-shot / two-shot) algorithms (`OXCCL_SHM_DIRECT_BYTES`, default 1 MiB; 0 turns the
     /// staging algorithms off).
@@ -199,8 +178,7 @@ impl Default for Config {
             node_id: None,
             transport: TransportChoice::Auto,
             ib_provider: IbProvider::Verbs,
-            ib_hca: None,
-            ib_gid_index: None,
+            ib: IbConfig::default(),
             direct_bytes: 1 << 20,
             single_copy: true,
             spin: None,
@@ -539,20 +517,9 @@ impl Config {
             };
         }
         if let Some(v) = get("OXCCL_IB_PROVIDER") {
-            c.ib_provider = match v.trim().to_ascii_lowercase().as_str() {
-                "" | "verbs" => IbProvider::Verbs,
-                "sim" => IbProvider::Sim,
-                _ => {
-                    return Err(Error::Config(format!(
-                        "OXCCL_IB_PROVIDER={v:?}: expected verbs or sim"
-                    )))
-                }
-            };
+            c.ib_provider = ib::provider(&v)?;
         }
-        c.ib_hca = get("OXCCL_IB_HCA").filter(|s| !s.trim().is_empty());
-        if let Some(v) = get("OXCCL_IB_GID_INDEX").filter(|s| !s.trim().is_empty()) {
-            c.ib_gid_index = Some(parse_num("OXCCL_IB_GID_INDEX", &v)?);
-        }
+        c.ib = IbConfig::read(get)?;
         if let Some(v) = get("OXCCL_SHM_DIRECT_BYTES") {
             c.direct_bytes = parse_num("OXCCL_SHM_DIRECT_BYTES", &v)?;
             if !direct_bytes_ok(c.direct_bytes) {
