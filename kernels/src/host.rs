@@ -55,9 +55,14 @@ macro_rules! dispatch_avx2 {
     }};
 }
 
+/// Slices shorter than this take the plain loop: the AVX2 build's call and vector set-up cost
+/// more than they save on a few elements (a small message's reduction).
+const WIDE_MIN: usize = 16;
+
 /// `dst[i] = f(dst[i], src[i])` over the common length (in the AVX2 build where `wide`).
 #[inline(always)]
 fn binary<T: Copy>(dst: &mut [T], src: &[T], f: impl Fn(T, T) -> T, wide: bool) {
+    let wide = wide && dst.len() >= WIDE_MIN;
     dispatch_avx2!(wide, binary_avx2, <T>, (dst: &mut [T], src: &[T], f: impl Fn(T, T) -> T), {
         for (d, &s) in dst.iter_mut().zip(src) {
             *d = f(*d, s);
@@ -68,6 +73,7 @@ fn binary<T: Copy>(dst: &mut [T], src: &[T], f: impl Fn(T, T) -> T, wide: bool) 
 /// `dst[i] = f(a[i], b[i])` over the common length (in the AVX2 build where `wide`).
 #[inline(always)]
 fn ternary<T: Copy>(dst: &mut [T], a: &[T], b: &[T], f: impl Fn(T, T) -> T, wide: bool) {
+    let wide = wide && dst.len() >= WIDE_MIN;
     dispatch_avx2!(wide, ternary_avx2, <T>, (dst: &mut [T], a: &[T], b: &[T], f: impl Fn(T, T) -> T), {
         for (d, (&x, &y)) in dst.iter_mut().zip(a.iter().zip(b)) {
             *d = f(x, y);

@@ -80,6 +80,10 @@ pub struct Segment {
     nrings: usize,
     /// Bytes of one staging half of the direct area.
     pub(super) direct: usize,
+    /// Where the direct area starts (after the rings) and the bytes of one ring, kept: every
+    /// record, step, head and tail access needs them.
+    direct_at: usize,
+    ring_len: usize,
 }
 
 // SAFETY: the mapping is plain shared memory; every access to it goes through atomics (head,
@@ -104,7 +108,7 @@ impl Segment {
     }
 
     fn ring_off(&self, ring: usize) -> usize {
-        HEADER + BELL + ring * ring_bytes(self.slot_size, self.nslots)
+        HEADER + BELL + ring * self.ring_len
     }
 
     pub(super) fn head(&self, ring: usize) -> &AtomicU64 {
@@ -132,7 +136,7 @@ impl Segment {
 
     /// Offset of the direct area: step block, tag block, two staging halves.
     fn direct_off(&self) -> usize {
-        HEADER + BELL + self.nrings * ring_bytes(self.slot_size, self.nslots)
+        self.direct_at
     }
 
     /// The step counter of the direct area (written by the owner only).
@@ -226,6 +230,8 @@ impl Segment {
             nslots,
             nrings,
             direct,
+            direct_at: HEADER + BELL + nrings * ring_bytes(slot_size, nslots),
+            ring_len: ring_bytes(slot_size, nslots),
             ..seg
         };
         seg.atomic_u64(32).store(direct as u64, Ordering::Relaxed);
@@ -277,6 +283,8 @@ impl Segment {
             nslots,
             nrings,
             direct,
+            direct_at: HEADER + BELL + nrings * ring_bytes(slot_size, nslots),
+            ring_len: ring_bytes(slot_size, nslots),
             ..seg
         })
     }
@@ -300,6 +308,8 @@ impl Segment {
             nslots: 0,
             nrings: 0,
             direct: 0,
+            direct_at: 0,
+            ring_len: 0,
         })
     }
 
