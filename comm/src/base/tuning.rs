@@ -481,23 +481,22 @@ pub fn choose(coll: Collective, bytes: usize, n: usize, over: &AlgoOverride, cap
     .or(hierarchical.then_some(Algorithm::Hierarchical))
     .or(pair_broadcast(coll, bytes, n));
     let algo = over.get(coll).or(direct).unwrap_or_else(|| {
-        let cands: Vec<Algorithm> = algorithms_for(coll)
+        // The cheapest candidate, the first listed on a tie (no allocation: a small message
+        // without a window asks on every call).
+        let (mut best, mut best_cost) = (None, f64::INFINITY);
+        for &a in algorithms_for(coll)
             .iter()
-            .copied()
             .filter(|a| !a.needs_window() && !a.needs_nodes())
             // On the window the thresholds above are measured; recursive doubling was not
             // measured against them, so only the slot algorithms they were measured with compete.
-            .filter(|a| caps.staging == 0 || *a != Algorithm::RecursiveDoubling)
-            .collect();
-        let mut best = cands[0];
-        let mut best_cost = cost_us(coll, best, bytes, n);
-        for &a in &cands[1..] {
+            .filter(|a| caps.staging == 0 || **a != Algorithm::RecursiveDoubling)
+        {
             let c = cost_us(coll, a, bytes, n);
-            if c < best_cost {
-                (best, best_cost) = (a, c);
+            if best.is_none() || c < best_cost {
+                (best, best_cost) = (Some(a), c);
             }
         }
-        best
+        best.unwrap_or(algorithms_for(coll)[0])
     });
     let chunk_bytes = match algo {
         Algorithm::Tree => TREE_PIECE,
