@@ -10,7 +10,8 @@ use crate::transport::registry::{Entry, Registry};
 /// A host buffer registered for sending straight from its memory, like NCCL's
 /// `ncclCommRegister`: over RDMA, large messages leave by RDMA write from the buffer itself
 /// instead of being copied into the connection's registered slots first (the memory region is
-/// made at the first such send on each connection's device, and dropped with the buffer). Other
+/// made at the first such send on each device, and dropped at the next one after the buffer
+/// goes, or with the communicator; a buffer the device refuses goes through the slots). Other
 /// transports treat it as any buffer.
 ///
 /// It owns its memory (a `Vec` that cannot grow or move while registered) and derefs to a

@@ -5,7 +5,8 @@
 //! - [`Registry`]: the ranges [`crate::Registered`] buffers hold, one process-wide table (the
 //!   ranges outlive no buffer: a `Registered` owns its memory and removes its entry on drop);
 //! - [`RegCache`]: what a backend made for an entry (an RDMA memory region), made at the entry's
-//!   first use, shared by the backend's connections, and dropped once the entry is gone.
+//!   first use, shared by the backend's connections, and dropped at its first use after the
+//!   entry is gone (or with the cache).
 //!
 //! A backend never registers memory the user did not: a cached registration of freed memory
 //! would keep reading the pages the range had when it was made, not what lives there now.

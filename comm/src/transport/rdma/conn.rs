@@ -204,7 +204,7 @@ impl<Q: QueuePair> RdmaSend<Q> {
     }
 
     fn poll(&mut self) -> Result<bool> {
-        let (st, direct) = (&mut self.st, &mut self.direct);
+        let (st, direct, counted) = (&mut self.st, &mut self.direct, &self.direct_bytes);
         self.end.drain(|ev| match ev {
             Event::Wrote(wr_id) => {
                 st.completed()?;
@@ -212,7 +212,9 @@ impl<Q: QueuePair> RdmaSend<Q> {
                     let d = direct.as_mut().ok_or_else(|| {
                         ProtoError("a user buffer's write completed outside its message".into())
                     })?;
-                    d.done += (wr_id & !DIRECT_WR) as usize;
+                    let len = wr_id & !DIRECT_WR;
+                    d.done += len as usize;
+                    counted.fetch_add(len, Ordering::Relaxed);
                 }
                 Ok(())
             }
@@ -239,7 +241,6 @@ impl<Q: QueuePair> RdmaSend<Q> {
                 .qp
                 .write_imm_user(wr, i * s, &data[off..off + len], &entry, i * s, imm)
                 .map_err(|e| ends.named(e))?;
-            self.direct_bytes.fetch_add(len as u64, Ordering::Relaxed);
         }
         Ok(())
     }
@@ -300,6 +301,9 @@ impl<Q: QueuePair> SendConn for RdmaSend<Q> {
                 else {
                     return Ok(None);
                 };
+                if !self.end.qp.register_user(&entry) {
+                    return Ok(None);
+                }
                 self.direct = Some(Direct {
                     entry,
                     tag,

@@ -34,6 +34,8 @@ struct Link {
     held: [bool; 2],
     /// The error both ends are in.
     error: Option<(u32, String)>,
+    /// Registrations of user buffers are refused (as a locked-memory limit would).
+    refuse: bool,
     /// Bytes of each end's receive region.
     recv_len: [usize; 2],
 }
@@ -84,6 +86,11 @@ impl SimControl {
     /// Holds (or lets go) the delivery of writes to end `end`.
     pub(crate) fn hold(&self, end: usize, held: bool) {
         lock(&self.link).held[end] = held;
+    }
+
+    /// Refuses (or allows again) registering user buffers.
+    pub(crate) fn refuse_registrations(&self, refuse: bool) {
+        lock(&self.link).refuse = refuse;
     }
 
     /// Puts the queue pair in the error state with `status` (12: retry exceeded).
@@ -145,6 +152,10 @@ impl QueuePair for SimQp {
         let ok = part.is_some();
         let part = part.unwrap_or_default();
         self.queue(wr_id, (&[&part], ok), dst, imm)
+    }
+
+    fn register_user(&mut self, entry: &Entry) -> bool {
+        !lock(&self.link).refuse && self.user.get(entry, |e| Ok(*e)).is_ok()
     }
 
     fn write_imm_user(

@@ -308,7 +308,11 @@ fn a_registered_buffer_goes_out_from_its_memory_and_counts_as_sent_once_written(
     assert_eq!(tx.send_direct(data, tag(5), 3000).unwrap(), Some(0));
     assert_eq!(tx.send_direct(data, tag(5), 3000).unwrap(), Some(0));
     assert!(!tx.flushed());
-    assert_eq!(counted.bytes.load(Ordering::Relaxed), 4 * 3000);
+    assert_eq!(
+        counted.bytes.load(Ordering::Relaxed),
+        0,
+        "counted once written"
+    );
     // Another message while this one is in flight breaks the contract.
     let other = vec![0u8; 100_000];
     let e = tx
@@ -382,6 +386,31 @@ impl Concat for Vec<(Tag, Vec<u8>)> {
     fn concat_bytes(&self) -> Vec<u8> {
         self.iter().flat_map(|(_, d)| d.iter().copied()).collect()
     }
+}
+
+#[test]
+fn a_buffer_the_device_refuses_goes_through_the_slots() {
+    let (mut tx, mut rx, ctl, counted) = conn_counted(2, 4096);
+    ctl.refuse_registrations(true);
+    let reg = Registered::new(vec![9u8; 70_000]).unwrap();
+    assert_eq!(tx.send_direct(&reg, tag(1), 4096).unwrap(), None);
+    // The caller stages it in slots instead, and it arrives whole.
+    let (mut sent, mut got) = (0, Vec::new());
+    while sent < reg.len() {
+        if let Some(slot) = tx.try_slot().unwrap() {
+            let n = slot.len().min(reg.len() - sent);
+            slot[..n].copy_from_slice(&reg[sent..sent + n]);
+            tx.post(n, tag(1)).unwrap();
+            sent += n;
+        }
+        take_all(&mut rx, &mut got);
+    }
+    take_all(&mut rx, &mut got);
+    assert_eq!(got.concat_bytes(), &reg[..]);
+    assert_eq!(counted.bytes.load(Ordering::Relaxed), 0);
+    assert_eq!(counted.user.counts(), (0, 0));
+    ctl.refuse_registrations(false);
+    assert_eq!(tx.send_direct(&reg, tag(2), 4096).unwrap(), Some(0));
 }
 
 #[test]

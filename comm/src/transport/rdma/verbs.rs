@@ -42,6 +42,10 @@ pub(crate) trait QueuePair: Send {
     /// The queue pair is in error, or the ranges fall outside the regions.
     fn write_imm(&mut self, wr_id: u64, src: usize, len: usize, dst: usize, imm: u32)
         -> Result<()>;
+    /// Registers the registered user buffer `entry` with the device (once: cached); false when
+    /// the device refuses it (the locked-memory limit, usually), and then for every later ask:
+    /// its messages go through the slots instead.
+    fn register_user(&mut self, entry: &Entry) -> bool;
     /// RDMA WRITE WITH IMMEDIATE from two places: the [`super::proto::HEADER`] bytes of the send
     /// region at `head`, then `payload`, bytes of the registered user buffer `entry` (registered
     /// with the device at its first use), together into the peer's receive region at `dst`, with

@@ -130,10 +130,14 @@ unsafe impl Sync for UserMr {}
 impl UserMr {
     /// Registers `e`'s bytes on `nic` for local reads.
     pub(crate) fn new(nic: &Arc<Nic>, e: &Entry) -> Result<UserMr> {
+        // The NIC only reads it, but local write access makes the pin break copy-on-write and
+        // zero pages first, so later writes to the buffer land in the pages the NIC reads (as
+        // NCCL registers).
+        let access = ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0 as i32;
         // SAFETY: the range is a live `Registered` buffer's memory (it removes its entry before
         // freeing the memory, and the registration pins the pages it had meanwhile); the PD is
-        // alive (`_nic`). Access 0: the NIC only reads it.
-        let mr = unsafe { ffi::ibv_reg_mr(nic.pd(), e.start as *mut _, e.len, 0) };
+        // alive (`_nic`).
+        let mr = unsafe { ffi::ibv_reg_mr(nic.pd(), e.start as *mut _, e.len, access) };
         if mr.is_null() {
             return Err(os(&format!(
                 "ibv_reg_mr of a registered buffer ({} bytes) on {}",
@@ -171,6 +175,8 @@ pub(crate) struct VerbsQp {
     reading: std::collections::VecDeque<(u64, Arc<UserMr>)>,
     /// Send requests posted so far.
     posted: u64,
+    /// User buffers the device refused to register (their messages go through the slots).
+    refused: std::collections::HashSet<u64>,
     cq: *mut ffi::ibv_cq,
     qp: *mut ffi::ibv_qp,
     send: Region,
@@ -277,6 +283,7 @@ impl VerbsQp {
             user: Arc::clone(user),
             reading: std::collections::VecDeque::new(),
             posted: 0,
+            refused: std::collections::HashSet::new(),
             cq,
             qp,
             send,
@@ -581,6 +588,24 @@ impl QueuePair for VerbsQp {
         }];
         let n = usize::from(len > 0);
         self.post_write(wr_id, &mut sge[..n], (len, dst), imm)
+    }
+
+    fn register_user(&mut self, entry: &Entry) -> bool {
+        if self.refused.contains(&entry.id) {
+            return false;
+        }
+        let nic = Arc::clone(&self.nic);
+        match self.user.get(entry, |e| UserMr::new(&nic, e)) {
+            Ok(_) => true,
+            Err(e) => {
+                tracing::warn!(
+                    bytes = entry.len,
+                    "rdma: a registered buffer's messages go through the slots: {e}"
+                );
+                self.refused.insert(entry.id);
+                false
+            }
+        }
     }
 
     fn write_imm_user(
