@@ -104,7 +104,7 @@ impl SimQp {
     /// would: an error if the pair is in error already; a protection error (status 10, the pair
     /// in error) if the write leaves the regions, which `in_regions` says.
     fn queue(
-        &mut self,
+        &self,
         wr_id: u64,
         (parts, in_regions): (&[&[u8]], bool),
         dst: usize,
@@ -148,10 +148,13 @@ impl QueuePair for SimQp {
         dst: usize,
         imm: u32,
     ) -> Result<()> {
-        let part = self.send.get(src..src + len).map(<[u8]>::to_vec);
-        let ok = part.is_some();
-        let part = part.unwrap_or_default();
-        self.queue(wr_id, (&[&part], ok), dst, imm)
+        let part = self.send.get(src..src + len);
+        self.queue(
+            wr_id,
+            (&[part.unwrap_or_default()], part.is_some()),
+            dst,
+            imm,
+        )
     }
 
     fn register_user(&mut self, entry: &Entry) -> bool {
@@ -174,10 +177,9 @@ impl QueuePair for SimQp {
             lock(&self.link).error = Some((4, what));
             return Ok(());
         }
-        let header = self.send.get(head..head + HEADER).map(<[u8]>::to_vec);
-        let ok = header.is_some();
-        let header = header.unwrap_or_default();
-        self.queue(wr_id, (&[&header, payload], ok), dst, imm)
+        let header = self.send.get(head..head + HEADER);
+        let parts = [header.unwrap_or_default(), payload];
+        self.queue(wr_id, (&parts, header.is_some()), dst, imm)
     }
 
     fn poll(&mut self, out: &mut Vec<Completion>) -> Result<()> {
