@@ -87,7 +87,7 @@ pub(crate) fn one_shot(
     op: ReduceOp,
 ) -> Result<()> {
     let (n, es) = (ctx.size, dt.size());
-    if buf.len() <= ctx.window()?.0.inline_capacity() {
+    if travels_inline(ctx, buf.len()) {
         return one_shot_inline(ctx, src, buf, dt, op);
     }
     let cap = piece_bytes(ctx, es)?;
@@ -106,6 +106,15 @@ pub(crate) fn one_shot(
         off += len;
     }
     Ok(())
+}
+
+/// Whether a one-shot all-reduce of `bytes` travels in the published records themselves
+/// ([`Window::inline_capacity`]; never without a window).
+///
+/// [`Window::inline_capacity`]: crate::transport::Window::inline_capacity
+#[inline]
+pub(crate) fn travels_inline(ctx: &Ctx<'_>, bytes: usize) -> bool {
+    bytes <= ctx.inline_capacity()
 }
 
 /// One-shot all-reduce of at most [`Window::inline_capacity`] bytes: the input travels in the

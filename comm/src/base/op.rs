@@ -123,8 +123,9 @@ impl Collective {
         )
     }
 
+    /// Its place in [`Collective::ALL`] (the declaration order, which `ALL` follows).
     pub(crate) fn to_u8(self) -> u8 {
-        Collective::ALL.iter().position(|c| *c == self).unwrap_or(0) as u8
+        self as u8
     }
 
     pub(crate) fn from_u8(v: u8) -> Option<Collective> {
@@ -254,7 +255,12 @@ mod tests {
 
     #[test]
     fn tag_round_trip() {
-        for coll in Collective::ALL {
+        for (i, coll) in Collective::ALL.into_iter().enumerate() {
+            assert_eq!(
+                usize::from(coll.to_u8()),
+                i,
+                "ALL follows the declaration order"
+            );
             let d = OpDesc {
                 coll,
                 dtype: DType::BF16,

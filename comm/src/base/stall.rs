@@ -330,10 +330,16 @@ impl Stalls {
     /// Takes this rank's post back once its operation succeeded (one atomic load when it
     /// posted nothing). A failed operation leaves it: ranks timing out at about the same moment
     /// still read where this one was stuck, and it goes stale once its time-out has passed.
+    #[inline]
     pub(crate) fn operation_ended(&self, ok: bool) {
-        if !self.posted.load(Ordering::Relaxed) {
-            return;
+        if self.posted.load(Ordering::Relaxed) {
+            self.clear_posted(ok);
         }
+    }
+
+    /// [`Stalls::operation_ended`] after a stall was posted.
+    #[cold]
+    fn clear_posted(&self, ok: bool) {
         self.posted.store(false, Ordering::Relaxed);
         let e = self.entry.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let (Some(e), true) = (e, ok) {

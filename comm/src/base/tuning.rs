@@ -113,6 +113,11 @@ impl Algorithm {
         Algorithm::SingleCopy,
     ];
 
+    /// Its place in [`Algorithm::ALL`] (the declaration order, which `ALL` follows).
+    pub(crate) const fn index(self) -> usize {
+        self as usize
+    }
+
     /// Name used in logs and `OXCCL_ALGO`.
     pub const fn name(self) -> &'static str {
         match self {
@@ -513,6 +518,13 @@ pub fn choose(coll: Collective, bytes: usize, n: usize, over: &AlgoOverride, cap
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_algorithm_sits_at_its_index() {
+        for (i, a) in Algorithm::ALL.into_iter().enumerate() {
+            assert_eq!(a.index(), i, "{a}: ALL follows the declaration order");
+        }
+    }
 
     #[test]
     fn two_ranks_broadcast_large_buffers_on_the_chain() {

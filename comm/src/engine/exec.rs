@@ -111,7 +111,14 @@ pub(crate) fn exec<R>(
         sockets: shared.sockets,
         hierarchical_block: shared.hierarchical_block,
     };
-    let choice = tuning::choose(desc.coll, full, n, &shared.algo, caps);
+    let choice = match st.last_choice {
+        Some((coll, bytes, c, choice)) if coll == desc.coll && bytes == full && c == caps => choice,
+        _ => {
+            let choice = tuning::choose(desc.coll, full, n, &shared.algo, caps);
+            st.last_choice = Some((desc.coll, full, caps, choice));
+            choice
+        }
+    };
     tracing::info!(rank = shared.rank, seq, op = %desc, algo = %choice.algo, bytes = full, block = choice.chunk_bytes, "collective");
     let what = What::Coll {
         seq,
@@ -148,6 +155,7 @@ pub(crate) fn exec<R>(
 /// Other operations pass through untouched, and so does a pre-multiplied sum that the ring
 /// runs on two ranks or more: it scales each chunk as it first uses it, while the chunk is in
 /// cache (`ring::rs_steps`), instead of in a pass of its own here.
+#[inline]
 fn premultiply<'s>(
     ctx: &Ctx<'_>,
     ch: Choice,
@@ -156,12 +164,22 @@ fn premultiply<'s>(
     dt: DType,
     op: ReduceOp,
 ) -> Result<(Option<&'s [u8]>, ReduceOp)> {
-    let Some(factor) = op.factor() else {
-        return Ok((src, op));
-    };
-    if ch.algo == Algorithm::Ring && ctx.size > 1 {
-        return Ok((src, op));
+    match op.factor() {
+        Some(factor) if ch.algo != Algorithm::Ring || ctx.size == 1 => {
+            scale_first(ctx, src, buf, dt, factor)
+        }
+        _ => Ok((src, op)),
     }
+}
+
+/// [`premultiply`]'s scaling: `buf = src * factor` (or `buf *= factor` in place).
+fn scale_first<'s>(
+    ctx: &Ctx<'_>,
+    src: Option<&'s [u8]>,
+    buf: &mut [u8],
+    dt: DType,
+    factor: f64,
+) -> Result<(Option<&'s [u8]>, ReduceOp)> {
     match src {
         Some(s) => scale_into_bytes(dt, buf, s, factor),
         None => scale_bytes(dt, buf, factor),
@@ -213,6 +231,10 @@ pub(crate) fn all_reduce_body(
     dt: DType,
     op: ReduceOp,
 ) -> Result<()> {
+    if ch.algo == Algorithm::OneShot && direct::travels_inline(ctx, buf.len()) {
+        // Far below what the channels cut (`channels::parts`): straight to the algorithm.
+        return all_reduce_one(ctx, ch, src, buf, dt, op);
+    }
     let what = (Collective::AllReduce, dt, op, 0);
     cut_or_whole(ctx, ch, what, src, buf, &|cx, cch, s, b| {
         all_reduce_one(cx, cch, s, b, dt, op)
@@ -315,15 +337,21 @@ pub(crate) fn all_gather_body(
     }
 }
 
+#[inline]
 pub(crate) fn finish(ctx: &Ctx<'_>, buf: &mut [u8], dt: DType, op: ReduceOp) -> Result<()> {
     if op == ReduceOp::Avg {
-        finish_avg_bytes(dt, buf, ctx.size).map_err(|e| Error::InvalidArgument {
-            rank: ctx.rank,
-            op: ctx.op.into(),
-            msg: e.to_string(),
-        })?;
+        divide(ctx, buf, dt)?;
     }
     Ok(())
+}
+
+/// [`finish`]'s division of `buf` by the number of ranks.
+fn divide(ctx: &Ctx<'_>, buf: &mut [u8], dt: DType) -> Result<()> {
+    finish_avg_bytes(dt, buf, ctx.size).map_err(|e| Error::InvalidArgument {
+        rank: ctx.rank,
+        op: ctx.op.into(),
+        msg: e.to_string(),
+    })
 }
 
 /// Broadcast of `buf` from `root` (`src`: the root's input out of place), cut across the

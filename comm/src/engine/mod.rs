@@ -62,9 +62,10 @@ use crate::algorithm::prims::{Links, NodeLayout};
 use crate::base::bootstrap::Store;
 use crate::base::config::Config;
 use crate::base::error::{Error, Result, WorldNames};
+use crate::base::op::Collective;
 use crate::base::stall::Stalls;
 use crate::base::trace::{Owner, Recorder};
-use crate::base::tuning::AlgoOverride;
+use crate::base::tuning::{self, AlgoOverride};
 
 /// State that only the running operation touches.
 pub(crate) struct ExecState {
@@ -79,6 +80,10 @@ pub(crate) struct ExecState {
     /// The tag of the last collective this rank started: a mismatch another rank published is
     /// told from this rank's point of view with it.
     pub current: Option<crate::base::op::Tag>,
+    /// The tuner's last choice and what it was asked (collective, bytes, capabilities): a
+    /// training loop repeats its calls, and the tuner's cost model takes hundreds of
+    /// instructions (its overrides and thresholds are the communicator's, fixed).
+    pub last_choice: Option<(Collective, usize, tuning::Caps, tuning::Choice)>,
 }
 
 /// The line of turns: tickets are taken and turns passed on without a lock; a thread whose
@@ -186,6 +191,7 @@ impl Shared {
                 p2p_recvd: vec![0; size],
                 broken: None,
                 current: None,
+                last_choice: None,
             }),
             stalls: Stalls::new(Arc::clone(&store), comm_id, rank, size, cfg.timeout),
             trace: Recorder::new(
@@ -319,10 +325,16 @@ impl Shared {
 
     /// [`Shared::break_if_skipped`] unless another thread holds the execution state (it runs an
     /// operation, which checks when it ends, or is breaking the communicator already).
+    #[inline]
     fn try_break_if_skipped(&self) {
-        if !self.skipped_set.load(Ordering::SeqCst) {
-            return;
+        if self.skipped_set.load(Ordering::SeqCst) {
+            self.try_break_skipped();
         }
+    }
+
+    /// [`Shared::try_break_if_skipped`] once an operation was skipped.
+    #[cold]
+    fn try_break_skipped(&self) {
         let st = match self.exec.try_lock() {
             Ok(g) => Some(g),
             Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
@@ -334,11 +346,18 @@ impl Shared {
     }
 
     /// Breaks the communicator if an operation was skipped (one load when none was).
+    #[inline]
     fn break_if_skipped(&self, st: &mut ExecState) {
         if self.skipped_set.load(Ordering::SeqCst) {
-            if let Some(e) = lock(&self.skipped).take() {
-                self.fail(st, e);
-            }
+            self.break_skipped(st);
+        }
+    }
+
+    /// [`Shared::break_if_skipped`] once an operation was skipped.
+    #[cold]
+    fn break_skipped(&self, st: &mut ExecState) {
+        if let Some(e) = lock(&self.skipped).take() {
+            self.fail(st, e);
         }
     }
 

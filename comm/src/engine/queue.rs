@@ -378,13 +378,13 @@ impl Shared {
         // Whoever takes the body first runs it: the progress thread, a thread that needs it
         // done first, or the one that waits for it.
         let mut cell = None;
-        let (_, ahead) = self.submit_job(|ticket, ahead| {
+        self.submit_job(|ticket, ahead| {
             let c = Arc::new(Cell::queued(body, Arc::clone(self), (ticket, ahead), op));
             cell = Some(Arc::clone(&c));
             Job::Host(c)
         });
         let cell = cell.expect("submit_job makes the job before it returns");
-        let mut work = Work::new(cell, self.work_budget(ahead));
+        let mut work = Work::new(cell);
         work.world.clone_from(&self.world);
         work.spin = self.spin;
         work

@@ -221,9 +221,6 @@ fn lost(rank: usize, op: &str) -> Error {
 #[must_use = "an async operation's buffer comes back only through wait()"]
 pub struct Work<B> {
     cell: Arc<Cell<B>>,
-    /// How long [`Work::wait`] may block once it has to (every operation ahead of this one and
-    /// this one have their own time-out).
-    budget: Duration,
     /// Poll briefly before sleeping (off when ranks outnumber cores).
     pub(super) spin: bool,
     /// The communicator's world ranks, noted in the errors the handle makes itself.
@@ -231,10 +228,9 @@ pub struct Work<B> {
 }
 
 impl<B> Work<B> {
-    pub(super) fn new(cell: Arc<Cell<B>>, budget: Duration) -> Self {
+    pub(super) fn new(cell: Arc<Cell<B>>) -> Self {
         Work {
             cell,
-            budget,
             spin: true,
             world: None,
         }
@@ -243,7 +239,7 @@ impl<B> Work<B> {
     /// A handle on an operation that failed before it was queued.
     pub(crate) fn failed(e: Error, rank: usize, op: &'static str) -> Work<B> {
         let cell = Arc::new(Cell::with(State::Done(Err(e)), (0, 0), op, rank));
-        Work::new(cell, Duration::ZERO)
+        Work::new(cell)
     }
 
     /// Waits for the operation and returns its buffers. The wait is bounded: every operation ahead
@@ -282,13 +278,14 @@ impl<B> Work<B> {
                 started == 0 || now_ns().saturating_sub(started) < JUST_STARTED.as_nanos() as u64;
             shared.queue.note_wait(just);
         }
-        let deadline = Instant::now() + self.budget;
+        let budget = self.budget();
+        let deadline = Instant::now() + budget;
         match self.cell.wait_until(deadline, self.spin) {
             Some(r) => r,
             None => Err(self.named(Error::Timeout {
                 rank: self.cell.rank,
                 op: self.cell.op.to_string(),
-                timeout: self.budget,
+                timeout: budget,
                 detail: "async operation did not complete".into(),
             })),
         }
@@ -324,6 +321,16 @@ impl<B> Work<B> {
                 shared.queue.hurry();
             }
         }
+    }
+
+    /// How long [`Work::wait`] may block once it has to: every operation ahead of this one and
+    /// this one have their own time-out (nothing for an operation that failed before it was
+    /// queued).
+    fn budget(&self) -> Duration {
+        let cell = &*self.cell;
+        cell.shared
+            .as_deref()
+            .map_or(Duration::ZERO, |s| s.work_budget(cell.ahead))
     }
 
     fn lost(&self) -> Error {

@@ -195,6 +195,15 @@ pub(crate) fn copy(stream: bool, dst: &mut [u8], src: &[u8]) {
     }
 }
 
+#[cold]
+fn no_window(rank: usize, op: &str) -> Error {
+    Error::InvalidArgument {
+        rank,
+        op: op.into(),
+        msg: "direct algorithms need every rank on shared memory".into(),
+    }
+}
+
 fn proto_err(rank: usize, peer: usize, msg: String) -> Error {
     Error::Transport {
         rank,
@@ -340,17 +349,23 @@ impl<'a> Ctx<'a> {
         }
     }
 
+    /// The bytes a collective may carry in the window's records themselves (0 without one).
+    #[inline]
+    pub(crate) fn inline_capacity(&self) -> usize {
+        self.links
+            .window
+            .as_deref()
+            .map_or(0, |w| w.inline_capacity())
+    }
+
     /// The direct window and the scratch buffer, or an error if this communicator has no window.
+    #[inline]
     pub(crate) fn window(&mut self) -> Result<(&mut dyn Window, &mut Vec<u8>)> {
         self.direct = true;
         let (rank, op) = (self.rank, self.op);
         match self.links.window.as_deref_mut() {
             Some(w) => Ok((w, &mut self.links.scratch)),
-            None => Err(Error::InvalidArgument {
-                rank,
-                op: op.into(),
-                msg: "direct algorithms need every rank on shared memory".into(),
-            }),
+            None => Err(no_window(rank, op)),
         }
     }
 }

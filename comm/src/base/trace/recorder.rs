@@ -3,7 +3,7 @@
 //! reads.
 
 use std::path::PathBuf;
-use std::sync::atomic::{fence, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -89,12 +89,17 @@ struct Slot {
 }
 
 impl Slot {
-    /// Writes `words[i] = v` for every `(i, v)` under the version protocol.
-    fn write(&self, pairs: &[(usize, u64)]) {
+    /// Writes under the version protocol: every word from `all`, and word `one.0` = `one.1`.
+    fn write(&self, all: Option<&[u64; WORDS]>, one: Option<(usize, u64)>) {
         let v = self.version.load(Ordering::Relaxed);
         self.version.store(v.wrapping_add(1), Ordering::Relaxed);
         fence(Ordering::Release);
-        for &(i, x) in pairs {
+        if let Some(all) = all {
+            for (w, &x) in self.words.iter().zip(all) {
+                w.store(x, Ordering::Relaxed);
+            }
+        }
+        if let Some((i, x)) = one {
             self.words[i].store(x, Ordering::Relaxed);
         }
         self.version.store(v.wrapping_add(2), Ordering::Release);
@@ -125,7 +130,7 @@ impl Slot {
 }
 
 /// `what` as header and field words (see [`WORDS`]: index 3 on).
-fn encode(what: &What, precise: bool) -> [(usize, u64); 9] {
+fn encode(what: &What, precise: bool) -> [u64; 9] {
     let flag = if precise { PRECISE } else { 0 };
     match *what {
         What::Coll {
@@ -134,7 +139,7 @@ fn encode(what: &What, precise: bool) -> [(usize, u64); 9] {
             algo,
             bytes,
         } => {
-            let algo_i = Algorithm::ALL.iter().position(|a| *a == algo).unwrap_or(0) as u64;
+            let algo_i = algo.index() as u64;
             let header = flag
                 | u64::from(desc.coll.to_u8()) << 8
                 | u64::from(desc.dtype.to_u8()) << 16
@@ -142,15 +147,15 @@ fn encode(what: &What, precise: bool) -> [(usize, u64); 9] {
                 | algo_i << 32;
             let factor = desc.op.factor().map_or(0, f64::to_bits);
             [
-                (3, header),
-                (4, seq),
-                (5, desc.root as u64),
-                (6, desc.count as u64),
-                (7, bytes as u64),
-                (8, factor),
-                (9, 0),
-                (10, 0),
-                (11, 0),
+                header,
+                seq,
+                desc.root as u64,
+                desc.count as u64,
+                bytes as u64,
+                factor,
+                0,
+                0,
+                0,
             ]
         }
         What::P2p {
@@ -170,15 +175,15 @@ fn encode(what: &What, precise: bool) -> [(usize, u64); 9] {
             let (sp, sn) = send_to.map_or((0, 0), |(p, n)| (p as u64, n));
             let (rp, rn) = recv_from.map_or((0, 0), |(p, n)| (p as u64, n));
             [
-                (3, header),
-                (4, sp),
-                (5, sn),
-                (6, rp),
-                (7, rn),
-                (8, bytes as u64),
-                (9, sends as u64),
-                (10, recvs as u64),
-                (11, count as u64),
+                header,
+                sp,
+                sn,
+                rp,
+                rn,
+                bytes as u64,
+                sends as u64,
+                recvs as u64,
+                count as u64,
             ]
         }
     }
@@ -218,6 +223,14 @@ fn decode(w: &[u64; WORDS]) -> Option<What> {
     })
 }
 
+/// A record begun: its id, its slot and which clock it reads (see [`Recorder::begin`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Began {
+    id: u64,
+    slot: usize,
+    precise: bool,
+}
+
 /// One record as a snapshot sees it.
 struct Rec {
     id: u64,
@@ -237,6 +250,8 @@ pub(crate) struct Recorder {
     slots: Box<[Slot]>,
     /// Records begun so far (the next id).
     next: AtomicU64,
+    /// The slot of the next record (`next % cap`, kept by the writer so that no record divides).
+    cursor: AtomicUsize,
     /// The errors of failed records still in the ring, by id.
     errors: Mutex<Vec<(u64, Arc<str>)>>,
     /// Per peer: messages begun to send to it / to receive from it (their last number); made
@@ -261,6 +276,7 @@ impl Recorder {
             cap,
             slots: (0..cap).map(|_| Slot::default()).collect(),
             next: AtomicU64::new(0),
+            cursor: AtomicUsize::new(0),
             errors: Mutex::new(Vec::new()),
             sent: OnceLock::new(),
             recvd: OnceLock::new(),
@@ -276,9 +292,9 @@ impl Recorder {
         &self.slots[(id % self.cap as u64) as usize]
     }
 
-    /// Records the start of an operation; returns its id for [`Recorder::end`] (`None` when
+    /// Records the start of an operation; returns what [`Recorder::end`] needs (`None` when
     /// recording is off).
-    pub(crate) fn begin(&self, what: What) -> Option<u64> {
+    pub(crate) fn begin(&self, what: What) -> Option<Began> {
         if self.cap == 0 {
             return None;
         }
@@ -286,33 +302,34 @@ impl Recorder {
         let start = crate::base::sys::mono_ns(!precise);
         // One writer at a time (operations hold the execution state): no read-modify-write.
         let id = self.next.load(Ordering::Relaxed);
-        let f = encode(&what, precise);
-        let mut pairs = [(0, id); 3 + 9];
-        pairs[1] = (1, start);
-        pairs[2] = (2, NONE);
-        pairs[3..].copy_from_slice(&f);
-        self.slot(id).write(&pairs);
+        let slot = self.cursor.load(Ordering::Relaxed);
+        let mut words = [id, start, NONE, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+        words[3..].copy_from_slice(&encode(&what, precise));
+        self.slots[slot].write(Some(&words), None);
+        let after = if slot + 1 == self.cap { 0 } else { slot + 1 };
+        self.cursor.store(after, Ordering::Relaxed);
         self.next.store(id + 1, Ordering::Release);
-        Some(id)
+        Some(Began { id, slot, precise })
     }
 
-    /// Records the end of operation `id` (from [`Recorder::begin`]): completed, or failed with
-    /// `error`. Nothing when the record was overwritten meanwhile.
-    pub(crate) fn end(&self, id: Option<u64>, error: Option<&Error>) {
-        let Some(id) = id else { return };
-        let slot = self.slot(id);
+    /// Records the end of the operation `began` (from [`Recorder::begin`]): completed, or
+    /// failed with `error`. Nothing when the record was overwritten meanwhile.
+    pub(crate) fn end(&self, began: Option<Began>, error: Option<&Error>) {
+        let Some(Began { id, slot, precise }) = began else {
+            return;
+        };
+        let slot = &self.slots[slot];
         // The writer's own words: no other thread writes them.
         if slot.words[0].load(Ordering::Relaxed) != id {
             return;
         }
-        let precise = slot.words[3].load(Ordering::Relaxed) & PRECISE != 0;
         if let Some(e) = error {
             let mut errors = self.errors.lock().unwrap_or_else(|p| p.into_inner());
             let oldest = (id + 1).saturating_sub(self.cap as u64);
             errors.retain(|(i, _)| *i >= oldest);
             errors.push((id, e.to_string().into()));
         }
-        slot.write(&[(2, crate::base::sys::mono_ns(!precise))]);
+        slot.write(None, Some((2, crate::base::sys::mono_ns(!precise))));
     }
 
     /// Records `f`, an operation described by `what`.
