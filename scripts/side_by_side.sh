@@ -13,9 +13,9 @@ OX=${OX:-target/release/oxccl}
 MPI="mpirun --allow-run-as-root --oversubscribe --mca oob_tcp_if_include lo"
 B=${MPI_BENCH:-/tmp/peers/mpi_coll_bench}
 OX_PERF() { local c=$1; shift; $OX perf "$c" ${ROTATE:+--rotate "$ROTATE"} "$@"; }
-# Iterations by size, so that a small size is timed over about as long as the MPI bench times it
-# (it picks its count from a warm-up run, up to 100000).
-ITERS() { case $1 in 8) echo "-n 20000 -w 2000" ;; 1M) echo "-n 200 -w 20" ;; *) echo "" ;; esac; }
+# Iterations by size, so that a size is timed over about as many calls as the MPI bench makes
+# (it picks its count from a warm-up run for about 0.25 s, up to 100000: at 8 B, 100000).
+ITERS() { case $1 in 8) echo "-n 100000 -w 10000" ;; 1M) echo "-n 200 -w 20" ;; *) echo "" ;; esac; }
 for round in $(seq 1 "${ROUNDS:-3}"); do
   if [ -n "${MEMBW:-}" ]; then
     echo "R$round membw $($MEMBW -t 2 -r 3 | awk '$2==2{printf "%s %s ", $1, $5}')"
