@@ -231,8 +231,10 @@ pub(crate) fn all_reduce_body(
     dt: DType,
     op: ReduceOp,
 ) -> Result<()> {
+    // Far below what the channels cut (`channels::parts`: two parts of `CHANNEL_PART_MIN` at
+    // least): straight to the algorithm.
+    const _: () = assert!(crate::transport::INLINE_MAX < 2 * super::channels::CHANNEL_PART_MIN);
     if ch.algo == Algorithm::OneShot && direct::travels_inline(ctx, buf.len()) {
-        // Far below what the channels cut (`channels::parts`): straight to the algorithm.
         return all_reduce_one(ctx, ch, src, buf, dt, op);
     }
     let what = (Collective::AllReduce, dt, op, 0);
