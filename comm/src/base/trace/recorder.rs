@@ -89,19 +89,12 @@ struct Slot {
 }
 
 impl Slot {
-    /// Writes under the version protocol: every word from `all`, and word `one.0` = `one.1`.
-    fn write(&self, all: Option<&[u64; WORDS]>, one: Option<(usize, u64)>) {
+    /// Stores words with `store` under the version protocol.
+    fn write(&self, store: impl FnOnce(&[AtomicU64; WORDS])) {
         let v = self.version.load(Ordering::Relaxed);
         self.version.store(v.wrapping_add(1), Ordering::Relaxed);
         fence(Ordering::Release);
-        if let Some(all) = all {
-            for (w, &x) in self.words.iter().zip(all) {
-                w.store(x, Ordering::Relaxed);
-            }
-        }
-        if let Some((i, x)) = one {
-            self.words[i].store(x, Ordering::Relaxed);
-        }
+        store(&self.words);
         self.version.store(v.wrapping_add(2), Ordering::Release);
     }
 
@@ -305,7 +298,11 @@ impl Recorder {
         let slot = self.cursor.load(Ordering::Relaxed);
         let mut words = [id, start, NONE, 0, 0, 0, 0, 0, 0, 0, 0, 0];
         words[3..].copy_from_slice(&encode(&what, precise));
-        self.slots[slot].write(Some(&words), None);
+        self.slots[slot].write(|w| {
+            for (w, x) in w.iter().zip(words) {
+                w.store(x, Ordering::Relaxed);
+            }
+        });
         let after = if slot + 1 == self.cap { 0 } else { slot + 1 };
         self.cursor.store(after, Ordering::Relaxed);
         self.next.store(id + 1, Ordering::Release);
@@ -329,7 +326,8 @@ impl Recorder {
             errors.retain(|(i, _)| *i >= oldest);
             errors.push((id, e.to_string().into()));
         }
-        slot.write(None, Some((2, crate::base::sys::mono_ns(!precise))));
+        let end = crate::base::sys::mono_ns(!precise);
+        slot.write(|w| w[2].store(end, Ordering::Relaxed));
     }
 
     /// Records `f`, an operation described by `what`.

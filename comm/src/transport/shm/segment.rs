@@ -224,16 +224,7 @@ impl Segment {
                 ))
             });
         }
-        let seg = Self::map(rank, &file, &path)?;
-        let seg = Segment {
-            slot_size,
-            nslots,
-            nrings,
-            direct,
-            direct_at: HEADER + BELL + nrings * ring_bytes(slot_size, nslots),
-            ring_len: ring_bytes(slot_size, nslots),
-            ..seg
-        };
+        let seg = Self::map(rank, &file, &path)?.laid_out(nrings, slot_size, nslots, direct);
         seg.atomic_u64(32).store(direct as u64, Ordering::Relaxed);
         seg.atomic_u64(40)
             .store(seg.base as usize as u64, Ordering::Relaxed);
@@ -278,15 +269,22 @@ impl Segment {
         {
             return Err(terr(format!("{path} has an inconsistent header")));
         }
-        Ok(Segment {
+        Ok(seg.laid_out(nrings, slot_size, nslots, direct))
+    }
+
+    /// This mapping with its geometry: `nrings` rings of `nslots` slots of `slot_size` bytes,
+    /// then the direct area with staging halves of `direct` bytes.
+    fn laid_out(self, nrings: usize, slot_size: usize, nslots: usize, direct: usize) -> Segment {
+        let ring_len = ring_bytes(slot_size, nslots);
+        Segment {
             slot_size,
             nslots,
             nrings,
             direct,
-            direct_at: HEADER + BELL + nrings * ring_bytes(slot_size, nslots),
-            ring_len: ring_bytes(slot_size, nslots),
-            ..seg
-        })
+            direct_at: HEADER + BELL + nrings * ring_len,
+            ring_len,
+            ..self
+        }
     }
 
     fn map(rank: usize, file: &File, path: &std::path::Path) -> Result<Segment> {
