@@ -65,7 +65,7 @@ impl Shared {
         self: &Arc<Self>,
         desc: OpDesc,
         buf: B,
-        body: impl FnOnce(&mut Ctx<'_>, Choice, &mut B) -> Result<()> + Send + 'static,
+        body: impl Fn(&mut Ctx<'_>, Choice, &mut B) -> Result<()> + Send + Sync + 'static,
     ) -> Work<B> {
         if let Err(e) = self.check_op(&desc) {
             return self.failed_work(e, desc.coll.name());
@@ -79,7 +79,7 @@ impl Shared {
     }
 
     /// Fails an async call before anything is queued (`e` noted with the world ranks, once).
-    pub(crate) fn failed_work<B>(&self, e: Error, op: &'static str) -> Work<B> {
+    pub(crate) fn failed_work<B: Send + 'static>(&self, e: Error, op: &'static str) -> Work<B> {
         Work::failed(self.named(e), self.rank, op)
     }
 }

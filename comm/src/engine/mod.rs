@@ -239,47 +239,7 @@ impl Shared {
         f: impl FnOnce(&mut ExecState) -> Result<R>,
     ) -> Result<R> {
         if self.turn.serving.load(Ordering::SeqCst) != ticket {
-            let deadline =
-                Instant::now() + self.timeout * (ahead as u32 + 1) + Duration::from_secs(1);
-            let mut t = self.turns_held();
-            loop {
-                let serving = self.turn.serving.load(Ordering::SeqCst);
-                if serving == ticket {
-                    break;
-                }
-                let left = deadline.saturating_duration_since(Instant::now());
-                // A later ticket that gave up first moved the line past this one: it cannot
-                // come, and the communicator is broken already.
-                let passed = serving > ticket;
-                if left.is_zero() || passed {
-                    // This operation never runs: peers would pair its sequence number with the
-                    // next one's data. Like NCCL after a time-out, the communicator is unusable
-                    // from here on (every later operation fails with this error); give up our
-                    // place so the line keeps moving.
-                    drop(t);
-                    self.turn.waiters.fetch_sub(1, Ordering::SeqCst);
-                    let why = if passed {
-                        "a later operation gave up waiting for its turn first"
-                    } else {
-                        "this one never ran"
-                    };
-                    let e = Error::Timeout {
-                        rank: self.rank,
-                        op: "waiting for earlier operations".into(),
-                        timeout: self.timeout,
-                        detail: format!(
-                            "{ahead} operations were queued ahead; {why}, so the communicator \
-                             is broken"
-                        ),
-                    };
-                    self.break_when_free(e.clone());
-                    self.finish_turn(ticket);
-                    return Err(self.named(e));
-                }
-                t = self.wait_for_turns(t, left);
-            }
-            drop(t);
-            self.turn.waiters.fetch_sub(1, Ordering::SeqCst);
+            self.wait_turn(ticket, ahead)?;
         }
         let mut end = TurnEnd {
             shared: self,
@@ -304,6 +264,55 @@ impl Shared {
         end.ok = result.is_ok();
         drop(end);
         result.map_err(|e| self.named(e))
+    }
+
+    /// Waits (out of line: an operation's turn has mostly come when it runs) until `ticket` is
+    /// served; a time-out, or a later ticket that gave up first, breaks the communicator (the
+    /// error is named, as [`Shared::run_turn`] returns it).
+    #[cold]
+    #[inline(never)]
+    fn wait_turn(&self, ticket: u64, ahead: u64) -> Result<()> {
+        let deadline = Instant::now() + self.timeout * (ahead as u32 + 1) + Duration::from_secs(1);
+        let mut t = self.turns_held();
+        loop {
+            let serving = self.turn.serving.load(Ordering::SeqCst);
+            if serving == ticket {
+                break;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            // A later ticket that gave up first moved the line past this one: it cannot
+            // come, and the communicator is broken already.
+            let passed = serving > ticket;
+            if left.is_zero() || passed {
+                // This operation never runs: peers would pair its sequence number with the
+                // next one's data. Like NCCL after a time-out, the communicator is unusable
+                // from here on (every later operation fails with this error); give up our
+                // place so the line keeps moving.
+                drop(t);
+                self.turn.waiters.fetch_sub(1, Ordering::SeqCst);
+                let why = if passed {
+                    "a later operation gave up waiting for its turn first"
+                } else {
+                    "this one never ran"
+                };
+                let e = Error::Timeout {
+                    rank: self.rank,
+                    op: "waiting for earlier operations".into(),
+                    timeout: self.timeout,
+                    detail: format!(
+                        "{ahead} operations were queued ahead; {why}, so the communicator \
+                         is broken"
+                    ),
+                };
+                self.break_when_free(e.clone());
+                self.finish_turn(ticket);
+                return Err(self.named(e));
+            }
+            t = self.wait_for_turns(t, left);
+        }
+        drop(t);
+        self.turn.waiters.fetch_sub(1, Ordering::SeqCst);
+        Ok(())
     }
 
     /// `e` as this rank reports it: with the world ranks of the ranks it names, for a

@@ -16,7 +16,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::work::{Body, Cell};
+use super::work::Cell;
 use super::{lock, ExecState, Shared, Work};
 use crate::base::error::Result;
 
@@ -337,26 +337,32 @@ impl Shared {
     where
         F: FnOnce(u64, u64) + Send + 'static,
     {
-        self.submit_job(|ticket, ahead| Job::Device(Box::new(move || job(ticket, ahead))))
+        self.submit_job(|ticket, ahead| {
+            let job = Job::Device(Box::new(move || job(ticket, ahead)));
+            (job, (ticket, ahead))
+        })
     }
 
     /// Takes a ticket and queues the job that `make(ticket, ahead)` makes, both under the
     /// line's lock, so queued jobs sit in ticket order even when several threads queue at once
-    /// (a job queued behind a later ticket would wait for a turn that cannot come). Returns the
-    /// ticket and how many operations were ahead.
-    fn submit_job(self: &Arc<Self>, make: impl FnOnce(u64, u64) -> Job) -> (u64, u64) {
+    /// (a job queued behind a later ticket would wait for a turn that cannot come). Returns
+    /// what `make` returned beside the job.
+    #[inline]
+    fn submit_job<T>(self: &Arc<Self>, make: impl FnOnce(u64, u64) -> (Job, T)) -> T {
         let mut line = self.queue.hold();
         let (ticket, ahead) = self.take_ticket();
-        let job = make(ticket, ahead);
+        let (job, made) = make(ticket, ahead);
         if let Err(job) = self.queue.push(&mut line, ticket, job) {
             drop(line);
             job.run();
         }
-        (ticket, ahead)
+        made
     }
 
     /// Queues `run` as the next operation: it gets the execution state and `buf` when its turn
     /// comes, and the returned [`Work`] (named `op`) gives back what `finish` makes of `buf`.
+    /// The operation is one allocation (its cell), which the line and the handle share; `run`
+    /// stays in it and is called by reference, so only `buf` moves.
     pub(crate) fn submit_work<B, R, F>(
         self: &Arc<Self>,
         op: &'static str,
@@ -367,27 +373,15 @@ impl Shared {
     where
         B: Send + 'static,
         R: Send + 'static,
-        F: FnOnce(&Shared, &mut ExecState, &mut B) -> Result<()> + Send + 'static,
+        F: Fn(&Shared, &mut ExecState, &mut B) -> Result<()> + Send + Sync + 'static,
     {
-        let body: Body<R> = Box::new(move |shared: &Shared, ticket: u64, ahead: u64| {
-            let mut buf = buf;
-            shared
-                .run_turn(ticket, ahead, |st| run(shared, st, &mut buf))
-                .map(|()| finish(buf))
-        });
-        // Whoever takes the body first runs it: the progress thread, a thread that needs it
-        // done first, or the one that waits for it.
-        let mut cell = None;
-        self.submit_job(|ticket, ahead| {
-            let c = Arc::new(Cell::queued(body, Arc::clone(self), (ticket, ahead), op));
-            cell = Some(Arc::clone(&c));
-            Job::Host(c)
-        });
-        let cell = cell.expect("submit_job makes the job before it returns");
-        let mut work = Work::new(cell);
-        work.world.clone_from(&self.world);
-        work.spin = self.spin;
-        work
+        // Whoever takes the operation first runs it: the progress thread, a thread that needs
+        // it done first, or the one that waits for it.
+        self.submit_job(move |ticket, ahead| {
+            let parts = (buf, run, finish);
+            let cell = Arc::new(Cell::queued(Arc::clone(self), (ticket, ahead), op, parts));
+            (Job::Host(cell.clone()), Work::new(cell))
+        })
     }
 
     /// How long a wait on an async operation queued with `ahead` operations before it may

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use super::queue::HostJob;
 use super::{lock, Shared};
-use crate::base::error::{Error, Result, WorldNames};
+use crate::base::error::{Error, Result};
 
 /// How long a waiter polls for an operation the progress thread runs before it sleeps (small
 /// operations end within microseconds; a sleep and its wake-up cost more than that).
@@ -27,32 +27,28 @@ fn now_ns() -> u64 {
         .max(1)
 }
 
-/// The body of an async operation, given the engine, its ticket and how many operations were
-/// ahead.
-pub(super) type Body<B> = Box<dyn FnOnce(&Shared, u64, u64) -> Result<B> + Send>;
-
-enum State<B> {
-    /// Not started: the progress thread or a waiter takes the body.
-    Queued(Body<B>),
-    /// The progress thread runs it.
-    Running,
-    /// Finished; the result waits for [`Work::wait`].
-    Done(Result<B>),
+/// Where an operation's result is.
+enum Outcome<R> {
+    /// Not finished, or finished on the thread that waited for it (which returned the result
+    /// itself).
+    Pending,
+    /// Finished on the progress thread; the result waits for [`Work::wait`].
+    Done(Result<R>),
     /// The result was handed out.
     Taken,
 }
 
-/// What an async operation's [`Work`] shares with the progress thread.
-pub(super) struct Cell<B> {
-    state: Mutex<State<B>>,
+/// What a handle shares with whoever runs its operation, whatever the operation is.
+pub(super) struct Core<R> {
+    outcome: Mutex<Outcome<R>>,
     /// Set (after the result is stored) once the operation finished: polled without the lock.
     finished: AtomicBool,
     /// A waiter sleeps on it (counted in `sleepers`, so a finish notifies only then).
     done: Condvar,
     sleepers: Mutex<usize>,
-    /// Set once the body left the cell: the line drops the operation's entry unseen.
+    /// Set once someone took the operation: the line drops its entry unseen.
     taken: AtomicBool,
-    /// When the progress thread took the body ([`now_ns`]; 0 before).
+    /// When the progress thread took the operation ([`now_ns`]; 0 before).
     started: AtomicU64,
     ticket: u64,
     ahead: u64,
@@ -63,50 +59,153 @@ pub(super) struct Cell<B> {
     shared: Option<Arc<Shared>>,
 }
 
-impl<B: Send> HostJob for Cell<B> {
+/// A queued host operation in one allocation: its core, its buffers until someone takes them,
+/// and its body, which runs in place (called by reference: only the buffers move).
+pub(super) struct Cell<B, R, F> {
+    core: Core<R>,
+    input: Mutex<Option<B>>,
+    body: F,
+    finish: fn(B) -> R,
+}
+
+/// An operation as its handle sees it.
+pub(super) trait Pending<R>: Send + Sync {
+    fn core(&self) -> &Core<R>;
+    /// [`Work::wait`]: runs the operation here if nobody has taken it, else waits for it. (The
+    /// result is made where it is returned: moved through fewer frames, whose loads of freshly
+    /// stored words stall.)
+    fn wait(&self) -> Result<R>;
+}
+
+impl<B, R, F> Cell<B, R, F>
+where
+    B: Send,
+    R: Send,
+    F: Fn(&Shared, &mut super::ExecState, &mut B) -> Result<()> + Send + Sync,
+{
+    pub(super) fn queued(
+        shared: Arc<Shared>,
+        (ticket, ahead): (u64, u64),
+        op: &'static str,
+        (buf, body, finish): (B, F, fn(B) -> R),
+    ) -> Cell<B, R, F> {
+        let rank = shared.rank;
+        let mut core = Core::with(Outcome::Pending, (ticket, ahead), op, rank);
+        core.shared = Some(shared);
+        Cell {
+            core,
+            input: Mutex::new(Some(buf)),
+            body,
+            finish,
+        }
+    }
+
+    /// Takes the operation if nobody has (whoever takes it alone locks `input` from then on).
+    fn claim(&self) -> bool {
+        !self.core.taken.swap(true, Ordering::AcqRel)
+    }
+
+    /// Runs the claimed operation when its turn comes, on the buffers where they lie, and gives
+    /// them back through `finish`.
+    fn run(&self, shared: &Shared) -> Result<R> {
+        let core = &self.core;
+        let mut input = lock(&self.input);
+        let ran = shared.run_turn(core.ticket, core.ahead, |st| match input.as_mut() {
+            Some(buf) => (self.body)(shared, st, buf),
+            None => Err(lost(core.rank, core.op)),
+        });
+        let buf = input.take();
+        drop(input);
+        match (ran, buf) {
+            (Ok(()), Some(buf)) => Ok((self.finish)(buf)),
+            (Err(e), _) => Err(e),
+            (Ok(()), None) => Err(lost(core.rank, core.op)),
+        }
+    }
+}
+
+impl<B, R, F> Pending<R> for Cell<B, R, F>
+where
+    B: Send,
+    R: Send,
+    F: Fn(&Shared, &mut super::ExecState, &mut B) -> Result<()> + Send + Sync,
+{
+    fn core(&self) -> &Core<R> {
+        &self.core
+    }
+
+    fn wait(&self) -> Result<R> {
+        let core = &self.core;
+        if let Some(shared) = core.shared.as_deref() {
+            if !core.finished.load(Ordering::Acquire) {
+                // Operations queued ahead of this one run here first (its turn follows theirs).
+                shared.queue.before_wait(shared, core.ticket);
+                // Not started yet: run it here instead of handing it over and back (two thread
+                // wake-ups, most of a small operation's time).
+                if self.claim() {
+                    shared.queue.note_wait(true);
+                    return self.run(shared);
+                }
+            }
+        }
+        core.wait_finished()
+    }
+}
+
+impl<B, R, F> HostJob for Cell<B, R, F>
+where
+    B: Send,
+    R: Send,
+    F: Fn(&Shared, &mut super::ExecState, &mut B) -> Result<()> + Send + Sync,
+{
     /// The progress thread's turn at the operation (or a thread's that needs it done): runs it
     /// unless a waiter took it first, and stores the result (an error naming the loss if the
     /// operation panics). Whether it ran.
     fn run_queued(&self) -> bool {
-        let (Some(shared), Some(body)) = (self.shared.as_deref(), self.take_body(true)) else {
+        let core = &self.core;
+        let Some(shared) = core.shared.as_deref() else {
             return false;
         };
-        self.started.store(now_ns(), Ordering::Release);
+        if !self.claim() {
+            return false;
+        }
+        core.started.store(now_ns(), Ordering::Release);
         let mut guard = Finish {
-            cell: self,
-            result: Some(Err(lost(self.rank, self.op))),
+            core,
+            result: Some(Err(lost(core.rank, core.op))),
         };
-        guard.result = Some(body(shared, self.ticket, self.ahead));
+        guard.result = Some(self.run(shared));
         true
     }
 
     fn is_taken(&self) -> bool {
-        self.taken.load(Ordering::Acquire)
+        self.core.taken.load(Ordering::Acquire)
     }
 }
 
-impl<B> Cell<B> {
-    pub(super) fn queued(
-        body: Body<B>,
-        shared: Arc<Shared>,
-        (ticket, ahead): (u64, u64),
-        op: &'static str,
-    ) -> Cell<B> {
-        let rank = shared.rank;
-        let mut cell = Cell::with(State::Queued(body), (ticket, ahead), op, rank);
-        cell.shared = Some(shared);
-        cell
+/// An operation that failed before it was queued: only its result.
+struct Failed<R>(Core<R>);
+
+impl<R: Send> Pending<R> for Failed<R> {
+    fn core(&self) -> &Core<R> {
+        &self.0
     }
 
+    fn wait(&self) -> Result<R> {
+        self.0.wait_finished()
+    }
+}
+
+impl<R> Core<R> {
     fn with(
-        state: State<B>,
+        outcome: Outcome<R>,
         (ticket, ahead): (u64, u64),
         op: &'static str,
         rank: usize,
-    ) -> Cell<B> {
-        let finished = matches!(state, State::Done(_));
-        Cell {
-            state: Mutex::new(state),
+    ) -> Core<R> {
+        let finished = matches!(outcome, Outcome::Done(_));
+        Core {
+            outcome: Mutex::new(outcome),
             finished: AtomicBool::new(finished),
             done: Condvar::new(),
             sleepers: Mutex::new(0),
@@ -120,27 +219,54 @@ impl<B> Cell<B> {
         }
     }
 
-    /// Takes the body if nobody has (`running`: the taker is the progress thread, which stores
-    /// the result; else the caller keeps it).
-    fn take_body(&self, running: bool) -> Option<Body<B>> {
-        let mut s = lock(&self.state);
-        if !matches!(*s, State::Queued(_)) {
-            return None;
+    /// The rest of [`Work::wait`] once the operation is someone else's: waits (bounded) for
+    /// its result.
+    fn wait_finished(&self) -> Result<R> {
+        if let Some(shared) = self.shared.as_deref() {
+            // The progress thread ran it, or runs it: early if it started just now (with
+            // ranks crowding the cores, the thread queueing may lose its core to the progress
+            // thread it woke until the operation is over).
+            let started = self.started.load(Ordering::Acquire);
+            let just =
+                started == 0 || now_ns().saturating_sub(started) < JUST_STARTED.as_nanos() as u64;
+            shared.queue.note_wait(just);
         }
-        let next = if running {
-            State::Running
-        } else {
-            State::Taken
-        };
-        self.taken.store(true, Ordering::Release);
-        match std::mem::replace(&mut *s, next) {
-            State::Queued(body) => Some(body),
-            _ => None,
+        let budget = self.budget();
+        let deadline = Instant::now() + budget;
+        match self.wait_until(deadline, self.spin()) {
+            Some(r) => r,
+            None => Err(self.named(Error::Timeout {
+                rank: self.rank,
+                op: self.op.to_string(),
+                timeout: budget,
+                detail: "async operation did not complete".into(),
+            })),
         }
     }
 
-    fn finish(&self, r: Result<B>) {
-        *lock(&self.state) = State::Done(r);
+    /// Poll briefly before sleeping (off when ranks outnumber cores).
+    fn spin(&self) -> bool {
+        self.shared.as_deref().is_none_or(|s| s.spin)
+    }
+
+    /// How long [`Work::wait`] may block once it has to: every operation ahead of this one and
+    /// this one have their own time-out (nothing for an operation that failed before it was
+    /// queued).
+    fn budget(&self) -> Duration {
+        self.shared
+            .as_deref()
+            .map_or(Duration::ZERO, |s| s.work_budget(self.ahead))
+    }
+
+    /// `e` with the communicator's world ranks (those of an operation that failed before it
+    /// was queued were noted when it failed).
+    fn named(&self, e: Error) -> Error {
+        let world = self.shared.as_deref().and_then(|s| s.world.as_deref());
+        crate::base::error::named(world, e)
+    }
+
+    fn finish(&self, r: Result<R>) {
+        *lock(&self.outcome) = Outcome::Done(r);
         self.finished.store(true, Ordering::Release);
         if *lock(&self.sleepers) > 0 {
             self.done.notify_all();
@@ -148,10 +274,10 @@ impl<B> Cell<B> {
     }
 
     /// The result, if the operation finished and nobody took it yet.
-    fn take_result(&self) -> Option<Result<B>> {
-        let mut s = lock(&self.state);
-        match std::mem::replace(&mut *s, State::Taken) {
-            State::Done(r) => Some(r),
+    fn take_result(&self) -> Option<Result<R>> {
+        let mut s = lock(&self.outcome);
+        match std::mem::replace(&mut *s, Outcome::Taken) {
+            Outcome::Done(r) => Some(r),
             other => {
                 *s = other;
                 None
@@ -161,7 +287,7 @@ impl<B> Cell<B> {
 
     /// Waits until `deadline` for the operation to finish (polling first for [`SPIN`] when
     /// `spin`); its result, or `None` at the deadline.
-    fn wait_until(&self, deadline: Instant, spin: bool) -> Option<Result<B>> {
+    fn wait_until(&self, deadline: Instant, spin: bool) -> Option<Result<R>> {
         let spin_until = Instant::now() + if spin { SPIN } else { Duration::ZERO };
         while !self.finished.load(Ordering::Acquire) {
             let now = Instant::now();
@@ -196,15 +322,15 @@ impl<B> Cell<B> {
 
 /// Stores the operation's result when it ends, also when it panics (then the error it was
 /// armed with), so no waiter waits out its deadline for an operation that is gone.
-struct Finish<'a, B> {
-    cell: &'a Cell<B>,
-    result: Option<Result<B>>,
+struct Finish<'a, R> {
+    core: &'a Core<R>,
+    result: Option<Result<R>>,
 }
 
-impl<B> Drop for Finish<'_, B> {
+impl<R> Drop for Finish<'_, R> {
     fn drop(&mut self) {
         if let Some(r) = self.result.take() {
-            self.cell.finish(r);
+            self.core.finish(r);
         }
     }
 }
@@ -220,28 +346,22 @@ fn lost(rank: usize, op: &str) -> Error {
 /// [`Work::wait`] gives them back.
 #[must_use = "an async operation's buffer comes back only through wait()"]
 pub struct Work<B> {
-    cell: Arc<Cell<B>>,
-    /// Poll briefly before sleeping (off when ranks outnumber cores).
-    pub(super) spin: bool,
-    /// The communicator's world ranks, noted in the errors the handle makes itself.
-    pub(super) world: Option<Arc<WorldNames>>,
+    cell: Arc<dyn Pending<B>>,
 }
 
-impl<B> Work<B> {
-    pub(super) fn new(cell: Arc<Cell<B>>) -> Self {
-        Work {
-            cell,
-            spin: true,
-            world: None,
-        }
+impl<B: Send + 'static> Work<B> {
+    pub(super) fn new(cell: Arc<dyn Pending<B>>) -> Self {
+        Work { cell }
     }
 
     /// A handle on an operation that failed before it was queued.
     pub(crate) fn failed(e: Error, rank: usize, op: &'static str) -> Work<B> {
-        let cell = Arc::new(Cell::with(State::Done(Err(e)), (0, 0), op, rank));
-        Work::new(cell)
+        let core = Core::with(Outcome::Done(Err(e)), (0, 0), op, rank);
+        Work::new(Arc::new(Failed(core)))
     }
+}
 
+impl<B> Work<B> {
     /// Waits for the operation and returns its buffers. The wait is bounded: every operation ahead
     /// of this one and this one have their own deadlines (`OXCCL_TIMEOUT`), counted from this
     /// call.
@@ -258,37 +378,7 @@ impl<B> Work<B> {
     /// # Errors
     /// The operation's error, or `Timeout` if it did not finish in time.
     pub fn wait(self) -> Result<B> {
-        let cell = &*self.cell;
-        if let Some(shared) = cell.shared.as_deref() {
-            if !cell.finished.load(Ordering::Acquire) {
-                // Operations queued ahead of this one run here first (its turn follows theirs).
-                shared.queue.before_wait(shared, cell.ticket);
-                // Not started yet: run it here instead of handing it over and back (two thread
-                // wake-ups, most of a small operation's time).
-                if let Some(body) = cell.take_body(false) {
-                    shared.queue.note_wait(true);
-                    return body(shared, cell.ticket, cell.ahead);
-                }
-            }
-            // The progress thread ran it, or runs it: early if it started just now (with
-            // ranks crowding the cores, the thread queueing may lose its core to the progress
-            // thread it woke until the operation is over).
-            let started = cell.started.load(Ordering::Acquire);
-            let just =
-                started == 0 || now_ns().saturating_sub(started) < JUST_STARTED.as_nanos() as u64;
-            shared.queue.note_wait(just);
-        }
-        let budget = self.budget();
-        let deadline = Instant::now() + budget;
-        match self.cell.wait_until(deadline, self.spin) {
-            Some(r) => r,
-            None => Err(self.named(Error::Timeout {
-                rank: self.cell.rank,
-                op: self.cell.op.to_string(),
-                timeout: budget,
-                detail: "async operation did not complete".into(),
-            })),
-        }
+        self.cell.wait()
     }
 
     /// Waits at most `timeout` (without running the operation here); on time-out the handle is
@@ -299,9 +389,10 @@ impl<B> Work<B> {
     pub fn wait_timeout(self, timeout: Duration) -> std::result::Result<Result<B>, Work<B>> {
         self.hurry();
         let deadline = Instant::now() + timeout;
-        match self.cell.wait_until(deadline, self.spin) {
+        let core = self.cell.core();
+        match core.wait_until(deadline, core.spin()) {
             Some(r) => Ok(r),
-            None if self.cell.finished.load(Ordering::Acquire) => Ok(Err(self.lost())),
+            None if core.finished.load(Ordering::Acquire) => Ok(Err(self.lost())),
             None => Err(self),
         }
     }
@@ -310,34 +401,22 @@ impl<B> Work<B> {
     /// While it has not, the progress thread is told to run it.
     pub fn is_done(&self) -> bool {
         self.hurry();
-        self.cell.finished.load(Ordering::Acquire)
+        self.cell.core().finished.load(Ordering::Acquire)
     }
 
     /// Makes sure the progress thread runs the operation without a waiter (see
     /// [`Work::wait`]: after waits that came early, it may nap first).
     fn hurry(&self) {
-        if let Some(shared) = self.cell.shared.as_deref() {
-            if !self.cell.finished.load(Ordering::Acquire) {
+        let core = self.cell.core();
+        if let Some(shared) = core.shared.as_deref() {
+            if !core.finished.load(Ordering::Acquire) {
                 shared.queue.hurry();
             }
         }
     }
 
-    /// How long [`Work::wait`] may block once it has to: every operation ahead of this one and
-    /// this one have their own time-out (nothing for an operation that failed before it was
-    /// queued).
-    fn budget(&self) -> Duration {
-        let cell = &*self.cell;
-        cell.shared
-            .as_deref()
-            .map_or(Duration::ZERO, |s| s.work_budget(cell.ahead))
-    }
-
     fn lost(&self) -> Error {
-        self.named(lost(self.cell.rank, self.cell.op))
-    }
-
-    fn named(&self, e: Error) -> Error {
-        crate::base::error::named(self.world.as_deref(), e)
+        let core = self.cell.core();
+        core.named(lost(core.rank, core.op))
     }
 }

@@ -75,7 +75,7 @@ impl Communicator {
     }
 
     /// Fails an async call before anything is queued (`e` noted with the world ranks, once).
-    pub(crate) fn failed_work<B>(&self, e: Error, op: &'static str) -> Work<B> {
+    pub(crate) fn failed_work<B: Send + 'static>(&self, e: Error, op: &'static str) -> Work<B> {
         self.shared.failed_work(e, op)
     }
 
