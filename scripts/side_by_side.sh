@@ -13,6 +13,15 @@ OX=${OX:-target/release/oxccl}
 MPI="mpirun --allow-run-as-root --oversubscribe --mca oob_tcp_if_include lo"
 B=${MPI_BENCH:-/tmp/peers/mpi_coll_bench}
 OX_PERF() { local c=$1; shift; $OX perf "$c" ${ROTATE:+--rotate "$ROTATE"} "$@"; }
+# One oxccl row: out-of-place time, in-place time (us), out-of-place busbw, in-place busbw
+# (GB/s), read from perf's JSON at full precision (the table prints 0.01 us, a twentieth of an
+# 8 B call here).
+JSON=$(mktemp /tmp/side_by_side.XXXXXX.json)
+trap 'rm -f "$JSON"' EXIT
+OX_ROW() {
+  OX_PERF "$@" --json "$JSON" >/dev/null || return
+  python3 -c 'import json,sys; r=json.load(open(sys.argv[1]))["rows"][0]; o,i=r["out_of_place"],r["in_place"]; print(o["time_us"], i["time_us"], o["busbw"], i["busbw"])' "$JSON"
+}
 # Iterations by size, so that a size is timed over about as many calls as the MPI bench makes
 # (it picks its count from a warm-up run for about 0.25 s, up to 100000: at 8 B, 100000).
 ITERS() { case $1 in 8) echo "-n 100000 -w 10000" ;; 1M) echo "-n 200 -w 20" ;; *) echo "" ;; esac; }
@@ -22,23 +31,26 @@ for round in $(seq 1 "${ROUNDS:-3}"); do
   fi
   for s in 8 1M 64M; do
     # shellcheck disable=SC2046
-    echo "R$round np2 all-reduce $s ox $(OX_PERF all-reduce --np 2 -b $s -e $s -z 1 -a 3 $(ITERS $s) | grep -v '^#' | awk 'NF>5{print $6, $10, $8, $12}')"
+    echo "R$round np2 all-reduce $s ox $(OX_ROW all-reduce --np 2 -b $s -e $s -z 1 -a 3 $(ITERS $s))"
+    if [ "$s" = 8 ]; then
+      # The async form (-z 0: each call waited at once), right after the blocking one it is
+      # read against.
+      # shellcheck disable=SC2046
+      echo "R$round np2 all-reduce-async 8 ox $(OX_ROW all-reduce --np 2 -b 8 -e 8 -z 0 -a 3 $(ITERS 8))"
+    fi
     echo "R$round np2 all-reduce $s mpi $($MPI -np 2 $B -b $s -e $s -c all_reduce | grep -v '^#' | awk 'NF>5{print $6, $8}')"
   done
-  # The async form (-z 0: each call waited at once), against the blocking one above.
-  # shellcheck disable=SC2046
-  echo "R$round np2 all-reduce-async 8 ox $(OX_PERF all-reduce --np 2 -b 8 -e 8 -z 0 -a 3 $(ITERS 8) | grep -v '^#' | awk 'NF>5{print $6, $10, $8, $12}')"
   for c in reduce-scatter all-gather broadcast; do
-    echo "R$round np2 $c 64M ox $(OX_PERF $c --np 2 -b 64M -e 64M -z 1 -a 3 | grep -v '^#' | awk 'NF>5{print $6, $10, $8, $12}')"
+    echo "R$round np2 $c 64M ox $(OX_ROW $c --np 2 -b 64M -e 64M -z 1 -a 3)"
     echo "R$round np2 $c 64M mpi $($MPI -np 2 $B -b 64M -e 64M -c ${c/-/_} | grep -v '^#' | awk 'NF>5{print $6, $8}')"
   done
   # shellcheck disable=SC2046
-  echo "R$round np4 all-reduce 8 ox $(OX_PERF all-reduce --np 4 -b 8 -e 8 -z 1 -a 3 $(ITERS 8) | grep -v '^#' | awk 'NF>5{print $6, $10, $8, $12}')"
+  echo "R$round np4 all-reduce 8 ox $(OX_ROW all-reduce --np 4 -b 8 -e 8 -z 1 -a 3 $(ITERS 8))"
   # shellcheck disable=SC2046
-  echo "R$round np4 all-reduce-async 8 ox $(OX_PERF all-reduce --np 4 -b 8 -e 8 -z 0 -a 3 $(ITERS 8) | grep -v '^#' | awk 'NF>5{print $6, $10, $8, $12}')"
+  echo "R$round np4 all-reduce-async 8 ox $(OX_ROW all-reduce --np 4 -b 8 -e 8 -z 0 -a 3 $(ITERS 8))"
   echo "R$round np4 all-reduce 8 mpi $($MPI -np 4 $B -b 8 -e 8 -c all_reduce | grep -v '^#' | awk 'NF>5{print $6, $8}')"
   for c in all-reduce reduce-scatter all-gather broadcast; do
-    echo "R$round np4 $c 64M ox $(OX_PERF $c --np 4 -b 64M -e 64M -z 1 -a 3 | grep -v '^#' | awk 'NF>5{print $6, $10, $8, $12}')"
+    echo "R$round np4 $c 64M ox $(OX_ROW $c --np 4 -b 64M -e 64M -z 1 -a 3)"
     echo "R$round np4 $c 64M mpi $($MPI -np 4 $B -b 64M -e 64M -c ${c/-/_} | grep -v '^#' | awk 'NF>5{print $6, $8}')"
   done
 done

@@ -6,9 +6,10 @@
 //! (most of a small operation's time on a machine with as many ranks as cores), and buys
 //! nothing when the caller waits for it at once. So the line watches its waiters: after
 //! [`LAZY_AFTER`] waits in a row that found their operation still queued, queueing stops waking
-//! the progress thread, which then naps ([`NAP`]) and runs only what nobody took within a nap;
-//! the first such operation, a poll of an unfinished one, or a nap with nothing queued makes
-//! every queueing wake it again (a wait that is not early starts the count again).
+//! the progress thread, which then naps ([`NAP`], doubled after every nap whose operations
+//! waiters all took, up to [`NAP_MAX`]) and runs only what nobody took within a nap; the first
+//! such operation, a poll of an unfinished one, or a nap with nothing queued makes every
+//! queueing wake it again (a wait that is not early starts the count again).
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -20,53 +21,76 @@ use super::work::Cell;
 use super::{lock, ExecState, Shared, Work};
 use crate::base::error::Result;
 
-/// How long the progress thread naps while waiters run their own operations: an operation
-/// nobody waits for starts within two naps.
+/// How long the progress thread naps at first while waiters run their own operations: an
+/// operation nobody waits for starts within two naps.
 const NAP: Duration = Duration::from_micros(500);
+
+/// The longest nap: each nap whose operations waiters all took doubles the next, up to this.
+/// Where ranks fill the cores, every wake-up takes a core from a rank (with 2 ranks on 2 cores,
+/// 500 us naps cost an 8 B async all-reduce about a tenth of its time); an operation nobody
+/// waits for, queued after a long run of waited ones, may then start up to two of these late
+/// (a poll of it, `is_done` or `wait_timeout`, wakes the thread at once).
+const NAP_MAX: Duration = Duration::from_millis(8);
 
 /// Waits in a row that find their operation still queued before queueing stops waking the
 /// progress thread.
 pub(super) const LAZY_AFTER: u32 = 8;
 
-/// What a host operation leaves in the line: its cell, which any thread may run.
+/// What an operation leaves in the line: a host operation's cell, which any thread may run, or
+/// a device operation's part, which only the progress thread runs.
 pub(super) trait HostJob: Send + Sync {
     /// Runs the operation unless someone took it, and stores its result in the cell; whether
     /// it ran.
     fn run_queued(&self) -> bool;
     /// Someone took it (its entry is left for the line to drop).
     fn is_taken(&self) -> bool;
+    /// Any thread that needs it done may run it (a host operation).
+    fn stealable(&self) -> bool {
+        true
+    }
 }
 
-/// A queued operation's work.
-pub(super) enum Job {
-    /// A host operation: any thread that needs it done may run it.
-    Host(Arc<dyn HostJob>),
-    /// A device operation: the progress thread's alone.
-    #[cfg_attr(not(any(test, feature = "cuda-core")), allow(dead_code))]
-    Device(Box<dyn FnOnce() + Send>),
+/// A queued operation's work (one pointer: an entry of the line is four words).
+pub(super) struct Job(Arc<dyn HostJob>);
+
+/// A device operation's part: the progress thread's alone.
+#[cfg(any(test, feature = "cuda-core"))]
+struct DeviceJob(Mutex<Option<Box<dyn FnOnce() + Send>>>);
+
+#[cfg(any(test, feature = "cuda-core"))]
+impl HostJob for DeviceJob {
+    fn run_queued(&self) -> bool {
+        let f = lock(&self.0).take();
+        f.is_some_and(|f| {
+            f();
+            true
+        })
+    }
+
+    fn is_taken(&self) -> bool {
+        false
+    }
+
+    fn stealable(&self) -> bool {
+        false
+    }
 }
 
 impl Job {
     fn stealable(&self) -> bool {
-        matches!(self, Job::Host(_))
+        self.0.stealable()
     }
 
     /// A host operation that a waiter took.
     fn is_dead(&self) -> bool {
-        matches!(self, Job::Host(cell) if cell.is_taken())
+        self.0.is_taken()
     }
 
     /// Runs it unless a waiter took it; whether it ran. A panic has broken the communicator
     /// and left its error in the operation's cell, so the thread goes on.
     fn run(self) -> bool {
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match self {
-            Job::Host(cell) => cell.run_queued(),
-            Job::Device(f) => {
-                f();
-                true
-            }
-        }))
-        .unwrap_or(true)
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.0.run_queued()))
+            .unwrap_or(true)
     }
 }
 
@@ -95,6 +119,8 @@ struct Line {
     /// Operations queued so far.
     queued: u64,
     closing: bool,
+    /// The progress thread's next nap (see [`NAP_MAX`]).
+    nap: Duration,
 }
 
 /// A communicator's line of async operations and its progress thread (started at the first).
@@ -119,6 +145,7 @@ impl WorkQueue {
                 sleep: Sleep::Awake,
                 queued: 0,
                 closing: false,
+                nap: NAP,
             }),
             wake: Condvar::new(),
             lazy: AtomicBool::new(false),
@@ -198,11 +225,15 @@ impl WorkQueue {
                 if let Some(j) = line.jobs.pop_front() {
                     let host = j.job.stealable();
                     drop(line);
-                    if j.job.run() && host && lazy {
+                    let ran = j.job.run();
+                    if ran && host && lazy {
                         // Nobody took it within a nap: the caller overlaps; wake on queueing.
                         self.eager();
                     }
                     line = self.hold();
+                    if ran {
+                        line.nap = NAP;
+                    }
                 }
                 continue;
             }
@@ -212,11 +243,15 @@ impl WorkQueue {
             if lazy && line.queued != mark {
                 mark = line.queued;
                 line.sleep = Sleep::Napping;
+                let nap = line.nap;
                 line = self
                     .wake
-                    .wait_timeout(line, NAP)
+                    .wait_timeout(line, nap)
                     .unwrap_or_else(|p| p.into_inner())
                     .0;
+                // What was queued before it and is still there runs next (and shortens the
+                // naps again); if waiters took it all, the next nap is longer.
+                line.nap = line.nap.saturating_mul(2).min(NAP_MAX);
             } else {
                 // Not lazy, or idle for a whole nap: sleep until something is queued, and after
                 // a nap wake for everything queued from here on (not lazy, leave the count of
@@ -227,6 +262,7 @@ impl WorkQueue {
                 line.sleep = Sleep::Parked;
                 line = self.wake.wait(line).unwrap_or_else(|p| p.into_inner());
                 mark = 0;
+                line.nap = NAP;
             }
             line.sleep = Sleep::Awake;
         }
@@ -312,6 +348,12 @@ impl WorkQueue {
         self.lazy.load(Ordering::Relaxed)
     }
 
+    /// The progress thread's next nap, and the first and longest.
+    #[cfg(test)]
+    pub(super) fn naps(&self) -> (Duration, Duration, Duration) {
+        (self.hold().nap, NAP, NAP_MAX)
+    }
+
     /// Closes the line: the progress thread runs what is queued, then ends; waits for it.
     fn close(&self) {
         let thread = {
@@ -338,7 +380,8 @@ impl Shared {
         F: FnOnce(u64, u64) + Send + 'static,
     {
         self.submit_job(|ticket, ahead| {
-            let job = Job::Device(Box::new(move || job(ticket, ahead)));
+            let part: Box<dyn FnOnce() + Send> = Box::new(move || job(ticket, ahead));
+            let job = Job(Arc::new(DeviceJob(Mutex::new(Some(part)))));
             (job, (ticket, ahead))
         })
     }
@@ -380,7 +423,7 @@ impl Shared {
         self.submit_job(move |ticket, ahead| {
             let parts = (buf, run, finish);
             let cell = Arc::new(Cell::queued(Arc::clone(self), (ticket, ahead), op, parts));
-            (Job::Host(cell.clone()), Work::new(cell))
+            (Job(cell.clone()), Work::new(cell))
         })
     }
 

@@ -312,6 +312,67 @@ fn early_waits_make_the_line_lazy_and_an_unwaited_operation_still_runs() {
     sh.stop_worker();
 }
 
+/// While waiters take every operation, each nap of the lazy progress thread is longer than the
+/// one before, up to the longest; an operation nobody waits for still runs there, and makes
+/// the naps short again.
+#[test]
+fn naps_grow_while_waiters_take_everything_and_shrink_when_the_thread_runs_one() {
+    let (sh, _store) = shared(Duration::from_secs(30));
+    let gate = hold_progress_thread(&sh);
+    let log = Arc::new(Mutex::new(Vec::new()));
+    for i in 0..super::queue::LAZY_AFTER {
+        assert_eq!(logged(&sh, &log, i).wait().unwrap(), i);
+    }
+    assert!(sh.queue.is_lazy());
+    drop(gate);
+    let (_, first, longest) = sh.queue.naps();
+    assert!(first < longest);
+    // Waited operations, one at a time, until the naps have grown to the longest.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut i = 100;
+    while sh.queue.naps().0 < longest && Instant::now() < deadline {
+        // (A waiter held up for a whole nap leaves its operation to the thread, which makes
+        // the line eager and the naps short; eight early waits later they grow again.)
+        assert_eq!(logged(&sh, &log, i).wait().unwrap(), i);
+        i += 1;
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    assert_eq!(
+        sh.queue.naps().0,
+        longest,
+        "naps that found nothing to run grew"
+    );
+    let ran = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&ran);
+    let w = sh.submit_work(
+        "unwaited",
+        (),
+        move |_, _, _| {
+            flag.store(true, Ordering::SeqCst);
+            Ok(())
+        },
+        |b| b,
+    );
+    while !ran.load(Ordering::SeqCst) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(
+        ran.load(Ordering::SeqCst),
+        "the progress thread ran it after a long nap"
+    );
+    w.wait().unwrap();
+    // The thread shortens the naps once it holds the line again, after the operation ended.
+    while sh.queue.naps().0 != first && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(
+        sh.queue.naps().0,
+        first,
+        "running it made the naps short again"
+    );
+    sh.stop_worker();
+}
+
 /// A wait for an operation the progress thread started well before is not early (the caller
 /// overlapped it with something): it ends a run of early waits.
 #[test]

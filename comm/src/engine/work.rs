@@ -373,7 +373,9 @@ impl<B> Work<B> {
     /// happens on this thread; a time-out waiting for the turn breaks the communicator, as it
     /// would on the progress thread. After a few waits in a row that found their operation not
     /// started, queueing stops waking the progress thread (it then runs only what nobody waited
-    /// for within half a millisecond, and wakes for every operation again once it has).
+    /// for within a nap, of half a millisecond at first and up to 8 ms while every wait comes
+    /// first, and wakes for every operation again once it has; `is_done` and `wait_timeout`
+    /// wake it at once).
     ///
     /// # Errors
     /// The operation's error, or `Timeout` if it did not finish in time.
