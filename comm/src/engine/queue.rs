@@ -39,8 +39,8 @@ pub(super) const LAZY_AFTER: u32 = 8;
 /// What an operation leaves in the line: a host operation's cell, which any thread may run, or
 /// a device operation's part, which only the progress thread runs.
 pub(super) trait HostJob: Send + Sync {
-    /// Runs the operation unless someone took it, and stores its result in the cell; whether
-    /// it ran.
+    /// Runs the operation unless someone took it (a host operation stores its result in its
+    /// cell); whether it ran.
     fn run_queued(&self) -> bool;
     /// Someone took it (its entry is left for the line to drop).
     fn is_taken(&self) -> bool;
@@ -108,7 +108,8 @@ enum Sleep {
     Awake,
     /// Until a queueing wakes it.
     Parked,
-    /// For a [`NAP`]; queueing wakes it only when the line is not lazy.
+    /// For a nap (`Line::nap`); queueing a host operation wakes it only when the line is not
+    /// lazy.
     Napping,
 }
 
@@ -121,6 +122,9 @@ struct Line {
     closing: bool,
     /// The progress thread's next nap (see [`NAP_MAX`]).
     nap: Duration,
+    /// Device jobs queued: while there is one, the thread runs the host jobs ahead of it
+    /// instead of napping (it alone runs the device job, whose turn comes after theirs).
+    devices: usize,
 }
 
 /// A communicator's line of async operations and its progress thread (started at the first).
@@ -146,6 +150,7 @@ impl WorkQueue {
                 queued: 0,
                 closing: false,
                 nap: NAP,
+                devices: 0,
             }),
             wake: Condvar::new(),
             lazy: AtomicBool::new(false),
@@ -188,6 +193,9 @@ impl WorkQueue {
             line.jobs.pop_front();
         }
         let stealable = job.stealable();
+        if !stealable {
+            line.devices += 1;
+        }
         line.jobs.push_back(Queued {
             ticket,
             seq: line.queued,
@@ -219,11 +227,19 @@ impl WorkQueue {
         loop {
             let lazy = self.lazy.load(Ordering::Relaxed);
             let take = line.jobs.front().is_some_and(|j| {
-                line.closing || !lazy || !j.job.stealable() || j.seq < mark || j.job.is_dead()
+                line.closing
+                    || !lazy
+                    || line.devices > 0
+                    || !j.job.stealable()
+                    || j.seq < mark
+                    || j.job.is_dead()
             });
             if take {
                 if let Some(j) = line.jobs.pop_front() {
                     let host = j.job.stealable();
+                    if !host {
+                        line.devices -= 1;
+                    }
                     drop(line);
                     let ran = j.job.run();
                     if ran && host && lazy {

@@ -271,6 +271,27 @@ fn a_blocking_call_runs_the_operations_queued_ahead_of_it() {
     sh.stop_worker();
 }
 
+/// Queues an operation that nobody waits for or polls (either would hurry it) and waits
+/// (bounded) until the progress thread has run it; whether it ran, and its handle.
+fn unwaited_runs(sh: &Arc<Shared>) -> (bool, Work<()>) {
+    let ran = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&ran);
+    let w = sh.submit_work(
+        "unwaited",
+        (),
+        move |_, _, _| {
+            flag.store(true, Ordering::SeqCst);
+            Ok(())
+        },
+        |b| b,
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !ran.load(Ordering::SeqCst) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    (ran.load(Ordering::SeqCst), w)
+}
+
 /// Waits that find their operation still queued make queueing stop waking the progress
 /// thread; an operation nobody waits for then still runs there (within a nap), and from then
 /// on queueing wakes it again.
@@ -287,23 +308,8 @@ fn early_waits_make_the_line_lazy_and_an_unwaited_operation_still_runs() {
         "waits that came first make the line lazy"
     );
     drop(gate);
-    let ran = Arc::new(AtomicBool::new(false));
-    let flag = Arc::clone(&ran);
-    let w = sh.submit_work(
-        "unwaited",
-        (),
-        move |_, _, _| {
-            flag.store(true, Ordering::SeqCst);
-            Ok(())
-        },
-        |b| b,
-    );
-    // Neither waited for nor polled (either would hurry it): the progress thread must find it.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !ran.load(Ordering::SeqCst) && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    assert!(ran.load(Ordering::SeqCst), "the progress thread ran it");
+    let (ran, w) = unwaited_runs(&sh);
+    assert!(ran, "the progress thread ran it");
     assert!(
         !sh.queue.is_lazy(),
         "an operation it had to run makes it wake again"
@@ -342,24 +348,8 @@ fn naps_grow_while_waiters_take_everything_and_shrink_when_the_thread_runs_one()
         longest,
         "naps that found nothing to run grew"
     );
-    let ran = Arc::new(AtomicBool::new(false));
-    let flag = Arc::clone(&ran);
-    let w = sh.submit_work(
-        "unwaited",
-        (),
-        move |_, _, _| {
-            flag.store(true, Ordering::SeqCst);
-            Ok(())
-        },
-        |b| b,
-    );
-    while !ran.load(Ordering::SeqCst) && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    assert!(
-        ran.load(Ordering::SeqCst),
-        "the progress thread ran it after a long nap"
-    );
+    let (ran, w) = unwaited_runs(&sh);
+    assert!(ran, "the progress thread ran it after a long nap");
     w.wait().unwrap();
     // The thread shortens the naps once it holds the line again, after the operation ended.
     while sh.queue.naps().0 != first && Instant::now() < deadline {

@@ -48,7 +48,8 @@ pub(super) struct Core<R> {
     sleepers: Mutex<usize>,
     /// Set once someone took the operation: the line drops its entry unseen.
     taken: AtomicBool,
-    /// When the progress thread took the operation ([`now_ns`]; 0 before).
+    /// When the progress thread (or a thread running the operations ahead of its own) took
+    /// the operation ([`now_ns`]; 0 before, and when its waiter took it).
     started: AtomicU64,
     ticket: u64,
     ahead: u64,
@@ -394,7 +395,10 @@ impl<B> Work<B> {
         let core = self.cell.core();
         match core.wait_until(deadline, core.spin()) {
             Some(r) => Ok(r),
-            None if core.finished.load(Ordering::Acquire) => Ok(Err(self.lost())),
+            // It finished right after the deadline's check: its result is there to take.
+            None if core.finished.load(Ordering::Acquire) => {
+                Ok(core.take_result().unwrap_or_else(|| Err(self.lost())))
+            }
             None => Err(self),
         }
     }
