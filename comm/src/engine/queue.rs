@@ -27,7 +27,7 @@ const NAP: Duration = Duration::from_micros(500);
 
 /// The longest nap: each nap whose operations waiters all took doubles the next, up to this.
 /// Where ranks fill the cores, every wake-up takes a core from a rank (with 2 ranks on 2 cores,
-/// 500 us naps cost an 8 B async all-reduce about a tenth of its time); an operation nobody
+/// 500 us naps cost an 8 B async all-reduce a tenth to a sixth of its time); an operation nobody
 /// waits for, queued after a long run of waited ones, may then start up to two of these late
 /// (a poll of it, `is_done` or `wait_timeout`, wakes the thread at once).
 const NAP_MAX: Duration = Duration::from_millis(8);
