@@ -38,7 +38,7 @@ pub(super) const LAZY_AFTER: u32 = 8;
 
 /// What an operation leaves in the line: a host operation's cell, which any thread may run, or
 /// a device operation's part, which only the progress thread runs.
-pub(super) trait HostJob: Send + Sync {
+pub(super) trait LineJob: Send + Sync {
     /// Runs the operation unless someone took it (a host operation stores its result in its
     /// cell); whether it ran.
     fn run_queued(&self) -> bool;
@@ -51,14 +51,14 @@ pub(super) trait HostJob: Send + Sync {
 }
 
 /// A queued operation's work (one pointer: an entry of the line is four words).
-pub(super) struct Job(Arc<dyn HostJob>);
+pub(super) struct Job(Arc<dyn LineJob>);
 
 /// A device operation's part: the progress thread's alone.
 #[cfg(any(test, feature = "cuda-core"))]
 struct DeviceJob(Mutex<Option<Box<dyn FnOnce() + Send>>>);
 
 #[cfg(any(test, feature = "cuda-core"))]
-impl HostJob for DeviceJob {
+impl LineJob for DeviceJob {
     fn run_queued(&self) -> bool {
         let f = lock(&self.0).take();
         f.is_some_and(|f| {
@@ -227,12 +227,7 @@ impl WorkQueue {
         loop {
             let lazy = self.lazy.load(Ordering::Relaxed);
             let take = line.jobs.front().is_some_and(|j| {
-                line.closing
-                    || !lazy
-                    || line.devices > 0
-                    || !j.job.stealable()
-                    || j.seq < mark
-                    || j.job.is_dead()
+                line.closing || !lazy || line.devices > 0 || j.seq < mark || j.job.is_dead()
             });
             if take {
                 if let Some(j) = line.jobs.pop_front() {

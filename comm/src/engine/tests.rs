@@ -271,6 +271,21 @@ fn a_blocking_call_runs_the_operations_queued_ahead_of_it() {
     sh.stop_worker();
 }
 
+/// Holds the progress thread while [`LAZY_AFTER`](super::queue::LAZY_AFTER) operations are
+/// waited for right after their call (each waiter finds its operation queued), checks that the
+/// line turned lazy, and lets the thread go.
+fn make_lazy(sh: &Arc<Shared>, log: &Arc<Mutex<Vec<(u32, std::thread::ThreadId)>>>) {
+    let gate = hold_progress_thread(sh);
+    for i in 0..super::queue::LAZY_AFTER {
+        assert_eq!(logged(sh, log, i).wait().unwrap(), i);
+    }
+    assert!(
+        sh.queue.is_lazy(),
+        "waits that came first make the line lazy"
+    );
+    drop(gate);
+}
+
 /// Queues an operation that nobody waits for or polls (either would hurry it) and waits
 /// (bounded) until the progress thread has run it; whether it ran, and its handle.
 fn unwaited_runs(sh: &Arc<Shared>) -> (bool, Work<()>) {
@@ -298,16 +313,8 @@ fn unwaited_runs(sh: &Arc<Shared>) -> (bool, Work<()>) {
 #[test]
 fn early_waits_make_the_line_lazy_and_an_unwaited_operation_still_runs() {
     let (sh, _store) = shared(Duration::from_secs(30));
-    let gate = hold_progress_thread(&sh);
     let log = Arc::new(Mutex::new(Vec::new()));
-    for i in 0..super::queue::LAZY_AFTER {
-        assert_eq!(logged(&sh, &log, i).wait().unwrap(), i);
-    }
-    assert!(
-        sh.queue.is_lazy(),
-        "waits that came first make the line lazy"
-    );
-    drop(gate);
+    make_lazy(&sh, &log);
     let (ran, w) = unwaited_runs(&sh);
     assert!(ran, "the progress thread ran it");
     assert!(
@@ -324,13 +331,8 @@ fn early_waits_make_the_line_lazy_and_an_unwaited_operation_still_runs() {
 #[test]
 fn naps_grow_while_waiters_take_everything_and_shrink_when_the_thread_runs_one() {
     let (sh, _store) = shared(Duration::from_secs(30));
-    let gate = hold_progress_thread(&sh);
     let log = Arc::new(Mutex::new(Vec::new()));
-    for i in 0..super::queue::LAZY_AFTER {
-        assert_eq!(logged(&sh, &log, i).wait().unwrap(), i);
-    }
-    assert!(sh.queue.is_lazy());
-    drop(gate);
+    make_lazy(&sh, &log);
     let (_, first, longest) = sh.queue.naps();
     assert!(first < longest);
     // Waited operations, one at a time, until the naps have grown to the longest.

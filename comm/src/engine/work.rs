@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use super::queue::HostJob;
+use super::queue::LineJob;
 use super::{lock, Shared};
 use crate::base::error::{Error, Result};
 
@@ -153,7 +153,7 @@ where
     }
 }
 
-impl<B, R, F> HostJob for Cell<B, R, F>
+impl<B, R, F> LineJob for Cell<B, R, F>
 where
     B: Send,
     R: Send,
