@@ -45,6 +45,26 @@ impl World {
     where
         F: Fn(&Communicator, Runner) + Send + Sync + 'static,
     {
+        World::with_config(
+            n,
+            move |_| Config {
+                transport,
+                ..Config::default()
+            },
+            body,
+        )
+    }
+
+    /// [`World::new`] with rank `r`'s configuration `cfg_of(r)` (its time-out raised).
+    pub fn with_config<F>(
+        n: usize,
+        cfg_of: impl Fn(usize) -> Config + Send + Sync + 'static,
+        body: F,
+    ) -> World
+    where
+        F: Fn(&Communicator, Runner) + Send + Sync + 'static,
+    {
+        let cfg_of = Arc::new(cfg_of);
         let store: Arc<dyn Store> = Arc::new(MemStore::new());
         let body = Arc::new(body);
         let (done_tx, done) = channel();
@@ -53,7 +73,7 @@ impl World {
         for rank in 0..n {
             let (tx, rx) = channel::<u64>();
             cmds.push(tx);
-            let (store, body) = (store.clone(), body.clone());
+            let (store, body, cfg_of) = (store.clone(), body.clone(), cfg_of.clone());
             let runner = Runner {
                 rank,
                 cmds: rx,
@@ -61,9 +81,8 @@ impl World {
             };
             threads.push(std::thread::spawn(move || {
                 let cfg = Config {
-                    transport,
                     timeout: Duration::from_secs(120),
-                    ..Config::default()
+                    ..cfg_of(rank)
                 };
                 let c = Communicator::init_with_config(rank, n, store, cfg).expect("init");
                 body(&c, runner);

@@ -7,12 +7,13 @@ use oxccl_kernels::Element;
 use crate::base::error::{Error, Result};
 use crate::transport::registry::{Entry, Registry};
 
-/// A host buffer registered for sending straight from its memory, like NCCL's
-/// `ncclCommRegister`: over RDMA, large messages leave by RDMA write from the buffer itself
-/// instead of being copied into the connection's registered slots first (the memory region is
-/// made at the first such send on each device, and dropped at the next one after the buffer
-/// goes, or with the communicator; a buffer the device refuses goes through the slots). Other
-/// transports treat it as any buffer.
+/// A host buffer registered for sending straight from its memory and receiving straight into
+/// it, like NCCL's `ncclCommRegister`: over RDMA, large messages leave by RDMA write from the
+/// buffer itself instead of being copied into the connection's registered slots first, and a
+/// large message copied into it as it arrives is offered to its sender, which writes it there
+/// instead of into a slot (the memory region is made at the first such use on each device, and
+/// dropped at the next one after the buffer goes, or with the communicator; a buffer the device
+/// refuses goes through the slots). Other transports treat it as any buffer.
 ///
 /// It owns its memory (a `Vec` that cannot grow or move while registered) and derefs to a
 /// slice, so it goes wherever a buffer goes: `comm.all_reduce(&mut reg, op)`, or by value into

@@ -129,6 +129,20 @@ pub trait RecvConn: Send {
     /// Tells the sender this rank will read no more (it fails at its next post instead of
     /// waiting for a slot that will never be released). Dropping does this for sockets.
     fn close(&mut self) {}
+    /// Lets the sender write the rest of a message straight into the caller's memory: `buf`
+    /// starts at the first byte not received yet (the caller advances by what earlier calls
+    /// returned and by the slots it took meanwhile) and ends with the message, tagged `tag`;
+    /// the caller keeps calling, and taking ordinary slots with [`RecvConn::try_recv`], until
+    /// all of it arrived. Returns how many bytes landed at the start of `buf` now, in order
+    /// (0 when the next frame, if any, is an ordinary slot), or `None` when the backend has no
+    /// such path or declined this message (the default): then the slots carry all of it.
+    ///
+    /// # Errors
+    /// The connection failed, or the sender broke the protocol.
+    fn recv_direct(&mut self, buf: &mut [u8], tag: Tag) -> Result<Option<usize>> {
+        let _ = (buf, tag);
+        Ok(None)
+    }
 }
 
 /// Memory that every rank of a communicator can read directly (ranks that share memory): each

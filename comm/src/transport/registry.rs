@@ -104,6 +104,24 @@ impl Registry {
             .filter(|e| e.holds(addr, len))
     }
 
+    /// Runs `f` on the entry holding all `len` bytes at `addr`, if one does, with the table
+    /// locked: the entry's buffer cannot go meanwhile (a [`crate::Registered`] removes its entry
+    /// before its memory is freed). The in-process RDMA provider writes into offered buffers so.
+    pub(crate) fn with_entry<T>(
+        &self,
+        addr: usize,
+        len: usize,
+        f: impl FnOnce(&Entry) -> T,
+    ) -> Option<T> {
+        let ranges = self.ranges.read().unwrap_or_else(|p| p.into_inner());
+        let e = ranges
+            .range(..=addr)
+            .next_back()
+            .map(|(_, e)| e)
+            .filter(|e| e.holds(addr, len))?;
+        Some(f(e))
+    }
+
     fn live(&self, id: u64, start: usize) -> bool {
         let ranges = self.ranges.read().unwrap_or_else(|p| p.into_inner());
         ranges.get(&start).is_some_and(|e| e.id == id)

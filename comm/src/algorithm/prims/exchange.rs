@@ -13,7 +13,10 @@ use crate::base::op::OpDesc;
 use crate::transport::Tag;
 
 /// Messages of at least this many bytes are sent straight from the caller's memory where the
-/// transport can ([`SendConn::send_direct`]: TCP), skipping the copy into a slot.
+/// transport can ([`SendConn::send_direct`]: TCP, RDMA from registered buffers), skipping the
+/// copy into a slot; and received straight into it where it can
+/// ([`crate::transport::RecvConn::recv_direct`]: RDMA into registered buffers), skipping the
+/// copy out of one.
 const DIRECT_SEND_MIN: usize = 64 << 10;
 /// A message sent straight from the caller's memory goes out in at least this many frames (each
 /// at least [`DIRECT_SEND_MIN`] bytes, at most a slot), so the receiver reduces or copies the
@@ -258,6 +261,18 @@ impl Ctx<'_> {
             .get_mut(peer)
             .and_then(|c| c.as_mut())
             .ok_or_else(|| missing(rank, op, peer, "recv"))?;
+        // A large message copied out as it is lands straight in the caller's memory where the
+        // backend can (RDMA into a registered buffer); the frames it still sends through slots
+        // follow below. Decided on the whole message, so every frame of it comes this way.
+        if buf.len() >= DIRECT_SEND_MIN && matches!(mode, RecvMode::Copy) {
+            let landed = conn
+                .recv_direct(&mut buf[*got..], *want)
+                .map_err(|e| retag(op, e))?;
+            if let Some(n @ 1..) = landed {
+                *got += n;
+                return Ok(true);
+            }
+        }
         let Some((tag, data)) = conn.try_recv().map_err(|e| retag(op, e))? else {
             return Ok(false);
         };

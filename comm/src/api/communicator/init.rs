@@ -231,6 +231,7 @@ impl Communicator {
         };
         let transports = select::connect_all(&mut backends, &group, &mut links)?;
         let direct_bytes = Arc::clone(&links.direct_bytes);
+        let landed_bytes = Arc::clone(&links.landed_bytes);
         drop(backends);
         let nodes = Nodes::of(&peers, rank);
         tracing::debug!(rank, size, local_rank = nodes.local_rank, node = %node_id, comm = %id, "communicator ready");
@@ -302,6 +303,7 @@ impl Communicator {
             node: nodes.share,
             cores: policy.cores,
             direct_bytes,
+            landed_bytes,
             _server: None,
         };
         comm.open_channels()?;

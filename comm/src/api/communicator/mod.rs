@@ -51,6 +51,11 @@ pub struct Stats {
     /// Bytes this rank sent straight from [`crate::Registered`] buffers so far (RDMA writes
     /// from the buffer itself, no copy into a slot); 0 without such a transport.
     pub registered_bytes: u64,
+    /// Bytes peers wrote straight into this rank's [`crate::Registered`] buffers so far (RDMA's
+    /// rendezvous: a message received into a registered buffer is offered to its sender, which
+    /// writes it there instead of into a slot it would be copied out of); 0 without such a
+    /// transport.
+    pub registered_recv_bytes: u64,
     /// How device collectives run: `Some("cuda_ipc")`, `Some("staged")` (through pinned host
     /// memory), or `None` before the first one decided it.
     #[cfg(feature = "cuda-core")]
@@ -115,6 +120,7 @@ pub struct Communicator {
     cores: usize,
     /// Bytes sent straight from registered buffers (the connections count them).
     direct_bytes: Arc<std::sync::atomic::AtomicU64>,
+    landed_bytes: Arc<std::sync::atomic::AtomicU64>,
     /// The store server, when this rank hosts it (rank 0 without a launcher-hosted store).
     _server: Option<TcpStoreServer>,
 }
@@ -186,6 +192,7 @@ impl Communicator {
             node: self.node,
             cores: self.cores,
             registered_bytes: self.direct_bytes.load(Ordering::Relaxed),
+            registered_recv_bytes: self.landed_bytes.load(Ordering::Relaxed),
             #[cfg(feature = "cuda-core")]
             device_path: self.device_path(),
         }

@@ -5,7 +5,7 @@
 //!   immediate, completion polling, two registered regions), so that the protocol runs the same
 //!   over a NIC and over the in-process provider;
 //! - [`proto`]: the protocol as counters with no I/O (a ring of slots in the receiver's
-//!   registered memory, credits written back, goodbyes);
+//!   registered memory, credits written back, goodbyes, offers of registered receive buffers);
 //! - [`conn`]: the transport model's send and receive halves over any queue pair;
 //! - [`sim`]: an in-process provider with RC semantics (ordered delivery, data visible before
 //!   its immediate, completions, errors in both ends), for the tests.
@@ -21,7 +21,8 @@
 //! Without the feature `rdma` the verbs provider is compiled out (`auto` goes on to TCP);
 //! `OXCCL_IB_PROVIDER=sim` connects ranks that are threads of one process either way. Large
 //! messages from [`crate::Registered`] buffers are written straight from them
-//! ([`crate::transport::registry`], `conn`'s `send_direct`). Not yet: device buffers (staged
+//! ([`crate::transport::registry`], `conn`'s `send_direct`), and into them where the receiver
+//! offers one (the rendezvous of [`proto`]). Not yet: device buffers (staged
 //! through host memory by the device collectives, as over TCP). The verbs provider has not run
 //! on a verbs device.
 

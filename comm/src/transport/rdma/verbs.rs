@@ -32,6 +32,15 @@ pub(crate) enum Completion {
     },
 }
 
+/// Where a write's bytes come from.
+#[derive(Clone, Debug)]
+pub(crate) enum Source<'a> {
+    /// A range of this side's send region.
+    Region(std::ops::Range<usize>),
+    /// Bytes of the registered user buffer `.1`.
+    User(&'a [u8], &'a Entry),
+}
+
 /// A reliable-connected queue pair with its regions (see the module docs). Writes are delivered
 /// in order, each visible before its [`Completion::Imm`] is polled on the peer.
 pub(crate) trait QueuePair: Send {
@@ -42,10 +51,24 @@ pub(crate) trait QueuePair: Send {
     /// The queue pair is in error, or the ranges fall outside the regions.
     fn write_imm(&mut self, wr_id: u64, src: usize, len: usize, dst: usize, imm: u32)
         -> Result<()>;
-    /// Registers the registered user buffer `entry` with the device (once: cached); false when
-    /// the device refuses it (the locked-memory limit, usually), and then for every later ask:
-    /// its messages go through the slots instead.
-    fn register_user(&mut self, entry: &Entry) -> bool;
+    /// Registers the registered user buffer `entry` with the device (once: cached), for local
+    /// reads and remote writes, and returns the key a peer writes into it with; `None` when the
+    /// device refuses it (the locked-memory limit, usually), and then for every later ask: its
+    /// messages go through the slots instead.
+    fn register_user(&mut self, entry: &Entry) -> Option<u32>;
+    /// RDMA WRITE WITH IMMEDIATE of `src` into a peer's registered user buffer, at address
+    /// `to.0` under key `to.1` (what the peer offered), with `imm`; signaled. A user buffer's
+    /// bytes must stay unchanged until the write's completion.
+    ///
+    /// # Errors
+    /// As [`QueuePair::write_imm`], or registering the source failed.
+    fn write_imm_remote(
+        &mut self,
+        wr_id: u64,
+        src: Source<'_>,
+        to: (u64, u32),
+        imm: u32,
+    ) -> Result<()>;
     /// RDMA WRITE WITH IMMEDIATE from two places: the [`super::proto::HEADER`] bytes of the send
     /// region at `head`, then `payload`, bytes of the registered user buffer `entry` (registered
     /// with the device at its first use), together into the peer's receive region at `dst`, with

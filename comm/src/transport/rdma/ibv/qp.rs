@@ -10,7 +10,7 @@ use memmap2::MmapMut;
 
 use super::super::address::{LinkLayer, QpAddress};
 use super::super::proto::HEADER;
-use super::super::verbs::{Completion, QueuePair};
+use super::super::verbs::{Completion, QueuePair, Source};
 use super::Nic;
 use crate::base::config::IbConfig;
 use crate::base::error::{Error, Result};
@@ -114,26 +114,27 @@ impl Drop for Region {
     }
 }
 
-/// A registered user buffer's memory region (read by the NIC only: the source of writes),
-/// deregistered on drop.
+/// A registered user buffer's memory region (the source of this rank's writes, and the target
+/// of peers' writes into the buffers this rank offers), deregistered on drop.
 pub(crate) struct UserMr {
     mr: *mut ffi::ibv_mr,
     _nic: Arc<Nic>,
 }
 
-// SAFETY: the registration is only read (its lkey) and freed once, in `drop`; verbs objects
+// SAFETY: the registration is only read (its keys) and freed once, in `drop`; verbs objects
 // may be used from any thread.
 unsafe impl Send for UserMr {}
-// SAFETY: as above: shared references only read the lkey.
+// SAFETY: as above: shared references only read the keys.
 unsafe impl Sync for UserMr {}
 
 impl UserMr {
-    /// Registers `e`'s bytes on `nic` for local reads.
+    /// Registers `e`'s bytes on `nic` for local reads and remote writes.
     pub(crate) fn new(nic: &Arc<Nic>, e: &Entry) -> Result<UserMr> {
-        // The NIC only reads it, but local write access makes the pin break copy-on-write and
-        // zero pages first, so later writes to the buffer land in the pages the NIC reads (as
-        // NCCL registers).
-        let access = ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0 as i32;
+        // Local write access also makes the pin break copy-on-write and zero pages first, so
+        // later writes to the buffer land in the pages the NIC reads (as NCCL registers);
+        // remote write lets a peer write a message this rank offered it straight into it.
+        use ffi::ibv_access_flags as A;
+        let access = (A::IBV_ACCESS_LOCAL_WRITE | A::IBV_ACCESS_REMOTE_WRITE).0 as i32;
         // SAFETY: the range is a live `Registered` buffer's memory (it removes its entry before
         // freeing the memory, and the registration pins the pages it had meanwhile); the PD is
         // alive (`_nic`).
@@ -154,6 +155,11 @@ impl UserMr {
     fn lkey(&self) -> u32 {
         // SAFETY: `mr` is a live registration (freed only in `drop`).
         unsafe { (*self.mr).lkey }
+    }
+
+    fn rkey(&self) -> u32 {
+        // SAFETY: as in `lkey`.
+        unsafe { (*self.mr).rkey }
     }
 }
 
@@ -493,21 +499,26 @@ impl Drop for VerbsQp {
 }
 
 impl VerbsQp {
-    /// Posts a signaled RDMA WRITE WITH IMMEDIATE of `sges` (`len` bytes in all) to the peer's
-    /// receive region at `dst`, once the send queue has room.
-    fn post_write(
-        &mut self,
-        wr_id: u64,
-        sges: &mut [ffi::ibv_sge],
-        (len, dst): (usize, usize),
-        imm: u32,
-    ) -> Result<()> {
+    /// The peer's receive region at `dst` for `len` bytes: its address and key.
+    fn ring_at(&self, dst: usize, len: usize) -> Result<(u64, u32)> {
         let (raddr, rkey, rlen) = self.remote;
         if (dst + len) as u64 > rlen {
             return Err(terr(format!(
                 "write of {len} bytes to {dst}: outside the peer's region of {rlen} bytes"
             )));
         }
+        Ok((raddr + dst as u64, rkey))
+    }
+
+    /// Posts a signaled RDMA WRITE WITH IMMEDIATE of `sges` to the peer's memory at `to`
+    /// (address and key), once the send queue has room.
+    fn post_write(
+        &mut self,
+        wr_id: u64,
+        sges: &mut [ffi::ibv_sge],
+        (raddr, rkey): (u64, u32),
+        imm: u32,
+    ) -> Result<()> {
         // The send queue is full only if completions lag far behind: reap them (kept for the
         // next `poll`) until there is room, for at most 10 s.
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -538,7 +549,7 @@ impl VerbsQp {
         };
         wr.__bindgen_anon_1.imm_data = imm.to_be();
         wr.wr.rdma = ffi::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 {
-            remote_addr: raddr + dst as u64,
+            remote_addr: raddr,
             rkey,
         };
         let mut bad = std::ptr::null_mut();
@@ -566,6 +577,20 @@ impl VerbsQp {
     }
 }
 
+impl VerbsQp {
+    /// The registration of `entry` (made at its first use), which must hold all of `payload`.
+    fn user_source(&mut self, payload: &[u8], entry: &Entry) -> Result<Arc<UserMr>> {
+        if !entry.holds(payload.as_ptr() as usize, payload.len()) {
+            return Err(terr(format!(
+                "write of {} bytes outside {entry:?}",
+                payload.len()
+            )));
+        }
+        let nic = Arc::clone(&self.nic);
+        self.user.get(entry, |e| UserMr::new(&nic, e))
+    }
+}
+
 impl QueuePair for VerbsQp {
     fn write_imm(
         &mut self,
@@ -587,23 +612,60 @@ impl QueuePair for VerbsQp {
             lkey: self.send.lkey(),
         }];
         let n = usize::from(len > 0);
-        self.post_write(wr_id, &mut sge[..n], (len, dst), imm)
+        let to = self.ring_at(dst, len)?;
+        self.post_write(wr_id, &mut sge[..n], to, imm)
     }
 
-    fn register_user(&mut self, entry: &Entry) -> bool {
+    fn register_user(&mut self, entry: &Entry) -> Option<u32> {
         if self.refused.contains(&entry.id) {
-            return false;
+            return None;
         }
         let nic = Arc::clone(&self.nic);
         match self.user.get(entry, |e| UserMr::new(&nic, e)) {
-            Ok(_) => true,
+            Ok(mr) => Some(mr.rkey()),
             Err(e) => {
                 tracing::warn!(
                     bytes = entry.len,
                     "rdma: a registered buffer's messages go through the slots: {e}"
                 );
                 self.refused.insert(entry.id);
-                false
+                None
+            }
+        }
+    }
+
+    fn write_imm_remote(
+        &mut self,
+        wr_id: u64,
+        src: Source<'_>,
+        to: (u64, u32),
+        imm: u32,
+    ) -> Result<()> {
+        match src {
+            Source::Region(r) => {
+                if r.end > self.send.mem.len() {
+                    return Err(terr(format!(
+                        "write from {r:?}: outside the send region of {} bytes",
+                        self.send.mem.len()
+                    )));
+                }
+                let mut sge = [ffi::ibv_sge {
+                    addr: self.send.addr() + r.start as u64,
+                    length: r.len() as u32,
+                    lkey: self.send.lkey(),
+                }];
+                self.post_write(wr_id, &mut sge, to, imm)
+            }
+            Source::User(payload, entry) => {
+                let mr = self.user_source(payload, entry)?;
+                let mut sge = [ffi::ibv_sge {
+                    addr: payload.as_ptr() as u64,
+                    length: payload.len() as u32,
+                    lkey: mr.lkey(),
+                }];
+                self.post_write(wr_id, &mut sge, to, imm)?;
+                self.reading.push_back((self.posted, mr));
+                Ok(())
             }
         }
     }
@@ -617,15 +679,13 @@ impl QueuePair for VerbsQp {
         dst: usize,
         imm: u32,
     ) -> Result<()> {
-        let addr = payload.as_ptr() as usize;
-        if head + HEADER > self.send.mem.len() || !entry.holds(addr, payload.len()) {
+        if head + HEADER > self.send.mem.len() {
             return Err(terr(format!(
-                "write of a header at {head} and {} bytes of {entry:?}: outside the regions",
-                payload.len()
+                "write of a header at {head}: outside the send region"
             )));
         }
-        let nic = Arc::clone(&self.nic);
-        let mr = self.user.get(entry, |e| UserMr::new(&nic, e))?;
+        let mr = self.user_source(payload, entry)?;
+        let to = self.ring_at(dst, HEADER + payload.len())?;
         let mut sges = [
             ffi::ibv_sge {
                 addr: self.send.addr() + head as u64,
@@ -633,12 +693,12 @@ impl QueuePair for VerbsQp {
                 lkey: self.send.lkey(),
             },
             ffi::ibv_sge {
-                addr: addr as u64,
+                addr: payload.as_ptr() as u64,
                 length: payload.len() as u32,
                 lkey: mr.lkey(),
             },
         ];
-        self.post_write(wr_id, &mut sges, (HEADER + payload.len(), dst), imm)?;
+        self.post_write(wr_id, &mut sges, to, imm)?;
         self.reading.push_back((self.posted, mr));
         Ok(())
     }

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use super::super::address::{pair_mtu, QpAddress};
 use super::super::conn::{install, Ends};
-use super::super::proto::HEADER;
+use super::super::proto::{CONTROL, HEADER, OFFERS};
 use super::qp::{UserMr, VerbsQp};
 use super::Nic;
 use crate::base::config::IbConfig;
@@ -58,13 +58,17 @@ impl VerbsSide {
 
     pub(crate) fn setup(&mut self, group: &Group<'_>, peers: &[usize]) -> Result<()> {
         let ring = self.slots * (HEADER + self.payload);
-        // Each side has at most `slots` writes in flight (data or credits), and a goodbye.
-        let depth = self.slots as u32 + 4;
+        // Each side has at most `slots` writes in flight (data or credits), `OFFERS` offers or
+        // their acknowledgements, and a goodbye.
+        let depth = (self.slots + OFFERS) as u32 + 4;
         let me = group.rank;
         for &p in peers {
             let named = |e: Error| name(e, me, p);
-            let send = VerbsQp::new(&self.nic, &self.user, (ring, 0), depth).map_err(named)?;
-            let recv = VerbsQp::new(&self.nic, &self.user, (0, ring), depth).map_err(named)?;
+            // The sender's queue pair takes offers into its control area; the receiver's
+            // writes them from the same offsets of its own.
+            let (send, recv) = ((ring, CONTROL), (CONTROL, ring));
+            let send = VerbsQp::new(&self.nic, &self.user, send, depth).map_err(named)?;
+            let recv = VerbsQp::new(&self.nic, &self.user, recv, depth).map_err(named)?;
             group
                 .store
                 .set(&key(group.id, me, p, "send"), &send.address().encode())?;

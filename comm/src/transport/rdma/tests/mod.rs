@@ -33,17 +33,25 @@ fn conn_counted(
     let ends = Ends { rank: 0, peer: 1 };
     let back = Ends { rank: 1, peer: 0 };
     let bytes = Arc::new(AtomicU64::new(0));
+    let landed = Arc::new(AtomicU64::new(0));
     (
         RdmaSend::new(a, (slots, payload), ends, Arc::clone(&bytes)),
-        RdmaRecv::new(b, slots, payload, back),
+        RdmaRecv::new(b, (slots, payload), back, Arc::clone(&landed)),
         ctl,
-        Counted { user, bytes },
+        Counted {
+            user,
+            bytes,
+            landed,
+        },
     )
 }
 
 struct Counted {
     user: Arc<RegCache<Entry>>,
+    /// Bytes sent straight from registered buffers.
     bytes: Arc<AtomicU64>,
+    /// Bytes that landed in offered buffers.
+    landed: Arc<AtomicU64>,
 }
 
 fn tag(seq: u64) -> Tag {
@@ -499,3 +507,5 @@ proptest! {
         prop_assert_eq!(counted.bytes.load(Ordering::Relaxed), direct as u64);
     }
 }
+
+mod offers;
