@@ -209,10 +209,14 @@ fn blocking_calls_and_other_roots_check_exactly() {
             "{coll}\n{stdout}"
         );
     }
+    // Another root, async calls, registered buffers (-R 1: moved into the async calls and
+    // back; over shared memory they are any buffer).
     for coll in ["broadcast", "reduce", "gather", "scatter"] {
         let (out, stdout, stderr) = run(&[
             "perf",
             coll,
+            "-R",
+            "1",
             "--np",
             "3",
             "-b",
@@ -232,6 +236,7 @@ fn blocking_calls_and_other_roots_check_exactly() {
         ]);
         let rows = assert_all_correct(coll, &out, &stdout, &stderr);
         assert!(rows.iter().all(|r| r[4] == "2"), "{coll}\n{stdout}");
+        assert!(stdout.contains("# Buffers registered (-R 1)"), "{stdout}");
     }
 }
 
@@ -363,7 +368,7 @@ fn the_send_thread_runs_between_processes_over_tcp() {
 
 #[test]
 fn bad_flags_fail_clearly() {
-    let cases: [(&[&str], &str); 11] = [
+    let cases: [(&[&str], &str); 12] = [
         (&["perf", "all-shuffle"], "unknown collective"),
         (
             &["perf", "all-reduce", "-b", "1M", "-e", "1K"],
@@ -383,6 +388,7 @@ fn bad_flags_fail_clearly() {
         ),
         (&["perf", "all-reduce", "--device", "tpu"], "--device"),
         (&["perf", "all-to-all-v", "--skew", "2"], "--skew"),
+        (&["perf", "all-reduce", "-R", "2"], "--local_register"),
         (&["perf", "barrier"], "cannot measure barrier"),
     ];
     for (args, needle) in cases {

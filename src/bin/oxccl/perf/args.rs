@@ -1,5 +1,5 @@
 //! `oxccl perf`'s command line: nccl-tests' flags plus `--np`, `--transport`, `--algo`,
-//! `--json`, `--plot`, `--rotate`, `--device`, `--skew` and `--bind`.
+//! `--json`, `--plot`, `--rotate`, `--device`, `--skew`, `--bind` and `-R`.
 
 use std::path::PathBuf;
 
@@ -96,6 +96,14 @@ pub struct PerfArgs {
     #[arg(short = 'z', long = "blocking", value_name = "0/1", default_value_t = 0,
           value_parser = clap::value_parser!(u8).range(0..=1))]
     pub blocking: u8,
+
+    /// 1: the host buffers are registered (`Registered`, NCCL's `ncclCommRegister`, as
+    /// nccl-tests' -R 1): over RDMA, large messages leave straight from them and land straight
+    /// in them; other transports use them as any buffer. Host buffers only.
+    #[arg(short = 'R', long = "local_register", visible_alias = "local-register",
+          value_name = "0/1", default_value_t = 0,
+          value_parser = clap::value_parser!(u8).range(0..=1))]
+    pub local_register: u8,
 
     /// Time reported: 0 rank 0's, 1 mean over ranks, 2 minimum, 3 maximum.
     #[arg(short = 'a', long = "average", value_name = "0-3", default_value_t = 1,

@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use oxccl_comm::{Collective, Communicator, Element, Error, ReduceOp, Result};
+use oxccl_comm::{Collective, Communicator, Element, Error, ReduceOp, Registered, Result};
 
 use super::data::{fill, mismatches, Pattern};
 use super::sweep::{geometry, has_in_place, Geometry};
@@ -50,6 +50,39 @@ pub struct Spec {
     pub cuda: bool,
     /// all-to-all-v: how uneven the blocks are (`--skew`, 0 to 1).
     pub skew: f64,
+    /// `-R 1`: the arenas are [`Registered`].
+    pub register: bool,
+}
+
+/// An arena of buffers: plain memory, or registered (`-R 1`).
+enum Arena<T: Element> {
+    Plain(Vec<T>),
+    Registered(Registered<T>),
+}
+
+impl<T: Element> Default for Arena<T> {
+    fn default() -> Arena<T> {
+        Arena::Plain(Vec::new())
+    }
+}
+
+impl<T: Element> std::ops::Deref for Arena<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        match self {
+            Arena::Plain(v) => v,
+            Arena::Registered(r) => r,
+        }
+    }
+}
+
+impl<T: Element> std::ops::DerefMut for Arena<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        match self {
+            Arena::Plain(v) => v,
+            Arena::Registered(r) => r,
+        }
+    }
 }
 
 /// all-to-all-v's block sizes: the block a rank sends the rank `k` places after it (mod `n`)
@@ -100,19 +133,19 @@ fn mem_available() -> Option<usize> {
 }
 
 /// An owned window into an arena, so an async call can own the arena while it runs.
-struct Window<T> {
-    v: Vec<T>,
+struct Window<T: Element> {
+    v: Arena<T>,
     off: usize,
     len: usize,
 }
 
-impl<T> AsRef<[T]> for Window<T> {
+impl<T: Element> AsRef<[T]> for Window<T> {
     fn as_ref(&self) -> &[T] {
         &self.v[self.off..self.off + self.len]
     }
 }
 
-impl<T> AsMut<[T]> for Window<T> {
+impl<T: Element> AsMut<[T]> for Window<T> {
     fn as_mut(&mut self) -> &mut [T] {
         &mut self.v[self.off..self.off + self.len]
     }
@@ -141,11 +174,11 @@ pub fn has_async(c: Collective) -> bool {
 
 /// The buffers of one dtype: input arena `a`, output (and in-place) arena `b`, both holding
 /// `sets` consecutive full-size buffers.
-pub struct Bench<'c, T> {
+pub struct Bench<'c, T: Element> {
     comm: &'c Communicator,
     spec: Spec,
-    a: Vec<T>,
-    b: Vec<T>,
+    a: Arena<T>,
+    b: Arena<T>,
     /// all-to-all-v: this rank's send and receive counts for blocks of `.0` elements, made once
     /// per size so the timed calls do not allocate.
     v_counts: (usize, Vec<usize>, Vec<usize>),
@@ -208,6 +241,12 @@ impl<'c, T: Element> Bench<'c, T> {
         // First touch outside any timing (vec! of zeros may hand out untouched pages).
         a.fill(T::from_f64(1.0));
         b.fill(zero);
+        let (a, b) = if spec.register {
+            let reg = |v: Vec<T>| Registered::new(v).map(Arena::Registered);
+            (reg(a)?, reg(b)?)
+        } else {
+            (Arena::Plain(a), Arena::Plain(b))
+        };
         #[cfg(feature = "cuda")]
         let dev = if spec.cuda {
             let bytes = arena * ts;
@@ -426,7 +465,7 @@ impl<'c, T: Element> Bench<'c, T> {
     fn call_async(&mut self, g: &Geometry, set: usize, in_place: bool, op: ReduceOp) -> Result<()> {
         let (comm, coll, root) = (self.comm, self.spec.coll, self.spec.root);
         let base = set * g.full;
-        let window = |v: &mut Vec<T>, len: usize| Window {
+        let window = |v: &mut Arena<T>, len: usize| Window {
             v: std::mem::take(v),
             off: base,
             len,

@@ -32,6 +32,8 @@ pub struct Plan {
     pub cuda: bool,
     /// `--skew` (the `-v` collectives).
     pub skew: f64,
+    /// `-R 1`: host buffers registered.
+    pub register: bool,
 }
 
 /// What `-o all` runs: every operation, `premul_sum` with the factors of
@@ -162,6 +164,11 @@ impl Plan {
         if cuda && a.op.trim().eq_ignore_ascii_case("all") {
             ops.retain(|o| o.and_then(ReduceOp::factor).is_none());
         }
+        if a.local_register == 1 && cuda {
+            return Err(
+                "-R 1 registers host buffers; with --device cuda it is not supported".into(),
+            );
+        }
         if !(0.0..=1.0).contains(&a.skew) {
             return Err(format!("--skew {}: expected 0 to 1", a.skew));
         }
@@ -183,6 +190,7 @@ impl Plan {
             rotate_bytes,
             cuda,
             skew: a.skew,
+            register: a.local_register == 1,
         })
     }
 

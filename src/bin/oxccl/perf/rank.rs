@@ -164,6 +164,7 @@ fn run_all(comm: &Communicator, args: &PerfArgs, plan: &Plan) -> Result<u64, Err
         average: args.average,
         root: args.root,
         rotate_bytes: plan.rotate_bytes,
+        registered: plan.register,
         unix_time: SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
@@ -184,6 +185,7 @@ fn run_all(comm: &Communicator, args: &PerfArgs, plan: &Plan) -> Result<u64, Err
         rotate_bytes: plan.rotate_bytes,
         cuda: plan.cuda,
         skew: plan.skew,
+        register: plan.register,
     };
     let per_cycle = (plan.dtypes.len() * plan.ops.len() * plan.sizes.len()) as u64;
     let mut sink = Sink {
@@ -386,6 +388,11 @@ fn preamble(plan: &Plan, m: &Meta) -> Vec<String> {
             "# Buffers rotate over {k} sets (per size: enough for {} of input + output, 2 to 64)",
             super::report::human_bytes(plan.rotate_bytes as f64)
         ));
+    }
+    if plan.register {
+        l.push(
+            "# Buffers registered (-R 1): over RDMA sent from and received into directly".into(),
+        );
     }
     l.push("#".into());
     l.push("# Using devices".into());

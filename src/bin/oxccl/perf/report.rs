@@ -59,6 +59,8 @@ pub struct Meta {
     pub root: usize,
     /// Bytes of buffers each size cycles through (at least, within 2..=64 sets).
     pub rotate_bytes: usize,
+    /// `-R 1`: the host buffers were registered.
+    pub registered: bool,
     /// Unix time of the start, seconds.
     pub unix_time: u64,
 }
