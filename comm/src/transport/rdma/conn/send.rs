@@ -5,7 +5,7 @@ use std::collections::VecDeque;
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::super::proto::{
     Offer, ProtoError, SendState, GOODBYE, GOODBYE_WR, HEADER, LANDED, OFFER, OFFERS, OFFER_READ,
@@ -40,8 +40,8 @@ struct Message {
     end: u64,
     /// An offer took some of it.
     offered: bool,
-    /// The post count before its first frame that went into a slot.
-    first: Option<u64>,
+    /// The post count before its first frame that went into a slot, and when it went.
+    first: Option<(u64, Instant)>,
     /// The message before it was offered: the receiver offers registered buffers, so this one
     /// may be offered too.
     expect: bool,
@@ -66,7 +66,14 @@ pub(crate) struct RdmaSend<Q: QueuePair> {
     /// Indices of offer records whose immediates the last poll found.
     arrived: Vec<u32>,
     msg: Message,
+    /// The most a message's frames wait for an offer ([`HOLD`]).
+    hold: Duration,
 }
+
+/// The most a message's frames wait for an offer after its first one went through a slot:
+/// a few round trips of a NIC, so a receiver in step with the sender offers in time, and one
+/// that is not costs the sender little.
+const HOLD: Duration = Duration::from_micros(50);
 
 impl<Q: QueuePair> RdmaSend<Q> {
     /// A send half over `qp` to a ring of `slots` slots of `payload` bytes each (the regions
@@ -90,6 +97,7 @@ impl<Q: QueuePair> RdmaSend<Q> {
             offers: VecDeque::new(),
             arrived: Vec::new(),
             msg: Message::default(),
+            hold: HOLD,
         }
     }
 
@@ -142,7 +150,9 @@ impl<Q: QueuePair> RdmaSend<Q> {
                     o.start, o.end, self.stream
                 ))));
             }
-            self.end.write(CONTROL_WR, 0, 0, 0, OFFER_READ)?;
+            if !self.end.peer_closed {
+                self.end.write(CONTROL_WR, 0, 0, 0, OFFER_READ)?;
+            }
             if !o.stale(self.stream) {
                 self.offers.push_back(o);
             }
@@ -182,18 +192,30 @@ impl<Q: QueuePair> RdmaSend<Q> {
     /// Notes a frame of the current message going into a slot (the first one counts).
     fn slot_frame(&mut self) {
         if self.stream < self.msg.end && self.msg.first.is_none() {
-            self.msg.first = Some(self.st.posted());
+            self.msg.first = Some((self.st.posted(), Instant::now()));
         }
     }
 
     /// Whether to hold the current message's next frame back for an offer: the receiver
     /// offered the message before it, and has not yet taken this one's first frame (it offers
     /// before it takes one, on the queue pair that brings the credit, so once that credit is
-    /// here an offer would be too). At most one frame waits in a slot meanwhile; the hold never
-    /// outlasts the receiver's next step.
+    /// here an offer would be too), for at most `self.hold` since that frame went. At most one
+    /// frame waits in a slot meanwhile. The limit keeps a send from depending on its receiver
+    /// (two ranks that send each other a message before they receive still pass, as the ring's
+    /// slots let them without offers).
     fn holding(&self) -> bool {
         let m = &self.msg;
-        m.expect && !m.offered && m.first.is_some_and(|f| self.st.released() <= f)
+        m.expect
+            && !m.offered
+            && m.first
+                .is_some_and(|(f, at)| self.st.released() <= f && at.elapsed() < self.hold)
+    }
+
+    /// Sets how long a message's frames wait for an offer (tests hold longer, to count what
+    /// lands without depending on timing).
+    #[cfg(test)]
+    pub(crate) fn hold_for(&mut self, hold: Duration) {
+        self.hold = hold;
     }
 
     /// Posts the frames of the direct message whose unsent part starts at `data` while slots
