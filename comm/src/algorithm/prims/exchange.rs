@@ -10,7 +10,7 @@ use super::send_thread::RUNNING;
 use super::{copy, missing, proto_err, retag, Ctx, RecvMode, RecvPart, SendPart};
 use crate::base::error::{Error, Result};
 use crate::base::op::OpDesc;
-use crate::transport::Tag;
+use crate::transport::{RecvConn, Tag};
 
 /// Messages of at least this many bytes are sent straight from the caller's memory where the
 /// transport can ([`SendConn::send_direct`]: TCP, RDMA from registered buffers), skipping the
@@ -266,28 +266,23 @@ impl Ctx<'_> {
         // backend can (RDMA into a registered buffer); the frames it still sends through slots
         // follow below. Decided on the whole message, so every frame of it comes this way.
         let direct = buf.len() >= DIRECT_SEND_MIN && matches!(mode, RecvMode::Copy);
-        if direct {
-            let landed = conn
-                .recv_direct(&mut buf[*got..], *want)
-                .map_err(|e| retag(op, e))?;
-            if let Some(n @ 1..) = landed {
-                *got += n;
-                return Ok(true);
+        let mut landed = |conn: &mut Box<dyn RecvConn>| -> Result<bool> {
+            let n = conn.recv_direct(&mut buf[*got..], *want);
+            match n.map_err(|e| retag(op, e))? {
+                Some(n @ 1..) => {
+                    *got += n;
+                    Ok(true)
+                }
+                _ => Ok(false),
             }
+        };
+        if direct && landed(conn)? {
+            return Ok(true);
         }
         let Some((tag, data)) = conn.try_recv().map_err(|e| retag(op, e))? else {
             // A frame may have landed since `recv_direct` looked (`try_recv` leaves it): take
             // it now rather than after the wait it would otherwise cost.
-            if direct {
-                let landed = conn
-                    .recv_direct(&mut buf[*got..], *want)
-                    .map_err(|e| retag(op, e))?;
-                if let Some(n @ 1..) = landed {
-                    *got += n;
-                    return Ok(true);
-                }
-            }
-            return Ok(false);
+            return if direct { landed(conn) } else { Ok(false) };
         };
         if tag != *want {
             let local = OpDesc::describe_tag(want);
