@@ -288,12 +288,13 @@ fn every_collective_over_a_verbs_device() {
 }
 
 #[test]
-fn an_all_gather_into_a_registered_output_lands_all_but_a_frame_per_message() {
-    // 2 ranks, 16 MiB each: ring blocks of at most 4 MiB. A block's sender fills at most its 4
-    // slots (2 MiB) before it has to wait for a credit, and the receiver offers before it
-    // takes a frame: at least half of each block lands whatever the timing, so 8 MiB. Usually
-    // far more: after the first block, the sender holds each block's second frame for a
-    // moment waiting for the offer (at most one frame through a slot then).
+fn an_all_gather_into_a_registered_output_lands_all_but_the_slots_of_each_message() {
+    // 2 ranks, 16 MiB each: ring blocks of 4 MiB, frames of the tests' 64 KiB slots. A block's
+    // sender fills at most its 4 slots (256 KiB) before it has to wait for a credit, and the
+    // receiver offers before it takes a frame, on the queue pair that brings the credit: at
+    // least 15 MiB land whatever the timing (14 asserted, which 2 MiB blocks would also meet).
+    // Usually more: after the first block the sender holds each block's second frame for a
+    // moment waiting for the offer.
     let count = 4 << 20;
     for r in spawn_world_on_nodes(2, 1, rdma("all-gather=ring"), |c| {
         let mut out = Registered::new(vec![c.rank() as f32; 2 * count])?;
@@ -309,6 +310,6 @@ fn an_all_gather_into_a_registered_output_lands_all_but_a_frame_per_message() {
     }) {
         let landed = r.unwrap();
         eprintln!("{landed} of {} received bytes landed", 16 << 20);
-        assert!(landed >= 8 << 20, "{landed} of {} bytes landed", 16 << 20);
+        assert!(landed >= 14 << 20, "{landed} of {} bytes landed", 16 << 20);
     }
 }

@@ -266,23 +266,22 @@ impl Ctx<'_> {
         // backend can (RDMA into a registered buffer); the frames it still sends through slots
         // follow below. Decided on the whole message, so every frame of it comes this way.
         let direct = buf.len() >= DIRECT_SEND_MIN && matches!(mode, RecvMode::Copy);
-        let mut landed = |conn: &mut Box<dyn RecvConn>| -> Result<bool> {
-            let n = conn.recv_direct(&mut buf[*got..], *want);
-            match n.map_err(|e| retag(op, e))? {
-                Some(n @ 1..) => {
-                    *got += n;
-                    Ok(true)
-                }
-                _ => Ok(false),
-            }
+        // The bytes that landed (added to `got`), or `None` when the backend took no offer.
+        let mut landed = |conn: &mut dyn RecvConn| -> Result<Option<usize>> {
+            let landed = conn.recv_direct(&mut buf[*got..], *want);
+            let landed = landed.map_err(|e| retag(op, e))?;
+            *got += landed.unwrap_or(0);
+            Ok(landed)
         };
-        if direct && landed(conn)? {
-            return Ok(true);
-        }
+        let offered = match direct.then(|| landed(&mut **conn)).transpose()?.flatten() {
+            Some(1..) => return Ok(true),
+            Some(0) => true,
+            None => false,
+        };
         let Some((tag, data)) = conn.try_recv().map_err(|e| retag(op, e))? else {
             // A frame may have landed since `recv_direct` looked (`try_recv` leaves it): take
             // it now rather than after the wait it would otherwise cost.
-            return if direct { landed(conn) } else { Ok(false) };
+            return Ok(offered && landed(&mut **conn)?.is_some_and(|n| n > 0));
         };
         if tag != *want {
             let local = OpDesc::describe_tag(want);
