@@ -373,7 +373,22 @@ impl Ctx<'_> {
                     .get_mut(to)
                     .and_then(|c| c.as_mut())
                     .ok_or_else(|| missing(me, self.op, to, "send"))?;
-                if let Some(slot) = conn.try_slot().map_err(|e| retag(self.op, e))? {
+                // Into the next rank's buffer where it offered one (RDMA), else via a slot.
+                let offered = if buf.len() >= DIRECT_SEND_MIN && fwd < got {
+                    let frame = direct_frame(buf.len());
+                    let (avail, rest) = (&buf[fwd..got], buf.len() - fwd);
+                    conn.forward_offered(avail, rest, tag, frame)
+                        .map_err(|e| retag(self.op, e))?
+                } else {
+                    None
+                };
+                if let Some(n) = offered {
+                    if n > 0 {
+                        fwd += n;
+                        send_frames += 1;
+                        moved = true;
+                    }
+                } else if let Some(slot) = conn.try_slot().map_err(|e| retag(self.op, e))? {
                     let n = slot.len().min(got - fwd);
                     slot[..n].copy_from_slice(&buf[fwd..fwd + n]);
                     conn.post(n, tag).map_err(|e| retag(self.op, e))?;

@@ -272,23 +272,23 @@ impl<Q: QueuePair> RdmaSend<Q> {
             // The caller stages the next frame in a slot, unless it waits for an offer.
             return Ok(self.holding().then_some(0));
         }
-        self.stage_offered(data, tag, frame).map(Some)
+        self.stage_offered(data, data.len(), tag, frame).map(Some)
     }
 
-    /// Writes bytes of `data` (the unsent rest of the message tagged `tag`, in no registered
-    /// buffer) into the peer's offered buffer while an offer takes them and slots are free,
-    /// each frame copied into a slot of the send region first; how many went.
-    fn stage_offered(&mut self, data: &[u8], tag: Tag, frame: usize) -> Result<usize> {
+    /// Writes bytes of `data` (the first bytes of the `rest` still unsent of the message tagged
+    /// `tag`, in no registered buffer) into the peer's offered buffer while an offer takes them
+    /// and slots are free, each frame copied into a slot of the send region first; how many
+    /// went.
+    fn stage_offered(&mut self, data: &[u8], rest: usize, tag: Tag, frame: usize) -> Result<usize> {
         let ends = self.end.ends;
         let s = self.stride;
         let mut taken = 0;
         while taken < data.len() {
-            let rest = data.len() - taken;
-            let Some(to) = self.offered(tag, rest) else {
+            let Some(to) = self.offered(tag, rest - taken) else {
                 break;
             };
             let Some(i) = self.st.free() else { break };
-            let len = rest.min(frame.clamp(1, s - HEADER));
+            let len = (data.len() - taken).min(frame.clamp(1, s - HEADER));
             let at = i * s + HEADER..i * s + HEADER + len;
             (self.end.qp.send_slot(at.clone())).copy_from_slice(&data[taken..taken + len]);
             let (_, imm) = self.st.post().map_err(|e| ends.proto(e))?;
@@ -390,6 +390,29 @@ impl<Q: QueuePair> SendConn for RdmaSend<Q> {
             self.direct = None;
         }
         Ok(Some(done - addr))
+    }
+
+    /// Writes what `avail` holds of the message into the peer's offered buffer when an offer
+    /// takes it (through slots of the send region, taken at once); `None` otherwise, and while
+    /// a message from a registered buffer is in flight.
+    fn forward_offered(
+        &mut self,
+        avail: &[u8],
+        rest: usize,
+        tag: Tag,
+        frame: usize,
+    ) -> Result<Option<usize>> {
+        if avail.is_empty() || rest < avail.len() || self.direct.is_some() {
+            return Ok(None);
+        }
+        if self.end.peer_closed {
+            return Err(self.end.closed("rdma send", "receiver"));
+        }
+        self.poll()?;
+        if self.offered(tag, rest).is_none() {
+            return Ok(None);
+        }
+        self.stage_offered(avail, rest, tag, frame).map(Some)
     }
 
     fn progress(&mut self) -> Result<bool> {

@@ -407,3 +407,47 @@ fn offers_go_on_past_their_records_as_the_sender_reads_them() {
     assert!(out.chunks(20_000).all(|p| p == &src[..]));
     assert_eq!(counted.landed.load(Ordering::Relaxed), 12 * 20_000);
 }
+
+#[test]
+fn a_forwarder_writes_each_piece_into_the_offer_as_it_has_it() {
+    let (mut tx, mut rx, _) = conn(4, 4096);
+    let src: Vec<u8> = (0..30_000).map(|i| (i % 193) as u8).collect();
+    let mut out = Registered::new(vec![0u8; 30_000]).unwrap();
+    let t = tag(3);
+    assert_eq!(
+        tx.forward_offered(&src[..5000], 30_000, t, 4096).unwrap(),
+        None,
+        "no offer yet"
+    );
+    assert_eq!(rx.recv_direct(&mut out, t).unwrap(), Some(0));
+    tx.progress().unwrap();
+    // The message of another length is not this offer's.
+    assert_eq!(
+        tx.forward_offered(&src[..5000], 31_000, t, 4096).unwrap(),
+        None
+    );
+    // Pieces of 5000 bytes as the forwarder has them: each lands at its place.
+    let (mut fwd, mut got, mut steps) = (0, 0, 0);
+    for have in (5000..=30_000).step_by(5000) {
+        while fwd < have {
+            fwd += tx
+                .forward_offered(&src[fwd..have], 30_000 - fwd, t, 4096)
+                .unwrap()
+                .expect("offered");
+            got += rx.recv_direct(&mut out[got..], t).unwrap().unwrap();
+            steps += 1;
+            assert!(steps < 1000, "stuck at {fwd} forwarded, {got} landed");
+        }
+    }
+    while got < 30_000 {
+        tx.progress().unwrap();
+        got += rx.recv_direct(&mut out[got..], t).unwrap().unwrap();
+        steps += 1;
+        assert!(steps < 1000, "stuck at {got} landed");
+    }
+    assert_eq!(&out[..], &src[..]);
+    assert!(
+        rx.try_recv().unwrap().is_none(),
+        "nothing came through a slot"
+    );
+}
