@@ -103,8 +103,7 @@ pub trait SendConn: Send {
         Ok(None)
     }
 
-    /// Forwards bytes of a message as they become available (a chain's or a tree's middle
-    /// rank): `avail` holds the next bytes not sent yet, `rest` how many of the message are
+    /// Forwards bytes of a message as they become available (a chain's middle rank): `avail` holds the next bytes not sent yet, `rest` how many of the message are
     /// still to send (`avail` is their start). Where the receiver offered its buffer for the
     /// message, writes them there and returns how many were taken (possibly 0: no slot free);
     /// `None` (the default) when no offer takes them: the caller sends them through a slot.

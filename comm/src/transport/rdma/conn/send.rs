@@ -393,8 +393,8 @@ impl<Q: QueuePair> SendConn for RdmaSend<Q> {
     }
 
     /// Writes what `avail` holds of the message into the peer's offered buffer when an offer
-    /// takes it (through slots of the send region, taken at once); `None` otherwise, and while
-    /// a message from a registered buffer is in flight.
+    /// takes it (through slots of the send region, taken at once); `None` otherwise. A
+    /// forwarded message never holds for an offer (its pieces come when they come).
     fn forward_offered(
         &mut self,
         avail: &[u8],
@@ -402,12 +402,20 @@ impl<Q: QueuePair> SendConn for RdmaSend<Q> {
         tag: Tag,
         frame: usize,
     ) -> Result<Option<usize>> {
-        if avail.is_empty() || rest < avail.len() || self.direct.is_some() {
+        if let Some(d) = &self.direct {
+            return Err(self.end.ends.proto(ProtoError(format!(
+                "a forward while {} bytes of a direct send are in flight",
+                d.end - d.told
+            ))));
+        }
+        if avail.is_empty() || rest < avail.len() {
             return Ok(None);
         }
         if self.end.peer_closed {
             return Err(self.end.closed("rdma send", "receiver"));
         }
+        // Its own state, so that the next message expects an offer exactly when this one had.
+        self.note_message(rest);
         self.poll()?;
         if self.offered(tag, rest).is_none() {
             return Ok(None);

@@ -451,3 +451,62 @@ fn a_forwarder_writes_each_piece_into_the_offer_as_it_has_it() {
         "nothing came through a slot"
     );
 }
+
+#[test]
+fn a_forward_after_slot_frames_lands_the_rest_at_its_place() {
+    let (mut tx, mut rx, ctl) = conn(4, 4096);
+    let src: Vec<u8> = (0..30_000).map(|i| (i % 191) as u8).collect();
+    let mut out = Registered::new(vec![0u8; 30_000]).unwrap();
+    let t = tag(4);
+    // The first piece goes through a slot before any offer...
+    assert_eq!(
+        tx.forward_offered(&src[..4096], 30_000, t, 4096).unwrap(),
+        None
+    );
+    let slot = tx.try_slot().unwrap().unwrap();
+    slot[..4096].copy_from_slice(&src[..4096]);
+    tx.post(4096, t).unwrap();
+    let (got_tag, d) = rx.try_recv().unwrap().unwrap();
+    assert_eq!((got_tag, d.len()), (t, 4096));
+    out[..4096].copy_from_slice(d);
+    rx.release().unwrap();
+    // ... then the receiver offers the rest: the 20 000 bytes the forwarder has fill every
+    // slot (4 frames into the buffer), and the next piece waits for a credit.
+    assert_eq!(rx.recv_direct(&mut out[4096..], t).unwrap(), Some(0));
+    tx.progress().unwrap();
+    let rest = |fwd: usize| 30_000 - fwd;
+    assert_eq!(
+        tx.forward_offered(&src[4096..24_096], rest(4096), t, 4096)
+            .unwrap(),
+        Some(16_384)
+    );
+    assert_eq!(
+        tx.forward_offered(&src[20_480..24_096], rest(20_480), t, 4096)
+            .unwrap(),
+        Some(0),
+        "no slot free"
+    );
+    let (mut fwd, mut got) = (20_480, 4096);
+    for _ in 0..1000 {
+        if got == 30_000 {
+            break;
+        }
+        got += rx.recv_direct(&mut out[got..], t).unwrap().unwrap();
+        if fwd < 30_000 {
+            fwd += tx
+                .forward_offered(&src[fwd..], rest(fwd), t, 4096)
+                .unwrap()
+                .expect("offered");
+        }
+    }
+    assert_eq!(&out[..], &src[..]);
+    // A forward while a send from a registered buffer is in flight breaks the contract.
+    let reg = Registered::new(vec![1u8; 70_000]).unwrap();
+    ctl.hold(1, true);
+    assert_eq!(tx.send_direct(&reg, tag(5), 4096).unwrap(), Some(0));
+    let e = tx
+        .forward_offered(&src, 30_000, tag(6), 4096)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("in flight"), "{e}");
+}
