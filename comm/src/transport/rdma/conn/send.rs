@@ -135,11 +135,12 @@ impl<Q: QueuePair> RdmaSend<Q> {
         if self.arrived.is_empty() {
             return Ok(());
         }
-        // Offers no send took (messages forwarded slot by slot) go once stale.
+        // Offers whose range went out (taken, or sent through slots) go here, the one place
+        // the list grows: it holds a few at most.
         let at = self.stream;
         self.offers.retain(|o| !o.stale(at));
-        for k in std::mem::take(&mut self.arrived) {
-            let k = k as usize;
+        for i in 0..self.arrived.len() {
+            let k = self.arrived[i] as usize;
             if k >= OFFERS {
                 return Err(ends.proto(ProtoError(format!("offer record {k} of {OFFERS}"))));
             }
@@ -157,6 +158,7 @@ impl<Q: QueuePair> RdmaSend<Q> {
                 self.offers.push_back(o);
             }
         }
+        self.arrived.clear();
         Ok(())
     }
 
@@ -164,9 +166,6 @@ impl<Q: QueuePair> RdmaSend<Q> {
     /// `tag` still to write): the peer's address and key.
     fn offered(&mut self, tag: Tag, rest: usize) -> Option<(u64, u32)> {
         let at = self.stream;
-        while self.offers.front().is_some_and(|o| o.stale(at)) {
-            self.offers.pop_front();
-        }
         let to = self
             .offers
             .iter()
