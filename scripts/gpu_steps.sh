@@ -1,6 +1,8 @@
-# Sourced by the one-call GPU scripts (gpu_ddp.sh, gpu_nccl.sh): `step LIMIT CMD...` runs CMD for
-# at most LIMIT seconds and never past the script's `budget` (seconds since it started), saying
-# what ran, its exit status and its time; `mps_on` / `mps_off` start and stop the MPS daemon.
+# Sourced by the one-call GPU scripts (gpu_ddp.sh, gpu_nccl.sh, gpu_verify.sh): `step LIMIT
+# CMD...` runs CMD for at most LIMIT seconds and never past the script's `budget` (seconds since
+# it started), saying what ran, its exit status and its time; `mps_on` / `mps_off` start and stop
+# the MPS daemon; `cuda_libs` puts the CUDA libraries (NVRTC, cuBLAS, the runtime: the toolkit's,
+# or those of PyTorch's wheels) on LD_LIBRARY_PATH.
 step() {
     local limit=$1 left=$((budget - SECONDS))
     shift
@@ -17,3 +19,10 @@ mps_on() {
     timeout 20 nvidia-cuda-mps-control -d && echo "MPS daemon started"
 }
 mps_off() { echo quit | timeout 20 nvidia-cuda-mps-control && echo "MPS daemon stopped"; }
+cuda_libs() {
+    local d
+    for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+        $(python3 -c 'import nvidia, os; print(" ".join(os.path.join(p, "cu13/lib") for p in nvidia.__path__))' 2>/dev/null); do
+        [ -d "$d" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
+    done
+}

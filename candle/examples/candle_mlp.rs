@@ -99,7 +99,7 @@ fn batch(
     step: usize,
 ) -> candle_core::Result<(Tensor, Tensor)> {
     let n = a.batch * a.inputs;
-    let mut s = (step as u64 * 1_000_003 + rank as u64) * 0x9E37_79B9_7F4A_7C15 + 1;
+    let mut s = (step as u64 * 1_000_003 + rank as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) + 1;
     let v: Vec<f32> = (0..n)
         .map(|_| {
             s ^= s << 13;
@@ -141,6 +141,31 @@ fn sorted(map: &VarMap) -> Vec<(String, Var)> {
     v
 }
 
+/// Every variable from a fixed generator (uniform within 1/sqrt(fan-in) for weights, 0.05 for
+/// biases), the same on the CPU and on CUDA, so runs on either start alike and their losses can
+/// be compared (candle's own initializers draw from each device's random generator).
+fn seeded_init(map: &VarMap) -> candle_core::Result<()> {
+    for (i, (_, var)) in sorted(map).iter().enumerate() {
+        let dims = var.as_tensor().dims().to_vec();
+        let bound = match dims.as_slice() {
+            [_, fan_in] => 1.0 / (*fan_in as f32).sqrt(),
+            _ => 0.05,
+        };
+        let mut s = (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let v: Vec<f32> = (0..var.as_tensor().elem_count())
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * bound
+            })
+            .collect();
+        let t = Tensor::from_vec(v, dims, &Device::Cpu)?.to_device(var.as_tensor().device())?;
+        var.set(&t)?;
+    }
+    Ok(())
+}
+
 /// A second model with the same variables' current values (the `--check` reference).
 fn copy_of(a: &Args, dev: &Device, vars: &[(String, Var)]) -> candle_core::Result<(Mlp, VarMap)> {
     let map = VarMap::new();
@@ -178,6 +203,7 @@ fn run(a: &Args) -> Result<bool, Box<dyn std::error::Error>> {
     };
     let map = VarMap::new();
     let mlp = Mlp::new(VarBuilder::from_varmap(&map, DType::F32, &dev), a)?;
+    seeded_init(&map)?;
     let mut ddp = match comm {
         None => None,
         Some(comm) => Some(CandleDdp::from_varmap(

@@ -313,12 +313,20 @@ template <typename T> __device__ void div_elems(T* dst, const T* src, u64 d, usi
     }
 }
 
-// dst[i] = src[i] * f (pre-multiplied sum; floats only, in f32 for f16/bf16, f64 for f64).
+// dst[i] = src[i] * f (pre-multiplied sum of a float type, in f32 for f16/bf16/fp8, f64 for f64).
 template <typename T> __device__ void scale_elems(T* dst, const T* src, double f, usize n) {
     typedef typename Num<T>::C C;
     C fc = (C)f;
     for (usize i = thread_index(); i < n; i += grid_threads()) {
         dst[i] = Num<T>::store(Num<T>::load(src[i]) * fc);
+    }
+}
+
+// dst[i] = src[i] * k, wrapping (pre-multiplied sum of an integer type): k is the whole factor
+// modulo 2^64, and the product modulo 2^64 cut to T's width is the product modulo 2^bits.
+template <typename T> __device__ void scale_int_elems(T* dst, const T* src, u64 k, usize n) {
+    for (usize i = thread_index(); i < n; i += grid_threads()) {
+        dst[i] = (T)((u64)src[i] * k);
     }
 }
 

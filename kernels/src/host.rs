@@ -244,7 +244,7 @@ float_sealed!(f32, f64);
 /// A whole `factor` (checked by [`check_factor`]) modulo 2^64; cast to a narrower integer it is
 /// the factor modulo 2^bits, so a wrapping multiplication by it equals one by the factor.
 #[inline]
-fn int_factor(factor: f64) -> u64 {
+pub(crate) fn int_factor(factor: f64) -> u64 {
     if factor >= 0.0 {
         factor as u64
     } else {

@@ -265,11 +265,8 @@ unsafe fn read_scalar(
             D::U32 => f64::from(p.cast::<u32>().read_unaligned()),
             D::I64 => p.cast::<i64>().read_unaligned() as f64,
             D::U64 => p.cast::<u64>().read_unaligned() as f64,
-            other => {
-                return Err(bad_use(format!(
-                    "a pre-multiplied sum of {other} is not implemented"
-                )))
-            }
+            D::F8E4M3 => p.cast::<oxccl_comm::F8E4M3>().read_unaligned().to_f64(),
+            D::F8E5M2 => p.cast::<oxccl_comm::F8E5M2>().read_unaligned().to_f64(),
         }
     };
     Ok(v)

@@ -161,6 +161,7 @@ fn every_collective<T: Element>(
         bad: Vec::new(),
     };
     reductions(&mut case)?;
+    premul_sums(&mut case)?;
     placements(&mut case)?;
     send_recv(&mut case)?;
     s.synchronize().expect("stream");
@@ -235,6 +236,59 @@ fn reductions<T: Element>(case: &mut Case<'_, T>) -> Result<()> {
         case.check("reduce", download(s, &d), &want);
     }
 
+    Ok(())
+}
+
+/// Pre-multiplied sums (each rank's own factor: 1 on even ranks; 2 on odd ones, -1 for fp8,
+/// whose sums stay exact so): all-reduce in place and out of place, reduce-scatter and reduce,
+/// each against the host call, and the inputs of the out-of-place forms left as they were.
+fn premul_sums<T: Element>(case: &mut Case<'_, T>) -> Result<()> {
+    let (comm, s, gate, count) = (case.comm, case.s, case.gate, case.count);
+    let dev = comm.on_stream(s);
+    let (r, n) = (comm.rank(), comm.size());
+    let fp8 = T::DTYPE.is_float() && T::DTYPE.size() == 1;
+    let op = ReduceOp::premul_sum(match (r % 2, fp8) {
+        (0, _) => 1.0,
+        (_, true) => -1.0,
+        _ => 2.0,
+    });
+    let (input, wide) = (case.input.clone(), case.wide.clone());
+    let mut d = upload(s, &input);
+    gated(comm, gate, || {
+        dev.all_reduce(&mut typed!(mut d, T, count), op)
+    })?;
+    let mut want = input.clone();
+    comm.all_reduce(&mut want, op)?;
+    case.check("all_reduce premul_sum", download(s, &d), &want);
+
+    let di = upload(s, &input);
+    let mut d = zeros::<T>(s, count);
+    gated(comm, gate, || {
+        dev.all_reduce_into(&typed!(di, T, count), &mut typed!(mut d, T, count), op)
+    })?;
+    case.check("all_reduce_into premul_sum", download(s, &d), &want);
+    case.check("all_reduce_into premul_sum input", download(s, &di), &input);
+
+    let dw = upload(s, &wide);
+    let mut d = zeros::<T>(s, count);
+    gated(comm, gate, || {
+        dev.reduce_scatter_into(&typed!(dw, T, count * n), &mut typed!(mut d, T, count), op)
+    })?;
+    let mut want = vec![T::from_f64(0.0); count];
+    comm.reduce_scatter_into(&wide, &mut want, op)?;
+    case.check("reduce_scatter premul_sum", download(s, &d), &want);
+    case.check("reduce_scatter premul_sum input", download(s, &dw), &wide);
+
+    let mut d = zeros::<T>(s, count);
+    gated(comm, gate, || {
+        dev.reduce_into(&typed!(di, T, count), &mut typed!(mut d, T, count), op, 0)
+    })?;
+    let mut want = vec![T::from_f64(0.0); count];
+    comm.reduce_into(&input, &mut want, op, 0)?;
+    if r == 0 {
+        case.check("reduce premul_sum", download(s, &d), &want);
+    }
+    case.check("reduce premul_sum input", download(s, &di), &input);
     Ok(())
 }
 

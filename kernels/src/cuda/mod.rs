@@ -10,7 +10,7 @@
 //! |---|---|
 //! | `oxccl_reduce_<dtype>_<op>` | `dst = in[0] op in[1] op ... op in[k-1]`, `1 <= k <= 8`, left to right |
 //! | `oxccl_div_<dtype>` | `dst = src / n` (the last step of `Avg`) |
-//! | `oxccl_scale_<dtype>` (floats) | `dst = src * factor` (pre-multiplied sum) |
+//! | `oxccl_scale_<dtype>` | `dst = src * factor` (pre-multiplied sum; integers wrap) |
 //! | `oxccl_cast_<src>_<dst>` ([`CAST_PAIRS`]) | `dst = (dst type)(src * factor)`, rounded to nearest even (compressed gradients on the wire) |
 //! | `oxccl_adamw_f32`, `oxccl_sgd_f32` | one step of AdamW / SGD on f32 master weights, bit for bit the host's ([`AdamWScalars`], [`SgdScalars`]) |
 //! | `oxccl_copy` | byte copy |
@@ -183,9 +183,8 @@ mod tests {
                 "{name} must be defined exactly once"
             );
         }
-        // 12 dtypes x 4 ops + 12 div + 6 scale (floats) + 4 casts + AdamW + SGD + copy +
-        // barrier.
-        assert_eq!(kernel_names().len(), 48 + 12 + 6 + 4 + 2 + 1 + 1);
+        // 12 dtypes x 4 ops + 12 div + 12 scale + 4 casts + AdamW + SGD + copy + barrier.
+        assert_eq!(kernel_names().len(), 48 + 12 + 12 + 4 + 2 + 1 + 1);
         assert_eq!(
             reduce_kernel_name(DType::BF16, ReduceOp::Avg),
             "oxccl_reduce_bf16_sum"

@@ -142,12 +142,14 @@ impl CudaKernels {
         )
     }
 
-    /// `buf = buf * factor` for a float `dt` (pre-multiplied sum; `f32` arithmetic for
-    /// `f16`/`bf16`, `f64` for `f64`).
+    /// `buf = buf * factor` (pre-multiplied sum): `f32` arithmetic for `f16`/`bf16`/fp8, `f64`
+    /// for `f64`; integers multiply by a whole factor, wrapping, as the host's
+    /// [`scale`](crate::scale).
     ///
     /// # Errors
-    /// [`KernelError::Unsupported`] for integer types, [`KernelError::NotMultiple`],
-    /// [`KernelError::Cuda`] if the launch fails.
+    /// [`KernelError::BadFactor`] for an integer type and a factor that is not a whole number
+    /// from -2^63 up to 2^64, [`KernelError::NotMultiple`], [`KernelError::Cuda`] if the launch
+    /// fails.
     pub fn scale_bytes(
         &self,
         stream: &Arc<CudaStream>,
@@ -155,11 +157,32 @@ impl CudaKernels {
         buf: &mut CudaViewMut<'_, u8>,
         factor: f64,
     ) -> Result<(), KernelError> {
-        let name = scale_kernel_name(dt).ok_or(KernelError::Unsupported {
-            dtype: dt,
-            what: "scaling (pre-multiplied sum)",
-        })?;
-        self.unary(stream, dt, &name, buf, UnaryArg::Scale(factor))
+        let arg = scale_arg(dt, factor)?;
+        self.unary(stream, dt, &scale_kernel_name(dt), buf, arg)
+    }
+
+    /// `dst = src * factor` on raw device addresses, rounded as in [`CudaKernels::scale_bytes`]
+    /// (`dst` may equal `src`).
+    ///
+    /// # Safety
+    /// `dst` and `src` are device addresses of `bytes` bytes each, usable from `stream`'s
+    /// context and allocated until the kernel has run; `dst` is not otherwise written
+    /// meanwhile, and the two ranges are equal or do not overlap.
+    ///
+    /// # Errors
+    /// As [`CudaKernels::scale_bytes`].
+    pub unsafe fn scale_raw(
+        &self,
+        stream: &Arc<CudaStream>,
+        dt: DType,
+        dst: u64,
+        src: u64,
+        bytes: usize,
+        factor: f64,
+    ) -> Result<(), KernelError> {
+        let arg = scale_arg(dt, factor)?;
+        // SAFETY: the caller's guarantee.
+        unsafe { self.unary_raw(stream, dt, &scale_kernel_name(dt), dst, src, bytes, arg) }
     }
 
     fn unary(
@@ -174,20 +197,22 @@ impl CudaKernels {
         let (d, dg) = buf.device_ptr_mut(stream);
         // SAFETY: `buf` is a live device buffer of `len` bytes, ordered on `stream` by its guard
         // until after the launch.
-        unsafe { self.unary_raw(stream, dt, name, d, len, arg) }?;
+        unsafe { self.unary_raw(stream, dt, name, d, d, len, arg) }?;
         drop(dg);
         Ok(())
     }
 
     /// # Safety
-    /// `d` is the device address of `len` bytes usable from `stream`'s context, allocated until
-    /// the kernel has run.
+    /// `dst` and `src` are device addresses of `len` bytes each, usable from `stream`'s context
+    /// and allocated until the kernel has run; the ranges are equal or do not overlap.
+    #[allow(clippy::too_many_arguments)]
     unsafe fn unary_raw(
         &self,
         stream: &Arc<CudaStream>,
         dt: DType,
         name: &str,
-        d: u64,
+        dst: u64,
+        src: u64,
         len: usize,
         arg: UnaryArg,
     ) -> Result<(), KernelError> {
@@ -198,15 +223,15 @@ impl CudaKernels {
         let f = self.func(name)?;
         let n = (len / dt.size()) as u64;
         let mut b = stream.launch_builder(f);
-        b.arg(&d).arg(&d);
+        b.arg(&dst).arg(&src);
         match &arg {
-            UnaryArg::Div(v) => b.arg(v),
+            UnaryArg::Div(v) | UnaryArg::ScaleInt(v) => b.arg(v),
             UnaryArg::Scale(v) => b.arg(v),
         };
         b.arg(&n);
-        // SAFETY: the kernel is (T* dst, const T* src, u64 d | double f, usize n) with dst ==
-        // src == `d`, `n` elements of `dt` (the caller's guarantee); every thread reads and
-        // writes only its own elements, so the aliasing is fine.
+        // SAFETY: the kernel is (T* dst, const T* src, u64 d | double f | u64 k, usize n) with
+        // `n` elements of `dt` at `dst` and `src` (the caller's guarantee); every thread reads
+        // and writes only its own elements, so dst == src is fine.
         unsafe { b.launch(self.config(len)) }.map_err(|e| cuda_err("launch", e))?;
         Ok(())
     }
@@ -237,6 +262,7 @@ impl CudaKernels {
                 dt,
                 &div_kernel_name(dt),
                 buf,
+                buf,
                 bytes,
                 UnaryArg::Div(n as u64),
             )
@@ -247,4 +273,16 @@ impl CudaKernels {
 enum UnaryArg {
     Div(u64),
     Scale(f64),
+    /// A whole factor modulo 2^64, for the integer types.
+    ScaleInt(u64),
+}
+
+/// The scale kernel's argument for `factor` on `dt`, once it is checked.
+fn scale_arg(dt: DType, factor: f64) -> Result<UnaryArg, KernelError> {
+    crate::check_factor(dt, factor)?;
+    Ok(if dt.is_float() {
+        UnaryArg::Scale(factor)
+    } else {
+        UnaryArg::ScaleInt(crate::host::int_factor(factor))
+    })
 }

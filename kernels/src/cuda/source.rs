@@ -51,10 +51,10 @@ pub fn div_kernel_name(dt: DType) -> String {
     format!("oxccl_div_{}", dt.short_name())
 }
 
-/// Name of the scale kernel for a float `dt` (`None` for integers).
-pub fn scale_kernel_name(dt: DType) -> Option<String> {
-    dt.is_float()
-        .then(|| format!("oxccl_scale_{}", dt.short_name()))
+/// Name of the scale kernel for `dt` (a float factor for the float types, a whole one modulo
+/// 2^64 for the integers).
+pub fn scale_kernel_name(dt: DType) -> String {
+    format!("oxccl_scale_{}", dt.short_name())
 }
 
 /// Name of the conversion kernel from `src` to `dst` (the pairs of [`CAST_PAIRS`]).
@@ -66,7 +66,7 @@ pub fn cast_kernel_name(src: DType, dst: DType) -> String {
 pub fn kernel_names() -> Vec<String> {
     let mut names: Vec<String> = table().map(|(d, o)| reduce_kernel_name(d, o)).collect();
     names.extend(DType::ALL.into_iter().map(div_kernel_name));
-    names.extend(DType::ALL.into_iter().filter_map(scale_kernel_name));
+    names.extend(DType::ALL.into_iter().map(scale_kernel_name));
     names.extend(CAST_PAIRS.iter().map(|&(s, d)| cast_kernel_name(s, d)));
     names.push(ADAMW_KERNEL.to_string());
     names.push(SGD_KERNEL.to_string());
@@ -98,14 +98,18 @@ fn entries() -> Vec<(String, String)> {
             t = ctype(dt),
         );
         e.push((name, line));
-        if let Some(name) = scale_kernel_name(dt) {
-            let line = format!(
-                "extern \"C\" __global__ void {name}({t}* dst, const {t}* src, double f, usize n) \
-                 {{ scale_elems<{t}>(dst, src, f, n); }}",
-                t = ctype(dt),
-            );
-            e.push((name, line));
-        }
+        let (arg, body) = if dt.is_float() {
+            ("double f", "scale_elems")
+        } else {
+            ("u64 f", "scale_int_elems")
+        };
+        let line = format!(
+            "extern \"C\" __global__ void {name}({t}* dst, const {t}* src, {arg}, usize n) \
+             {{ {body}<{t}>(dst, src, f, n); }}",
+            name = scale_kernel_name(dt),
+            t = ctype(dt),
+        );
+        e.push((scale_kernel_name(dt), line));
     }
     for &(src, dst) in &CAST_PAIRS {
         let name = cast_kernel_name(src, dst);

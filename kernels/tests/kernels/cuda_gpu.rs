@@ -7,9 +7,11 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
 use oxccl_kernels::cuda::{driver_available, CudaKernels, MAX_INPUTS};
-use oxccl_kernels::{finish_avg_bytes, reduce_bytes, DType, KernelError, ReduceOp, F8E4M3, F8E5M2};
+use oxccl_kernels::{
+    finish_avg_bytes, reduce_bytes, scale_bytes, DType, KernelError, ReduceOp, F8E4M3, F8E5M2,
+};
 
 fn gpu() -> Option<(Arc<CudaStream>, CudaKernels)> {
     if !driver_available() {
@@ -161,7 +163,36 @@ fn avg_scale_and_copy_match_the_host() {
             "{dt} copy"
         );
         let r = k.scale_bytes(&stream, dt, &mut d.as_view_mut(), 0.5);
-        assert_eq!(dt.is_float(), r.is_ok(), "{dt} scale");
+        assert_eq!(
+            dt.is_float(),
+            r.is_ok(),
+            "{dt} scale by 0.5 (integers: a bad factor)"
+        );
+        // Floats by 0.5, integers by -3 (wrapping), out of place as the pre-multiplied sum over
+        // CUDA IPC scales an input; the source stays as it was.
+        let f = if dt.is_float() { 0.5 } else { -3.0 };
+        let mut want = h.clone();
+        scale_bytes(dt, &mut want, f).expect("host scale");
+        let src = stream.clone_htod(&h).expect("htod");
+        let mut dst = stream.alloc_zeros::<u8>(h.len()).expect("alloc");
+        {
+            let (s, _sg) = src.device_ptr(&stream);
+            let (o, _og) = dst.device_ptr_mut(&stream);
+            // SAFETY: `s` and `o` are live allocations of `h.len()` bytes each, on this stream.
+            unsafe { k.scale_raw(&stream, dt, o, s, h.len(), f) }.expect("scale_raw");
+        }
+        if let Some((i, g, w)) =
+            first_difference(dt, &stream.clone_dtoh(&dst).expect("dtoh"), &want)
+        {
+            panic!(
+                "{dt} scale by {f}: element {i} is {g:02x?} on the device, {w:02x?} on the host"
+            );
+        }
+        assert_eq!(
+            stream.clone_dtoh(&src).expect("dtoh"),
+            h,
+            "{dt} scale source"
+        );
     }
 }
 

@@ -305,11 +305,15 @@ static void check_calls_without_device(void) {
   const char *why = ncclGetLastError(NULL);
   if (end == ncclInvalidUsage && strstr(why, "without") != NULL) {
     printf("collectives: no device support in this build (%s)\n", why);
-  } else {
+  } else if (strstr(why, "no CUDA driver") != NULL) {
     /* the `cuda` feature on a machine without a CUDA driver */
-    CHECK(end == ncclUnhandledCudaError && strstr(why, "no CUDA driver") != NULL,
-          "group end %d", end);
+    CHECK(end == ncclUnhandledCudaError, "group end %d", end);
     printf("collectives: the cuda feature, no driver here (%s)\n", why);
+  } else {
+    /* with a driver: a host address where device memory belongs is refused by CUDA */
+    CHECK(end == ncclUnhandledCudaError || end == ncclInvalidArgument, "group end %d (%s)", end,
+          why);
+    printf("collectives: host memory given as device memory refused (%s)\n", why);
   }
   CHECK(ncclCommCount(NULL, &x) == ncclInvalidArgument, "NULL comm");
   OK(ncclCommDestroy(c));

@@ -6,8 +6,9 @@
 //! kernels crate's `oxccl_adamw_f32` and `oxccl_sgd_f32`, which do each element's arithmetic as
 //! the host's [`AdamW`] and [`Sgd`] do.
 //!
-//! Untested on a GPU so far (no GPU was at hand since it was written); the kernels' arithmetic
-//! is tested against the host's without one.
+//! Its GPU test (`cargo test -p oxccl-zero --features cuda --test zero -- device --ignored`:
+//! 2 and 4 ranks against DDP and the same optimizer) passed on an H200; the kernels' arithmetic
+//! is also tested against the host's without one.
 
 use std::sync::Arc;
 

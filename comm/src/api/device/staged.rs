@@ -157,17 +157,6 @@ impl StreamComm<'_> {
         }
         match &mut state.ipc {
             IpcMode::Failed(e) => Some(Err(e.clone())),
-            IpcMode::On(_) if kind.op().factor().is_some() => {
-                // Every rank of the communicator runs over CUDA IPC and asks for the same
-                // operation, so every rank refuses it alike, before any barrier.
-                Some(Err(comm.invalid(
-                    op,
-                    "premul_sum is not implemented over CUDA IPC yet; with \
-                     OXCCL_CUDA_IPC=0 device collectives stage through host memory, which \
-                     runs it"
-                        .into(),
-                )))
-            }
             IpcMode::On(s) => {
                 let len = |d: Dev| d.map_or(0, |x| x.1);
                 let count = match kind {

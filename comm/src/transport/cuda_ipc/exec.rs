@@ -335,6 +335,7 @@ impl IpcState {
                 .wait(&self.local.done)
                 .map_err(|e| Stop::Cuda(format!("ordering after the previous operation: {e:?}")))?;
         }
+        let (input, temp) = self.premul_input(stream, kind, dt, count, input, output)?;
         self.history
             .push_back((self.cur.epoch.wrapping_add(1), self.ops, kind, dt, count));
         if self.history.len() > HISTORY {
@@ -360,7 +361,14 @@ impl IpcState {
             abort,
             timeout: self.timeout,
         };
-        let r = execute(&plan, &bases, &mut self.cur, &mut exec);
+        let mut r = execute(&plan, &bases, &mut self.cur, &mut exec);
+        if let Some(t) = temp {
+            // SAFETY: `t` came from cuMemAllocAsync on this stream; every read of it (this
+            // rank's own copies and reduces: peers read only the scratch slots) is enqueued
+            // before this free on the same stream.
+            let freed = unsafe { sys::cuMemFreeAsync(t, cu) }.result();
+            r = r.and(freed.map_err(|e| Stop::Cuda(format!("freeing the scaled input: {e:?}"))));
+        }
         self.ops += 1;
         self.last_stream = Some(Arc::clone(stream));
         let recorded = self
@@ -369,6 +377,64 @@ impl IpcState {
             .record(stream)
             .map_err(|e| Stop::Cuda(format!("recording the done event: {e:?}")));
         r.and(recorded)
+    }
+}
+
+impl IpcState {
+    /// A pre-multiplied sum's first step: enqueues this rank's input times its factor where the
+    /// plan then reads it, and returns that address (the plan itself sums, as the reduce kernels
+    /// take `PreMulSum` as `Sum`) and the temporary to free after the operation: all-reduce
+    /// scales into its output (in place when it is the input); reduce-scatter and reduce into
+    /// a stream-ordered temporary, since their input must stay as it was. Any other operation:
+    /// `input` as it is.
+    fn premul_input(
+        &self,
+        stream: &Arc<CudaStream>,
+        kind: Kind,
+        dt: DType,
+        count: usize,
+        input: u64,
+        output: u64,
+    ) -> std::result::Result<(u64, Option<u64>), Stop> {
+        let Some(factor) = kind.op().factor() else {
+            return Ok((input, None));
+        };
+        let blocks = if matches!(kind, Kind::ReduceScatter(_)) {
+            self.size
+        } else {
+            1
+        };
+        let bytes = count * blocks * dt.size();
+        if bytes == 0 {
+            return Ok((input, None));
+        }
+        let cu = stream.cu_stream();
+        let (dst, temp) = if matches!(kind, Kind::AllReduce(_)) {
+            (output, None)
+        } else {
+            let mut p: sys::CUdeviceptr = 0;
+            // SAFETY: `p` is written by the driver; the allocation is ordered on `stream`.
+            unsafe { sys::cuMemAllocAsync(&mut p, bytes, cu) }
+                .result()
+                .map_err(|e| Stop::Cuda(format!("allocating the scaled input: {e:?}")))?;
+            (p, Some(p))
+        };
+        // SAFETY: `input` holds `bytes` bytes of the caller's input (the call was checked);
+        // `dst` is the all-reduce's output of the same length (equal to `input` in place) or the
+        // temporary just allocated on this stream.
+        let scaled = unsafe {
+            self.local
+                .kernels
+                .scale_raw(stream, dt, dst, input, bytes, factor)
+        };
+        if let Err(e) = scaled {
+            if let Some(t) = temp {
+                // SAFETY: allocated above on this stream; nothing reads it.
+                let _ = unsafe { sys::cuMemFreeAsync(t, cu) };
+            }
+            return Err(Stop::Cuda(format!("scaling the input (premul_sum): {e}")));
+        }
+        Ok((dst, temp))
     }
 }
 

@@ -72,8 +72,8 @@ pub struct PerfArgs {
     pub check: u32,
 
     /// Reduction: sum, prod, min, max, avg, premul_sum (also mulsum: rank r multiplies its input
-    /// by 1 on even ranks, 2 on odd ones, before the sum), or all (premul_sum not included with
-    /// --device cuda; ignored by collectives without an op).
+    /// by 1 on even ranks, 2 on odd ones, before the sum), or all (ignored by collectives
+    /// without an op).
     #[arg(short = 'o', long = "op", value_name = "OP", default_value = "sum")]
     pub op: String,
 

@@ -157,13 +157,6 @@ impl Plan {
                 "oxccl perf {coll} runs on host buffers only (--device host)"
             ));
         }
-        // Over CUDA IPC (the default on one node) a premul_sum is refused: `-o all` leaves it
-        // out on device buffers, `-o premul_sum` still asks for it (staged with
-        // OXCCL_CUDA_IPC=0).
-        let mut ops = ops;
-        if cuda && a.op.trim().eq_ignore_ascii_case("all") {
-            ops.retain(|o| o.and_then(ReduceOp::factor).is_none());
-        }
         if a.local_register == 1 && cuda {
             return Err(
                 "-R 1 registers host buffers; with --device cuda it is not supported".into(),
@@ -215,10 +208,9 @@ impl Plan {
 mod tests {
     use super::*;
 
-    /// `-o all` on device buffers leaves premul_sum out (refused over CUDA IPC); `-o premul_sum`
-    /// keeps it, and host buffers keep it in `all`.
+    /// `-o all` runs premul_sum on device buffers too (over CUDA IPC and staged alike).
     #[test]
-    fn device_all_ops_leave_premul_sum_out() {
+    fn device_all_ops_include_premul_sum() {
         use clap::Parser;
         #[derive(Parser)]
         struct Cli {
@@ -231,9 +223,9 @@ mod tests {
         };
         let premul = Some(ReduceOp::premul_sum(1.0));
         let device = ops(&["--device", "cuda", "-o", "all"]);
-        assert_eq!(device.len(), 5);
-        assert!(!device.contains(&premul), "{device:?}");
+        assert_eq!(device.len(), 6);
+        assert!(device.contains(&premul), "{device:?}");
         assert_eq!(ops(&["--device", "cuda", "-o", "premul_sum"]), vec![premul]);
-        assert!(ops(&["-o", "all"]).contains(&premul));
+        assert_eq!(device, ops(&["-o", "all"]));
     }
 }
