@@ -16,7 +16,8 @@
 #    exactly; 10 DDP steps against the same on gloo; a rank that skips an all_reduce makes the
 #    other fail within the time-out instead of hanging. The wheel's library is put back after.
 # 5. 4 processes: every test, `-d all -o all`; then `-G 5` (CUDA graphs) with one rank.
-# SKIP="abi one two busbw torch four graph" leaves those parts out.
+# SKIP="abi one two busbw torch four graph" leaves those parts out; TESTS (default the seven
+# above) and BUSBW (default all_reduce) name the nccl-tests run.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bin=$(readlink -f "${BIN:-target/gpu-bin}")
@@ -32,7 +33,7 @@ echo "cores $(nproc); budget ${budget}s"
 home=/tmp/ncclhome && mkdir -p "$home"
 ln -sf "$bin/libnccl.so.2" "$home/libnccl.so.2"
 export LD_LIBRARY_PATH="$home:${LD_LIBRARY_PATH:-}"
-tests="all_reduce all_gather reduce_scatter broadcast reduce alltoall sendrecv"
+tests=${TESTS:-all_reduce all_gather reduce_scatter broadcast reduce alltoall sendrecv}
 small="-b 8 -e 1M -f 32 -n 2 -w 1 -c 1"
 nt=/tmp/nccl-tests && mkdir -p $nt
 
@@ -68,9 +69,11 @@ if [ "$mpi" = 1 ] && [ -x $nt/all_reduce_perf ]; then
     # where it allows that (NCCL_MULTI_RANK_GPU_ENABLE=1 on 2.30).
     big="-b 1M -e 256M -f 4 -n 20 -w 5 -c 0"
     skip busbw || for round in 1 2; do
-        echo "### busbw round $round"
-        step 40 "${mpi_np[@]}" 2 $nt/all_reduce_perf $big
-        step 40 "$bin/oxccl" perf all-reduce --device cuda --np 2 $big
+        for t in ${BUSBW:-all_reduce}; do
+            echo "### busbw round $round: $t"
+            step 40 "${mpi_np[@]}" 2 $nt/${t}_perf $big
+            step 40 "$bin/oxccl" perf "$t" --device cuda --np 2 $big
+        done
     done
     real=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)
     if ! skip busbw && [ -e "$real/libnccl.so.2" ]; then

@@ -207,11 +207,18 @@ impl Buffers<'_> {
     }
 
     /// Sends and receives together, none blocking another (see [`Communicator::batch_p2p`]),
-    /// on host views of any data types: each message is matched by its bytes, so its peer
-    /// sends or receives it through this call too (or as `u8`).
+    /// on views of any data types: each message is matched by its bytes, so its peer sends or
+    /// receives it through this call too (or as `u8`). Device views (all on one stream) are
+    /// staged through pinned host memory and enqueued on their stream: the call returns once
+    /// the batch is enqueued, and later work on the stream sees the received data (with ranks
+    /// that are threads of one process it waits for the host batch first). Not over CUDA IPC;
+    /// not yet run on a GPU.
     ///
     /// # Errors
-    /// As [`Communicator::batch_p2p`]; `InvalidArgument` for a device view.
+    /// As [`Communicator::batch_p2p`]; `InvalidArgument` for host and device views in one
+    /// batch, or device views on different streams; for device views, a failure after the call
+    /// returned comes from `Communicator::device_async_error` and every later device
+    /// operation.
     pub fn batch_p2p(&self, ops: Vec<crate::api::p2p::P2pView<'_>>) -> Result<()> {
         self.comm.batch_p2p_views(ops)
     }

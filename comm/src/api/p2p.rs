@@ -42,14 +42,15 @@ pub enum P2pOp<'a, T> {
 pub enum P2pView<'a> {
     /// Send `buf` to `peer`.
     Send {
-        /// The data (host memory).
+        /// The data (host or device memory: every view of a batch in the same).
         buf: Buf<'a>,
         /// A rank of the communicator (this rank too, as in [`P2pOp`]).
         peer: usize,
     },
     /// Receive into `buf` from `peer`.
     Recv {
-        /// Where the data goes (host memory); its length in bytes must be the matching send's.
+        /// Where the data goes (host or device memory); its length in bytes must be the
+        /// matching send's.
         buf: BufMut<'a>,
         /// A rank of the communicator (this rank too).
         peer: usize,
@@ -200,22 +201,62 @@ impl Communicator {
     /// message is matched as bytes (its peer must also send or receive it through this call,
     /// or as `u8`).
     pub(crate) fn batch_p2p_views(&self, ops: Vec<P2pView<'_>>) -> Result<()> {
+        let device = |v: &P2pView<'_>| match v {
+            P2pView::Send { buf, .. } => buf.is_device(),
+            P2pView::Recv { buf, .. } => buf.is_device(),
+        };
+        if ops.iter().any(device) {
+            if !ops.iter().all(device) {
+                let msg = "a batch takes host views or device views, not both".to_string();
+                return Err(self.shared.named(self.invalid("batch_p2p", msg)));
+            }
+            return self.device_batch(ops);
+        }
         let mut parts = Vec::with_capacity(ops.len());
-        for (i, op) in ops.into_iter().enumerate() {
-            let device = || {
-                let msg = format!("operation {i}: device buffers cannot be batched yet");
-                self.invalid("batch_p2p", msg)
-            };
-            parts.push(match op {
-                P2pView::Send { buf, peer } => {
-                    Part::Send(peer, buf.into_host().ok_or_else(device)?)
-                }
-                P2pView::Recv { buf, peer } => {
-                    Part::Recv(peer, buf.into_host().ok_or_else(device)?)
-                }
+        for op in ops {
+            // Every view is in host memory (checked above).
+            parts.extend(match op {
+                P2pView::Send { buf, peer } => buf.into_host().map(|b| Part::Send(peer, b)),
+                P2pView::Recv { buf, peer } => buf.into_host().map(|b| Part::Recv(peer, b)),
             });
         }
         self.run_parts(parts, DType::U8)
+    }
+
+    /// A batch of device views, all on one stream: enqueued there (`crate::api::device`).
+    #[cfg(feature = "cuda-core")]
+    fn device_batch(&self, ops: Vec<P2pView<'_>>) -> Result<()> {
+        let mut dev = Vec::with_capacity(ops.len());
+        let mut stream = None;
+        for (i, op) in ops.into_iter().enumerate() {
+            let (send, peer, data) = match op {
+                P2pView::Send { buf, peer } => (true, peer, buf.data_device()),
+                P2pView::Recv { buf, peer } => (false, peer, buf.data_device()),
+            };
+            let Some(buf) = data else {
+                unreachable!("every view was checked to be in device memory")
+            };
+            let s = std::sync::Arc::clone(buf.stream);
+            if stream
+                .get_or_insert_with(|| std::sync::Arc::clone(&s))
+                .cu_stream()
+                != s.cu_stream()
+            {
+                let msg =
+                    format!("operation {i}: its view is on another stream than operation 0's");
+                return Err(self.shared.named(self.invalid("batch_p2p", msg)));
+            }
+            dev.push(crate::api::device::DevOp { send, peer, buf });
+        }
+        match stream {
+            Some(s) => self.on_stream(&s).launch_batch(dev),
+            None => Ok(()),
+        }
+    }
+
+    #[cfg(not(feature = "cuda-core"))]
+    fn device_batch(&self, _: Vec<P2pView<'_>>) -> Result<()> {
+        unreachable!("device views cannot be made without the cuda feature")
     }
 
     /// [`Communicator::batch_p2p`] in the background: the operations take their place in this
@@ -381,14 +422,14 @@ impl<B> OwnedP2pOp<B> {
 }
 
 /// One operation of a batch, as bytes.
-enum Part<'a> {
+pub(crate) enum Part<'a> {
     Send(usize, &'a [u8]),
     Recv(usize, &'a mut [u8]),
 }
 
 /// A checked batch: the sends and receives to other ranks in batch order, and the copies from
 /// sends to this rank itself into receives from it (paired in order).
-struct Batch<'a> {
+pub(crate) struct Batch<'a> {
     sends: Vec<(usize, &'a [u8])>,
     recvs: Vec<(usize, &'a mut [u8])>,
     copies: Vec<(&'a [u8], &'a mut [u8])>,
@@ -409,7 +450,7 @@ impl<'a> Batch<'a> {
 
 /// Sorts a batch's operations, checking every peer and that sends to this rank pair up with
 /// receives from it, with equal lengths (`es`: the element size, for the message).
-fn sort_batch<'a>(
+pub(crate) fn sort_batch<'a>(
     (rank, size): (usize, usize),
     es: usize,
     parts: impl IntoIterator<Item = Part<'a>>,
@@ -463,7 +504,12 @@ fn sort_batch<'a>(
 }
 
 /// Runs a checked batch (its turn has come): the copies to this rank, then the rest in waves.
-fn run_batch(shared: &Shared, st: &mut ExecState, batch: Batch<'_>, dtype: DType) -> Result<()> {
+pub(crate) fn run_batch(
+    shared: &Shared,
+    st: &mut ExecState,
+    batch: Batch<'_>,
+    dtype: DType,
+) -> Result<()> {
     let (sends, recvs) = batch.copy_to_self();
     if sends.is_empty() && recvs.is_empty() {
         return Ok(());

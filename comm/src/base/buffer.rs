@@ -98,6 +98,28 @@ pub struct BufMut<'a> {
     count: usize,
 }
 
+#[cfg(feature = "cuda-core")]
+impl<'a> Buf<'a> {
+    /// The device memory of a device view (`None` for host memory).
+    pub(crate) fn data_device(self) -> Option<Device<'a>> {
+        match self.data {
+            Data::Device(d) => Some(d),
+            Data::Host(_) => None,
+        }
+    }
+}
+
+#[cfg(feature = "cuda-core")]
+impl<'a> BufMut<'a> {
+    /// The device memory of a device view (`None` for host memory).
+    pub(crate) fn data_device(self) -> Option<Device<'a>> {
+        match self.data {
+            Data::Device(d) => Some(d),
+            Data::Host(_) => None,
+        }
+    }
+}
+
 impl<'a> Buf<'a> {
     /// Host bytes viewed as elements of `dtype`.
     ///

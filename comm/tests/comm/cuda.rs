@@ -32,7 +32,7 @@ use std::sync::Arc;
 use oxccl_comm::cuda::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use oxccl_comm::harness::spawn_world;
 use oxccl_comm::internal::tuning::AlgoOverride;
-use oxccl_comm::{Communicator, Config, Element, ReduceOp, Result};
+use oxccl_comm::{Buf, BufMut, Communicator, Config, Element, P2pView, ReduceOp, Result};
 use oxccl_kernels::cuda::driver_available;
 use oxccl_kernels::{with_dtype, DType};
 
@@ -384,6 +384,46 @@ fn send_recv<T: Element>(case: &mut Case<'_, T>) -> Result<()> {
     })?;
     case.check("send/recv", download(s, &d), &values::<T>(prev, count));
 
+    // A batch both ways round the ring, enqueued on the stream: each rank's input to the next
+    // rank and its second buffer to the previous one.
+    let (db, mut dp, mut dn) = (
+        upload(s, &case.wide[..count]),
+        zeros::<T>(s, count),
+        zeros::<T>(s, count),
+    );
+    gated(comm, gate, || {
+        let (a, b) = (typed!(di, T, count), typed!(db, T, count));
+        let (mut from_prev, mut from_next) = (typed!(mut dp, T, count), typed!(mut dn, T, count));
+        case.trace("dev batch_p2p");
+        comm.buffers().batch_p2p(vec![
+            P2pView::Send {
+                buf: Buf::device(&a, s),
+                peer: next,
+            },
+            P2pView::Send {
+                buf: Buf::device(&b, s),
+                peer: prev,
+            },
+            P2pView::Recv {
+                buf: BufMut::device(&mut from_prev, s),
+                peer: prev,
+            },
+            P2pView::Recv {
+                buf: BufMut::device(&mut from_next, s),
+                peer: next,
+            },
+        ])
+    })?;
+    case.check(
+        "batch_p2p from prev",
+        download(s, &dp),
+        &values::<T>(prev, count),
+    );
+    case.check(
+        "batch_p2p from next",
+        download(s, &dn),
+        &values::<T>(next + 10, count),
+    );
     Ok(())
 }
 

@@ -132,6 +132,7 @@
 //! (`nccl/`): run them with `cargo test -p oxccl-comm --features cuda --test comm -- cuda
 //! --ignored` on a machine with one.
 
+mod batch;
 mod staged;
 mod state;
 
@@ -145,6 +146,7 @@ use crate::api::communicator::Communicator;
 use crate::base::buffer::{Buf, BufMut, Device};
 pub(crate) use crate::base::call::Kind;
 use crate::base::error::{Error, Result};
+pub(crate) use batch::DevOp;
 pub(crate) use state::DeviceState;
 use state::IpcMode;
 
@@ -246,7 +248,7 @@ impl StreamComm<'_> {
         &self.stream
     }
 
-    fn cuda_err(&self, op: &str, what: &str, e: impl std::fmt::Debug) -> Error {
+    pub(super) fn cuda_err(&self, op: &str, what: &str, e: impl std::fmt::Debug) -> Error {
         Error::Cuda {
             rank: self.comm.rank,
             op: op.into(),

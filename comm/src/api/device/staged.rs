@@ -95,7 +95,7 @@ impl StreamComm<'_> {
 
     /// The communicator's device state (`slot`, made at its first device operation), once the
     /// stream is checked to belong to its context and no earlier operation has failed.
-    fn device_state<'s>(
+    pub(super) fn device_state<'s>(
         &self,
         slot: &'s mut Option<DeviceState>,
         op: &str,
@@ -186,7 +186,7 @@ impl StreamComm<'_> {
 
     /// A pinned staging buffer of at least `bytes` for this call, lent from the pool; one still
     /// in use comes free once every part enqueued so far is done.
-    fn take_staging(
+    pub(super) fn take_staging(
         &self,
         state: &DeviceState,
         ctx: &Arc<CudaContext>,
@@ -394,7 +394,7 @@ impl StreamComm<'_> {
 /// it cannot be, calls wait for their host collectives instead. Called before this
 /// communicator has any staged work in flight (loading a module may wait for the context to go
 /// idle).
-fn load_waiter(state: &mut DeviceState, ctx: &Arc<CudaContext>, rank: usize) {
+pub(super) fn load_waiter(state: &mut DeviceState, ctx: &Arc<CudaContext>, rank: usize) {
     if state.stream_wait && state.waiter.is_none() {
         match oxccl_kernels::cuda::FlagWait::shared(ctx) {
             Ok(w) => state.waiter = Some(w),
@@ -412,7 +412,7 @@ fn load_waiter(state: &mut DeviceState, ctx: &Arc<CudaContext>, rank: usize) {
 
 /// Publishes a part's number when dropped: after the part's job, even if it panicked, so no
 /// stream waits forever.
-struct SetOnDrop(Arc<Flag>, u32);
+pub(super) struct SetOnDrop(pub(super) Arc<Flag>, pub(super) u32);
 
 impl Drop for SetOnDrop {
     fn drop(&mut self) {
@@ -421,7 +421,7 @@ impl Drop for SetOnDrop {
 }
 
 /// Waits (on the progress thread) for a part's input copy to complete, within `timeout`.
-fn wait_ready(
+pub(super) fn wait_ready(
     ctx: &Arc<CudaContext>,
     ev: &cudarc::driver::CudaEvent,
     rank: usize,
