@@ -249,7 +249,10 @@ impl Communicator {
             dev.push(crate::api::device::DevOp { send, peer, buf });
         }
         match stream {
-            Some(s) => self.on_stream(&s).launch_batch(dev),
+            Some(s) => self
+                .on_stream(&s)
+                .launch_batch(dev)
+                .map_err(|e| self.shared.named(e)),
             None => Ok(()),
         }
     }

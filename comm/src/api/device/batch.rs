@@ -51,7 +51,7 @@ impl StreamComm<'_> {
                     "operation {i}: peer {} is not a rank of this communicator (size {})",
                     o.peer, comm.size
                 );
-                return Err(comm.shared.named(comm.invalid(OP, msg)));
+                return Err(comm.invalid(OP, msg));
             }
         }
         // Sends to this rank itself pair up with receives from it, in order, with equal
@@ -73,7 +73,7 @@ impl StreamComm<'_> {
                 mine_out.len(),
                 mine_in.len()
             );
-            return Err(comm.shared.named(comm.invalid(OP, msg)));
+            return Err(comm.invalid(OP, msg));
         }
         if ops.is_empty() {
             return Ok(());
@@ -112,16 +112,22 @@ impl StreamComm<'_> {
                     .map_err(|e| fail("copying a buffer to send to host staging", e.0))?;
             }
         }
-        let reused = lock(&state.events).pop();
-        let ready = match reused {
-            Some(ev) => ev,
-            None => ctx
-                .new_event(None)
-                .map_err(|e| fail("creating an event", e.0))?,
+        // The event the host batch waits for: only where there are bytes to send (a batch that
+        // only receives starts at once, as a staged receive does).
+        let ready = if ops.iter().any(|o| o.send && o.buf.bytes > 0) {
+            let reused = lock(&state.events).pop();
+            let ev = match reused {
+                Some(ev) => ev,
+                None => ctx
+                    .new_event(None)
+                    .map_err(|e| fail("creating an event", e.0))?,
+            };
+            ev.record(stream)
+                .map_err(|e| fail("recording the staged event", e.0))?;
+            Some(ev)
+        } else {
+            None
         };
-        ready
-            .record(stream)
-            .map_err(|e| fail("recording the staged event", e.0))?;
 
         // 2. The batch over the host transports, on the progress thread, in this
         //    communicator's line.
@@ -143,11 +149,15 @@ impl StreamComm<'_> {
         let job_ctx = Arc::clone(&ctx);
         let job = move |ticket: u64, ahead: u64| {
             let r = shared.run_turn(ticket, ahead, |st| {
-                wait_ready(&job_ctx, &ready, shared.rank, OP, shared.timeout)?;
+                if let Some(ev) = &ready {
+                    wait_ready(&job_ctx, ev, shared.rank, OP, shared.timeout)?;
+                }
                 let parts = layout.iter().map(|(send, peer, r)| {
                     // SAFETY: the ranges are disjoint and inside the staging buffer, which only
                     // this job touches now: the copies into it have completed (the event
-                    // above), and the copies back wait for the flag set after this job.
+                    // above), and the copies back wait for the flag set after this job (on the
+                    // GPU, or, where streams do not wait, the call waits for this job before it
+                    // enqueues them).
                     let bytes = unsafe { staged.pinned().slice_mut(r.clone()) };
                     if *send {
                         Part::Send(*peer, &*bytes)
@@ -161,7 +171,7 @@ impl StreamComm<'_> {
             if let Err(e) = &r {
                 lock(&errors).get_or_insert_with(|| e.clone());
             }
-            lock(&events).push(ready);
+            lock(&events).extend(ready);
             drop(set);
             drop(staged);
             let _ = tx.send(r);
@@ -183,7 +193,7 @@ impl StreamComm<'_> {
                 state.stream_wait = false;
             }
         }
-        if receives && !state.stream_wait {
+        if !state.stream_wait {
             let left = deadline.saturating_duration_since(Instant::now());
             let r = rx.recv_timeout(left).unwrap_or_else(|_| {
                 Err(Error::Timeout {
