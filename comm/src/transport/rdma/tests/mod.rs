@@ -206,6 +206,28 @@ enum Move {
     Poll,
 }
 
+/// Plays `script` with `step`, then lets delivery go both ways and runs sends, receives and
+/// polls long enough (8 rounds per byte of `total`, and 8) for whatever was in flight to arrive.
+fn play(
+    ctl: &SimControl,
+    script: &[Move],
+    total: usize,
+    tx: &mut RdmaSend<SimQp>,
+    rx: &mut RdmaRecv<SimQp>,
+    mut step: impl FnMut(&Move, &mut RdmaSend<SimQp>, &mut RdmaRecv<SimQp>) -> crate::Result<()>,
+) {
+    for m in script {
+        step(m, tx, rx).unwrap();
+    }
+    ctl.hold(0, false);
+    ctl.hold(1, false);
+    for _ in 0..8 * total + 8 {
+        step(&Move::Send, tx, rx).unwrap();
+        step(&Move::Recv(4), tx, rx).unwrap();
+        step(&Move::Poll, tx, rx).unwrap();
+    }
+}
+
 fn moves() -> impl Strategy<Value = Vec<Move>> {
     prop::collection::vec(
         prop_oneof![
@@ -453,7 +475,7 @@ proptest! {
         let bytes = |k: usize| -> &[u8] { &reg[starts[k]..starts[k] + msgs[k].1] };
         // The message being sent and how much of it counts as sent.
         let (mut k, mut taken, mut got) = (0usize, 0usize, Vec::new());
-        let mut step = |m: &Move, tx: &mut RdmaSend<SimQp>, rx: &mut RdmaRecv<SimQp>| -> crate::Result<()> {
+        let step = |m: &Move, tx: &mut RdmaSend<SimQp>, rx: &mut RdmaRecv<SimQp>| -> crate::Result<()> {
             match *m {
                 Move::Send if k < msgs.len() => {
                     let (direct, len) = msgs[k];
@@ -480,16 +502,7 @@ proptest! {
             }
             Ok(())
         };
-        for m in &script {
-            step(m, &mut tx, &mut rx).unwrap();
-        }
-        ctl.hold(0, false);
-        ctl.hold(1, false);
-        for _ in 0..8 * total + 8 {
-            step(&Move::Send, &mut tx, &mut rx).unwrap();
-            step(&Move::Recv(4), &mut tx, &mut rx).unwrap();
-            step(&Move::Poll, &mut tx, &mut rx).unwrap();
-        }
+        play(&ctl, &script, total, &mut tx, &mut rx, step);
         // The serial reference: each message's frames in order.
         let mut want = Vec::new();
         for (j, &(direct, len)) in msgs.iter().enumerate() {

@@ -8,7 +8,7 @@ use proptest::prelude::*;
 
 use super::super::conn::{RdmaRecv, RdmaSend};
 use super::super::sim::SimQp;
-use super::{conn, conn_counted, moves, tag, Move};
+use super::{conn, conn_counted, moves, play, tag, Move};
 use crate::base::op::Tag;
 use crate::transport::{RecvConn, SendConn};
 use crate::Registered;
@@ -264,7 +264,7 @@ proptest! {
         // The sender's message and bytes taken; the receiver's message, bytes got, and landed.
         let (mut k, mut taken) = (0usize, 0usize);
         let (mut m, mut got, mut landed) = (0usize, 0usize, 0usize);
-        let mut step = |mv: &Move, tx: &mut RdmaSend<SimQp>, rx: &mut RdmaRecv<SimQp>| -> crate::Result<()> {
+        let step = |mv: &Move, tx: &mut RdmaSend<SimQp>, rx: &mut RdmaRecv<SimQp>| -> crate::Result<()> {
             match *mv {
                 Move::Send if k < msgs.len() => {
                     let (registered, _, len) = msgs[k];
@@ -314,16 +314,7 @@ proptest! {
             }
             Ok(())
         };
-        for mv in &script {
-            step(mv, &mut tx, &mut rx).unwrap();
-        }
-        ctl.hold(0, false);
-        ctl.hold(1, false);
-        for _ in 0..8 * total + 8 {
-            step(&Move::Send, &mut tx, &mut rx).unwrap();
-            step(&Move::Recv(4), &mut tx, &mut rx).unwrap();
-            step(&Move::Poll, &mut tx, &mut rx).unwrap();
-        }
+        play(&ctl, &script, total, &mut tx, &mut rx, step);
         prop_assert_eq!((k, m), (msgs.len(), msgs.len()));
         prop_assert!(out[..] == reg[..], "the bytes received differ from those sent");
         prop_assert!(tx.flushed());
