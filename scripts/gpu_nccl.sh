@@ -16,7 +16,9 @@
 #    exactly; 10 DDP steps against the same on gloo; a rank that skips an all_reduce makes the
 #    other fail within the time-out instead of hanging. The wheel's library is put back after.
 # 5. 4 processes: every test, `-d all -o all`; then `-G 5` (CUDA graphs) with one rank.
-# SKIP="abi one two busbw torch four graph" leaves those parts out; TESTS (default the seven
+# 6. Sends and receives on the stream (OXCCL_NCCL_P2P=stream): sendrecv_perf with 1, 2 and 4
+#    processes, its busbw against the synchronous batch, and PyTorch's collectives check.
+# SKIP="abi one two busbw torch four graph p2p" leaves those parts out; TESTS (default the seven
 # above) and BUSBW (default all_reduce) name the nccl-tests run.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -118,6 +120,27 @@ if [ "$mpi" = 1 ] && [ -x $nt/all_reduce_perf ]; then
     skip four || for t in $tests; do
         step 30 "${mpi_np[@]}" 4 $nt/${t}_perf $small -d all -o all
     done
+fi
+# 6. Sends and receives enqueued on the stream (OXCCL_NCCL_P2P=stream, not yet the default):
+#    sendrecv_perf with 1, 2 and 4 processes, checked; its busbw next to the synchronous batch;
+#    PyTorch's collectives check (batch_isend_irecv among them) on the stream path.
+if ! skip p2p && [ "$mpi" = 1 ] && [ -x $nt/sendrecv_perf ]; then
+    export OXCCL_NCCL_P2P=stream
+    step 20 $nt/sendrecv_perf $small -d all -o all
+    for np in 2 4; do
+        step 30 "${mpi_np[@]}" $np -x OXCCL_NCCL_P2P $nt/sendrecv_perf $small -d all -o all
+    done
+    for mode in sync stream; do
+        echo "### sendrecv busbw, OXCCL_NCCL_P2P=$mode"
+        OXCCL_NCCL_P2P=$mode step 40 "${mpi_np[@]}" 2 -x OXCCL_NCCL_P2P $nt/sendrecv_perf \
+            -b 1M -e 64M -f 8 -n 10 -w 3 -c 1
+    done
+    if [ -n "$torch_lib" ] && [ -e "$torch_lib" ] && ! skip torch; then
+        cp "$bin/libnccl.so.2" "$torch_lib"
+        step 60 torchrun --nproc_per_node 2 scripts/nccl_torch_check.py collectives
+        cp /tmp/libnccl.so.2.wheel "$torch_lib"
+    fi
+    unset OXCCL_NCCL_P2P
 fi
 mps_off
 skip graph || { [ -x $nt/all_reduce_perf ] && step 20 $nt/all_reduce_perf $small -G 5; }

@@ -192,6 +192,16 @@ pub fn host_memory() -> bool {
     })
 }
 
+/// Whether device sends and receives are enqueued on the caller's stream (`OXCCL_NCCL_P2P`:
+/// `stream`, or `sync` for the synchronous batch through host copies; read once).
+pub fn p2p_on_stream() -> bool {
+    static STREAM: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *STREAM.get_or_init(|| {
+        let v = std::env::var("OXCCL_NCCL_P2P").unwrap_or_default();
+        v.trim().eq_ignore_ascii_case("stream")
+    })
+}
+
 /// One collective (not send or receive).
 fn run(t: &Target, call: Call) -> Outcome {
     if host_memory() {
@@ -531,11 +541,59 @@ mod device {
         Ok(())
     }
 
-    /// A communicator's sends and receives of one group, on device buffers, through host
-    /// copies: the caller's stream is synchronized first (the data to send is written), the
-    /// batch runs on the host, and the received data is copied back before the call returns.
-    /// Synchronous, unlike the collectives; correct in any order of the group's calls.
+    /// A communicator's sends and receives of one group, on device buffers: enqueued on the
+    /// caller's stream as one of oxccl's device batches ([`stream_batch`]), or with
+    /// `OXCCL_NCCL_P2P=sync` synchronously ([`sync_batch`]).
     pub(super) fn batch(t: &Target, calls: &[Call]) -> Outcome {
+        if super::p2p_on_stream() {
+            stream_batch(t, calls)
+        } else {
+            sync_batch(t, calls)
+        }
+    }
+
+    /// The batch as oxccl's `Buffers::batch_p2p` on device views: the bytes to send are
+    /// copied to pinned staging on the caller's stream, the batch runs on the progress thread
+    /// (every operation progressing together), and the received bytes are copied back behind
+    /// the stream's wait; the call returns once that is enqueued.
+    fn stream_batch(t: &Target, calls: &[Call]) -> Outcome {
+        use oxccl_comm::P2pView;
+        let comm = t.comm.comm()?;
+        let ctx = context(t.comm.device)?;
+        // SAFETY: as in `run`.
+        let stream = unsafe { ctx.wrap_borrowed_stream(t.stream as sys::CUstream) };
+        if let Some(c) = calls.first() {
+            refuse_capture(&stream, c)?;
+        }
+        let (dt, s) = (t.dtype, &stream);
+        let mut views = Vec::with_capacity(calls.len());
+        for &c in calls {
+            views.push(match c {
+                Call::Send { buf, count, peer } => {
+                    // SAFETY: the C caller's address and count, under NCCL's contract (device
+                    // memory of this context, left alone until the stream has run the call).
+                    let buf = unsafe { r(buf, count, dt, s) };
+                    P2pView::Send { buf, peer }
+                }
+                Call::Recv { buf, count, peer } => {
+                    // SAFETY: as above, and nothing else touches it until the stream has run.
+                    let buf = unsafe { w(buf, count, dt, s) };
+                    P2pView::Recv { buf, peer }
+                }
+                other => {
+                    let msg = format!("{other:?} in a batch of sends and receives");
+                    return Err(crate::status::bad_arg(msg));
+                }
+            });
+        }
+        comm.buffers().batch_p2p(views)?;
+        Ok(())
+    }
+
+    /// The batch through host copies, synchronously: the caller's stream is synchronized
+    /// first (the data to send is written), the batch runs on the host, and the received data
+    /// is copied back before the call returns. Correct in any order of the group's calls.
+    fn sync_batch(t: &Target, calls: &[Call]) -> Outcome {
         let ctx = context(t.comm.device)?;
         let cuda = |what: &str, e: cudarc::driver::DriverError| {
             fail(crate::abi::UNHANDLED_CUDA_ERROR, format!("{what}: {e}"))
