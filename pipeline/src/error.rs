@@ -52,6 +52,15 @@ pub enum PipelineError {
         /// The communicator's error.
         source: oxccl_comm::Error,
     },
+    /// A CUDA call of the pipeline failed (feature `cuda`: allocating a received tensor,
+    /// making the exchange stream).
+    #[error("rank {rank}: pipeline: CUDA: {what}")]
+    Device {
+        /// This rank.
+        rank: usize,
+        /// The call and its error.
+        what: String,
+    },
     /// The two ends of an exchange disagree in a way the protocol does not allow.
     #[error("rank {rank}: pipeline protocol: {what}")]
     Protocol {

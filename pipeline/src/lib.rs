@@ -44,7 +44,11 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
-//! Not yet: stages on device buffers (tensors are host memory).
+//! **Device tensors** (feature `cuda`): `Pipeline::new_on_device` takes stages whose tensors
+//! are in device memory (`Tensor::device_zeros`, `Tensor::from_device`); their payloads move as
+//! oxccl's device batches of sends and receives on a stream of the pipeline's own, staged
+//! through pinned host memory (not CUDA IPC yet). Untested on a GPU: written when none was at
+//! hand; `pipeline/tests/pipeline/device.rs` checks it where one is.
 
 #![forbid(unsafe_code)]
 

@@ -39,6 +39,7 @@ fn opts(kind: ScheduleKind, chunks: usize, micro: usize, pipe: usize) -> run::Op
         split: false,
         check: true,
         die: None,
+        device: false,
     }
 }
 

@@ -7,6 +7,7 @@
 //! peer, a refused shape) aborts the communicator, so every other stage fails too instead of
 //! waiting.
 
+mod place;
 mod shapes;
 mod wire;
 
@@ -15,8 +16,14 @@ use std::collections::HashMap;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+#[cfg(feature = "cuda-core")]
+use std::sync::Arc;
+
+#[cfg(feature = "cuda-core")]
+use cudarc::driver::CudaStream;
 use oxccl_comm::Communicator;
 
+use place::Place;
 pub use wire::Check;
 use wire::{Caches, Done, Job, Key, Wire};
 
@@ -126,6 +133,7 @@ pub struct Pipeline<C: Borrow<Communicator> = Communicator> {
     schedule: Schedule,
     caches: Caches,
     check: Option<Check>,
+    place: Place,
 }
 
 impl<C: Borrow<Communicator>> std::fmt::Debug for Pipeline<C> {
@@ -147,6 +155,41 @@ impl<C: Borrow<Communicator> + Sync> Pipeline<C> {
     /// [`PipelineError::Schedule`] for sizes no schedule takes; [`PipelineError::Invalid`]
     /// listing every rank's request when they differ; [`PipelineError::Comm`].
     pub fn new(comm: C, cfg: PipelineConfig) -> Result<Pipeline<C>, PipelineError> {
+        Pipeline::make(comm, cfg, Place::Host)
+    }
+
+    /// A pipeline whose stages take and give device tensors ([`Tensor::device_zeros`],
+    /// [`Tensor::from_device`]) computed on `stream` (or on streams cudarc orders with it):
+    /// the payloads move as oxccl's device batches of sends and receives, enqueued on a
+    /// stream of the pipeline's own in `stream`'s context, so that a receive that waits for its
+    /// peer holds up only the computations that use what it brings. Headers and shapes still
+    /// go through host memory. Every rank must make it this way. Collective over `comm`.
+    ///
+    /// Device batches are staged through pinned host memory (CUDA IPC between the stages of a
+    /// node is not used yet). Untested on a GPU: written when none was at hand;
+    /// `pipeline/tests/pipeline/device.rs` checks it where one is.
+    ///
+    /// # Errors
+    /// As [`Pipeline::new`] (ranks that differ in host or device are named); `Device` when
+    /// the exchange stream cannot be made.
+    #[cfg(feature = "cuda-core")]
+    pub fn new_on_device(
+        comm: C,
+        cfg: PipelineConfig,
+        stream: &Arc<CudaStream>,
+    ) -> Result<Pipeline<C>, PipelineError> {
+        let rank = comm.borrow().rank();
+        let xs = stream
+            .context()
+            .new_stream()
+            .map_err(|e| PipelineError::Device {
+                rank,
+                what: format!("creating the exchange stream: {e}"),
+            })?;
+        Pipeline::make(comm, cfg, Place::Device(xs))
+    }
+
+    fn make(comm: C, cfg: PipelineConfig, place: Place) -> Result<Pipeline<C>, PipelineError> {
         let c = comm.borrow();
         let schedule = Schedule::with_costs(
             cfg.schedule,
@@ -163,8 +206,9 @@ impl<C: Borrow<Communicator> + Sync> Pipeline<C> {
             code(schedule.as_ref().ok().map(|s| s.kind)),
             cfg.micro_batches as u64,
             cfg.chunks as u64,
+            u64::from(place.is_device()),
         ];
-        let mut all = vec![0u64; 3 * c.size()];
+        let mut all = vec![0u64; 4 * c.size()];
         c.all_gather_into(&mine, &mut all)
             .map_err(|e| PipelineError::Comm {
                 rank: c.rank(),
@@ -172,15 +216,16 @@ impl<C: Borrow<Communicator> + Sync> Pipeline<C> {
                 source: e,
             })?;
         let schedule = schedule?;
-        if all.chunks(3).any(|w| w != mine) {
+        if all.chunks(4).any(|w| w != mine) {
             let show: Vec<String> = all
-                .chunks(3)
+                .chunks(4)
                 .enumerate()
                 .map(|(r, w)| {
                     let kind = ScheduleKind::ALL
                         .get(w[0] as usize)
                         .map_or("none", |k| k.name());
-                    format!("rank {r}: {kind} m {} v {}", w[1], w[2])
+                    let at = if w[3] == 1 { "device" } else { "host" };
+                    format!("rank {r}: {kind} m {} v {} on {at}", w[1], w[2])
                 })
                 .collect();
             return Err(PipelineError::Invalid {
@@ -197,6 +242,7 @@ impl<C: Borrow<Communicator> + Sync> Pipeline<C> {
             schedule,
             caches,
             check: None,
+            place,
         })
     }
 
@@ -247,7 +293,9 @@ impl<C: Borrow<Communicator> + Sync> Pipeline<C> {
             comm,
             caches: &mut self.caches,
             check: self.check.clone(),
+            place: self.place.clone(),
         };
+        let place = self.place.name();
         let mut stats = std::thread::scope(|sc| {
             let (jobs, job_rx) = mpsc::channel::<Job>();
             let (done_tx, done) = mpsc::channel();
@@ -262,6 +310,7 @@ impl<C: Borrow<Communicator> + Sync> Pipeline<C> {
             });
             let mut run = Run {
                 rank: comm.rank(),
+                place,
                 p,
                 stages,
                 jobs: Some(jobs),
@@ -292,6 +341,8 @@ impl<C: Borrow<Communicator> + Sync> Pipeline<C> {
 /// One step in progress on the rank's thread.
 struct Run {
     rank: usize,
+    /// Where every tensor exchanged must be (`host` or `device`).
+    place: &'static str,
     p: usize,
     stages: usize,
     jobs: Option<mpsc::Sender<Job>>,
@@ -423,7 +474,21 @@ impl Run {
                             what: format!("{op:?}: nothing computed to send"),
                         }
                     })?;
-                    self.stats.bytes_sent += ts.iter().map(|t| t.bytes().len() as u64).sum::<u64>();
+                    let device = self.place == "device";
+                    if let Some(i) = ts.iter().position(|t| t.is_device() != device) {
+                        let at = if device { "host" } else { "device" };
+                        return Err(PipelineError::Invalid {
+                            rank: self.rank,
+                            what: format!(
+                                "{op:?}: tensor {i} ({}) is in {at} memory, but this pipeline \
+                                 moves {} tensors (Pipeline::{})",
+                                ts[i].meta(),
+                                self.place,
+                                if device { "new_on_device" } else { "new" }
+                            ),
+                        });
+                    }
+                    self.stats.bytes_sent += ts.iter().map(|t| t.nbytes() as u64).sum::<u64>();
                     sends.push(ts);
                 }
                 Op::Recv { .. } => sends.push(Vec::new()),

