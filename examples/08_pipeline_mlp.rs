@@ -8,6 +8,8 @@
 //! cargo run --release --bin oxccl -- launch -n 4 -- target/release/examples/08_pipeline_mlp --check
 //! # 2 stages x 2 data replicas, zero-bubble schedule:
 //! cargo run --release --bin oxccl -- launch -n 4 -- target/release/examples/08_pipeline_mlp --pipe 2 --schedule zb-h1 --check
+//! # the same replicas with node-local ZeRO-2 instead of DDP:
+//! cargo run --release --bin oxccl -- launch -n 4 -- target/release/examples/08_pipeline_mlp --pipe 2 --zero --check
 //! ```
 //!
 //! `--check` compares this rank's gradients and parameters with one process running every
@@ -62,6 +64,10 @@ struct Args {
     /// Compare with one process after every step.
     #[arg(long)]
     check: bool,
+    /// With data replicas (`--pipe` below the world size): node-local ZeRO-2 (SGD) over each
+    /// stage's replicas instead of DDP.
+    #[arg(long)]
+    zero: bool,
     /// Exchange device tensors (a build with `--features cuda`; each stage computes on the
     /// host and hands its outputs over in device memory).
     #[arg(long)]
@@ -160,6 +166,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         check: a.check,
         die: None,
         device: a.device,
+        zero: a.zero,
     };
     let t = run::train(&comm, &o)?;
     // The last stage of the first pipeline has the loss: bring it to rank 0.

@@ -11,6 +11,7 @@ use oxccl_ddp::{Ddp, DdpConfig, Param};
 use oxccl_pipeline::{
     BoxError, Pipeline, PipelineConfig, ScheduleKind, Stage, Step, StepStats, Tensor,
 };
+use oxccl_zero::{Hyper, Sgd, Zero, ZeroConfig};
 
 use super::model::{init, max_rel_diff, reference, sgd, zeros_like, Layers, MlpStage, Shape, Wire};
 
@@ -36,6 +37,9 @@ pub struct Opts {
     /// Exchange device tensors (feature `cuda`): each stage copies what it receives to the
     /// host, computes there, and hands its outputs over in device memory.
     pub device: bool,
+    /// In a `pipe x data` grid, node-local ZeRO-2 (SGD) over each stage's replicas instead of
+    /// DDP + SGD: the stage's gradients go to it in the last micro-batch's backward.
+    pub zero: bool,
 }
 
 /// What a rank trained.
@@ -45,7 +49,8 @@ pub struct Trained {
     pub layers: Vec<usize>,
     /// The step's loss (the last stage's, over its replica's samples; 0 elsewhere).
     pub losses: Vec<f32>,
-    /// Gradients applied at each step (every layer; only this rank's are filled).
+    /// Gradients applied at each step (every layer; only this rank's are filled); none with
+    /// `zero` (ZeRO applies them shard by shard).
     pub grads: Vec<Layers>,
     /// The parameters after the last step.
     pub params: Layers,
@@ -197,6 +202,45 @@ impl Stage for Dyn<'_> {
     }
 }
 
+/// The stage's parameters (weight and bias of each of `layers`, in order) as slices.
+fn views_of<'p>(params: &'p mut Layers, layers: &[usize]) -> Vec<&'p mut [f32]> {
+    params
+        .iter_mut()
+        .enumerate()
+        .filter(|(l, _)| layers.contains(l))
+        .flat_map(|(_, (w, b))| [w.as_mut_slice(), b.as_mut_slice()])
+        .collect()
+}
+
+/// Node-local ZeRO-2 with plain SGD at `lr` over the stage's parameters, across its replicas.
+fn sharded(
+    data: &Communicator,
+    params: &mut Layers,
+    layers: &[usize],
+    lr: f32,
+) -> Result<Zero<f32>, Box<dyn Error>> {
+    let mut views = views_of(params, layers);
+    let hypers = vec![
+        Hyper {
+            lr,
+            weight_decay: 0.0
+        };
+        views.len()
+    ];
+    let opt = Sgd {
+        momentum: 0.0,
+        dampening: 0.0,
+        nesterov: false,
+    };
+    Ok(Zero::new(
+        data,
+        &mut views,
+        hypers,
+        Box::new(opt),
+        ZeroConfig::default(),
+    )?)
+}
+
 /// Trains `o.steps` steps on this rank of `world`.
 ///
 /// # Errors
@@ -211,6 +255,9 @@ pub fn train(world: &Communicator, o: &Opts) -> Result<Trained, Box<dyn Error>> 
         .into());
     }
     let replicas = world.size() / o.pipe;
+    if o.zero && replicas == 1 {
+        return Err("ZeRO shards over data replicas: give fewer stages than ranks".into());
+    }
     let topo;
     let (pipe_comm, data) = if replicas == 1 {
         (world, None)
@@ -237,12 +284,17 @@ pub fn train(world: &Communicator, o: &Opts) -> Result<Trained, Box<dyn Error>> 
         }
     }
     let ddp = match data {
-        Some(d) => Some(RefCell::new(Ddp::new(
+        Some(d) if !o.zero => Some(RefCell::new(Ddp::new(
             d,
             &mut params,
             DdpConfig::default(),
         )?)),
-        None => None,
+        _ => None,
+    };
+    drop(params);
+    let zero = match data {
+        Some(d) if o.zero => Some(RefCell::new(sharded(d, &mut copy, &layers, sh.lr)?)),
+        _ => None,
     };
     let local =
         |global: usize| 2 * layers.iter().position(|&l| l == global / 2).unwrap_or(0) + global % 2;
@@ -267,6 +319,13 @@ pub fn train(world: &Communicator, o: &Opts) -> Result<Trained, Box<dyn Error>> 
                     .map_err(Into::into)
             }));
         }
+        if let Some(z) = &zero {
+            stage.on_grad = Some(Box::new(move |param, g| {
+                z.borrow_mut()
+                    .grad_ready(local(param), g)
+                    .map_err(Into::into)
+            }));
+        }
         let die = o
             .die
             .filter(|&(r, _)| r == world.rank() && step == 1)
@@ -287,10 +346,23 @@ pub fn train(world: &Communicator, o: &Opts) -> Result<Trained, Box<dyn Error>> 
                 g[l].1 = d.grad::<f32>(local(2 * l + 1))?.to_vec();
             }
         }
-        sgd(&mut stage.params, &g, sh.lr);
+        if let Some(z) = &zero {
+            // The optimizer is ZeRO's (its SGD on this rank's shard, then the all-gather): the
+            // gradient it applied is not kept whole anywhere, so only parameters are compared.
+            let mut views = views_of(&mut stage.params, &layers);
+            z.borrow_mut().step(&mut views)?;
+            g = Vec::new();
+        } else {
+            sgd(&mut stage.params, &g, sh.lr);
+        }
         if let Some((wg, wp, _)) = &want {
             let pick = |x: &Layers| -> Layers { layers.iter().map(|&l| x[l].clone()).collect() };
-            let d = max_rel_diff(&pick(&g), &pick(&wg[step])).max(if step + 1 == o.steps {
+            let grads = if g.is_empty() {
+                0.0
+            } else {
+                max_rel_diff(&pick(&g), &pick(&wg[step]))
+            };
+            let d = grads.max(if step + 1 == o.steps {
                 max_rel_diff(&pick(&stage.params), &pick(wp))
             } else {
                 0.0
@@ -304,7 +376,9 @@ pub fn train(world: &Communicator, o: &Opts) -> Result<Trained, Box<dyn Error>> 
                 .into());
             }
         }
-        t.grads.push(g);
+        if !g.is_empty() {
+            t.grads.push(g);
+        }
         t.losses.push(stage.loss);
         t.stats.push(stats);
     }

@@ -40,6 +40,7 @@ fn opts(kind: ScheduleKind, chunks: usize, micro: usize, pipe: usize) -> run::Op
         check: true,
         die: None,
         device: false,
+        zero: false,
     }
 }
 
@@ -63,6 +64,10 @@ fn plays(what: &str) -> Vec<run::Opts> {
         "grid" => vec![
             opts(ScheduleKind::OneFOneB, 1, 3, 2),
             opts(ScheduleKind::ZeroBubbleH1, 1, 5, 2),
+            run::Opts {
+                zero: true,
+                ..opts(ScheduleKind::OneFOneB, 1, 4, 2)
+            },
         ],
         _ => vec![run::Opts {
             die: Some((2, 2)),

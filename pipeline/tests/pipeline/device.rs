@@ -58,6 +58,7 @@ fn train_on_device(
         check: false,
         die: None,
         device: true,
+        zero: false,
     };
     run::train(comm, &o).map_err(|e| oxccl_comm::Error::Config(e.to_string()))
 }
