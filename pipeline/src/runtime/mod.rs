@@ -7,13 +7,13 @@
 //! peer, a refused shape) aborts the communicator, so every other stage fails too instead of
 //! waiting.
 
+mod line;
 mod place;
 mod shapes;
 mod wire;
 
 use std::borrow::Borrow;
 use std::collections::HashMap;
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 #[cfg(feature = "cuda-core")]
@@ -23,9 +23,10 @@ use std::sync::Arc;
 use cudarc::driver::CudaStream;
 use oxccl_comm::Communicator;
 
+use line::Line;
 use place::Place;
 pub use wire::Check;
-use wire::{Caches, Done, Job, Key, Wire};
+use wire::{Caches, Job, Key, Wire};
 
 use crate::error::{BoxError, PipelineError};
 use crate::schedule::{Action, Costs, Dir, Op, Schedule, ScheduleKind, Step};
@@ -289,32 +290,22 @@ impl<C: Borrow<Communicator> + Sync> Pipeline<C> {
         let comm = self.comm.borrow();
         let actions = &self.schedule.ranks[comm.rank()];
         let (p, stages) = (self.schedule.p, self.schedule.stages());
-        let mut wire = Wire {
+        let wire = Wire {
             comm,
             caches: &mut self.caches,
             check: self.check.clone(),
             place: self.place.clone(),
         };
         let place = self.place.name();
+        let line = Line::new(wire);
         let mut stats = std::thread::scope(|sc| {
-            let (jobs, job_rx) = mpsc::channel::<Job>();
-            let (done_tx, done) = mpsc::channel();
-            let worker = sc.spawn(move || {
-                for job in job_rx {
-                    let r = wire.run(job);
-                    let failed = r.is_err();
-                    if done_tx.send(r).is_err() || failed {
-                        break;
-                    }
-                }
-            });
+            let worker = sc.spawn(|| line.serve());
             let mut run = Run {
                 rank: comm.rank(),
                 place,
                 p,
                 stages,
-                jobs: Some(jobs),
-                done,
+                line: &line,
                 posted: 0,
                 finished: 0,
                 deadline: comm.config().timeout + Duration::from_secs(5),
@@ -329,7 +320,7 @@ impl<C: Borrow<Communicator> + Sync> Pipeline<C> {
             if result.is_err() {
                 comm.abort();
             }
-            run.jobs = None;
+            line.close();
             let _ = worker.join();
             result.map(|()| run.stats)
         })?;
@@ -339,14 +330,13 @@ impl<C: Borrow<Communicator> + Sync> Pipeline<C> {
 }
 
 /// One step in progress on the rank's thread.
-struct Run {
+struct Run<'l, 'w> {
     rank: usize,
     /// Where every tensor exchanged must be (`host` or `device`).
     place: &'static str,
     p: usize,
     stages: usize,
-    jobs: Option<mpsc::Sender<Job>>,
-    done: mpsc::Receiver<Done>,
+    line: &'l Line<'w>,
     posted: usize,
     finished: usize,
     /// How long to wait for the next exchange to finish.
@@ -358,7 +348,7 @@ struct Run {
     stats: StepStats,
 }
 
-impl Run {
+impl Run<'_, '_> {
     fn actions(&mut self, actions: &[Action], stage: &mut impl Stage) -> Result<(), PipelineError> {
         // Exchanges posted so far: every one before `ahead`'s scan point that only receives
         // may already be in the line (posted early: the line keeps their order, so this only
@@ -494,15 +484,12 @@ impl Run {
                 Op::Recv { .. } => sends.push(Vec::new()),
             }
         }
-        let jobs = self.jobs.as_ref().expect("jobs open while running");
-        if jobs
-            .send(Job {
-                ops: ops.to_vec(),
-                sends,
-            })
-            .is_err()
-        {
-            // The exchange thread stopped: its error is waiting in `done`.
+        let job = Job {
+            ops: ops.to_vec(),
+            sends,
+        };
+        if !self.line.post(job) {
+            // An exchange failed: its error is the line's last result.
             return self.next_done();
         }
         self.posted += 1;
@@ -515,25 +502,21 @@ impl Run {
         let t = Instant::now();
         // Each exchange waits at most the communicator's time-out: the one in progress ends
         // within it, with a result or an error.
-        let r = self.done.recv_timeout(self.deadline);
+        let r = self.line.next(self.deadline);
         self.stats.waiting += t.elapsed();
         match r {
-            Ok(Ok(got)) => {
+            Some(Ok(got)) => {
                 self.finished += 1;
                 self.mailbox.extend(got);
                 Ok(())
             }
-            Ok(Err(e)) => Err(e),
-            Err(mpsc::RecvTimeoutError::Timeout) => Err(PipelineError::Protocol {
+            Some(Err(e)) => Err(e),
+            None => Err(PipelineError::Protocol {
                 rank: self.rank,
                 what: format!(
                     "no exchange finished within {:?} (the communicator's time-out and a margin)",
                     self.deadline
                 ),
-            }),
-            Err(mpsc::RecvTimeoutError::Disconnected) => Err(PipelineError::Protocol {
-                rank: self.rank,
-                what: "the exchange thread stopped without a result".into(),
             }),
         }
     }
