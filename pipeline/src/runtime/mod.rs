@@ -10,6 +10,8 @@
 mod line;
 mod place;
 mod shapes;
+#[cfg(test)]
+mod tests;
 mod wire;
 
 use std::borrow::Borrow;

@@ -20,10 +20,24 @@ pub(crate) enum Place {
     /// a receive waiting for its peer holds up no computation that does not need it).
     #[cfg(feature = "cuda-core")]
     Device(Arc<CudaStream>),
+    /// Host tensors moved as device ones are (the payloads in a batch after the headers'): the
+    /// device protocol, tested without a GPU.
+    #[cfg(test)]
+    Split,
 }
 
 impl Place {
     pub(crate) fn is_device(&self) -> bool {
+        #[cfg(feature = "cuda-core")]
+        if matches!(self, Place::Device(_)) {
+            return true;
+        }
+        false
+    }
+
+    /// Whether the payloads go in a batch of their own after the headers' (device batches
+    /// cannot hold the host headers).
+    pub(crate) fn split(&self) -> bool {
         !matches!(self, Place::Host)
     }
 
@@ -39,6 +53,8 @@ impl Place {
     /// Zeros of `m` here.
     pub(crate) fn zeros(&self, m: &Meta) -> Result<Tensor, String> {
         match self {
+            #[cfg(test)]
+            Place::Split => Ok(Tensor::zeros(m.dtype, &m.shape)),
             Place::Host => Ok(Tensor::zeros(m.dtype, &m.shape)),
             #[cfg(feature = "cuda-core")]
             Place::Device(s) => Tensor::device_zeros(m.dtype, &m.shape, s)

@@ -262,8 +262,8 @@ impl Wire<'_> {
         }
     }
 
-    /// Round 1: every header, and every payload in the shapes both ends know (host tensors in
-    /// the headers' batch, device tensors in a device batch after it).
+    /// Round 1: every header, and every payload in the shapes both ends know: in the headers'
+    /// batch on the host, in a batch of their own after it on a device ([`Place::split`]).
     #[allow(clippy::too_many_arguments)]
     fn first_round(
         &self,
@@ -275,6 +275,16 @@ impl Wire<'_> {
         in_hdr: &mut [[u64; 3]],
         got: &mut [Vec<Tensor>],
     ) -> Result<(), PipelineError> {
+        let pay: Vec<&[Tensor]> = (0..ops.len())
+            .map(|i| {
+                if changed[i] {
+                    &stale[i][..]
+                } else {
+                    &sends[i][..]
+                }
+            })
+            .collect();
+        let split = self.place.split();
         let mut batch = Vec::new();
         for (i, ((op, hdr), ts)) in ops
             .iter()
@@ -288,67 +298,58 @@ impl Wire<'_> {
                         buf: bytemuck::bytes_of(&out_hdr[i]),
                         peer,
                     });
-                    let pay = if changed[i] { &stale[i] } else { &sends[i] };
-                    batch.extend(sends_of(pay, peer));
+                    if !split {
+                        batch.extend(sends_of(pay[i], peer));
+                    }
                 }
                 Op::Recv { peer, .. } => {
                     batch.push(P2pOp::Recv {
                         buf: bytemuck::bytes_of_mut(hdr),
                         peer,
                     });
-                    batch.extend(recvs_into(ts, peer));
+                    if !split {
+                        batch.extend(recvs_into(ts, peer));
+                    }
                 }
             }
         }
         self.run_batch(ops, batch, "exchange")?;
-        let pay: Vec<&[Tensor]> = (0..ops.len())
-            .map(|i| {
-                if changed[i] {
-                    &stale[i][..]
-                } else {
-                    &sends[i][..]
-                }
-            })
-            .collect();
-        self.device_round(ops, &pay, got, "payload")
+        if split {
+            self.payloads(ops, &pay, got, "payload")?;
+        }
+        Ok(())
     }
 
-    /// The device tensors of a round, as one device batch (nothing for host tensors, which
-    /// went with the headers): `sends[i]` for each send of `ops`, into `got[i]` for each
-    /// receive.
-    #[cfg(feature = "cuda-core")]
-    fn device_round(
+    /// One batch of payloads: `sends[i]` for each send of `ops`, into `got[i]` for each
+    /// receive (a device batch on a device, a host batch otherwise).
+    fn payloads(
         &self,
         ops: &[Op],
         sends: &[&[Tensor]],
         got: &mut [Vec<Tensor>],
         round: &str,
     ) -> Result<(), PipelineError> {
-        let Place::Device(stream) = &self.place else {
-            return Ok(());
-        };
-        let mut out = Vec::new();
-        let mut inc = Vec::new();
+        #[cfg(feature = "cuda-core")]
+        if let Place::Device(stream) = &self.place {
+            let mut out = Vec::new();
+            let mut inc = Vec::new();
+            for ((op, ts), g) in ops.iter().zip(sends).zip(got.iter_mut()) {
+                match *op {
+                    Op::Send { peer, .. } => out.push((peer, *ts)),
+                    Op::Recv { peer, .. } => inc.push((peer, &mut g[..])),
+                }
+            }
+            return super::place::device_batch(self.comm, stream, &out, &mut inc)
+                .map_err(|e| self.comm_err(ops, round, e));
+        }
+        let mut batch = Vec::new();
         for ((op, ts), g) in ops.iter().zip(sends).zip(got.iter_mut()) {
             match *op {
-                Op::Send { peer, .. } => out.push((peer, *ts)),
-                Op::Recv { peer, .. } => inc.push((peer, &mut g[..])),
+                Op::Send { peer, .. } => batch.extend(sends_of(ts, peer)),
+                Op::Recv { peer, .. } => batch.extend(recvs_into(g, peer)),
             }
         }
-        super::place::device_batch(self.comm, stream, &out, &mut inc)
-            .map_err(|e| self.comm_err(ops, round, e))
-    }
-
-    #[cfg(not(feature = "cuda-core"))]
-    #[allow(clippy::unused_self, clippy::unnecessary_wraps)]
-    fn device_round(
-        &self,
-        _: &[Op],
-        _: &[&[Tensor]],
-        _: &mut [Vec<Tensor>],
-        _: &str,
-    ) -> Result<(), PipelineError> {
-        Ok(())
+        self.run_batch(ops, batch, round)
     }
 
     /// Checks a receive whose header says its shapes did not change against the cache.
@@ -379,35 +380,22 @@ impl Wire<'_> {
                 got[i] = self.tensors(&m)?;
             }
         }
-        if self.place.is_device() {
-            // Only the changed messages: the others' tensors went in round 1.
-            let mut fresh: Vec<Vec<Tensor>> = got
-                .iter_mut()
-                .zip(changed)
-                .map(|(g, &c)| if c { std::mem::take(g) } else { Vec::new() })
-                .collect();
-            let pay: Vec<&[Tensor]> = (0..ops.len())
-                .map(|i| if changed[i] { &sends[i][..] } else { &[][..] })
-                .collect();
-            let r = self.device_round(ops, &pay, &mut fresh, "payload");
-            for ((g, f), &c) in got.iter_mut().zip(fresh).zip(changed) {
-                if c {
-                    *g = f;
-                }
-            }
-            return r;
-        }
-        let mut batch = Vec::new();
-        for (i, (op, ts)) in ops.iter().zip(got.iter_mut()).enumerate() {
-            if !changed[i] {
-                continue;
-            }
-            match *op {
-                Op::Send { peer, .. } => batch.extend(sends_of(&sends[i], peer)),
-                Op::Recv { peer, .. } => batch.extend(recvs_into(ts, peer)),
+        // Only the changed messages: the others' tensors went in round 1.
+        let pay: Vec<&[Tensor]> = (0..ops.len())
+            .map(|i| if changed[i] { &sends[i][..] } else { &[][..] })
+            .collect();
+        let mut fresh: Vec<Vec<Tensor>> = got
+            .iter_mut()
+            .zip(changed)
+            .map(|(g, &c)| if c { std::mem::take(g) } else { Vec::new() })
+            .collect();
+        let r = self.payloads(ops, &pay, &mut fresh, "payload");
+        for ((g, f), &c) in got.iter_mut().zip(fresh).zip(changed) {
+            if c {
+                *g = f;
             }
         }
-        self.run_batch(ops, batch, "payload")
+        r
     }
 
     /// Runs `batch` (nothing when it is empty), naming `round` of `ops` in its error.
