@@ -33,20 +33,8 @@ use oxccl_comm::cuda::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use oxccl_comm::harness::spawn_world;
 use oxccl_comm::internal::tuning::AlgoOverride;
 use oxccl_comm::{Buf, BufMut, Communicator, Config, Element, P2pView, ReduceOp, Result};
-use oxccl_kernels::cuda::driver_available;
+use oxccl_kernels::cuda::gpu_or_skip;
 use oxccl_kernels::{with_dtype, DType};
-
-fn gpu_or_skip() -> bool {
-    if driver_available() {
-        return true;
-    }
-    assert!(
-        std::env::var("OXCCL_REQUIRE_GPU").as_deref() != Ok("1"),
-        "OXCCL_REQUIRE_GPU=1 but no CUDA driver or device"
-    );
-    eprintln!("SKIPPED: no CUDA driver or device");
-    false
-}
 
 /// Rank `rank`'s stream: on GPU 0, or with `OXCCL_TEST_GPUS=spread` on GPU `rank % count` (as
 /// `oxccl perf --device cuda` places ranks), for a machine with several GPUs.

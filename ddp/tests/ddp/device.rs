@@ -16,22 +16,10 @@ use oxccl_comm::cuda::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use oxccl_comm::harness::spawn_world;
 use oxccl_comm::{Config, Result};
 use oxccl_ddp::{CompressHook, DdpConfig, DevGradMut, DeviceDdp, DeviceParam, PowerSgd, Step};
-use oxccl_kernels::cuda::driver_available;
+use oxccl_kernels::cuda::gpu_or_skip;
 use oxccl_kernels::f16;
 
 const LENS: [usize; 4] = [1000, 7, 1, 3000];
-
-fn gpu_or_skip() -> bool {
-    if driver_available() {
-        return true;
-    }
-    assert!(
-        std::env::var("OXCCL_REQUIRE_GPU").as_deref() != Ok("1"),
-        "OXCCL_REQUIRE_GPU=1 but no CUDA driver or device"
-    );
-    eprintln!("SKIPPED: no CUDA driver or device");
-    false
-}
 
 fn stream() -> Arc<CudaStream> {
     let ctx = CudaContext::new(0).expect("a CUDA context on device 0");

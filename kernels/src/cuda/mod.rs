@@ -143,6 +143,25 @@ fn nvrtc_present() -> bool {
     true
 }
 
+/// For GPU test suites: whether a CUDA driver and device are here ([`driver_available`]);
+/// without them it prints `SKIPPED: no CUDA driver or device` and returns `false`, so the
+/// test returns early.
+///
+/// # Panics
+/// Without a driver or device when `OXCCL_REQUIRE_GPU=1` (the GPU scripts set it, so that a
+/// missing GPU fails their tests instead of skipping them).
+pub fn gpu_or_skip() -> bool {
+    if driver_available() {
+        return true;
+    }
+    assert!(
+        std::env::var("OXCCL_REQUIRE_GPU").as_deref() != Ok("1"),
+        "OXCCL_REQUIRE_GPU=1 but no CUDA driver or device"
+    );
+    eprintln!("SKIPPED: no CUDA driver or device");
+    false
+}
+
 /// Whether the CUDA driver library can be loaded and reports at least one device (loaded: with
 /// the `cuda` feature's dynamic loading; under `cuda-core` alone, linked by the application).
 pub fn driver_available() -> bool {

@@ -8,18 +8,13 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
-use oxccl_kernels::cuda::{driver_available, CudaKernels, MAX_INPUTS};
+use oxccl_kernels::cuda::{gpu_or_skip, CudaKernels, MAX_INPUTS};
 use oxccl_kernels::{
     finish_avg_bytes, reduce_bytes, scale_bytes, DType, KernelError, ReduceOp, F8E4M3, F8E5M2,
 };
 
 fn gpu() -> Option<(Arc<CudaStream>, CudaKernels)> {
-    if !driver_available() {
-        assert!(
-            std::env::var("OXCCL_REQUIRE_GPU").as_deref() != Ok("1"),
-            "OXCCL_REQUIRE_GPU=1 but no CUDA driver or device"
-        );
-        eprintln!("SKIPPED: no CUDA driver or device");
+    if !gpu_or_skip() {
         return None;
     }
     let ctx = CudaContext::new(0).expect("context");

@@ -16,24 +16,12 @@ use std::sync::Arc;
 use oxccl_comm::cuda::cudarc::driver::{CudaContext, CudaStream};
 use oxccl_comm::harness::spawn_world;
 use oxccl_comm::Communicator;
-use oxccl_kernels::cuda::driver_available;
+use oxccl_kernels::cuda::gpu_or_skip;
 use oxccl_pipeline::{BoxError, Pipeline, PipelineConfig, ScheduleKind, Stage, Step, Tensor};
 
 use super::model::{self, max_rel_diff, reference, reference_grads, sgd, MlpStage, Shape};
 use super::run::{self, OnDevice, Trained};
 use super::{cfg, check, pick, shape};
-
-fn gpu_or_skip() -> bool {
-    if driver_available() {
-        return true;
-    }
-    assert!(
-        std::env::var("OXCCL_REQUIRE_GPU").as_deref() != Ok("1"),
-        "OXCCL_REQUIRE_GPU=1 but no CUDA driver or device"
-    );
-    eprintln!("SKIPPED: no CUDA driver or device");
-    false
-}
 
 fn stream() -> Arc<CudaStream> {
     let ctx = CudaContext::new(0).expect("a CUDA context on device 0");

@@ -13,24 +13,12 @@ use std::sync::Arc;
 use half::bf16;
 use oxccl_comm::cuda::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use oxccl_comm::harness::spawn_world_on_nodes;
-use oxccl_kernels::cuda::driver_available;
+use oxccl_kernels::cuda::gpu_or_skip;
 use oxccl_zero::{
     AdamW, DeviceOptimizer, DeviceParam, DeviceZero, Sgd, ShardGroup, Stage, ZeroConfig,
 };
 
 use crate::{adamw, assert_close, grad, hypers, init, reference, sgd, test_config, Feed, LENS};
-
-fn gpu_or_skip() -> bool {
-    if driver_available() {
-        return true;
-    }
-    assert!(
-        std::env::var("OXCCL_REQUIRE_GPU").as_deref() != Ok("1"),
-        "OXCCL_REQUIRE_GPU=1 but no CUDA driver or device"
-    );
-    eprintln!("SKIPPED: no CUDA driver or device");
-    false
-}
 
 fn stream() -> Arc<CudaStream> {
     let ctx = CudaContext::new(0).expect("a CUDA context on device 0");
