@@ -1,0 +1,230 @@
+//! Point-to-point over CUDA IPC, the protocol: the steps one rank's stream runs for a batch of
+//! sends and receives between ranks that map each other's scratch, so that data moves from
+//! device to device without host memory. Pure code, tested here without a GPU against a host
+//! model of the device (`p2p/tests.rs`); the executor that enqueues these steps (copies, and
+//! one-thread kernels for the flag waits and stores) is not written yet, so nothing but the
+//! tests uses it.
+//!
+//! # Memory
+//!
+//! Besides the collectives' flags and slots, every rank's scratch holds a p2p area: for each
+//! possible sender `s` an **inbox** of two halves of `chunk` bytes, and a block of
+//! [`FLAG_WORDS`] flag words:
+//!
+//! - `ready[s][h]` (word [`ready_word`]`(s, h)` of the receiver's block, written by sender `s`
+//!   only): `(len << 32) | k` once chunk number `k` (`k % 2 == h`) of the pair
+//!   `s -> receiver` is in half `h` of the receiver's inbox for `s`;
+//! - `ack[r]` (word [`ack_word`]`(r)` of the sender's block, written by receiver `r` only):
+//!   `k` once chunk `k` of the pair `sender -> r` has been copied out of the inbox.
+//!
+//! Chunks are numbered per ordered pair over the communicator's life (from 1), the same on
+//! both ends since both count the pair's messages in order. A message of `b` bytes is
+//! `max(1, ceil(b / chunk))` chunks (an empty message is one empty chunk, so that it pairs and
+//! is checked like the others). A half's `ready` word is written again only for chunk `k + 2`,
+//! which waits for the acknowledgement of `k`: so the receiver finds exactly `k` there, with
+//! chunk `k`'s length.
+//!
+//! # A batch
+//!
+//! The batch's chunks run in **rounds**: round `j` holds the `j`-th chunk of the batch on
+//! every ordered pair (a pair's messages' chunks one after another, in message order), first
+//! every send, then every receive. A send of pair chunk `k` waits until the receiver
+//! acknowledged chunk `k - 2` (its half is free), copies into the receiver's inbox and
+//! publishes `ready`; a receive waits for `ready` to say `k` (and checks the length its own
+//! message expects: a different length is a mismatch naming the sender), copies out and
+//! acknowledges. A send of round `j` waits only for the receive of round `j - 2` on its pair,
+//! and a receive of round `j` only for the send of round `j` on its pair, which waits for
+//! nothing in round `j`: so every round completes once the rounds before it have, on every
+//! rank, whatever the batch's pattern (every rank's batch must pair with its peers' in order, as
+//! NCCL's groups and `batch_p2p` require). Sends to this rank itself are copies paired in
+//! order with its receives from itself.
+
+use std::ops::Range;
+
+use super::plan::MAX_RANKS;
+
+/// Flag words of a rank's p2p block: two `ready` words per sender, one `ack` word per receiver.
+pub(crate) const FLAG_WORDS: usize = 3 * MAX_RANKS;
+
+/// The word of the receiver's block that sender `s` writes for its chunks of parity `half`.
+pub(crate) fn ready_word(s: usize, half: u32) -> usize {
+    2 * s + (half % 2) as usize
+}
+
+/// The word of the sender's block that receiver `r` writes its acknowledgements into.
+pub(crate) fn ack_word(r: usize) -> usize {
+    2 * MAX_RANKS + r
+}
+
+/// One message of a batch, as the caller gave it: a send to `peer` of the bytes of buffer
+/// `buf`, or a receive from `peer` into it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Msg {
+    pub send: bool,
+    pub peer: usize,
+    pub bytes: usize,
+}
+
+/// One thing the stream does.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum P2pStep {
+    /// Wait until `peer` acknowledged chunk `k` of this rank's sends to it (`k = 0`: nothing
+    /// to wait for).
+    WaitAck { peer: usize, k: u32 },
+    /// Copy `range` of message `msg`'s buffer into half `k % 2` of `peer`'s inbox for this
+    /// rank.
+    Put {
+        msg: usize,
+        peer: usize,
+        range: Range<usize>,
+        k: u32,
+    },
+    /// Publish chunk `k` of `len` bytes to `peer` (`ready[me][k % 2]` in its block).
+    Post { peer: usize, k: u32, len: u32 },
+    /// Wait until `peer` published chunk `k`, and check it is `len` bytes long.
+    WaitReady { peer: usize, k: u32, len: u32 },
+    /// Copy half `k % 2` of this rank's inbox for `peer` into `range` of message `msg`'s buffer.
+    Take {
+        msg: usize,
+        peer: usize,
+        range: Range<usize>,
+        k: u32,
+    },
+    /// Acknowledge chunk `k` to `peer` (`ack[me]` in its block).
+    Ack { peer: usize, k: u32 },
+    /// Copy message `from`'s bytes (a send to this rank) into message `to`'s buffer.
+    Local { from: usize, to: usize, len: usize },
+}
+
+/// Chunks sent to and received from each peer so far (the pair counters of the module docs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct P2pCursor {
+    pub sent: [u32; MAX_RANKS],
+    pub got: [u32; MAX_RANKS],
+}
+
+/// The steps of one batch on rank `rank` of `size`, with inbox halves of `chunk` bytes,
+/// advancing `cur`.
+///
+/// # Errors
+/// A peer outside the communicator, a size above [`MAX_RANKS`], a zero chunk, a message longer
+/// than the counters can number, or sends to this rank itself that do not pair up in order and
+/// length with its receives from itself (before anything is planned: `cur` is unchanged).
+pub(crate) fn p2p_plan(
+    rank: usize,
+    size: usize,
+    msgs: &[Msg],
+    chunk: usize,
+    cur: &mut P2pCursor,
+) -> Result<Vec<P2pStep>, String> {
+    if size > MAX_RANKS || rank >= size {
+        return Err(format!("rank {rank} of {size}: at most {MAX_RANKS} ranks"));
+    }
+    if chunk == 0 || chunk > u32::MAX as usize {
+        return Err(format!("an inbox half of {chunk} bytes"));
+    }
+    if let Some((i, m)) = msgs.iter().enumerate().find(|(_, m)| m.peer >= size) {
+        return Err(format!(
+            "message {i}: peer {} is not a rank of this communicator (size {size})",
+            m.peer
+        ));
+    }
+    let chunks = |m: &Msg| m.bytes.div_ceil(chunk).max(1);
+    // Self messages: the n-th send to this rank pairs with its n-th receive from it.
+    let own = |send: bool| -> Vec<usize> {
+        (0..msgs.len())
+            .filter(|&i| msgs[i].peer == rank && msgs[i].send == send)
+            .collect()
+    };
+    let (out, inc) = (own(true), own(false));
+    if out.len() != inc.len()
+        || out
+            .iter()
+            .zip(&inc)
+            .any(|(&a, &b)| msgs[a].bytes != msgs[b].bytes)
+    {
+        return Err(format!(
+            "{} sends to this rank itself do not pair up in order and length with {} receives \
+             from it",
+            out.len(),
+            inc.len()
+        ));
+    }
+    let mut next = *cur;
+    for m in msgs.iter().filter(|m| m.peer != rank) {
+        let c = u32::try_from(chunks(m)).map_err(|_| "a message of too many chunks".to_string())?;
+        let counter = if m.send {
+            &mut next.sent[m.peer]
+        } else {
+            &mut next.got[m.peer]
+        };
+        *counter = counter
+            .checked_add(c)
+            .ok_or_else(|| format!("the chunk counter with rank {} would wrap", m.peer))?;
+    }
+    let mut steps: Vec<P2pStep> = out
+        .iter()
+        .zip(&inc)
+        .map(|(&from, &to)| P2pStep::Local {
+            from,
+            to,
+            len: msgs[from].bytes,
+        })
+        .collect();
+    // Each ordered pair's chunks in message order: (message, its byte range).
+    let mut sends: Vec<Vec<(usize, Range<usize>)>> = vec![Vec::new(); size];
+    let mut recvs: Vec<Vec<(usize, Range<usize>)>> = vec![Vec::new(); size];
+    for (i, m) in msgs.iter().enumerate().filter(|(_, m)| m.peer != rank) {
+        let list = if m.send {
+            &mut sends[m.peer]
+        } else {
+            &mut recvs[m.peer]
+        };
+        for j in 0..chunks(m) {
+            list.push((i, j * chunk..m.bytes.min((j + 1) * chunk)));
+        }
+    }
+    let rounds = sends.iter().chain(&recvs).map(Vec::len).max().unwrap_or(0);
+    for j in 0..rounds {
+        for (peer, list) in sends.iter().enumerate() {
+            let Some((msg, range)) = list.get(j).cloned() else {
+                continue;
+            };
+            cur.sent[peer] += 1;
+            let k = cur.sent[peer];
+            let len = range.len() as u32;
+            steps.push(P2pStep::WaitAck {
+                peer,
+                k: k.saturating_sub(2),
+            });
+            steps.push(P2pStep::Put {
+                msg,
+                peer,
+                range,
+                k,
+            });
+            steps.push(P2pStep::Post { peer, k, len });
+        }
+        for (peer, list) in recvs.iter().enumerate() {
+            let Some((msg, range)) = list.get(j).cloned() else {
+                continue;
+            };
+            cur.got[peer] += 1;
+            let k = cur.got[peer];
+            let len = range.len() as u32;
+            steps.push(P2pStep::WaitReady { peer, k, len });
+            steps.push(P2pStep::Take {
+                msg,
+                peer,
+                range,
+                k,
+            });
+            steps.push(P2pStep::Ack { peer, k });
+        }
+    }
+    debug_assert_eq!(*cur, next);
+    Ok(steps)
+}
+
+#[cfg(test)]
+mod tests;
