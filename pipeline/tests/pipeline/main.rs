@@ -173,18 +173,10 @@ fn shapes_that_change_between_steps_are_sent_again() {
     let got = spawn_world(3, cfg(), |comm| {
         play(comm).map_err(|e| oxccl_comm::Error::Config(e.to_string()))
     });
-    let mut params = model::init(&shape(4), 7);
-    let mut first = 0;
-    for (step, &b) in batches.iter().enumerate() {
-        let sh = Shape {
-            batch: b,
-            ..shape(4)
-        };
-        let (g, _) = reference_grads(&sh, &params, first, 1);
-        first += b * 4;
+    for (step, g) in changing_batch_reference(&batches).iter().enumerate() {
         for (r, res) in got.iter().enumerate() {
             let (grads, sent, layers) = res.as_ref().unwrap();
-            let d = max_rel_diff(&pick(&grads[step], layers), &pick(&g, layers));
+            let d = max_rel_diff(&pick(&grads[step], layers), &pick(g, layers));
             assert!(d <= 1e-5, "rank {r} step {step}: {d:e}");
             // Rank 1 has two links (to 0 and 2), each way: 4 shape rounds per change.
             if r == 1 {
@@ -193,8 +185,26 @@ fn shapes_that_change_between_steps_are_sent_again() {
                 assert_eq!(sent[step] - before, fresh, "rank 1 step {step}: {sent:?}");
             }
         }
-        sgd(&mut params, &g, sh.lr);
     }
+}
+
+/// One process's gradients at each step of SGD on micro-batches of `batches[step]` samples (4
+/// micro-batches per step).
+fn changing_batch_reference(batches: &[usize]) -> Vec<Params> {
+    let mut params = model::init(&shape(4), 7);
+    let mut first = 0;
+    let mut out = Vec::new();
+    for &b in batches {
+        let sh = Shape {
+            batch: b,
+            ..shape(4)
+        };
+        let (g, _) = reference_grads(&sh, &params, first, 1);
+        first += b * 4;
+        sgd(&mut params, &g, sh.lr);
+        out.push(g);
+    }
+    out
 }
 
 #[test]
