@@ -181,25 +181,7 @@ fn step_on(
         });
     }
     let _ = dev;
-    pipe.step(&mut Dyn(stage))
-}
-
-/// A `dyn Stage` as a `Stage`.
-struct Dyn<'s>(&'s mut dyn Stage);
-
-impl Stage for Dyn<'_> {
-    fn forward(&mut self, st: Step, inputs: Vec<Tensor>) -> Result<Vec<Tensor>, BoxError> {
-        self.0.forward(st, inputs)
-    }
-    fn backward(&mut self, st: Step, grads: Vec<Tensor>) -> Result<Vec<Tensor>, BoxError> {
-        self.0.backward(st, grads)
-    }
-    fn backward_input(&mut self, st: Step, grads: Vec<Tensor>) -> Result<Vec<Tensor>, BoxError> {
-        self.0.backward_input(st, grads)
-    }
-    fn backward_weight(&mut self, st: Step) -> Result<(), BoxError> {
-        self.0.backward_weight(st)
-    }
+    pipe.step(&mut &mut *stage)
 }
 
 /// The stage's parameters (weight and bias of each of `layers`, in order) as slices.

@@ -79,6 +79,22 @@ pub trait Stage {
     }
 }
 
+/// A stage behind a mutable reference (a `&mut dyn Stage`, say) is a stage.
+impl<S: Stage + ?Sized> Stage for &mut S {
+    fn forward(&mut self, step: Step, inputs: Vec<Tensor>) -> Result<Vec<Tensor>, BoxError> {
+        (**self).forward(step, inputs)
+    }
+    fn backward(&mut self, step: Step, grads: Vec<Tensor>) -> Result<Vec<Tensor>, BoxError> {
+        (**self).backward(step, grads)
+    }
+    fn backward_input(&mut self, step: Step, grads: Vec<Tensor>) -> Result<Vec<Tensor>, BoxError> {
+        (**self).backward_input(step, grads)
+    }
+    fn backward_weight(&mut self, step: Step) -> Result<(), BoxError> {
+        (**self).backward_weight(step)
+    }
+}
+
 /// How to run the pipeline.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PipelineConfig {

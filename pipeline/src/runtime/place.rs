@@ -52,14 +52,12 @@ impl Place {
 
     /// Zeros of `m` here.
     pub(crate) fn zeros(&self, m: &Meta) -> Result<Tensor, String> {
-        match self {
-            #[cfg(test)]
-            Place::Split => Ok(Tensor::zeros(m.dtype, &m.shape)),
-            Place::Host => Ok(Tensor::zeros(m.dtype, &m.shape)),
-            #[cfg(feature = "cuda-core")]
-            Place::Device(s) => Tensor::device_zeros(m.dtype, &m.shape, s)
-                .map_err(|e| format!("allocating {} bytes of device memory: {e}", m.nbytes())),
+        #[cfg(feature = "cuda-core")]
+        if let Place::Device(s) = self {
+            return Tensor::device_zeros(m.dtype, &m.shape, s)
+                .map_err(|e| format!("allocating {} bytes of device memory: {e}", m.nbytes()));
         }
+        Ok(Tensor::zeros(m.dtype, &m.shape))
     }
 }
 

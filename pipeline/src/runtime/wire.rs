@@ -275,15 +275,13 @@ impl Wire<'_> {
         in_hdr: &mut [[u64; 3]],
         got: &mut [Vec<Tensor>],
     ) -> Result<(), PipelineError> {
-        let pay: Vec<&[Tensor]> = (0..ops.len())
-            .map(|i| {
-                if changed[i] {
-                    &stale[i][..]
-                } else {
-                    &sends[i][..]
-                }
-            })
-            .collect();
+        let pay = |i: usize| -> &[Tensor] {
+            if changed[i] {
+                &stale[i]
+            } else {
+                &sends[i]
+            }
+        };
         let split = self.place.split();
         let mut batch = Vec::new();
         for (i, ((op, hdr), ts)) in ops
@@ -299,7 +297,7 @@ impl Wire<'_> {
                         peer,
                     });
                     if !split {
-                        batch.extend(sends_of(pay[i], peer));
+                        batch.extend(sends_of(pay(i), peer));
                     }
                 }
                 Op::Recv { peer, .. } => {
@@ -315,6 +313,7 @@ impl Wire<'_> {
         }
         self.run_batch(ops, batch, "exchange")?;
         if split {
+            let pay: Vec<&[Tensor]> = (0..ops.len()).map(pay).collect();
             self.payloads(ops, &pay, got, "payload")?;
         }
         Ok(())
