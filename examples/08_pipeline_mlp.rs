@@ -177,6 +177,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             println!("step {step}: loss {:.5}", v[0]);
         }
     }
+    if let (0, Some(path)) = (comm.rank(), t.device_path) {
+        println!("device payloads: {path}");
+    }
     if a.check {
         let mut w = [t.worst];
         comm.all_reduce(&mut w, oxccl::comm::ReduceOp::Max)?;

@@ -16,8 +16,10 @@
 #    exactly; 10 DDP steps against the same on gloo; a rank that skips an all_reduce makes the
 #    other fail within the time-out instead of hanging. The wheel's library is put back after.
 # 5. 4 processes: every test, `-d all -o all`; then `-G 5` (CUDA graphs) with one rank.
-# 6. Sends and receives on the stream (OXCCL_NCCL_P2P=stream): sendrecv_perf with 1, 2 and 4
-#    processes, its busbw against the synchronous batch, and PyTorch's collectives check.
+# 6. Sends and receives on the stream (OXCCL_NCCL_P2P=stream, the default: over CUDA IPC, set up
+#    when the communicator is created): sendrecv_perf with 1, 2 and 4 processes, its busbw
+#    against the synchronous batch (OXCCL_NCCL_P2P=sync), the machine's NCCL and `oxccl perf
+#    sendrecv --device cuda`, and PyTorch's collectives check.
 # SKIP="abi one two busbw torch four graph p2p" leaves those parts out; TESTS (default the seven
 # above) and BUSBW (default all_reduce) name the nccl-tests run.
 set -uo pipefail
@@ -41,7 +43,9 @@ nt=/tmp/nccl-tests && mkdir -p $nt
 
 # 1. The C test.
 if ! skip abi; then
-    step 20 "$bin/nccl_abi"
+    # 60 s: its communicators set up their device path at creation, and the first one loads
+    # oxccl's kernels (20-40 s in all on a fresh H200).
+    step 60 "$bin/nccl_abi"
     OXCCL_NCCL_HOST_MEMORY=1 step 30 "$bin/nccl_abi" host
 fi
 
@@ -121,7 +125,7 @@ if [ "$mpi" = 1 ] && [ -x $nt/all_reduce_perf ]; then
         step 30 "${mpi_np[@]}" 4 $nt/${t}_perf $small -d all -o all
     done
 fi
-# 6. Sends and receives enqueued on the stream (OXCCL_NCCL_P2P=stream, not yet the default):
+# 6. Sends and receives enqueued on the stream (OXCCL_NCCL_P2P=stream, the default):
 #    sendrecv_perf with 1, 2 and 4 processes, checked; its busbw next to the synchronous batch;
 #    PyTorch's collectives check (batch_isend_irecv among them) on the stream path.
 if ! skip p2p && [ "$mpi" = 1 ] && [ -x $nt/sendrecv_perf ]; then
@@ -135,6 +139,16 @@ if ! skip p2p && [ "$mpi" = 1 ] && [ -x $nt/sendrecv_perf ]; then
         OXCCL_NCCL_P2P=$mode step 40 "${mpi_np[@]}" 2 -x OXCCL_NCCL_P2P $nt/sendrecv_perf \
             -b 1M -e 64M -f 8 -n 10 -w 3 -c 1
     done
+    # The peers on the same sizes: the machine's own NCCL (2 ranks on the GPU, where it allows
+    # that), and oxccl's device batch over CUDA IPC.
+    real=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)
+    if [ -e "$real/libnccl.so.2" ]; then
+        echo "### sendrecv busbw, NCCL from $real"
+        step 40 env LD_LIBRARY_PATH="$real:$LD_LIBRARY_PATH" NCCL_MULTI_RANK_GPU_ENABLE=1 \
+            "${mpi_np[@]}" 2 -x NCCL_MULTI_RANK_GPU_ENABLE $nt/sendrecv_perf \
+            -b 1M -e 64M -f 8 -n 10 -w 3 -c 1
+    fi
+    step 40 "$bin/oxccl" perf sendrecv --device cuda --np 2 -b 1M -e 64M -f 8 -n 10 -w 3 -c 1
     if [ -n "$torch_lib" ] && [ -e "$torch_lib" ] && ! skip torch; then
         cp "$bin/libnccl.so.2" "$torch_lib"
         step 60 torchrun --nproc_per_node 2 scripts/nccl_torch_check.py collectives

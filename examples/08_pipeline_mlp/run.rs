@@ -59,6 +59,9 @@ pub struct Trained {
     pub worst: f32,
     /// Each step's statistics.
     pub stats: Vec<StepStats>,
+    /// How the pipeline's device payloads moved (`cuda_ipc` or `staged`; `None` on the host).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub device_path: Option<&'static str>,
 }
 
 /// A stage that exits the process in one forward (a killed stage).
@@ -290,6 +293,7 @@ pub fn train(world: &Communicator, o: &Opts) -> Result<Trained, Box<dyn Error>> 
         params: Vec::new(),
         worst: 0.0,
         stats: Vec::new(),
+        device_path: None,
     };
     for step in 0..o.steps {
         // Replica d takes micro-batches d m .. (d + 1) m of the step's samples.
@@ -365,5 +369,9 @@ pub fn train(world: &Communicator, o: &Opts) -> Result<Trained, Box<dyn Error>> 
         t.stats.push(stats);
     }
     t.params = stage.params.clone();
+    #[cfg(feature = "cuda")]
+    {
+        t.device_path = pipe.comm().stats().device_path;
+    }
     Ok(t)
 }

@@ -481,4 +481,72 @@ extern "C" __global__ void oxccl_ipc_barrier(Flags f, u32 rank, u32 n, u32 epoch
     __threadfence_system();
 }
 
+// ---- CUDA IPC: point-to-point between ranks that map each other's scratch -------------------
+//
+// oxccl-comm's cuda_ipc/p2p.rs gives the protocol (inboxes of two halves per sender, `ready` and
+// `ack` words, chunks numbered per ordered pair). A stream runs, per chunk, copies and these two
+// one-thread kernels:
+//
+// oxccl_ipc_p2p_wait: waits with system-scope acquire loads until `word` says chunk `k` is there:
+// with `ack` set, until its low half has reached `k` (wrapping compare); else until its low half
+// is `k`, then checks its high half (the chunk's length) against `len`. A wait longer than
+// `timeout_ns` fails with 5 (a `ready` wait) or 8 (an `ack` wait), a different length with 6,
+// the poison length of a sender that gave up with 7; `code | peer << 8` goes to both error words
+// and `k` to the host word's successor. A wait that finds the device error word set returns at
+// once (later copies then move garbage; the error is what the caller reads).
+//
+// oxccl_ipc_p2p_post: a system fence (the copy before it is visible first), then a system-scope
+// release store of `value` into `word`; with the device error word set and `poison` given, the
+// value's high half becomes the poison length, so the peer fails instead of reading garbage.
+
+#define OXCCL_P2P_POISON_LEN 0xFFFFFFFFu
+
+extern "C" __global__ void oxccl_ipc_p2p_wait(const u64* word, u32 k, u32 len, u32 ack, u32 peer,
+                                              u64 timeout_ns, volatile u32* dev_error,
+                                              volatile u32* host_error) {
+    if (threadIdx.x != 0 || dev_error[0] != 0) return;
+    u32 code = 0;
+#if OXCCL_HAVE_ACQUIRE
+    u64 start = global_timer_ns();
+    for (;;) {
+        u64 v = load_acquire_sys(word);
+        if (ack != 0) {
+            if ((int)((u32)v - k) >= 0) break;
+        } else if ((u32)v == k) {
+            u32 got = (u32)(v >> 32);
+            if (got == OXCCL_P2P_POISON_LEN) code = 7u | (peer << 8);
+            else if (got != len) code = 6u | (peer << 8);
+            break;
+        }
+        if (global_timer_ns() - start > timeout_ns) {
+            code = (ack != 0 ? 8u : 5u) | (peer << 8);
+            break;
+        }
+    }
+#else
+    code = 4u;
+#endif
+    if (code != 0) {
+        host_error[1] = k;
+        __threadfence_system();
+        dev_error[0] = code;
+        host_error[0] = code;
+    }
+    __threadfence_system();
+}
+
+extern "C" __global__ void oxccl_ipc_p2p_post(u64* word, u64 value, u32 poison,
+                                              volatile u32* dev_error) {
+    if (threadIdx.x != 0) return;
+    if (poison != 0 && dev_error[0] != 0) {
+        value = ((u64)OXCCL_P2P_POISON_LEN << 32) | (value & 0xFFFFFFFFull);
+    }
+    __threadfence_system();
+#if OXCCL_HAVE_ACQUIRE
+    store_release_sys(word, value);
+#else
+    *(volatile u64*)word = value;
+#endif
+}
+
 // ---- generated entry points follow -----------------------------------------------------------

@@ -193,12 +193,12 @@ pub fn host_memory() -> bool {
 }
 
 /// Whether device sends and receives are enqueued on the caller's stream (`OXCCL_NCCL_P2P`:
-/// `stream`, or `sync` for the synchronous batch through host copies; read once).
+/// `stream`, the default, or `sync` for the synchronous batch through host copies; read once).
 pub fn p2p_on_stream() -> bool {
     static STREAM: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *STREAM.get_or_init(|| {
         let v = std::env::var("OXCCL_NCCL_P2P").unwrap_or_default();
-        v.trim().eq_ignore_ascii_case("stream")
+        !v.trim().eq_ignore_ascii_case("sync")
     })
 }
 
@@ -469,6 +469,21 @@ fn device_run(t: &Target, call: Call) -> Outcome {
     device::run(t, call)
 }
 
+/// Sets up a new communicator's device path on `device` while every rank is still creating it
+/// (CUDA IPC where its ranks share a node): sends and receives, whose batches involve only some
+/// ranks and so cannot set it up themselves, then go device to device from the first call, as
+/// NCCL's do. Only where they are enqueued on the stream (`OXCCL_NCCL_P2P`) on device memory and
+/// a driver is present; a failure is kept by the communicator and returned by its first device
+/// operation.
+pub fn connect_device(comm: &oxccl_comm::Communicator, device: c_int) {
+    #[cfg(feature = "cuda")]
+    if p2p_on_stream() && !host_memory() && driver_present() {
+        device::connect(comm, device);
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = (comm, device);
+}
+
 #[cfg(feature = "cuda")]
 mod device {
     //! Device buffers on the caller's stream.
@@ -479,6 +494,18 @@ mod device {
 
     use super::{Call, Target};
     use crate::status::{fail, Outcome};
+
+    /// [`super::connect_device`] on `device`'s context, through a stream of its own.
+    pub(super) fn connect(comm: &oxccl_comm::Communicator, device: i32) {
+        let Ok(ctx) = context(device) else {
+            return;
+        };
+        if let Ok(stream) = ctx.new_stream() {
+            // Kept by the communicator when it fails (`OXCCL_CUDA_IPC=1`, a rank late): its
+            // first device operation returns it.
+            let _ = comm.on_stream(&stream).connect();
+        }
+    }
 
     /// One context per device (its primary context), made once.
     fn context(device: i32) -> Result<Arc<CudaContext>, crate::status::Failure> {
@@ -552,10 +579,11 @@ mod device {
         }
     }
 
-    /// The batch as oxccl's `Buffers::batch_p2p` on device views: the bytes to send are
-    /// copied to pinned staging on the caller's stream, the batch runs on the progress thread
-    /// (every operation progressing together), and the received bytes are copied back behind
-    /// the stream's wait; the call returns once that is enqueued.
+    /// The batch as oxccl's `Buffers::batch_p2p` on device views, enqueued on the caller's
+    /// stream: over CUDA IPC once the communicator's first device collective has set it up
+    /// (device to device), else staged (the bytes to send copied to pinned memory, the batch on
+    /// the progress thread, the received bytes copied back behind the stream's wait); the call
+    /// returns once that is enqueued.
     fn stream_batch(t: &Target, calls: &[Call]) -> Outcome {
         use oxccl_comm::P2pView;
         let comm = t.comm.comm()?;

@@ -264,7 +264,8 @@ pub unsafe fn init_rank(
             "rank {rank} of nranks {nranks}: need 0 <= rank < nranks"
         )));
     }
-    let h = Handle::new(current_device(), blocking);
+    let device = current_device();
+    let h = Handle::new(device, blocking);
     // SAFETY: checked non-null; writable per the contract.
     unsafe { give(out, &h) };
     let (rank, size) = (rank as usize, nranks as usize);
@@ -280,7 +281,9 @@ pub unsafe fn init_rank(
                 Some(&root.nonce),
             )?;
             let store: Arc<dyn Store> = Arc::new(store);
-            Ok(Communicator::init_with_config(rank, size, store, cfg)?)
+            let c = Communicator::init_with_config(rank, size, store, cfg)?;
+            crate::coll::connect_device(&c, device);
+            Ok(c)
         })();
         made_for.finish(made)
     };
@@ -312,8 +315,12 @@ pub unsafe fn init_all(out: *mut CommPtr, ndev: c_int, devlist: *const c_int) ->
     let made: Vec<Result<Communicator, Failure>> = thread::scope(|s| {
         let ranks: Vec<_> = (0..n)
             .map(|r| {
-                let (store, cfg) = (store.clone(), cfg.clone());
-                s.spawn(move || Ok(Communicator::init_with_config(r, n, store, cfg)?))
+                let (store, cfg, dev) = (store.clone(), cfg.clone(), devices[r]);
+                s.spawn(move || {
+                    let c = Communicator::init_with_config(r, n, store, cfg)?;
+                    crate::coll::connect_device(&c, dev);
+                    Ok(c)
+                })
             })
             .collect();
         ranks
@@ -380,6 +387,9 @@ pub unsafe fn split(
         let made = parent
             .comm()
             .and_then(|c| Ok(c.split(member.then_some(color as u32), i64::from(key))?));
+        if let Ok(Some(c)) = &made {
+            crate::coll::connect_device(c, parent.device);
+        }
         match made {
             Ok(Some(c)) => made_for.finish(Ok(c)),
             Ok(None) => Ok(()),
@@ -438,6 +448,9 @@ pub unsafe fn shrink(
             }
             Ok(c.shrink(&list)?)
         });
+        if let Ok(c) = &made {
+            crate::coll::connect_device(c, parent.device);
+        }
         made_for.finish(made)
     };
     create(&h, Box::new(job))

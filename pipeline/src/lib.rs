@@ -46,9 +46,10 @@
 //!
 //! **Device tensors** (feature `cuda`): `Pipeline::new_on_device` takes stages whose tensors
 //! are in device memory (`Tensor::device_zeros`, `Tensor::from_device`); their payloads move as
-//! oxccl's device batches of sends and receives on a stream of the pipeline's own, staged
-//! through pinned host memory (not CUDA IPC yet). Untested on a GPU: written when none was at
-//! hand; `pipeline/tests/pipeline/device.rs` checks it where one is.
+//! oxccl's device batches of sends and receives on a stream of the pipeline's own: device to
+//! device over CUDA IPC where every stage shares a node, staged through pinned host memory
+//! elsewhere. Checked on an H200 (`pipeline/tests/pipeline/device.rs`: stage threads on one
+//! GPU; `08_pipeline_mlp --device --check`: processes under MPS).
 
 #![forbid(unsafe_code)]
 

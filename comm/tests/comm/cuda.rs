@@ -432,7 +432,11 @@ fn send_recv<T: Element>(case: &mut Case<'_, T>) -> Result<()> {
 /// memory pool's memory (release threshold raised, 64 MiB reserved first) did not help (7 in
 /// 52). This is the rule the module docs give trainers for `OXCCL_CUDA_IPC_BARRIER=device`
 /// between threads. `OXCCL_TEST_UNGATED=1` leaves the gate out, to show the hazard.
-fn gated<R>(comm: &Communicator, gate: bool, f: impl FnOnce() -> Result<R>) -> Result<R> {
+pub(super) fn gated<R>(
+    comm: &Communicator,
+    gate: bool,
+    f: impl FnOnce() -> Result<R>,
+) -> Result<R> {
     if gate {
         comm.barrier()?;
     }
@@ -614,20 +618,26 @@ fn ipc_fault(
         };
         s.synchronize()
             .expect("the stream finishes: the barrier has a deadline");
-        Ok(match r {
-            Err(e) => (true, e.to_string()),
-            Ok(()) => (
-                false,
-                comm.device_async_error()
-                    .map(|e| e.to_string())
-                    .unwrap_or_default(),
-            ),
-        })
+        Ok(call_error(&comm, r))
     });
     results
         .into_iter()
         .map(|r| r.expect("the first all-reduce works"))
         .collect()
+}
+
+/// A device call's error: from the call itself (`true`), or, once its stream has run, from
+/// [`Communicator::device_async_error`] (`false`); empty if there is none.
+pub(super) fn call_error(comm: &Communicator, r: Result<()>) -> (bool, String) {
+    match r {
+        Err(e) => (true, e.to_string()),
+        Ok(()) => (
+            false,
+            comm.device_async_error()
+                .map(|e| e.to_string())
+                .unwrap_or_default(),
+        ),
+    }
 }
 
 #[test]

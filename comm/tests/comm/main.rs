@@ -10,6 +10,8 @@ mod channels;
 mod collectives;
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "cuda")]
+mod cuda_p2p;
 mod env_detect;
 mod faults;
 mod gather_v;

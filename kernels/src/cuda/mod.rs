@@ -15,6 +15,7 @@
 //! | `oxccl_adamw_f32`, `oxccl_sgd_f32` | one step of AdamW / SGD on f32 master weights, bit for bit the host's ([`AdamWScalars`], [`SgdScalars`]) |
 //! | `oxccl_copy` | byte copy |
 //! | `oxccl_ipc_barrier` | the barrier of device collectives over CUDA IPC (flags in device memory, system-scope release/acquire, a deadline) |
+//! | `oxccl_ipc_p2p_wait`, `oxccl_ipc_p2p_post` | the flag waits and stores of device send/receive over CUDA IPC (one thread, system-scope release/acquire, a deadline) |
 //! | `oxccl_wait_flag` | a stream's wait for a staged operation's host collective (a word of host memory, a deadline); a program of its own, [`FlagWait`] |
 //!
 //! Results are bit-identical to the host kernels for every integer type and for `f32`/`f64`
@@ -78,6 +79,12 @@ pub const SGD_KERNEL: &str = "oxccl_sgd_f32";
 
 /// The barrier kernel of collectives over CUDA IPC (see [`CudaKernels::ipc_barrier`]).
 pub const BARRIER_KERNEL: &str = "oxccl_ipc_barrier";
+
+/// The flag wait of point-to-point over CUDA IPC (see [`CudaKernels::ipc_p2p_wait`]).
+pub const P2P_WAIT_KERNEL: &str = "oxccl_ipc_p2p_wait";
+
+/// The flag store of point-to-point over CUDA IPC (see [`CudaKernels::ipc_p2p_post`]).
+pub const P2P_POST_KERNEL: &str = "oxccl_ipc_p2p_post";
 
 /// The kernel a stream of a staged device operation waits in (see [`FlagWait`]).
 pub const WAIT_KERNEL: &str = "oxccl_wait_flag";

@@ -3,7 +3,8 @@
 //! [`PARTS`] parts ([`part_sources`]).
 
 use super::{
-    ADAMW_KERNEL, BARRIER_KERNEL, BASE_SOURCE, CAST_PAIRS, COPY_KERNEL, KERNEL_OPS, SGD_KERNEL,
+    ADAMW_KERNEL, BARRIER_KERNEL, BASE_SOURCE, CAST_PAIRS, COPY_KERNEL, KERNEL_OPS,
+    P2P_POST_KERNEL, P2P_WAIT_KERNEL, SGD_KERNEL,
 };
 use crate::{DType, ReduceOp};
 
@@ -71,7 +72,7 @@ pub fn kernel_names() -> Vec<String> {
     names.push(ADAMW_KERNEL.to_string());
     names.push(SGD_KERNEL.to_string());
     names.push(COPY_KERNEL.to_string());
-    names.push(BARRIER_KERNEL.to_string());
+    names.extend([BARRIER_KERNEL, P2P_WAIT_KERNEL, P2P_POST_KERNEL].map(String::from));
     names
 }
 
@@ -179,6 +180,8 @@ pub fn part_sources() -> Vec<(Vec<String>, String)> {
         src.push_str(&line);
         src.push('\n');
     }
-    parts[0].0.push(BARRIER_KERNEL.to_string());
+    parts[0]
+        .0
+        .extend([BARRIER_KERNEL, P2P_WAIT_KERNEL, P2P_POST_KERNEL].map(String::from));
     parts
 }

@@ -132,6 +132,32 @@ fn ipc_barrier_uses_system_scope_release_acquire_and_a_timer() {
     }
 }
 
+/// The p2p flag kernels of CUDA IPC keep the barrier's memory order: the wait polls with
+/// system-scope acquire loads and a deadline, the post fences then stores with release.
+#[test]
+fn ipc_p2p_kernels_use_system_scope_release_acquire_and_a_timer() {
+    if !nvrtc_or_skip() {
+        return;
+    }
+    let ptx = compile_ptx("compute_90").expect("compiles");
+    let body = |name: &str| {
+        let start = ptx
+            .find(&format!(".entry {name}("))
+            .unwrap_or_else(|| panic!("{name} is in the PTX"));
+        let b = &ptx[start..];
+        b[..b[1..].find(".entry").map_or(b.len(), |e| e + 1)].to_string()
+    };
+    let wait = body("oxccl_ipc_p2p_wait");
+    for needle in ["ld.acquire.sys", "%globaltimer", "membar.sys"] {
+        assert!(wait.contains(needle), "p2p wait PTX lacks {needle}");
+    }
+    assert!(!wait.contains("st.release.sys"), "the wait stores no flag");
+    let post = body("oxccl_ipc_p2p_post");
+    for needle in ["st.release.sys", "membar.sys"] {
+        assert!(post.contains(needle), "p2p post PTX lacks {needle}");
+    }
+}
+
 /// The staged path's wait kernel, a program of its own: it compiles for every target (from
 /// Turing, the oldest CUDA 13 compiles for), polls the word with system-scope acquire loads and a
 /// pause between them, and keeps a deadline by the GPU's timer.

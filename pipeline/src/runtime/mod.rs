@@ -184,9 +184,10 @@ impl<C: Borrow<Communicator> + Sync> Pipeline<C> {
     /// peer holds up only the computations that use what it brings. Headers and shapes still
     /// go through host memory. Every rank must make it this way. Collective over `comm`.
     ///
-    /// Device batches are staged through pinned host memory (CUDA IPC between the stages of a
-    /// node is not used yet). Untested on a GPU: written when none was at hand;
-    /// `pipeline/tests/pipeline/device.rs` checks it where one is.
+    /// The communicator's device path is set up here ([`oxccl_comm::cuda::StreamComm::connect`]):
+    /// where every stage shares a node (2 to 8 of them), activations and gradients move from
+    /// device to device over CUDA IPC; elsewhere they are staged through pinned host memory.
+    /// `pipeline/tests/pipeline/device.rs` checks it on a GPU.
     ///
     /// # Errors
     /// As [`Pipeline::new`] (ranks that differ in host or device are named); `Device` when
@@ -205,7 +206,16 @@ impl<C: Borrow<Communicator> + Sync> Pipeline<C> {
                 rank,
                 what: format!("creating the exchange stream: {e}"),
             })?;
-        Pipeline::make(comm, cfg, Place::Device(xs))
+        let p = Pipeline::make(comm, cfg, Place::Device(Arc::clone(&xs)))?;
+        p.comm()
+            .on_stream(&xs)
+            .connect()
+            .map_err(|e| PipelineError::Comm {
+                rank,
+                what: "the device path set up".into(),
+                source: e,
+            })?;
+        Ok(p)
     }
 
     fn make(comm: C, cfg: PipelineConfig, place: Place) -> Result<Pipeline<C>, PipelineError> {

@@ -48,7 +48,10 @@ fn train_on_device(
         device: true,
         zero: false,
     };
-    run::train(comm, &o).map_err(|e| oxccl_comm::Error::Config(e.to_string()))
+    let t = run::train(comm, &o).map_err(|e| oxccl_comm::Error::Config(e.to_string()))?;
+    // Stages that are threads of one process on one GPU: activations over CUDA IPC.
+    assert_eq!(t.device_path, Some("cuda_ipc"), "rank {}", comm.rank());
+    Ok(t)
 }
 
 #[test]

@@ -1,15 +1,16 @@
 //! A batch of sends and receives on device buffers ([`crate::Buffers::batch_p2p`] with device
-//! views), staged through pinned host memory like the other staged device operations: the
-//! buffers to send are copied to a staging buffer on the caller's stream, the batch runs over
-//! the host transports on the progress thread (every operation progressing together, as
-//! [`Communicator::batch_p2p`](crate::Communicator::batch_p2p) runs them), and the received
-//! bytes are copied back to the device behind the stream's wait for the flag. The call returns
-//! once this is enqueued; later work on the stream sees the received data. Where streams do not
-//! wait on the flag (ranks that are threads of one process), the call waits for the host batch
-//! before it enqueues the copies back.
+//! views). Over CUDA IPC where the communicator has set it up (`crate::transport::cuda_ipc`'s
+//! `p2p_exec.rs`); otherwise staged through pinned host memory like the other staged device
+//! operations: the buffers to send are copied to a staging buffer on the caller's stream, the
+//! batch runs over the host transports on the progress thread (every operation progressing
+//! together, as [`Communicator::batch_p2p`](crate::Communicator::batch_p2p) runs them), and the
+//! received bytes are copied back to the device behind the stream's wait for the flag. The call
+//! returns once this is enqueued; later work on the stream sees the received data. Where streams
+//! do not wait on the flag (ranks that are threads of one process), the call waits for the host
+//! batch before it enqueues the copies back.
 //!
-//! Untested on a GPU: written when no GPU was at hand; `comm/tests/comm/cuda.rs` checks it
-//! (`send_recv`: a batch both ways round the ring, every dtype, 2 to 8 ranks) where one is.
+//! `comm/tests/comm/cuda.rs` checks both paths on a GPU (`send_recv`: a batch both ways round the
+//! ring, every dtype, 2 to 8 ranks), and `cuda_p2p.rs` the IPC path alone.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -23,6 +24,7 @@ use super::{lock, StreamComm};
 use crate::api::p2p::{run_batch, sort_batch, Part};
 use crate::base::buffer::Device;
 use crate::base::error::{Error, Result};
+use crate::transport::cuda_ipc as ipc;
 
 /// The name errors give a device batch.
 const OP: &str = "batch_p2p";
@@ -93,6 +95,18 @@ impl StreamComm<'_> {
         let ctx = Arc::clone(&state.ctx);
         ctx.bind_to_thread()
             .map_err(|e| self.cuda_err(OP, "binding the context", e))?;
+        let msgs: Vec<ipc::P2pMsg> = ops
+            .iter()
+            .map(|o| ipc::P2pMsg {
+                send: o.send,
+                peer: o.peer,
+                ptr: o.buf.ptr,
+                bytes: o.buf.bytes,
+            })
+            .collect();
+        if let Some(r) = self.p2p_over_ipc(state, &msgs) {
+            return r;
+        }
         load_waiter(state, &ctx, comm.rank);
         let lent = self.take_staging(state, &ctx, OP, total.max(1))?;
         let fail = |what: &str, e: sys::cudaError_enum| {

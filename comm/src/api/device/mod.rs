@@ -38,15 +38,21 @@
 //! `OXCCL_ALGO=ring`, all-reduce, reduce-scatter and all-gather read only the previous rank's slot
 //! instead, in ring steps. This is the default where it applies (`OXCCL_CUDA_IPC=auto`); if any
 //! rank cannot map the others, every rank stages instead (`OXCCL_CUDA_IPC=1` makes that an error).
-//! Send and receive are always staged. Operations of one communicator on different streams are
+//! Sends and receives (single, or batches of [`crate::Buffers::batch_p2p`] with device views) go
+//! over CUDA IPC too once it is set up, device to device through an inbox of two chunks per
+//! sender in each rank's scratch (`comm/src/transport/cuda_ipc/p2p.rs`): since a batch involves
+//! only some ranks and the set-up needs them all, it is set up by the first device collective or
+//! by [`StreamComm::connect`], which every rank calls; before that they stage. Over IPC a device
+//! message pairs only with a device message (host ones go over the host transports).
+//! Operations of one communicator on different streams are
 //! chained in call order. Between processes the barrier is a kernel that spins on the GPU; ranks as
 //! processes on one GPU share it by time slices (without MPS), so each barrier may wait for a
 //! slice. When every rank is a thread of one process, the ranks meet at each barrier on the host
 //! instead (`OXCCL_CUDA_IPC_BARRIER`): a call then returns once every rank has enqueued its part up
 //! to that barrier, and the streams wait for each other's CUDA events (see below).
 //!
-//! **Staged through pinned host memory** (ranks on several nodes, more than 8 ranks, send and
-//! receive, or `OXCCL_CUDA_IPC=0`). Each call is checked like its host counterpart, then
+//! **Staged through pinned host memory** (ranks on several nodes, more than 8 ranks, sends and
+//! receives before CUDA IPC is set up, or `OXCCL_CUDA_IPC=0`). Each call is checked like its host counterpart, then
 //! enqueued:
 //!
 //! 1. on the stream, a copy of the device input into a pinned host staging buffer, and an event
@@ -128,7 +134,10 @@
 //! barrier kernel is compiled to PTX. The GPU paths themselves are exercised only by
 //! `comm/tests/comm/cuda.rs`, whose tests are ignored without a GPU (all 15 passed on an H200,
 //! 2026-11-29: 2, 3, 4 and 8 rank threads, CUDA IPC and staged, every collective, dtype and
-//! pre-multiplied sum, faults and stream order), and through nccl-tests on `libnccl.so.2`
+//! pre-multiplied sum, faults and stream order; the worlds again on 2026-11-30 with sends and
+//! receives over CUDA IPC), `comm/tests/comm/cuda_p2p.rs` (sends and receives over CUDA IPC:
+//! every size, 2 to 4 rank threads, flags on the host and on the device, faults, ranks dropped
+//! one after another; passed on an H200, 2026-11-30), and through nccl-tests on `libnccl.so.2`
 //! (`nccl/`): run them with `cargo test -p oxccl-comm --features cuda --test comm -- cuda
 //! --ignored` on a machine with one.
 

@@ -47,6 +47,24 @@ impl StreamComm<'_> {
                 return r;
             }
         }
+        let one = |send: bool, peer: usize, d: Dev| {
+            d.map(|(ptr, count)| ipc::P2pMsg {
+                send,
+                peer,
+                ptr,
+                bytes: count * dt.size(),
+            })
+        };
+        let msg = match kind {
+            Kind::Send { peer } => one(true, peer, input),
+            Kind::Recv { peer } => one(false, peer, output),
+            _ => None,
+        };
+        if let Some(m) = msg {
+            if let Some(r) = self.p2p_over_ipc(state, &[m]) {
+                return r;
+            }
+        }
         load_waiter(state, &ctx, comm.rank);
         let lent = self.take_staging(state, &ctx, op, plan.stage_bytes)?;
         let record_done = |lent: &Lent| lent.pinned().done.record(stream);
@@ -181,6 +199,68 @@ impl StreamComm<'_> {
                 }))
             }
             IpcMode::Untried | IpcMode::Off => None,
+        }
+    }
+
+    /// Runs device sends and receives over CUDA IPC where this communicator's collectives run so
+    /// (set up by a device collective or [`StreamComm::connect`]): `Some` with the call's result,
+    /// `None` where they stage.
+    pub(super) fn p2p_over_ipc(
+        &self,
+        state: &mut DeviceState,
+        msgs: &[ipc::P2pMsg],
+    ) -> Option<Result<()>> {
+        let comm = self.comm;
+        match &mut state.ipc {
+            IpcMode::Failed(e) => Some(Err(e.clone())),
+            IpcMode::On(s) => {
+                let r = s.run_p2p(&self.stream, msgs, &comm.shared.abort);
+                tracing::trace!(rank = comm.rank, "cuda: batch_p2p: enqueued over cuda_ipc");
+                Some(r.inspect_err(|e| {
+                    if !matches!(e, Error::InvalidArgument { .. }) {
+                        // Part of the batch may be enqueued: the ranks' pair counters and
+                        // inboxes no longer agree, so no later device operation can work.
+                        lock(&state.error).get_or_insert_with(|| e.clone());
+                    }
+                }))
+            }
+            IpcMode::Untried | IpcMode::Off => None,
+        }
+    }
+
+    /// Sets up this communicator's device path now, on this stream's context (every rank calls
+    /// it, like a collective): CUDA IPC where the ranks can map each other's memory, else
+    /// staging, as a first device collective would decide. Device sends and receives go over
+    /// CUDA IPC only once it is set up, since a batch involves only some ranks and the set-up
+    /// needs them all; call this first where the first device operations are sends and
+    /// receives (pipeline stages). Returns `"cuda_ipc"` or `"staged"`.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a stream of another context than earlier device operations';
+    /// `Cuda` when `OXCCL_CUDA_IPC=1` and some rank cannot take part, or a CUDA call fails;
+    /// `Timeout` when a rank does not reach the set-up in time.
+    pub fn connect(&self) -> Result<&'static str> {
+        let comm = self.comm;
+        let op = "connect";
+        let mut guard = lock(&comm.cuda);
+        let state = self
+            .device_state(&mut guard, op)
+            .map_err(|e| comm.shared.named(e))?;
+        state.ctx.bind_to_thread().map_err(|e| {
+            comm.shared
+                .named(self.cuda_err(op, "binding the context", e))
+        })?;
+        if matches!(state.ipc, IpcMode::Untried) {
+            state.ipc = match ipc::setup(&comm.group(), &self.stream, op) {
+                Ok(Some(s)) => IpcMode::On(Box::new(s)),
+                Ok(None) => IpcMode::Off,
+                Err(e) => IpcMode::Failed(e),
+            };
+        }
+        match &state.ipc {
+            IpcMode::On(_) => Ok("cuda_ipc"),
+            IpcMode::Failed(e) => Err(comm.shared.named(e.clone())),
+            IpcMode::Off | IpcMode::Untried => Ok("staged"),
         }
     }
 

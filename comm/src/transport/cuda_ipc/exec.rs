@@ -11,16 +11,18 @@ use cudarc::driver::{sys, CudaEvent, CudaStream};
 use oxccl_kernels::cuda::CudaKernels;
 use oxccl_kernels::{DType, ReduceOp};
 
+use super::p2p_exec::HostP2p;
 use super::plan::{
     execute, ipc_plan, Bases, Exec, HostBarrier, ERR_ABORTED, ERR_MISMATCH, ERR_TIMEOUT, MAX_RANKS,
 };
+use super::registration::Buried;
 use super::{lock, IpcState};
 use crate::base::call::Kind;
 use crate::base::error::{Error, Result};
 use crate::device::staging::Backoff;
 
 /// Byte offset, in a scratch allocation, of the device error word (after the flag words).
-const DEV_ERROR_OFFSET: usize = 2 * MAX_RANKS * 8;
+pub(super) const DEV_ERROR_OFFSET: usize = 2 * MAX_RANKS * 8;
 
 /// Operations remembered to name the one a failed barrier belonged to.
 const HISTORY: usize = 64;
@@ -42,6 +44,34 @@ pub(crate) struct ThreadSync {
     flags: Vec<[AtomicU64; 2 * MAX_RANKS]>,
     errors: Vec<AtomicU32>,
     events: Vec<OnceLock<[CudaEvent; 2]>>,
+    /// Every rank's flags and events of point-to-point (`p2p_exec.rs`).
+    pub(super) p2p: Vec<HostP2p>,
+    /// The scratch of the ranks that left, freed when the last one leaves (this is dropped);
+    /// leaked instead if one of them could not confirm that its last operation had finished.
+    graves: Mutex<(Vec<Buried>, bool)>,
+}
+
+impl ThreadSync {
+    /// Takes a leaving rank's scratch (`idle`: its last operation has finished).
+    pub(super) fn bury(&self, b: Option<Buried>, idle: bool) {
+        let mut g = lock(&self.graves);
+        g.0.extend(b);
+        g.1 |= !idle;
+    }
+}
+
+impl Drop for ThreadSync {
+    fn drop(&mut self) {
+        let (buried, busy) = std::mem::take(&mut *lock(&self.graves));
+        if busy {
+            tracing::warn!(
+                "cuda_ipc tear-down: a rank's last operation did not finish in time; the \
+                 device scratch of its world's {} ranks is left allocated",
+                buried.len()
+            );
+            buried.into_iter().for_each(std::mem::forget);
+        }
+    }
 }
 
 impl ThreadSync {
@@ -52,6 +82,8 @@ impl ThreadSync {
                 .collect(),
             errors: (0..size).map(|_| AtomicU32::new(0)).collect(),
             events: (0..size).map(|_| OnceLock::new()).collect(),
+            p2p: (0..size).map(|_| HostP2p::new()).collect(),
+            graves: Mutex::new((Vec::new(), false)),
         }
     }
 
@@ -225,6 +257,10 @@ impl IpcState {
 
     /// The error for a barrier's error word `code` at barrier `epoch`.
     fn barrier_error(&self, code: u32, epoch: u32) -> Error {
+        if code & 0xff >= super::p2p::ERR_P2P_TIMEOUT {
+            // A wait of point-to-point: the second word is the chunk number.
+            return self.p2p_error(code, epoch);
+        }
         let peer = (code >> 8) as usize;
         let where_ = if self.host_barrier.is_some() {
             "host"

@@ -31,13 +31,14 @@
 //! **Tear-down**: when the communicator is dropped, each rank waits (bounded) for its last
 //! operation, says so through the store and waits (bounded) for every peer to say the same
 //! before it unmaps peers and frees its scratch; whatever cannot be confirmed is leaked rather
-//! than freed under a kernel that may still read it.
+//! than freed under a kernel that may still read it. Ranks that are all threads of this process
+//! (barriers met on the host) skip the rounds, so one thread may drop them one after another:
+//! each hands its scratch to the world's shared state, which frees them all when the last rank
+//! has left.
 
 mod exec;
-// The protocol of device point-to-point over IPC, tested against a host model; its executor is
-// not written yet, so only the tests use it.
-#[cfg_attr(not(test), allow(dead_code))]
 mod p2p;
+mod p2p_exec;
 pub(crate) mod plan;
 mod registration;
 mod setup;
@@ -56,10 +57,12 @@ use crate::base::tuning::AlgoOverride;
 use crate::device::staging::wait_event;
 use crate::transport::{same_node, CanConnect, Group, Links, Memory, Transport};
 use exec::ThreadSync;
+use p2p::{P2pCursor, P2pLayout};
 use plan::Cursor;
 use registration::{close_handle, mapped, Local, MapKey};
 
 pub(crate) use exec::IpcCall;
+pub(crate) use p2p_exec::P2pMsg;
 pub(crate) use setup::setup;
 
 /// Longest wait at tear-down, for the last operation and for the peers.
@@ -116,6 +119,10 @@ pub(crate) struct IpcState {
     /// `OXCCL_ALGO`: ring steps, or one-shot / two-shot all-reduce, where it asks for them.
     algo: AlgoOverride,
     cur: Cursor,
+    /// Where the p2p flags and inboxes lie in every rank's scratch.
+    p2p: P2pLayout,
+    /// Chunks sent to and received from each peer so far.
+    p2p_cur: P2pCursor,
     /// Operations so far (the sequence number in errors).
     ops: u64,
     /// The stream of the last operation (held, so its handle cannot be reused meanwhile).
@@ -140,6 +147,18 @@ impl Drop for IpcState {
         let _ = unsafe { result::ctx::set_current(self.local.ctx.cu_ctx()) };
         let idle =
             self.last_stream.is_none() || wait_event(&self.local.done, deadline).unwrap_or(false);
+        if let Some(ts) = self.host_barrier.take().filter(|_| self.opened.is_empty()) {
+            // Every rank is a thread of this process, which may drop them one after another
+            // (ncclCommDestroy in a loop): no rounds through the store. The world's shared state
+            // frees every rank's scratch when the last rank leaves; all of them have waited for
+            // their last operation by then.
+            ts.bury(self.local.bury(), idle);
+            drop(ts);
+            self._peer_ctxs.clear();
+            // SAFETY: the context handle is live (held by `self.local.ctx`).
+            let _ = unsafe { result::ctx::set_current(self.local.ctx.cu_ctx()) };
+            return;
+        }
         let key = |what: &str, q: usize| format!("{}/cuda_ipc/{what}/{q}", self.id);
         let round = |what: &str| {
             self.store.set(&key(what, self.rank), b"1").is_ok()

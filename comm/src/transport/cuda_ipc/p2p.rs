@@ -1,15 +1,13 @@
 //! Point-to-point over CUDA IPC, the protocol: the steps one rank's stream runs for a batch of
 //! sends and receives between ranks that map each other's scratch, so that data moves from
 //! device to device without host memory. Pure code, tested here without a GPU against a host
-//! model of the device (`p2p/tests.rs`); the executor that enqueues these steps (copies, and
-//! one-thread kernels for the flag waits and stores) is not written yet, so nothing but the
-//! tests uses it.
+//! model of the device (`p2p/tests.rs`); `p2p_exec.rs` enqueues these steps on a stream.
 //!
 //! # Memory
 //!
-//! Besides the collectives' flags and slots, every rank's scratch holds a p2p area: for each
-//! possible sender `s` an **inbox** of two halves of `chunk` bytes, and a block of
-//! [`FLAG_WORDS`] flag words:
+//! Besides the collectives' flags and slots, every rank's scratch holds a p2p area
+//! ([`P2pLayout`]): a block of [`FLAG_WORDS`] flag words, and for each rank `s` of the
+//! communicator an **inbox** of two halves of `chunk` bytes:
 //!
 //! - `ready[s][h]` (word [`ready_word`]`(s, h)` of the receiver's block, written by sender `s`
 //!   only): `(len << 32) | k` once chunk number `k` (`k % 2 == h`) of the pair
@@ -41,10 +39,74 @@
 
 use std::ops::Range;
 
-use super::plan::MAX_RANKS;
+use super::plan::{FLAGS_BYTES, MAX_RANKS};
 
 /// Flag words of a rank's p2p block: two `ready` words per sender, one `ack` word per receiver.
 pub(crate) const FLAG_WORDS: usize = 3 * MAX_RANKS;
+
+/// Bytes of the p2p flag block ([`FLAG_WORDS`] words, padded so the inboxes start 256-byte
+/// aligned).
+const P2P_FLAGS_BYTES: usize = 256;
+
+/// Largest inbox half: with 8 ranks, 64 MiB of inboxes per rank.
+const MAX_CHUNK: usize = 4 << 20;
+
+/// Error word values a p2p wait sets (low byte; the next byte is the peer's rank, the host word's
+/// successor the chunk number), after the barrier's 1 to 4: the peer did not publish the chunk
+/// in time.
+pub(crate) const ERR_P2P_TIMEOUT: u32 = 5;
+/// The peer published the chunk with another length (its message is longer or shorter).
+pub(crate) const ERR_P2P_MISMATCH: u32 = 6;
+/// The peer gave up (a wait of its own failed) and published the chunk poisoned.
+pub(crate) const ERR_P2P_ABORTED: u32 = 7;
+/// The peer did not take an earlier chunk out of its inbox in time.
+pub(crate) const ERR_P2P_ACK_TIMEOUT: u32 = 8;
+
+/// Where the p2p area lies in every rank's scratch allocation: after the collectives' flags and
+/// two slots, [`P2P_FLAGS_BYTES`] of flag words, then one inbox of two `chunk`-byte halves per
+/// rank of the communicator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct P2pLayout {
+    /// Offset of the flag block from the start of a scratch allocation.
+    pub flags: usize,
+    /// Bytes of one inbox half: the largest chunk of a message.
+    pub chunk: usize,
+    pub size: usize,
+}
+
+impl P2pLayout {
+    /// The layout of scratch allocations with slots of `slot_bytes`, for `size` ranks: inbox
+    /// halves of half a slot, at most [`MAX_CHUNK`] (every rank computes the same, since the
+    /// set-up checks that all have the same slot size).
+    pub(crate) fn new(slot_bytes: usize, size: usize) -> P2pLayout {
+        P2pLayout {
+            flags: FLAGS_BYTES + 2 * slot_bytes,
+            chunk: (slot_bytes / 2).clamp(1, MAX_CHUNK),
+            size,
+        }
+    }
+
+    /// Bytes of a whole scratch allocation.
+    pub(crate) fn scratch_bytes(&self) -> usize {
+        self.flags + P2P_FLAGS_BYTES + 2 * self.size * self.chunk
+    }
+
+    /// Bytes at [`P2pLayout::flags`] that must read zero before a peer may use them.
+    pub(crate) fn flag_bytes(&self) -> usize {
+        P2P_FLAGS_BYTES
+    }
+
+    /// The address of flag word `w` in the scratch that starts at `base`.
+    pub(crate) fn word(&self, base: u64, w: usize) -> u64 {
+        base + (self.flags + 8 * w) as u64
+    }
+
+    /// The address of half `k % 2` of the inbox for sender `s` in the scratch that starts at
+    /// `base`.
+    pub(crate) fn inbox(&self, base: u64, s: usize, k: u32) -> u64 {
+        base + (self.flags + P2P_FLAGS_BYTES + (2 * s + (k % 2) as usize) * self.chunk) as u64
+    }
+}
 
 /// The word of the receiver's block that sender `s` writes for its chunks of parity `half`.
 pub(crate) fn ready_word(s: usize, half: u32) -> usize {

@@ -11,6 +11,7 @@ use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream};
 use oxccl_kernels::cuda::CudaKernels;
 
 use super::lock;
+use super::p2p::P2pLayout;
 use super::plan::FLAGS_BYTES;
 use crate::device::staging::{wait_event, Flag};
 
@@ -106,7 +107,7 @@ impl Local {
     pub(super) fn new(
         rank: usize,
         stream: &Arc<CudaStream>,
-        slot_bytes: usize,
+        layout: &P2pLayout,
         timeout: std::time::Duration,
     ) -> std::result::Result<Local, String> {
         let d = |what: &str, e: sys::CUresult| format!("{what}: {e:?}");
@@ -122,7 +123,7 @@ impl Local {
         );
         ctx.bind_to_thread()
             .map_err(|e| format!("binding the context: {e:?}"))?;
-        let bytes = FLAGS_BYTES + 2 * slot_bytes;
+        let bytes = layout.scratch_bytes();
         let mut scratch: sys::CUdeviceptr = 0;
         // SAFETY: the driver writes the address of a fresh allocation of `bytes` bytes.
         let r = unsafe { sys::cuMemAlloc_v2(&mut scratch, bytes) };
@@ -136,9 +137,14 @@ impl Local {
         // The flags must read zero before any peer can see the handle: cleared on the caller's
         // stream (a new stream could synchronize the whole context) and waited for, bounded.
         let cleared = ctx.new_event(None).and_then(|ev| {
-            // SAFETY: the first FLAGS_BYTES of the allocation made above.
-            unsafe { sys::cuMemsetD8Async(scratch, 0, FLAGS_BYTES, stream.cu_stream()) }
-                .result()?;
+            // SAFETY: the first FLAGS_BYTES of the allocation made above, and the p2p flag
+            // block, which the layout places inside it.
+            unsafe {
+                let s = stream.cu_stream();
+                sys::cuMemsetD8Async(scratch, 0, FLAGS_BYTES, s).result()?;
+                let p2p = scratch + layout.flags as u64;
+                sys::cuMemsetD8Async(p2p, 0, layout.flag_bytes(), s).result()?;
+            }
             ev.record(stream)?;
             wait_event(&ev, deadline)
         });
@@ -181,6 +187,42 @@ impl Local {
             error: std::mem::ManuallyDrop::new(error),
             done,
             leak: false,
+        })
+    }
+}
+
+/// A rank's scratch allocation and error word, taken out of its [`Local`] to be freed by
+/// whoever holds this (the last rank of a world of threads to leave): freed when dropped.
+pub(super) struct Buried {
+    ctx: Arc<CudaContext>,
+    scratch: sys::CUdeviceptr,
+    _error: Flag,
+}
+
+impl Drop for Buried {
+    fn drop(&mut self) {
+        // SAFETY: the context is live (held by `self.ctx`); the scratch was allocated in it, and
+        // the holder drops this only once no kernel of any rank can use it any more.
+        unsafe {
+            let _ = result::ctx::set_current(self.ctx.cu_ctx());
+            let _ = sys::cuMemFree_v2(self.scratch);
+        }
+    }
+}
+
+impl Local {
+    /// Takes the scratch allocation and the error word out (this `Local` then frees nothing).
+    pub(super) fn bury(&mut self) -> Option<Buried> {
+        if self.leak {
+            return None;
+        }
+        self.leak = true;
+        // SAFETY: taken once (`leak` is now set, so neither this nor `Drop` takes it again).
+        let error = unsafe { std::mem::ManuallyDrop::take(&mut self.error) };
+        Some(Buried {
+            ctx: Arc::clone(&self.ctx),
+            scratch: self.scratch,
+            _error: error,
         })
     }
 }

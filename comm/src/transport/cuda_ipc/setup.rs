@@ -9,7 +9,8 @@ use std::time::Instant;
 use cudarc::driver::{result, CudaContext, CudaEvent, CudaStream};
 
 use super::exec::ThreadSync;
-use super::plan::{Cursor, FLAGS_BYTES, MAX_RANKS};
+use super::p2p::{P2pCursor, P2pLayout};
+use super::plan::{Cursor, MAX_RANKS};
 use super::registration::{close_handle, mapped, open_handle, same_process_peer, Local, MapKey};
 use super::{IpcState, TEARDOWN_WAIT};
 use crate::base::config::{ipc_barrier_from_name, ipc_barrier_name};
@@ -140,7 +141,8 @@ pub(crate) fn setup(
     let local = if cfg.cuda_ipc == Some(false) {
         Err("OXCCL_CUDA_IPC=0".to_string())
     } else {
-        Local::new(rank, stream, cfg.cuda_ipc_slot, cfg.timeout)
+        let layout = P2pLayout::new(cfg.cuda_ipc_slot, size);
+        Local::new(rank, stream, &layout, cfg.timeout)
     };
     tracing::trace!(rank, "cuda: cuda_ipc set-up: publishing the record");
     let mine = match &local {
@@ -242,6 +244,8 @@ pub(crate) fn setup(
         one_shot: cfg.cuda_ipc_one_shot,
         algo: cfg.algo.clone(),
         cur: Cursor::default(),
+        p2p: P2pLayout::new(cfg.cuda_ipc_slot, size),
+        p2p_cur: P2pCursor::default(),
         ops: 0,
         last_stream: None,
         history: VecDeque::new(),
@@ -494,7 +498,7 @@ fn refuse(
             rank,
             "cuda_ipc set-up refused without every rank confirming in time that it \
              unmapped this rank's device scratch: {} bytes left allocated",
-            FLAGS_BYTES + 2 * cfg.cuda_ipc_slot
+            P2pLayout::new(cfg.cuda_ipc_slot, size).scratch_bytes()
         );
     }
     drop(local);

@@ -11,7 +11,9 @@ use std::sync::Arc;
 
 use oxccl_comm::cuda::cudarc::driver::sys::CUresult;
 use oxccl_comm::cuda::cudarc::driver::{CudaContext, CudaSlice, CudaStream, DriverError};
-use oxccl_comm::{Collective, Communicator, Element, Error, ReduceOp, Result};
+use oxccl_comm::{
+    Buf, BufMut, Collective, Communicator, Element, Error, P2pView, ReduceOp, Result,
+};
 
 use super::sweep::Geometry;
 
@@ -89,6 +91,9 @@ impl DevArenas {
         let b = stream
             .alloc_zeros::<u8>(b_bytes.max(1))
             .map_err(|e| cuda(rank, "device memory", e))?;
+        // The device path now (CUDA IPC where the ranks share a node), so that sends and
+        // receives, which cannot set it up themselves, use it from the first call.
+        comm.on_stream(&stream).connect()?;
         Ok(DevArenas { stream, a, b })
     }
 
@@ -195,15 +200,18 @@ impl DevArenas {
             Collective::Scatter => dev.scatter_into(&inp.slice(..0), &mut out, root),
             Collective::AllToAll => dev.all_to_all_into(&inp, &mut out),
             Collective::SendRecv => {
-                // Even ranks send first, odd ranks receive first: no cycle of waiting senders.
+                // One batch, as nccl-tests' sendrecv groups its send and receive.
                 let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
-                if rank % 2 == 0 {
-                    dev.send(&inp, next)?;
-                    dev.recv(&mut out, prev)
-                } else {
-                    dev.recv(&mut out, prev)?;
-                    dev.send(&inp, next)
-                }
+                comm.buffers().batch_p2p(vec![
+                    P2pView::Send {
+                        buf: Buf::device(&inp, &self.stream),
+                        peer: next,
+                    },
+                    P2pView::Recv {
+                        buf: BufMut::device(&mut out, &self.stream),
+                        peer: prev,
+                    },
+                ])
             }
             Collective::Barrier => comm.barrier(),
             // Refused with --device cuda (`Plan::from_args`).

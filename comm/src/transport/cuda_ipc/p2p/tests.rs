@@ -271,3 +271,32 @@ fn cuda_ipc_p2p_refuses_bad_batches_before_planning() {
         3
     );
 }
+
+/// The p2p area lies after the collectives' slots, its flag words and every inbox half apart
+/// and inside the allocation, the inboxes 256-byte aligned (for any slot the configuration
+/// takes, and 1 to 8 ranks).
+#[test]
+fn cuda_ipc_p2p_layout_keeps_flags_and_inboxes_apart_inside_the_scratch() {
+    for slot in [4096, 4097, 1 << 20, 32 << 20, 100 << 20] {
+        for n in 1..=MAX_RANKS {
+            let l = P2pLayout::new(slot, n);
+            assert!(l.chunk >= 1 && l.chunk <= MAX_CHUNK && l.chunk <= slot / 2);
+            assert_eq!(l.flags, FLAGS_BYTES + 2 * slot);
+            assert!(FLAG_WORDS * 8 <= l.flag_bytes());
+            let last_word = l.word(0, FLAG_WORDS - 1) as usize + 8;
+            let mut spans: Vec<(usize, usize)> = vec![(l.flags, last_word)];
+            for s in 0..n {
+                for k in [1u32, 2] {
+                    let at = l.inbox(0, s, k) as usize;
+                    assert_eq!((at - l.flags) % 256, 0, "slot {slot}, {n} ranks");
+                    spans.push((at, at + l.chunk));
+                }
+            }
+            spans.sort_unstable();
+            assert!(spans.windows(2).all(|w| w[0].1 <= w[1].0), "{spans:?}");
+            assert!(spans.last().is_some_and(|s| s.1 <= l.scratch_bytes()));
+            // Addresses move with the base.
+            assert_eq!(l.inbox(1 << 40, n - 1, 3), (1 << 40) + l.inbox(0, n - 1, 3));
+        }
+    }
+}
