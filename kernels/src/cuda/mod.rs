@@ -209,8 +209,9 @@ mod tests {
                 "{name} must be defined exactly once"
             );
         }
-        // 12 dtypes x 4 ops + 12 div + 12 scale + 4 casts + AdamW + SGD + copy + barrier.
-        assert_eq!(kernel_names().len(), 48 + 12 + 12 + 4 + 2 + 1 + 1);
+        // 12 dtypes x 4 ops + 12 div + 12 scale + 4 casts + AdamW + SGD + copy + barrier + the
+        // two p2p kernels.
+        assert_eq!(kernel_names().len(), 48 + 12 + 12 + 4 + 2 + 1 + 1 + 2);
         assert_eq!(
             reduce_kernel_name(DType::BF16, ReduceOp::Avg),
             "oxccl_reduce_bf16_sum"
