@@ -487,24 +487,31 @@ extern "C" __global__ void oxccl_ipc_barrier(Flags f, u32 rank, u32 n, u32 epoch
 // `ack` words, chunks numbered per ordered pair). A stream runs, per chunk, copies and these two
 // one-thread kernels:
 //
-// oxccl_ipc_p2p_wait: waits with system-scope acquire loads until `word` says chunk `k` is there:
-// with `ack` set, until its low half has reached `k` (wrapping compare); else until its low half
-// is `k`, then checks its high half (the chunk's length) against `len`. A wait longer than
-// `timeout_ns` fails with 5 (a `ready` wait) or 8 (an `ack` wait), a different length with 6,
-// the poison length of a sender that gave up with 7; `code | peer << 8` goes to both error words
-// and `k` to the host word's successor. A wait that finds the device error word set returns at
-// once (later copies then move garbage; the error is what the caller reads).
+// oxccl_ipc_p2p_wait: waits with system-scope acquire loads until `word` says chunk `k` is there.
+// A `ready` wait (`ack` 0) waits until the word's low half is `k`, then checks its high half (the
+// chunk's tag: its length, bit 31 on a message's last chunk) against `tag`: another tag fails
+// with 6, the poison tag of a sender that gave up with 7, and no chunk within `timeout_ns` with 5.
+// An `ack` wait waits until the low half has reached `k` (wrapping compare), else fails with 8.
+// The first failure's `code | peer << 8` goes to both error words, and `k` to the host word's
+// successor; later failures keep it. Once the device error word is set, `ready` waits return at
+// once (what they guard is this rank's own data, undefined now); `ack` waits still wait, since
+// the copy after them overwrites a half of the peer's inbox that the peer may still be copying
+// out, except for a peer whose acknowledgement already timed out (bit `peer` of
+// `dev_error[1]`): it takes nothing any more.
 //
 // oxccl_ipc_p2p_post: a system fence (the copy before it is visible first), then a system-scope
-// release store of `value` into `word`; with the device error word set and `poison` given, the
-// value's high half becomes the poison length, so the peer fails instead of reading garbage.
+// release store of `value` into `word`; with the device error word set and `poison` given (a
+// `ready` word), the value's high half becomes the poison tag, so the peer fails instead of
+// taking what follows.
 
-#define OXCCL_P2P_POISON_LEN 0xFFFFFFFFu
+#define OXCCL_P2P_POISON_TAG 0xFFFFFFFFu
 
-extern "C" __global__ void oxccl_ipc_p2p_wait(const u64* word, u32 k, u32 len, u32 ack, u32 peer,
+extern "C" __global__ void oxccl_ipc_p2p_wait(const u64* word, u32 k, u32 tag, u32 ack, u32 peer,
                                               u64 timeout_ns, volatile u32* dev_error,
                                               volatile u32* host_error) {
-    if (threadIdx.x != 0 || dev_error[0] != 0) return;
+    if (threadIdx.x != 0) return;
+    if (ack == 0 && dev_error[0] != 0) return;
+    if (ack != 0 && (dev_error[1] >> (peer & 31u) & 1u) != 0) return;
     u32 code = 0;
 #if OXCCL_HAVE_ACQUIRE
     u64 start = global_timer_ns();
@@ -514,8 +521,8 @@ extern "C" __global__ void oxccl_ipc_p2p_wait(const u64* word, u32 k, u32 len, u
             if ((int)((u32)v - k) >= 0) break;
         } else if ((u32)v == k) {
             u32 got = (u32)(v >> 32);
-            if (got == OXCCL_P2P_POISON_LEN) code = 7u | (peer << 8);
-            else if (got != len) code = 6u | (peer << 8);
+            if (got == OXCCL_P2P_POISON_TAG) code = 7u | (peer << 8);
+            else if (got != tag) code = 6u | (peer << 8);
             break;
         }
         if (global_timer_ns() - start > timeout_ns) {
@@ -527,10 +534,13 @@ extern "C" __global__ void oxccl_ipc_p2p_wait(const u64* word, u32 k, u32 len, u
     code = 4u;
 #endif
     if (code != 0) {
-        host_error[1] = k;
-        __threadfence_system();
-        dev_error[0] = code;
-        host_error[0] = code;
+        if ((code & 0xffu) == 8u) dev_error[1] = dev_error[1] | (1u << (peer & 31u));
+        if (dev_error[0] == 0) {
+            host_error[1] = k;
+            __threadfence_system();
+            dev_error[0] = code;
+            host_error[0] = code;
+        }
     }
     __threadfence_system();
 }
@@ -539,7 +549,7 @@ extern "C" __global__ void oxccl_ipc_p2p_post(u64* word, u64 value, u32 poison,
                                               volatile u32* dev_error) {
     if (threadIdx.x != 0) return;
     if (poison != 0 && dev_error[0] != 0) {
-        value = ((u64)OXCCL_P2P_POISON_LEN << 32) | (value & 0xFFFFFFFFull);
+        value = ((u64)OXCCL_P2P_POISON_TAG << 32) | (value & 0xFFFFFFFFull);
     }
     __threadfence_system();
 #if OXCCL_HAVE_ACQUIRE

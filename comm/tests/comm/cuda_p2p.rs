@@ -2,8 +2,8 @@
 //! `StreamComm::connect`, batches both ways round a ring of 2 to 4 rank threads, messages from
 //! empty to many inbox chunks long (4 KiB slots: 2 KiB chunks), sends to the rank itself, and
 //! single sends and receives, checked byte for byte; with flags met on the host (the default for
-//! threads) and by the p2p kernels on the device; a length that differs and a receive never
-//! posted, named instead of hung. Ignored without a GPU, like `cuda.rs`:
+//! threads) and by the p2p kernels on the device; a length that differs (within a chunk, and by
+//! whole chunks) and a receive never posted, named instead of hung. Ignored without a GPU, like `cuda.rs`:
 //!
 //! ```text
 //! cargo test -p oxccl-comm --features cuda --test comm -- cuda_p2p --ignored --test-threads 1
@@ -200,6 +200,13 @@ fn cuda_p2p_a_length_that_differs_and_a_missing_receive_are_named() {
         let e = fault(host_barrier, 3000, Some(1000));
         assert!(
             e[1].contains("mismatch") && e[1].contains("rank 0") && e[1].contains("length"),
+            "{host_barrier:?}: {e:?}"
+        );
+        // Two whole chunks sent, one expected: every chunk the receiver takes has the length it
+        // expects, but the message ends elsewhere.
+        let e = fault(host_barrier, 4096, Some(2048));
+        assert!(
+            e[1].contains("mismatch") && e[1].contains("rank 0") && e[1].contains("chunk"),
             "{host_barrier:?}: {e:?}"
         );
         // Five chunks sent, no receive: the third waits for the first to be taken.

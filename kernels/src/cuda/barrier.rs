@@ -73,14 +73,16 @@ impl CudaKernels {
 impl CudaKernels {
     /// Enqueues a wait of point-to-point over CUDA IPC (the protocol is oxccl-comm's
     /// `cuda_ipc/p2p.rs`; the kernel, with its error codes, is in `kernels/cuda/oxccl_kernels.cu`):
-    /// until `word` holds chunk `k` of `len` bytes from `peer` (a `ready` word), or, with `ack`,
-    /// until it has reached `k` (an `ack` word), for at most `timeout_ns`. Returns at once when
-    /// `dev_error` is set; a failure sets both error words as [`CudaKernels::ipc_barrier`]'s do.
+    /// until `word` holds chunk `k` with tag `tag` from `peer` (a `ready` word), or, with `ack`,
+    /// until it has reached `k` (an `ack` word), for at most `timeout_ns`. A `ready` wait returns
+    /// at once when `dev_error` is set; an `ack` wait only when that peer's acknowledgement timed
+    /// out before. The first failure sets both error words as [`CudaKernels::ipc_barrier`]'s do.
     ///
     /// # Safety
-    /// `word` must address a u64 of device memory mapped in `stream`'s context, `dev_error` a
-    /// u32 in device memory and `host_error` two u32 words of device-mapped host memory, all
-    /// live until the kernel has run.
+    /// `word` must address a u64 of device memory mapped in `stream`'s context, `dev_error` two
+    /// u32 words in device memory (the second: the peers whose acknowledgements timed out) and
+    /// `host_error` two u32 words of device-mapped host memory, all live until the kernel has
+    /// run.
     ///
     /// # Errors
     /// [`KernelError::Cuda`] if the launch fails.
@@ -89,7 +91,7 @@ impl CudaKernels {
         &self,
         stream: &Arc<CudaStream>,
         word: u64,
-        (k, len, ack): (u32, u32, bool),
+        (k, tag, ack): (u32, u32, bool),
         peer: usize,
         timeout_ns: u64,
         dev_error: u64,
@@ -100,13 +102,13 @@ impl CudaKernels {
         let mut b = stream.launch_builder(f);
         b.arg(&word)
             .arg(&k)
-            .arg(&len)
+            .arg(&tag)
             .arg(&ack)
             .arg(&peer)
             .arg(&timeout_ns)
             .arg(&dev_error)
             .arg(&host_error);
-        // SAFETY: the kernel is (u64* word, u32 k, u32 len, u32 ack, u32 peer, u64 timeout,
+        // SAFETY: the kernel is (u64* word, u32 k, u32 tag, u32 ack, u32 peer, u64 timeout,
         // u32* dev_error, u32* host_error); it reads `word` and writes only the error words, all
         // live by the caller's guarantee.
         unsafe { b.launch(one_thread()) }.map_err(|e| cuda_err("p2p wait launch", e))?;
@@ -115,7 +117,7 @@ impl CudaKernels {
 
     /// Enqueues a flag store of point-to-point over CUDA IPC: `value` into `word` after a
     /// system fence. With `poison` (a `ready` word), a set `dev_error` turns the value's high
-    /// half into the poison length, so the peer's wait fails rather than read garbage.
+    /// half into the poison tag, so the peer's wait fails rather than take what follows.
     ///
     /// # Safety
     /// `word` must address a u64 of device memory mapped in `stream`'s context and `dev_error`

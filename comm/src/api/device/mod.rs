@@ -137,7 +137,8 @@
 //! pre-multiplied sum, faults and stream order; the worlds again on 2026-11-30 with sends and
 //! receives over CUDA IPC), `comm/tests/comm/cuda_p2p.rs` (sends and receives over CUDA IPC:
 //! every size, 2 to 4 rank threads, flags on the host and on the device, faults, ranks dropped
-//! one after another; passed on an H200, 2026-11-30), and through nccl-tests on `libnccl.so.2`
+//! one after another; passed on an H200, 2026-11-30, before the last-chunk tag and the failure
+//! handling that a review added after it), and through nccl-tests on `libnccl.so.2`
 //! (`nccl/`): run them with `cargo test -p oxccl-comm --features cuda --test comm -- cuda
 //! --ignored` on a machine with one.
 

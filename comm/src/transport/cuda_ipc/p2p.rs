@@ -10,8 +10,9 @@
 //! communicator an **inbox** of two halves of `chunk` bytes:
 //!
 //! - `ready[s][h]` (word [`ready_word`]`(s, h)` of the receiver's block, written by sender `s`
-//!   only): `(len << 32) | k` once chunk number `k` (`k % 2 == h`) of the pair
-//!   `s -> receiver` is in half `h` of the receiver's inbox for `s`;
+//!   only): `(tag << 32) | k` once chunk number `k` (`k % 2 == h`) of the pair
+//!   `s -> receiver` is in half `h` of the receiver's inbox for `s`, the tag being the chunk's
+//!   length with [`LAST_CHUNK`] set on the last chunk of its message;
 //! - `ack[r]` (word [`ack_word`]`(r)` of the sender's block, written by receiver `r` only):
 //!   `k` once chunk `k` of the pair `sender -> r` has been copied out of the inbox.
 //!
@@ -28,9 +29,9 @@
 //! every ordered pair (a pair's messages' chunks one after another, in message order), first
 //! every send, then every receive. A send of pair chunk `k` waits until the receiver
 //! acknowledged chunk `k - 2` (its half is free), copies into the receiver's inbox and
-//! publishes `ready`; a receive waits for `ready` to say `k` (and checks the length its own
-//! message expects: a different length is a mismatch naming the sender), copies out and
-//! acknowledges. A send of round `j` waits only for the receive of round `j - 2` on its pair,
+//! publishes `ready`; a receive waits for `ready` to say `k` (and checks the tag its own
+//! message expects: a chunk of another length, or a message that ends at another chunk, is a
+//! mismatch naming the sender), copies out and acknowledges. A send of round `j` waits only for the receive of round `j - 2` on its pair,
 //! and a receive of round `j` only for the send of round `j` on its pair, which waits for
 //! nothing in round `j`: so every round completes once the rounds before it have, on every
 //! rank, whatever the batch's pattern (every rank's batch must pair with its peers' in order, as
@@ -40,6 +41,15 @@
 use std::ops::Range;
 
 use super::plan::{FLAGS_BYTES, MAX_RANKS};
+
+/// The bit of a `ready` word's tag (its high half) that marks the last chunk of a message, so
+/// that messages whose lengths differ by whole chunks are a mismatch too.
+pub(crate) const LAST_CHUNK: u32 = 1 << 31;
+
+/// The tag of a chunk of `len` bytes (below [`LAST_CHUNK`]), the last of its message or not.
+fn tag(len: usize, last: bool) -> u32 {
+    len as u32 | if last { LAST_CHUNK } else { 0 }
+}
 
 /// Flag words of a rank's p2p block: two `ready` words per sender, one `ack` word per receiver.
 pub(crate) const FLAG_WORDS: usize = 3 * MAX_RANKS;
@@ -141,10 +151,11 @@ pub(crate) enum P2pStep {
         range: Range<usize>,
         k: u32,
     },
-    /// Publish chunk `k` of `len` bytes to `peer` (`ready[me][k % 2]` in its block).
-    Post { peer: usize, k: u32, len: u32 },
-    /// Wait until `peer` published chunk `k`, and check it is `len` bytes long.
-    WaitReady { peer: usize, k: u32, len: u32 },
+    /// Publish chunk `k` to `peer` (`ready[me][k % 2]` in its block), with `tag`: its length,
+    /// and [`LAST_CHUNK`] on its message's last chunk.
+    Post { peer: usize, k: u32, tag: u32 },
+    /// Wait until `peer` published chunk `k`, and check its tag is `tag`.
+    WaitReady { peer: usize, k: u32, tag: u32 },
     /// Copy half `k % 2` of this rank's inbox for `peer` into `range` of message `msg`'s buffer.
     Take {
         msg: usize,
@@ -182,7 +193,7 @@ pub(crate) fn p2p_plan(
     if size > MAX_RANKS || rank >= size {
         return Err(format!("rank {rank} of {size}: at most {MAX_RANKS} ranks"));
     }
-    if chunk == 0 || chunk > u32::MAX as usize {
+    if chunk == 0 || chunk >= LAST_CHUNK as usize {
         return Err(format!("an inbox half of {chunk} bytes"));
     }
     if let Some((i, m)) = msgs.iter().enumerate().find(|(_, m)| m.peer >= size) {
@@ -233,28 +244,30 @@ pub(crate) fn p2p_plan(
             len: msgs[from].bytes,
         })
         .collect();
-    // Each ordered pair's chunks in message order: (message, its byte range).
-    let mut sends: Vec<Vec<(usize, Range<usize>)>> = vec![Vec::new(); size];
-    let mut recvs: Vec<Vec<(usize, Range<usize>)>> = vec![Vec::new(); size];
+    // Each ordered pair's chunks in message order: (message, its byte range, its tag).
+    let mut sends: Vec<Vec<(usize, Range<usize>, u32)>> = vec![Vec::new(); size];
+    let mut recvs: Vec<Vec<(usize, Range<usize>, u32)>> = vec![Vec::new(); size];
     for (i, m) in msgs.iter().enumerate().filter(|(_, m)| m.peer != rank) {
         let list = if m.send {
             &mut sends[m.peer]
         } else {
             &mut recvs[m.peer]
         };
-        for j in 0..chunks(m) {
-            list.push((i, j * chunk..m.bytes.min((j + 1) * chunk)));
+        let n = chunks(m);
+        for j in 0..n {
+            let range = j * chunk..m.bytes.min((j + 1) * chunk);
+            let t = tag(range.len(), j + 1 == n);
+            list.push((i, range, t));
         }
     }
     let rounds = sends.iter().chain(&recvs).map(Vec::len).max().unwrap_or(0);
     for j in 0..rounds {
         for (peer, list) in sends.iter().enumerate() {
-            let Some((msg, range)) = list.get(j).cloned() else {
+            let Some((msg, range, tag)) = list.get(j).cloned() else {
                 continue;
             };
             cur.sent[peer] += 1;
             let k = cur.sent[peer];
-            let len = range.len() as u32;
             steps.push(P2pStep::WaitAck {
                 peer,
                 k: k.saturating_sub(2),
@@ -265,16 +278,15 @@ pub(crate) fn p2p_plan(
                 range,
                 k,
             });
-            steps.push(P2pStep::Post { peer, k, len });
+            steps.push(P2pStep::Post { peer, k, tag });
         }
         for (peer, list) in recvs.iter().enumerate() {
-            let Some((msg, range)) = list.get(j).cloned() else {
+            let Some((msg, range, tag)) = list.get(j).cloned() else {
                 continue;
             };
             cur.got[peer] += 1;
             let k = cur.got[peer];
-            let len = range.len() as u32;
-            steps.push(P2pStep::WaitReady { peer, k, len });
+            steps.push(P2pStep::WaitReady { peer, k, tag });
             steps.push(P2pStep::Take {
                 msg,
                 peer,

@@ -25,8 +25,8 @@ use crate::device::staging::Backoff;
 /// The name errors give a device batch over CUDA IPC.
 const OP: &str = "batch_p2p (cuda_ipc)";
 
-/// The length a rank that gave up publishes (`OXCCL_P2P_POISON_LEN` of the kernels).
-const POISON_LEN: u32 = u32::MAX;
+/// The tag a rank that gave up publishes (`OXCCL_P2P_POISON_TAG` of the kernels).
+const POISON_TAG: u32 = u32::MAX;
 
 /// One message of a device batch: a send to `peer` of `bytes` bytes at device address `ptr`, or
 /// a receive from `peer` into them.
@@ -59,10 +59,11 @@ impl HostP2p {
 /// Why a wait of a batch failed: an error word (`ERR_P2P_* | peer << 8`) and the chunk.
 type Failed = (u32, u32);
 
-/// What stopped a batch: a CUDA call, or a wait met on the host.
+/// What stopped a batch: a CUDA call, a wait met on the host, or `Communicator::abort`.
 enum Stop {
     Cuda(String),
     Wait(Failed),
+    Aborted,
 }
 
 impl IpcState {
@@ -135,6 +136,12 @@ impl IpcState {
             Ok(()) => recorded,
             Err(Stop::Cuda(msg)) => Err(cuda(msg)),
             Err(Stop::Wait((code, k))) => Err(self.p2p_error(code, k)),
+            Err(Stop::Aborted) => Err(Error::Aborted {
+                rank: self.rank,
+                reason: "abort() called during a batch of device sends and receives (cuda_ipc); \
+                         its received data is undefined"
+                    .into(),
+            }),
         }
     }
 
@@ -178,7 +185,10 @@ impl IpcState {
                 rank: self.rank,
                 peer,
                 seq,
-                local: format!("a receive from rank {peer} whose {at} has another length"),
+                local: format!(
+                    "a receive from rank {peer} whose {at} has another length or ends the \
+                     message at another chunk"
+                ),
                 remote: format!("a send to rank {} of a different length", self.rank),
             },
             ERR_P2P_ABORTED => Error::Aborted {
@@ -211,6 +221,10 @@ impl IpcState {
 /// host; [`run_steps`] does the copies.
 trait Flags {
     fn flag(&mut self, step: &P2pStep) -> std::result::Result<(), Stop>;
+
+    /// After a failure, with the steps not run (the failed one first): whatever keeps the peers
+    /// from waiting for this rank until their time-out.
+    fn give_up(&mut self, rest: &[P2pStep]);
 }
 
 /// What the copies of a batch need: the stream, where the inboxes are, and this rank.
@@ -230,8 +244,8 @@ fn run_steps(
     msgs: &[P2pMsg],
 ) -> std::result::Result<(), Stop> {
     let at = |msg: usize, off: usize| msgs[msg].ptr + off as u64;
-    for step in steps {
-        match *step {
+    for (i, step) in steps.iter().enumerate() {
+        let r = match *step {
             P2pStep::Put {
                 msg,
                 peer,
@@ -239,7 +253,7 @@ fn run_steps(
                 k,
             } => {
                 let dst = c.layout.inbox(c.bases[peer], c.rank, k);
-                copy(c.stream, dst, at(msg, range.start), range.len())?;
+                copy(c.stream, dst, at(msg, range.start), range.len())
             }
             P2pStep::Take {
                 msg,
@@ -248,11 +262,15 @@ fn run_steps(
                 k,
             } => {
                 let src = c.layout.inbox(c.bases[c.rank], peer, k);
-                copy(c.stream, at(msg, range.start), src, range.len())?;
+                copy(c.stream, at(msg, range.start), src, range.len())
             }
-            P2pStep::Local { from, to, len } => copy(c.stream, at(to, 0), at(from, 0), len)?,
-            P2pStep::WaitAck { k: 0, .. } => {}
-            _ => flags.flag(step)?,
+            P2pStep::Local { from, to, len } => copy(c.stream, at(to, 0), at(from, 0), len),
+            P2pStep::WaitAck { k: 0, .. } => Ok(()),
+            _ => flags.flag(step),
+        };
+        if let Err(stop) = r {
+            flags.give_up(&steps[i..]);
+            return Err(stop);
         }
     }
     Ok(())
@@ -266,7 +284,8 @@ fn copy(stream: &CudaStream, dst: u64, src: u64, len: usize) -> std::result::Res
     // SAFETY: the plan addresses the caller's buffers inside their lengths (ranges of the
     // messages the caller checked) and the mapped scratch inside its p2p area (`P2pLayout`:
     // inbox halves of `chunk` bytes, chunks at most that long); the flag waits enqueued before
-    // order every copy after the peer's use of the same half.
+    // order every copy after the peer's use of the same half (an acknowledgement wait is kept
+    // even after a failure, unless that peer stopped taking chunks).
     unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, len, stream.cu_stream()) }
         .result()
         .map_err(|e| Stop::Cuda(format!("copy: {e:?}")))
@@ -331,17 +350,21 @@ impl Flags for DevP2p<'_> {
         let me = self.rank;
         match *step {
             P2pStep::WaitAck { peer, k } => self.wait(ack_word(peer), peer, (k, 0, true)),
-            P2pStep::Post { peer, k, len } => {
-                let value = u64::from(len) << 32 | u64::from(k);
+            P2pStep::Post { peer, k, tag } => {
+                let value = u64::from(tag) << 32 | u64::from(k);
                 self.post(peer, ready_word(me, k), value, true)
             }
-            P2pStep::WaitReady { peer, k, len } => {
-                self.wait(ready_word(peer, k), peer, (k, len, false))
+            P2pStep::WaitReady { peer, k, tag } => {
+                self.wait(ready_word(peer, k), peer, (k, tag, false))
             }
             P2pStep::Ack { peer, k } => self.post(peer, ack_word(me), u64::from(k), false),
             P2pStep::Put { .. } | P2pStep::Take { .. } | P2pStep::Local { .. } => Ok(()),
         }
     }
+
+    /// Nothing: a failure here is a CUDA call that did not enqueue, and the kernels already
+    /// enqueued poison what this rank publishes after a wait of theirs failed.
+    fn give_up(&mut self, _: &[P2pStep]) {}
 }
 
 /// The steps with the flags met on the host (every rank a thread of this process).
@@ -384,7 +407,14 @@ impl HostP2pRun<'_> {
 
     /// Waits until this rank's word `w` satisfies `done`, for at most the time-out (and no
     /// longer than `Communicator::abort`'s flag stays clear).
-    fn wait(&self, w: usize, done: impl Fn(u64) -> bool) -> std::result::Result<u64, ()> {
+    /// `Err(Some(failed))` at the time-out (`failed` built by `on_timeout`), `Err(None)` when
+    /// aborted.
+    fn wait(
+        &self,
+        w: usize,
+        done: impl Fn(u64) -> bool,
+        on_timeout: Failed,
+    ) -> std::result::Result<u64, Stop> {
         let word = &self.ts.p2p[self.rank].flags[w];
         let deadline = Instant::now() + self.timeout;
         let mut backoff = Backoff::new();
@@ -393,8 +423,11 @@ impl HostP2pRun<'_> {
             if done(v) {
                 return Ok(v);
             }
-            if Instant::now() > deadline || self.abort.load(Ordering::Relaxed) {
-                return Err(());
+            if self.abort.load(Ordering::Relaxed) {
+                return Err(Stop::Aborted);
+            }
+            if Instant::now() > deadline {
+                return Err(Stop::Wait(on_timeout));
             }
             backoff.pause();
         }
@@ -419,26 +452,29 @@ impl Flags for HostP2pRun<'_> {
         let peer_of = |code: u32, q: usize| code | (q as u32) << 8;
         match *step {
             P2pStep::WaitAck { peer, k } => {
-                self.wait(ack_word(peer), |v| (v as u32).wrapping_sub(k) < 1 << 31)
-                    .map_err(|()| Stop::Wait((peer_of(ERR_P2P_ACK_TIMEOUT, peer), k)))?;
+                let acked = |v: u64| (v as u32).wrapping_sub(k) < 1 << 31;
+                self.wait(
+                    ack_word(peer),
+                    acked,
+                    (peer_of(ERR_P2P_ACK_TIMEOUT, peer), k),
+                )?;
                 // Its take of chunk k (the event is recorded again only for chunk k + 2, after
                 // this rank publishes it).
                 let ev = self.peer_event(peer, n + me, k)?;
                 self.stream_wait(ev, &format!("rank {peer}'s take of chunk {k}"))
             }
-            P2pStep::Post { peer, k, len } => {
+            P2pStep::Post { peer, k, tag } => {
                 self.record(peer, k)?;
-                let value = u64::from(len) << 32 | u64::from(k);
+                let value = u64::from(tag) << 32 | u64::from(k);
                 self.ts.p2p[peer].flags[ready_word(me, k)].store(value, Ordering::Release);
                 Ok(())
             }
-            P2pStep::WaitReady { peer, k, len } => {
-                let v = self
-                    .wait(ready_word(peer, k), |v| v as u32 == k)
-                    .map_err(|()| Stop::Wait((peer_of(ERR_P2P_TIMEOUT, peer), k)))?;
+            P2pStep::WaitReady { peer, k, tag } => {
+                let at = (peer_of(ERR_P2P_TIMEOUT, peer), k);
+                let v = self.wait(ready_word(peer, k), |v| v as u32 == k, at)?;
                 match (v >> 32) as u32 {
-                    POISON_LEN => return Err(Stop::Wait((peer_of(ERR_P2P_ABORTED, peer), k))),
-                    got if got != len => {
+                    POISON_TAG => return Err(Stop::Wait((peer_of(ERR_P2P_ABORTED, peer), k))),
+                    got if got != tag => {
                         return Err(Stop::Wait((peer_of(ERR_P2P_MISMATCH, peer), k)))
                     }
                     _ => {}
@@ -452,6 +488,46 @@ impl Flags for HostP2pRun<'_> {
                 Ok(())
             }
             P2pStep::Put { .. } | P2pStep::Take { .. } | P2pStep::Local { .. } => Ok(()),
+        }
+    }
+
+    /// Tells the peers this rank stopped, so they fail at once rather than at their time-out:
+    /// the next chunk it owed each of them, in each half whose previous chunk they already
+    /// took, is published with the poison tag (they report that this rank gave up); and every
+    /// chunk it was to take from them is acknowledged (their sends then finish into an inbox
+    /// nobody reads), its take events recorded first so that their streams have something to
+    /// wait for.
+    fn give_up(&mut self, rest: &[P2pStep]) {
+        let (me, n) = (self.rank, self.size);
+        let mut poisoned = vec![[false; 2]; n];
+        let mut acks = vec![0u32; n];
+        for step in rest {
+            match *step {
+                P2pStep::Post { peer, k, .. } => {
+                    let h = (k % 2) as usize;
+                    if poisoned[peer][h] {
+                        continue;
+                    }
+                    poisoned[peer][h] = true;
+                    let acked = self.ts.p2p[me].flags[ack_word(peer)].load(Ordering::Acquire);
+                    if k <= 2 || (acked as u32).wrapping_sub(k - 2) < 1 << 31 {
+                        let value = u64::from(POISON_TAG) << 32 | u64::from(k);
+                        self.ts.p2p[peer].flags[ready_word(me, k)].store(value, Ordering::Release);
+                    }
+                }
+                P2pStep::WaitReady { peer, k, .. } | P2pStep::Ack { peer, k } => {
+                    acks[peer] = acks[peer].max(k);
+                }
+                _ => {}
+            }
+        }
+        for (peer, &k) in acks.iter().enumerate().filter(|(_, &k)| k > 0) {
+            let recorded = self
+                .record(n + peer, 0)
+                .and_then(|()| self.record(n + peer, 1));
+            if recorded.is_ok() {
+                self.ts.p2p[peer].flags[ack_word(me)].store(u64::from(k), Ordering::Release);
+            }
         }
     }
 }

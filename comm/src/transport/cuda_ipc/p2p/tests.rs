@@ -74,20 +74,26 @@ impl World {
                     self.inbox(*peer, me)[h..h + range.len()]
                         .copy_from_slice(&bufs[*msg][range.clone()]);
                 }
-                P2pStep::Post { peer, k, len } => {
-                    let v = (u64::from(*len) << 32) | u64::from(*k);
+                P2pStep::Post { peer, k, tag } => {
+                    let v = (u64::from(*tag) << 32) | u64::from(*k);
                     self.flags[*peer][ready_word(me, *k)].store(v, Ordering::Release);
                 }
-                P2pStep::WaitReady { peer, k, len } => {
+                P2pStep::WaitReady { peer, k, tag } => {
                     let w = ready_word(*peer, *k);
                     if !self.wait(me, w, limit, |v| v as u32 == *k) {
                         return Err(format!("rank {me}: chunk {k} from {peer} never came"));
                     }
                     let got = (self.flags[me][w].load(Ordering::Acquire) >> 32) as u32;
-                    if got != *len {
+                    if got != *tag {
+                        let show = |t: u32| {
+                            let end = if t & LAST_CHUNK != 0 { ", last" } else { "" };
+                            format!("{} bytes{end}", t & !LAST_CHUNK)
+                        };
                         return Err(format!(
-                            "rank {me}: chunk {k} from rank {peer} has {got} bytes, this \
-                             receive expects {len}"
+                            "rank {me}: chunk {k} from rank {peer} has {}, this receive \
+                             expects {}",
+                            show(got),
+                            show(*tag)
                         ));
                     }
                 }
@@ -125,13 +131,13 @@ fn payload(b: usize, i: usize, bytes: usize) -> Vec<u8> {
 }
 
 /// Runs `batches` on `n` ranks (every rank posts its part of each batch in the batch's order)
-/// and checks every received message; `skew` (rank, batch, message) changes what one rank's
-/// receive expects.
+/// and checks every received message; `skew` ((rank, batch, message), bytes) changes the length
+/// one rank's receive expects by that many bytes.
 fn play(
     n: usize,
     chunk: usize,
     batches: &[Vec<Wire>],
-    skew: Option<(usize, usize, usize)>,
+    skew: Option<((usize, usize, usize), i64)>,
 ) -> Vec<Result<(), String>> {
     let world = Arc::new(World::new(n, chunk));
     let handles: Vec<_> = (0..n)
@@ -156,7 +162,9 @@ fn play(
                         }
                         if dst == me {
                             let bytes = match skew {
-                                Some((r, sb, si)) if r == me && sb == b && si == i => bytes + 1,
+                                Some(((r, sb, si), d)) if r == me && sb == b && si == i => {
+                                    bytes.saturating_add_signed(d as isize)
+                                }
                                 _ => bytes,
                             };
                             msgs.push(Msg {
@@ -233,12 +241,30 @@ fn cuda_ipc_p2p_a_ring_both_ways_and_a_large_message_in_many_chunks() {
 #[test]
 fn cuda_ipc_p2p_a_length_that_differs_is_named_by_the_receiver() {
     let batch = vec![(0, 1, 100), (1, 0, 100)];
-    let out = play(2, 64, &[batch], Some((1, 0, 0)));
+    let out = play(2, 64, &[batch], Some(((1, 0, 0), 1)));
     let e = out[1].as_ref().unwrap_err();
     assert!(
-        e.contains("chunk 2 from rank 0 has 36 bytes, this receive expects 37"),
+        e.contains("chunk 2 from rank 0 has 36 bytes, last, this receive expects 37 bytes, last"),
         "{e}"
     );
+}
+
+/// Messages whose lengths differ by whole chunks: every chunk the receiver expects has the
+/// length the sender's has, but the message ends at another chunk, which the last-chunk mark
+/// shows (without it the pair would drift a chunk apart, each receive taking the wrong bytes).
+#[test]
+fn cuda_ipc_p2p_lengths_that_differ_by_whole_chunks_are_named() {
+    // Rank 0 sends 128 bytes (two chunks of 64); rank 1 expects 64 (skewed by -64), then the
+    // reverse (64 sent, 128 expected).
+    for (sent, skew) in [(128, -64i64), (64, 64)] {
+        let batch = vec![(0, 1, sent)];
+        let out = play(2, 64, &[batch], Some(((1, 0, 0), skew)));
+        let e = out[1].as_ref().unwrap_err();
+        assert!(
+            e.contains("chunk 1 from rank 0 has 64 bytes") && e.contains("this receive expects 64"),
+            "{sent} sent, skew {skew}: {e}"
+        );
+    }
 }
 
 #[test]
