@@ -80,14 +80,6 @@ impl StreamComm<'_> {
         if ops.is_empty() {
             return Ok(());
         }
-        // Each operation's bytes in the staging buffer, 64-byte aligned.
-        let mut ranges: Vec<Range<usize>> = Vec::with_capacity(ops.len());
-        let mut total = 0;
-        for o in &ops {
-            let start = usize::next_multiple_of(total, 64);
-            total = start + o.buf.bytes;
-            ranges.push(start..total);
-        }
         let stream = &self.stream;
         let cu = stream.cu_stream();
         let mut guard = lock(&comm.cuda);
@@ -106,6 +98,14 @@ impl StreamComm<'_> {
             .collect();
         if let Some(r) = self.p2p_over_ipc(state, &msgs) {
             return r;
+        }
+        // Staged: each operation's bytes in the staging buffer, 64-byte aligned.
+        let mut ranges: Vec<Range<usize>> = Vec::with_capacity(ops.len());
+        let mut total = 0;
+        for o in &ops {
+            let start = usize::next_multiple_of(total, 64);
+            total = start + o.buf.bytes;
+            ranges.push(start..total);
         }
         load_waiter(state, &ctx, comm.rank);
         let lent = self.take_staging(state, &ctx, OP, total.max(1))?;

@@ -166,13 +166,7 @@ impl StreamComm<'_> {
         let comm = self.comm;
         let op = kind.name();
         let stream = &self.stream;
-        if matches!(state.ipc, IpcMode::Untried) {
-            state.ipc = match ipc::setup(&comm.group(), stream, op) {
-                Ok(Some(s)) => IpcMode::On(Box::new(s)),
-                Ok(None) => IpcMode::Off,
-                Err(e) => IpcMode::Failed(e),
-            };
-        }
+        self.decide_ipc(state, op);
         match &mut state.ipc {
             IpcMode::Failed(e) => Some(Err(e.clone())),
             IpcMode::On(s) => {
@@ -199,6 +193,18 @@ impl StreamComm<'_> {
                 }))
             }
             IpcMode::Untried | IpcMode::Off => None,
+        }
+    }
+
+    /// Decides, once per communicator (every rank at the same call), whether its device
+    /// operations run over CUDA IPC: the set-up on this stream's context.
+    fn decide_ipc(&self, state: &mut DeviceState, op: &str) {
+        if matches!(state.ipc, IpcMode::Untried) {
+            state.ipc = match ipc::setup(&self.comm.group(), &self.stream, op) {
+                Ok(Some(s)) => IpcMode::On(Box::new(s)),
+                Ok(None) => IpcMode::Off,
+                Err(e) => IpcMode::Failed(e),
+            };
         }
     }
 
@@ -250,13 +256,7 @@ impl StreamComm<'_> {
             comm.shared
                 .named(self.cuda_err(op, "binding the context", e))
         })?;
-        if matches!(state.ipc, IpcMode::Untried) {
-            state.ipc = match ipc::setup(&comm.group(), &self.stream, op) {
-                Ok(Some(s)) => IpcMode::On(Box::new(s)),
-                Ok(None) => IpcMode::Off,
-                Err(e) => IpcMode::Failed(e),
-            };
-        }
+        self.decide_ipc(state, op);
         match &state.ipc {
             IpcMode::On(_) => Ok("cuda_ipc"),
             IpcMode::Failed(e) => Err(comm.shared.named(e.clone())),
