@@ -8,6 +8,10 @@
 # ROUNDS (default 3); ROTATE: oxccl perf --rotate (default: perf's own, 64M; 0 reuses one
 # buffer set per size, as the MPI bench does); MEMBW: a membw binary (cc -O3 -march=native
 # -pthread -o membw ../shared/peers/membw.c) run with 2 threads at the start of every round.
+# FLOOR: the copy_floor example (cargo build --release -p oxccl-comm --example copy_floor; e.g.
+# FLOOR=target/release/examples/copy_floor), run for 2 ranks at 64 MiB after OpenMPI's broadcast
+# in every round: the all-gather's and broadcast's data movement with nothing else, the best any
+# implementation could reach in that round (median time and busbw, out of place and in place).
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OX=${OX:-target/release/oxccl}
 MPI="mpirun --allow-run-as-root --oversubscribe --mca oob_tcp_if_include lo"
@@ -44,6 +48,9 @@ for round in $(seq 1 "${ROUNDS:-3}"); do
     echo "R$round np2 $c 64M ox $(OX_ROW $c --np 2 -b 64M -e 64M -z 1 -a 3)"
     echo "R$round np2 $c 64M mpi $($MPI -np 2 $B -b 64M -e 64M -c ${c/-/_} | grep -v '^#' | awk 'NF>5{print $6, $8}')"
   done
+  if [ -n "${FLOOR:-}" ]; then
+    $FLOOR --np 2 --bytes 64M --iters 10 | awk -v r="$round" '{sub("median_us=","",$6); sub("busbw_GBps=","",$8); print "R" r " np2 " $2 " 64M floor " $5, $6, $8, $9}'
+  fi
   # shellcheck disable=SC2046
   echo "R$round np4 all-reduce 8 ox $(OX_ROW all-reduce --np 4 -b 8 -e 8 -z 1 -a 3 $(ITERS 8))"
   # shellcheck disable=SC2046

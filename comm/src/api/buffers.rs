@@ -5,8 +5,6 @@
 //! (`crate::api::device`). The typed calls ([`Communicator::all_reduce`] on `&mut [T]`,
 //! [`crate::cuda::StreamComm`] on cudarc buffers) are thin wrappers that make the views.
 
-use std::sync::Arc;
-
 use oxccl_kernels::{DType, ReduceOp};
 
 use crate::algorithm::prims::{copy, Ctx};
@@ -366,7 +364,7 @@ impl Communicator {
                 _ => exec_p2p(shared, st, None, Some((peer, out)), dt, es),
             });
         }
-        let (rank, scratch) = (self.rank, &self.scratch);
+        let (rank, scratch) = (self.rank, &self.shared.scratch);
         self.shared.run(desc, |ctx, ch| {
             run_on(ctx, ch, kind, desc.dtype, rank, scratch, Host { src, out })
         })
@@ -400,19 +398,12 @@ impl Communicator {
             Err(m) => return self.failed_work(self.invalid(kind.name(), m), kind.tag_name()),
         };
         let desc = self.desc_of(kind, dtype, count);
-        let (rank, scratch) = (self.rank, Arc::clone(&self.scratch));
-        self.shared.run_async(desc, state, move |ctx, ch, s| {
-            let out = view(s);
-            run_on(
-                ctx,
-                ch,
-                kind,
-                dtype,
-                rank,
-                &scratch,
-                Host { src: None, out },
-            )
-        })
+        let rank = self.rank;
+        self.shared
+            .run_async(desc, state, move |ctx, ch, s, scratch| {
+                let out = view(s);
+                run_on(ctx, ch, kind, dtype, rank, scratch, Host { src: None, out })
+            })
     }
 
     /// Queues a checked call with an input and an output, both owned host buffers (`views`
@@ -429,15 +420,16 @@ impl Communicator {
             Err(m) => return self.failed_work(self.invalid(kind.name(), m), kind.tag_name()),
         };
         let desc = self.desc_of(kind, dtype, count);
-        let (rank, scratch) = (self.rank, Arc::clone(&self.scratch));
-        self.shared.run_async(desc, state, move |ctx, ch, s| {
-            let (src, out) = views(s);
-            let host = Host {
-                src: Some(src),
-                out,
-            };
-            run_on(ctx, ch, kind, dtype, rank, &scratch, host)
-        })
+        let rank = self.rank;
+        self.shared
+            .run_async(desc, state, move |ctx, ch, s, scratch| {
+                let (src, out) = views(s);
+                let host = Host {
+                    src: Some(src),
+                    out,
+                };
+                run_on(ctx, ch, kind, dtype, rank, scratch, host)
+            })
     }
 }
 

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use oxccl_kernels::check_factor;
 
-use super::{ExecState, Shared, Work};
+use super::{ExecState, Scratch, Shared, Work};
 use crate::algorithm::prims::{copy, Ctx, NodeLayout, Whole};
 use crate::algorithm::{chain, direct, halving_doubling, hierarchical, ring, single_copy, tree};
 use crate::base::error::{Error, Result};
@@ -60,12 +60,13 @@ impl Shared {
         self.run_turn(ticket, ahead, |st| exec(self, st, desc, body))
     }
 
-    /// Queues a collective on the progress thread; the job owns `buf` until `wait()`.
+    /// Queues a collective on the progress thread; the job owns `buf` until `wait()`. The body
+    /// gets the communicator's scratch ([`Shared::scratch`]) beside its buffers.
     pub(crate) fn run_async<B: Send + 'static>(
         self: &Arc<Self>,
         desc: OpDesc,
         buf: B,
-        body: impl Fn(&mut Ctx<'_>, Choice, &mut B) -> Result<()> + Send + Sync + 'static,
+        body: impl Fn(&mut Ctx<'_>, Choice, &mut B, &Scratch) -> Result<()> + Send + Sync + 'static,
     ) -> Work<B> {
         if let Err(e) = self.check_op(&desc) {
             return self.failed_work(e, desc.coll.name());
@@ -73,7 +74,11 @@ impl Shared {
         self.submit_work(
             desc.coll.name(),
             buf,
-            move |shared, st, buf| exec(shared, st, desc, |ctx, ch| body(ctx, ch, buf)),
+            move |shared, st, buf| {
+                exec(shared, st, desc, |ctx, ch| {
+                    body(ctx, ch, buf, &shared.scratch)
+                })
+            },
             |buf| buf,
         )
     }

@@ -104,6 +104,9 @@ const PUBLISH_BUDGET: Duration = Duration::from_secs(3);
 /// ([`Shared::failures`]).
 pub(crate) type Failures = (String, Arc<Mutex<Option<Error>>>);
 
+/// A communicator's reusable scratch ([`Shared::scratch`]).
+pub(crate) type Scratch = Mutex<Vec<u64>>;
+
 /// What the operations of one communicator share.
 pub(crate) struct Shared {
     pub rank: usize,
@@ -155,6 +158,11 @@ pub(crate) struct Shared {
     turn: Turns,
     /// The line of async operations and the progress thread.
     queue: Arc<queue::WorkQueue>,
+    /// The communicator's reusable scratch (8-byte aligned words) for out-of-place
+    /// reduce-scatter inputs and partial results, so a call does not allocate and fault in a
+    /// fresh buffer every time; here rather than in each async operation's closure, which
+    /// would count a reference to it up and down per operation.
+    pub scratch: Scratch,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -221,6 +229,7 @@ impl Shared {
                 cv: Condvar::new(),
             },
             queue: Arc::new(queue::WorkQueue::new(rank)),
+            scratch: Mutex::new(Vec::new()),
         }
     }
 

@@ -402,7 +402,7 @@ impl Communicator {
     /// it (torch's `barrier(async_op=True)`, or `MPI_Ibarrier`).
     pub fn barrier_async(&self) -> Work<()> {
         self.shared
-            .run_async(Self::barrier_desc(), (), |ctx, _, ()| {
+            .run_async(Self::barrier_desc(), (), |ctx, _, (), _| {
                 dissemination::barrier(ctx)
             })
     }

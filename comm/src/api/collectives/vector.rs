@@ -3,7 +3,6 @@
 //! against their count lists and run straight on the algorithms' byte forms.
 
 use std::ops::Range;
-use std::sync::Arc;
 
 use oxccl_kernels::{Element, ReduceOp};
 
@@ -182,7 +181,7 @@ impl Communicator {
         let desc = self.desc::<T>(Collective::GatherV, total, ReduceOp::Sum, root);
         let rank = self.rank;
         self.shared
-            .run_async(desc, (input, output), move |ctx, _, (i, o)| {
+            .run_async(desc, (input, output), move |ctx, _, (i, o), _| {
                 let (input, output) = (bytes(i.as_ref()), bytes_mut(o.as_mut()));
                 if rank == root {
                     output[blocks[root].clone()].copy_from_slice(input);
@@ -215,7 +214,7 @@ impl Communicator {
         let desc = self.desc::<T>(Collective::ScatterV, total, ReduceOp::Sum, root);
         let rank = self.rank;
         self.shared
-            .run_async(desc, (input, output), move |ctx, _, (i, o)| {
+            .run_async(desc, (input, output), move |ctx, _, (i, o), _| {
                 let (input, output) = (bytes(i.as_ref()), bytes_mut(o.as_mut()));
                 if rank == root {
                     output.copy_from_slice(&input[blocks[root].clone()]);
@@ -347,7 +346,7 @@ impl Communicator {
         };
         let desc = self.desc::<T>(Collective::AllToAllV, lens.0, ReduceOp::Sum, 0);
         self.shared
-            .run_async(desc, (input, output), move |ctx, _, (i, o)| {
+            .run_async(desc, (input, output), move |ctx, _, (i, o), _| {
                 let (i, o) = (bytes(i.as_ref()), bytes_mut(o.as_mut()));
                 pairwise::all_to_all_v(ctx, i, &sends, o, &recvs, elem)
             })
@@ -436,7 +435,7 @@ impl Communicator {
         };
         let counts = counts.to_vec();
         self.shared
-            .run_async(desc, (input, output), move |ctx, ch, (i, o)| {
+            .run_async(desc, (input, output), move |ctx, ch, (i, o), _| {
                 let (es, out) = (T::DTYPE.size(), bytes_mut(o.as_mut()));
                 ring::all_gather_v(ctx, out, es, ch.chunk_bytes, bytes(i.as_ref()), &counts)
             })
@@ -464,7 +463,7 @@ impl Communicator {
             (output.len(), input.len()),
             op,
         )?;
-        with_scratch(&self.scratch, std::mem::size_of_val(input), |buf| {
+        with_scratch(&self.shared.scratch, std::mem::size_of_val(input), |buf| {
             self.shared.run(desc, |ctx, ch| {
                 let bufs = (bytes(input), buf, bytes_mut(output));
                 reduce_scatter_v_body(ctx, ch, bufs, counts, T::DTYPE, op)
@@ -492,11 +491,11 @@ impl Communicator {
             Ok(d) => d,
             Err(e) => return self.failed_work(e, "reduce-scatter-v"),
         };
-        let (counts, scratch) = (counts.to_vec(), Arc::clone(&self.scratch));
+        let counts = counts.to_vec();
         self.shared
-            .run_async(desc, (input, output), move |ctx, ch, (i, o)| {
+            .run_async(desc, (input, output), move |ctx, ch, (i, o), scratch| {
                 let src = bytes(i.as_ref());
-                with_scratch(&scratch, src.len(), |buf| {
+                with_scratch(scratch, src.len(), |buf| {
                     let bufs = (src, buf, bytes_mut(o.as_mut()));
                     reduce_scatter_v_body(ctx, ch, bufs, &counts, T::DTYPE, op)
                         .and_then(|mine| finish(ctx, mine, T::DTYPE, op))

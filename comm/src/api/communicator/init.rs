@@ -295,7 +295,6 @@ impl Communicator {
             grows: AtomicU64::new(0),
             join_prefix: "oxccl".into(),
             joined: false,
-            scratch: Arc::new(std::sync::Mutex::new(Vec::new())),
             #[cfg(feature = "cuda-core")]
             cuda: std::sync::Mutex::new(None),
             transports,

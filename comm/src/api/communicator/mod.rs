@@ -101,9 +101,6 @@ pub struct Communicator {
     pub(crate) join_prefix: String,
     /// Made by joining a growing communicator ([`Communicator::join`]).
     pub(crate) joined: bool,
-    /// Reused working copy of out-of-place reduce-scatter inputs (8-byte aligned words), so a
-    /// call does not allocate and fault in a fresh buffer every time.
-    pub(crate) scratch: Arc<std::sync::Mutex<Vec<u64>>>,
     /// State of device operations (pinned staging, the stream flag), made by the first one.
     #[cfg(feature = "cuda-core")]
     pub(crate) cuda: std::sync::Mutex<Option<crate::api::device::DeviceState>>,
