@@ -7,13 +7,15 @@
 //!
 //! All-gather (`--bytes` is the whole output per rank, nccl-tests' convention): thread j reads
 //! its input once, block by block, and writes each block into chunk j of every rank's output;
-//! in place, rank j's own chunk is its input and is not written. Broadcast: every thread copies
-//! the root's (rank 0's) buffer into its own output; in place, the root writes nothing. Each
-//! iteration is timed on thread 0 from one barrier to the next; busbw is nccl-tests' (from the
-//! median), and every output is checked after the timed iterations. Every copy is
-//! `oxccl_kernels::copy_streaming`, the copy the shared-memory collectives use for large blocks
-//! (non-temporal stores: a destination line is written without being read first), so the floor
-//! moves no more bytes through memory than they do.
+//! in place, rank j's own chunk is its input and is not written. Broadcast: the bytes every
+//! destination needs (each non-root rank's output, and out of place the root's own) are split
+//! evenly over the threads, each copying its share of the root's (rank 0's) buffer into every
+//! destination; in place, the root's output is the source. Each iteration is timed on thread 0
+//! from one barrier to the next; busbw is nccl-tests' (from the median), and every output is
+//! checked after the timed iterations. Every copy is `oxccl_kernels::copy_streaming`, the copy
+//! the shared-memory collectives use for large blocks (non-temporal stores: a destination line
+//! is written without being read first), so the floor moves no more bytes through memory than
+//! they do.
 //!
 //! ```sh
 //! cargo run --release -p oxccl-comm --example copy_floor -- --np 2 --bytes 64M --iters 20
@@ -207,11 +209,21 @@ fn broadcast(o: &Opts, in_place: bool) -> (Vec<f64>, usize) {
         false => (&inputs[0], Some(out0)),
     };
     let dests = std::iter::once(dest0).chain(rest.iter_mut().map(|v| Some(v.as_mut_slice())));
-    let work = dests
-        .map(|mut d| {
+    // Every thread copies its share of the root's buffer into every destination, so that all
+    // cores copy (one thread per destination would leave the root's core idle in place).
+    let part = o.bytes.div_ceil(o.np).max(1);
+    let mut jobs: Vec<Vec<(&[u8], &mut [u8])>> = (0..o.np).map(|_| Vec::new()).collect();
+    for d in dests.flatten() {
+        for (t, (dc, sc)) in d.chunks_mut(part).zip(src.chunks(part)).enumerate() {
+            jobs[t].push((sc, dc));
+        }
+    }
+    let work = jobs
+        .into_iter()
+        .map(|mut js| {
             move || {
-                if let Some(d) = d.as_deref_mut() {
-                    copy_streaming(d, src);
+                for (s, d) in js.iter_mut() {
+                    copy_streaming(d, s);
                 }
             }
         })

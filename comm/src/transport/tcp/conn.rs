@@ -623,6 +623,12 @@ impl TcpRecv {
                         sock.off = 0;
                         (sock.start, sock.total) = (HDR, 0);
                         sock.frame += nsocks;
+                        // A frame is complete and nothing more is buffered: the caller takes it
+                        // now, without first asking the socket for more (a `recv` that mostly
+                        // finds nothing, on the critical path of every small message).
+                        if sock.stream.buffer().is_empty() {
+                            return Ok(moved);
+                        }
                     }
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(moved),
