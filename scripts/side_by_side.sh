@@ -12,6 +12,8 @@
 # FLOOR=target/release/examples/copy_floor), run for 2 ranks at 64 MiB after OpenMPI's broadcast
 # in every round: the all-gather's and broadcast's data movement with nothing else, the best any
 # implementation could reach in that round (median time and busbw, out of place and in place).
+# SMALL=1: only the 8 B rows (blocking, async and OpenMPI, 2 and 4 ranks), for more rounds of the
+# noisiest figures. scripts/side_by_side_summary.py turns the output into medians and ratios.
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OX=${OX:-target/release/oxccl}
 MPI="mpirun --allow-run-as-root --oversubscribe --mca oob_tcp_if_include lo"
@@ -33,7 +35,9 @@ for round in $(seq 1 "${ROUNDS:-3}"); do
   if [ -n "${MEMBW:-}" ]; then
     echo "R$round membw $($MEMBW -t 2 -r 3 | awk '$2==2{printf "%s %s ", $1, $5}')"
   fi
-  for s in 8 1M 64M; do
+  sizes="8 1M 64M"
+  [ -n "${SMALL:-}" ] && sizes=8
+  for s in $sizes; do
     # shellcheck disable=SC2046
     echo "R$round np2 all-reduce $s ox $(OX_ROW all-reduce --np 2 -b $s -e $s -z 1 -a 3 $(ITERS $s))"
     if [ "$s" = 8 ]; then
@@ -44,11 +48,11 @@ for round in $(seq 1 "${ROUNDS:-3}"); do
     fi
     echo "R$round np2 all-reduce $s mpi $($MPI -np 2 $B -b $s -e $s -c all_reduce | grep -v '^#' | awk 'NF>5{print $6, $8}')"
   done
-  for c in reduce-scatter all-gather broadcast; do
+  for c in $([ -z "${SMALL:-}" ] && echo reduce-scatter all-gather broadcast); do
     echo "R$round np2 $c 64M ox $(OX_ROW $c --np 2 -b 64M -e 64M -z 1 -a 3)"
     echo "R$round np2 $c 64M mpi $($MPI -np 2 $B -b 64M -e 64M -c ${c/-/_} | grep -v '^#' | awk 'NF>5{print $6, $8}')"
   done
-  if [ -n "${FLOOR:-}" ]; then
+  if [ -n "${FLOOR:-}" ] && [ -z "${SMALL:-}" ]; then
     $FLOOR --np 2 --bytes 64M --iters 10 | awk -v r="$round" '{sub("median_us=","",$6); sub("busbw_GBps=","",$8); print "R" r " np2 " $2 " 64M floor " $5, $6, $8, $9}'
   fi
   # shellcheck disable=SC2046
@@ -56,7 +60,7 @@ for round in $(seq 1 "${ROUNDS:-3}"); do
   # shellcheck disable=SC2046
   echo "R$round np4 all-reduce-async 8 ox $(OX_ROW all-reduce --np 4 -b 8 -e 8 -z 0 -a 3 $(ITERS 8))"
   echo "R$round np4 all-reduce 8 mpi $($MPI -np 4 $B -b 8 -e 8 -c all_reduce | grep -v '^#' | awk 'NF>5{print $6, $8}')"
-  for c in all-reduce reduce-scatter all-gather broadcast; do
+  for c in $([ -z "${SMALL:-}" ] && echo all-reduce reduce-scatter all-gather broadcast); do
     echo "R$round np4 $c 64M ox $(OX_ROW $c --np 4 -b 64M -e 64M -z 1 -a 3)"
     echo "R$round np4 $c 64M mpi $($MPI -np 4 $B -b 64M -e 64M -c ${c/-/_} | grep -v '^#' | awk 'NF>5{print $6, $8}')"
   done

@@ -28,6 +28,11 @@ use crate::transport::{PollDir, RecvConn, SendConn, Tag};
 
 /// Every frame on the wire is a multiple of this (one cache line).
 const WIRE_ALIGN: usize = 64;
+/// Frames up to this long (on the wire) are handed over as soon as they are complete when nothing
+/// more is buffered: latency-bound messages skip a `recv` that would mostly find nothing, while a
+/// stream of larger frames keeps reading ahead (as measured, handing those over too cost 2-5 %
+/// of a 16-64 MiB all-reduce's busbw, within the noise).
+const HANDOFF_MAX: usize = 4096;
 /// Bytes of the encoded header.
 const HDR: usize = 32;
 /// Zeros that pad a frame written from the caller's memory.
@@ -620,13 +625,14 @@ impl TcpRecv {
                     if sock.total != 0 && sock.off == sock.total {
                         // meta[s] was set when the header completed; mark the frame as complete by
                         // advancing this socket to its next frame.
+                        let small = sock.total <= HANDOFF_MAX;
                         sock.off = 0;
                         (sock.start, sock.total) = (HDR, 0);
                         sock.frame += nsocks;
-                        // A frame is complete and nothing more is buffered: the caller takes it
-                        // now, without first asking the socket for more (a `recv` that mostly
-                        // finds nothing, on the critical path of every small message).
-                        if sock.stream.buffer().is_empty() {
+                        // A small frame is complete and nothing more is buffered: the caller
+                        // takes it now, without first asking the socket for more (a `recv` that
+                        // mostly finds nothing, on the critical path of every small message).
+                        if small && sock.stream.buffer().is_empty() {
                             return Ok(moved);
                         }
                     }
