@@ -31,12 +31,12 @@ OX_ROW() {
 # Iterations by size, so that a size is timed over about as many calls as the MPI bench makes
 # (it picks its count from a warm-up run for about 0.25 s, up to 100000: at 8 B, 100000).
 ITERS() { case $1 in 8) echo "-n 100000 -w 10000" ;; 1M) echo "-n 200 -w 20" ;; *) echo "" ;; esac; }
+sizes="8 1M 64M" np2="reduce-scatter all-gather broadcast" np4="all-reduce reduce-scatter all-gather broadcast"
+if [ -n "${SMALL:-}" ]; then sizes=8 np2= np4= FLOOR=; fi
 for round in $(seq 1 "${ROUNDS:-3}"); do
   if [ -n "${MEMBW:-}" ]; then
     echo "R$round membw $($MEMBW -t 2 -r 3 | awk '$2==2{printf "%s %s ", $1, $5}')"
   fi
-  sizes="8 1M 64M"
-  [ -n "${SMALL:-}" ] && sizes=8
   for s in $sizes; do
     # shellcheck disable=SC2046
     echo "R$round np2 all-reduce $s ox $(OX_ROW all-reduce --np 2 -b $s -e $s -z 1 -a 3 $(ITERS $s))"
@@ -48,11 +48,11 @@ for round in $(seq 1 "${ROUNDS:-3}"); do
     fi
     echo "R$round np2 all-reduce $s mpi $($MPI -np 2 $B -b $s -e $s -c all_reduce | grep -v '^#' | awk 'NF>5{print $6, $8}')"
   done
-  for c in $([ -z "${SMALL:-}" ] && echo reduce-scatter all-gather broadcast); do
+  for c in $np2; do
     echo "R$round np2 $c 64M ox $(OX_ROW $c --np 2 -b 64M -e 64M -z 1 -a 3)"
     echo "R$round np2 $c 64M mpi $($MPI -np 2 $B -b 64M -e 64M -c ${c/-/_} | grep -v '^#' | awk 'NF>5{print $6, $8}')"
   done
-  if [ -n "${FLOOR:-}" ] && [ -z "${SMALL:-}" ]; then
+  if [ -n "${FLOOR:-}" ]; then
     $FLOOR --np 2 --bytes 64M --iters 10 | awk -v r="$round" '{sub("median_us=","",$6); sub("busbw_GBps=","",$8); print "R" r " np2 " $2 " 64M floor " $5, $6, $8, $9}'
   fi
   # shellcheck disable=SC2046
@@ -60,7 +60,7 @@ for round in $(seq 1 "${ROUNDS:-3}"); do
   # shellcheck disable=SC2046
   echo "R$round np4 all-reduce-async 8 ox $(OX_ROW all-reduce --np 4 -b 8 -e 8 -z 0 -a 3 $(ITERS 8))"
   echo "R$round np4 all-reduce 8 mpi $($MPI -np 4 $B -b 8 -e 8 -c all_reduce | grep -v '^#' | awk 'NF>5{print $6, $8}')"
-  for c in $([ -z "${SMALL:-}" ] && echo all-reduce reduce-scatter all-gather broadcast); do
+  for c in $np4; do
     echo "R$round np4 $c 64M ox $(OX_ROW $c --np 4 -b 64M -e 64M -z 1 -a 3)"
     echo "R$round np4 $c 64M mpi $($MPI -np 4 $B -b 64M -e 64M -c ${c/-/_} | grep -v '^#' | awk 'NF>5{print $6, $8}')"
   done

@@ -75,8 +75,7 @@ def main():
     rows, membw = parse(sys.argv[1])
     for r in sorted(membw):
         print(f"R{r} membw {membw[r]}")
-    cases = sorted({c for c, _ in rows}, key=lambda c: list(rows).index(
-        next(k for k in rows if k[0] == c)))
+    cases = dict.fromkeys(c for c, _ in rows)  # in the log's order
     for case in cases:
         ox = rows.get((case, "ox"))
         if ox:
