@@ -12,6 +12,10 @@
 # FLOOR=target/release/examples/copy_floor), run for 2 ranks at 64 MiB after OpenMPI's broadcast
 # in every round: the all-gather's and broadcast's data movement with nothing else, the best any
 # implementation could reach in that round (median time and busbw, out of place and in place).
+# REGISTER=1: after each all-gather row, the same with registered buffers (-R 1: the mapped
+# all-gather), as `all-gather-registered`, read against the same OpenMPI and floor rows.
+# SIZES, NP2, NP4: the all-reduce sizes and the 64 MiB collectives at 2 and 4 ranks (defaults: all
+# of docs/PERF.md's; empty runs none).
 # SMALL=1: only the 8 B rows (blocking, async and OpenMPI, 2 and 4 ranks), for more rounds of the
 # noisiest figures. scripts/side_by_side_summary.py turns the output into medians and ratios.
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -31,7 +35,8 @@ OX_ROW() {
 # Iterations by size, so that a size is timed over about as many calls as the MPI bench makes
 # (it picks its count from a warm-up run for about 0.25 s, up to 100000: at 8 B, 100000).
 ITERS() { case $1 in 8) echo "-n 100000 -w 10000" ;; 1M) echo "-n 200 -w 20" ;; *) echo "" ;; esac; }
-sizes="8 1M 64M" np2="reduce-scatter all-gather broadcast" np4="all-reduce reduce-scatter all-gather broadcast"
+sizes=${SIZES-8 1M 64M} np2=${NP2-reduce-scatter all-gather broadcast}
+np4=${NP4-all-reduce reduce-scatter all-gather broadcast}
 if [ -n "${SMALL:-}" ]; then sizes=8 np2= np4= FLOOR=; fi
 for round in $(seq 1 "${ROUNDS:-3}"); do
   if [ -n "${MEMBW:-}" ]; then
@@ -50,6 +55,9 @@ for round in $(seq 1 "${ROUNDS:-3}"); do
   done
   for c in $np2; do
     echo "R$round np2 $c 64M ox $(OX_ROW $c --np 2 -b 64M -e 64M -z 1 -a 3)"
+    if [ -n "${REGISTER:-}" ] && [ "$c" = all-gather ]; then
+      echo "R$round np2 $c-registered 64M ox $(OX_ROW $c --np 2 -b 64M -e 64M -z 1 -a 3 -R 1)"
+    fi
     echo "R$round np2 $c 64M mpi $($MPI -np 2 $B -b 64M -e 64M -c ${c/-/_} | grep -v '^#' | awk 'NF>5{print $6, $8}')"
   done
   if [ -n "${FLOOR:-}" ]; then
@@ -62,6 +70,9 @@ for round in $(seq 1 "${ROUNDS:-3}"); do
   echo "R$round np4 all-reduce 8 mpi $($MPI -np 4 $B -b 8 -e 8 -c all_reduce | grep -v '^#' | awk 'NF>5{print $6, $8}')"
   for c in $np4; do
     echo "R$round np4 $c 64M ox $(OX_ROW $c --np 4 -b 64M -e 64M -z 1 -a 3)"
+    if [ -n "${REGISTER:-}" ] && [ "$c" = all-gather ]; then
+      echo "R$round np4 $c-registered 64M ox $(OX_ROW $c --np 4 -b 64M -e 64M -z 1 -a 3 -R 1)"
+    fi
     echo "R$round np4 $c 64M mpi $($MPI -np 4 $B -b 64M -e 64M -c ${c/-/_} | grep -v '^#' | awk 'NF>5{print $6, $8}')"
   done
 done

@@ -11,7 +11,9 @@ rounds, and per-round ratios summarised the same way:
   - oxccl against a peer: time ratio (oxccl / peer) for 8 B cases, busbw ratio above that;
   - an `-async` case against its blocking case of the same round: time ratio;
   - the floor against the peer and oxccl against the floor: busbw ratios (out of place and in
-    place; the peer's one figure is its own form).
+    place; the peer's one figure is its own form);
+  - a `-registered` case (oxccl with registered buffers, `perf -R 1`) against the peer's and the
+    floor's rows of the case without the suffix, the same way.
 A ratio's range is over the rounds; the median of the ratios is not the ratio of the medians.
 """
 
@@ -109,6 +111,19 @@ def main():
                 idx = 2 if case.endswith("out-of-place") else 3
                 oxf = ratios(column(rows, (base, "ox"), idx), fl)
                 print(f"{case} | oxccl/floor busbw {fmt(oxf)}")
+        if "-registered" in case and ox:
+            base = case.replace("-registered", "")
+            for peer in ("mpi", "gloo"):
+                if (base, peer) in rows:
+                    bw = column(rows, (base, peer), 1)
+                    o = ratios(column(rows, (case, "ox"), 2), bw)
+                    i = ratios(column(rows, (case, "ox"), 3), bw)
+                    print(f"{case} | oxccl/{peer} busbw oop {fmt(o)} ip {fmt(i)}")
+            for idx, form in ((2, "out-of-place"), (3, "in-place")):
+                if (f"{base} {form}", "floor") in rows:
+                    fl = column(rows, (f"{base} {form}", "floor"), 1)
+                    oxf = ratios(column(rows, (case, "ox"), idx), fl)
+                    print(f"{case} | oxccl/floor busbw {form} {fmt(oxf)}")
         if "-async" in case and ox:
             blocking = case.replace("-async", "")
             if (blocking, "ox") in rows:

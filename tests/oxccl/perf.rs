@@ -321,6 +321,50 @@ fn runs_as_ranks_under_oxccl_launch() {
     );
 }
 
+/// Registered outputs in processes started by `oxccl launch`: the mapped all-gather writes
+/// into the other process's output (rank 0 reports the bytes that landed) and every result
+/// checks; below the tuner's threshold the ring runs and all still checks.
+#[test]
+fn registered_all_gathers_write_across_processes() {
+    let exe = env!("CARGO_BIN_EXE_oxccl");
+    let (out, stdout, stderr) = run(&[
+        "launch",
+        "-n",
+        "2",
+        "--no-prefix",
+        "--",
+        exe,
+        "perf",
+        "all-gather",
+        "-R",
+        "1",
+        "-b",
+        "64K",
+        "-e",
+        "4M",
+        "-f",
+        "4",
+        "-n",
+        "3",
+        "-w",
+        "1",
+        "-d",
+        "int8,float64",
+    ]);
+    let rows = assert_all_correct("registered", &out, &stdout, &stderr);
+    assert_eq!(rows.len(), 8, "{stdout}");
+    let landed: u64 = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("# Registered buffers: "))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no registered-buffer line\n{stdout}"));
+    // 1 MiB and 4 MiB of output (half written by the peer), each timed and warmed up 4 times
+    // out of place and 4 times in place, in two dtypes: at least that much landed.
+    let least = 2 * 8 * ((1u64 << 20) + (4 << 20)) / 2;
+    assert!(landed >= least, "{landed} < {least}\n{stdout}");
+}
+
 #[test]
 fn the_send_thread_runs_between_processes_over_tcp() {
     // Two rank processes over TCP with OXCCL_SOCKET_SEND_THREAD=1: every size checked, and the

@@ -10,6 +10,7 @@ pub mod error;
 pub mod logging;
 pub mod op;
 pub(crate) mod settings;
+pub(crate) mod shared_mem;
 pub(crate) mod stall;
 pub mod sys;
 pub mod trace;

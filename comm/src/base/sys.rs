@@ -176,6 +176,24 @@ pub fn fallocate(fd: RawFd, bytes: usize) -> std::io::Result<()> {
     }
 }
 
+/// A new anonymous file in memory (`memfd_create`, close-on-exec) named `name` (a label for
+/// `/proc/<pid>/fd`; no path).
+///
+/// # Errors
+/// The call's error, or `InvalidInput` for a name with a NUL.
+pub fn memfd(name: &str) -> std::io::Result<std::fs::File> {
+    use std::os::fd::FromRawFd;
+    let name = std::ffi::CString::new(name)
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, "a NUL in the name"))?;
+    // SAFETY: memfd_create reads the NUL-terminated name and returns a new descriptor (or -1).
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just created and is owned by nothing else.
+    Ok(unsafe { std::fs::File::from_raw_fd(fd) })
+}
+
 /// Whether `e` says the file system has no room (`ENOSPC`, `EFBIG`).
 pub fn no_room(e: &std::io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EFBIG))

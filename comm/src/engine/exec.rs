@@ -111,6 +111,7 @@ pub(crate) fn exec<R>(
     let caps = tuning::Caps {
         staging: window.map_or(0, |w| w.capacity()),
         single_copy: window.is_some_and(|w| w.single_copy()),
+        mapped: window.is_some_and(|w| w.can_map()),
         nodes: shared.layout.as_ref().is_some_and(NodeLayout::balanced),
         even_nodes: shared.layout.as_ref().is_some_and(|l| l.even),
         sockets: shared.sockets,
@@ -340,6 +341,13 @@ pub(crate) fn all_gather_body(
         Algorithm::Ring => ring::all_gather(ctx, buf, es, ch.chunk_bytes, own),
         Algorithm::Hierarchical => hierarchical::all_gather(ctx, buf, es, ch.chunk_bytes, own),
         Algorithm::SingleCopy => single_copy::all_gather(ctx, buf, own),
+        Algorithm::Mapped => {
+            if single_copy::all_gather_mapped(ctx, buf, own)? {
+                Ok(())
+            } else {
+                ring::all_gather(ctx, buf, es, ch.chunk_bytes, own)
+            }
+        }
         a => Err(no_algo(ctx, a)),
     }
 }

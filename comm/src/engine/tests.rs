@@ -624,7 +624,7 @@ fn a_sleeping_wait_is_rung_then_quiet() {
                 false => Arc::new(Segment::open(rank, r, paths[r].to_str().unwrap()).unwrap()),
             })
             .collect();
-        ShmWindow::new(rank, segs, vec![pid; 2], false)
+        ShmWindow::new(rank, segs, vec![pid; 2], (false, false))
     };
     let (w0, mut w1) = (window(0), window(1));
     for p in &paths {

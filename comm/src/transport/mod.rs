@@ -180,6 +180,19 @@ pub const INLINE_MAX: usize = 8 * INLINE_WORDS;
 /// [`INLINE_MAX`] in 8-byte words.
 pub const INLINE_WORDS: usize = 2;
 
+/// A [`crate::Registered`] buffer as a rank publishes it through [`Window::publish_shared`]:
+/// where peers on the node find its memory to map.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SharedBuf {
+    /// The descriptor of its shared file in the publishing process.
+    pub fd: i32,
+    /// Its registry entry's id (never reused in that process): a new id at a known descriptor
+    /// is another buffer.
+    pub id: u64,
+    /// The buffer's first byte in the file.
+    pub offset: usize,
+}
+
 pub trait Window: Send {
     /// Bytes of one staging half.
     fn capacity(&self) -> usize;
@@ -231,6 +244,35 @@ pub trait Window: Send {
     fn write_peer(&self, peer: usize, addr: usize, src: &[u8]) -> Result<()>;
     /// Tells every peer this rank has left (they fail instead of waiting for its steps).
     fn close(&mut self);
+    /// Whether every rank can map every other's registered buffers (checked at start-up), so
+    /// that [`Window::peer_shared`] works between every pair of ranks.
+    fn can_map(&self) -> bool {
+        false
+    }
+    /// [`Window::publish`] of a step that carries one registered buffer of this rank (`None`:
+    /// the operation's buffer is not one) for peers to map with [`Window::peer_shared`].
+    fn publish_shared(&mut self, step: u64, tag: Tag, half: usize, buf: Option<SharedBuf>) {
+        let _ = buf;
+        self.publish(step, tag, half, [0, 0]);
+    }
+    /// Whether `peer` published a buffer with half `half` through [`Window::publish_shared`]
+    /// (nothing is mapped).
+    fn peer_has_shared(&self, peer: usize, half: usize) -> bool {
+        let _ = (peer, half);
+        false
+    }
+    /// The address here of `len` bytes of the buffer `peer` published with half `half` through
+    /// [`Window::publish_shared`] (mapped at its first use and kept), or `None` when it
+    /// published none. Writes through it land in the peer's buffer; only where the step
+    /// protocol gives them to this rank.
+    ///
+    /// # Errors
+    /// `Error::Transport` naming the peer: the buffer could not be mapped, or it is shorter than
+    /// `len` bytes.
+    fn peer_shared(&mut self, peer: usize, half: usize, len: usize) -> Result<Option<*mut u8>> {
+        let _ = (peer, half, len);
+        Ok(None)
+    }
 }
 
 /// One staging half of every rank of a [`Window`], borrowed for one step of an algorithm.

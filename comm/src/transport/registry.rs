@@ -26,6 +26,10 @@ pub(crate) struct Entry {
     pub start: usize,
     /// Bytes.
     pub len: usize,
+    /// The descriptor of the shared file the range is mapped from, starting at `start`
+    /// ([`crate::Registered`] memory: peers on the node map it and write straight into it),
+    /// or `None` for private memory.
+    pub fd: Option<i32>,
 }
 
 impl Entry {
@@ -51,7 +55,8 @@ impl Registry {
         GLOBAL.get_or_init(Registry::default)
     }
 
-    /// Adds `len` bytes at `start`; its entry, or `None` for an empty range.
+    /// Adds `len` bytes at `start` (mapped from the start of shared file `fd`, if any); its
+    /// entry, or `None` for an empty range.
     ///
     /// # Errors
     /// The range overlaps one registered already (the message names both).
@@ -59,6 +64,7 @@ impl Registry {
         &self,
         start: usize,
         len: usize,
+        fd: Option<i32>,
     ) -> std::result::Result<Option<Entry>, String> {
         if len == 0 {
             return Ok(None);
@@ -80,6 +86,7 @@ impl Registry {
             id: self.next_id.fetch_add(1, Ordering::Relaxed) + 1,
             start,
             len,
+            fd,
         };
         ranges.insert(start, e);
         Ok(Some(e))
@@ -195,10 +202,10 @@ mod tests {
     #[test]
     fn ranges_are_found_by_containment_and_never_overlap() {
         let r = leaked();
-        let a = r.add(0x1000, 0x100).unwrap().unwrap();
-        let b = r.add(0x2000, 0x1000).unwrap().unwrap();
+        let a = r.add(0x1000, 0x100, None).unwrap().unwrap();
+        let b = r.add(0x2000, 0x1000, None).unwrap().unwrap();
         assert_ne!(a.id, b.id);
-        assert_eq!(r.add(0x5000, 0).unwrap(), None);
+        assert_eq!(r.add(0x5000, 0, None).unwrap(), None);
         assert_eq!(r.find(0x1000, 0x100), Some(a));
         assert_eq!(r.find(0x1080, 0x80), Some(a));
         assert_eq!(r.find(0x1080, 0x81), None, "runs past the end");
@@ -206,13 +213,13 @@ mod tests {
         assert_eq!(r.find(0x2800, 0x10), Some(b));
         assert_eq!(r.find(0x1800, 0x10), None, "between ranges");
         for (s, l) in [(0x10ff, 1), (0xf00, 0x101), (0x1f00, 0x2000), (0x2fff, 5)] {
-            let e = r.add(s, l).unwrap_err();
+            let e = r.add(s, l, None).unwrap_err();
             assert!(e.contains("overlap"), "{e}");
         }
-        r.add(0x1100, 0xf00).unwrap().unwrap(); // touching both neighbours is fine
+        r.add(0x1100, 0xf00, None).unwrap().unwrap(); // touching both neighbours is fine
         r.remove(&a);
         assert_eq!(r.find(0x1000, 1), None);
-        let a2 = r.add(0x1000, 0x100).unwrap().unwrap();
+        let a2 = r.add(0x1000, 0x100, None).unwrap().unwrap();
         assert!(a2.id > b.id, "ids are never reused");
         r.remove(&a); // gone already: the new entry stays
         assert_eq!(r.find(0x1000, 1), Some(a2));
@@ -223,8 +230,8 @@ mod tests {
         let r = leaked();
         let cache: RegCache<(usize, usize)> = RegCache::new(r);
         let make = |e: &Entry| Ok((e.start, e.len));
-        let a = r.add(0x1000, 0x100).unwrap().unwrap();
-        let b = r.add(0x4000, 0x100).unwrap().unwrap();
+        let a = r.add(0x1000, 0x100, None).unwrap().unwrap();
+        let b = r.add(0x4000, 0x100, None).unwrap().unwrap();
         let ra = cache.get(&a, make).unwrap();
         assert_eq!(*ra, (0x1000, 0x100));
         assert!(Arc::ptr_eq(&ra, &cache.get(&a, make).unwrap()));
@@ -232,14 +239,14 @@ mod tests {
         assert_eq!(cache.counts(), (2, 2));
         // The buffer goes and another takes its address: a new registration, not the old one.
         r.remove(&a);
-        let a2 = r.add(0x1000, 0x80).unwrap().unwrap();
+        let a2 = r.add(0x1000, 0x80, None).unwrap().unwrap();
         let ra2 = cache.get(&a2, make).unwrap();
         assert_eq!(*ra2, (0x1000, 0x80));
         assert_eq!(cache.counts(), (3, 2), "a's registration was dropped");
         assert_eq!(Arc::strong_count(&ra), 1, "only the caller holds a's now");
         let failed = cache.get(&b, |_| unreachable!("cached")).unwrap();
         assert_eq!(*failed, (0x4000, 0x100));
-        let c = r.add(0x9000, 8).unwrap().unwrap();
+        let c = r.add(0x9000, 8, None).unwrap().unwrap();
         let e = cache
             .get(&c, |_| Err(crate::Error::Config("no".into())))
             .unwrap_err();

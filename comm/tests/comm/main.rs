@@ -19,6 +19,7 @@ mod grow;
 mod hierarchical_uneven;
 mod loom_ring;
 mod loom_trace_slot;
+mod mapped;
 mod premul;
 mod random_cases;
 mod rdma;

@@ -162,6 +162,9 @@ pub(crate) struct Ctx<'a> {
     pub collective: bool,
     /// The operation runs a direct algorithm over the window.
     direct: bool,
+    /// The operation opened a window epoch, then every rank went on through the slots (see
+    /// [`Ctx::leave_window`]): peers' window records of its sequence number are expected.
+    left_window: bool,
     /// Busy-poll before yielding (false when ranks outnumber cores).
     pub spin: bool,
     /// Large sends to TCP peers go out on this thread ([`Ctx::exchange_split`]).
@@ -261,6 +264,7 @@ impl<'a> Ctx<'a> {
             fds: Vec::new(),
             collective: false,
             direct: false,
+            left_window: false,
             spin: true,
             send_thread: None,
             split: None,
@@ -301,6 +305,7 @@ impl<'a> Ctx<'a> {
             fds: Vec::new(),
             collective: self.collective,
             direct: false,
+            left_window: false,
             spin: self.spin,
             send_thread: self.send_thread,
             split: None,
@@ -356,6 +361,22 @@ impl<'a> Ctx<'a> {
             .window
             .as_deref()
             .map_or(0, |w| w.inline_capacity())
+    }
+
+    /// Says that every rank leaves the window epoch it opened for this operation and goes on
+    /// through the slots (an all-gather whose outputs are not all registered): waits stop
+    /// treating the window records of this operation as a peer on the other path.
+    pub(crate) fn leave_window(&mut self) {
+        self.direct = false;
+        self.left_window = true;
+    }
+
+    /// Counts `bytes` that peers wrote straight into this rank's registered buffers
+    /// ([`crate::Stats::registered_recv_bytes`]).
+    pub(crate) fn count_landed(&self, bytes: usize) {
+        self.links
+            .landed_bytes
+            .fetch_add(bytes as u64, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The direct window and the scratch buffer, or an error if this communicator has no window.

@@ -82,6 +82,10 @@ pub struct Config {
     /// Whether ranks that share memory may read each other's buffers with `process_vm_readv`
     /// (`OXCCL_SHM_SINGLE_COPY`, default on; used only when every rank can, checked at start-up).
     pub single_copy: bool,
+    /// Whether ranks that share memory map each other's [`crate::Registered`] buffers and
+    /// write straight into them (the `mapped` all-gather) (`OXCCL_SHM_MAPPED`, default on; used
+    /// only when every rank can map every other's, checked at start-up).
+    pub shm_mapped: bool,
     /// Whether a waiting rank busy-polls before it yields the core (`OXCCL_SPIN`: `auto`, the
     /// default, spins unless this node runs more ranks than the CPUs its ranks may use together,
     /// from their affinity masks, counting the node's ranks and CPUs as [`Config::node_ranks`]
@@ -181,6 +185,7 @@ impl Default for Config {
             ib: IbConfig::default(),
             direct_bytes: 1 << 20,
             single_copy: true,
+            shm_mapped: true,
             spin: None,
             socket_send_thread: Some(false),
             socket_channels: None,
@@ -531,6 +536,9 @@ impl Config {
         if let Some(v) = get("OXCCL_SHM_SINGLE_COPY") {
             c.single_copy = parse_bool("OXCCL_SHM_SINGLE_COPY", &v)?;
         }
+        if let Some(v) = get("OXCCL_SHM_MAPPED") {
+            c.shm_mapped = parse_bool("OXCCL_SHM_MAPPED", &v)?;
+        }
         if let Some(v) = get("OXCCL_HIERARCHICAL_BLOCK") {
             c.hierarchical_block = parse_num("OXCCL_HIERARCHICAL_BLOCK", &v)?;
             if !hierarchical_block_ok(c.hierarchical_block) {
@@ -711,6 +719,7 @@ mod tests {
             ("OXCCL_ALGO", "teleport"),
             ("OXCCL_SHM_DIRECT_BYTES", "100"),
             ("OXCCL_SHM_SINGLE_COPY", "maybe"),
+            ("OXCCL_SHM_MAPPED", "perhaps"),
             ("OXCCL_SOCKET_DELAYED_ACK", "sometimes"),
             ("OXCCL_CUDA_STAGE_CHUNK", "big"),
             ("OXCCL_HIERARCHICAL_BLOCK", "100"),

@@ -10,8 +10,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::mapped::probe;
 use super::segment::ring_slot_bytes;
-use super::{job_prefix, probe_single_copy, Segment, ShmRecv, ShmSend, ShmWindow, UnlinkGuard};
+use super::{
+    job_prefix, probe_single_copy, Probe, Segment, ShmRecv, ShmSend, ShmWindow, UnlinkGuard,
+};
 use crate::base::bootstrap::{hash_id, init_store_error};
 use crate::base::error::{Error, Result};
 use crate::transport::{
@@ -24,6 +27,9 @@ pub(crate) struct ShmTransport {
     /// This rank's segment once set up, with the guard that unlinks its name (when every peer
     /// has mapped it, or when set-up fails and this is dropped).
     own: Option<(Arc<Segment>, String, UnlinkGuard)>,
+    /// The file peers map at connect to learn whether they can map this rank's registered
+    /// buffers (only when the window connects every rank); dropped once every peer has.
+    probe: Option<Probe>,
 }
 
 /// Ranks of one node (the selector's rule for this backend).
@@ -92,10 +98,17 @@ impl Transport for ShmTransport {
         // this backend is dropped after a failure: the mappings stay.
         let unlink = UnlinkGuard::new(path.clone());
         let path = path.to_string_lossy().into_owned();
+        self.probe = if direct > 0 && cfg.shm_mapped {
+            Probe::new()
+        } else {
+            None
+        };
+        // The segment's name, then the probe file's descriptor (-1: none).
+        let fd = self.probe.as_ref().map_or(-1, Probe::fd);
         let key = format!("{id}/shm/{rank}");
         group
             .store
-            .set(&key, path.as_bytes())
+            .set(&key, format!("{path}\n{fd}").as_bytes())
             .map_err(|e| failed(group, e, "publishing the shared-memory segment", &key, None))?;
         self.own = Some((Arc::new(seg), path, unlink));
         Ok(())
@@ -111,9 +124,18 @@ impl Transport for ShmTransport {
         segs[rank] = Some(own.clone());
         let all = everyone(group, peers);
         let mut can_read_all = group.cfg.single_copy;
+        let mut can_map_all = self.probe.is_some();
         for (ring, &p) in peers.iter().enumerate() {
-            let (peer_seg, peer_path) = map_peer(group, p)?;
+            let (peer_seg, peer_path, peer_probe) = map_peer(group, p)?;
             let pid = group.peers[p].pid;
+            if can_map_all && !peer_probe.is_some_and(|fd| probe(pid, fd)) {
+                tracing::info!(
+                    rank,
+                    peer = p,
+                    "cannot map this peer's registered buffers: no mapped all-gather"
+                );
+                can_map_all = false;
+            }
             if all && can_read_all && !probe_single_copy(pid, &peer_seg) {
                 tracing::info!(
                     rank,
@@ -136,6 +158,7 @@ impl Transport for ShmTransport {
         }
         wait_mapped(group, peers.len())?;
         drop(unlink); // every peer has mapped it: the name goes, the mappings stay
+        self.probe = None; // and has probed this rank's file
         links.bell = Some(own);
         if all {
             let segs = segs
@@ -144,25 +167,28 @@ impl Transport for ShmTransport {
                 .ok_or_else(|| {
                     Error::Config(format!("rank {rank}: a shared-memory peer has no segment"))
                 })?;
-            let window = open_window(group, segs, can_read_all)?;
+            let window = open_window(group, segs, (can_read_all, can_map_all))?;
             links.window = Some(Box::new(window) as Box<dyn Window>);
         }
         Ok(())
     }
 }
 
-/// Maps `p`'s segment, once `p` has published its name; returns it and its path.
-fn map_peer(group: &Group<'_>, p: usize) -> Result<(Arc<Segment>, String)> {
+/// Maps `p`'s segment, once `p` has published its name; returns it, its path and the
+/// descriptor of `p`'s probe file, if it has one.
+fn map_peer(group: &Group<'_>, p: usize) -> Result<(Arc<Segment>, String, Option<i32>)> {
     let key = format!("{}/shm/{p}", group.id);
     let rec = group.wait_get(&key).map_err(|e| {
         let waiting = format!("rank {p} never published its shared-memory segment");
         let what = "reading a shared-memory segment name";
         failed(group, e, what, &key, Some(&waiting))
     })?;
-    let path = String::from_utf8_lossy(&rec).into_owned();
-    let seg = Segment::open(group.rank, p, &path)?;
+    let rec = String::from_utf8_lossy(&rec);
+    let (path, fd) = rec.rsplit_once('\n').unwrap_or((&rec, "-1"));
+    let probe = fd.parse::<i32>().ok().filter(|&fd| fd >= 0);
+    let seg = Segment::open(group.rank, p, path)?;
     tracing::info!(rank = group.rank, peer = p, transport = "shm", segment = %path, "connected");
-    Ok((Arc::new(seg), path))
+    Ok((Arc::new(seg), path.to_owned(), probe))
 }
 
 /// This rank's ring in `p`'s segment: its position among `p`'s shared-memory peers (which the
@@ -214,18 +240,19 @@ fn wait_mapped(group: &Group<'_>, peers: usize) -> Result<()> {
 }
 
 /// The direct window over every rank's segment (`segs`, indexed by rank), with the single-copy
-/// path only if every rank can read every other (all ranks decide the same, through the
-/// store).
+/// path only if every rank can read every other, and mapped buffers only if every rank can map
+/// every other's (all ranks decide the same, through the store).
 fn open_window(
     group: &Group<'_>,
     segs: Vec<Arc<Segment>>,
-    can_read_all: bool,
+    (can_read_all, can_map_all): (bool, bool),
 ) -> Result<ShmWindow> {
     let (rank, id) = (group.rank, group.id);
     let key = format!("{id}/single_copy/{rank}");
+    let bit = |b: bool| if b { b'1' } else { b'0' };
     group
         .store
-        .set(&key, if can_read_all { b"1" } else { b"0" })
+        .set(&key, &[bit(can_read_all), bit(can_map_all)])
         .map_err(|e| {
             failed(
                 group,
@@ -235,7 +262,7 @@ fn open_window(
                 None,
             )
         })?;
-    let mut single_copy = true;
+    let (mut single_copy, mut can_map) = (true, true);
     for p in 0..group.size {
         let key = format!("{id}/single_copy/{p}");
         let v = group.wait_get(&key).map_err(|e| {
@@ -243,10 +270,11 @@ fn open_window(
             let what = "reading a single-copy capability";
             failed(group, e, what, &key, Some(&waiting))
         })?;
-        single_copy &= v == b"1";
+        single_copy &= v.first() == Some(&b'1');
+        can_map &= v.get(1) == Some(&b'1');
     }
     let pids = group.peers.iter().map(|p| p.pid).collect();
     let staging = group.cfg.direct_bytes;
-    tracing::info!(rank, staging, single_copy, "shared-memory window");
-    Ok(ShmWindow::new(rank, segs, pids, single_copy))
+    tracing::info!(rank, staging, single_copy, can_map, "shared-memory window");
+    Ok(ShmWindow::new(rank, segs, pids, (single_copy, can_map)))
 }

@@ -49,6 +49,7 @@
 
 mod connect;
 mod liveness;
+mod mapped;
 mod ring;
 mod segment;
 mod window;
@@ -56,6 +57,7 @@ mod window;
 #[cfg(test)]
 pub(crate) use connect::can_connect;
 pub(crate) use connect::ShmTransport;
+pub(crate) use mapped::Probe;
 pub use ring::{ShmRecv, ShmSend};
 pub(crate) use segment::UnlinkGuard;
 pub use segment::{job_prefix, Segment, SHM_DIR};

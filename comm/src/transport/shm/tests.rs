@@ -145,7 +145,7 @@ fn window_capacity_is_the_smallest_staging_half() {
                     }
                 })
                 .collect();
-            ShmWindow::new(rank, segs, vec![pid; sizes.len()], false)
+            ShmWindow::new(rank, segs, vec![pid; sizes.len()], (false, false))
         })
         .collect();
     for p in paths {

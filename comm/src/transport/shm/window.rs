@@ -5,10 +5,11 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::liveness::{lost, Liveness};
+use super::mapped::PeerBufs;
 use super::segment::{Segment, MAGIC};
 use crate::base::error::{Error, Result};
 use crate::base::sys;
-use crate::transport::{Staging, Tag, Window, INLINE_MAX, INLINE_WORDS};
+use crate::transport::{SharedBuf, Staging, Tag, Window, INLINE_MAX, INLINE_WORDS};
 
 /// The direct [`Window`] of a communicator whose ranks all share memory: every rank's segment
 /// (this rank's included) mapped here, indexed by rank.
@@ -23,6 +24,9 @@ pub struct ShmWindow {
     live: Vec<Liveness>,
     epoch: u64,
     single_copy: bool,
+    /// Every rank can map every other's registered buffers (see [`super::mapped`]).
+    can_map: bool,
+    bufs: PeerBufs,
 }
 
 /// The word of a half's record that repeats the step published with it (the record's last
@@ -33,12 +37,14 @@ const INLINE_WORD: usize = 6;
 
 impl ShmWindow {
     /// `segs[r]` is rank `r`'s segment, `pids[r]` its process id; `single_copy` says whether
-    /// every rank could read every other with `process_vm_readv` (see [`probe_single_copy`]).
+    /// every rank could read every other with `process_vm_readv` (see [`probe_single_copy`]),
+    /// `can_map` whether every rank could map every other's probe file (see
+    /// [`super::mapped::probe`]).
     pub(crate) fn new(
         rank: usize,
         segs: Vec<Arc<Segment>>,
         pids: Vec<u32>,
-        single_copy: bool,
+        (single_copy, can_map): (bool, bool),
     ) -> ShmWindow {
         let live = pids.iter().map(|&p| Liveness::new(p)).collect();
         let capacity = segs.iter().map(|s| s.direct).min().unwrap_or(0);
@@ -50,6 +56,8 @@ impl ShmWindow {
             live,
             epoch: 0,
             single_copy,
+            can_map,
+            bufs: PeerBufs::default(),
         }
     }
 }
@@ -183,6 +191,37 @@ impl Window for ShmWindow {
             transport: "shm",
             msg: format!("process_vm_writev of {} bytes at {addr:#x}: {e}", src.len()),
         })
+    }
+
+    fn can_map(&self) -> bool {
+        self.can_map
+    }
+
+    fn publish_shared(&mut self, step: u64, tag: Tag, half: usize, buf: Option<SharedBuf>) {
+        // Region words: the offset and the descriptor plus one (0: no buffer); the id inline.
+        let (region, id) = match buf {
+            Some(b) => ([b.offset as u64, b.fd as u64 + 1], b.id),
+            None => ([0, 0], 0),
+        };
+        self.publish_words(step, tag, half, region, Some([id, 0]));
+    }
+
+    fn peer_has_shared(&self, peer: usize, half: usize) -> bool {
+        self.peer_region(peer, half)[1] != 0
+    }
+
+    fn peer_shared(&mut self, peer: usize, half: usize, len: usize) -> Result<Option<*mut u8>> {
+        let [offset, fd] = self.peer_region(peer, half);
+        if fd == 0 {
+            return Ok(None);
+        }
+        let b = SharedBuf {
+            fd: (fd - 1) as i32,
+            id: self.peer_inline(peer, half)[0],
+            offset,
+        };
+        let who = (self.rank, peer, self.pids[peer]);
+        self.bufs.get(who, b, len).map(Some)
     }
 
     fn close(&mut self) {

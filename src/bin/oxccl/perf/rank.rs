@@ -222,6 +222,13 @@ fn run_all(comm: &Communicator, args: &PerfArgs, plan: &Plan) -> Result<u64, Err
                     .map_or_else(|| "auto".to_owned(), |k| k.to_string())
             )]);
         }
+        if plan.register {
+            out(&[format!(
+                "# Registered buffers: {} bytes landed straight in rank 0's, written by peers \
+                 (RDMA, or the mapped all-gather over shared memory), {} sent straight from them",
+                stats.registered_recv_bytes, stats.registered_bytes
+            )]);
+        }
         out(&totals.footer());
         #[cfg(feature = "cuda")]
         if let Some(path) = comm.stats().device_path {
@@ -391,7 +398,9 @@ fn preamble(plan: &Plan, m: &Meta) -> Vec<String> {
     }
     if plan.register {
         l.push(
-            "# Buffers registered (-R 1): over RDMA sent from and received into directly".into(),
+            "# Buffers registered (-R 1): in shared memory that peers on the node map (the \
+             mapped all-gather writes into them); over RDMA sent from and received into directly"
+                .into(),
         );
     }
     l.push("#".into());

@@ -1,0 +1,191 @@
+//! The mapped all-gather: ranks that share memory write straight into each other's registered
+//! outputs. `Stats::registered_recv_bytes` tells whether it ran (it counts what peers wrote into
+//! this rank's outputs), so every case checks both the result and the path.
+
+use oxccl_comm::config::TransportChoice;
+use oxccl_comm::harness::spawn_world;
+use oxccl_comm::{Communicator, Registered, Result};
+
+use crate::collectives::config;
+
+/// Rank `r`'s block of `count` elements in pass `pass`.
+fn block(r: usize, count: usize, pass: usize) -> Vec<i32> {
+    (0..count)
+        .map(|i| (pass * 100_000 + r * 1000 + i % 1000) as i32)
+        .collect()
+}
+
+/// What every rank's all-gather of `count` elements per rank holds in pass `pass`.
+fn whole(n: usize, count: usize, pass: usize) -> Vec<i32> {
+    (0..n).flat_map(|r| block(r, count, pass)).collect()
+}
+
+/// Bytes peers wrote straight into this rank's registered buffers so far.
+fn landed(c: &Communicator) -> u64 {
+    c.stats().registered_recv_bytes
+}
+
+/// Every output registered: out of place, in place in a part of a larger buffer (not at the
+/// start of its file), sizes that do not divide evenly, and empty ones.
+fn registered_outputs(c: &Communicator) -> Result<()> {
+    let (n, me) = (c.size(), c.rank());
+    for count in [0usize, 1, 7, 100_003] {
+        let bytes = ((n - 1) * count * 4) as u64;
+        let before = landed(c);
+        let mut out = Registered::new(vec![-1i32; n * count])?;
+        assert_eq!(out.is_shared(), count > 0, "empty buffers have no file");
+        c.all_gather_into(&block(me, count, 0), &mut out)?;
+        assert_eq!(&out[..], &whole(n, count, 0)[..], "out of place, {count}");
+        assert_eq!(landed(c) - before, bytes, "peers wrote into the output");
+        let mut big = Registered::new(vec![-1i32; n * count + 3])?;
+        let part = 1..1 + n * count;
+        big[1 + me * count..1 + (me + 1) * count].copy_from_slice(&block(me, count, 1));
+        c.all_gather(&mut big[part.clone()])?;
+        assert_eq!(&big[part], &whole(n, count, 1)[..], "in place, {count}");
+        assert_eq!((big[0], big[n * count + 1]), (-1, -1), "nothing outside");
+        assert_eq!(landed(c) - before, 2 * bytes, "and into the part");
+        // The same output again: the peers' mappings are reused.
+        c.all_gather_into(&block(me, count, 2), &mut out)?;
+        assert_eq!(&out[..], &whole(n, count, 2)[..], "again, {count}");
+    }
+    Ok(())
+}
+
+/// Outputs dropped and registered again (the same descriptor comes back with a new id) more
+/// often than peers keep mappings: every pass lands in the new buffer.
+fn outputs_come_and_go(c: &Communicator) -> Result<()> {
+    let (n, me) = (c.size(), c.rank());
+    let count = 4099;
+    for pass in 0..7 {
+        let mut out = Registered::new(vec![-1i32; n * count])?;
+        c.all_gather_into(&block(me, count, pass), &mut out)?;
+        assert_eq!(&out[..], &whole(n, count, pass)[..], "pass {pass}");
+    }
+    Ok(())
+}
+
+/// A registered output moved into the async call lands there too, and comes back.
+fn async_output(c: &Communicator) -> Result<()> {
+    let (n, me) = (c.size(), c.rank());
+    let count = 30_000;
+    let before = landed(c);
+    let out = Registered::<i32>::zeroed(n * count)?;
+    let (_, out) = c.all_gather_into_async(block(me, count, 6), out).wait()?;
+    assert_eq!(&out[..], &whole(n, count, 6)[..]);
+    assert_eq!(landed(c) - before, ((n - 1) * count * 4) as u64);
+    Ok(())
+}
+
+/// One rank's output is private memory: every rank sees it and runs the ring.
+fn one_private_output(c: &Communicator) -> Result<()> {
+    let (n, me) = (c.size(), c.rank());
+    let count = 70_001;
+    let before = landed(c);
+    let mine = block(me, count, 3);
+    if me == n - 1 {
+        let mut out = vec![-1i32; n * count];
+        c.all_gather_into(&mine, &mut out)?;
+        assert_eq!(out, whole(n, count, 3), "private output");
+    } else {
+        let mut out = Registered::new(vec![-1i32; n * count])?;
+        c.all_gather_into(&mine, &mut out)?;
+        assert_eq!(&out[..], &whole(n, count, 3)[..], "registered output");
+    }
+    assert_eq!(landed(c), before, "the ring ran: nothing written by peers");
+    Ok(())
+}
+
+fn mapped(n: usize) {
+    let cfg = config("all-gather=mapped", TransportChoice::Shm);
+    for r in spawn_world(n, cfg, |c| {
+        registered_outputs(&c)?;
+        outputs_come_and_go(&c)?;
+        async_output(&c)?;
+        one_private_output(&c)
+    }) {
+        r.unwrap();
+    }
+}
+
+#[test]
+fn mapped_all_gather_2() {
+    mapped(2);
+}
+
+#[test]
+fn mapped_all_gather_3() {
+    mapped(3);
+}
+
+#[test]
+fn mapped_all_gather_5() {
+    mapped(5);
+}
+
+/// The tuner picks the mapped all-gather from `MAPPED_MIN` on, without an override; with
+/// `OXCCL_SHM_MAPPED=0` nobody maps anything and the ring runs.
+#[test]
+fn the_tuner_maps_large_registered_outputs_unless_turned_off() {
+    for on in [true, false] {
+        let mut cfg = config("", TransportChoice::Shm);
+        cfg.shm_mapped = on;
+        for r in spawn_world(2, cfg, move |c| {
+            let me = c.rank();
+            let before = landed(&c);
+            let big = oxccl_comm::internal::tuning::MAPPED_MIN / 8;
+            let mut out = Registered::new(vec![0i32; 2 * big])?;
+            c.all_gather_into(&block(me, big, 4), &mut out)?;
+            assert_eq!(&out[..], &whole(2, big, 4)[..]);
+            let want = if on { (big * 4) as u64 } else { 0 };
+            assert_eq!(landed(&c) - before, want, "mapped: {on}");
+            let small = 100;
+            let mut out = Registered::new(vec![0i32; 2 * small])?;
+            c.all_gather_into(&block(me, small, 5), &mut out)?;
+            assert_eq!(&out[..], &whole(2, small, 5)[..]);
+            assert_eq!(landed(&c) - before, want, "small outputs take the ring");
+            Ok(())
+        }) {
+            r.unwrap();
+        }
+    }
+}
+
+/// A rank that runs the ring (its count is below the threshold) against one that maps is a
+/// mismatch on both, not a hang; a rank that left is a lost peer to the others.
+#[test]
+fn mismatched_or_missing_ranks_fail_the_mapped_all_gather_cleanly() {
+    let t0 = std::time::Instant::now();
+    let mut cfg = config("", TransportChoice::Shm);
+    cfg.timeout = std::time::Duration::from_secs(30);
+    let res = spawn_world(2, cfg.clone(), |c| {
+        let count = if c.rank() == 0 { 1 << 16 } else { 10 };
+        let mut out = Registered::<i32>::zeroed(2 * count)?;
+        Ok(c.all_gather_into(&block(c.rank(), count, 7), &mut out))
+    });
+    for (rank, r) in res.into_iter().enumerate() {
+        let e = r.unwrap().expect_err("mismatched all-gathers must fail");
+        assert!(
+            matches!(e, oxccl_comm::Error::Mismatch { .. }),
+            "rank {rank}: {e}"
+        );
+    }
+    let res = spawn_world(3, cfg, |c| {
+        if c.rank() == 2 {
+            return Ok(None); // drops its communicator
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        let count = 1 << 16;
+        let mut out = Registered::<i32>::zeroed(3 * count)?;
+        Ok(Some(
+            c.all_gather_into(&block(c.rank(), count, 8), &mut out),
+        ))
+    });
+    for r in res.into_iter().take(2) {
+        let e = r.unwrap().unwrap().expect_err("rank 2 is gone");
+        assert_eq!(e.lost_peer(), Some(2), "{e}");
+    }
+    assert!(
+        t0.elapsed() < std::time::Duration::from_secs(25),
+        "noticed, not timed out"
+    );
+}
