@@ -92,6 +92,17 @@ fn one_private_output(c: &Communicator) -> Result<()> {
         assert_eq!(&out[..], &whole(n, count, 3)[..], "registered output");
     }
     assert_eq!(landed(c), before, "the ring ran: nothing written by peers");
+    // Many in a row, each rank arriving at its own time: a rank still waiting for the epoch's
+    // first step when a peer has already gone on to the ring's first slot must not take the
+    // peer for a rank on the other path.
+    for pass in 0..300 {
+        if (pass + me) % 7 == 0 {
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
+        let mut out = vec![-1i32; n * 64];
+        c.all_gather_into(&block(me, 64, pass), &mut out)?;
+        assert_eq!(out, whole(n, 64, pass), "pass {pass}");
+    }
     Ok(())
 }
 

@@ -114,6 +114,9 @@ impl Ctx<'_> {
                     None => None,
                 }
                 .filter(|t| t.seq == tag.seq && is_coll(t))
+                // A peer that published this operation in the window too has left it for the
+                // slots, as this rank will (the mapped all-gather's fallback), not the reverse.
+                .filter(|_| !(0..2).any(|h| w.peer_tag(p, h).is_some_and(|t| t.seq == tag.seq)))
                 .map(|t| (t, "runs a slot-based algorithm"))
             } else {
                 (0..2)
