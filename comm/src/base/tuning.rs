@@ -350,10 +350,18 @@ pub const STREAM_MIN: usize = 4 << 20;
 /// other's registered buffers, [`Caps::mapped`]). Where every output is registered it is 3-4x
 /// faster than the ring from 32 KiB on (2 ranks, `oxccl perf all-gather -R 1 --rotate 0`, three
 /// interleaved runs: 32 KiB 1.1-1.3 us against 3.9-4.2, 64 KiB 2.0-2.4 against 7.3-7.9, 4 MiB
-/// 121-126 against 359-393); where one is not, the epoch it opens to learn so is paid on top of
-/// the ring's time, a few tenths of a microsecond, which from here on is within the noise of the
-/// ring's own (docs/PERF.md).
+/// 121-126 against 359-393). Where one is not, the epoch it opens to learn so is paid on top of
+/// the ring's time: about 1.2 us at 64 KiB (0.82x the ring's busbw, 5 interleaved rounds), within
+/// the noise from [`MAPPED_SURE`] on; below that, a try that fell back makes the next
+/// [`MAPPED_RETRY`] such all-gathers skip it.
 pub const MAPPED_MIN: usize = 64 << 10;
+/// All-gathers of this many output bytes or more try the mapped path every time: the try costs
+/// less than the noise of the ring's time (256 KiB: 1.01x and 1.06x the ring's busbw out of
+/// place and in place with private outputs; 1 MiB 1.02x and 1.00x; 64 MiB 1.04x and 1.10x).
+pub const MAPPED_SURE: usize = 256 << 10;
+/// All-gathers between [`MAPPED_MIN`] and [`MAPPED_SURE`] that skip the mapped path after a try
+/// found an output that was not registered (the same on every rank); then one tries again.
+pub const MAPPED_RETRY: u32 = 64;
 
 /// Ring and hierarchical block per rank, where every rank reaches every other through shared
 /// memory.

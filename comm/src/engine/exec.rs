@@ -111,7 +111,7 @@ pub(crate) fn exec<R>(
     let caps = tuning::Caps {
         staging: window.map_or(0, |w| w.capacity()),
         single_copy: window.is_some_and(|w| w.single_copy()),
-        mapped: window.is_some_and(|w| w.can_map()),
+        mapped: window.is_some_and(|w| w.can_map()) && try_mapped(&mut st.mapped_skip, desc, full),
         nodes: shared.layout.as_ref().is_some_and(NodeLayout::balanced),
         even_nodes: shared.layout.as_ref().is_some_and(|l| l.even),
         sockets: shared.sockets,
@@ -152,8 +152,29 @@ pub(crate) fn exec<R>(
         ctx.trace = Some(&shared.trace);
         let r = body(&mut ctx, choice)?;
         ctx.flush()?;
+        if choice.algo == Algorithm::Mapped && full < tuning::MAPPED_SURE {
+            // Every rank saw the same records: all skip the same calls.
+            st.mapped_skip = if ctx.left_window() {
+                tuning::MAPPED_RETRY
+            } else {
+                0
+            };
+        }
         Ok(r)
     })
+}
+
+/// Whether an all-gather of `full` output bytes may try the mapped path: always from
+/// [`tuning::MAPPED_SURE`] on; below, not while `skip` calls remain after a try that fell back
+/// (each call the tuner would have tried counts one down).
+fn try_mapped(skip: &mut u32, desc: OpDesc, full: usize) -> bool {
+    if desc.coll != Collective::AllGather || full >= tuning::MAPPED_SURE || *skip == 0 {
+        return true;
+    }
+    if full >= tuning::MAPPED_MIN {
+        *skip -= 1;
+    }
+    false
 }
 
 /// The first step of a pre-multiplied sum ([`ReduceOp::PreMulSum`]): this rank's input (`src`,

@@ -134,7 +134,8 @@ fn mapped_all_gather_5() {
 }
 
 /// The tuner picks the mapped all-gather from `MAPPED_MIN` on, without an override; with
-/// `OXCCL_SHM_MAPPED=0` nobody maps anything and the ring runs.
+/// `OXCCL_SHM_MAPPED=0` nobody maps anything and the ring runs, even when the override forces
+/// `mapped`.
 #[test]
 fn the_tuner_maps_large_registered_outputs_unless_turned_off() {
     for on in [true, false] {
@@ -154,6 +155,19 @@ fn the_tuner_maps_large_registered_outputs_unless_turned_off() {
             c.all_gather_into(&block(me, small, 5), &mut out)?;
             assert_eq!(&out[..], &whole(2, small, 5)[..]);
             assert_eq!(landed(&c) - before, want, "small outputs take the ring");
+            Ok(())
+        }) {
+            r.unwrap();
+        }
+        let mut forced = config("all-gather=mapped", TransportChoice::Shm);
+        forced.shm_mapped = on;
+        for r in spawn_world(2, forced, move |c| {
+            let before = landed(&c);
+            let mut out = Registered::new(vec![0i32; 2 * 1000])?;
+            c.all_gather_into(&block(c.rank(), 1000, 9), &mut out)?;
+            assert_eq!(&out[..], &whole(2, 1000, 9)[..]);
+            let want = if on { 4000 } else { 0 };
+            assert_eq!(landed(&c) - before, want, "forced, mapped: {on}");
             Ok(())
         }) {
             r.unwrap();
@@ -199,4 +213,51 @@ fn mismatched_or_missing_ranks_fail_the_mapped_all_gather_cleanly() {
         t0.elapsed() < std::time::Duration::from_secs(25),
         "noticed, not timed out"
     );
+}
+
+/// Below `MAPPED_SURE`, a try that found a private output makes the next `MAPPED_RETRY` such
+/// all-gathers run the ring at once (every rank alike), then one tries again; larger ones try
+/// every time.
+#[test]
+fn small_all_gathers_skip_the_mapped_try_for_a_while_after_one_fell_back() {
+    use oxccl_comm::internal::tuning::{MAPPED_MIN, MAPPED_RETRY, MAPPED_SURE};
+    for r in spawn_world(2, config("", TransportChoice::Shm), |c| {
+        let me = c.rank();
+        let count = MAPPED_MIN / 8; // 2 ranks of i32: MAPPED_MIN bytes of output
+        let mut reg = Registered::<i32>::zeroed(2 * count)?;
+        let mut private = vec![0i32; 2 * count];
+        let gather = |out: &mut [i32], pass: usize| -> Result<()> {
+            c.all_gather_into(&block(me, count, pass), out)?;
+            assert_eq!(out, &whole(2, count, pass)[..], "pass {pass}");
+            Ok(())
+        };
+        let before = landed(&c);
+        gather(&mut reg, 0)?;
+        assert!(landed(&c) > before, "registered everywhere: mapped");
+        let before = landed(&c);
+        if me == 1 {
+            gather(&mut private, 1)?; // the try falls back
+        } else {
+            gather(&mut reg, 1)?;
+        }
+        let big = MAPPED_SURE / 8;
+        let mut large = Registered::<i32>::zeroed(2 * big)?;
+        c.all_gather_into(&block(me, big, 2), &mut large)?;
+        assert_eq!(&large[..], &whole(2, big, 2)[..]);
+        assert_eq!(
+            landed(&c) - before,
+            (big * 4) as u64,
+            "large ones still try"
+        );
+        let before = landed(&c);
+        for pass in 0..MAPPED_RETRY as usize {
+            gather(&mut reg, 3 + pass)?;
+        }
+        assert_eq!(landed(&c), before, "skipped without a try");
+        gather(&mut reg, 100)?;
+        assert_eq!(landed(&c) - before, (count * 4) as u64, "then tried again");
+        Ok(())
+    }) {
+        r.unwrap();
+    }
 }

@@ -371,6 +371,11 @@ impl<'a> Ctx<'a> {
         self.left_window = true;
     }
 
+    /// Whether this operation left the window for the slots ([`Ctx::leave_window`]).
+    pub(crate) fn left_window(&self) -> bool {
+        self.left_window
+    }
+
     /// Counts `bytes` that peers wrote straight into this rank's registered buffers
     /// ([`crate::Stats::registered_recv_bytes`]).
     pub(crate) fn count_landed(&self, bytes: usize) {
