@@ -289,23 +289,17 @@ fn json_and_plot_are_written() {
     let _ = std::fs::remove_dir_all(json.parent().unwrap());
 }
 
+/// `oxccl perf ARGS` as 2 ranks under `oxccl launch`.
+fn launch_perf(args: &[&str]) -> (Output, String, String) {
+    let exe = env!("CARGO_BIN_EXE_oxccl");
+    let mut all = vec!["launch", "-n", "2", "--no-prefix", "--", exe, "perf"];
+    all.extend_from_slice(args);
+    run(&all)
+}
+
 #[test]
 fn runs_as_ranks_under_oxccl_launch() {
-    let exe = env!("CARGO_BIN_EXE_oxccl");
-    let (out, stdout, stderr) = run(&[
-        "launch",
-        "-n",
-        "2",
-        "--no-prefix",
-        "--",
-        exe,
-        "perf",
-        "broadcast",
-        "-b",
-        "8",
-        "-e",
-        "1K",
-    ]);
+    let (out, stdout, stderr) = launch_perf(&["broadcast", "-b", "8", "-e", "1K"]);
     let rows = assert_all_correct("launch", &out, &stdout, &stderr);
     assert_eq!(rows.len(), 8, "{stdout}");
     // Only rank 0 prints: one header.
@@ -321,36 +315,13 @@ fn runs_as_ranks_under_oxccl_launch() {
     );
 }
 
-/// Registered outputs in processes started by `oxccl launch`: the mapped all-gather writes
-/// into the other process's output (rank 0 reports the bytes that landed) and every result
-/// checks; below the tuner's threshold the ring runs and all still checks.
+/// Registered outputs in processes started by `oxccl launch`, from the tuner's threshold (64
+/// KiB of output) up: the mapped all-gather writes into the other process's output (rank 0
+/// reports the bytes that landed) and every result checks.
 #[test]
 fn registered_all_gathers_write_across_processes() {
-    let exe = env!("CARGO_BIN_EXE_oxccl");
-    let (out, stdout, stderr) = run(&[
-        "launch",
-        "-n",
-        "2",
-        "--no-prefix",
-        "--",
-        exe,
-        "perf",
-        "all-gather",
-        "-R",
-        "1",
-        "-b",
-        "64K",
-        "-e",
-        "4M",
-        "-f",
-        "4",
-        "-n",
-        "3",
-        "-w",
-        "1",
-        "-d",
-        "int8,float64",
-    ]);
+    let args = "all-gather -R 1 -b 64K -e 4M -f 4 -n 3 -w 1 -d int8,float64";
+    let (out, stdout, stderr) = launch_perf(&args.split(' ').collect::<Vec<_>>());
     let rows = assert_all_correct("registered", &out, &stdout, &stderr);
     assert_eq!(rows.len(), 8, "{stdout}");
     let landed: u64 = stdout
