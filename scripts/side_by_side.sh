@@ -12,8 +12,9 @@
 # FLOOR=target/release/examples/copy_floor), run for 2 ranks at 64 MiB after OpenMPI's broadcast
 # in every round: the all-gather's and broadcast's data movement with nothing else, the best any
 # implementation could reach in that round (median time and busbw, out of place and in place).
-# REGISTER=1: after each all-gather row, the same with registered buffers (-R 1: the mapped
-# all-gather), as `all-gather-registered`, read against the same OpenMPI and floor rows.
+# REGISTER=1: after each all-gather row and each all-reduce row above 8 B, the same with
+# registered buffers (-R 1: the mapped algorithms), as `all-gather-registered` and
+# `all-reduce-registered`, read against the same OpenMPI (and floor) rows.
 # SIZES, NP2, NP4: the all-reduce sizes and the 64 MiB collectives at 2 and 4 ranks (defaults: all
 # of docs/PERF.md's; empty runs none).
 # SMALL=1: only the 8 B rows (blocking, async and OpenMPI, 2 and 4 ranks), for more rounds of the
@@ -45,6 +46,10 @@ for round in $(seq 1 "${ROUNDS:-3}"); do
   for s in $sizes; do
     # shellcheck disable=SC2046
     echo "R$round np2 all-reduce $s ox $(OX_ROW all-reduce --np 2 -b $s -e $s -z 1 -a 3 $(ITERS $s))"
+    if [ -n "${REGISTER:-}" ] && [ "$s" != 8 ]; then
+      # shellcheck disable=SC2046
+      echo "R$round np2 all-reduce-registered $s ox $(OX_ROW all-reduce --np 2 -b $s -e $s -z 1 -a 3 -R 1 $(ITERS $s))"
+    fi
     if [ "$s" = 8 ]; then
       # The async form (-z 0: each call waited at once), right after the blocking one it is
       # read against.
@@ -70,7 +75,7 @@ for round in $(seq 1 "${ROUNDS:-3}"); do
   echo "R$round np4 all-reduce 8 mpi $($MPI -np 4 $B -b 8 -e 8 -c all_reduce | grep -v '^#' | awk 'NF>5{print $6, $8}')"
   for c in $np4; do
     echo "R$round np4 $c 64M ox $(OX_ROW $c --np 4 -b 64M -e 64M -z 1 -a 3)"
-    if [ -n "${REGISTER:-}" ] && [ "$c" = all-gather ]; then
+    if [ -n "${REGISTER:-}" ] && { [ "$c" = all-gather ] || [ "$c" = all-reduce ]; }; then
       echo "R$round np4 $c-registered 64M ox $(OX_ROW $c --np 4 -b 64M -e 64M -z 1 -a 3 -R 1)"
     fi
     echo "R$round np4 $c 64M mpi $($MPI -np 4 $B -b 64M -e 64M -c ${c/-/_} | grep -v '^#' | awk 'NF>5{print $6, $8}')"

@@ -11,6 +11,8 @@
 //! | `pairwise.rs` | all-to-all by pairwise exchange |
 //! | `dissemination.rs` | barrier |
 //! | `direct.rs` | one-shot, two-shot and single-copy all-reduce over the shared-memory window |
+//! | `single_copy.rs` | single-copy broadcast and all-gather (`process_vm_readv`) |
+//! | `mapped.rs` | all-gather and all-reduce reading and writing peers' registered buffers |
 //! | `hierarchical.rs` | all-reduce, reduce-scatter and all-gather by rings inside and across nodes |
 //!
 //! All of them work on byte buffers in place; the ring and hierarchical (all-reduce,
@@ -26,6 +28,7 @@ pub(crate) mod dissemination;
 pub(crate) mod halving_doubling;
 pub(crate) mod hierarchical;
 pub(crate) mod linear;
+pub(crate) mod mapped;
 pub(crate) mod pairwise;
 pub(crate) mod prims;
 pub(crate) mod ring;

@@ -1,8 +1,7 @@
 //! Single-copy broadcast and all-gather for ranks that share memory and may read each other's
 //! (`process_vm_readv`, the same condition as the single-copy all-reduce in
-//! [`direct`](super::direct)), and the mapped all-gather for ranks whose outputs are registered
-//! shared-memory buffers: no slots, no staging. Every byte crosses once, from the buffer that
-//! holds it straight into the buffer that needs it, instead of into a slot and out again.
+//! [`direct`](super::direct)): no slots, no staging. Every byte crosses once, from the buffer
+//! that holds it straight into the buffer that needs it, instead of into a slot and out again.
 //!
 //! Both run one epoch of the communicator's [`Window`](crate::transport::Window): every rank
 //! publishes the addresses of its input and output with step `4e + 1` and waits for every
@@ -11,25 +10,11 @@
 //! all-gather's ranks read every peer's input into that peer's block of their output, and copy
 //! their own), publishes `4e + 2` and waits for every peer's, so that no rank returns (and lets
 //! its caller reuse a buffer) while another still reads it.
-//!
-//! The mapped all-gather ([`all_gather_mapped`]) publishes, with step `4e + 1`, its output as a
-//! [`SharedBuf`] when it is a shared-memory [`crate::Registered`] buffer. When every rank did,
-//! each maps every peer's output ([`Window::peer_shared`], kept from one call to the next) and
-//! copies its own block, piece by piece, into every output at once: each piece is read from
-//! its input once and written to each destination while in cache, which is all the memory
-//! traffic an all-gather has to make. It then publishes `4e + 2` and waits for every peer's:
-//! every output is whole. When some rank's output is not registered, every rank sees so in the
-//! same records and runs the ring instead.
 
-use crate::algorithm::blocks;
 use crate::algorithm::prims::{copy, Ctx};
 use crate::base::error::{Error, Result};
 use crate::base::tuning::STREAM_MIN;
-use crate::transport::registry::Registry;
-use crate::transport::{SharedBuf, Window};
-
-/// Bytes of its input the mapped all-gather copies into every output before the next piece.
-const PIECE: usize = 256 << 10;
+use crate::transport::Window;
 
 /// Fails unless every rank can read every other.
 fn require(w: &dyn Window, ctx_rank: usize, op: &str) -> Result<()> {
@@ -43,17 +28,6 @@ fn require(w: &dyn Window, ctx_rank: usize, op: &str) -> Result<()> {
               or OXCCL_SHM_SINGLE_COPY=0)"
             .into(),
     })
-}
-
-/// `peer` published a registered output, then none.
-#[cold]
-fn no_buffer(rank: usize, op: &str, peer: usize) -> Error {
-    Error::Transport {
-        rank,
-        peer,
-        transport: "shm",
-        msg: format!("{op}: the peer's registered output vanished from its window record"),
-    }
 }
 
 /// Starts an epoch: publishes `[input, output]` with step `4e + 1` and waits until every peer
@@ -126,81 +100,4 @@ pub(crate) fn all_gather(ctx: &mut Ctx<'_>, buf: &mut [u8], own: Option<&[u8]>) 
         w.read_peer(p, theirs, &mut buf[p * block..(p + 1) * block])?;
     }
     close(ctx, epoch, region)
-}
-
-/// All-gather into `buf` (as [`all_gather`]) writing this rank's block straight into every
-/// peer's output, where every rank's `buf` is a shared-memory registered buffer. Returns
-/// `false`, with nothing written, when one is not (every rank returns the same): the caller
-/// runs another algorithm.
-pub(crate) fn all_gather_mapped(
-    ctx: &mut Ctx<'_>,
-    buf: &mut [u8],
-    own: Option<&[u8]>,
-) -> Result<bool> {
-    let (n, me, tag, op) = (ctx.size, ctx.rank, ctx.tag, ctx.op);
-    let block = buf.len() / n;
-    if block == 0 {
-        return Ok(true);
-    }
-    let addr = buf.as_ptr() as usize;
-    let mine = Registry::global().find(addr, buf.len()).and_then(|e| {
-        Some(SharedBuf {
-            fd: e.fd?,
-            id: e.id,
-            offset: addr - e.start,
-        })
-    });
-    let (w, _) = ctx.window()?;
-    // Where ranks cannot map each other's buffers (the same on every rank), nobody offers one.
-    let mine = mine.filter(|_| w.can_map());
-    let e = w.next_epoch();
-    let h = (e % 2) as usize;
-    w.publish_shared(4 * e + 1, tag, h, mine);
-    ctx.wait_step(4 * e + 1, Some(h))?;
-    let (w, _) = ctx.window()?;
-    if mine.is_none() || (0..n).any(|p| p != me && !w.peer_has_shared(p, h)) {
-        tracing::debug!(
-            rank = me,
-            "all-gather: an output is not registered, the ring runs"
-        );
-        ctx.leave_window();
-        return Ok(false);
-    }
-    let mut outs = vec![std::ptr::null_mut::<u8>(); n];
-    for (p, out) in outs.iter_mut().enumerate() {
-        if p != me {
-            // Published, checked above: a peer maps only when every rank published.
-            *out = w
-                .peer_shared(p, h, buf.len())?
-                .ok_or_else(|| no_buffer(me, op, p))?;
-        }
-    }
-    let stream = block >= STREAM_MIN;
-    for (start, len) in blocks(block, PIECE) {
-        let at = me * block + start;
-        if let Some(o) = own {
-            copy(stream, &mut buf[at..at + len], &o[start..start + len]);
-        }
-        let piece: &[u8] = match own {
-            Some(o) => &o[start..start + len],
-            None => &buf[at..at + len],
-        };
-        for k in 1..n {
-            // Each rank starts with its next peer, so that no output is written by everyone
-            // at once.
-            let p = (me + k) % n;
-            // SAFETY: `outs[p]` points at `buf.len()` bytes of `p`'s output, mapped here
-            // (`peer_shared` checked the length); `at..at + len` lies in `p`'s block `me`,
-            // which only this rank writes during the epoch, and which `p` neither reads nor
-            // writes until it has seen step `4e + 2` from this rank.
-            let dst = unsafe { std::slice::from_raw_parts_mut(outs[p].add(at), len) };
-            copy(stream, dst, piece);
-        }
-    }
-    // The same record again (a slow peer may still be reading it), with the closing step.
-    let (w, _) = ctx.window()?;
-    w.publish_shared(4 * e + 2, tag, h, mine);
-    ctx.wait_step(4 * e + 2, None)?;
-    ctx.count_landed(buf.len() - block);
-    Ok(true)
 }

@@ -14,7 +14,9 @@ use crate::transport::registry::{Entry, Registry};
 /// - **Shared memory.** Its memory is an anonymous shared file (`memfd_create`) that the other
 ///   processes of the node map, so ranks write straight into each other's registered buffers:
 ///   an all-gather whose every rank's output is registered copies each block once, from its
-///   input into every output (the `mapped` algorithm), instead of into a slot and out again.
+///   input into every output (the `mapped` algorithm), instead of into a slot and out again; an
+///   all-reduce whose every rank's buffer is registered reduces each piece straight from every
+///   buffer and writes it into each.
 ///   Where the file cannot be made, the memory is private and the slots carry everything.
 /// - **RDMA.** Large messages leave by RDMA write from the buffer itself instead of being
 ///   copied into the connection's registered slots first, and a large message copied into it as

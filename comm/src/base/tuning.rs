@@ -93,9 +93,10 @@ pub enum Algorithm {
     TwoShot,
     /// Two-shot all-reduce reading peers' buffers with `process_vm_readv` (no staging).
     SingleCopy,
-    /// All-gather writing each rank's block straight into every peer's output, mapped where
-    /// every rank's output is a shared-memory [`crate::Registered`] buffer; the ring where
-    /// one is not.
+    /// All-gather writing each rank's block straight into every peer's output, and all-reduce
+    /// reducing each rank's piece of every peer's buffer and writing it back into every one,
+    /// mapped where every rank's buffer is a shared-memory [`crate::Registered`] buffer; the
+    /// tuner's other choice where one is not.
     Mapped,
 }
 
@@ -211,6 +212,7 @@ pub fn algorithms_for(coll: Collective) -> &'static [Algorithm] {
             Algorithm::OneShot,
             Algorithm::TwoShot,
             Algorithm::SingleCopy,
+            Algorithm::Mapped,
         ],
         Collective::ReduceScatter => &[Algorithm::Ring, Algorithm::Hierarchical],
         Collective::AllGather => &[
@@ -238,6 +240,9 @@ pub struct Choice {
     pub algo: Algorithm,
     /// Pipelining unit in bytes (ring block per rank, tree piece).
     pub chunk_bytes: usize,
+    /// What runs where `algo` declines: for [`Algorithm::Mapped`], which runs only where every
+    /// rank's buffer is registered, what the tuner picks without it; otherwise `algo` itself.
+    pub fallback: Algorithm,
 }
 
 /// `OXCCL_ALGO`: either one algorithm for every collective that has it (`ring`), or a list of
@@ -359,6 +364,9 @@ pub const MAPPED_MIN: usize = 64 << 10;
 /// less than the noise of the ring's time (256 KiB: 1.01x and 1.06x the ring's busbw out of
 /// place and in place with private outputs; 1 MiB 1.02x and 1.00x; 64 MiB 1.04x and 1.10x).
 pub const MAPPED_SURE: usize = 256 << 10;
+/// The `mapped` all-reduce (in place, or out of place through a copy into the output) from this
+/// many bytes on, where every rank can map every other's registered buffers.
+pub const MAPPED_AR_MIN: usize = 256 << 10;
 /// All-gathers between [`MAPPED_MIN`] and [`MAPPED_SURE`] that skip the mapped path after a try
 /// found an output that was not registered (the same on every rank); then one tries again.
 pub const MAPPED_RETRY: u32 = 64;
@@ -497,6 +505,32 @@ pub const PAIR_CHAIN_MIN: usize = 4 << 20;
 
 /// Picks the algorithm and chunk size for `coll` on `bytes` over `n` ranks.
 pub fn choose(coll: Collective, bytes: usize, n: usize, over: &AlgoOverride, caps: Caps) -> Choice {
+    let forced = over.get(coll);
+    let plain = |over: &AlgoOverride| choose_plain(coll, bytes, n, over, caps);
+    let min = match coll {
+        Collective::AllGather => MAPPED_MIN,
+        Collective::AllReduce => MAPPED_AR_MIN,
+        _ => usize::MAX,
+    };
+    let tuned = forced.is_none() && caps.mapped && n > 1 && bytes >= min;
+    if forced == Some(Algorithm::Mapped) || tuned {
+        let under = plain(&AlgoOverride::default());
+        return Choice {
+            algo: Algorithm::Mapped,
+            ..under
+        };
+    }
+    plain(over)
+}
+
+/// [`choose`] without the mapped algorithms.
+fn choose_plain(
+    coll: Collective,
+    bytes: usize,
+    n: usize,
+    over: &AlgoOverride,
+    caps: Caps,
+) -> Choice {
     let hierarchical = caps.nodes
         && bytes >= HIERARCHICAL_MIN
         && match coll {
@@ -506,9 +540,6 @@ pub fn choose(coll: Collective, bytes: usize, n: usize, over: &AlgoOverride, cap
         };
     let direct = match coll {
         Collective::AllReduce if n > 1 => direct_all_reduce(bytes, n, caps),
-        Collective::AllGather if n > 1 && caps.mapped && bytes >= MAPPED_MIN => {
-            Some(Algorithm::Mapped)
-        }
         _ => None,
     }
     .or(hierarchical.then_some(Algorithm::Hierarchical))
@@ -540,7 +571,11 @@ pub fn choose(coll: Collective, bytes: usize, n: usize, over: &AlgoOverride, cap
         _ if caps.sockets => CHUNK_BYTES_TCP,
         _ => CHUNK_BYTES,
     };
-    Choice { algo, chunk_bytes }
+    Choice {
+        algo,
+        chunk_bytes,
+        fallback: algo,
+    }
 }
 
 #[cfg(test)]

@@ -11,7 +11,9 @@ use oxccl_kernels::check_factor;
 
 use super::{ExecState, Scratch, Shared, Work};
 use crate::algorithm::prims::{copy, Ctx, NodeLayout, Whole};
-use crate::algorithm::{chain, direct, halving_doubling, hierarchical, ring, single_copy, tree};
+use crate::algorithm::{
+    chain, direct, halving_doubling, hierarchical, mapped, ring, single_copy, tree,
+};
 use crate::base::error::{Error, Result};
 use crate::base::op::{Collective, OpDesc};
 use crate::base::trace::What;
@@ -152,7 +154,10 @@ pub(crate) fn exec<R>(
         ctx.trace = Some(&shared.trace);
         let r = body(&mut ctx, choice)?;
         ctx.flush()?;
-        if choice.algo == Algorithm::Mapped && full < tuning::MAPPED_SURE {
+        if choice.algo == Algorithm::Mapped
+            && desc.coll == Collective::AllGather
+            && full < tuning::MAPPED_SURE
+        {
             // Every rank saw the same records: all skip the same calls.
             st.mapped_skip = if ctx.left_window() {
                 tuning::MAPPED_RETRY
@@ -299,6 +304,16 @@ fn all_reduce_one(
             Algorithm::OneShot => direct::one_shot(ctx, src, buf, dt, op)?,
             Algorithm::TwoShot => direct::two_shot(ctx, src, buf, dt, op)?,
             Algorithm::SingleCopy => direct::single_copy(ctx, src, buf, dt, op)?,
+            Algorithm::Mapped => {
+                if !mapped::all_reduce(ctx, src, buf, dt, op)? {
+                    // The tuner's other choice, whole: it finishes `Avg` itself.
+                    let other = Choice {
+                        algo: ch.fallback,
+                        ..ch
+                    };
+                    return all_reduce_one(ctx, other, src, buf, dt, op);
+                }
+            }
             a => return Err(no_algo(ctx, a)),
         }
     } else if let Some(s) = src {
@@ -363,11 +378,14 @@ pub(crate) fn all_gather_body(
         Algorithm::Hierarchical => hierarchical::all_gather(ctx, buf, es, ch.chunk_bytes, own),
         Algorithm::SingleCopy => single_copy::all_gather(ctx, buf, own),
         Algorithm::Mapped => {
-            if single_copy::all_gather_mapped(ctx, buf, own)? {
-                Ok(())
-            } else {
-                ring::all_gather(ctx, buf, es, ch.chunk_bytes, own)
+            if mapped::all_gather(ctx, buf, own)? || ch.fallback == Algorithm::Mapped {
+                return Ok(());
             }
+            let other = Choice {
+                algo: ch.fallback,
+                ..ch
+            };
+            all_gather_body(ctx, other, buf, es, own)
         }
         a => Err(no_algo(ctx, a)),
     }

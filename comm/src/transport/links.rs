@@ -24,7 +24,7 @@ pub(crate) struct Links {
     /// connection that can (RDMA); the communicator's [`crate::Stats::registered_bytes`].
     pub direct_bytes: Arc<AtomicU64>,
     /// Bytes peers wrote straight into this rank's registered buffers so far (RDMA's
-    /// rendezvous, the mapped all-gather); the communicator's [`crate::Stats::registered_recv_bytes`].
+    /// rendezvous, the mapped algorithms); the communicator's [`crate::Stats::registered_recv_bytes`].
     pub landed_bytes: Arc<AtomicU64>,
     /// This rank is counted as a sleeper on `bell` (see [`Links::announce`]).
     announced: bool,

@@ -261,3 +261,123 @@ fn small_all_gathers_skip_the_mapped_try_for_a_while_after_one_fell_back() {
         r.unwrap();
     }
 }
+
+/// Rank `r`'s element `i` of all-reduce pass `pass` (small integers: every dtype and order of
+/// summation gives the exact result).
+fn val<T: oxccl_comm::Element>(r: usize, i: usize, pass: usize) -> T {
+    T::from_f64(((r * 7 + i * 3 + pass) % 13) as f64 + 1.0)
+}
+
+/// Bytes of piece `me` of `count` elements over `n` ranks (the mapped all-reduce's own piece,
+/// which no peer writes into this rank's buffer).
+fn own_piece(count: usize, n: usize, me: usize, es: usize) -> usize {
+    (count / n + usize::from(me < count % n)) * es
+}
+
+/// One all-reduce in place into a registered buffer and one out of place into a registered
+/// output, checked element by element and by what peers wrote (when `mapped`).
+fn all_reduce_case<T: oxccl_comm::Element>(
+    c: &Communicator,
+    count: usize,
+    op: oxccl_comm::ReduceOp,
+    pass: usize,
+    mapped: bool,
+) -> Result<()> {
+    let (n, me, es) = (c.size(), c.rank(), std::mem::size_of::<T>());
+    let want: Vec<T> = (0..count)
+        .map(|i| {
+            let vals: Vec<T> = (0..n).map(|r| val(r, i, pass)).collect();
+            oxccl_kernels::reference_reduce(&vals, op)
+        })
+        .collect();
+    let mine: Vec<T> = (0..count).map(|i| val(me, i, pass)).collect();
+    let before = landed(c);
+    let mut buf = Registered::new(mine.clone())?;
+    c.all_reduce(&mut buf, op)?;
+    assert_eq!(&buf[..], &want[..], "in place, {count} x {op:?}");
+    let mut out = Registered::<T>::zeroed(count)?;
+    c.all_reduce_into(&mine, &mut out, op)?;
+    assert_eq!(&out[..], &want[..], "out of place, {count} x {op:?}");
+    let wrote = if mapped && count > 0 {
+        2 * (count * es - own_piece(count, n, me, es)) as u64
+    } else {
+        0
+    };
+    assert_eq!(
+        landed(c) - before,
+        wrote,
+        "{count} x {op:?}: mapped {mapped}"
+    );
+    Ok(())
+}
+
+/// The mapped all-reduce, forced at every size: dtypes and operations (average and
+/// pre-multiplied sum included), uneven and empty counts; one rank's buffer private makes
+/// every rank run the tuner's other choice.
+fn mapped_all_reduce(n: usize) {
+    use half::bf16;
+    use oxccl_comm::ReduceOp;
+    let cfg = config("all-reduce=mapped", TransportChoice::Shm);
+    for r in spawn_world(n, cfg, |c| {
+        for (pass, count) in [0usize, 1, 7, 100_003].into_iter().enumerate() {
+            all_reduce_case::<f32>(&c, count, ReduceOp::Sum, pass, true)?;
+            all_reduce_case::<i64>(&c, count, ReduceOp::Max, pass, true)?;
+            all_reduce_case::<bf16>(&c, count, ReduceOp::Sum, pass, true)?;
+            all_reduce_case::<f64>(&c, count, ReduceOp::Avg, pass, true)?;
+            all_reduce_case::<f32>(&c, count, ReduceOp::premul_sum(0.5), pass, true)?;
+        }
+        // One rank's buffer private: every rank falls back, and nothing is divided twice.
+        let (n, me) = (c.size(), c.rank());
+        for count in [5usize, 70_001] {
+            let before = landed(&c);
+            let mine: Vec<f64> = (0..count).map(|i| val(me, i, 9)).collect();
+            let want: Vec<f64> = (0..count)
+                .map(|i| (0..n).map(|r| val::<f64>(r, i, 9)).sum::<f64>() / n as f64)
+                .collect();
+            if me == 0 {
+                let mut buf = mine.clone();
+                c.all_reduce(&mut buf, ReduceOp::Avg)?;
+                assert_eq!(buf, want, "private buffer, {count}");
+            } else {
+                let mut buf = Registered::new(mine.clone())?;
+                c.all_reduce(&mut buf, ReduceOp::Avg)?;
+                assert_eq!(&buf[..], &want[..], "registered buffer, {count}");
+            }
+            assert_eq!(landed(&c), before, "the other choice ran");
+        }
+        Ok(())
+    }) {
+        r.unwrap();
+    }
+}
+
+#[test]
+fn mapped_all_reduce_2() {
+    mapped_all_reduce(2);
+}
+
+#[test]
+fn mapped_all_reduce_3() {
+    mapped_all_reduce(3);
+}
+
+#[test]
+fn mapped_all_reduce_5() {
+    mapped_all_reduce(5);
+}
+
+/// Without an override the tuner maps all-reduces from `MAPPED_AR_MIN` on, in place and out of
+/// place; below it the usual choice runs.
+#[test]
+fn the_tuner_maps_large_registered_all_reduces() {
+    use oxccl_comm::internal::tuning::MAPPED_AR_MIN;
+    use oxccl_comm::ReduceOp;
+    for n in [2, 4] {
+        for r in spawn_world(n, config("", TransportChoice::Shm), |c| {
+            all_reduce_case::<f32>(&c, MAPPED_AR_MIN / 4, ReduceOp::Sum, 1, true)?;
+            all_reduce_case::<f32>(&c, MAPPED_AR_MIN / 4 - 1, ReduceOp::Sum, 2, false)
+        }) {
+            r.unwrap();
+        }
+    }
+}

@@ -115,7 +115,7 @@ impl Ctx<'_> {
                 }
                 .filter(|t| t.seq == tag.seq && is_coll(t))
                 // A peer that published this operation in the window too has left it for the
-                // slots, as this rank will (the mapped all-gather's fallback), not the reverse.
+                // slots, as this rank will (a mapped algorithm's fallback), not the reverse.
                 .filter(|_| !(0..2).any(|h| w.peer_tag(p, h).is_some_and(|t| t.seq == tag.seq)))
                 .map(|t| (t, "runs a slot-based algorithm"))
             } else {

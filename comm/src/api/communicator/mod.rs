@@ -54,8 +54,8 @@ pub struct Stats {
     /// Bytes peers wrote straight into this rank's [`crate::Registered`] buffers so far (RDMA's
     /// rendezvous: a message received into a registered buffer is offered to its sender, which
     /// writes it there instead of into a slot it would be copied out of; and the `mapped`
-    /// all-gather over shared memory, whose ranks write into each other's outputs); 0 without
-    /// such a transport.
+    /// all-gather and all-reduce over shared memory, whose ranks write into each other's
+    /// buffers); 0 without such a transport.
     pub registered_recv_bytes: u64,
     /// How device collectives run: `Some("cuda_ipc")`, `Some("staged")` (through pinned host
     /// memory), or `None` before the first one decided it.

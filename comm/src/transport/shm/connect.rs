@@ -132,7 +132,7 @@ impl Transport for ShmTransport {
                 tracing::info!(
                     rank,
                     peer = p,
-                    "cannot map this peer's registered buffers: no mapped all-gather"
+                    "cannot map this peer's registered buffers: no mapped algorithms"
                 );
                 can_map_all = false;
             }
