@@ -365,10 +365,19 @@ pub const MAPPED_MIN: usize = 64 << 10;
 /// place and in place with private outputs; 1 MiB 1.02x and 1.00x; 64 MiB 1.04x and 1.10x).
 pub const MAPPED_SURE: usize = 256 << 10;
 /// The `mapped` all-reduce (in place, or out of place through a copy into the output) from this
-/// many bytes on, where every rank can map every other's registered buffers.
+/// many bytes on, where every rank can map every other's registered buffers. Registered, 2
+/// ranks, against the tuner's other choice (the ring) on plain buffers in the same run (7
+/// interleaved rounds, `REGISTER=1 scripts/side_by_side.sh`): 1 MiB 1.26x the busbw out of
+/// place, 2.27x in place; 64 MiB 1.10x and 1.47x.
 pub const MAPPED_AR_MIN: usize = 256 << 10;
-/// All-gathers between [`MAPPED_MIN`] and [`MAPPED_SURE`] that skip the mapped path after a try
-/// found an output that was not registered (the same on every rank); then one tries again.
+/// All-reduces of this many bytes or more try the mapped path every time; below, as for the
+/// all-gather ([`MAPPED_RETRY`]). With private buffers against the build before it (5
+/// interleaved rounds): 256 KiB 1.00x the busbw out of place, 0.93x in place (the try, about a
+/// microsecond); 1 MiB 0.99x and 1.00x; 64 MiB 0.99x and 1.00x.
+pub const MAPPED_AR_SURE: usize = 1 << 20;
+/// All-gathers between [`MAPPED_MIN`] and [`MAPPED_SURE`] (all-reduces between
+/// [`MAPPED_AR_MIN`] and [`MAPPED_AR_SURE`]) that skip the mapped path after a try found a buffer
+/// that was not registered (the same on every rank); then one tries again.
 pub const MAPPED_RETRY: u32 = 64;
 
 /// Ring and hierarchical block per rank, where every rank reaches every other through shared

@@ -154,30 +154,42 @@ pub(crate) fn exec<R>(
         ctx.trace = Some(&shared.trace);
         let r = body(&mut ctx, choice)?;
         ctx.flush()?;
-        if choice.algo == Algorithm::Mapped
-            && desc.coll == Collective::AllGather
-            && full < tuning::MAPPED_SURE
-        {
-            // Every rank saw the same records: all skip the same calls.
-            st.mapped_skip = if ctx.left_window() {
-                tuning::MAPPED_RETRY
-            } else {
-                0
-            };
+        if let Some((i, _, sure)) = mapped_range(desc.coll) {
+            if choice.algo == Algorithm::Mapped && full < sure {
+                // Every rank saw the same records: all skip the same calls.
+                st.mapped_skip[i] = if ctx.left_window() {
+                    tuning::MAPPED_RETRY
+                } else {
+                    0
+                };
+            }
         }
         Ok(r)
     })
 }
 
-/// Whether an all-gather of `full` output bytes may try the mapped path: always from
-/// [`tuning::MAPPED_SURE`] on; below, not while `skip` calls remain after a try that fell back
-/// (each call the tuner would have tried counts one down).
-fn try_mapped(skip: &mut u32, desc: OpDesc, full: usize) -> bool {
-    if desc.coll != Collective::AllGather || full >= tuning::MAPPED_SURE || *skip == 0 {
+/// The mapped algorithm's skip counter of `coll` ([`ExecState::mapped_skip`]), the size it
+/// starts at, and the size from which it tries every time; `None` for collectives without one.
+fn mapped_range(coll: Collective) -> Option<(usize, usize, usize)> {
+    match coll {
+        Collective::AllGather => Some((0, tuning::MAPPED_MIN, tuning::MAPPED_SURE)),
+        Collective::AllReduce => Some((1, tuning::MAPPED_AR_MIN, tuning::MAPPED_AR_SURE)),
+        _ => None,
+    }
+}
+
+/// Whether a collective of `full` bytes may try the mapped path: always from its sure size on
+/// ([`mapped_range`]); below, not while skips remain after a try that fell back (each call the
+/// tuner would have tried counts one down).
+fn try_mapped(skip: &mut [u32; 2], desc: OpDesc, full: usize) -> bool {
+    let Some((i, min, sure)) = mapped_range(desc.coll) else {
+        return true;
+    };
+    if full >= sure || skip[i] == 0 {
         return true;
     }
-    if full >= tuning::MAPPED_MIN {
-        *skip -= 1;
+    if full >= min {
+        skip[i] -= 1;
     }
     false
 }

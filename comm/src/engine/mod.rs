@@ -84,10 +84,10 @@ pub(crate) struct ExecState {
     /// training loop repeats its calls, and the tuner's cost model takes hundreds of
     /// instructions (its overrides and thresholds are the communicator's, fixed).
     pub last_choice: Option<(Collective, usize, tuning::Caps, tuning::Choice)>,
-    /// Small all-gathers to run without trying the mapped path, since the last try found an
-    /// output that was not registered (see `tuning::MAPPED_RETRY`); the same on every rank,
-    /// which all see the same outcome of every try.
-    pub mapped_skip: u32,
+    /// Small all-gathers (`[0]`) and all-reduces (`[1]`) to run without trying the mapped path,
+    /// since the last try found a buffer that was not registered (see `tuning::MAPPED_RETRY`);
+    /// the same on every rank, which all see the same outcome of every try.
+    pub mapped_skip: [u32; 2],
 }
 
 /// The line of turns: tickets are taken and turns passed on without a lock; a thread whose
@@ -204,7 +204,7 @@ impl Shared {
                 broken: None,
                 current: None,
                 last_choice: None,
-                mapped_skip: 0,
+                mapped_skip: [0; 2],
             }),
             stalls: Stalls::new(Arc::clone(&store), comm_id, rank, size, cfg.timeout),
             trace: Recorder::new(

@@ -381,3 +381,44 @@ fn the_tuner_maps_large_registered_all_reduces() {
         }
     }
 }
+
+/// All-reduces below `MAPPED_AR_SURE` skip the try for `MAPPED_RETRY` calls after one fell back,
+/// as all-gathers do below theirs; the two count apart.
+#[test]
+fn small_all_reduces_skip_the_mapped_try_for_a_while_after_one_fell_back() {
+    use oxccl_comm::internal::tuning::{MAPPED_AR_MIN, MAPPED_RETRY};
+    use oxccl_comm::ReduceOp;
+    for r in spawn_world(2, config("", TransportChoice::Shm), |c| {
+        let count = MAPPED_AR_MIN / 4; // f32
+        let mut reg = Registered::new(vec![1.0f32; count])?;
+        let before = landed(&c);
+        if c.rank() == 1 {
+            c.all_reduce(&mut vec![1.0f32; count], ReduceOp::Sum)?; // the try falls back
+        } else {
+            c.all_reduce(&mut reg, ReduceOp::Sum)?;
+        }
+        for _ in 0..MAPPED_RETRY {
+            reg.fill(1.0);
+            c.all_reduce(&mut reg, ReduceOp::Sum)?;
+            assert!(reg.iter().all(|&x| x == 2.0));
+        }
+        assert_eq!(landed(&c), before, "skipped without a try");
+        // The all-gather's counter is its own: it tries at once.
+        let big = oxccl_comm::internal::tuning::MAPPED_MIN / 8;
+        let mut out = Registered::<i32>::zeroed(2 * big)?;
+        c.all_gather_into(&block(c.rank(), big, 11), &mut out)?;
+        assert_eq!(
+            landed(&c) - before,
+            (big * 4) as u64,
+            "all-gathers still map"
+        );
+        let before = landed(&c);
+        reg.fill(1.0);
+        c.all_reduce(&mut reg, ReduceOp::Sum)?;
+        assert!(reg.iter().all(|&x| x == 2.0));
+        assert!(landed(&c) > before, "then the all-reduce tries again");
+        Ok(())
+    }) {
+        r.unwrap();
+    }
+}
