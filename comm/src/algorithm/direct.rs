@@ -38,7 +38,7 @@ use crate::transport::INLINE_WORDS;
 /// Bytes read from a peer per `process_vm_readv` before they are reduced (fits in L2).
 pub(crate) const BLOCK: usize = 256 << 10;
 
-fn kerr(rank: usize, op: &str, e: KernelError) -> Error {
+pub(crate) fn kerr(rank: usize, op: &str, e: KernelError) -> Error {
     Error::InvalidArgument {
         rank,
         op: op.into(),
@@ -60,7 +60,7 @@ fn piece_bytes(ctx: &mut Ctx<'_>, es: usize) -> Result<usize> {
 }
 
 /// Byte range of piece `i` of `n` of a buffer of `len` bytes of `es`-byte elements.
-fn piece(len: usize, es: usize, n: usize, i: usize) -> Range<usize> {
+pub(crate) fn piece(len: usize, es: usize, n: usize, i: usize) -> Range<usize> {
     let r = partition(len / es, n, i);
     r.start * es..r.end * es
 }

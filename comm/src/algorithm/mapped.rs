@@ -24,8 +24,9 @@
 
 use oxccl_kernels::{reduce_bytes, reduce_into_bytes, DType, ReduceOp};
 
+use crate::algorithm::blocks;
+use crate::algorithm::direct::{kerr, piece};
 use crate::algorithm::prims::{copy, Ctx};
-use crate::algorithm::{blocks, partition};
 use crate::base::error::{Error, Result};
 use crate::base::tuning::STREAM_MIN;
 use crate::transport::registry::Registry;
@@ -138,7 +139,7 @@ pub(crate) fn all_gather(ctx: &mut Ctx<'_>, buf: &mut [u8], own: Option<&[u8]>) 
         if let Some(src) = own {
             copy(stream, &mut buf[at..at + len], &src[start..start + len]);
         }
-        let piece: &[u8] = match own {
+        let part: &[u8] = match own {
             Some(src) => &src[start..start + len],
             None => &buf[at..at + len],
         };
@@ -149,7 +150,7 @@ pub(crate) fn all_gather(ctx: &mut Ctx<'_>, buf: &mut [u8], own: Option<&[u8]>) 
             // SAFETY: `at..at + len` lies in `p`'s block `me` of its output, which only this
             // rank writes during the epoch and `p` neither reads nor writes until it has seen
             // this rank's last step.
-            copy(stream, unsafe { o.peer(p, at, len) }, piece);
+            copy(stream, unsafe { o.peer(p, at, len) }, part);
         }
     }
     step(ctx, &o, 2)?;
@@ -174,11 +175,7 @@ pub(crate) fn all_reduce(
     let Some(mut o) = open(ctx, buf, true)? else {
         return Ok(false);
     };
-    let piece = |j: usize| {
-        let r = partition(buf.len() / es, n, j);
-        r.start * es..r.end * es
-    };
-    let mine = piece(me);
+    let mine = piece(buf.len(), es, n, me);
     let stream = buf.len() >= STREAM_MIN;
     if let Some(s) = src {
         // Every piece but this rank's, which it reads from `src` as it reduces.
@@ -186,11 +183,6 @@ pub(crate) fn all_reduce(
         copy(stream, &mut buf[mine.end..], &s[mine.end..]);
     }
     step(ctx, &o, 2)?;
-    let kerr = |e: oxccl_kernels::KernelError| Error::InvalidArgument {
-        rank: me,
-        op: name.into(),
-        msg: e.to_string(),
-    };
     for (start, len) in blocks(mine.len(), PIECE) {
         let at = mine.start + start;
         for k in 1..n {
@@ -203,7 +195,7 @@ pub(crate) fn all_reduce(
                 Some(s) if k == 1 => reduce_into_bytes(dt, op, out, &s[at..at + len], theirs),
                 _ => reduce_bytes(dt, op, out, theirs),
             }
-            .map_err(kerr)?;
+            .map_err(|e| kerr(me, name, e))?;
         }
         for k in 1..n {
             let p = (me + k) % n;

@@ -599,6 +599,44 @@ mod tests {
     }
 
     #[test]
+    fn mapped_runs_from_its_thresholds_and_falls_back_to_the_usual_choice() {
+        let none = AlgoOverride::default();
+        let caps = Caps {
+            staging: 1 << 20,
+            mapped: true,
+            ..Caps::default()
+        };
+        for (coll, min) in [
+            (Collective::AllGather, MAPPED_MIN),
+            (Collective::AllReduce, MAPPED_AR_MIN),
+        ] {
+            for n in [2, 3, 8] {
+                let c = choose(coll, min, n, &none, caps);
+                assert_eq!(c.algo, Algorithm::Mapped, "{coll} n={n}");
+                let plain = Caps {
+                    mapped: false,
+                    ..caps
+                };
+                assert_eq!(c.fallback, choose(coll, min, n, &none, plain).algo);
+                assert_ne!(c.fallback, Algorithm::Mapped);
+                assert_ne!(
+                    choose(coll, min - 8, n, &none, caps).algo,
+                    Algorithm::Mapped
+                );
+            }
+        }
+        let forced = AlgoOverride::parse("mapped").unwrap();
+        let c = choose(Collective::AllGather, 8, 2, &forced, Caps::default());
+        assert_eq!((c.algo, c.fallback), (Algorithm::Mapped, Algorithm::Ring));
+        let c = choose(Collective::Broadcast, 64 << 20, 2, &forced, caps);
+        assert_ne!(
+            c.algo,
+            Algorithm::Mapped,
+            "broadcast has no mapped algorithm"
+        );
+    }
+
+    #[test]
     fn two_ranks_broadcast_large_buffers_on_the_chain() {
         let none = AlgoOverride::default();
         let pick = |bytes| choose(Collective::Broadcast, bytes, 2, &none, Caps::default()).algo;

@@ -390,7 +390,7 @@ pub(crate) fn all_gather_body(
         Algorithm::Hierarchical => hierarchical::all_gather(ctx, buf, es, ch.chunk_bytes, own),
         Algorithm::SingleCopy => single_copy::all_gather(ctx, buf, own),
         Algorithm::Mapped => {
-            if mapped::all_gather(ctx, buf, own)? || ch.fallback == Algorithm::Mapped {
+            if mapped::all_gather(ctx, buf, own)? {
                 return Ok(());
             }
             let other = Choice {
